@@ -1,0 +1,373 @@
+"""Typed configuration: llama-cookbook's train_config names, YAML recipes, CLI overrides.
+
+Every field has a ``help`` string in its metadata; ``shardtune sft --help`` is generated from it.
+Nested configs (datasets, FSDP, PEFT) are reached with dotted flags: ``--samsum_dataset.data_path X``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error: one line naming the value and the fix."""
+
+
+def _f(default: Any, help: str, **kwargs: Any) -> Any:
+    if isinstance(default, (list, dict)) or is_dataclass(default):
+        return field(default_factory=lambda d=default: copy.deepcopy(d), metadata={"help": help, **kwargs})
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+DATASETS = ("synthetic_dialogues", "samsum_dataset", "alpaca_dataset", "custom_dataset")
+BATCHING_STRATEGIES = ("packing", "padding")
+LR_SCHEDULERS = ("step", "cosine")
+
+
+@dataclass
+class SyntheticDialoguesConfig:
+    num_train: int = _f(4000, "number of generated training dialogues")
+    num_validation: int = _f(200, "number of generated validation dialogues")
+    seed: int = _f(1234, "seed of the dialogue generator (independent of the training seed)")
+
+
+@dataclass
+class SamsumDatasetConfig:
+    data_path: str = _f("", "local file or folder (JSON, JSONL, CSV, Parquet with fields dialogue, summary); "
+                            "empty: the hub dataset named by hub_name")
+    hub_name: str = _f("knkarthick/samsum", "hub dataset used when data_path is empty")
+    train_split: str = _f("train", "split used for training")
+    test_split: str = _f("validation", "split used for evaluation")
+    validation_fraction: float = _f(0.0, "if > 0 and no validation file exists, hold out this fraction of the "
+                                         "training rows (deterministic from the seed)")
+
+
+@dataclass
+class AlpacaDatasetConfig:
+    data_path: str = _f("", "JSON / JSONL file of {instruction, input, output} rows")
+    validation_fraction: float = _f(0.05, "fraction of rows held out for evaluation")
+
+
+@dataclass
+class CustomDatasetConfig:
+    file: str = _f("", "path.py[:function]; the function takes (dataset_config, tokenizer, split) and returns "
+                       "rows of input_ids / labels (and optionally attention_mask); default function: "
+                       "get_custom_dataset")
+    train_split: str = _f("train", "split name passed for training")
+    test_split: str = _f("validation", "split name passed for evaluation")
+    data_path: str = _f("", "free path your function may read (dataset_config.data_path)")
+
+
+@dataclass
+class TrainConfig:
+    model_name: str = _f("", "local Hugging Face directory, hub id, or preset:NAME (tiny, demo); empty: the demo "
+                             "preset, built once and cached")
+    tokenizer_name: str = _f("", "tokenizer directory or hub id; empty: same as model_name")
+    dataset: str = _f("synthetic_dialogues", "one of: " + ", ".join(DATASETS), choices=DATASETS)
+    batch_size_training: int = _f(4, "micro-batch size per device (TRL: per_device_train_batch_size)")
+    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step; effective batch = "
+                                             "batch_size_training x processes x gradient_accumulation_steps")
+    num_epochs: int = _f(1, "passes over the training data")
+    max_train_step: int = _f(0, "stop after this many OPTIMIZER steps (llama-cookbook counts micro-batches); 0: no limit")
+    max_eval_step: int = _f(0, "evaluate on at most this many eval batches per rank; 0: all")
+    lr: float = _f(1e-4, "peak learning rate (AdamW)")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    gamma: float = _f(0.85, "StepLR decay applied once per epoch (lr_scheduler=step)")
+    lr_scheduler: str = _f("step", "step (llama-cookbook: x gamma per epoch) or cosine (with warmup_steps)",
+                           choices=LR_SCHEDULERS)
+    warmup_steps: int = _f(0, "linear warm-up optimizer steps (lr_scheduler=cosine)")
+    seed: int = _f(42, "seed of model init, data order and dropout")
+    context_length: int = _f(1024, "tokens per packed block / longest example kept")
+    batching_strategy: str = _f("packing", "packing (blocks of context_length, no attention across examples) or "
+                                           "padding (length-grouped, padded to the longest in the batch)",
+                                choices=BATCHING_STRATEGIES)
+    val_batch_size: int = _f(1, "eval micro-batch size per device")
+    run_validation: bool = _f(True, "evaluate at the end of each epoch")
+    output_dir: str = _f("output", "where the model, config.yaml and metrics.jsonl are written")
+    save_model: bool = _f(True, "write the final model (or adapter) to output_dir")
+    save_metrics: bool = _f(True, "write metrics.jsonl to output_dir")
+    use_fp16: bool = _f(False, "fp16 autocast with a gradient scaler (GPU)")
+    mixed_precision: bool = _f(True, "bf16 compute where the device supports it fast (CUDA); fp32 on CPU")
+    gradient_clipping: bool = _f(False, "clip the global gradient norm")
+    gradient_clipping_threshold: float = _f(1.0, "max global gradient norm when gradient_clipping")
+    num_workers_dataloader: int = _f(1, "data loader worker processes per rank (0: in the training process)")
+    strict_data: bool = _f(False, "fail on the first bad data row (naming file and row) instead of skipping it")
+    debug: bool = _f(False, "print tracebacks with errors")
+
+    synthetic_dialogues: SyntheticDialoguesConfig = _f(SyntheticDialoguesConfig(), "embedded dialogue data")
+    samsum_dataset: SamsumDatasetConfig = _f(SamsumDatasetConfig(), "SAMSum-format data")
+    alpaca_dataset: AlpacaDatasetConfig = _f(AlpacaDatasetConfig(), "alpaca-format data")
+    custom_dataset: CustomDatasetConfig = _f(CustomDatasetConfig(), "your own dataset function")
+
+    @property
+    def dataset_config(self) -> Any:
+        return getattr(self, self.dataset)
+
+
+# TRL / HF Trainer spellings accepted as aliases of ours.
+ALIASES = {
+    "per_device_train_batch_size": "batch_size_training",
+    "per_device_eval_batch_size": "val_batch_size",
+    "learning_rate": "lr",
+    "num_train_epochs": "num_epochs",
+    "max_steps": "max_train_step",
+    "max_grad_norm": "gradient_clipping_threshold",
+    "max_seq_length": "context_length",
+    "max_length": "context_length",
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Flat view of the (nested) dataclass tree: "samsum_dataset.data_path" -> (owner type, field)
+
+
+def flat_fields(cls: type = TrainConfig, prefix: str = "") -> dict[str, tuple[type, dataclasses.Field]]:
+    out: dict[str, tuple[type, dataclasses.Field]] = {}
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        typ = hints[f.name]
+        if is_dataclass(typ):
+            out.update(flat_fields(typ, prefix + f.name + "."))
+        else:
+            out[prefix + f.name] = (typ, f)
+    return out
+
+
+def _parse_value(key: str, typ: type, raw: Any) -> Any:
+    if isinstance(raw, str):
+        text = raw.strip()
+        if typ is bool:
+            low = text.lower()
+            if low in ("true", "1", "yes", "on"):
+                return True
+            if low in ("false", "0", "no", "off"):
+                return False
+            raise ConfigError(f"--{key} {raw!r} is not a boolean: use true or false")
+        if typ is int:
+            try:
+                return int(text)
+            except ValueError:
+                raise ConfigError(f"--{key} {raw!r} is not an integer: pass a whole number") from None
+        if typ is float:
+            try:
+                return float(text)
+            except ValueError:
+                raise ConfigError(f"--{key} {raw!r} is not a number: pass e.g. 1e-4") from None
+        if typ == list[str]:
+            return [p.strip() for p in text.split(",") if p.strip()]
+        return raw
+    # values from YAML keep their type, checked here
+    if typ is bool and not isinstance(raw, bool):
+        raise ConfigError(f"{key}: {raw!r} is not a boolean: use true or false")
+    if typ is int and (isinstance(raw, bool) or not isinstance(raw, int)):
+        raise ConfigError(f"{key}: {raw!r} is not an integer: pass a whole number")
+    if typ is float:
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+            raise ConfigError(f"{key}: {raw!r} is not a number: pass e.g. 1e-4")
+        return float(raw)
+    if typ is str and not isinstance(raw, str):
+        return str(raw)
+    if typ == list[str]:
+        if isinstance(raw, list):
+            return [str(x) for x in raw]
+        raise ConfigError(f"{key}: {raw!r} is not a list: pass a YAML list or a comma-separated string")
+    return raw
+
+
+def resolve_key(key: str) -> str:
+    """Map a flag name (maybe an alias or a short spelling of a nested field) to its canonical dotted name."""
+    known = flat_fields()
+    key = key.replace("-", "_") if "." not in key else key
+    if key in known:
+        return key
+    if key in ALIASES:
+        return ALIASES[key]
+    # short spellings of nested fields, as llama-cookbook accepts them (--pure_bf16 -> fsdp_config.pure_bf16)
+    for owner in SHORT_SPELLING_OWNERS:
+        if f"{owner}.{key}" in known:
+            return f"{owner}.{key}"
+    candidates = list(known) + list(ALIASES)
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    hint = f"did you mean --{close[0]}?" if close else "see shardtune sft --help"
+    raise ConfigError(f"unknown flag --{key}: {hint}")
+
+
+# Nested configs whose fields may also be given without their prefix (llama-cookbook spells --pure_bf16).
+SHORT_SPELLING_OWNERS: list[str] = []
+
+
+def set_value(cfg: TrainConfig, key: str, raw: Any) -> None:
+    key = resolve_key(key)
+    typ, _ = flat_fields()[key]
+    value = _parse_value(key, typ, raw)
+    *owners, name = key.split(".")
+    target: Any = cfg
+    for owner in owners:
+        target = getattr(target, owner)
+    setattr(target, name, value)
+
+
+def _flatten_yaml(data: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, dict):
+            out.update(_flatten_yaml(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file: pass the path of a YAML recipe (see recipes/)")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]}): fix the file") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: the top level must be a mapping of flag names to values")
+    return _flatten_yaml(data)
+
+
+def parse_args(argv: list[str]) -> TrainConfig:
+    """Parse ``--config FILE`` plus ``--key value`` / ``--key=value`` / bare ``--flag`` (true) overrides."""
+    pairs: list[tuple[str, Any]] = []
+    i = 0
+    config_path = None
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"unexpected argument {arg!r}: flags look like --name value")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is None or nxt.startswith("--"):
+                value = None
+            else:
+                value = nxt
+                i += 1
+        i += 1
+        if name == "config":
+            if value is None:
+                raise ConfigError("--config needs a path: --config recipes/demo.yaml")
+            config_path = value
+            continue
+        pairs.append((name, value))
+    cfg = TrainConfig()
+    if config_path:
+        for key, value in load_yaml(config_path).items():
+            set_value(cfg, key, value)
+    for name, value in pairs:
+        key = resolve_key(name)
+        typ, _ = flat_fields()[key]
+        if value is None:
+            if typ is not bool:
+                raise ConfigError(f"--{name} needs a value")
+            value = "true"
+        set_value(cfg, key, value)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def from_dict(data: dict[str, Any]) -> TrainConfig:
+    cfg = TrainConfig()
+    for key, value in _flatten_yaml(data).items():
+        set_value(cfg, key, value)
+    return cfg
+
+
+def help_text() -> str:
+    lines = ["usage: shardtune sft [--config recipe.yaml] [--flag value ...] [torchrun flags]", "", "training flags:"]
+    for key, (typ, f) in flat_fields().items():
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        tname = getattr(typ, "__name__", str(typ))
+        lines.append(f"  --{key} {tname.upper()}  (default: {default!r})")
+        lines.append(f"      {f.metadata.get('help', '')}")
+    lines.append("")
+    lines.append("aliases: " + ", ".join(f"--{a} = --{c}" for a, c in ALIASES.items()))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation: one pass, before any process group exists.
+
+VALIDATORS: list = []
+
+
+def validator(fn):
+    """Register a validation function ``fn(cfg, world_size)``; later modules (FSDP, PEFT) add their own."""
+    VALIDATORS.append(fn)
+    return fn
+
+
+@validator
+def _check_core(cfg: TrainConfig, world_size: int) -> None:
+    for name in ("batch_size_training", "gradient_accumulation_steps", "num_epochs", "context_length",
+                 "val_batch_size"):
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"--{name} {getattr(cfg, name)} must be positive: pass a value >= 1")
+    for name in ("max_train_step", "max_eval_step", "num_workers_dataloader", "warmup_steps"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name} {getattr(cfg, name)} must be >= 0 (0 means no limit / none)")
+    if cfg.lr <= 0:
+        raise ConfigError(f"--lr {cfg.lr} must be positive: pass e.g. 1e-4")
+    if cfg.weight_decay < 0:
+        raise ConfigError(f"--weight_decay {cfg.weight_decay} must be >= 0")
+    if not 0 < cfg.gamma <= 1:
+        raise ConfigError(f"--gamma {cfg.gamma} must be in (0, 1]: it multiplies the lr once per epoch")
+    if cfg.gradient_clipping and cfg.gradient_clipping_threshold <= 0:
+        raise ConfigError(f"--gradient_clipping_threshold {cfg.gradient_clipping_threshold} must be positive")
+    for key, (typ, f) in flat_fields().items():
+        choices = f.metadata.get("choices")
+        if choices:
+            *owners, name = key.split(".")
+            target: Any = cfg
+            for o in owners:
+                target = getattr(target, o)
+            value = getattr(target, name)
+            if value not in choices:
+                close = difflib.get_close_matches(str(value), choices, n=1)
+                hint = f"did you mean {close[0]}?" if close else "choose one of " + ", ".join(choices)
+                raise ConfigError(f"--{key} {value!r} is not valid: {hint}")
+    for frac_key in ("samsum_dataset.validation_fraction", "alpaca_dataset.validation_fraction"):
+        owner, name = frac_key.split(".")
+        frac = getattr(getattr(cfg, owner), name)
+        if not 0 <= frac < 1:
+            raise ConfigError(f"--{frac_key} {frac} must be in [0, 1)")
+    _check_output_dir(cfg.output_dir)
+
+
+def _check_output_dir(output_dir: str) -> None:
+    if not output_dir:
+        raise ConfigError("--output_dir is empty: pass a directory to write the model and metrics to")
+    p = Path(output_dir).resolve()
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"--output_dir {output_dir} is a file: pass a directory path")
+    probe_dir = p
+    while not probe_dir.exists():
+        probe_dir = probe_dir.parent
+    if not os.access(probe_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"--output_dir {output_dir} is not writable ({probe_dir} denies writes): "
+                          "pass a directory you can write to")
+
+
+def validate(cfg: TrainConfig, world_size: int) -> None:
+    """Check every setting (and combination) that can be checked without a process group."""
+    for fn in VALIDATORS:
+        fn(cfg, world_size)
