@@ -371,3 +371,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     """Check every setting (and combination) that can be checked without a process group."""
     for fn in VALIDATORS:
         fn(cfg, world_size)
+
+
+def effective_batch_size(cfg: TrainConfig, world_size: int) -> int:
+    """Examples (or packed blocks) per optimizer step: per-device batch x devices x accumulation steps."""
+    return cfg.batch_size_training * world_size * cfg.gradient_accumulation_steps

@@ -1,0 +1,13 @@
+"""Parallel strategies, all with the face of :class:`shardtune.parallel.base.Strategy`."""
+
+from __future__ import annotations
+
+from shardtune.config import TrainConfig
+from shardtune.distributed import DistEnv
+from shardtune.parallel.base import Strategy
+
+
+def make_strategy(cfg: TrainConfig, env: DistEnv) -> Strategy:
+    from shardtune.parallel.ddp import DDPStrategy
+
+    return DDPStrategy(cfg, env)

@@ -1,0 +1,50 @@
+"""The ``shardtune`` command: subcommands only, no training logic here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+SUBCOMMANDS = {
+    "sft": "fine-tune a model (launches torchrun; see shardtune sft --help)",
+    "init-model": "write a small random-init Llama preset with its tokenizer as a Hugging Face directory",
+}
+
+
+def init_model_main(argv: list[str]) -> int:
+    from shardtune.models import PRESETS, init_model
+
+    parser = argparse.ArgumentParser(prog="shardtune init-model", description=SUBCOMMANDS["init-model"])
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size preset")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
+    parser.add_argument("out_dir", help="directory to create (must not exist or be empty)")
+    args = parser.parse_args(argv)
+    try:
+        path = init_model(args.preset, args.out_dir, seed=args.seed)
+    except ValueError as e:
+        print(f"shardtune: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote preset {args.preset!r} to {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: shardtune {" + ",".join(SUBCOMMANDS) + "} ...\n")
+        for name, text in SUBCOMMANDS.items():
+            print(f"  {name:<12} {text}")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "sft":
+        from shardtune.sft import main as sft_main
+
+        return sft_main(rest)
+    if command == "init-model":
+        return init_model_main(rest)
+    print(f"shardtune: error: unknown command {command!r}: choose one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Process group, device and rank-0 helpers. Same code for nccl on GPUs and gloo on CPU."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+WORKER_ENV_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+
+def is_torchrun_worker() -> bool:
+    """True inside a process started by torchrun / torch.distributed.run."""
+    return all(v in os.environ for v in WORKER_ENV_VARS)
+
+
+def local_gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def init_distributed(timeout_s: float = 1800.0) -> DistEnv:
+    """Join the process group torchrun prepared: nccl with one GPU per process, else gloo on CPU."""
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    return DistEnv(rank, local_rank, world_size, local_world_size, device, backend)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: model init and dropout masks must not depend on the rank."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def print0(*args, **kwargs) -> None:
+    """Print on global rank 0 only (rank 0 talks; the others stay quiet unless something is wrong)."""
+    if get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def warn0(message: str) -> None:
+    if get_rank() == 0:
+        print(f"shardtune: warning: {message}", file=sys.stderr, flush=True)
+
+
+def all_reduce_sum(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Sum a small tensor over all ranks (float64 on the wire so token counts and loss sums stay exact)."""
+    t = values.detach().to(device=device, dtype=torch.float64).clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.cpu()
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

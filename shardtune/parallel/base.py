@@ -1,0 +1,95 @@
+"""The one face every parallel strategy shows the training loop (DESIGN principle 1).
+
+The loop never asks which strategy it runs: it wraps the model, runs each micro-batch under
+``accumulating`` (no gradient sync) except the last, calls ``backward``, ``clip_grad_norm`` and
+``optimizer_step``, and asks for the full state dict when the model is saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from typing import ContextManager
+
+import torch
+from torch import nn
+
+from shardtune.config import TrainConfig
+from shardtune.distributed import DistEnv
+
+
+class Strategy(ABC):
+    name = "base"
+
+    def __init__(self, cfg: TrainConfig, env: DistEnv):
+        self.cfg = cfg
+        self.env = env
+        self.compute_dtype = resolve_compute_dtype(cfg, env.device)
+        self.scaler = None
+
+    # -- the face ------------------------------------------------------------------------------------------------
+    @abstractmethod
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Move / shard the model onto the device(s) and return what the loop calls forward on."""
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    @property
+    def grad_average_size(self) -> int:
+        """How many ranks' gradients the strategy averages; the loss is multiplied by it to undo the mean."""
+        return self.env.world_size
+
+    def accumulating(self, model: nn.Module) -> ContextManager:
+        """Context for non-final micro-batches of an optimizer step: skip the gradient reduction."""
+        return contextlib.nullcontext()
+
+    def autocast(self) -> ContextManager:
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.env.device.type, dtype=self.compute_dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+        """Clip to max_norm and return the global gradient norm (before clipping)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(norm)
+
+    def grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
+        return self.clip_grad_norm(model, optimizer, float("inf"))
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    @abstractmethod
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict on CPU, on global rank 0 only (None elsewhere)."""
+
+    def describe(self) -> str:
+        return f"{self.name}, world size {self.env.world_size}, compute dtype {dtype_name(self.compute_dtype)}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    """fp16 when asked; bf16 autocast on GPUs that support it; fp32 on CPU, where bf16 matmuls are ~400x slower."""
+    if cfg.use_fp16:
+        return torch.float16
+    if cfg.mixed_precision and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32

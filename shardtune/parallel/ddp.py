@@ -1,0 +1,35 @@
+"""Plain data parallel: every rank holds the whole model; gradients are all-reduced (averaged)."""
+
+from __future__ import annotations
+
+from typing import ContextManager
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from shardtune.parallel.base import Strategy
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        model.to(self.env.device)
+        if self.compute_dtype == torch.float16:
+            self.scaler = torch.amp.GradScaler(self.env.device.type)
+        device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
+        # broadcast_buffers=False: the rotary inv_freq buffer is identical on every rank, and a buffer broadcast
+        # in forward would make eval passes collectives that every rank must join.
+        return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def accumulating(self, model: nn.Module) -> ContextManager:
+        return model.no_sync()
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        if self.env.rank != 0:
+            return None
+        return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}

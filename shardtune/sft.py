@@ -1,0 +1,141 @@
+"""``shardtune sft``: supervised fine-tuning. Launches itself through torchrun, or runs in place as a worker.
+
+    shardtune sft --nproc_per_node 4 --dataset samsum_dataset ...       # launches 4 processes
+    torchrun --nproc_per_node 4 -m shardtune.sft --dataset ...           # the same, torchrun by hand
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from shardtune import data
+from shardtune.checkpoint import save_hf_model, write_text_atomic
+from shardtune.config import ConfigError, TrainConfig, effective_batch_size, help_text, parse_args, to_yaml, validate
+from shardtune.distributed import (
+    DistEnv, barrier, init_distributed, is_torchrun_worker, print0, seed_everything, shutdown,
+)
+from shardtune.launch import launch, resolve_nnodes, resolve_nproc, split_launcher_args, torchrun_argv
+from shardtune.metrics import MetricsWriter
+from shardtune.models import check_model_source, count_parameters, load_model, load_tokenizer, resolve_model_name
+from shardtune.parallel import make_strategy
+from shardtune.train import TrainResult, train
+
+
+def prepare(cfg: TrainConfig, world_size: int) -> None:
+    """Everything checkable before a process group exists: config values, model source, data, context length."""
+    validate(cfg, world_size)
+    cfg.model_name = resolve_model_name(cfg.model_name)
+    check_model_source(cfg.model_name)
+    if cfg.tokenizer_name:
+        check_model_source(cfg.tokenizer_name, "tokenizer_name")
+    data.check_data_config(cfg)
+    data.check_context_length(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name))
+
+
+def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
+    seed_everything(cfg.seed)
+    out_dir = Path(cfg.output_dir)
+    if env.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
+    tokenizer = load_tokenizer(cfg.tokenizer_name or cfg.model_name)
+    train_examples, train_report = data.load_examples(cfg, tokenizer, "train")
+    print0(f"data (train): {train_report.summary()}")
+    eval_examples: list[dict] = []
+    if cfg.run_validation:
+        eval_examples, eval_report = data.load_examples(cfg, tokenizer, "validation")
+        print0(f"data (validation): {eval_report.summary()}")
+    units = data.build_units(train_examples, cfg)
+    data.steps_per_epoch(len(units), cfg, env.world_size)  # fails early if the data is too small
+
+    model = load_model(cfg.model_name, dtype=torch.float32)
+    num_params, num_trainable = count_parameters(model)
+    strategy = make_strategy(cfg, env)
+    model = strategy.wrap(model)
+    print0(f"model: {cfg.model_name} ({num_params:,} parameters, {num_trainable:,} trainable)")
+    print0(f"strategy: {strategy.describe()}")
+    print0(f"effective batch: {cfg.batch_size_training} per device x {env.world_size} devices x "
+           f"{cfg.gradient_accumulation_steps} accumulation = {effective_batch_size(cfg, env.world_size)} "
+           f"{'packed blocks' if cfg.batching_strategy == 'packing' else 'examples'} per step")
+
+    writer = MetricsWriter(out_dir / "metrics.jsonl" if env.is_main and cfg.save_metrics else None)
+    try:
+        result = train(model, strategy, cfg, env, units, eval_examples, tokenizer.pad_token_id, writer)
+    finally:
+        writer.close()
+    if cfg.save_model:
+        state_dict = strategy.full_state_dict(model)
+        if env.is_main:
+            save_hf_model(strategy.unwrap(model), state_dict, tokenizer, out_dir)
+        barrier()
+    print0(report(result, cfg))
+    return result
+
+
+def report(result: TrainResult, cfg: TrainConfig) -> str:
+    lines = [f"done: {result.steps} steps, {result.num_tokens:,} label tokens in {result.train_time_s:.1f} s "
+             f"({result.tokens_per_s:,.0f} tokens/s)"]
+    if result.losses:
+        lines.append(f"  loss: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}")
+    if result.eval_loss is not None:
+        lines.append(f"  eval: loss {result.eval_loss:.4f}, perplexity {result.eval_ppl:.3f}")
+    if cfg.save_model:
+        lines.append(f"  model written to {Path(cfg.output_dir).resolve()}")
+    return "\n".join(lines)
+
+
+def fail(message: str, debug: bool) -> None:
+    if debug:
+        traceback.print_exc()
+    print(f"shardtune: error: {message}", file=sys.stderr, flush=True)
+
+
+def run_worker(cfg: TrainConfig) -> int:
+    rank = int(os.environ["RANK"])
+    try:
+        prepare(cfg, int(os.environ["WORLD_SIZE"]))
+    except ConfigError as e:
+        if rank == 0:  # every rank finds the same problem; one line is enough
+            fail(str(e), cfg.debug)
+        return 2
+    env = init_distributed()
+    try:
+        fine_tune(cfg, env)
+    except ConfigError as e:  # data errors found while loading
+        fail(f"{e}" if env.world_size == 1 else f"(rank {env.rank}) {e}", cfg.debug)
+        return 1
+    finally:
+        shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        return 0
+    debug = "--debug" in argv
+    try:
+        launch_args, train_argv = split_launcher_args(argv)
+        cfg = parse_args(train_argv)
+        if is_torchrun_worker():
+            if launch_args:
+                raise ConfigError(f"--{next(iter(launch_args))} is a torchrun flag, but this process already runs "
+                                  "under torchrun: give it to torchrun, before -m shardtune.sft")
+            return run_worker(cfg)
+        nproc = resolve_nproc(launch_args.get("nproc_per_node"))
+        prepare(cfg, nproc * resolve_nnodes(launch_args.get("nnodes")))
+    except ConfigError as e:
+        fail(str(e), debug)
+        return 2
+    # workers receive the resolved model path, so a preset is built once, here
+    return launch(torchrun_argv(launch_args, nproc), "shardtune.sft", [*train_argv, "--model_name", cfg.model_name])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""The training loop: micro-batches, accumulation, token-normalised loss, clipping, step, evaluation.
+
+The loss of an optimizer step is sum(token losses over all its micro-batches on all ranks) / N, where N is
+the global number of labelled tokens of the step. Each micro-batch contributes sum x W / N to backward,
+where W is the number of ranks the strategy averages gradients over: the average then yields exactly
+sum / N. Nothing is divided by the accumulation steps. So 1 x 8 x 1, 1 x 2 x 4 and 4 x 2 x 1
+(processes x batch x accumulation) compute the same gradients up to float rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from shardtune import data
+from shardtune.config import TrainConfig
+from shardtune.distributed import DistEnv, all_reduce_sum
+from shardtune.loss import num_label_tokens, token_loss_sum
+from shardtune.metrics import MetricsWriter, peak_memory_bytes, perplexity
+from shardtune.parallel.base import Strategy
+
+
+@dataclass
+class TrainResult:
+    steps: int = 0
+    num_tokens: int = 0
+    train_time_s: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    eval_loss: float | None = None
+    eval_ppl: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.train_time_s if self.train_time_s > 0 else 0.0
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
+    """Returns (scheduler, steps_per_call): llama-cookbook's StepLR steps once per epoch; cosine once per step."""
+    if cfg.lr_scheduler == "cosine":
+        warmup = cfg.warmup_steps
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            progress = (step - warmup) / max(1, total_steps - warmup)
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor), "step"
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.gamma), "epoch"
+
+
+def num_input_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens the model computes on: every position of a packed block, the non-pad tokens of a padded batch."""
+    mask = batch.get("attention_mask")
+    if mask is not None and mask.dim() == 2:
+        return int(mask.sum())
+    return int(batch["input_ids"].numel())
+
+
+def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer,
+               micro_batches: list[dict[str, torch.Tensor]], cfg: TrainConfig, env: DistEnv) -> dict:
+    """One optimizer step over this rank's micro-batches; returns the global loss and counts."""
+    local_counts = torch.tensor([sum(num_label_tokens(mb["labels"]) for mb in micro_batches),
+                                 sum(num_input_tokens(mb) for mb in micro_batches)])
+    num_tokens, input_tokens = (int(x) for x in all_reduce_sum(local_counts, env.device))
+    scale = strategy.grad_average_size / max(num_tokens, 1)
+    local_loss_sum = torch.zeros((), dtype=torch.float64)
+    last = len(micro_batches) - 1
+    for i, mb in enumerate(micro_batches):
+        sync = strategy.accumulating(model) if i < last else contextlib.nullcontext()
+        with sync:
+            with strategy.autocast():
+                loss_sum = token_loss_sum(model, mb, env.device)
+            strategy.backward(loss_sum * scale)
+        local_loss_sum += loss_sum.detach().double().cpu()
+    loss = float(all_reduce_sum(local_loss_sum, env.device)) / max(num_tokens, 1)
+    grad_norm = None
+    if cfg.gradient_clipping:
+        grad_norm = strategy.clip_grad_norm(model, optimizer, cfg.gradient_clipping_threshold)
+    strategy.optimizer_step(optimizer)
+    return {"loss": loss, "num_tokens": num_tokens, "input_tokens": input_tokens, "grad_norm": grad_norm}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, strategy: Strategy, batches: list[dict[str, torch.Tensor]],
+             env: DistEnv) -> tuple[float, float, int]:
+    """Token-weighted eval loss over all ranks' shards: (loss, perplexity, labelled tokens)."""
+    model.eval()
+    local = torch.zeros(2, dtype=torch.float64)
+    for mb in batches:
+        with strategy.autocast():
+            local[0] += token_loss_sum(model, mb, env.device).double().cpu()
+        local[1] += num_label_tokens(mb["labels"])
+    model.train()
+    loss_sum, num_tokens = all_reduce_sum(local, env.device).tolist()
+    loss = loss_sum / num_tokens if num_tokens else float("nan")
+    return loss, perplexity(loss), int(num_tokens)
+
+
+def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
+          train_units: list, eval_examples: list[dict], pad_id: int, writer: MetricsWriter) -> TrainResult:
+    optimizer = build_optimizer(model, cfg)
+    steps_per_epoch = data.steps_per_epoch(len(train_units), cfg, env.world_size)
+    total_steps = steps_per_epoch * cfg.num_epochs
+    if cfg.max_train_step:
+        total_steps = min(total_steps, cfg.max_train_step)
+    scheduler, scheduler_unit = build_scheduler(optimizer, cfg, total_steps)
+    eval_batches = (data.eval_batches(eval_examples, cfg, env.rank, env.world_size, pad_id)
+                    if cfg.run_validation else [])
+
+    result = TrainResult()
+    bar = tqdm(total=total_steps, desc="train", unit="step", disable=not env.is_main, dynamic_ncols=True)
+    model.train()
+    for epoch in range(cfg.num_epochs):
+        if result.steps >= total_steps:
+            break
+        tick = time.perf_counter()
+        for step_in_epoch, micro_batches in enumerate(
+                data.train_loader(train_units, cfg, env.rank, env.world_size, epoch, pad_id)):
+            if result.steps >= total_steps:
+                break
+            lr = optimizer.param_groups[0]["lr"]
+            stats = train_step(model, strategy, optimizer, micro_batches, cfg, env)
+            if scheduler_unit == "step":
+                scheduler.step()
+            now = time.perf_counter()
+            step_time_s, tick = now - tick, now
+            result.steps += 1
+            result.num_tokens += stats["num_tokens"]
+            result.train_time_s += step_time_s
+            result.losses.append(stats["loss"])
+            row = {
+                "step": result.steps,
+                "epoch": round(epoch + (step_in_epoch + 1) / steps_per_epoch, 6),
+                "loss": stats["loss"],
+                "num_tokens": stats["num_tokens"],
+                "lr": lr,
+                "tokens_per_s": stats["num_tokens"] / step_time_s,
+                "input_tokens_per_s": stats["input_tokens"] / step_time_s,
+                "step_time_s": step_time_s,
+                "peak_memory_bytes": peak_memory_bytes(env.device),
+            }
+            if stats["grad_norm"] is not None:
+                row["grad_norm"] = stats["grad_norm"]
+            writer.write(row)
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+        if scheduler_unit == "epoch":
+            scheduler.step()
+        if cfg.run_validation:
+            loss, ppl, n = evaluate(model, strategy, eval_batches, env)
+            result.eval_loss, result.eval_ppl = loss, ppl
+            writer.write({"step": result.steps, "epoch": epoch + 1, "eval_loss": loss, "eval_ppl": ppl,
+                          "eval_num_tokens": n})
+            if env.is_main:
+                bar.write(f"epoch {epoch + 1}: eval loss {loss:.4f}, perplexity {ppl:.2f}")
+    bar.close()
+    return result
