@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import difflib
 import os
+import tempfile
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -354,6 +355,7 @@ def _check_core(cfg: TrainConfig, world_size: int) -> None:
 
 
 def _check_output_dir(output_dir: str) -> None:
+    """Probe with a real file write (os.access says yes to root even on a read-only filesystem)."""
     if not output_dir:
         raise ConfigError("--output_dir is empty: pass a directory to write the model and metrics to")
     p = Path(output_dir).resolve()
@@ -362,9 +364,15 @@ def _check_output_dir(output_dir: str) -> None:
     probe_dir = p
     while not probe_dir.exists():
         probe_dir = probe_dir.parent
-    if not os.access(probe_dir, os.W_OK | os.X_OK):
-        raise ConfigError(f"--output_dir {output_dir} is not writable ({probe_dir} denies writes): "
-                          "pass a directory you can write to")
+    if not probe_dir.is_dir():
+        raise ConfigError(f"--output_dir {output_dir}: {probe_dir} is a file, not a directory: pass another path")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".shardtune-write-probe-", dir=probe_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"--output_dir {output_dir} is not writable ({probe_dir}: {e.strerror}): "
+                          "pass a directory you can write to") from None
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:

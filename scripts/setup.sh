@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv and install shardtune into it.
+# - A machine whose python already has a CUDA build of torch keeps it: the venv sees the system packages.
+# - Anywhere else torch is pinned to the CPU build 2.13.0 (a bare "torch" would pull a multi-GB CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
+    echo "setup: using the CUDA torch of $PYTHON"
+    "$PYTHON" -m venv --system-site-packages .venv
+  else
+    "$PYTHON" -m venv .venv
+  fi
+fi
+. .venv/bin/activate
+if ! python -c "import torch" >/dev/null 2>&1; then
+  pip install --quiet --disable-pip-version-check "torch==${SHARDTUNE_TORCH_VERSION:-2.13.0}"
+fi
+pip install --quiet --disable-pip-version-check -e ".[dev]"
+python -c "import torch, transformers, peft; print(f'setup: torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}')"

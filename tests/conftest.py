@@ -1,0 +1,49 @@
+"""Shared fixtures: a tiny preset model on disk and a runner for the real `shardtune` CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cli_env(cache_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(SHARDTUNE_CACHE=str(cache_dir), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("shardtune-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """The tiny preset written once per session, as a user would with `shardtune init-model`."""
+    from shardtune.models import init_model
+
+    return init_model("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture
+def run_cli(cache_dir):
+    """Run `python -m shardtune ARGS` as a user would; returns the CompletedProcess."""
+
+    def run(*args: str, timeout: float = 600, check: bool = True, env: dict | None = None,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, "-m", "shardtune", *map(str, args)], capture_output=True, text=True,
+                              timeout=timeout, env={**cli_env(cache_dir), **(env or {})}, cwd=cwd or REPO)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"shardtune {' '.join(map(str, args))} exited {proc.returncode}\n"
+                                 f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+        return proc
+
+    return run

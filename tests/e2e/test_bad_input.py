@@ -1,0 +1,55 @@
+"""Bad input: one clear line naming the value and the fix, before any process group starts."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("shardtune: error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr and "torch.distributed" not in proc.stderr
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--batch_size_trainig", "4"], ["--batch_size_trainig", "did you mean --batch_size_training"]),
+    (["--batch_size_training", "0"], ["--batch_size_training 0", "positive"]),
+    (["--gradient_accumulation_steps", "-1"], ["--gradient_accumulation_steps -1"]),
+    (["--lr", "fast"], ["--lr 'fast'", "number"]),
+    (["--batching_strategy", "packed"], ["packed", "did you mean packing"]),
+    (["--dataset", "samsum"], ["samsum", "samsum_dataset"]),
+    (["--nproc_per_node", "0"], ["--nproc_per_node 0"]),
+    (["--model_name", "/nonexistent/model"], ["/nonexistent/model"]),
+    (["--model_name", "meta-llama/Llama-3.1-8B"], ["meta-llama/Llama-3.1-8B", "local"]),
+    (["--context_length", "8"], ["--context_length 8"]),
+    (["--samsum_dataset.data_path", "/nonexistent.jsonl", "--dataset", "samsum_dataset"], ["/nonexistent.jsonl"]),
+    (["--custom_dataset.file", "/nonexistent.py", "--dataset", "custom_dataset"], ["/nonexistent.py"]),
+])
+def test_bad_values_fail_early_with_one_line(args, needles, tiny_model, run_cli, tmp_path):
+    out = tmp_path / "never-created"
+    base = ["--model_name", str(tiny_model)] if "--model_name" not in args else []
+    proc = run_cli("sft", *base, "--output_dir", out, *args, check=False)
+    assert_one_line_error(proc, *needles)
+    assert not out.exists(), "a failed validation must not create the output dir"
+
+
+def test_output_dir_under_a_file_is_rejected(tiny_model, run_cli, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    proc = run_cli("sft", "--model_name", tiny_model, "--output_dir", blocker / "run", check=False)
+    assert_one_line_error(proc, "--output_dir", "not a directory")
+
+
+def test_unwritable_output_dir_is_rejected(tiny_model, run_cli, tmp_path):
+    """A read-only filesystem refuses even root; /proc/sys/kernel is one on every Linux."""
+    proc = run_cli("sft", "--model_name", tiny_model, "--output_dir", "/proc/sys/kernel/shardtune-run", check=False)
+    assert_one_line_error(proc, "--output_dir", "not writable")
+
+
+def test_unknown_subcommand(run_cli):
+    proc = run_cli("sfft", check=False)
+    assert proc.returncode == 2 and "unknown command 'sfft'" in proc.stderr
