@@ -67,6 +67,57 @@ class CustomDatasetConfig:
     data_path: str = _f("", "free path your function may read (dataset_config.data_path)")
 
 
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+CHECKPOINT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+PEFT_METHODS = ("lora", "llama_adapter", "prefix")
+QUANTIZATIONS = ("", "4bit", "8bit")
+
+
+@dataclass
+class FsdpConfig:
+    sharding_strategy: str = _f("FULL_SHARD", "FULL_SHARD (params, grads, optimizer state sharded), SHARD_GRAD_OP "
+                                              "(params kept after forward), NO_SHARD (like DDP), HYBRID_SHARD "
+                                              "(shard within a group, replicate across groups)",
+                                choices=SHARDING_STRATEGIES)
+    hsdp: bool = _f(False, "hybrid sharding with explicit group sizes (needs sharding_strategy HYBRID_SHARD)")
+    sharding_group_size: int = _f(0, "ranks that shard one replica; 0: the processes of one node")
+    replica_group_size: int = _f(0, "number of replicas; 0: world size / sharding_group_size")
+    pure_bf16: bool = _f(False, "parameters, gradients and optimizer state in bf16 (less memory, less accuracy)")
+    fsdp_activation_checkpointing: bool = _f(False, "recompute each decoder layer's activations in backward")
+    fsdp_cpu_offload: bool = _f(False, "keep sharded parameters, gradients and optimizer state in CPU memory")
+    checkpoint_type: str = _f("SHARDED_STATE_DICT", "SHARDED_STATE_DICT (each rank writes its shard) or "
+                                                    "FULL_STATE_DICT (also a gathered HF model)",
+                              choices=CHECKPOINT_TYPES)
+
+
+@dataclass
+class LoraConfig:
+    r: int = _f(8, "LoRA rank")
+    lora_alpha: int = _f(32, "LoRA scaling numerator (scale = lora_alpha / r)")
+    target_modules: list[str] = _f(["q_proj", "v_proj"], "module names to adapt (comma-separated on the CLI)")
+    lora_dropout: float = _f(0.05, "dropout on the LoRA input")
+    bias: str = _f("none", "none, all or lora_only")
+    use_dora: bool = _f(False, "weight-decomposed LoRA (DoRA)")
+
+
+@dataclass
+class LlamaAdapterConfig:
+    adapter_len: int = _f(10, "adaption prompt length")
+    adapter_layers: int = _f(30, "number of top layers adapted (clamped to the model's depth)")
+
+
+@dataclass
+class PrefixConfig:
+    num_virtual_tokens: int = _f(30, "prefix length")
+
+
+@dataclass
+class QuantizationConfig:
+    quant_type: str = _f("nf4", "4-bit data type: nf4 or fp4", choices=("nf4", "fp4"))
+    use_double_quant: bool = _f(True, "quantise the quantisation constants too")
+    compute_dtype: str = _f("", "matmul dtype of 4-bit layers; empty: bf16 on GPU, fp32 on CPU")
+
+
 @dataclass
 class TrainConfig:
     model_name: str = _f("", "local Hugging Face directory, hub id, or preset:NAME (tiny, demo); empty: the demo "
@@ -103,10 +154,28 @@ class TrainConfig:
     strict_data: bool = _f(False, "fail on the first bad data row (naming file and row) instead of skipping it")
     debug: bool = _f(False, "print tracebacks with errors")
 
+    enable_fsdp: bool = _f(False, "shard with PyTorch FSDP2 (fully_shard) instead of DDP")
+    low_cpu_fsdp: bool = _f(False, "only global rank 0 reads the weights; the others build on the meta device")
+    use_peft: bool = _f(False, "train an adapter (peft_method) instead of all parameters")
+    peft_method: str = _f("lora", "lora, llama_adapter or prefix", choices=PEFT_METHODS)
+    from_peft_checkpoint: str = _f("", "adapter directory to continue training from")
+    quantization: str = _f("", "4bit (QLoRA, bitsandbytes) or 8bit (not with FSDP); empty: none",
+                           choices=QUANTIZATIONS)
+    use_fast_kernels: bool = _f(False, "fastest attention / fused kernels the install supports")
+    save_steps: int = _f(0, "write a sharded checkpoint every N optimizer steps (and at each epoch end); 0: only "
+                            "at epoch ends when checkpointing is on")
+    save_total_limit: int = _f(0, "keep the last K checkpoints; 0: keep all")
+    resume: str = _f("", "latest, or a checkpoint directory, to resume training exactly")
+
     synthetic_dialogues: SyntheticDialoguesConfig = _f(SyntheticDialoguesConfig(), "embedded dialogue data")
     samsum_dataset: SamsumDatasetConfig = _f(SamsumDatasetConfig(), "SAMSum-format data")
     alpaca_dataset: AlpacaDatasetConfig = _f(AlpacaDatasetConfig(), "alpaca-format data")
     custom_dataset: CustomDatasetConfig = _f(CustomDatasetConfig(), "your own dataset function")
+    fsdp_config: FsdpConfig = _f(FsdpConfig(), "FSDP settings")
+    lora_config: LoraConfig = _f(LoraConfig(), "LoRA settings")
+    llama_adapter_config: LlamaAdapterConfig = _f(LlamaAdapterConfig(), "llama-adapter settings")
+    prefix_config: PrefixConfig = _f(PrefixConfig(), "prefix tuning settings")
+    quantization_config: QuantizationConfig = _f(QuantizationConfig(), "4-bit quantisation settings")
 
     @property
     def dataset_config(self) -> Any:
@@ -123,6 +192,8 @@ ALIASES = {
     "max_grad_norm": "gradient_clipping_threshold",
     "max_seq_length": "context_length",
     "max_length": "context_length",
+    "fsdp_config.use_fp16": "use_fp16",
+    "fsdp_config.mixed_precision": "mixed_precision",
 }
 
 
@@ -202,7 +273,7 @@ def resolve_key(key: str) -> str:
 
 
 # Nested configs whose fields may also be given without their prefix (llama-cookbook spells --pure_bf16).
-SHORT_SPELLING_OWNERS: list[str] = []
+SHORT_SPELLING_OWNERS: list[str] = ["fsdp_config"]
 
 
 def set_value(cfg: TrainConfig, key: str, raw: Any) -> None:
@@ -384,3 +455,17 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
 def effective_batch_size(cfg: TrainConfig, world_size: int) -> int:
     """Examples (or packed blocks) per optimizer step: per-device batch x devices x accumulation steps."""
     return cfg.batch_size_training * world_size * cfg.gradient_accumulation_steps
+
+
+# Settings whose implementation has not landed yet: refusing them beats ignoring them silently.
+UNAVAILABLE = {
+    "enable_fsdp": "FSDP", "low_cpu_fsdp": "rank-0-only loading", "use_peft": "PEFT", "quantization": "quantization",
+    "use_fast_kernels": "fast kernels", "save_steps": "checkpoints", "resume": "resume",
+}
+
+
+@validator
+def _check_available(cfg: TrainConfig, world_size: int) -> None:
+    for name, feature in UNAVAILABLE.items():
+        if getattr(cfg, name):
+            raise ConfigError(f"--{name}: {feature} is not available in this version of shardtune: drop the flag")
