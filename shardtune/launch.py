@@ -6,6 +6,7 @@ flags and passed to torch.distributed.run unchanged. Inside a torchrun worker no
 
 from __future__ import annotations
 
+import os
 import sys
 
 from shardtune.config import ConfigError
@@ -89,12 +90,15 @@ def torchrun_argv(launch: dict[str, str | None], nproc: int) -> list[str]:
     return args
 
 
-def launch(torchrun_args: list[str], module: str, module_args: list[str]) -> int:
+def launch(torchrun_args: list[str], module: str, module_args: list[str], nproc: int) -> int:
     """Run ``torchrun <torchrun_args> -m <module> <module_args>`` in this process; return an exit status."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args([*torchrun_args, "-m", module, *module_args])
+    if "OMP_NUM_THREADS" not in os.environ:
+        # share the cores between the local processes (torchrun would set 1 and warn about it)
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, nproc)))
     try:
         run(args)
     except ChildFailedError as e:

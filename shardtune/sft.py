@@ -89,6 +89,13 @@ def report(result: TrainResult, cfg: TrainConfig) -> str:
     return "\n".join(lines)
 
 
+def quiet_libraries() -> None:
+    """Our progress bar is the one a user watches; transformers' load/save bars on every rank are noise."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def fail(message: str, debug: bool) -> None:
     if debug:
         traceback.print_exc()
@@ -116,6 +123,7 @@ def run_worker(cfg: TrainConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    quiet_libraries()
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
@@ -134,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         fail(str(e), debug)
         return 2
     # workers receive the resolved model path, so a preset is built once, here
-    return launch(torchrun_argv(launch_args, nproc), "shardtune.sft", [*train_argv, "--model_name", cfg.model_name])
+    return launch(torchrun_argv(launch_args, nproc), "shardtune.sft", [*train_argv, "--model_name", cfg.model_name],
+                  nproc)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import ContextManager
 
 import torch
@@ -19,9 +20,11 @@ class DDPStrategy(Strategy):
         if self.compute_dtype == torch.float16:
             self.scaler = torch.amp.GradScaler(self.env.device.type)
         device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
-        # broadcast_buffers=False: the rotary inv_freq buffer is identical on every rank, and a buffer broadcast
+        # No buffer sync in forward: the rotary inv_freq buffer is identical on every rank, and a buffer broadcast
         # in forward would make eval passes collectives that every rank must join.
-        return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+        params = inspect.signature(DistributedDataParallel).parameters
+        no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+        return DistributedDataParallel(model, device_ids=device_ids, **no_sync)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
