@@ -37,13 +37,8 @@ def prepare(cfg: TrainConfig, world_size: int) -> None:
     data.check_context_length(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name))
 
 
-def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
-    seed_everything(cfg.seed)
-    out_dir = Path(cfg.output_dir)
-    if env.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
-    tokenizer = load_tokenizer(cfg.tokenizer_name or cfg.model_name)
+def load_data(cfg: TrainConfig, env: DistEnv, tokenizer) -> tuple[list, list[dict]]:
+    """Training units and validation examples; every rank reads the same, deterministically."""
     train_examples, train_report = data.load_examples(cfg, tokenizer, "train")
     print0(f"data (train): {train_report.summary()}")
     eval_examples: list[dict] = []
@@ -52,8 +47,32 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         print0(f"data (validation): {eval_report.summary()}")
     units = data.build_units(train_examples, cfg)
     data.steps_per_epoch(len(units), cfg, env.world_size)  # fails early if the data is too small
+    return units, eval_examples
 
-    model = load_model(cfg.model_name, dtype=torch.float32)
+
+def build_model(cfg: TrainConfig, env: DistEnv) -> torch.nn.Module:
+    """The model to train, before wrapping: fp32 master weights."""
+    return load_model(cfg.model_name, dtype=torch.float32)
+
+
+def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, tokenizer) -> None:
+    """Rank 0 writes the final model; the state is gathered by the strategy (nobody else materialises it)."""
+    state_dict = strategy.full_state_dict(model)
+    if env.is_main:
+        save_hf_model(strategy.unwrap(model), state_dict, tokenizer, Path(cfg.output_dir))
+    barrier()
+
+
+def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
+    seed_everything(cfg.seed)
+    out_dir = Path(cfg.output_dir)
+    if env.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
+    tokenizer = load_tokenizer(cfg.tokenizer_name or cfg.model_name)
+    units, eval_examples = load_data(cfg, env, tokenizer)
+
+    model = build_model(cfg, env)
     num_params, num_trainable = count_parameters(model)
     strategy = make_strategy(cfg, env)
     model = strategy.wrap(model)
@@ -69,10 +88,7 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     finally:
         writer.close()
     if cfg.save_model:
-        state_dict = strategy.full_state_dict(model)
-        if env.is_main:
-            save_hf_model(strategy.unwrap(model), state_dict, tokenizer, out_dir)
-        barrier()
+        save_outputs(cfg, env, strategy, model, tokenizer)
     print0(report(result, cfg))
     return result
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
-import torch
+import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shardtune.config import flat_fields
@@ -32,12 +33,11 @@ def test_sft_writes_model_config_and_metrics(tiny_model, run_cli, tmp_path):
     assert (out / "config.yaml").is_file() and (out / "tokenizer.json").is_file()
     assert not [p for p in out.iterdir() if p.name.startswith(".staging")]
     rows = step_rows(out)
-    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) == 48 // 4
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and rows[-1]["epoch"] == 1.0
     for row in rows:
         assert {"step", "epoch", "loss", "num_tokens", "lr", "tokens_per_s", "grad_norm"} <= row.keys()
     (ev,) = eval_rows(out)
-    assert ev["eval_ppl"] == torch.tensor(ev["eval_loss"]).exp().item() or abs(ev["eval_ppl"] / torch.tensor(
-        ev["eval_loss"]).exp().item() - 1) < 1e-6
+    assert ev["eval_ppl"] == pytest.approx(math.exp(ev["eval_loss"]), rel=1e-9)
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
     ids = tok("Anna: hi", return_tensors="pt").input_ids
