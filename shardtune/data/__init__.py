@@ -1,0 +1,32 @@
+"""The data pipeline: sources -> tokenised examples -> units -> per-rank micro-batches.
+
+The training loop uses::
+
+    check_data_config(cfg)                        # before any process group, no tokenizer
+    check_context_length(cfg, tokenizer)
+    examples, report = load_examples(cfg, tokenizer, "train")      # on every rank, deterministic
+    units = build_units(examples, cfg)
+    steps = steps_per_epoch(len(units), cfg, world_size)
+    for batch in train_loader(units, cfg, rank, world_size, epoch, pad_id, start_step): ...
+    eval_batches(validation_examples, cfg, rank, world_size, pad_id)
+"""
+
+from shardtune.data.batching import (StepDataset, build_units, collate_packing, collate_padding, eval_batches,
+                                     steps_per_epoch, train_loader)
+from shardtune.data.report import DataError, DataReport
+from shardtune.data.sources import check_context_length, check_data_config, load_examples
+
+__all__ = [
+    "DataError",
+    "DataReport",
+    "StepDataset",
+    "build_units",
+    "check_context_length",
+    "check_data_config",
+    "collate_packing",
+    "collate_padding",
+    "eval_batches",
+    "load_examples",
+    "steps_per_epoch",
+    "train_loader",
+]

@@ -1,0 +1,210 @@
+"""Units, the global-batch rule, collation and the per-rank loaders.
+
+A *unit* is what batching never splits: one example (padding) or one packed block of examples (packing).
+Units depend on the examples, the seed and context_length only, never on world size, batch size or
+accumulation, which is why 1 x 8 x 1, 1 x 2 x 4, 2 x 4 x 1 and 4 x 2 x 1 (processes x micro-batch x
+accumulation) train on exactly the same global batches:
+
+1. Each epoch permutes the units with ``torch.Generator().manual_seed(seed + epoch)``.
+2. The permutation is cut into global batches of G = batch_size_training x world_size x accumulation
+   units, one per optimizer step; a last partial global batch is dropped (every step sees G units).
+3. With padding, each global batch is sorted by unit length (ties by unit index) so that micro-batches
+   hold similar lengths and waste little padding; packed blocks all have context_length tokens.
+4. The global batch is cut into world_size x accumulation micro-batches of batch_size_training contiguous
+   units; micro-batch j (0 <= j < accumulation) of rank r is slice ``j * world_size + r``. This interleaving
+   gives the ranks' concurrent micro-batches neighbouring lengths, so ranks wait less for each other at
+   FSDP's collectives. Any fixed split is equivalent because the loss is normalised by the global count of
+   labelled tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from shardtune.config import TrainConfig, effective_batch_size
+from shardtune.data.report import DataError
+from shardtune.loss import IGNORE_INDEX
+
+Example = dict[str, list[int]]
+Unit = list[Example]
+MicroBatch = dict[str, torch.Tensor]
+
+
+def unit_length(unit: Unit) -> int:
+    return sum(len(example["input_ids"]) for example in unit)
+
+
+def build_units(examples: list[Example], cfg: TrainConfig) -> list[Unit]:
+    """One example per unit (padding), or packed blocks of at most context_length tokens (packing)."""
+    if cfg.batching_strategy == "padding":
+        return [[example] for example in examples]
+    return pack(examples, cfg.context_length, cfg.seed)
+
+
+def pack(examples: list[Example], context_length: int, seed: int) -> list[Unit]:
+    """Greedy packing in an order seeded by ``seed`` alone (the same blocks every epoch and world size).
+
+    Whole examples fill the current block until the next one does not fit; then a new block opens. An example
+    is never split across blocks (load_examples has already skipped those longer than context_length).
+    """
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    blocks: list[Unit] = []
+    block: Unit = []
+    used = 0
+    for index in order:
+        example = examples[index]
+        length = len(example["input_ids"])
+        assert length <= context_length, "load_examples skips examples longer than context_length"
+        if block and used + length > context_length:
+            blocks.append(block)
+            block, used = [], 0
+        block.append(example)
+        used += length
+    if block:
+        blocks.append(block)
+    return blocks
+
+
+def steps_per_epoch(num_units: int, cfg: TrainConfig, world_size: int) -> int:
+    """Full global batches per epoch; the last partial one is dropped so that every step has G units."""
+    size = effective_batch_size(cfg, world_size)
+    steps = num_units // size
+    if steps == 0:
+        what = "packed blocks" if cfg.batching_strategy == "packing" else "examples"
+        raise DataError(f"dataset too small for effective batch {size} (batch_size_training "
+                        f"{cfg.batch_size_training} x {world_size} processes x gradient_accumulation_steps "
+                        f"{cfg.gradient_accumulation_steps}): it has {num_units} {what}: add data or lower "
+                        "--batch_size_training / --gradient_accumulation_steps")
+    return steps
+
+
+def epoch_order(units: list[Unit], cfg: TrainConfig, world_size: int, epoch: int) -> list[int]:
+    """Unit indices of ``epoch``, global batch after global batch (rules 1-3 of the module docstring)."""
+    size = effective_batch_size(cfg, world_size)
+    num_steps = steps_per_epoch(len(units), cfg, world_size)
+    generator = torch.Generator().manual_seed(cfg.seed + epoch)
+    order = torch.randperm(len(units), generator=generator).tolist()[: num_steps * size]
+    if cfg.batching_strategy == "padding":
+        for start in range(0, len(order), size):
+            order[start:start + size] = sorted(order[start:start + size], key=lambda i: (unit_length(units[i]), i))
+    return order
+
+
+def micro_batch_slice(step: int, micro_step: int, rank: int, cfg: TrainConfig, world_size: int) -> slice:
+    """Where rank ``rank``'s micro-batch ``micro_step`` of optimizer step ``step`` lies in the epoch order."""
+    index = micro_step * world_size + rank
+    start = step * effective_batch_size(cfg, world_size) + index * cfg.batch_size_training
+    return slice(start, start + cfg.batch_size_training)
+
+
+def collate_padding(examples: list[Example], pad_id: int) -> MicroBatch:
+    """Right-padded to the longest example; pads get pad_id, label -100, attention_mask 0."""
+    length = max(len(example["input_ids"]) for example in examples)
+    batch = len(examples)
+    input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
+    labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((batch, length), dtype=torch.long)
+    for row, example in enumerate(examples):
+        n = len(example["input_ids"])
+        input_ids[row, :n] = torch.tensor(example["input_ids"])
+        labels[row, :n] = torch.tensor(example["labels"])
+        attention_mask[row, :n] = 1
+    position_ids = torch.arange(length).expand(batch, length).clone()
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask, "position_ids": position_ids}
+
+
+def collate_packing(blocks: list[Unit], context_length: int, pad_id: int) -> MicroBatch:
+    """Blocks of context_length tokens with a block-diagonal causal 4D bool mask (B, 1, L, L).
+
+    Each example attends only to its own earlier tokens and its positions restart at 0; its first label is
+    -100 so that no example predicts across a boundary. Each tail pad token (pad_id, label -100) attends only
+    to itself, so no mask row is empty.
+    """
+    batch, length = len(blocks), context_length
+    input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
+    labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros((batch, length), dtype=torch.long)
+    segment = torch.arange(length).repeat(batch, 1)  # a token's segment id: its example's start position
+    for row, block in enumerate(blocks):
+        start = 0
+        for example in block:
+            end = start + len(example["input_ids"])
+            input_ids[row, start:end] = torch.tensor(example["input_ids"])
+            labels[row, start + 1:end] = torch.tensor(example["labels"][1:])
+            position_ids[row, start:end] = torch.arange(end - start)
+            segment[row, start:end] = start
+            start = end
+    causal = torch.ones((length, length), dtype=torch.bool).tril()
+    attention_mask = (segment[:, :, None] == segment[:, None, :]) & causal
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask.unsqueeze(1),
+            "position_ids": position_ids}
+
+
+def collate(units: list[Unit], cfg: TrainConfig, pad_id: int) -> MicroBatch:
+    if cfg.batching_strategy == "padding":
+        return collate_padding([example for unit in units for example in unit], pad_id)
+    return collate_packing(units, cfg.context_length, pad_id)
+
+
+class StepDataset(Dataset):
+    """Item i: this rank's gradient_accumulation_steps micro-batches of optimizer step ``start_step + i``."""
+
+    def __init__(self, units: list[Unit], cfg: TrainConfig, rank: int, world_size: int, epoch: int, pad_id: int,
+                 start_step: int = 0) -> None:
+        self.units = units
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.pad_id = pad_id
+        self.order = epoch_order(units, cfg, world_size, epoch)
+        num_steps = len(self.order) // effective_batch_size(cfg, world_size)
+        if not 0 <= start_step <= num_steps:
+            raise ValueError(f"start_step {start_step} is outside the epoch's {num_steps} steps")
+        self.start_step = start_step
+        self.num_steps = num_steps
+
+    def __len__(self) -> int:
+        return self.num_steps - self.start_step
+
+    def __getitem__(self, index: int) -> list[MicroBatch]:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        step = self.start_step + index
+        return [self._micro_batch(step, micro_step) for micro_step in range(self.cfg.gradient_accumulation_steps)]
+
+    def _micro_batch(self, step: int, micro_step: int) -> MicroBatch:
+        chosen = self.order[micro_batch_slice(step, micro_step, self.rank, self.cfg, self.world_size)]
+        return collate([self.units[i] for i in chosen], self.cfg, self.pad_id)
+
+
+def train_loader(units: list[Unit], cfg: TrainConfig, rank: int, world_size: int, epoch: int, pad_id: int,
+                 start_step: int = 0) -> DataLoader:
+    """Yields one list of micro-batches per optimizer step (collated in workers when num_workers > 0)."""
+    workers = cfg.num_workers_dataloader
+    return DataLoader(StepDataset(units, cfg, rank, world_size, epoch, pad_id, start_step), batch_size=None,
+                      shuffle=False, num_workers=workers, prefetch_factor=2 if workers > 0 else None,
+                      persistent_workers=False)
+
+
+def eval_batches(examples: list[Example], cfg: TrainConfig, rank: int, world_size: int, pad_id: int
+                 ) -> list[MicroBatch]:
+    """This rank's eval micro-batches: the same count on every rank, each example on exactly one rank.
+
+    Examples keep their order and are cut into chunks of val_batch_size; chunk c goes to rank c % world_size.
+    Eval always uses padding collation: an example's logits are the same as inside a packed block, and no
+    L x L mask is built. Ranks with fewer chunks get dummy batches (one pad token, label -100) because FSDP's
+    forward is a collective every rank must join. max_eval_step > 0 keeps at most that many batches per rank.
+    """
+    size = cfg.val_batch_size
+    chunks = [examples[start:start + size] for start in range(0, len(examples), size)]
+    num_batches = math.ceil(len(chunks) / world_size)
+    if cfg.max_eval_step > 0:
+        num_batches = min(num_batches, cfg.max_eval_step)
+    mine = chunks[rank::world_size][:num_batches]
+    dummy: Example = {"input_ids": [pad_id], "labels": [IGNORE_INDEX]}
+    return [collate_padding(chunk, pad_id) for chunk in mine] + [
+        collate_padding([dummy], pad_id) for _ in range(num_batches - len(mine))]
+

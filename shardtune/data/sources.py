@@ -1,0 +1,214 @@
+"""Dataset sources (synthetic dialogues, samsum, alpaca, custom file:function) and their early checks.
+
+``check_data_config`` runs before any process group exists and needs no tokenizer; ``load_examples`` runs on
+every rank at start-up and is deterministic, so every rank holds the same examples in the same order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from pathlib import Path
+from typing import Any, Callable
+
+from shardtune.config import ConfigError, TrainConfig
+from shardtune.data.files import DataFiles, Row, hold_out, locate, read_rows
+from shardtune.data.formatting import (ALPACA_PROMPT_NO_INPUT, SAMSUM_PROMPT, alpaca_pairs, samsum_pairs,
+                                       template_length, token_examples, tokenize_pairs)
+from shardtune.data.report import DataError, DataReport, RowFilter
+
+SPLITS = ("train", "validation")
+DEFAULT_CUSTOM_FUNCTION = "get_custom_dataset"
+SAMSUM_COLUMNS = ("dialogue", "summary")
+ALPACA_COLUMNS = ("instruction", "output")
+
+
+def check_data_config(cfg: TrainConfig) -> None:
+    """Checks that need no tokenizer: paths exist, formats are known, a custom file defines its function."""
+    if cfg.dataset == "synthetic_dialogues":
+        _check_synthetic(cfg)
+    elif cfg.dataset == "samsum_dataset" and cfg.samsum_dataset.data_path:
+        _samsum_files(cfg)
+    elif cfg.dataset == "alpaca_dataset":
+        _alpaca_files(cfg)
+    elif cfg.dataset == "custom_dataset":
+        load_custom_function(cfg.custom_dataset.file)
+
+
+def check_context_length(cfg: TrainConfig, tokenizer: Any) -> None:
+    """ConfigError if no example could fit: the fixed prompt template + bos + eos + one response token."""
+    template = {"synthetic_dialogues": SAMSUM_PROMPT, "samsum_dataset": SAMSUM_PROMPT,
+                "alpaca_dataset": ALPACA_PROMPT_NO_INPUT}.get(cfg.dataset)
+    if template is None:
+        return
+    needed = template_length(tokenizer, template) + 1
+    if cfg.context_length < needed:
+        raise ConfigError(f"--context_length {cfg.context_length} is shorter than the {cfg.dataset} prompt "
+                          f"template with bos, eos and one response token ({needed} tokens): "
+                          f"pass --context_length {needed} or more")
+
+
+def load_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[dict], DataReport]:
+    """Tokenised ``{input_ids, labels}`` examples of ``split`` ("train" or "validation"), in source order."""
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} is not one of {SPLITS}")
+    if cfg.dataset == "custom_dataset":
+        examples, report = _custom_examples(cfg, tokenizer, split)
+    else:
+        source, rows = _text_rows(cfg, split)
+        report = DataReport(source=source, num_rows=len(rows))
+        filt = RowFilter(report, cfg.strict_data)
+        pairs = alpaca_pairs(rows, filt) if cfg.dataset == "alpaca_dataset" else samsum_pairs(rows, filt)
+        examples = tokenize_pairs(pairs, tokenizer, cfg.context_length, filt)
+    report.num_examples = len(examples)
+    if not examples:
+        raise DataError(f"{report.summary()}: no usable {split} example: fix the data (see the skip reasons) "
+                        "or raise --context_length")
+    return examples, report
+
+
+def _text_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row]]:
+    if cfg.dataset == "synthetic_dialogues":
+        return _synthetic_rows(cfg, split)
+    if cfg.dataset == "alpaca_dataset":
+        return _file_rows("alpaca_dataset", _alpaca_files(cfg), cfg.alpaca_dataset.validation_fraction, cfg.seed,
+                          split, ALPACA_COLUMNS)
+    if cfg.samsum_dataset.data_path:
+        return _file_rows("samsum_dataset", _samsum_files(cfg), cfg.samsum_dataset.validation_fraction, cfg.seed,
+                          split, SAMSUM_COLUMNS)
+    return _hub_rows(cfg, split)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# synthetic dialogues
+
+
+def _check_synthetic(cfg: TrainConfig) -> None:
+    sd = cfg.synthetic_dialogues
+    if sd.num_train <= 0:
+        raise ConfigError(f"--synthetic_dialogues.num_train {sd.num_train} must be positive")
+    if cfg.run_validation and sd.num_validation <= 0:
+        raise ConfigError(f"--synthetic_dialogues.num_validation {sd.num_validation} must be positive when "
+                          "--run_validation is on: pass a count or --run_validation false")
+
+
+def _synthetic_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row]]:
+    from shardtune.data.synthetic import generate_dialogues
+
+    sd = cfg.synthetic_dialogues
+    num = sd.num_train if split == "train" else sd.num_validation
+    source = f"synthetic_dialogues: {num} generated {split} dialogues (seed {sd.seed})"
+    return source, [(source, i, row) for i, row in enumerate(generate_dialogues(num, sd.seed, split), start=1)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# file datasets (samsum, alpaca)
+
+
+def _samsum_files(cfg: TrainConfig) -> DataFiles:
+    sc = cfg.samsum_dataset
+    files = locate("samsum_dataset.data_path", sc.data_path, sc.train_split, sc.test_split)
+    if files.validation and sc.validation_fraction > 0:
+        raise DataError(f"--samsum_dataset.validation_fraction {sc.validation_fraction} would be ignored: "
+                        f"{sc.data_path} has a validation file ({files.validation[0].name}): set it to 0 "
+                        "or remove the file")
+    if not files.validation and sc.validation_fraction == 0 and cfg.run_validation:
+        raise DataError(f"--samsum_dataset.data_path {sc.data_path}: no validation file: add one (a file whose "
+                        f"name contains {sc.test_split!r}, 'val', 'dev' or 'test') or set "
+                        "--samsum_dataset.validation_fraction (e.g. 0.05)")
+    return files
+
+
+def _alpaca_files(cfg: TrainConfig) -> DataFiles:
+    ac = cfg.alpaca_dataset
+    if not ac.data_path:
+        raise DataError("--alpaca_dataset.data_path is empty: pass a JSON or JSONL file of "
+                        "{instruction, input, output} rows")
+    files = locate("alpaca_dataset.data_path", ac.data_path, "train", "validation", allow_folder=False)
+    if ac.validation_fraction == 0 and cfg.run_validation:
+        raise DataError("--alpaca_dataset.validation_fraction is 0 but --run_validation is on: set a fraction "
+                        "(e.g. 0.05) or pass --run_validation false")
+    return files
+
+
+def _file_rows(name: str, files: DataFiles, fraction: float, seed: int, split: str, columns: tuple[str, ...]
+               ) -> tuple[str, list[Row]]:
+    if files.validation and split == "validation":
+        return f"{name}: {_names(files.validation)}", read_rows(files.validation, columns)
+    rows = read_rows(files.train, columns)
+    if fraction == 0 or files.validation:
+        if split == "validation":
+            raise DataError(f"{name}: no validation data: set --{name}.validation_fraction (e.g. 0.05)")
+        return f"{name}: {_names(files.train)}", rows
+    side = "held out for validation" if split == "validation" else "kept for training"
+    source = f"{name}: {_names(files.train)} (the rows {side}: validation_fraction {fraction:g}, seed {seed})"
+    return source, hold_out(rows, fraction, seed, split)
+
+
+def _names(paths: list[Path]) -> str:
+    return ", ".join(str(p) for p in paths)
+
+
+def _hub_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row]]:
+    """The hub dataset (users are online); any failure becomes one line pointing at --samsum_dataset.data_path."""
+    sc = cfg.samsum_dataset
+    hub_split = sc.train_split if split == "train" else sc.test_split
+    source = f"samsum_dataset: hub {sc.hub_name} split {hub_split}"
+    try:
+        import datasets
+
+        rows = list(datasets.load_dataset(sc.hub_name, split=hub_split))
+    except Exception as e:  # network, authentication, missing dataset or split: all mean "use local files"
+        raise DataError(f"{source}: could not be loaded from the Hugging Face hub ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}): pass --samsum_dataset.data_path "
+                        "with a local file or folder") from e
+    return source, [(source, i, row) for i, row in enumerate(rows, start=1)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# custom file:function
+
+
+def parse_custom_file(spec: str) -> tuple[Path, str]:
+    """``path.py[:function]`` -> (path, function name; get_custom_dataset by default)."""
+    path, sep, function = spec.rpartition(":")
+    if sep and function.isidentifier() and path:
+        return Path(path).expanduser(), function
+    return Path(spec).expanduser(), DEFAULT_CUSTOM_FUNCTION
+
+
+def load_custom_function(spec: str) -> Callable[..., Any]:
+    """Import ``path.py`` from its path (no sys.path lookup) and return its dataset function."""
+    if not spec:
+        raise ConfigError("--custom_dataset.file is empty: pass path.py or path.py:function")
+    path, function = parse_custom_file(spec)
+    if path.suffix != ".py" or not path.is_file():
+        raise ConfigError(f"--custom_dataset.file {spec}: {path} is not a .py file: pass path.py[:function]")
+    module_name = "shardtune_custom_dataset_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # user code: report it as one line naming the file
+        raise ConfigError(f"--custom_dataset.file {spec}: importing {path} failed ({type(e).__name__}: {e}): "
+                          "fix the file") from e
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        raise ConfigError(f"--custom_dataset.file {spec}: {path} defines no function {function!r}: define it "
+                          "or name yours with path.py:function")
+    return fn
+
+
+def _custom_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[dict], DataReport]:
+    cc = cfg.custom_dataset
+    custom_split = cc.train_split if split == "train" else cc.test_split
+    fn = load_custom_function(cc.file)
+    source = f"custom_dataset: {cc.file} split {custom_split}"
+    try:
+        rows = list(fn(cc, tokenizer, custom_split))
+    except Exception as e:  # user code
+        raise DataError(f"{source}: the dataset function failed ({type(e).__name__}: {e}): fix "
+                        f"{cc.file} (it must return an iterable of dicts with input_ids and labels)") from e
+    report = DataReport(source=source, num_rows=len(rows))
+    filt = RowFilter(report, cfg.strict_data)
+    return token_examples(rows, source, len(tokenizer), cfg.context_length, filt), report

@@ -1,0 +1,225 @@
+"""Batching: packing, collation, the global-batch rule, per-rank loaders and eval sharding."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from shardtune.config import TrainConfig
+from shardtune.data import (DataError, StepDataset, build_units, collate_packing, collate_padding, eval_batches,
+                            steps_per_epoch, train_loader)
+from shardtune.loss import IGNORE_INDEX
+
+PAD_ID = 0
+FIRST_ID = 1000  # example i starts with token FIRST_ID + i, so every batch can be traced back to its examples
+
+
+def make_examples(num: int, seed: int = 0, max_len: int = 40) -> list[dict]:
+    rng = random.Random(seed)
+    examples = []
+    for i in range(num):
+        length = rng.randint(3, max_len)
+        ids = [FIRST_ID + i] + [rng.randint(4, 99) for _ in range(length - 1)]
+        num_prompt = rng.randint(1, length - 1)
+        examples.append({"input_ids": ids, "labels": [IGNORE_INDEX] * num_prompt + ids[num_prompt:]})
+    return examples
+
+
+def make_cfg(strategy: str, batch_size: int = 2, accumulation: int = 1, **overrides) -> TrainConfig:
+    settings = {"context_length": 64, "seed": 3, "num_workers_dataloader": 0, **overrides}
+    return TrainConfig(batching_strategy=strategy, batch_size_training=batch_size,
+                       gradient_accumulation_steps=accumulation, **settings)
+
+
+def example_ids(micro_batch: dict) -> list[int]:
+    """Ids of the examples in a micro-batch, found by their first token."""
+    starts = micro_batch["position_ids"] == 0
+    ids = micro_batch["input_ids"][starts & (micro_batch["input_ids"] >= FIRST_ID)]
+    return [int(t) - FIRST_ID for t in ids]
+
+
+def unit_keys(micro_batch: dict) -> list[tuple[int, ...]]:
+    """One key per unit of the micro-batch: the ids of its examples."""
+    return [tuple(example_ids({k: v[row:row + 1] for k, v in micro_batch.items() if v.dim() == 2}))
+            for row in range(micro_batch["input_ids"].shape[0])]
+
+
+def test_packed_blocks_fit_hold_every_example_once_and_ignore_batch_settings():
+    examples = make_examples(100)
+    units = build_units(examples, make_cfg("packing"))
+    assert all(sum(len(ex["input_ids"]) for ex in unit) <= 64 for unit in units)
+    assert sorted(ex["input_ids"][0] for unit in units for ex in unit) == [FIRST_ID + i for i in range(100)]
+    assert len(units) < 100
+    assert build_units(examples, make_cfg("packing", batch_size=7, accumulation=3)) == units
+    # greedy: a block is closed only when the next example does not fit
+    for block, following in zip(units, units[1:]):
+        assert sum(len(ex["input_ids"]) for ex in block) + len(following[0]["input_ids"]) > 64
+    assert build_units(examples, make_cfg("padding")) == [[ex] for ex in examples]
+
+
+def test_packed_collation_restarts_positions_and_masks_boundaries():
+    examples = [{"input_ids": [1000, 5, 6], "labels": [1000, 5, 6]},
+                {"input_ids": [1001, 7], "labels": [IGNORE_INDEX, 7]}]
+    batch = collate_packing([examples], context_length=8, pad_id=PAD_ID)
+    assert batch["input_ids"].tolist() == [[1000, 5, 6, 1001, 7, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, 5, 6, -100, 7, -100, -100, -100]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 0, 0]]
+    mask = batch["attention_mask"]
+    assert mask.shape == (1, 1, 8, 8) and mask.dtype == torch.bool
+    expected = torch.zeros(8, 8, dtype=torch.bool)
+    expected[:3, :3] = torch.ones(3, 3, dtype=torch.bool).tril()
+    expected[3:5, 3:5] = torch.ones(2, 2, dtype=torch.bool).tril()
+    expected[5:, 5:] = torch.eye(3, dtype=torch.bool)
+    assert torch.equal(mask[0, 0], expected)
+
+
+def test_padding_collation_pads_right_and_masks_pads():
+    examples = [{"input_ids": [1000, 5, 6], "labels": [-100, 5, 6]}, {"input_ids": [1001], "labels": [1001]}]
+    batch = collate_padding(examples, pad_id=PAD_ID)
+    assert batch["input_ids"].tolist() == [[1000, 5, 6], [1001, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, 5, 6], [1001, -100, -100]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2], [0, 1, 2]]
+    assert all(t.dtype == torch.long for t in batch.values())
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attn_implementation="sdpa")
+    return LlamaForCausalLM(config).float().eval()
+
+
+@torch.no_grad()
+def test_packed_example_logits_equal_its_logits_alone():
+    model = tiny_llama()
+    rng = random.Random(1)
+    block = [{"input_ids": [rng.randint(1, 127) for _ in range(n)], "labels": [0] * n} for n in (9, 14, 5)]
+    batch = collate_packing([block], context_length=32, pad_id=PAD_ID)
+    packed = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"]).logits[0]
+    causal_only = batch["attention_mask"].clone()
+    causal_only[0, 0] = torch.ones(32, 32, dtype=torch.bool).tril()
+    leaky = model(input_ids=batch["input_ids"], attention_mask=causal_only,
+                  position_ids=batch["position_ids"]).logits[0]
+    start = 0
+    for example in block:
+        end = start + len(example["input_ids"])
+        alone = model(input_ids=torch.tensor([example["input_ids"]])).logits[0]
+        torch.testing.assert_close(packed[start:end], alone, atol=1e-5, rtol=0)
+        if start > 0:  # the test can fail: without the block-diagonal mask, later examples see earlier ones
+            assert (leaky[start:end] - alone).abs().max() > 1e-3
+        start = end
+
+
+LAYOUTS = [(1, 8, 1), (1, 2, 4), (2, 4, 1), (4, 2, 1)]  # (world size, micro-batch, accumulation)
+
+
+def steps_by_layout(units: list, strategy: str, epoch: int, seed: int = 3) -> dict[tuple, list[list[list]]]:
+    """layout -> step -> rank -> unit keys of that rank's micro-batches (in accumulation order)."""
+    out = {}
+    for world, batch_size, accumulation in LAYOUTS:
+        cfg = make_cfg(strategy, batch_size, accumulation)
+        cfg.seed = seed
+        per_rank = [StepDataset(units, cfg, rank, world, epoch, PAD_ID) for rank in range(world)]
+        out[(world, batch_size, accumulation)] = [
+            [[key for mb in ds[step] for key in unit_keys(mb)] for ds in per_rank]
+            for step in range(len(per_rank[0]))]
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["padding", "packing"])
+def test_every_layout_trains_on_the_same_global_batches(strategy):
+    units = build_units(make_examples(70 if strategy == "padding" else 150), make_cfg(strategy))
+    layouts = steps_by_layout(units, strategy, epoch=0)
+    reference = layouts[(1, 8, 1)]
+    assert len(reference) == len(units) // 8
+    for layout, steps in layouts.items():
+        assert len(steps) == len(reference), layout
+        for step, ranks in enumerate(steps):
+            union = [key for rank in ranks for key in rank]
+            assert Counter(union) == Counter(reference[step][0]), (layout, step)
+            assert len(set(union)) == len(union) == 8, (layout, step)  # ranks are disjoint
+    seen = [key for step in reference for key in step[0]]
+    assert len(set(seen)) == len(seen) == 8 * len(reference)  # no unit twice in an epoch
+
+    assert steps_by_layout(units, strategy, epoch=0) == layouts  # same seed, same order
+    next_epoch = steps_by_layout(units, strategy, epoch=1)[(1, 8, 1)]
+    assert [set(s[0]) for s in next_epoch] != [set(s[0]) for s in reference]
+    other_seed = steps_by_layout(units, strategy, epoch=0, seed=4)[(1, 8, 1)]
+    assert [set(s[0]) for s in other_seed] != [set(s[0]) for s in reference]
+
+
+def test_padding_micro_batches_are_length_grouped():
+    examples = make_examples(64, max_len=60)
+    cfg = make_cfg("padding", batch_size=2, accumulation=4)
+    units = build_units(examples, cfg)
+    world = 2
+    loaders = [StepDataset(units, cfg, rank, world, 0, PAD_ID) for rank in range(world)]
+    for step in range(len(loaders[0])):
+        # micro-batch j of rank r is slice j * world + r of the length-sorted global batch
+        ordered = [mb for j in range(4) for rank in range(world) for mb in [loaders[rank][step][j]]]
+        lengths = [int(n) for mb in ordered for n in mb["attention_mask"].sum(dim=1)]
+        assert lengths == sorted(lengths)
+        assert all(mb["input_ids"].shape[1] == int(mb["attention_mask"].sum(dim=1).max()) for mb in ordered)
+
+
+def test_steps_per_epoch_drops_the_partial_global_batch():
+    cfg = make_cfg("padding", batch_size=2, accumulation=3)
+    assert steps_per_epoch(25, cfg, world_size=2) == 2
+    with pytest.raises(DataError, match="dataset too small for effective batch 12"):
+        steps_per_epoch(11, cfg, world_size=2)
+
+
+def test_start_step_resumes_the_same_sequence():
+    cfg = make_cfg("packing", batch_size=2, accumulation=2)
+    units = build_units(make_examples(120), cfg)
+    full = StepDataset(units, cfg, rank=1, world_size=2, epoch=2, pad_id=PAD_ID)
+    resumed = StepDataset(units, cfg, rank=1, world_size=2, epoch=2, pad_id=PAD_ID, start_step=3)
+    assert len(resumed) == len(full) - 3
+    for i in range(len(resumed)):
+        for a, b in zip(resumed[i], full[i + 3]):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(IndexError):
+        resumed[len(resumed)]
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_train_loader_yields_the_step_dataset(num_workers):
+    cfg = make_cfg("padding", batch_size=3, accumulation=2, num_workers_dataloader=num_workers)
+    units = build_units(make_examples(40), cfg)
+    loader = train_loader(units, cfg, rank=0, world_size=2, epoch=0, pad_id=PAD_ID, start_step=1)
+    dataset = StepDataset(units, cfg, 0, 2, 0, PAD_ID, start_step=1)
+    steps = list(loader)
+    assert len(steps) == len(dataset) == len(units) // 12 - 1
+    for got, expected in zip(steps, (dataset[i] for i in range(len(dataset)))):
+        assert len(got) == 2
+        assert all(torch.equal(g[k], e[k]) for g, e in zip(got, expected) for k in e)
+
+
+@pytest.mark.parametrize("world, val_batch_size", [(1, 1), (2, 2), (3, 2), (4, 3)])
+def test_eval_batches_cover_each_example_once_with_equal_counts(world, val_batch_size):
+    examples = make_examples(11)
+    cfg = make_cfg("packing", val_batch_size=val_batch_size)
+    per_rank = [eval_batches(examples, cfg, rank, world, PAD_ID) for rank in range(world)]
+    assert len({len(batches) for batches in per_rank}) == 1
+    seen = [i for batches in per_rank for mb in batches for i in example_ids(mb)]
+    assert sorted(seen) == list(range(11))
+    for batches in per_rank:
+        for mb in batches:
+            assert mb["input_ids"].shape[0] <= val_batch_size and mb["attention_mask"].dim() == 2
+            if not example_ids(mb):  # a dummy batch: joins the collectives, contributes no loss
+                assert (mb["labels"] == IGNORE_INDEX).all() and mb["attention_mask"].all()
+
+
+def test_max_eval_step_caps_batches_per_rank():
+    cfg = make_cfg("padding", val_batch_size=2, max_eval_step=2)
+    per_rank = [eval_batches(make_examples(20), cfg, rank, 3, PAD_ID) for rank in range(3)]
+    assert [len(b) for b in per_rank] == [2, 2, 2]
+    seen = [i for batches in per_rank for mb in batches for i in example_ids(mb)]
+    assert len(seen) == len(set(seen)) == 12
