@@ -1,12 +1,28 @@
-"""Token-level loss: a SUM over labelled tokens, so the caller can normalise by the global token count."""
+"""Token-level loss: a SUM over labelled tokens, so the caller can normalise by the global token count.
+
+The default path is lean: the model's own forward runs (so DDP, FSDP2 and PEFT hooks all fire), but its output
+head is asked for the loss instead of the logits. The head then takes only the positions that carry a label and
+computes cross-entropy over chunks of them (:class:`ChunkedLinearCrossEntropy`), so no (sequence x vocabulary)
+logits tensor ever exists: peak memory is O(chunk x vocab). Models whose forward post-processes the logits
+(soft-capping, scaling) are not in LEAN_MODEL_TYPES and take the plain full-logits path.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 IGNORE_INDEX = -100
+# HF causal LMs whose forward is `logits = lm_head(hidden); return logits` (nothing applied to the logits after).
+LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# fp32 logits per chunk: 128 MiB on CPU (256 rows at Llama 3's vocabulary of 128,256); 1 GiB on GPU (2,048 rows,
+# matmuls large enough to run at full rate)
+CHUNK_ELEMENTS = {"cpu": 1 << 25, "cuda": 1 << 28}
 
 
 def num_label_tokens(labels: torch.Tensor) -> int:
@@ -20,7 +36,21 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict[s
 
 
 def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of next-token cross-entropy over labelled tokens of one micro-batch, computed in fp32."""
+    """Sum of next-token cross-entropy over labelled tokens of one micro-batch, computed in fp32.
+
+    ``model`` is what the loop calls: a DDP-, FSDP2- or PEFT-wrapped (or bare) Hugging Face causal LM.
+    """
+    targets = batch["labels"][:, 1:].to(device, non_blocking=True)
+    head = lean_head(model)
+    if head is None:
+        return full_logits_loss_sum(model, batch, device)
+    with head_returns_loss(head, targets) as result:
+        model(**model_inputs(batch, device), use_cache=False)
+    return result["loss_sum"]
+
+
+def full_logits_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The plain path: full-sequence logits, then cross-entropy. The reference the lean path is tested against."""
     out = model(**model_inputs(batch, device), use_cache=False)
     logits = out.logits[:, :-1, :]
     targets = batch["labels"][:, 1:].to(device, non_blocking=True)
@@ -30,3 +60,116 @@ def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: tor
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+
+
+def hf_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside the DDP / PEFT wrappers (FSDP2 shards in place, it adds no wrapper)."""
+    while True:
+        if hasattr(model, "get_base_model"):  # peft.PeftModel
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), nn.Module):  # DistributedDataParallel
+            model = model.module
+        else:
+            return model
+
+
+_fallback_noted: set[str] = set()
+
+
+def lean_head(model: nn.Module) -> nn.Linear | None:
+    """The output head the lean path can take over, or None (with a one-time note saying why)."""
+    inner = hf_model(model)
+    model_type = getattr(getattr(inner, "config", None), "model_type", None)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    reason = None
+    if model_type not in LEAN_MODEL_TYPES:
+        reason = f"model type {model_type!r} may transform its logits after the head"
+    elif type(head) is not nn.Linear or head.bias is not None:
+        reason = f"its output head is a {type(head).__name__}, not a bias-free nn.Linear"
+    if reason is None:
+        return head
+    if reason not in _fallback_noted:
+        _fallback_noted.add(reason)
+        print(f"shardtune: note: full-logits loss (more memory): {reason}", file=sys.stderr, flush=True)
+    return None
+
+
+@contextlib.contextmanager
+def head_returns_loss(head: nn.Linear, targets: torch.Tensor) -> Iterator[dict[str, torch.Tensor]]:
+    """While active, ``head(hidden)`` returns the cross-entropy sum against ``targets`` instead of logits.
+
+    The head is still *called* by the model's own forward, so wrappers' hooks (FSDP2 unshard, DDP, PEFT prefix
+    injection) run as usual; only the head's computation changes. The loss is also returned as the model's
+    ``logits`` output; it is read from ``result`` so that nothing relies on that.
+    """
+    result: dict[str, torch.Tensor] = {}
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        result["loss_sum"] = linear_cross_entropy_sum(hidden[:, :-1, :], head.weight, targets)
+        return result["loss_sum"]
+
+    head.forward = forward
+    try:
+        yield result
+    finally:
+        del head.forward
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                             chunk_rows: int | None = None) -> torch.Tensor:
+    """sum over labelled positions of cross_entropy(hidden @ weight.T, target), without full logits.
+
+    hidden (B, T, H), targets (B, T) with IGNORE_INDEX where no loss is taken; weight (V, H).
+    """
+    keep = targets != IGNORE_INDEX
+    rows = hidden[keep]
+    if chunk_rows is None:
+        chunk_rows = max(16, CHUNK_ELEMENTS.get(hidden.device.type, 1 << 25) // weight.size(0))
+    return ChunkedLinearCrossEntropy.apply(rows, weight, targets[keep], chunk_rows)
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of a linear layer's output, chunk by chunk over rows, gradients computed in forward.
+
+    For each chunk of rows: logits = rows @ W^T (in the rows' dtype, fp32 for the softmax), loss += logsumexp
+    - logit[target], and, when gradients are needed, dlogits = softmax - onehot gives d rows = dlogits @ W
+    and dW += dlogits^T @ rows. The chunk's logits are then freed. Backward only scales the stored
+    gradients by the incoming gradient of the (scalar) loss. Same matmul count as the plain path, and
+    eval (no gradients needed) skips the gradient work.
+    """
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                chunk_rows: int) -> torch.Tensor:
+        need_rows_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        compute_dtype = rows.dtype
+        w = weight.to(compute_dtype)
+        loss = torch.zeros((), dtype=torch.float32, device=rows.device)
+        grad_rows = torch.empty_like(rows) if need_rows_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
+        for start in range(0, rows.size(0), chunk_rows):
+            chunk = rows[start:start + chunk_rows]
+            target = targets[start:start + chunk_rows]
+            logits = (chunk @ w.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            loss += (lse - logits.gather(1, target[:, None]).squeeze(1)).sum()
+            if need_rows_grad or need_weight_grad:
+                dlogits = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                dlogits[torch.arange(chunk.size(0), device=chunk.device), target] -= 1.0
+                if need_rows_grad:
+                    grad_rows[start:start + chunk_rows] = (dlogits.to(compute_dtype) @ w).to(rows.dtype)
+                if need_weight_grad and compute_dtype == torch.float32:
+                    grad_weight.addmm_(dlogits.t(), chunk)
+                elif need_weight_grad:  # bf16 / fp16 matmul, accumulated across chunks in fp32
+                    grad_weight += dlogits.t().to(compute_dtype) @ chunk
+            del logits
+        ctx.save_for_backward(grad_rows, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_rows, grad_weight = ctx.saved_tensors
+        d_rows = grad_rows * grad_loss.to(grad_rows.dtype) if grad_rows is not None else None
+        d_weight = (grad_weight * grad_loss).to(ctx.weight_dtype) if grad_weight is not None else None
+        return d_rows, d_weight, None, None

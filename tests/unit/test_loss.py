@@ -1,0 +1,132 @@
+"""The lean loss (the training default) gives the plain full-logits loss and gradients, in every wrapper the
+loop sees: bare, DDP, FSDP2 (fully_shard per decoder layer, then the root), PEFT LoRA and prefix tuning."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from shardtune.data.batching import collate_packing, collate_padding
+from shardtune.loss import (IGNORE_INDEX, full_logits_loss_sum, lean_head, linear_cross_entropy_sum,
+                            token_loss_sum)
+from shardtune.models import load_model
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    """A real one-process gloo group, as torchrun's single worker has."""
+    init_file = tmp_path_factory.mktemp("pg") / "init"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def examples(num: int, seed: int = 0) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(num):
+        length = int(torch.randint(12, 40, (1,), generator=gen))
+        ids = torch.randint(4, 1000, (length,), generator=gen).tolist()
+        prompt = length // 2
+        rows.append({"input_ids": ids, "labels": [IGNORE_INDEX] * prompt + ids[prompt:]})
+    return rows
+
+
+BATCHES = {
+    "padding": lambda: collate_padding(examples(3), pad_id=3),
+    "packing": lambda: collate_packing([examples(3, 1), examples(2, 2)], context_length=128, pad_id=3),
+}
+
+
+def loss_and_grads(model, batch, loss_fn):
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model, batch, CPU)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def assert_same(model_lean, model_full, batch):
+    lean, lean_grads = loss_and_grads(model_lean, batch, token_loss_sum)
+    full, full_grads = loss_and_grads(model_full, batch, full_logits_loss_sum)
+    assert lean.item() == pytest.approx(full.item(), rel=1e-6)
+    assert lean_grads.keys() == full_grads.keys() and lean_grads
+    for name, g in full_grads.items():
+        h = lean_grads[name]
+        if isinstance(g, torch.distributed.tensor.DTensor):
+            g, h = g.full_tensor(), h.full_tensor()
+        assert float((h - g).abs().max() / g.abs().max().clamp_min(1e-12)) <= 1e-5, name
+
+
+@pytest.mark.parametrize("batching", list(BATCHES))
+def test_lean_loss_equals_full_logits_loss_and_gradients(batching, tiny_model):
+    model = load_model(str(tiny_model))
+    assert lean_head(model) is not None
+    assert_same(model, model, BATCHES[batching]())
+
+
+def test_chunked_cross_entropy_equals_plain_cross_entropy_across_many_chunks():
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 50, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(300, 16, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 300, (2, 50), generator=gen)
+    targets[0, :20] = IGNORE_INDEX
+    lean = linear_cross_entropy_sum(hidden, weight, targets, chunk_rows=7)
+    d_hidden, d_weight = torch.autograd.grad(lean * 0.5, (hidden, weight))
+    full = F.cross_entropy((hidden @ weight.t()).reshape(-1, 300), targets.reshape(-1), reduction="sum")
+    e_hidden, e_weight = torch.autograd.grad(full * 0.5, (hidden, weight))
+    assert lean.item() == pytest.approx(full.item(), rel=1e-6)
+    torch.testing.assert_close(d_hidden, e_hidden, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(d_weight, e_weight, rtol=1e-5, atol=1e-6)
+
+
+def test_lean_loss_under_ddp(tiny_model, process_group):
+    model = DistributedDataParallel(load_model(str(tiny_model)))
+    assert_same(model, model, BATCHES["packing"]())
+
+
+def test_lean_loss_under_fsdp2(tiny_model, process_group):
+    def sharded():
+        model = load_model(str(tiny_model))
+        for layer in model.model.layers:
+            fully_shard(layer)
+        return fully_shard(model)
+
+    lean_model, full_model = sharded(), sharded()
+    for _ in range(2):  # the second step runs with the root's parameters as FSDP2 leaves them after a step
+        assert_same(lean_model, full_model, BATCHES["padding"]())
+
+
+@pytest.mark.parametrize("method", ["lora", "prefix"])
+def test_lean_loss_under_peft(method, tiny_model):
+    import peft
+
+    config = (peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"], task_type="CAUSAL_LM")
+              if method == "lora" else peft.PrefixTuningConfig(num_virtual_tokens=5, task_type="CAUSAL_LM"))
+    torch.manual_seed(0)
+    model = peft.get_peft_model(load_model(str(tiny_model)), config)
+    if method == "lora":
+        assert lean_head(model) is None, "a LoRA-adapted head is not a plain Linear: the plain path must be taken"
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        model = peft.get_peft_model(load_model(str(tiny_model)), config)
+    for p in model.parameters():  # non-zero LoRA B, so that every adapter weight gets a gradient
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.02)
+    assert lean_head(model) is not None
+    assert_same(model, copy.deepcopy(model), BATCHES["padding"]())
+
+
+def test_eval_without_gradients_gives_the_same_loss(tiny_model):
+    model = load_model(str(tiny_model))
+    batch = BATCHES["packing"]()
+    with torch.no_grad():
+        assert token_loss_sum(model, batch, CPU).item() == pytest.approx(
+            full_logits_loss_sum(model, batch, CPU).item(), rel=1e-6)
