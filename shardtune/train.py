@@ -21,6 +21,7 @@ from tqdm import tqdm
 from shardtune import data
 from shardtune.config import TrainConfig
 from shardtune.distributed import DistEnv, all_reduce_sum
+from shardtune.flops import ModelShape, measured_peak_flops, model_shape, training_flops_per_token
 from shardtune.loss import num_label_tokens, token_loss_sum
 from shardtune.metrics import MetricsWriter, peak_memory_bytes, perplexity
 from shardtune.parallel.base import Strategy
@@ -69,11 +70,15 @@ def num_input_tokens(batch: dict[str, torch.Tensor]) -> int:
 
 
 def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer,
-               micro_batches: list[dict[str, torch.Tensor]], cfg: TrainConfig, env: DistEnv) -> dict:
-    """One optimizer step over this rank's micro-batches; returns the global loss and counts."""
+               micro_batches: list[dict[str, torch.Tensor]], cfg: TrainConfig, env: DistEnv,
+               shape: ModelShape | None = None) -> dict:
+    """One optimizer step over this rank's micro-batches; returns the global loss and counts (and the step's
+    model FLOPs on all ranks when ``shape`` is given)."""
     local_counts = torch.tensor([sum(num_label_tokens(mb["labels"]) for mb in micro_batches),
-                                 sum(num_input_tokens(mb) for mb in micro_batches)])
-    num_tokens, input_tokens = (int(x) for x in all_reduce_sum(local_counts, env.device))
+                                 sum(num_input_tokens(mb) for mb in micro_batches),
+                                 sum(training_flops_per_token(shape, mb["input_ids"].size(1)) * num_input_tokens(mb)
+                                     for mb in micro_batches) if shape is not None else 0])
+    num_tokens, input_tokens, flops = (int(x) for x in all_reduce_sum(local_counts, env.device))
     scale = strategy.grad_average_size / max(num_tokens, 1)
     local_loss_sum = torch.zeros((), dtype=torch.float64)
     last = len(micro_batches) - 1
@@ -89,7 +94,8 @@ def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Opti
     if cfg.gradient_clipping:
         grad_norm = strategy.clip_grad_norm(model, optimizer, cfg.gradient_clipping_threshold)
     strategy.optimizer_step(optimizer)
-    return {"loss": loss, "num_tokens": num_tokens, "input_tokens": input_tokens, "grad_norm": grad_norm}
+    return {"loss": loss, "num_tokens": num_tokens, "input_tokens": input_tokens, "grad_norm": grad_norm,
+            "flops": flops}
 
 
 @torch.no_grad()
@@ -116,6 +122,10 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
     if cfg.max_train_step:
         total_steps = min(total_steps, cfg.max_train_step)
     scheduler, scheduler_unit = build_scheduler(optimizer, cfg, total_steps)
+    shape = model_shape(model)
+    # every rank measures its own matmul rate at the same moment (so shared cores are shared as in training)
+    peak_flops = float(all_reduce_sum(torch.tensor(measured_peak_flops(str(env.device)), dtype=torch.float64),
+                                      env.device))
     eval_batches = (data.eval_batches(eval_examples, cfg, env.rank, env.world_size, pad_id)
                     if cfg.run_validation else [])
 
@@ -131,7 +141,7 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
             if result.steps >= total_steps:
                 break
             lr = optimizer.param_groups[0]["lr"]
-            stats = train_step(model, strategy, optimizer, micro_batches, cfg, env)
+            stats = train_step(model, strategy, optimizer, micro_batches, cfg, env, shape)
             if scheduler_unit == "step":
                 scheduler.step()
             now = time.perf_counter()
@@ -150,12 +160,15 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
                 "input_tokens_per_s": stats["input_tokens"] / step_time_s,
                 "step_time_s": step_time_s,
                 "peak_memory_bytes": peak_memory_bytes(env.device),
+                "model_flops_per_s": stats["flops"] / step_time_s,
+                "mfu": stats["flops"] / step_time_s / peak_flops,
             }
             if stats["grad_norm"] is not None:
                 row["grad_norm"] = stats["grad_norm"]
             writer.write(row)
             bar.update(1)
-            bar.set_postfix(loss=f"{stats['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+            bar.set_postfix(loss=f"{stats['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                            mfu=f"{row['mfu']:.1%}", refresh=False)
         if scheduler_unit == "epoch":
             scheduler.step()
         if cfg.run_validation:
