@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 export TOKENIZERS_PARALLELISM=false
-shardtune sft --config recipes/demo.yaml "$@"
+shardtune sft --config recipes/demo.yaml --overwrite_output_dir true "$@"

@@ -21,6 +21,12 @@ def staging_dir(out_dir: Path, what: str) -> Path:
     return path
 
 
+def remove_stale_staging(out_dir: Path) -> None:
+    """Drop what an interrupted save left behind: staging folders are never part of a published model."""
+    for path in out_dir.glob(".staging-*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def publish_dir(staging: Path, out_dir: Path) -> None:
     """Move every file of ``staging`` into ``out_dir`` by atomic renames, the loadability-defining files last."""
     names = sorted(os.listdir(staging), key=lambda n: (n in LAST_FILES, n))

@@ -144,6 +144,7 @@ class TrainConfig:
     val_batch_size: int = _f(1, "eval micro-batch size per device")
     run_validation: bool = _f(True, "evaluate at the end of each epoch")
     output_dir: str = _f("output", "where the model, config.yaml and metrics.jsonl are written")
+    overwrite_output_dir: bool = _f(False, "allow a new run to replace the outputs of a previous run in output_dir")
     save_model: bool = _f(True, "write the final model (or adapter) to output_dir")
     save_metrics: bool = _f(True, "write metrics.jsonl to output_dir")
     use_fp16: bool = _f(False, "fp16 autocast with a gradient scaler (GPU)")
@@ -161,7 +162,10 @@ class TrainConfig:
     from_peft_checkpoint: str = _f("", "adapter directory to continue training from")
     quantization: str = _f("", "4bit (QLoRA, bitsandbytes) or 8bit (not with FSDP); empty: none",
                            choices=QUANTIZATIONS)
-    use_fast_kernels: bool = _f(False, "fastest attention / fused kernels the install supports")
+    use_fast_kernels: bool = _f(False, "fastest attention / fused kernels the install supports: flash-attention 2 "
+                                       "(if installed, CUDA), else SDPA; liger-kernel fused RMSNorm / SwiGLU / "
+                                       "RoPE on CUDA (pip install 'shardtune[fast]')")
+    compile: bool = _f(False, "torch.compile each decoder layer (first steps are slower while it compiles)")
     save_steps: int = _f(0, "write a sharded checkpoint every N optimizer steps (and at each epoch end); 0: only "
                             "at epoch ends when checkpointing is on")
     save_total_limit: int = _f(0, "keep the last K checkpoints; 0: keep all")
@@ -423,6 +427,22 @@ def _check_core(cfg: TrainConfig, world_size: int) -> None:
         if not 0 <= frac < 1:
             raise ConfigError(f"--{frac_key} {frac} must be in [0, 1)")
     _check_output_dir(cfg.output_dir)
+    _check_previous_run(cfg)
+
+
+# Files whose presence means output_dir already holds a run.
+RUN_FILES = ("metrics.jsonl", "config.yaml", "config.json", "adapter_config.json")
+
+
+def _check_previous_run(cfg: TrainConfig) -> None:
+    """Never overwrite a previous run's outputs by accident (resuming it, or a torchrun restart, is fine)."""
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if cfg.overwrite_output_dir or cfg.resume or restarted:
+        return
+    found = [name for name in RUN_FILES if (Path(cfg.output_dir) / name).exists()]
+    if found:
+        raise ConfigError(f"--output_dir {cfg.output_dir} already holds a run ({found[0]}): pass another directory, "
+                          "--resume latest to continue it, or --overwrite_output_dir true to replace it")
 
 
 def _check_output_dir(output_dir: str) -> None:
@@ -457,10 +477,54 @@ def effective_batch_size(cfg: TrainConfig, world_size: int) -> int:
     return cfg.batch_size_training * world_size * cfg.gradient_accumulation_steps
 
 
+# FSDP settings that only mean something with --enable_fsdp (checkpoint_type belongs to checkpointing).
+FSDP_ONLY_SETTINGS = ("sharding_strategy", "hsdp", "sharding_group_size", "replica_group_size", "pure_bf16",
+                      "fsdp_activation_checkpointing", "fsdp_cpu_offload")
+
+
+@validator
+def _check_fsdp(cfg: TrainConfig, world_size: int) -> None:
+    fc, defaults = cfg.fsdp_config, FsdpConfig()
+    if cfg.use_fp16 and fc.pure_bf16:
+        raise ConfigError("--use_fp16 and --fsdp_config.pure_bf16 are both set: fp16 and bf16 exclude each other; "
+                          "drop one of them")
+    if not cfg.enable_fsdp:
+        changed = [n for n in FSDP_ONLY_SETTINGS if getattr(fc, n) != getattr(defaults, n)]
+        if changed:
+            raise ConfigError(f"--fsdp_config.{changed[0]} {getattr(fc, changed[0])} has no effect without FSDP: "
+                              "add --enable_fsdp or drop the flag")
+        if cfg.low_cpu_fsdp:
+            raise ConfigError("--low_cpu_fsdp needs --enable_fsdp (rank-0-only loading shards the model): "
+                              "add --enable_fsdp or drop the flag")
+        return
+    if cfg.quantization == "8bit":
+        raise ConfigError("--quantization 8bit is not supported with --enable_fsdp (bitsandbytes 8-bit weights "
+                          "cannot be sharded): use --quantization 4bit, or drop --enable_fsdp")
+    hybrid = fc.sharding_strategy == "HYBRID_SHARD"
+    if fc.hsdp and not hybrid:
+        raise ConfigError(f"--fsdp_config.hsdp true needs --fsdp_config.sharding_strategy HYBRID_SHARD, not "
+                          f"{fc.sharding_strategy}: set it, or drop --fsdp_config.hsdp")
+    sizes = {"sharding_group_size": fc.sharding_group_size, "replica_group_size": fc.replica_group_size}
+    for name, size in sizes.items():
+        if size < 0:
+            raise ConfigError(f"--fsdp_config.{name} {size} must be >= 0 (0: derived)")
+        if size and not hybrid:
+            raise ConfigError(f"--fsdp_config.{name} {size} only applies to --fsdp_config.sharding_strategy "
+                              f"HYBRID_SHARD (not {fc.sharding_strategy}): set it, or drop the flag")
+        if size and world_size % size:
+            raise ConfigError(f"--fsdp_config.{name} {size} does not divide the world size {world_size}: pass a "
+                              f"divisor of {world_size}")
+    shard, replicas = fc.sharding_group_size, fc.replica_group_size
+    if shard and replicas and shard * replicas != world_size:
+        raise ConfigError(f"--fsdp_config.sharding_group_size {shard} x --fsdp_config.replica_group_size {replicas} "
+                          f"= {shard * replicas}, but the world size is {world_size}: make their product "
+                          f"{world_size}, or set one of them to 0 (derived)")
+
+
 # Settings whose implementation has not landed yet: refusing them beats ignoring them silently.
 UNAVAILABLE = {
-    "enable_fsdp": "FSDP", "low_cpu_fsdp": "rank-0-only loading", "use_peft": "PEFT", "quantization": "quantization",
-    "use_fast_kernels": "fast kernels", "save_steps": "checkpoints", "resume": "resume",
+    "use_peft": "PEFT", "quantization": "quantization",
+    "save_steps": "checkpoints", "resume": "resume",
 }
 
 

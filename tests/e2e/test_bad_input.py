@@ -53,3 +53,15 @@ def test_unwritable_output_dir_is_rejected(tiny_model, run_cli, tmp_path):
 def test_unknown_subcommand(run_cli):
     proc = run_cli("sfft", check=False)
     assert proc.returncode == 2 and "unknown command 'sfft'" in proc.stderr
+
+
+def test_a_previous_run_is_never_overwritten_by_accident(tiny_model, run_cli, tmp_path):
+    out = tmp_path / "run"
+    args = ("sft", "--model_name", tiny_model, "--output_dir", out, "--max_train_step", 1, "--run_validation", "false",
+            "--synthetic_dialogues.num_train", 16, "--num_workers_dataloader", 0)
+    run_cli(*args)
+    before = (out / "metrics.jsonl").read_text()
+    proc = run_cli(*args, check=False)
+    assert_one_line_error(proc, "already holds a run", "--overwrite_output_dir true")
+    assert (out / "metrics.jsonl").read_text() == before
+    run_cli(*args, "--overwrite_output_dir", "true")
