@@ -71,6 +71,7 @@ SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
 CHECKPOINT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 PEFT_METHODS = ("lora", "llama_adapter", "prefix")
 QUANTIZATIONS = ("", "4bit", "8bit")
+NAN_POLICIES = ("stop", "skip")
 
 
 @dataclass
@@ -85,9 +86,10 @@ class FsdpConfig:
     pure_bf16: bool = _f(False, "parameters, gradients and optimizer state in bf16 (less memory, less accuracy)")
     fsdp_activation_checkpointing: bool = _f(False, "recompute each decoder layer's activations in backward")
     fsdp_cpu_offload: bool = _f(False, "keep sharded parameters, gradients and optimizer state in CPU memory")
-    checkpoint_type: str = _f("SHARDED_STATE_DICT", "SHARDED_STATE_DICT (each rank writes its shard) or "
-                                                    "FULL_STATE_DICT (also a gathered HF model)",
-                              choices=CHECKPOINT_TYPES)
+    checkpoint_type: str = _f("", "SHARDED_STATE_DICT (each rank writes its shard) or FULL_STATE_DICT (also a "
+                                  "gathered HF model in the checkpoint); setting it turns checkpoints on (at epoch "
+                                  "ends); empty: SHARDED_STATE_DICT when --save_steps > 0, else no checkpoints",
+                              choices=("", *CHECKPOINT_TYPES))
 
 
 @dataclass
@@ -166,10 +168,17 @@ class TrainConfig:
                                        "(if installed, CUDA), else SDPA; liger-kernel fused RMSNorm / SwiGLU / "
                                        "RoPE on CUDA (pip install 'shardtune[fast]')")
     compile: bool = _f(False, "torch.compile each decoder layer (first steps are slower while it compiles)")
-    save_steps: int = _f(0, "write a sharded checkpoint every N optimizer steps (and at each epoch end); 0: only "
-                            "at epoch ends when checkpointing is on")
+    save_steps: int = _f(0, "write a sharded checkpoint to output_dir/checkpoints/ every N optimizer steps, at each "
+                            "epoch end and after the last step; 0: none, unless --checkpoint_type is set (then at "
+                            "epoch ends and after the last step)")
     save_total_limit: int = _f(0, "keep the last K checkpoints; 0: keep all")
-    resume: str = _f("", "latest, or a checkpoint directory, to resume training exactly")
+    resume: str = _f("", "latest (newest complete checkpoint of output_dir), a checkpoint folder, or another run's "
+                         "output dir: continue exactly where it stopped (any number of processes); a worker group "
+                         "restarted by torchrun (--max_restarts) resumes from latest by itself")
+    nan_policy: str = _f("stop", "on a non-finite (NaN/Inf) loss or gradient norm on any rank: stop (before the "
+                                 "optimizer step; the last checkpoint stays latest) or skip (no weight or optimizer "
+                                 "update; the step still counts: its data is used up and the LR schedule advances)",
+                         choices=NAN_POLICIES)
 
     synthetic_dialogues: SyntheticDialoguesConfig = _f(SyntheticDialoguesConfig(), "embedded dialogue data")
     samsum_dataset: SamsumDatasetConfig = _f(SamsumDatasetConfig(), "SAMSum-format data")
@@ -524,7 +533,6 @@ def _check_fsdp(cfg: TrainConfig, world_size: int) -> None:
 # Settings whose implementation has not landed yet: refusing them beats ignoring them silently.
 UNAVAILABLE = {
     "use_peft": "PEFT", "quantization": "quantization",
-    "save_steps": "checkpoints", "resume": "resume",
 }
 
 

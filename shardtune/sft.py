@@ -14,16 +14,21 @@ from pathlib import Path
 import torch
 
 from shardtune import data
-from shardtune.checkpoint import save_hf_model, write_text_atomic
+from shardtune.checkpoint import (
+    Checkpointer, CheckpointError, remove_stale_staging, save_hf_model, write_text_atomic,
+)
 from shardtune.config import ConfigError, TrainConfig, effective_batch_size, help_text, parse_args, to_yaml, validate
 from shardtune.distributed import (
     DistEnv, barrier, init_distributed, is_torchrun_worker, print0, seed_everything, shutdown,
 )
 from shardtune.launch import launch, resolve_nnodes, resolve_nproc, split_launcher_args, torchrun_argv
 from shardtune.metrics import MetricsWriter
-from shardtune.models import check_model_source, count_parameters, load_model, load_tokenizer, resolve_model_name
+from shardtune.models import (
+    build_model_on_meta, check_model_source, count_parameters, load_model, load_tokenizer, resolve_model_name,
+)
 from shardtune.parallel import make_strategy
-from shardtune.train import TrainResult, train
+from shardtune.speed import apply_speed_features
+from shardtune.train import TrainingStopped, TrainResult, train
 
 
 def prepare(cfg: TrainConfig, world_size: int) -> None:
@@ -51,8 +56,12 @@ def load_data(cfg: TrainConfig, env: DistEnv, tokenizer) -> tuple[list, list[dic
 
 
 def build_model(cfg: TrainConfig, env: DistEnv) -> torch.nn.Module:
-    """The model to train, before wrapping: fp32 master weights."""
-    return load_model(cfg.model_name, dtype=torch.float32)
+    """The model to train, before wrapping: fp32 master weights (bf16 with pure_bf16). With low_cpu_fsdp only
+    global rank 0 reads the weights; the others build on the meta device and receive theirs after sharding."""
+    dtype = torch.bfloat16 if cfg.enable_fsdp and cfg.fsdp_config.pure_bf16 else torch.float32
+    if cfg.low_cpu_fsdp and env.rank != 0:
+        return build_model_on_meta(cfg.model_name, dtype=dtype)
+    return load_model(cfg.model_name, dtype=dtype)
 
 
 def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, tokenizer) -> None:
@@ -68,11 +77,13 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     out_dir = Path(cfg.output_dir)
     if env.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(out_dir)
         write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
     tokenizer = load_tokenizer(cfg.tokenizer_name or cfg.model_name)
     units, eval_examples = load_data(cfg, env, tokenizer)
 
     model = build_model(cfg, env)
+    apply_speed_features(model, cfg, env.device)
     num_params, num_trainable = count_parameters(model)
     strategy = make_strategy(cfg, env)
     model = strategy.wrap(model)
@@ -82,9 +93,12 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
            f"{cfg.gradient_accumulation_steps} accumulation = {effective_batch_size(cfg, env.world_size)} "
            f"{'packed blocks' if cfg.batching_strategy == 'packing' else 'examples'} per step")
 
-    writer = MetricsWriter(out_dir / "metrics.jsonl" if env.is_main and cfg.save_metrics else None)
+    checkpointer = Checkpointer(cfg, env, strategy, tokenizer)
+    metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.save_metrics else None
+    append = metrics_path is not None and checkpointer.keep_metrics_rows(metrics_path)
+    writer = MetricsWriter(metrics_path, append=append)
     try:
-        result = train(model, strategy, cfg, env, units, eval_examples, tokenizer.pad_token_id, writer)
+        result = train(model, strategy, cfg, env, units, eval_examples, tokenizer.pad_token_id, writer, checkpointer)
     finally:
         writer.close()
     if cfg.save_model:
@@ -131,6 +145,10 @@ def run_worker(cfg: TrainConfig) -> int:
         fine_tune(cfg, env)
     except ConfigError as e:  # data errors found while loading
         fail(f"{e}" if env.world_size == 1 else f"(rank {env.rank}) {e}", cfg.debug)
+        return 1
+    except (CheckpointError, TrainingStopped) as e:  # raised on every rank alike
+        if env.is_main:
+            fail(str(e), cfg.debug)
         return 1
     finally:
         shutdown()

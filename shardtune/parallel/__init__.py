@@ -8,6 +8,10 @@ from shardtune.parallel.base import Strategy
 
 
 def make_strategy(cfg: TrainConfig, env: DistEnv) -> Strategy:
+    if cfg.enable_fsdp:
+        from shardtune.parallel.fsdp import FSDPStrategy
+
+        return FSDPStrategy(cfg, env)
     from shardtune.parallel.ddp import DDPStrategy
 
     return DDPStrategy(cfg, env)

@@ -1,0 +1,262 @@
+"""Sharded data parallel with PyTorch FSDP2 (``fully_shard`` on a replicate x shard device mesh).
+
+Wrapping order (torchtitan's): activation checkpointing on each decoder layer, then ``fully_shard`` on each
+decoder layer (bottom-up), then on the root. The decoder layer class comes from the model's
+``_no_split_modules``, so any Hugging Face causal LM works, also inside a PEFT wrapper.
+
+FSDP2 averages gradients over all data-parallel ranks (reduce-scatter within the shard group, all-reduce
+across replicas), so ``grad_average_size`` is the world size, as for DDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from shardtune.config import TrainConfig
+from shardtune.distributed import DistEnv, print0
+from shardtune.memory import human_bytes, local_state_bytes
+from shardtune.metrics import peak_memory_bytes
+from shardtune.parallel.base import Strategy, dtype_name
+
+MESH_DIMS = ("replicate", "shard")
+
+PURE_BF16_COST = ("pure bf16: weights, gradients and AdamW state in bf16 (8 significant bits): updates smaller "
+                  "than ~1/256 of a weight are rounded away, so small learning rates train less well than with "
+                  "fp32 master weights")
+
+
+# -- mesh ----------------------------------------------------------------------------------------------------------
+
+def mesh_shape(cfg: TrainConfig, world_size: int, local_world_size: int) -> tuple[int, int]:
+    """(replicas, ranks per replica) for the sharding strategy; validated sizes (config.py) divide the world."""
+    strategy = cfg.fsdp_config.sharding_strategy
+    if strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        return 1, world_size
+    if strategy == "NO_SHARD":
+        return world_size, 1
+    shard = cfg.fsdp_config.sharding_group_size
+    replicas = cfg.fsdp_config.replica_group_size
+    if not shard:
+        shard = world_size // replicas if replicas else local_world_size
+    return world_size // shard, shard
+
+
+def build_mesh(cfg: TrainConfig, env: DistEnv) -> DeviceMesh:
+    return init_device_mesh(env.device.type, mesh_shape(cfg, env.world_size, env.local_world_size),
+                            mesh_dim_names=MESH_DIMS)
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh handed to fully_shard: 1-D (pure sharding) when there is a single replica, else 2-D (HSDP)."""
+    return mesh["shard"] if mesh.shape[0] == 1 else mesh
+
+
+# -- precision -----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Precision:
+    load_dtype: torch.dtype          # dtype of the weights as loaded (and of optimizer state)
+    policy: MixedPrecisionPolicy     # what FSDP2 casts to for compute and for the gradient reduction
+    use_grad_scaler: bool
+
+    def describe(self) -> str:
+        compute = self.policy.param_dtype or self.load_dtype
+        reduce = self.policy.reduce_dtype or compute
+        text = (f"weights {dtype_name(self.load_dtype)}, compute {dtype_name(compute)}, "
+                f"gradient reduction {dtype_name(reduce)}")
+        if self.use_grad_scaler:
+            text += ", sharded gradient scaler"
+        if self.load_dtype == torch.bfloat16:
+            text += f" ({PURE_BF16_COST})"
+        return text
+
+
+def resolve_precision(cfg: TrainConfig, device: torch.device) -> Precision:
+    """pure_bf16: everything bf16. use_fp16: fp16 compute, fp32 master weights and reduction, loss scaling.
+    mixed_precision on a bf16 GPU: bf16 compute, fp32 master weights and reduction. Otherwise fp32 (CPU)."""
+    if cfg.fsdp_config.pure_bf16:
+        return Precision(torch.bfloat16, MixedPrecisionPolicy(), False)
+    if cfg.use_fp16:
+        return Precision(torch.float32, MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32),
+                         True)
+    if cfg.mixed_precision and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return Precision(torch.float32, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                         False)
+    return Precision(torch.float32, MixedPrecisionPolicy(), False)
+
+
+def load_dtype(cfg: TrainConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.fsdp_config.pure_bf16 else torch.float32
+
+
+# -- units ---------------------------------------------------------------------------------------------------------
+
+def no_split_class_names(model: nn.Module) -> set[str]:
+    """Class names in ``_no_split_modules`` of every transformers model inside ``model`` (PEFT wrappers too)."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    return names
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The outermost modules whose class is a no-split block: the units FSDP wraps one by one."""
+    names = no_split_class_names(model)
+    if not names:
+        raise ValueError(f"{type(model).__name__} declares no _no_split_modules: shardtune cannot tell its decoder "
+                         "layer class; use a Hugging Face causal LM that declares it")
+    layers: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if type(module).__name__ in names:
+            layers.append(module)
+            inside.update(id(m) for m in module.modules())
+    if not layers:
+        raise ValueError(f"no module of class {sorted(names)} found in {type(model).__name__}")
+    return layers
+
+
+def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
+    """Replace each decoder layer by a non-reentrant checkpoint wrapper; returns the wrappers."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    targets = {id(layer) for layer in layers}
+    wrapped: list[nn.Module] = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in targets:
+                wrapper = checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+                parent.register_module(name, wrapper)
+                wrapped.append(wrapper)
+    return wrapped
+
+
+# -- low_cpu_fsdp ----------------------------------------------------------------------------------------------------
+
+def materialize_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | None,
+                           device: torch.device) -> None:
+    """After sharding a model that is on the meta device on every rank but 0: allocate the local shards, fill them
+    with rank 0's weights (broadcast, each rank keeps its shard), and broadcast rank 0's buffers, which covers the
+    non-persistent ones no state dict carries (e.g. rotary inv_freq)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    is_rank0 = dist.get_rank() == 0
+    rank0_buffers = [b.detach().clone() for b in model.buffers()] if is_rank0 else []
+    model.to_empty(device=device)
+    set_model_state_dict(model, full_state if is_rank0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():
+        for i, buf in enumerate(model.buffers()):
+            if is_rank0:
+                buf.copy_(rank0_buffers[i])
+            dist.broadcast(buf, src=0)
+
+
+def gather_peak_host_memory() -> list[int]:
+    """Peak RSS of every rank (process-level, so it covers loading), in rank order."""
+    peaks: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak_memory_bytes(torch.device("cpu")))
+    return peaks
+
+
+# -- the strategy ----------------------------------------------------------------------------------------------------
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+
+    def __init__(self, cfg: TrainConfig, env: DistEnv):
+        super().__init__(cfg, env)
+        self.precision = resolve_precision(cfg, env.device)
+        self.compute_dtype = self.precision.policy.param_dtype or self.precision.load_dtype
+        self.mesh: DeviceMesh | None = None
+
+    @property
+    def offload(self) -> bool:
+        return self.cfg.fsdp_config.fsdp_cpu_offload
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        fc = self.cfg.fsdp_config
+        self.mesh = build_mesh(self.cfg, self.env)
+        on_meta = any(p.is_meta for p in model.parameters())
+        if self.cfg.low_cpu_fsdp:
+            # rank 0 keeps references to the loaded tensors (no copy) until they are broadcast into the shards
+            full_state = None if on_meta else model.state_dict()
+        elif not self.offload:
+            model.to(self.env.device)
+        layers = decoder_layers(model)
+        if fc.fsdp_activation_checkpointing:
+            layers = apply_activation_checkpointing(model, layers)
+        reshard = fc.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+        kwargs = dict(mesh=fsdp_mesh(self.mesh), mp_policy=self.precision.policy,
+                      offload_policy=CPUOffloadPolicy(pin_memory=self.env.device.type == "cuda") if self.offload
+                      else OffloadPolicy())
+        for layer in layers:
+            fully_shard(layer, reshard_after_forward=reshard, **kwargs)
+        fully_shard(model, reshard_after_forward=reshard, **kwargs)
+        if self.cfg.low_cpu_fsdp:
+            materialize_from_rank0(model, full_state, torch.device("cpu") if self.offload else self.env.device)
+            del full_state
+            peaks = gather_peak_host_memory()
+            print0("low_cpu_fsdp: peak host memory per rank after loading: "
+                   + ", ".join(f"rank {r} {b / 2**20:,.0f} MiB" for r, b in enumerate(peaks)))
+        if self.precision.use_grad_scaler:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(self.env.device.type)
+        state = local_state_bytes(model)
+        print0(f"fsdp: per-rank training state (rank 0's local shards): params {human_bytes(state.params)}, "
+               f"grads {human_bytes(state.grads)}, AdamW state {human_bytes(state.optimizer)}")
+        return model
+
+    def accumulating(self, model: nn.Module) -> ContextManager:
+        return _no_gradient_sync(model)
+
+    def autocast(self) -> ContextManager:
+        return contextlib.nullcontext()  # MixedPrecisionPolicy casts parameters and inputs itself
+
+    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+        """Global norm over all shards (clip_grad_norm_ reduces DTensor norms across the mesh)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """Gathered tensor by tensor onto rank 0's CPU; the other ranks never hold more than their shards."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.env.rank == 0 else None
+
+    def describe(self) -> str:
+        fc = self.cfg.fsdp_config
+        assert self.mesh is not None, "describe() after wrap()"
+        shape = " x ".join(f"{n} {s}" for n, s in zip(MESH_DIMS, self.mesh.shape))
+        extras = [x for x, on in (("activation checkpointing", fc.fsdp_activation_checkpointing),
+                                  ("CPU offload", self.offload), ("low_cpu_fsdp", self.cfg.low_cpu_fsdp)) if on]
+        return (f"fsdp2 {fc.sharding_strategy}, world size {self.env.world_size}, mesh ({shape}), "
+                f"{self.precision.describe()}" + "".join(f", {x}" for x in extras))
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(model: nn.Module):
+    assert isinstance(model, FSDPModule), "accumulating() needs the wrapped root"
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
