@@ -207,9 +207,9 @@ class FSDPStrategy(Strategy):
         if self.cfg.low_cpu_fsdp:
             materialize_from_rank0(model, full_state, torch.device("cpu") if self.offload else self.env.device)
             del full_state
-            peaks = gather_peak_host_memory()
-            print0("low_cpu_fsdp: peak host memory per rank after loading: "
-                   + ", ".join(f"rank {r} {b / 2**20:,.0f} MiB" for r, b in enumerate(peaks)))
+        peaks = gather_peak_host_memory()
+        print0("fsdp: peak host memory per rank after loading and sharding: "
+               + ", ".join(f"rank {r} {b / 2**20:,.0f} MiB" for r, b in enumerate(peaks)))
         if self.precision.use_grad_scaler:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
