@@ -28,6 +28,16 @@ def assert_one_line_error(proc, *needles):
     (["--context_length", "8"], ["--context_length 8"]),
     (["--samsum_dataset.data_path", "/nonexistent.jsonl", "--dataset", "samsum_dataset"], ["/nonexistent.jsonl"]),
     (["--custom_dataset.file", "/nonexistent.py", "--dataset", "custom_dataset"], ["/nonexistent.py"]),
+    (["--enable_fsdp", "--nproc_per_node", "4", "--fsdp_config.sharding_strategy", "HYBRID_SHARD",
+      "--fsdp_config.sharding_group_size", "3"], ["--fsdp_config.sharding_group_size 3", "world size 4"]),
+    (["--enable_fsdp", "--nproc_per_node", "4", "--fsdp_config.sharding_strategy", "HYBRID_SHARD",
+      "--fsdp_config.sharding_group_size", "2", "--fsdp_config.replica_group_size", "4"],
+     ["replica_group_size 4", "world size is 4"]),
+    (["--enable_fsdp", "--fsdp_config.hsdp", "true"], ["--fsdp_config.hsdp", "HYBRID_SHARD"]),
+    (["--enable_fsdp", "--quantization", "8bit"], ["--quantization 8bit", "--enable_fsdp"]),
+    (["--enable_fsdp", "--use_fp16", "--pure_bf16"], ["--use_fp16", "pure_bf16"]),
+    (["--fsdp_config.sharding_strategy", "SHARD_GRAD_OP"], ["SHARD_GRAD_OP", "--enable_fsdp"]),
+    (["--low_cpu_fsdp"], ["--low_cpu_fsdp", "--enable_fsdp"]),
 ])
 def test_bad_values_fail_early_with_one_line(args, needles, tiny_model, run_cli, tmp_path):
     out = tmp_path / "never-created"
