@@ -163,13 +163,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 elif need_weight_grad:  # bf16 / fp16 matmul, accumulated across chunks in fp32
                     grad_weight += dlogits.t().to(compute_dtype) @ chunk
             del logits
-        ctx.save_for_backward(grad_rows, grad_weight)
-        ctx.weight_dtype = weight.dtype
+        # kept on ctx, not saved: backward scales them in place (one graph, one backward, no second copy)
+        ctx.grad_rows, ctx.grad_weight, ctx.weight_dtype = grad_rows, grad_weight, weight.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        grad_rows, grad_weight = ctx.saved_tensors
-        d_rows = grad_rows * grad_loss.to(grad_rows.dtype) if grad_rows is not None else None
-        d_weight = (grad_weight * grad_loss).to(ctx.weight_dtype) if grad_weight is not None else None
+        grad_rows, grad_weight = ctx.grad_rows, ctx.grad_weight
+        ctx.grad_rows = ctx.grad_weight = None
+        d_rows = grad_rows.mul_(grad_loss.to(grad_rows.dtype)) if grad_rows is not None else None
+        d_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype) if grad_weight is not None else None
         return d_rows, d_weight, None, None
