@@ -42,6 +42,9 @@ PRESETS: dict[str, dict] = {
     "llama-8b-shape": dict(_COMMON, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                            num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
                            max_position_embeddings=8192),
+    # ~76M parameters, ~300 MB in fp32: big enough to see rank-0-only loading in host memory (bench/)
+    "bench-300mb": dict(_COMMON, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                        num_key_value_heads=4, intermediate_size=2048),
 }
 # The benchmark shapes are far too large for float32 on disk; they are built directly in bfloat16.
 PRESET_BUILD_DTYPES: dict[str, torch.dtype] = {"llama-1b-shape": torch.bfloat16, "llama-8b-shape": torch.bfloat16}
