@@ -8,6 +8,7 @@ import sys
 SUBCOMMANDS = {
     "sft": "fine-tune a model (launches torchrun; see shardtune sft --help)",
     "init-model": "write a small random-init Llama preset with its tokenizer as a Hugging Face directory",
+    "export": "turn a training checkpoint (any world size, any strategy) into a Hugging Face model directory",
 }
 
 
@@ -42,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         return sft_main(rest)
     if command == "init-model":
         return init_model_main(rest)
+    if command == "export":
+        from shardtune.export import main as export_main
+
+        return export_main(rest)
     print(f"shardtune: error: unknown command {command!r}: choose one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
     return 2
 

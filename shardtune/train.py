@@ -19,6 +19,7 @@ from torch import nn
 from tqdm import tqdm
 
 from shardtune import data
+from shardtune.checkpoint import Checkpointer, Position
 from shardtune.config import TrainConfig
 from shardtune.distributed import DistEnv, all_reduce_sum
 from shardtune.flops import ModelShape, measured_peak_flops, model_shape, training_flops_per_token
@@ -93,9 +94,27 @@ def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Opti
     grad_norm = None
     if cfg.gradient_clipping:
         grad_norm = strategy.clip_grad_norm(model, optimizer, cfg.gradient_clipping_threshold)
+    stats = {"loss": loss, "num_tokens": num_tokens, "input_tokens": input_tokens, "grad_norm": grad_norm,
+             "flops": flops}
+    # loss and grad norm are global (all-reduced), so every rank takes the same decision
+    if not math.isfinite(loss) or (grad_norm is not None and strategy.scaler is None and not math.isfinite(grad_norm)):
+        if cfg.nan_policy == "stop":
+            raise NonFiniteLossError(loss, grad_norm)
+        optimizer.zero_grad(set_to_none=True)
+        return {**stats, "skipped": True}
     strategy.optimizer_step(optimizer)
-    return {"loss": loss, "num_tokens": num_tokens, "input_tokens": input_tokens, "grad_norm": grad_norm,
-            "flops": flops}
+    return stats
+
+
+class NonFiniteLossError(RuntimeError):
+    """A NaN / Inf loss or gradient norm; raised on every rank before the optimizer step."""
+
+    def __init__(self, loss: float, grad_norm: float | None):
+        super().__init__(f"loss {loss}" + (f", gradient norm {grad_norm}" if grad_norm is not None else ""))
+
+
+class TrainingStopped(RuntimeError):
+    """Training cannot go on (e.g. a non-finite loss): one line saying where, what was kept, and the fix."""
 
 
 @torch.no_grad()
@@ -115,7 +134,8 @@ def evaluate(model: nn.Module, strategy: Strategy, batches: list[dict[str, torch
 
 
 def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
-          train_units: list, eval_examples: list[dict], pad_id: int, writer: MetricsWriter) -> TrainResult:
+          train_units: list, eval_examples: list[dict], pad_id: int, writer: MetricsWriter,
+          checkpointer: Checkpointer | None = None) -> TrainResult:
     optimizer = build_optimizer(model, cfg)
     steps_per_epoch = data.steps_per_epoch(len(train_units), cfg, env.world_size)
     total_steps = steps_per_epoch * cfg.num_epochs
@@ -130,18 +150,29 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
                     if cfg.run_validation else [])
 
     result = TrainResult()
-    bar = tqdm(total=total_steps, desc="train", unit="step", disable=not env.is_main, dynamic_ncols=True)
+    start = (checkpointer.start(model, optimizer, scheduler, result, steps_per_epoch, total_steps)
+             if checkpointer else Position())
+    bar = tqdm(total=total_steps, initial=result.steps, desc="train", unit="step", disable=not env.is_main,
+               dynamic_ncols=True)
     model.train()
-    for epoch in range(cfg.num_epochs):
+    for epoch in range(start.epoch, cfg.num_epochs):
         if result.steps >= total_steps:
             break
         tick = time.perf_counter()
+        first = start.step_in_epoch if epoch == start.epoch else 0
+        done_in_epoch = first
         for step_in_epoch, micro_batches in enumerate(
-                data.train_loader(train_units, cfg, env.rank, env.world_size, epoch, pad_id)):
+                data.train_loader(train_units, cfg, env.rank, env.world_size, epoch, pad_id, first), start=first):
             if result.steps >= total_steps:
                 break
             lr = optimizer.param_groups[0]["lr"]
-            stats = train_step(model, strategy, optimizer, micro_batches, cfg, env, shape)
+            try:
+                stats = train_step(model, strategy, optimizer, micro_batches, cfg, env, shape)
+            except NonFiniteLossError as e:
+                raise TrainingStopped(f"non-finite {e} at step {result.steps + 1} (epoch {epoch + 1}), found before "
+                                      "the optimizer step, so the weights were not touched; "
+                                      f"{checkpointer.describe_last() if checkpointer else 'no checkpoint'}: "
+                                      "lower --lr or enable --gradient_clipping, or pass --nan_policy skip") from None
             if scheduler_unit == "step":
                 scheduler.step()
             now = time.perf_counter()
@@ -165,7 +196,12 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
             }
             if stats["grad_norm"] is not None:
                 row["grad_norm"] = stats["grad_norm"]
+            if stats.get("skipped"):
+                row["skipped"] = True
             writer.write(row)
+            done_in_epoch = step_in_epoch + 1
+            if checkpointer:
+                checkpointer.after_step(epoch, done_in_epoch)
             bar.update(1)
             bar.set_postfix(loss=f"{stats['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
                             mfu=f"{row['mfu']:.1%}", refresh=False)
@@ -178,5 +214,7 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
                           "eval_num_tokens": n})
             if env.is_main:
                 bar.write(f"epoch {epoch + 1}: eval loss {loss:.4f}, perplexity {ppl:.2f}")
+        if checkpointer:
+            checkpointer.after_epoch(epoch, done_in_epoch)
     bar.close()
     return result

@@ -182,11 +182,15 @@ class StepDataset(Dataset):
 
 def train_loader(units: list[Unit], cfg: TrainConfig, rank: int, world_size: int, epoch: int, pad_id: int,
                  start_step: int = 0) -> DataLoader:
-    """Yields one list of micro-batches per optimizer step (collated in workers when num_workers > 0)."""
+    """Yields one list of micro-batches per optimizer step (collated in workers when num_workers > 0).
+
+    The loader gets its own generator: starting it draws no number from the global RNG, whose state (dropout)
+    a checkpoint saves, so resuming mid-epoch continues the same random stream.
+    """
     workers = cfg.num_workers_dataloader
     return DataLoader(StepDataset(units, cfg, rank, world_size, epoch, pad_id, start_step), batch_size=None,
                       shuffle=False, num_workers=workers, prefetch_factor=2 if workers > 0 else None,
-                      persistent_workers=False)
+                      persistent_workers=False, generator=torch.Generator().manual_seed(cfg.seed + epoch))
 
 
 def eval_batches(examples: list[Example], cfg: TrainConfig, rank: int, world_size: int, pad_id: int

@@ -13,9 +13,14 @@ from typing import ContextManager
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from shardtune.config import TrainConfig
 from shardtune.distributed import DistEnv
+
+
+# Checkpoints hold what training changes: frozen base weights (PEFT) are left out.
+TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
 
 
 class Strategy(ABC):
@@ -77,6 +82,23 @@ class Strategy(ABC):
     @abstractmethod
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """The whole model's state dict on CPU, on global rank 0 only (None elsewhere)."""
+
+    def training_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """Model and optimizer state as each rank holds it, for torch.distributed.checkpoint (nothing gathered).
+
+        Frozen parameters are left out, so a PEFT checkpoint holds the adapter and its optimizer state only.
+        """
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def load_training_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Put a state filled by torch.distributed.checkpoint.load back into the model and optimizer.
+
+        Not strict: frozen parameters keep their loaded values; every trainable one was in ``state`` (built by
+        training_state_dict), and dcp.load fails when the checkpoint lacks any of them.
+        """
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(ignore_frozen_params=True, strict=False))
 
     def describe(self) -> str:
         return f"{self.name}, world size {self.env.world_size}, compute dtype {dtype_name(self.compute_dtype)}"

@@ -1,0 +1,293 @@
+"""Never lose a run: checkpoints, exact resume, restarts after a killed worker, exports, NaN stops, full disks.
+
+Real torchrun launches of gloo processes on the tiny preset; real files, real SIGKILLs, a real full tmpfs.
+The reference is one uninterrupted run per strategy; every interrupted variant must end where it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shardtune.checkpoint import complete_checkpoints, latest_checkpoint, read_trainer_state, unfinished_saves
+from shardtune.config import UNAVAILABLE
+from tests.conftest import REPO, cli_env
+from tests.helpers import eval_rows, max_relative_difference, step_rows
+
+# 48 dialogues pack into ~34 blocks: 8 steps per epoch at global batch 4, 16 steps in all.
+COMMON = ("--batch_size_training", 2, "--context_length", 256, "--synthetic_dialogues.num_train", 48,
+          "--synthetic_dialogues.num_validation", 8, "--num_epochs", 2, "--lr", 3e-3, "--gradient_clipping", "true",
+          "--num_workers_dataloader", 0, "--save_steps", 2, "--save_total_limit", 2)
+
+
+def unavailable(flag: str, name: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(flag in UNAVAILABLE, reason=f"--{flag} is refused by config.UNAVAILABLE ({name} has "
+                                                          "not landed)")
+
+
+STRATEGIES = [
+    pytest.param((), id="ddp"),
+    pytest.param(("--enable_fsdp",), id="fsdp", marks=unavailable("enable_fsdp", "FSDP")),
+    pytest.param(("--use_peft",), id="lora", marks=unavailable("use_peft", "PEFT")),
+]
+
+
+def final_tensors(out_dir: Path) -> dict[str, torch.Tensor]:
+    """The model (or the adapter, for PEFT) a run wrote at its end."""
+    for name in ("model.safetensors", "adapter_model.safetensors"):
+        if (out_dir / name).is_file():
+            return load_file(str(out_dir / name))
+    raise AssertionError(f"no model or adapter in {out_dir}")
+
+
+def run_shardtune(cache_dir: Path, *args, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "shardtune", *map(str, args)], capture_output=True, text=True,
+                          timeout=600, env=cli_env(cache_dir), cwd=REPO)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"shardtune {' '.join(map(str, args))} exited {proc.returncode}\n"
+                             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def sft(cache_dir, model, out, *extra, nproc=2, check=True) -> subprocess.CompletedProcess:
+    return run_shardtune(cache_dir, "sft", "--nproc_per_node", nproc, "--model_name", model, "--output_dir", out,
+                         *COMMON, *extra, check=check)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, cache_dir, tmp_path_factory):
+    """The uninterrupted run of each strategy, computed once per module."""
+    done: dict[tuple, Path] = {}
+
+    def get(strategy: tuple) -> Path:
+        if strategy not in done:
+            out = tmp_path_factory.mktemp("reference") / "run"
+            sft(cache_dir, tiny_model, out, *strategy)
+            done[strategy] = out
+        return done[strategy]
+
+    return get
+
+
+def assert_same_rows(ref: Path, other: Path, rel: float = 0.0) -> None:
+    ref_rows, rows = step_rows(ref), step_rows(other)
+    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == list(range(1, 17))
+    for r, o in zip(ref_rows, rows):
+        assert o["num_tokens"] == r["num_tokens"] and o["lr"] == r["lr"], r["step"]
+        assert o["loss"] == pytest.approx(r["loss"], rel=rel, abs=0), r["step"]
+        assert o["grad_norm"] == pytest.approx(r["grad_norm"], rel=max(rel, 1e-12), abs=0), r["step"]
+    assert [r["step"] for r in eval_rows(other)] == [r["step"] for r in eval_rows(ref)] == [8, 16]
+    assert [r["eval_loss"] for r in eval_rows(other)] == pytest.approx([r["eval_loss"] for r in eval_rows(ref)],
+                                                                      rel=max(rel, 1e-12))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_resumed_run_equals_uninterrupted_run(strategy, reference, tiny_model, cache_dir, tmp_path):
+    ref = reference(strategy)
+    out = tmp_path / "run"
+    sft(cache_dir, tiny_model, out, *strategy, "--max_train_step", 5)  # stops mid-epoch 1, checkpoint at step 5
+    assert latest_checkpoint(out).name == "step-000005"
+    resumed = sft(cache_dir, tiny_model, out, *strategy, "--resume", "latest")
+    assert "data order kept" in resumed.stdout
+    exact = strategy == ()
+    assert_same_rows(ref, out, rel=0.0 if exact else 1e-6)
+    difference = max_relative_difference(final_tensors(ref), final_tensors(out))
+    assert difference <= (0.0 if exact else 1e-6), difference
+    # --save_total_limit 2: the last two complete checkpoints, the newest one named by latest
+    assert [p.name for p in complete_checkpoints(out)] == ["step-000014", "step-000016"]
+    assert latest_checkpoint(out).name == "step-000016"
+    state = read_trainer_state(latest_checkpoint(out))
+    assert (state["step"], state["epoch"], state["step_in_epoch"], state["world_size"]) == (16, 2, 0, 2)
+
+
+def worker_pids(launcher_pid: int) -> dict[int, int]:
+    """{local rank: pid} of the training processes below the launcher (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = {}, [launcher_pid]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            todo.append(pid)
+            try:
+                env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            ranks = [int(v.split(b"=", 1)[1]) for v in env if v.startswith(b"LOCAL_RANK=")]
+            if ranks and b"TORCHELASTIC_RUN_ID" in b"\0".join(env):
+                found[ranks[0]] = pid
+    return found
+
+
+def start_sft(cache_dir, model, out, *extra) -> subprocess.Popen:
+    args = ["sft", "--nproc_per_node", 2, "--model_name", model, "--output_dir", out, *COMMON, *extra]
+    return subprocess.Popen([sys.executable, "-m", "shardtune", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=cli_env(cache_dir), cwd=REPO,
+                            start_new_session=True)
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str, poll_s: float = 0.002):
+    while (value := condition()) is None:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before {what}:\n{proc.stderr.read()[-4000:]}")
+        time.sleep(poll_s)
+    return value
+
+
+def logged_steps(out: Path) -> int:
+    try:
+        return max((r["step"] for r in step_rows(out)), default=0)
+    except (OSError, json.JSONDecodeError):
+        return 0
+
+
+def test_killed_worker_is_restarted_and_resumes_to_the_same_weights(reference, tiny_model, cache_dir, tmp_path):
+    ref = reference(())
+    out = tmp_path / "run"
+    proc = start_sft(cache_dir, tiny_model, out, "--max_restarts", 1)
+    try:
+        wait_for(lambda: True if logged_steps(out) >= 5 else None, proc, "step 5")
+        pid = wait_for(lambda: worker_pids(proc.pid).get(1), proc, "rank 1 was found")
+        os.kill(pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr[-4000:]
+    assert "restart 1 of the worker group: resuming automatically from" in stdout
+    assert_same_rows(ref, out)
+    assert max_relative_difference(final_tensors(ref), final_tensors(out)) == 0.0
+
+
+def test_kill_during_a_save_keeps_the_previous_checkpoint(reference, tiny_model, cache_dir, tmp_path):
+    ref = reference(())
+    out = tmp_path / "run"
+    proc = start_sft(cache_dir, tiny_model, out, "--save_steps", 1)
+    try:
+        # SIGKILL the whole job (launcher and workers) while a checkpoint is being written
+        unfinished = wait_for(lambda: (unfinished_saves(out) or None) if logged_steps(out) >= 3 else None, proc,
+                              "a save was caught in progress", poll_s=0.0005)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    previous = latest_checkpoint(out)
+    assert previous is not None and previous.name < unfinished[0].name.split(".")[0]
+    assert all((p / "trainer_state.json").is_file() and (p / ".metadata").is_file() for p in complete_checkpoints(out))
+    resumed = sft(cache_dir, tiny_model, out, "--resume", "latest")
+    assert f"resumed from {previous}" in resumed.stdout
+    assert unfinished_saves(out) == []
+    assert_same_rows(ref, out)
+    assert max_relative_difference(final_tensors(ref), final_tensors(out)) == 0.0
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES[:2])
+def test_two_processes_resume_a_four_process_checkpoint(strategy, tiny_model, cache_dir, tmp_path):
+    """Global batch 4 = 4 processes x 1 = 2 processes x 2: the state is resharded and the data order is kept."""
+    four, two = tmp_path / "four", tmp_path / "two"
+    sft(cache_dir, tiny_model, four, *strategy, "--batch_size_training", 1, "--max_train_step", 4,
+        "--checkpoint_type", "FULL_STATE_DICT", nproc=4)
+    resumed = sft(cache_dir, tiny_model, two, *strategy, "--max_train_step", 4,
+                  "--resume", four / "checkpoints" / "step-000002")
+    assert "saved by 4 processes, now 2" in resumed.stdout and "data order kept" in resumed.stdout
+    four_rows, two_rows = step_rows(four), step_rows(two)
+    assert [r["step"] for r in two_rows] == [3, 4]
+    for r, o in zip(four_rows[2:], two_rows):
+        assert o["num_tokens"] == r["num_tokens"]
+        assert o["loss"] == pytest.approx(r["loss"], rel=1e-6), r["step"]
+    assert max_relative_difference(final_tensors(four), final_tensors(two)) <= 1e-5
+    # FULL_STATE_DICT: the gathered model inside the checkpoint is the run's final model
+    gathered = load_file(str(four / "checkpoints" / "step-000004" / "hf_model" / "model.safetensors"))
+    assert max_relative_difference(final_tensors(four), gathered) == 0.0
+
+
+def test_export_of_a_sharded_checkpoint_equals_the_final_model(reference, cache_dir, tmp_path):
+    ref = reference(())
+    last = latest_checkpoint(ref)
+    assert read_trainer_state(last)["checkpoint_type"] == "SHARDED_STATE_DICT" and not (last / "hf_model").exists()
+    assert sorted(p.name for p in last.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    run_shardtune(cache_dir, "export", last, tmp_path / "hf")
+    exported, final = final_tensors(tmp_path / "hf"), final_tensors(ref)
+    assert {t.dtype for t in exported.values()} == {torch.float32}  # the tiny preset's own dtype
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_model, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    # lr 1e30: the first step is finite, it makes the weights ~1e30, and the second step's loss overflows
+    proc = sft(cache_dir, tiny_model, out, "--lr", 1e30, "--save_steps", 1, "--max_train_step", 4, check=False)
+    assert proc.returncode == 1
+    message = [line for line in proc.stderr.splitlines() if line.startswith("shardtune: error:")]
+    assert len(message) == 1 and "non-finite loss" in message[0] and "at step 2" in message[0], proc.stderr[-3000:]
+    assert "step-000001" in message[0]
+    assert [p.name for p in complete_checkpoints(out)] == ["step-000001"] and unfinished_saves(out) == []
+    assert latest_checkpoint(out).name == "step-000001"
+    assert [r["step"] for r in step_rows(out)] == [1] and math.isfinite(step_rows(out)[0]["loss"])
+
+
+def test_nan_policy_skip_leaves_the_weights_of_the_last_finite_step(tiny_model, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    sft(cache_dir, tiny_model, out, "--lr", 1e30, "--save_steps", 1, "--max_train_step", 3, "--nan_policy", "skip",
+        "--run_validation", "false")
+    rows = step_rows(out)
+    assert [r.get("skipped", False) for r in rows] == [False, True, True]
+    assert not math.isfinite(rows[1]["loss"])
+    run_shardtune(cache_dir, "export", out / "checkpoints" / "step-000001", tmp_path / "after_step_1")
+    assert max_relative_difference(final_tensors(tmp_path / "after_step_1"), final_tensors(out)) == 0.0
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real filesystem of a given size (needs root: CI runs as root)."""
+    mounted: list[Path] = []
+
+    def mount(size_kib: int) -> Path:
+        path = tmp_path / f"tmpfs-{size_kib}k"
+        path.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip()}): the disk-full test needs root")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_full_disk_fails_the_save_cleanly_and_keeps_the_previous_checkpoint(tiny_model, cache_dir, small_tmpfs):
+    # one checkpoint of the tiny model is ~2.9 MB: 4.5 MB hold one, not the second (the older one is deleted
+    # only after the new one is complete)
+    out = small_tmpfs(4608) / "run"
+    proc = sft(cache_dir, tiny_model, out, "--save_total_limit", 1, "--run_validation", "false", nproc=1,
+               check=False)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "checkpoints of about" in proc.stderr  # the warning before training
+    message = [line for line in proc.stderr.splitlines() if line.startswith("shardtune: error:")]
+    assert len(message) == 1 and "checkpoint step-000004 could not be written (No space left on device)" in message[0]
+    assert "step-000002 is kept" in message[0]
+    assert [p.name for p in complete_checkpoints(out)] == ["step-000002"] and unfinished_saves(out) == []
+    assert latest_checkpoint(out).name == "step-000002"
+    # a disk that cannot hold a single checkpoint is refused before the first step
+    tiny_disk = small_tmpfs(1024) / "run"
+    proc = sft(cache_dir, tiny_model, tiny_disk, nproc=1, check=False)
+    assert proc.returncode == 1 and "less than one checkpoint" in proc.stderr
+    assert not (tiny_disk / "metrics.jsonl").exists() or step_rows(tiny_disk) == []
