@@ -19,14 +19,16 @@ from tests.conftest import REPO, cli_env
 from tests.helpers import max_relative_difference, step_rows, weights
 
 FSDP = ("--enable_fsdp",)
-# name -> (processes, per-device batch, flags); flags combined to keep the number of launches small
+# name -> (processes, per-device batch, flags); flags combined to keep the number of launches small. Later flags
+# override TRAIN_ARGS (accumulation 2 exercises FSDP's no-sync micro-batches).
 VARIANTS = {
     "ddp": (2, 4, ()),
     "full_shard+activation_checkpointing+low_cpu_fsdp": (
         2, 4, (*FSDP, "--fsdp_config.sharding_strategy", "FULL_SHARD", "--fsdp_config.fsdp_activation_checkpointing",
                "true", "--low_cpu_fsdp")),
-    "shard_grad_op+cpu_offload": (
-        2, 4, (*FSDP, "--fsdp_config.sharding_strategy", "SHARD_GRAD_OP", "--fsdp_cpu_offload", "true")),
+    "shard_grad_op+cpu_offload+accumulation": (
+        2, 2, (*FSDP, "--fsdp_config.sharding_strategy", "SHARD_GRAD_OP", "--fsdp_cpu_offload", "true",
+               "--gradient_accumulation_steps", "2")),
     "no_shard": (2, 4, (*FSDP, "--fsdp_config.sharding_strategy", "NO_SHARD")),
     "hybrid_shard_2x2": (
         4, 2, (*FSDP, "--fsdp_config.sharding_strategy", "HYBRID_SHARD", "--fsdp_config.hsdp", "true",
