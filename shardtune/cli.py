@@ -9,6 +9,8 @@ SUBCOMMANDS = {
     "sft": "fine-tune a model (launches torchrun; see shardtune sft --help)",
     "init-model": "write a small random-init Llama preset with its tokenizer as a Hugging Face directory",
     "export": "turn a training checkpoint (any world size, any strategy) into a Hugging Face model directory",
+    "generate": "generate text with a model, a model + PEFT adapter, or a merged model (prompt, file or stdin)",
+    "eval": "eval loss, perplexity and ROUGE of generated summaries on a samsum-format split; JSON report",
 }
 
 
@@ -47,6 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         from shardtune.export import main as export_main
 
         return export_main(rest)
+    if command == "generate":
+        from shardtune.generate import main as generate_main
+
+        return generate_main(rest)
+    if command == "eval":
+        from shardtune.evaluate import main as eval_main
+
+        return eval_main(rest)
     print(f"shardtune: error: unknown command {command!r}: choose one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
     return 2
 

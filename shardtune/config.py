@@ -531,9 +531,7 @@ def _check_fsdp(cfg: TrainConfig, world_size: int) -> None:
 
 
 # Settings whose implementation has not landed yet: refusing them beats ignoring them silently.
-UNAVAILABLE = {
-    "use_peft": "PEFT", "quantization": "quantization",
-}
+UNAVAILABLE: dict[str, str] = {}
 
 
 @validator

@@ -27,6 +27,7 @@ from shardtune.models import (
     build_model_on_meta, check_model_source, count_parameters, load_model, load_tokenizer, resolve_model_name,
 )
 from shardtune.parallel import make_strategy
+from shardtune.peft import apply_peft, check_peft, load_quantized_model, save_adapter
 from shardtune.speed import apply_speed_features
 from shardtune.train import TrainingStopped, TrainResult, train
 
@@ -36,6 +37,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> None:
     validate(cfg, world_size)
     cfg.model_name = resolve_model_name(cfg.model_name)
     check_model_source(cfg.model_name)
+    check_peft(cfg)
     if cfg.tokenizer_name:
         check_model_source(cfg.tokenizer_name, "tokenizer_name")
     data.check_data_config(cfg)
@@ -61,11 +63,19 @@ def build_model(cfg: TrainConfig, env: DistEnv) -> torch.nn.Module:
     dtype = torch.bfloat16 if cfg.enable_fsdp and cfg.fsdp_config.pure_bf16 else torch.float32
     if cfg.low_cpu_fsdp and env.rank != 0:
         return build_model_on_meta(cfg.model_name, dtype=dtype)
+    if cfg.quantization:
+        return load_quantized_model(cfg, env.device)
     return load_model(cfg.model_name, dtype=dtype)
 
 
 def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, tokenizer) -> None:
     """Rank 0 writes the final model; the state is gathered by the strategy (nobody else materialises it)."""
+    if cfg.use_peft:  # the adapter only: frozen base weights are neither gathered nor written
+        adapter_state = strategy.trainable_state_dict(model)
+        if env.is_main:
+            save_adapter(strategy.unwrap(model), adapter_state, cfg.model_name, tokenizer, Path(cfg.output_dir))
+        barrier()
+        return
     state_dict = strategy.full_state_dict(model)
     if env.is_main:
         save_hf_model(strategy.unwrap(model), state_dict, tokenizer, Path(cfg.output_dir))
@@ -83,6 +93,8 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     units, eval_examples = load_data(cfg, env, tokenizer)
 
     model = build_model(cfg, env)
+    if cfg.use_peft:
+        model = apply_peft(model, cfg)
     apply_speed_features(model, cfg, env.device)
     num_params, num_trainable = count_parameters(model)
     strategy = make_strategy(cfg, env)

@@ -38,8 +38,9 @@ def run_cli(cache_dir):
     """Run `python -m shardtune ARGS` as a user would; returns the CompletedProcess."""
 
     def run(*args: str, timeout: float = 600, check: bool = True, env: dict | None = None,
-            cwd: Path | None = None) -> subprocess.CompletedProcess:
+            cwd: Path | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
         proc = subprocess.run([sys.executable, "-m", "shardtune", *map(str, args)], capture_output=True, text=True,
+                              input=stdin,
                               timeout=timeout, env={**cli_env(cache_dir), **(env or {})}, cwd=cwd or REPO)
         if check and proc.returncode != 0:
             raise AssertionError(f"shardtune {' '.join(map(str, args))} exited {proc.returncode}\n"

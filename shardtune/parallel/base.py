@@ -83,6 +83,17 @@ class Strategy(ABC):
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """The whole model's state dict on CPU, on global rank 0 only (None elsewhere)."""
 
+    def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """Only the trainable parameters (an adapter), as full tensors on global rank 0's CPU (None elsewhere).
+        Frozen parameters are dropped before anything is gathered, so sharded base weights never move."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        inner = self.unwrap(model)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        state = get_model_state_dict(inner, options=options)
+        trainable = {name for name, p in inner.named_parameters() if p.requires_grad}
+        return {k: v for k, v in state.items() if k in trainable} if self.env.rank == 0 else None
+
     def training_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """Model and optimizer state as each rank holds it, for torch.distributed.checkpoint (nothing gathered).
 

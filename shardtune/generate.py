@@ -1,0 +1,150 @@
+"""``shardtune generate``: text from a fine-tuned model (base + adapter, a merged model, or any HF model).
+
+    shardtune generate --model_name runs/lora "Summarize this dialog: ..."          # adapter dir: base from its config
+    shardtune generate --model_name BASE --adapter runs/lora --prompt_file p.txt
+    echo "Anna: lunch at 1?\nBen: sure" | shardtune generate --model_name runs/merged --dialogue
+
+The prompt is encoded as in training: bos (when the tokenizer has one) + the prompt's tokens, no other special
+tokens; ``--dialogue`` wraps the text in the training prompt (data.formatting.SAMSUM_PROMPT). Greedy by
+default; generation stops at eos or after --max_new_tokens; the printed text is the continuation only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardtune.config import ConfigError
+from shardtune.data.formatting import SAMSUM_PROMPT, special_ids
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+def inference_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def inference_dtype(device: torch.device) -> torch.dtype:
+    """bf16 where it is fast (CUDA), fp32 on CPU (bf16 matmuls are ~400x slower there)."""
+    return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+
+
+def resolve_model_and_adapter(model_name: str, adapter: str = "") -> tuple[str, str]:
+    """(base model, adapter dir or ""): a PEFT directory given as the model brings its base from its config."""
+    from shardtune.models import check_model_source, resolve_model_name
+    from shardtune.peft import ADAPTER_CONFIG, read_adapter_config
+
+    if not adapter and model_name and (Path(model_name) / ADAPTER_CONFIG).is_file():
+        model_name, adapter = "", model_name
+    if adapter:
+        base = read_adapter_config(adapter, "--adapter").get("base_model_name_or_path") or ""
+        model_name = model_name or base
+        if not model_name:
+            raise ConfigError(f"--adapter {adapter}: its adapter_config.json names no base model: pass --model_name")
+    model_name = resolve_model_name(model_name)
+    check_model_source(model_name)
+    return model_name, adapter
+
+
+def load_for_inference(model_name: str, adapter: str = "", device: torch.device | None = None):
+    """(model in eval mode, tokenizer): ``model_name`` + optional ``adapter`` (peft loads it; nothing merged)."""
+    from shardtune.models import load_model, load_tokenizer
+
+    model_name, adapter = resolve_model_and_adapter(model_name, adapter)
+    device = device or inference_device()
+    model = load_model(model_name, dtype=inference_dtype(device), device=device)
+    tokenizer_dir = adapter if adapter and (Path(adapter) / "tokenizer_config.json").is_file() else model_name
+    if adapter:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, adapter)
+    return model.eval(), load_tokenizer(tokenizer_dir)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """As the training data encodes a prompt: bos + tokens(text), no other special tokens."""
+    bos, _ = special_ids(tokenizer)
+    return bos + tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def generate_ids(model: nn.Module, tokenizer, prompt_ids: list[int], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                 do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0) -> list[int]:
+    """The generated continuation (prompt stripped), stopping at eos (not included) or after max_new_tokens."""
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([prompt_ids], device=device)
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if do_sample else \
+        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                         max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, **sampling)
+    new = out[0, len(prompt_ids):].tolist()
+    return new[:new.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in new else new
+
+
+def generate_text(model: nn.Module, tokenizer, prompt: str, **kwargs) -> str:
+    ids = generate_ids(model, tokenizer, encode_prompt(tokenizer, prompt), **kwargs)
+    return tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None and args.prompt_file:
+        raise ConfigError("give the prompt as an argument or with --prompt_file, not both")
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise ConfigError(f"--prompt_file {args.prompt_file}: no such file")
+        text = path.read_text(encoding="utf-8")
+    elif args.prompt is not None:
+        text = args.prompt
+    elif not sys.stdin.isatty():
+        text = sys.stdin.read()
+    else:
+        raise ConfigError("no prompt: pass it as an argument, with --prompt_file FILE, or on stdin")
+    if not text.strip():
+        raise ConfigError("the prompt is empty")
+    return text.strip("\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardtune generate", description=__doc__.splitlines()[0])
+    p.add_argument("prompt", nargs="?", help="the prompt (else --prompt_file, else stdin)")
+    p.add_argument("--prompt_file", default="", help="read the prompt from this file")
+    p.add_argument("--model_name", default="", help="a model directory, hub id or preset:NAME; or a PEFT adapter "
+                                                     "directory (its base model is read from its config)")
+    p.add_argument("--adapter", default="", help="PEFT adapter directory applied on --model_name")
+    p.add_argument("--dialogue", action="store_true", help="the input is a dialogue: wrap it in the training "
+                                                           "summarisation prompt")
+    p.add_argument("--max_new_tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="generate at most this many")
+    p.add_argument("--do_sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --do_sample)")
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (with --do_sample)")
+    p.add_argument("--seed", type=int, default=0, help="seed of sampling")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    from shardtune.sft import quiet_libraries
+
+    args = parser().parse_args(argv)
+    quiet_libraries()
+    try:
+        if args.max_new_tokens <= 0:
+            raise ConfigError(f"--max_new_tokens {args.max_new_tokens} must be positive")
+        if not args.do_sample and (args.temperature != 1.0 or args.top_p != 1.0):
+            raise ConfigError("--temperature / --top_p only apply with --do_sample: add it, or drop them")
+        prompt = read_prompt(args)
+        if args.dialogue:
+            prompt = SAMSUM_PROMPT.format(dialog=prompt)
+        model, tokenizer = load_for_inference(args.model_name, args.adapter)
+    except ConfigError as e:
+        print(f"shardtune: error: {e}", file=sys.stderr)
+        return 2
+    torch.manual_seed(args.seed)
+    print(generate_text(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                        temperature=args.temperature, top_p=args.top_p))
+    return 0

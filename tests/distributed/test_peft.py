@@ -1,0 +1,192 @@
+"""PEFT and QLoRA, shown by real runs: every method trains under DDP and FSDP2, DDP and FSDP2 agree, and what is
+saved reloads with plain peft into the model that training ended with.
+
+Each configuration is launched once (2 gloo processes, tiny preset) and shared by the tests that read it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from shardtune import data
+from shardtune.config import from_dict
+from shardtune.loss import full_logits_loss_sum, num_label_tokens
+from shardtune.models import load_model, load_tokenizer
+from tests.helpers import eval_rows, max_relative_difference, step_rows
+
+# method -> (extra flags, learning rate): llama-adapter's gates start at zero, so it needs a larger step
+METHODS = {
+    "lora": (["--peft_method", "lora", "--lora_config.lora_dropout", "0"], 2e-2),
+    "llama_adapter": (["--peft_method", "llama_adapter"], 1e-1),
+    "prefix": (["--peft_method", "prefix", "--prefix_config.num_virtual_tokens", "8"], 2e-1),
+    "qlora": (["--peft_method", "lora", "--lora_config.lora_dropout", "0", "--quantization", "4bit"], 2e-2),
+}
+STRATEGIES = {"ddp": [], "fsdp": ["--enable_fsdp"]}
+NUM_STEPS = 8
+
+
+def sft_args(model: Path, out: Path, method: str, strategy: str, *extra) -> list:
+    flags, lr = METHODS[method]
+    return ["sft", "--nproc_per_node", 2, "--model_name", model, "--output_dir", out, "--use_peft", *flags,
+            *STRATEGIES[strategy], "--lr", lr, "--batching_strategy", "padding", "--batch_size_training", 4,
+            "--context_length", 256, "--synthetic_dialogues.num_train", 64, "--synthetic_dialogues.num_validation", 8,
+            "--max_train_step", NUM_STEPS, "--val_batch_size", 4, "--num_workers_dataloader", 0, *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model, tmp_path_factory, cache_dir):
+    """run(method, strategy) -> (output dir, stdout), launched on first use and cached for the module."""
+    import subprocess
+
+    from tests.conftest import REPO, cli_env
+
+    runs: dict[tuple[str, str], tuple[Path, str]] = {}
+    root = tmp_path_factory.mktemp("peft-runs")
+
+    def run(method: str, strategy: str) -> tuple[Path, str]:
+        if (method, strategy) not in runs:
+            out = root / f"{method}-{strategy}"
+            args = [sys.executable, "-m", "shardtune", *map(str, sft_args(tiny_model, out, method, strategy))]
+            proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env=cli_env(cache_dir), cwd=REPO)
+            assert proc.returncode == 0, f"{method} {strategy}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+            runs[method, strategy] = out, proc.stdout
+        return runs[method, strategy]
+
+    return run
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in step_rows(out)]
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("method", list(METHODS))
+def test_each_method_trains_and_saves_only_the_adapter(method, strategy, trained):
+    out, stdout = trained(method, strategy)
+    steps = losses(out)
+    assert len(steps) == NUM_STEPS
+    first, last = sum(steps[:2]) / 2, sum(steps[-2:]) / 2
+    print(f"{method} {strategy}: loss first {steps[0]:.4f} last {steps[-1]:.4f}")
+    assert last < first - 0.02, f"{method} {strategy} did not learn: {steps}"
+    assert "trainable of" in stdout  # the trainable parameter count is printed at start
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert not (out / "model.safetensors").exists()
+
+
+def test_lora_ddp_and_fsdp_match_step_by_step(trained):
+    ddp, _ = trained("lora", "ddp")
+    fsdp, _ = trained("lora", "fsdp")
+    for a, b in zip(step_rows(ddp), step_rows(fsdp), strict=True):
+        assert b["num_tokens"] == a["num_tokens"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=0), a["step"]
+    adapters = [load_file(str(d / "adapter_model.safetensors")) for d in (ddp, fsdp)]
+    difference = max_relative_difference(*adapters)
+    print(f"lora ddp vs fsdp: max relative adapter difference {difference:.2e}")
+    assert difference <= 1e-5
+
+
+def load_base(model_dir: str, quantized: bool) -> torch.nn.Module:
+    """The base model as a user loads it: plain transformers (with bitsandbytes 4-bit for QLoRA)."""
+    if not quantized:
+        return load_model(model_dir)
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from shardtune.peft import use_generic_cpu_kernels
+
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=bnb, dtype=torch.float32,
+                                                 device_map={"": "cpu"})
+    use_generic_cpu_kernels(model)
+    return model
+
+
+@torch.no_grad()
+def reference_eval_loss(model: torch.nn.Module, out: Path) -> float:
+    """The run's validation examples through the plain full-logits loss, one process."""
+    cfg = from_dict(yaml.safe_load((out / "config.yaml").read_text()))
+    tokenizer = load_tokenizer(str(out))
+    examples, _ = data.load_examples(cfg, tokenizer, "validation")
+    total, count = 0.0, 0
+    for batch in data.eval_batches(examples, cfg, 0, 1, tokenizer.pad_token_id):
+        total += float(full_logits_loss_sum(model, batch, torch.device("cpu")))
+        count += num_label_tokens(batch["labels"])
+    return total / count
+
+
+@pytest.mark.parametrize("method,strategy", [("lora", "fsdp"), ("llama_adapter", "fsdp"), ("prefix", "ddp"),
+                                             ("qlora", "fsdp")])
+def test_saved_adapter_reloads_into_the_model_training_ended_with(method, strategy, trained):
+    """The last eval of the run is computed by the in-memory model after its final step; plain peft loading the
+    saved adapter on the untouched base must reproduce it. Were any base weight changed by training (or an
+    adapter tensor lost in the FSDP gather), the two losses would differ by far more than rounding."""
+    import peft
+
+    out, _ = trained(method, strategy)
+    config = json.loads((out / "adapter_config.json").read_text())
+    model = peft.PeftModel.from_pretrained(load_base(config["base_model_name_or_path"], method == "qlora"), str(out))
+    model.eval()
+    final_eval = eval_rows(out)[-1]["eval_loss"]
+    reloaded = reference_eval_loss(model, out)
+    print(f"{method} {strategy}: eval loss in training {final_eval:.8f}, reloaded adapter {reloaded:.8f}")
+    assert reloaded == pytest.approx(final_eval, rel=2e-6)
+    base_only = reference_eval_loss(load_base(config["base_model_name_or_path"], method == "qlora"), out)
+    assert abs(base_only - final_eval) > 1e-3, "the adapter changed nothing: the comparison would be vacuous"
+
+
+def test_merged_export_matches_base_plus_adapter(trained, tiny_model, run_cli, tmp_path):
+    import peft
+
+    out, _ = trained("lora", "ddp")
+    merged_dir = tmp_path / "merged"
+    run_cli("export", "--merge", out, merged_dir)
+    merged = load_model(str(merged_dir)).eval()
+    with_adapter = peft.PeftModel.from_pretrained(load_model(str(tiny_model)), str(out)).eval()
+    ids = torch.tensor([load_tokenizer(str(out))("Anna: lunch at 1?\nBen: sure, see you")["input_ids"]])
+    with torch.no_grad():
+        difference = (merged(input_ids=ids).logits - with_adapter(input_ids=ids).logits).abs().max().item()
+    print(f"merged vs base + adapter: max logit difference {difference:.2e}")
+    assert difference <= 1e-5
+    assert merged.dtype == load_model(str(tiny_model)).dtype == torch.float32
+    # the merge touches exactly the adapted projections; the base on disk is untouched by training
+    base, merged_weights = load_file(str(tiny_model / "model.safetensors")), load_file(
+        str(merged_dir / "model.safetensors"))
+    changed = {k for k in base if not torch.equal(base[k], merged_weights[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed)
+
+
+def test_training_continues_from_a_peft_checkpoint(trained, tiny_model, run_cli, tmp_path):
+    first, _ = trained("lora", "ddp")
+    out = tmp_path / "continued"
+    run_cli(*sft_args(tiny_model, out, "lora", "ddp", "--from_peft_checkpoint", first, "--max_train_step", 2))
+    # step 1 of the continued run sees the same batch as step 1 of the first run, with the trained adapter
+    assert losses(out)[0] < losses(first)[0] - 0.05
+    assert max_relative_difference(load_file(str(first / "adapter_model.safetensors")),
+                                   load_file(str(out / "adapter_model.safetensors"))) > 1e-4
+
+
+def test_eval_rouge_matches_rouge_score_and_generate_matches_eval(trained, run_cli, tmp_path):
+    from rouge_score import rouge_scorer
+
+    out, _ = trained("lora", "ddp")
+    report_path = tmp_path / "report.json"
+    proc = run_cli("eval", "--model_name", out, "--synthetic_dialogues.num_validation", 8, "--context_length", 256,
+                   "--max_examples", 4, "--max_new_tokens", 12, "--report_path", report_path)
+    assert "ROUGE-1" in proc.stdout and "[generated]" in proc.stdout
+    report = json.loads(report_path.read_text())
+    assert report["num_examples"] == len(report["examples"]) == 4
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+    direct = [scorer.score(e["reference"], e["prediction"]) for e in report["examples"]]
+    for key in ("rouge1", "rouge2", "rougeL"):
+        assert report[key] == pytest.approx(sum(s[key].fmeasure for s in direct) / len(direct), abs=1e-12)
+    # the same prompt through `shardtune generate` (stdin, greedy) gives the same text as the eval produced
+    dialogue = report["examples"][0]["prompt"].split("Summarize this dialog:\n", 1)[1].rsplit("\n---\n", 1)[0]
+    gen = run_cli("generate", "--model_name", out, "--dialogue", "--max_new_tokens", 12, stdin=dialogue)
+    assert gen.stdout.strip() == report["examples"][0]["prediction"]
