@@ -280,6 +280,7 @@ class Checkpointer:
         self.resume_from = self._resume_source()
         self.resume_state = read_trainer_state(self.resume_from) if self.resume_from else None
         self.training: tuple | None = None
+        self.bytes_needed = 0
         self.last_saved: Path | None = self.resume_from
         if env.is_main:
             for stale in unfinished_saves(cfg.output_dir):
@@ -323,7 +324,7 @@ class Checkpointer:
         return self._restore()
 
     def _check_space(self, model: nn.Module) -> None:
-        need = checkpoint_bytes_estimate(model, self.full_model)
+        need = self.bytes_needed = checkpoint_bytes_estimate(model, self.full_model)
         planned = 1 + self.total_steps // self.cfg.save_steps if self.cfg.save_steps else 1
         planned += self.cfg.num_epochs
         keep = min(planned, self.cfg.save_total_limit + 1) if self.cfg.save_total_limit else planned
@@ -407,7 +408,7 @@ class Checkpointer:
                 torch.save(rng_state(self.env.device), rng_file(tmp, self.env.rank))
                 if self.env.is_main:
                     self._write_rank0_files(tmp, position, scheduler, result, full_state)
-            except OSError as e:
+            except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
                 error = e
         if not _all_ok(error is None, self.env.device):
             self._fail(name, tmp, error)
@@ -460,10 +461,14 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
 
     def _fail(self, name: str, tmp: Path, error: BaseException | None) -> None:
+        free = shutil.disk_usage(self.root).free
+        reason = failure_reason(error) if error is not None else "another rank failed to write its part"
+        if free < self.bytes_needed:  # whatever layer reported it (DCP, torch.save), the disk is full
+            reason = (f"No space left on device: {free / 1e6:,.1f} MB free, a checkpoint needs about "
+                      f"{self.bytes_needed / 1e6:,.1f} MB")
         if self.env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         barrier()
-        reason = failure_reason(error) if error is not None else "another rank failed to write its part"
         kept = f"the previous checkpoint {self.last_saved} is kept" if self.last_saved else "no earlier checkpoint"
         raise CheckpointError(f"checkpoint {name} could not be written ({reason}): {kept}; free space in "
                               f"{self.root} (or pass another --output_dir) and resume with --resume latest")

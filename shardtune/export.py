@@ -1,5 +1,6 @@
 """``shardtune export CHECKPOINT OUT``: a training checkpoint (any world size, any strategy) as a Hugging Face
-model directory, in one process, without GPUs and without a process group.
+model directory (or a PEFT adapter directory, for an adapter checkpoint), in one process, without GPUs and
+without a process group.
 
 The checkpoint records what it came from (hf_config/: the source model's config.json and tokenizer;
 config.yaml: the training config), so the model is rebuilt from that and the checkpoint's tensors are read
@@ -38,13 +39,21 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     path = resolve_checkpoint(str(checkpoint), Path(checkpoint).parent.parent)
     state = read_trainer_state(path)
     cfg = from_dict(yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")))
-    if state.get("adapter_only"):
-        raise ConfigError(f"{path} holds an adapter: exporting adapter checkpoints needs shardtune's PEFT support, "
-                          "which this version does not have")
     config = AutoConfig.from_pretrained(path / "hf_config")
     target = DTYPES[dtype] or source_dtype(config)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(path / "hf_config")
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if state.get("adapter_only"):  # the base weights do not matter: only the adapter is read and written
+        from shardtune.peft import apply_peft, save_adapter
+
+        cfg.quantization, cfg.from_peft_checkpoint = "", ""
+        model = apply_peft(model, cfg)
+        adapter = {k: v for k, v in model.state_dict().items() if f"model.{k}" in stored}
+        dcp.load({"model": adapter}, checkpoint_id=path, no_dist=True)
+        trainable = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
+        save_adapter(model, trainable, cfg.model_name, tokenizer, Path(out_dir))
+        return path
     wanted = {k: v for k, v in model.state_dict().items() if f"model.{k}" in stored}
     missing = sorted(k for k, _ in model.named_parameters() if k not in wanted)
     if missing:  # frozen parameters are not in checkpoints: they come from the base model
@@ -54,7 +63,6 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
         model.load_state_dict(load_model(cfg.model_name).state_dict())
     dcp.load({"model": wanted}, checkpoint_id=path, no_dist=True)  # this one process reads every shard
     model.config.dtype = target
-    tokenizer = AutoTokenizer.from_pretrained(path / "hf_config")
     save_hf_model(model, model.state_dict(), tokenizer, Path(out_dir))
     return path
 

@@ -6,6 +6,7 @@ The reference is one uninterrupted run per strategy; every interrupted variant m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -108,6 +109,9 @@ def test_resumed_run_equals_uninterrupted_run(strategy, reference, tiny_model, c
     assert latest_checkpoint(out).name == "step-000016"
     state = read_trainer_state(latest_checkpoint(out))
     assert (state["step"], state["epoch"], state["step_in_epoch"], state["world_size"]) == (16, 2, 0, 2)
+    # export (one process, no process group) gives what the run wrote at its end: a model, or an adapter
+    run_shardtune(cache_dir, "export", out, tmp_path / "exported")
+    assert max_relative_difference(final_tensors(out), final_tensors(tmp_path / "exported")) == 0.0
 
 
 def worker_pids(launcher_pid: int) -> dict[int, int]:
@@ -178,12 +182,17 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(reference, tiny_model,
     ref = reference(())
     out = tmp_path / "run"
     proc = start_sft(cache_dir, tiny_model, out, "--save_steps", 1)
+    workers: dict[int, int] = {}
     try:
+        wait_for(lambda: True if logged_steps(out) >= 2 else None, proc, "step 2")
+        workers = wait_for(lambda: worker_pids(proc.pid) or None, proc, "the workers were found")
         # SIGKILL the whole job (launcher and workers) while a checkpoint is being written
-        unfinished = wait_for(lambda: (unfinished_saves(out) or None) if logged_steps(out) >= 3 else None, proc,
-                              "a save was caught in progress", poll_s=0.0005)
+        unfinished = wait_for(lambda: unfinished_saves(out) or None, proc, "a save was caught in progress",
+                              poll_s=0.0005)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        for pid in [proc.pid, *workers.values()]:  # torchrun's workers do not share the launcher's group
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         proc.communicate()
     previous = latest_checkpoint(out)
     assert previous is not None and previous.name < unfinished[0].name.split(".")[0]
@@ -229,12 +238,17 @@ def test_export_of_a_sharded_checkpoint_equals_the_final_model(reference, cache_
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
 
 
+def error_lines(stderr: str) -> list[str]:
+    """shardtune's one-line errors (a progress bar may precede one on its line: it writes no newline)."""
+    return [line[line.index("shardtune: error:"):] for line in stderr.splitlines() if "shardtune: error:" in line]
+
+
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_model, cache_dir, tmp_path):
     out = tmp_path / "run"
     # lr 1e30: the first step is finite, it makes the weights ~1e30, and the second step's loss overflows
     proc = sft(cache_dir, tiny_model, out, "--lr", 1e30, "--save_steps", 1, "--max_train_step", 4, check=False)
     assert proc.returncode == 1
-    message = [line for line in proc.stderr.splitlines() if line.startswith("shardtune: error:")]
+    message = error_lines(proc.stderr)
     assert len(message) == 1 and "non-finite loss" in message[0] and "at step 2" in message[0], proc.stderr[-3000:]
     assert "step-000001" in message[0]
     assert [p.name for p in complete_checkpoints(out)] == ["step-000001"] and unfinished_saves(out) == []
@@ -244,8 +258,8 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_m
 
 def test_nan_policy_skip_leaves_the_weights_of_the_last_finite_step(tiny_model, cache_dir, tmp_path):
     out = tmp_path / "run"
-    sft(cache_dir, tiny_model, out, "--lr", 1e30, "--save_steps", 1, "--max_train_step", 3, "--nan_policy", "skip",
-        "--run_validation", "false")
+    sft(cache_dir, tiny_model, out, "--lr", 1e30, "--save_steps", 1, "--save_total_limit", 0, "--max_train_step", 3,
+        "--nan_policy", "skip", "--run_validation", "false")
     rows = step_rows(out)
     assert [r.get("skipped", False) for r in rows] == [False, True, True]
     assert not math.isfinite(rows[1]["loss"])
@@ -281,8 +295,8 @@ def test_a_full_disk_fails_the_save_cleanly_and_keeps_the_previous_checkpoint(ti
                check=False)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "checkpoints of about" in proc.stderr  # the warning before training
-    message = [line for line in proc.stderr.splitlines() if line.startswith("shardtune: error:")]
-    assert len(message) == 1 and "checkpoint step-000004 could not be written (No space left on device)" in message[0]
+    message = error_lines(proc.stderr)
+    assert len(message) == 1 and "checkpoint step-000004 could not be written (No space left on device" in message[0]
     assert "step-000002 is kept" in message[0]
     assert [p.name for p in complete_checkpoints(out)] == ["step-000002"] and unfinished_saves(out) == []
     assert latest_checkpoint(out).name == "step-000002"
