@@ -1,0 +1,171 @@
+"""`python -m bench`: every CPU benchmark of issue #6, side by side in one run; writes bench/results/latest.md
+(the table the README quotes) and latest.json (every figure, machine info, versions).
+
+    python -m bench                       # embedded dialogues, about 15-20 minutes on a 2-core CPU
+    python -m bench --samsum data/samsum/train.json --num_train 0
+    python -m bench --only trainer,overhead
+
+Sections: trainer (shardtune packing / padding vs transformers.Trainer, one epoch), overhead (train_step vs a
+bare PyTorch loop), loss_memory (lean loss vs the model's own loss at vocabulary 128,256), model_state (DDP /
+FSDP per-rank bytes at 1, 2, 4 processes), mfu (from the shardtune packing runs). Never part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import RESULTS, free_port, machine_info, median, python, run, run_json, spread
+from bench.data import dataset_flags
+from bench.report import markdown
+
+SECTIONS = ("trainer", "overhead", "loss_memory", "model_state")
+
+
+def shardtune_epoch(model: str, out: Path, batching: str, args) -> dict:
+    """One epoch through the real CLI, one process; epoch time = the logged step times (data loading included)."""
+    from shardtune.metrics import read_metrics
+
+    shape = {"packing": ["--context_length", args.pack_length, "--batch_size_training", args.pack_batch],
+             "padding": ["--context_length", 1024, "--batch_size_training", args.batch]}[batching]
+    tick = time.perf_counter()
+    run([python(), "-m", "shardtune", "sft", "--nproc_per_node", 1, "--model_name", model, "--output_dir", out,
+         "--batching_strategy", batching, *shape, "--lr", args.lr, "--gradient_clipping", "true",
+         "--num_workers_dataloader", 1, "--save_model", "false",
+         *dataset_flags(args.num_train, args.num_validation, args.samsum)])
+    process_s = time.perf_counter() - tick
+    rows = read_metrics(out / "metrics.jsonl")
+    steps = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    return {"epoch_s": sum(r["step_time_s"] for r in steps), "steps": len(steps),
+            "label_tokens": sum(r["num_tokens"] for r in steps), "eval_loss": evals[-1]["eval_loss"],
+            "process_s": process_s, "mfu_median": median([r["mfu"] for r in steps[1:]] or [0.0]),
+            "model_flops_per_s_median": median([r["model_flops_per_s"] for r in steps[1:]] or [0.0])}
+
+
+def trainer_epoch(model: str, out: Path, args) -> dict:
+    argv = [python(), "-m", "bench.hf_trainer", "--model", model, "--num_train", args.num_train, "--num_validation",
+            args.num_validation, "--batch", args.batch, "--lr", args.lr, "--out", out]
+    if args.samsum:
+        argv += ["--samsum", args.samsum]
+    tick = time.perf_counter()
+    result = run_json(argv)
+    result["process_s"] = time.perf_counter() - tick
+    return result
+
+
+def bench_trainer(model: str, args) -> dict:
+    runs: dict[str, list[dict]] = {"shardtune_packing": [], "shardtune_padding": [], "hf_trainer": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):
+            names = list(runs)
+            names = names[rep % 3:] + names[:rep % 3]  # rotate the order: drifting load hits every tool alike
+            for name in names:
+                out = Path(tmp) / f"{name}-{rep}"
+                print(f"  trainer: {name} (repeat {rep + 1}/{args.repeats})", flush=True)
+                if name == "hf_trainer":
+                    runs[name].append(trainer_epoch(model, out, args))
+                else:
+                    runs[name].append(shardtune_epoch(model, out, name.split("_")[1], args))
+    summary = {}
+    for name, results in runs.items():
+        epoch = [r["epoch_s"] for r in results]
+        summary[name] = {"epoch_s": median(epoch), "epoch_s_spread": spread(epoch), "steps": results[0]["steps"],
+                         "label_tokens": results[0]["label_tokens"],
+                         "label_tokens_per_s": results[0]["label_tokens"] / median(epoch),
+                         "eval_loss": median([r["eval_loss"] for r in results]), "runs": results}
+    base = summary["hf_trainer"]["epoch_s"]
+    for name in ("shardtune_packing", "shardtune_padding"):
+        summary[name]["speedup_vs_trainer"] = base / summary[name]["epoch_s"]
+    summary["setup"] = {"preset": "demo", "dataset": args.samsum or "synthetic_dialogues",
+                        "num_train": args.num_train, "num_validation": args.num_validation, "lr": args.lr,
+                        "optimizer": "AdamW (torch), betas 0.9/0.999, eps 1e-8, weight decay 0",
+                        "schedule": "constant lr (shardtune StepLR steps after the epoch; Trainer 'constant')",
+                        "clipping": "global grad norm 1.0", "padding_batch_examples": args.batch,
+                        "packing": f"{args.pack_batch} blocks of {args.pack_length} tokens",
+                        "repeats": args.repeats}
+    return summary
+
+
+def bench_loss_memory(args) -> dict:
+    out: dict[str, list[dict]] = {"default": [], "lean": []}
+    for _ in range(args.memory_repeats):
+        for mode in ("default", "lean"):
+            out[mode].append(run_json([python(), "-m", "bench.loss_memory", "--mode", mode, "--seq_len",
+                                       args.memory_seq_len]))
+    summary = {mode: {"step_peak_bytes": median([r["step_peak_bytes"] for r in rs]),
+                      "step_s": median([r["step_s"] for r in rs]), "loss": rs[0]["loss"], "runs": rs}
+               for mode, rs in out.items()}
+    summary["ratio_lean_over_default"] = summary["lean"]["step_peak_bytes"] / summary["default"]["step_peak_bytes"]
+    summary["setup"] = {"vocab": 128256, "seq_len": args.memory_seq_len, "hidden": 256, "layers": 2, "batch": 1,
+                        "labelled": "every position", "full_logits_fp32_bytes": out["lean"][0]["full_logits_fp32_bytes"]}
+    return summary
+
+
+def bench_model_state(model: str) -> dict:
+    import shardtune.parallel as parallel_pkg
+
+    have_fsdp = (Path(parallel_pkg.__file__).parent / "fsdp.py").is_file()
+    rows = []
+    for strategy in ("ddp", "fsdp") if have_fsdp else ("ddp",):
+        for nproc in (1, 2, 4):
+            argv = [python(), "-m", "torch.distributed.run", "--nproc_per_node", nproc, "--master_port", free_port(),
+                    "-m", "bench.model_state", "--model", model] + (["--fsdp"] if strategy == "fsdp" else [])
+            print(f"  model_state: {strategy} x {nproc}", flush=True)
+            rows.append(run_json(argv, timeout=600, OMP_NUM_THREADS="1"))
+    return {"rows": rows, "fsdp_available": have_fsdp}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: " + ", ".join(SECTIONS))
+    ap.add_argument("--samsum", default="", help="a samsum-format file or folder instead of the embedded dialogues")
+    ap.add_argument("--num_train", type=int, default=600)
+    ap.add_argument("--num_validation", type=int, default=100)
+    ap.add_argument("--batch", type=int, default=8, help="examples per optimizer step (padding, Trainer)")
+    ap.add_argument("--pack_length", type=int, default=512)
+    ap.add_argument("--pack_batch", type=int, default=2, help="packed blocks per step (2 x 512 ~ 8 examples)")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--repeats", type=int, default=2, help="epochs per tool (medians reported)")
+    ap.add_argument("--overhead_steps", type=int, default=12)
+    ap.add_argument("--memory_seq_len", type=int, default=4096)
+    ap.add_argument("--memory_repeats", type=int, default=1)
+    args = ap.parse_args()
+    sections = [s for s in args.only.split(",") if s]
+
+    from shardtune.flops import measured_peak_flops
+    from shardtune.models import resolve_model_name
+
+    model = resolve_model_name("preset:demo")
+    started = time.perf_counter()
+    result: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine_info(),
+                    "peak_fp32_flops_per_s": measured_peak_flops("cpu"), "args": vars(args)}
+    if "trainer" in sections:
+        print("trainer: shardtune vs transformers.Trainer, one epoch each", flush=True)
+        result["trainer"] = bench_trainer(model, args)
+        result["mfu"] = {"shardtune_packing_median": result["trainer"]["shardtune_packing"]["runs"][0]["mfu_median"]}
+    if "overhead" in sections:
+        print("overhead: train_step vs a bare PyTorch loop", flush=True)
+        result["overhead"] = run_json([python(), "-m", "bench.overhead", "--model", model, "--steps",
+                                       args.overhead_steps])
+    if "loss_memory" in sections:
+        print("loss_memory: lean loss vs the model's own loss, vocabulary 128,256", flush=True)
+        result["loss_memory"] = bench_loss_memory(args)
+    if "model_state" in sections:
+        print("model_state: per-rank bytes, DDP / FSDP at 1, 2, 4 processes", flush=True)
+        result["model_state"] = bench_model_state(model)
+    result["bench_wall_s"] = time.perf_counter() - started
+    result["machine"]["load_average_at_end"] = __import__("os").getloadavg()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "latest.json").write_text(json.dumps(result, indent=2) + "\n")
+    table = markdown(result)
+    (RESULTS / "latest.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The data every vs-Trainer run sees: shardtune's own loading (same prompts, labels and examples)."""
+
+from __future__ import annotations
+
+import torch
+
+from shardtune.config import TrainConfig
+from shardtune.data.batching import collate_padding
+from shardtune.loss import num_label_tokens, token_loss_sum
+
+
+def bench_config(model: str, num_train: int, num_validation: int, samsum: str, context_length: int) -> TrainConfig:
+    cfg = TrainConfig(model_name=model, context_length=context_length)
+    if samsum:
+        cfg.dataset = "samsum_dataset"
+        cfg.samsum_dataset.data_path = samsum
+    else:
+        cfg.synthetic_dialogues.num_train = num_train
+        cfg.synthetic_dialogues.num_validation = num_validation
+    return cfg
+
+
+def dataset_flags(num_train: int, num_validation: int, samsum: str) -> list[str]:
+    if samsum:
+        return ["--dataset", "samsum_dataset", "--samsum_dataset.data_path", samsum]
+    return ["--synthetic_dialogues.num_train", str(num_train), "--synthetic_dialogues.num_validation",
+            str(num_validation)]
+
+
+@torch.no_grad()
+def eval_loss_of(model: torch.nn.Module, examples: list[dict], pad_id: int, batch_size: int = 1) -> float:
+    """Token-weighted eval loss, the same definition shardtune's evaluation writes to metrics.jsonl."""
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(examples), batch_size):
+        batch = collate_padding(examples[start:start + batch_size], pad_id)
+        total += float(token_loss_sum(model, batch, torch.device("cpu")))
+        count += num_label_tokens(batch["labels"])
+    model.train()
+    return total / count

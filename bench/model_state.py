@@ -1,0 +1,61 @@
+"""Per-rank model-state bytes (parameters + gradients + AdamW state, the local shards each rank really holds)
+after one real optimizer step, for DDP or FSDP2. A torchrun worker; rank 0 prints one JSON line.
+
+    torchrun --nproc_per_node 4 -m bench.model_state --model DIR [--fsdp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from shardtune.config import TrainConfig
+
+
+def local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--fsdp", action="store_true")
+    args = ap.parse_args()
+
+    from shardtune.data.batching import collate_padding
+    from shardtune.distributed import all_reduce_sum, init_distributed, shutdown
+    from shardtune.models import load_model
+    from shardtune.parallel import make_strategy
+    from shardtune.train import build_optimizer, train_step
+
+    env = init_distributed()
+    cfg = TrainConfig(model_name=args.model, enable_fsdp=args.fsdp)
+    strategy = make_strategy(cfg, env)
+    model = strategy.wrap(load_model(args.model))
+    optimizer = build_optimizer(model, cfg)
+    ids = list(range(4, 68))
+    train_step(model, strategy, optimizer, [collate_padding([{"input_ids": ids, "labels": ids}], 3)], cfg, env)
+    params = [p for p in model.parameters()]
+    grads_bytes = sum(local_bytes([p]) for p in params if p.requires_grad)  # grads are freed by the step (set_to_none)
+    optim_bytes = local_bytes(t for state in optimizer.state.values() for t in state.values()
+                              if torch.is_tensor(t) and t.dim() > 0)
+    mine = torch.tensor([local_bytes(params), grads_bytes, optim_bytes], dtype=torch.float64)
+    worst = mine.clone()
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
+    total = all_reduce_sum(mine, env.device)
+    if env.is_main:
+        print(json.dumps({"strategy": "fsdp" if args.fsdp else "ddp", "world_size": env.world_size,
+                          "param_bytes": int(worst[0]), "grad_bytes": int(worst[1]), "optimizer_bytes": int(worst[2]),
+                          "per_rank_bytes": int(worst.sum()), "all_ranks_bytes": int(total.sum())}))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""latest.json -> the markdown table the README quotes."""
+
+from __future__ import annotations
+
+
+def _mib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:,.1f} MiB"
+
+
+def markdown(r: dict) -> str:
+    m = r["machine"]
+    lines = [f"Measured {r['date']} on {m['cpu']} ({m['cpu_count']} cores, {m['memory_gib']} GiB), torch "
+             f"{m['torch']}, transformers {m['transformers']}; matmul peak (fp32, measured) "
+             f"{r['peak_fp32_flops_per_s'] / 1e9:.0f} GFLOP/s; load average at start "
+             f"{m['load_average_at_start'][0]:.1f}, at end {m['load_average_at_end'][0]:.1f} (other jobs share "
+             f"this machine: ratios are taken side by side, medians of repeated runs). `python -m bench` "
+             f"took {r['bench_wall_s'] / 60:.1f} min.", ""]
+    t = r.get("trainer")
+    if t:
+        s = t["setup"]
+        lines += [f"**1. One epoch vs Hugging Face Trainer** (preset demo, {s['dataset']} "
+                  f"{s['num_train']} train / {s['num_validation']} validation, AdamW lr {s['lr']} constant, clip "
+                  f"1.0, ~8 examples per step: padding {s['padding_batch_examples']} examples, packing "
+                  f"{s['packing']}; {s['repeats']} epochs per tool, median)", "",
+                  "| tool | epoch time | steps | label tokens/s | eval loss | speed-up vs Trainer | run-to-run spread |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, label in (("shardtune_packing", "shardtune, packing"), ("shardtune_padding", "shardtune, padding"),
+                            ("hf_trainer", "transformers.Trainer + DataCollatorForSeq2Seq")):
+            x = t[name]
+            speed = f"{x['speedup_vs_trainer']:.2f}x" if "speedup_vs_trainer" in x else "1.00x"
+            lines.append(f"| {label} | {x['epoch_s']:.1f} s | {x['steps']} | {x['label_tokens_per_s']:,.0f} | "
+                         f"{x['eval_loss']:.4f} | {speed} | {x['epoch_s_spread']:.0%} |")
+        lines.append("")
+    o = r.get("overhead")
+    if o:
+        lines += [f"**2. Overhead vs bare PyTorch** (identical pre-built packed batches, {o['steps']} steps "
+                  "interleaved, median step time)", "",
+                  "| shardtune train_step | 10-line PyTorch loop | ratio |", "|---|---|---|",
+                  f"| {o['shardtune_step_s'] * 1e3:.0f} ms | {o['bare_step_s'] * 1e3:.0f} ms | {o['ratio']:.3f} |", ""]
+    lm = r.get("loss_memory")
+    if lm:
+        s = lm["setup"]
+        lines += [f"**3. Peak memory of the loss** (vocabulary {s['vocab']:,}, sequence {s['seq_len']:,}, hidden "
+                  f"{s['hidden']}, {s['layers']} layers, every position labelled; forward + backward, peak RSS "
+                  f"above the pre-step RSS, fresh process each; one fp32 logits tensor is "
+                  f"{_mib(s['full_logits_fp32_bytes'])})", "",
+                  "| loss | peak memory of the step | step time | loss value |", "|---|---|---|---|"]
+        for mode, label in (("default", "model's own (`labels=`, full logits)"), ("lean", "shardtune lean (chunked)")):
+            x = lm[mode]
+            lines.append(f"| {label} | {_mib(x['step_peak_bytes'])} | {x['step_s']:.1f} s | {x['loss']:.5f} |")
+        lines += [f"| **lean / default** | **{lm['ratio_lean_over_default']:.2f}** | | |", ""]
+    ms = r.get("model_state")
+    if ms:
+        lines += ["**4. Model state per rank** (demo preset, fp32 parameters + gradients + AdamW state, the local "
+                  "shards each rank holds after a real step; the largest rank)", "",
+                  "| strategy | processes | params | grads | AdamW state | per rank | all ranks |",
+                  "|---|---|---|---|---|---|---|"]
+        for x in ms["rows"]:
+            lines.append(f"| {x['strategy'].upper()} | {x['world_size']} | {_mib(x['param_bytes'])} | "
+                         f"{_mib(x['grad_bytes'])} | {_mib(x['optimizer_bytes'])} | {_mib(x['per_rank_bytes'])} | "
+                         f"{_mib(x['all_ranks_bytes'])} |")
+        if not ms["fsdp_available"]:
+            lines.append("FSDP was not available in this build: DDP only.")
+        lines.append("")
+    if "mfu" in r:
+        t = r["trainer"]["shardtune_packing"]
+        lines += [f"**5. MFU on CPU** (demo preset, shardtune packing, median over steps): "
+                  f"{r['mfu']['shardtune_packing_median']:.1%} of the measured fp32 matmul peak "
+                  f"({t['runs'][0]['model_flops_per_s_median'] / 1e9:.1f} model GFLOP/s; FLOPs per token = "
+                  "6 N + 12 L d T, `shardtune/flops.py`). A 5M-parameter model with hidden size 256 runs small "
+                  "matmuls that do not reach the 2048 x 2048 peak.", ""]
+    lines += ["GPU figures (bench/gpu.sh on one H200): pending, no GPU was available; see bench/results/gpu.md.", ""]
+    return "\n".join(lines)
