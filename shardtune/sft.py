@@ -18,13 +18,15 @@ from shardtune.checkpoint import (
     Checkpointer, CheckpointError, remove_stale_staging, save_hf_model, write_text_atomic,
 )
 from shardtune.config import ConfigError, TrainConfig, effective_batch_size, help_text, parse_args, to_yaml, validate
+from shardtune.data.cache import load_examples_cached
 from shardtune.distributed import (
     DistEnv, barrier, init_distributed, is_torchrun_worker, print0, seed_everything, shutdown,
 )
 from shardtune.launch import launch, resolve_nnodes, resolve_nproc, split_launcher_args, torchrun_argv
 from shardtune.metrics import MetricsWriter
 from shardtune.models import (
-    build_model_on_meta, check_model_source, count_parameters, load_model, load_tokenizer, resolve_model_name,
+    build_model_on_meta, cache_dir, check_model_source, count_parameters, load_model, load_tokenizer,
+    resolve_model_name,
 )
 from shardtune.parallel import make_strategy
 from shardtune.peft import apply_peft, check_peft, load_quantized_model, save_adapter
@@ -33,7 +35,10 @@ from shardtune.train import TrainingStopped, TrainResult, train
 
 
 def prepare(cfg: TrainConfig, world_size: int) -> None:
-    """Everything checkable before a process group exists: config values, model source, data, context length."""
+    """Everything checkable before a process group exists: config values, model source, data, context length.
+
+    The data is loaded (and tokenised into the cache) here too, so a bad row is reported before any worker.
+    """
     validate(cfg, world_size)
     cfg.model_name = resolve_model_name(cfg.model_name)
     check_model_source(cfg.model_name)
@@ -41,20 +46,24 @@ def prepare(cfg: TrainConfig, world_size: int) -> None:
     if cfg.tokenizer_name:
         check_model_source(cfg.tokenizer_name, "tokenizer_name")
     data.check_data_config(cfg)
-    data.check_context_length(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name))
+    tokenizer = load_tokenizer(cfg.tokenizer_name or cfg.model_name)
+    data.check_context_length(cfg, tokenizer)
+    loaded = {split: load_examples_cached(cfg, tokenizer, split, cache_dir()) for split in data_splits(cfg)}
+    data.steps_per_epoch(len(data.build_units(loaded["train"][0], cfg)), cfg, world_size)
+
+
+def data_splits(cfg: TrainConfig) -> tuple[str, ...]:
+    return ("train", "validation") if cfg.run_validation else ("train",)
 
 
 def load_data(cfg: TrainConfig, env: DistEnv, tokenizer) -> tuple[list, list[dict]]:
-    """Training units and validation examples; every rank reads the same, deterministically."""
-    train_examples, train_report = data.load_examples(cfg, tokenizer, "train")
-    print0(f"data (train): {train_report.summary()}")
-    eval_examples: list[dict] = []
-    if cfg.run_validation:
-        eval_examples, eval_report = data.load_examples(cfg, tokenizer, "validation")
-        print0(f"data (validation): {eval_report.summary()}")
-    units = data.build_units(train_examples, cfg)
+    """Training units and validation examples; every rank reads the same (from the tokenised-data cache)."""
+    loaded = {split: load_examples_cached(cfg, tokenizer, split, cache_dir()) for split in data_splits(cfg)}
+    for split, (_, report) in loaded.items():
+        print0(f"data ({split}): {report.summary()}")
+    units = data.build_units(loaded["train"][0], cfg)
     data.steps_per_epoch(len(units), cfg, env.world_size)  # fails early if the data is too small
-    return units, eval_examples
+    return units, loaded["validation"][0] if cfg.run_validation else []
 
 
 def build_model(cfg: TrainConfig, env: DistEnv) -> torch.nn.Module:
