@@ -120,6 +120,12 @@ def bench_model_state(model: str) -> dict:
     return {"rows": rows, "fsdp_available": have_fsdp}
 
 
+def save(result: dict) -> None:
+    """Written after every section, so an interrupted run keeps what it measured."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "latest.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: " + ", ".join(SECTIONS))
@@ -144,24 +150,29 @@ def main() -> None:
     started = time.perf_counter()
     result: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine_info(),
                     "peak_fp32_flops_per_s": measured_peak_flops("cpu"), "args": vars(args)}
+    save(result)
     if "trainer" in sections:
         print("trainer: shardtune vs transformers.Trainer, one epoch each", flush=True)
         result["trainer"] = bench_trainer(model, args)
-        result["mfu"] = {"shardtune_packing_median": result["trainer"]["shardtune_packing"]["runs"][0]["mfu_median"]}
+        packing = result["trainer"]["shardtune_packing"]["runs"]
+        result["mfu"] = {"shardtune_packing_median": median([r["mfu_median"] for r in packing]),
+                         "model_flops_per_s_median": median([r["model_flops_per_s_median"] for r in packing])}
+        save(result)
     if "overhead" in sections:
         print("overhead: train_step vs a bare PyTorch loop", flush=True)
         result["overhead"] = run_json([python(), "-m", "bench.overhead", "--model", model, "--steps",
                                        args.overhead_steps])
+        save(result)
     if "loss_memory" in sections:
         print("loss_memory: lean loss vs the model's own loss, vocabulary 128,256", flush=True)
         result["loss_memory"] = bench_loss_memory(args)
+        save(result)
     if "model_state" in sections:
         print("model_state: per-rank bytes, DDP / FSDP at 1, 2, 4 processes", flush=True)
         result["model_state"] = bench_model_state(model)
     result["bench_wall_s"] = time.perf_counter() - started
     result["machine"]["load_average_at_end"] = __import__("os").getloadavg()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "latest.json").write_text(json.dumps(result, indent=2) + "\n")
+    save(result)
     table = markdown(result)
     (RESULTS / "latest.md").write_text(table)
     print(table)

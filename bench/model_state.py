@@ -7,6 +7,7 @@ after one real optimizer step, for DDP or FSDP2. A torchrun worker; rank 0 print
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 
 import torch
@@ -54,6 +55,9 @@ def main() -> None:
         print(json.dumps({"strategy": "fsdp" if args.fsdp else "ddp", "world_size": env.world_size,
                           "param_bytes": int(worst[0]), "grad_bytes": int(worst[1]), "optimizer_bytes": int(worst[2]),
                           "per_rank_bytes": int(worst.sum()), "all_ranks_bytes": int(total.sum())}))
+    # free DDP's reducer before the process group: the other order can deadlock gloo's destructor
+    del model, optimizer, strategy
+    gc.collect()
     shutdown()
 
 
