@@ -10,12 +10,13 @@ logits tensor ever exists: peak memory is O(chunk x vocab). Models whose forward
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from shardtune.distributed import warn0
 
 IGNORE_INDEX = -100
 # HF causal LMs whose forward is `logits = lm_head(hidden); return logits` (nothing applied to the logits after).
@@ -90,7 +91,7 @@ def lean_head(model: nn.Module) -> nn.Linear | None:
         return head
     if reason not in _fallback_noted:
         _fallback_noted.add(reason)
-        print(f"shardtune: note: full-logits loss (more memory): {reason}", file=sys.stderr, flush=True)
+        warn0(f"full-logits loss (more memory): {reason}")
     return None
 
 
