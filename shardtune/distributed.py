@@ -56,8 +56,27 @@ def init_distributed(timeout_s: float = 1800.0) -> DistEnv:
         backend = "gloo"
     if not dist.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        timeout = timedelta(seconds=timeout_s)
+        store = attempt_store(world_size, timeout)
+        if store is not None:
+            kwargs.update(store=store, rank=rank, world_size=world_size)
+        dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     return DistEnv(rank, local_rank, world_size, local_world_size, device, backend)
+
+
+def attempt_store(world_size: int, timeout: timedelta) -> dist.Store | None:
+    """The agent's store, with keys prefixed by the restart attempt (None outside torchrun's agent store).
+
+    torchrun's agent keeps one store across worker restarts (--max_restarts) and torch does not prefix the
+    process group's keys per attempt, so a restarted rank could read the address its dead predecessor
+    published and fail to connect (seen here: gloo "connection refused" after a restart, in about half the
+    runs). A prefix per attempt makes every attempt start from empty keys.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"shardtune/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def shutdown() -> None:

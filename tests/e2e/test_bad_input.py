@@ -68,7 +68,7 @@ def test_unknown_subcommand(run_cli):
 def test_a_previous_run_is_never_overwritten_by_accident(tiny_model, run_cli, tmp_path):
     out = tmp_path / "run"
     args = ("sft", "--model_name", tiny_model, "--output_dir", out, "--max_train_step", 1, "--run_validation", "false",
-            "--synthetic_dialogues.num_train", 16, "--num_workers_dataloader", 0)
+            "--synthetic_dialogues.num_train", 16, "--batch_size_training", 1, "--num_workers_dataloader", 0)
     run_cli(*args)
     before = (out / "metrics.jsonl").read_text()
     proc = run_cli(*args, check=False)
