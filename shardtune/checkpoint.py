@@ -20,7 +20,9 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from transformers import AutoConfig
 
-from shardtune.config import ConfigError, TrainConfig, effective_batch_size, to_dict, to_yaml, validator
+from shardtune.config import (
+    ConfigError, TrainConfig, effective_batch_size, flatten_dict, to_dict, to_yaml, validator,
+)
 from shardtune.distributed import DistEnv, all_reduce_sum, barrier, print0, warn0
 
 # Written last when publishing a model directory: without it the directory does not load as a model.
@@ -195,24 +197,14 @@ def checkpoint_bytes_estimate(model: nn.Module, full_model: bool) -> int:
 
 def settings_changed(saved: dict, current: TrainConfig) -> list[str]:
     """Settings (dotted names) that differ between a checkpoint's config and this run's, run control aside."""
-    now = flatten(to_dict(current))
-    before = flatten(saved)
+    now = flatten_dict(to_dict(current))
+    before = flatten_dict(saved)
     return sorted(k for k in now.keys() | before.keys()
                   if k not in RUN_CONTROL_SETTINGS and now.get(k) != before.get(k))
 
 
-def flatten(data: dict, prefix: str = "") -> dict:
-    out: dict = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def config_hash(cfg: TrainConfig) -> str:
-    trained = {k: v for k, v in flatten(to_dict(cfg)).items() if k not in RUN_CONTROL_SETTINGS}
+    trained = {k: v for k, v in flatten_dict(to_dict(cfg)).items() if k not in RUN_CONTROL_SETTINGS}
     return hashlib.sha256(json.dumps(trained, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

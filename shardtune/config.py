@@ -300,11 +300,12 @@ def set_value(cfg: TrainConfig, key: str, raw: Any) -> None:
     setattr(target, name, value)
 
 
-def _flatten_yaml(data: dict, prefix: str = "") -> dict[str, Any]:
+def flatten_dict(data: dict, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}: nested config mappings as dotted flag names."""
     out: dict[str, Any] = {}
     for k, v in data.items():
         if isinstance(v, dict):
-            out.update(_flatten_yaml(v, f"{prefix}{k}."))
+            out.update(flatten_dict(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -320,7 +321,7 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]}): fix the file") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: the top level must be a mapping of flag names to values")
-    return _flatten_yaml(data)
+    return flatten_dict(data)
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
@@ -372,7 +373,7 @@ def to_yaml(cfg: TrainConfig) -> str:
 
 def from_dict(data: dict[str, Any]) -> TrainConfig:
     cfg = TrainConfig()
-    for key, value in _flatten_yaml(data).items():
+    for key, value in flatten_dict(data).items():
         set_value(cfg, key, value)
     return cfg
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.register_assert_rewrite("tests.helpers")
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -35,3 +36,16 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
         x, y = a[name].double(), b[name].double()
         worst = max(worst, float((x - y).norm() / x.norm().clamp_min(1e-30)))
     return worst
+
+
+def assert_same_training(ref: Path, other: Path, label: str) -> float:
+    """Same token counts and losses at every one of the 4 steps, same weights: returns the weight difference."""
+    ref_rows, rows = step_rows(ref), step_rows(other)
+    assert len(rows) == len(ref_rows) == 4, label
+    for r, o in zip(ref_rows, rows):
+        assert o["num_tokens"] == r["num_tokens"], (label, r["step"])
+        assert o["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=0), (label, r["step"])
+        assert o["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4), (label, r["step"])
+    difference = max_relative_difference(weights(ref), weights(other))
+    assert difference <= 1e-5, label
+    return difference

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import max_relative_difference, step_rows, weights
+from tests.helpers import assert_same_training, max_relative_difference, step_rows, weights
 
 # (processes, batch_size_training, gradient_accumulation_steps)
 PACKING_CONFIGS = [(1, 8, 1), (1, 2, 4), (2, 4, 1), (4, 2, 1)]
@@ -23,16 +23,6 @@ def sft(run_cli, model, out, nproc, batch, accum, batching, *extra):
             "--max_train_step", 4, "--lr", 3e-3, "--gradient_clipping", "true", "--num_workers_dataloader", 0,
             "--val_batch_size", 4, *extra)
     return out
-
-
-def assert_same_training(ref, other, label):
-    ref_rows, rows = step_rows(ref), step_rows(other)
-    assert len(rows) == len(ref_rows) == 4, label
-    for r, o in zip(ref_rows, rows):
-        assert o["num_tokens"] == r["num_tokens"], (label, r["step"])
-        assert o["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=0), (label, r["step"])
-        assert o["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4), (label, r["step"])
-    assert max_relative_difference(weights(ref), weights(other)) <= 1e-5, label
 
 
 @pytest.mark.parametrize("batching,configs", [("packing", PACKING_CONFIGS), ("padding", PADDING_CONFIGS)])

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import REPO, cli_env
-from tests.helpers import max_relative_difference, step_rows, weights
+from tests.helpers import assert_same_training, max_relative_difference, step_rows, weights
 
 FSDP = ("--enable_fsdp",)
 # name -> (processes, per-device batch, flags); flags combined to keep the number of launches small. Later flags
@@ -54,18 +54,6 @@ def trained(name: str, runs: dict, run_cli, model) -> object:
         (out / "stdout.log").write_text(proc.stdout)
         runs[name] = out
     return runs[name]
-
-
-def assert_same_training(ref, other, label: str) -> float:
-    ref_rows, rows = step_rows(ref), step_rows(other)
-    assert len(rows) == len(ref_rows) == 4, label
-    for r, o in zip(ref_rows, rows):
-        assert o["num_tokens"] == r["num_tokens"], (label, r["step"])
-        assert o["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=0), (label, r["step"])
-        assert o["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4), (label, r["step"])
-    difference = max_relative_difference(weights(ref), weights(other))
-    assert difference <= 1e-5, label
-    return difference
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "ddp"])
