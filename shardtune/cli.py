@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<12} {text}")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    from shardtune.sft import quiet_libraries
+
+    quiet_libraries()
     if command == "sft":
         from shardtune.sft import main as sft_main
 
