@@ -18,4 +18,4 @@ if ! python -c "import torch" >/dev/null 2>&1; then
   pip install --quiet --disable-pip-version-check "torch==${SHARDTUNE_TORCH_VERSION:-2.13.0}"
 fi
 pip install --quiet --disable-pip-version-check -e ".[dev]"
-python -c "import torch, transformers, peft; print(f'setup: torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}')"
+python -c "from importlib.metadata import version as v; print(f'setup: torch {v(\"torch\")}, transformers {v(\"transformers\")}, peft {v(\"peft\")}')"
