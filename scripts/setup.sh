@@ -17,5 +17,9 @@ fi
 if ! python -c "import torch" >/dev/null 2>&1; then
   pip install --quiet --disable-pip-version-check "torch==${SHARDTUNE_TORCH_VERSION:-2.13.0}"
 fi
+# DeepSpeed is an sdist whose build imports torch: built against the torch above, without build isolation
+if ! python -c "import deepspeed" >/dev/null 2>&1; then
+  pip install --quiet --disable-pip-version-check --no-build-isolation "deepspeed==0.19.8"
+fi
 pip install --quiet --disable-pip-version-check -e ".[dev]"
 python -c "from importlib.metadata import version as v; print(f'setup: torch {v(\"torch\")}, transformers {v(\"transformers\")}, peft {v(\"peft\")}')"

@@ -93,6 +93,16 @@ class FsdpConfig:
 
 
 @dataclass
+class DeepSpeedConfig:
+    zero_stage: int = _f(2, "ZeRO stage: 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)")
+    offload_optimizer: bool = _f(False, "keep the optimizer state (and its step) in CPU memory (ZeRO-Offload)")
+    offload_param: bool = _f(False, "keep the sharded parameters in CPU memory (ZeRO-3 only)")
+    config_file: str = _f("", "a DeepSpeed JSON config merged over the one built from these flags (e.g. a TRL / "
+                              "HF Trainer ds_config.json); batch sizes and accumulation must agree with ours or be "
+                              "\"auto\"")
+
+
+@dataclass
 class LoraConfig:
     r: int = _f(8, "LoRA rank")
     lora_alpha: int = _f(32, "LoRA scaling numerator (scale = lora_alpha / r)")
@@ -158,6 +168,8 @@ class TrainConfig:
     debug: bool = _f(False, "print tracebacks with errors")
 
     enable_fsdp: bool = _f(False, "shard with PyTorch FSDP2 (fully_shard) instead of DDP")
+    enable_deepspeed: bool = _f(False, "shard with DeepSpeed ZeRO (--deepspeed_config.zero_stage 1/2/3) instead of "
+                                       "DDP (pip install 'shardtune[deepspeed]')")
     low_cpu_fsdp: bool = _f(False, "only global rank 0 reads the weights; the others build on the meta device")
     use_peft: bool = _f(False, "train an adapter (peft_method) instead of all parameters")
     peft_method: str = _f("lora", "lora, llama_adapter or prefix", choices=PEFT_METHODS)
@@ -185,6 +197,7 @@ class TrainConfig:
     alpaca_dataset: AlpacaDatasetConfig = _f(AlpacaDatasetConfig(), "alpaca-format data")
     custom_dataset: CustomDatasetConfig = _f(CustomDatasetConfig(), "your own dataset function")
     fsdp_config: FsdpConfig = _f(FsdpConfig(), "FSDP settings")
+    deepspeed_config: DeepSpeedConfig = _f(DeepSpeedConfig(), "DeepSpeed ZeRO settings")
     lora_config: LoraConfig = _f(LoraConfig(), "LoRA settings")
     llama_adapter_config: LlamaAdapterConfig = _f(LlamaAdapterConfig(), "llama-adapter settings")
     prefix_config: PrefixConfig = _f(PrefixConfig(), "prefix tuning settings")
@@ -529,6 +542,84 @@ def _check_fsdp(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"--fsdp_config.sharding_group_size {shard} x --fsdp_config.replica_group_size {replicas} "
                           f"= {shard * replicas}, but the world size is {world_size}: make their product "
                           f"{world_size}, or set one of them to 0 (derived)")
+
+
+# Keys of a --deepspeed_config.config_file that shardtune sets itself: the file may repeat our value or say "auto".
+DEEPSPEED_OWNED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+                        "managed_gradient_accumulation", "optimizer", "scheduler")
+
+
+def deepspeed_file_config(cfg: TrainConfig) -> dict:
+    """The JSON object of --deepspeed_config.config_file ({} when none)."""
+    import json
+
+    path = cfg.deepspeed_config.config_file
+    if not path:
+        return {}
+    try:
+        loaded = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"--deepspeed_config.config_file {path}: cannot read it ({e.strerror}): pass an existing "
+                          "JSON file") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--deepspeed_config.config_file {path} is not valid JSON ({e.msg}, line {e.lineno}): "
+                          "fix the file") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"--deepspeed_config.config_file {path} must hold a JSON object: fix the file")
+    return loaded
+
+
+@validator
+def _check_deepspeed(cfg: TrainConfig, world_size: int) -> None:
+    dc, defaults = cfg.deepspeed_config, DeepSpeedConfig()
+    if not cfg.enable_deepspeed:
+        changed = [f.name for f in fields(DeepSpeedConfig) if getattr(dc, f.name) != getattr(defaults, f.name)]
+        if changed:
+            raise ConfigError(f"--deepspeed_config.{changed[0]} {getattr(dc, changed[0])} has no effect without "
+                              "DeepSpeed: add --enable_deepspeed or drop the flag")
+        return
+    import importlib.util
+
+    if cfg.enable_fsdp:
+        raise ConfigError("--enable_fsdp and --enable_deepspeed are both set: they are two sharding strategies; "
+                          "drop one of them")
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("--enable_deepspeed needs DeepSpeed, which is not installed: pip install "
+                          "--no-build-isolation 'shardtune[deepspeed]' (its build needs torch), or drop the flag")
+    if dc.zero_stage not in (1, 2, 3):
+        raise ConfigError(f"--deepspeed_config.zero_stage {dc.zero_stage} is not valid: choose 1, 2 or 3")
+    if dc.offload_param and dc.zero_stage != 3:
+        raise ConfigError(f"--deepspeed_config.offload_param needs --deepspeed_config.zero_stage 3 (not "
+                          f"{dc.zero_stage}): set it, or drop --deepspeed_config.offload_param")
+    if cfg.save_steps or cfg.resume or cfg.fsdp_config.checkpoint_type:
+        flag = "--save_steps" if cfg.save_steps else "--resume" if cfg.resume else "--checkpoint_type"
+        raise ConfigError(f"{flag}: checkpoints are not supported with --enable_deepspeed yet: use --enable_fsdp for "
+                          "resumable runs, or drop the flag")
+    if cfg.use_peft or cfg.quantization or cfg.from_peft_checkpoint:
+        flag = "--use_peft" if cfg.use_peft else "--quantization" if cfg.quantization else "--from_peft_checkpoint"
+        raise ConfigError(f"{flag} is not supported with --enable_deepspeed yet: use --enable_fsdp (or DDP) for "
+                          "adapters and quantized models, or drop --enable_deepspeed")
+    if cfg.nan_policy == "skip":
+        raise ConfigError("--nan_policy skip is not supported with --enable_deepspeed (its step cannot be skipped "
+                          "once gradients are accumulated): use --nan_policy stop, or --enable_fsdp")
+    if cfg.compile:
+        raise ConfigError("--compile is not supported with --enable_deepspeed yet: drop one of them")
+    ours = {"train_micro_batch_size_per_gpu": cfg.batch_size_training,
+            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+            "train_batch_size": effective_batch_size(cfg, world_size)}
+    file_config = deepspeed_file_config(cfg)
+    stage = (file_config.get("zero_optimization") or {}).get("stage", "auto")
+    if stage not in ("auto", dc.zero_stage):
+        raise ConfigError(f"--deepspeed_config.config_file {dc.config_file}: zero_optimization.stage is {stage}, but "
+                          f"--deepspeed_config.zero_stage is {dc.zero_stage}: make them agree (or drop the stage "
+                          "from the file)")
+    for key, value in file_config.items():
+        if key not in DEEPSPEED_OWNED_KEYS or value == "auto" or ours.get(key) == value:
+            continue
+        what = (f"{value}, but shardtune's is {ours[key]} (from --batch_size_training, the world size and "
+                "--gradient_accumulation_steps)" if key in ours else "set by shardtune")
+        raise ConfigError(f"--deepspeed_config.config_file {dc.config_file}: \"{key}\" is {what}: remove the key "
+                          "or set it to \"auto\"")
 
 
 # Settings whose implementation has not landed yet: refusing them beats ignoring them silently.

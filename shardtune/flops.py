@@ -34,9 +34,12 @@ def model_shape(model: nn.Module) -> ModelShape:
     head = inner.get_output_embeddings()
     tied = head is not None and head.weight is embedding
     matmul = [p for p in model.parameters() if tied or p is not embedding]
+    def numel(p: torch.Tensor) -> int:  # DeepSpeed ZeRO-3 partitions a parameter in place; ds_numel is its size
+        return getattr(p, "ds_numel", None) or p.numel()
+
     return ModelShape(num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-                      num_matmul_params=sum(p.numel() for p in matmul),
-                      num_trainable_params=sum(p.numel() for p in matmul if p.requires_grad))
+                      num_matmul_params=sum(numel(p) for p in matmul),
+                      num_trainable_params=sum(numel(p) for p in matmul if p.requires_grad))
 
 
 def training_flops_per_token(shape: ModelShape, seq_len: int) -> int:

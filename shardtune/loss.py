@@ -101,18 +101,24 @@ def head_returns_loss(head: nn.Linear, targets: torch.Tensor) -> Iterator[dict[s
 
     The head is still *called* by the model's own forward, so wrappers' hooks (FSDP2 unshard, DDP, PEFT prefix
     injection) run as usual; only the head's computation changes. The loss is also returned as the model's
-    ``logits`` output; it is read from ``result`` so that nothing relies on that.
+    ``logits`` output; it is read from ``result`` so that nothing relies on that. ``result`` holds the head's
+    output as its callers see it, after the other forward hooks (DeepSpeed ZeRO-3 returns a new tensor from its
+    hook, whose backward re-gathers the head's partitioned weight).
     """
     result: dict[str, torch.Tensor] = {}
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        result["loss_sum"] = linear_cross_entropy_sum(hidden[:, :-1, :], head.weight, targets)
-        return result["loss_sum"]
+        return linear_cross_entropy_sum(hidden[:, :-1, :], head.weight, targets)
+
+    def keep_output(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        result["loss_sum"] = output
 
     head.forward = forward
+    hook = head.register_forward_hook(keep_output)
     try:
         yield result
     finally:
+        hook.remove()
         del head.forward
 
 

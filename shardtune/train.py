@@ -25,6 +25,7 @@ from shardtune.distributed import DistEnv, all_reduce_sum
 from shardtune.flops import ModelShape, measured_peak_flops, model_shape, training_flops_per_token
 from shardtune.loss import num_label_tokens, token_loss_sum
 from shardtune.metrics import MetricsWriter, peak_memory_bytes, perplexity
+from shardtune.optim import build_optimizer, build_scheduler  # noqa: F401 (build_optimizer: re-exported for bench/)
 from shardtune.parallel.base import Strategy
 
 
@@ -40,26 +41,6 @@ class TrainResult:
     @property
     def tokens_per_s(self) -> float:
         return self.num_tokens / self.train_time_s if self.train_time_s > 0 else 0.0
-
-
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
-    """Returns (scheduler, steps_per_call): llama-cookbook's StepLR steps once per epoch; cosine once per step."""
-    if cfg.lr_scheduler == "cosine":
-        warmup = cfg.warmup_steps
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            progress = (step - warmup) / max(1, total_steps - warmup)
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor), "step"
-    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.gamma), "epoch"
 
 
 def num_input_tokens(batch: dict[str, torch.Tensor]) -> int:
@@ -91,19 +72,20 @@ def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Opti
             strategy.backward(loss_sum * scale)
         local_loss_sum += loss_sum.detach().double().cpu()
     loss = float(all_reduce_sum(local_loss_sum, env.device)) / max(num_tokens, 1)
-    grad_norm = None
-    if cfg.gradient_clipping:
-        grad_norm = strategy.clip_grad_norm(model, optimizer, cfg.gradient_clipping_threshold)
-    stats = {"loss": loss, "num_tokens": num_tokens, "input_tokens": input_tokens, "grad_norm": grad_norm,
-             "flops": flops}
-    # loss and grad norm are global (all-reduced), so every rank takes the same decision
-    if not math.isfinite(loss) or (grad_norm is not None and strategy.scaler is None and not math.isfinite(grad_norm)):
+
+    def allow_step(grad_norm: float | None) -> bool:
+        # loss and grad norm are global (all-reduced), so every rank takes the same decision
+        if math.isfinite(loss) and (grad_norm is None or strategy.scaler is not None or math.isfinite(grad_norm)):
+            return True
         if cfg.nan_policy == "stop":
             raise NonFiniteLossError(loss, grad_norm)
-        optimizer.zero_grad(set_to_none=True)
-        return {**stats, "skipped": True}
-    strategy.optimizer_step(optimizer)
-    return stats
+        return False
+
+    max_norm = cfg.gradient_clipping_threshold if cfg.gradient_clipping else None
+    grad_norm, stepped = strategy.clip_and_step(model, optimizer, max_norm, allow_step)
+    stats = {"loss": loss, "num_tokens": num_tokens, "input_tokens": input_tokens, "grad_norm": grad_norm,
+             "flops": flops}
+    return stats if stepped else {**stats, "skipped": True}
 
 
 class NonFiniteLossError(RuntimeError):
@@ -136,7 +118,7 @@ def evaluate(model: nn.Module, strategy: Strategy, batches: list[dict[str, torch
 def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
           train_units: list, eval_examples: list[dict], pad_id: int, writer: MetricsWriter,
           checkpointer: Checkpointer | None = None) -> TrainResult:
-    optimizer = build_optimizer(model, cfg)
+    optimizer = strategy.build_optimizer(model)
     steps_per_epoch = data.steps_per_epoch(len(train_units), cfg, env.world_size)
     total_steps = steps_per_epoch * cfg.num_epochs
     if cfg.max_train_step:

@@ -12,6 +12,10 @@ def make_strategy(cfg: TrainConfig, env: DistEnv) -> Strategy:
         from shardtune.parallel.fsdp import FSDPStrategy
 
         return FSDPStrategy(cfg, env)
+    if cfg.enable_deepspeed:
+        from shardtune.parallel.deepspeed import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(cfg, env)
     from shardtune.parallel.ddp import DDPStrategy
 
     return DDPStrategy(cfg, env)

@@ -1,15 +1,15 @@
 """The one face every parallel strategy shows the training loop (DESIGN principle 1).
 
 The loop never asks which strategy it runs: it wraps the model, runs each micro-batch under
-``accumulating`` (no gradient sync) except the last, calls ``backward``, ``clip_grad_norm`` and
-``optimizer_step``, and asks for the full state dict when the model is saved.
+``accumulating`` (no gradient sync) except the last, calls ``backward`` and ``clip_and_step`` (by default
+``clip_grad_norm`` then ``optimizer_step``), and asks for the full state dict when the model is saved.
 """
 
 from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import ContextManager
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
@@ -70,6 +70,24 @@ class Strategy(ABC):
 
     def grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
         return self.clip_grad_norm(model, optimizer, float("inf"))
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The torch optimizer of the wrapped model (the LR schedulers act on its param_groups)."""
+        from shardtune.optim import build_optimizer
+
+        return build_optimizer(model, self.cfg)
+
+    def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
+                      allow_step: Callable[[float | None], bool]) -> tuple[float | None, bool]:
+        """Clip to max_norm (None: no clipping), ask allow_step(global norm before clipping) whether to update
+        (it raises to stop; False skips the update and drops the gradients), then step.
+        Returns (grad norm or None, whether the weights were updated)."""
+        grad_norm = self.clip_grad_norm(model, optimizer, max_norm) if max_norm is not None else None
+        if not allow_step(grad_norm):
+            optimizer.zero_grad(set_to_none=True)
+            return grad_norm, False
+        self.optimizer_step(optimizer)
+        return grad_norm, True
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None:

@@ -38,6 +38,15 @@ def assert_one_line_error(proc, *needles):
     (["--enable_fsdp", "--use_fp16", "--pure_bf16"], ["--use_fp16", "pure_bf16"]),
     (["--fsdp_config.sharding_strategy", "SHARD_GRAD_OP"], ["SHARD_GRAD_OP", "--enable_fsdp"]),
     (["--low_cpu_fsdp"], ["--low_cpu_fsdp", "--enable_fsdp"]),
+    (["--enable_fsdp", "--enable_deepspeed"], ["--enable_fsdp and --enable_deepspeed"]),
+    (["--enable_deepspeed", "--save_steps", "2"], ["--save_steps", "not supported with --enable_deepspeed",
+                                                   "--enable_fsdp"]),
+    (["--enable_deepspeed", "--fsdp_config.checkpoint_type", "SHARDED_STATE_DICT"],
+     ["--checkpoint_type", "not supported with --enable_deepspeed"]),
+    (["--enable_deepspeed", "--use_peft"], ["--use_peft", "not supported with --enable_deepspeed"]),
+    (["--enable_deepspeed", "--deepspeed_config.zero_stage", "4"], ["--deepspeed_config.zero_stage 4", "1, 2 or 3"]),
+    (["--enable_deepspeed", "--deepspeed_config.offload_param", "true"], ["offload_param", "zero_stage 3"]),
+    (["--deepspeed_config.zero_stage", "3"], ["--deepspeed_config.zero_stage 3", "--enable_deepspeed"]),
 ])
 def test_bad_values_fail_early_with_one_line(args, needles, tiny_model, run_cli, tmp_path):
     out = tmp_path / "never-created"
@@ -75,3 +84,13 @@ def test_a_previous_run_is_never_overwritten_by_accident(tiny_model, run_cli, tm
     assert_one_line_error(proc, "already holds a run", "--overwrite_output_dir true")
     assert (out / "metrics.jsonl").read_text() == before
     run_cli(*args, "--overwrite_output_dir", "true")
+
+
+def test_deepspeed_config_file_cannot_change_our_batch_sizes(tiny_model, run_cli, tmp_path):
+    """A TRL-style ds_config.json may say "auto" or repeat our value; anything else is refused, not overridden."""
+    pytest.importorskip("deepspeed")
+    path = tmp_path / "ds_config.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": "auto"}')
+    proc = run_cli("sft", "--model_name", tiny_model, "--output_dir", tmp_path / "out", "--enable_deepspeed",
+                   "--batch_size_training", "2", "--deepspeed_config.config_file", path, check=False)
+    assert_one_line_error(proc, str(path), "train_micro_batch_size_per_gpu", "is 8", "shardtune's is 2")

@@ -1,0 +1,184 @@
+"""DeepSpeed ZeRO (stages 1, 2, 3) behind the strategy face.
+
+The engine is run in DeepSpeed's unmanaged accumulation mode (``managed_gradient_accumulation: false``):
+``backward`` only accumulates locally, ``step`` is the accumulation boundary (reduction, clipping, update), which
+is exactly the loop's shape. Our loss is already normalised by the global label-token count, so backward does not
+divide by the accumulation steps (``scale_wrt_gas=False``) and the loop's x world size undoes ZeRO's mean over ranks.
+
+The optimizer is the same torch AdamW as DDP's, handed to ``deepspeed.initialize``: the ZeRO optimizer keeps using
+its param_groups, so the loop's LR schedulers (which act on that AdamW) set the lr DeepSpeed applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from shardtune.config import DEEPSPEED_OWNED_KEYS, ConfigError, TrainConfig, deepspeed_file_config, effective_batch_size
+from shardtune.distributed import DistEnv
+from shardtune.optim import build_optimizer
+from shardtune.parallel.base import Strategy, dtype_name
+
+
+def import_deepspeed():
+    """Import DeepSpeed lazily (it is an optional extra); on CPU its accelerator must be chosen before the import."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ConfigError(f"--enable_deepspeed needs DeepSpeed ({e}): pip install --no-build-isolation "
+                          "'shardtune[deepspeed]' (its build needs torch), or drop the flag") from None
+    return deepspeed
+
+
+def _drop_auto(value: Any) -> Any:
+    """HF Trainer configs say "auto" for what the trainer fills in: here ours is kept, so "auto" entries go."""
+    if isinstance(value, dict):
+        return {k: _drop_auto(v) for k, v in value.items() if v != "auto"}
+    return value
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def deepspeed_config(cfg: TrainConfig, world_size: int, compute_dtype: torch.dtype) -> dict:
+    """The DeepSpeed config dict built from ours, with --deepspeed_config.config_file merged over it (the
+    validator has refused every key of the file that would change batch sizes, accumulation or the optimizer)."""
+    dc = cfg.deepspeed_config
+    zero: dict[str, Any] = {"stage": dc.zero_stage}
+    if dc.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if dc.offload_param:
+        zero["offload_param"] = {"device": "cpu"}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": cfg.batch_size_training,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "train_batch_size": effective_batch_size(cfg, world_size),
+        "managed_gradient_accumulation": False,
+        "zero_optimization": zero,
+        "gradient_clipping": cfg.gradient_clipping_threshold if cfg.gradient_clipping else 0.0,
+        "bf16": {"enabled": compute_dtype == torch.bfloat16},
+        "fp16": {"enabled": compute_dtype == torch.float16},
+        "steps_per_print": 2**62,
+        "wall_clock_breakdown": False,
+        # ZeRO's client AdamW is a torch optimizer, not one of DeepSpeed's fused ones
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+    }
+    extra = {k: v for k, v in _drop_auto(deepspeed_file_config(cfg)).items() if k not in DEEPSPEED_OWNED_KEYS}
+    return _merge(config, extra)
+
+
+class DeepSpeedStrategy(Strategy):
+    name = "deepspeed"
+
+    def __init__(self, cfg: TrainConfig, env: DistEnv):
+        super().__init__(cfg, env)
+        self.zero_stage = cfg.deepspeed_config.zero_stage
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.engine = None
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        deepspeed = import_deepspeed()
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            deepspeed.init_distributed(dist_backend=self.env.backend)
+        model.to(self.env.device)
+        self.optimizer = build_optimizer(model, self.cfg)
+        config = deepspeed_config(self.cfg, self.env.world_size, self.compute_dtype)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=config,
+                                                    dist_init_required=False)
+        return self.engine
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return getattr(model, "module", model)
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The client AdamW handed to DeepSpeed in wrap: its param_groups carry the lr the ZeRO optimizer uses."""
+        assert self.optimizer is not None, "wrap() builds the optimizer"
+        return self.optimizer
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        # the engine casts for bf16 / fp16 itself (its own precision sections), fp32 on CPU
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
+                      allow_step: Callable[[float | None], bool]) -> tuple[float | None, bool]:
+        """DeepSpeed reduces, measures, clips and updates in one step(): the loss is checked before it, the grad norm
+        (the engine's, over all partitions, before clipping) after it."""
+        if not allow_step(None):  # a non-finite loss: stop raised before the update (nan_policy skip is refused)
+            raise AssertionError("DeepSpeed steps cannot be skipped (refused by the config check)")
+        self.engine.step()
+        if max_norm is None:
+            return None, True
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else None
+        # fp16: DeepSpeed's loss scaler skips overflowing steps itself (as the GradScaler does for DDP / FSDP)
+        if norm is not None and not math.isfinite(norm) and self.compute_dtype != torch.float16:
+            from shardtune.train import TrainingStopped
+
+            raise TrainingStopped(f"non-finite gradient norm {norm} at optimizer step {self.engine.global_steps}, "
+                                  "found by DeepSpeed's step, which clips and updates in one call, so the weights "
+                                  "took that update: lower --lr, or use --enable_fsdp with --nan_policy stop to stop "
+                                  "before the update")
+        return norm, True
+
+    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+        raise NotImplementedError("DeepSpeed clips inside its step: use clip_and_step")
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.engine.step()
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        return self._gathered_state(model, trainable_only=False)
+
+    def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        return self._gathered_state(model, trainable_only=True)
+
+    def _gathered_state(self, model: nn.Module, trainable_only: bool) -> dict[str, torch.Tensor] | None:
+        """Rank 0's CPU copy of the module's state. ZeRO-3 gathers one parameter at a time, so no rank holds more
+        than one whole parameter beyond its shard."""
+        inner = self.unwrap(model)
+        main = self.env.rank == 0
+        if self.zero_stage < 3:
+            if not main:
+                return None
+            state = {k: v.detach().cpu().clone() for k, v in inner.state_dict().items()}
+            if trainable_only:
+                trainable = {name for name, p in inner.named_parameters() if p.requires_grad}
+                state = {k: v for k, v in state.items() if k in trainable}
+            return state
+        deepspeed = import_deepspeed()
+        state: dict[str, torch.Tensor] = {}
+        for name, param in inner.named_parameters(remove_duplicate=False):
+            if trainable_only and not param.requires_grad:
+                continue
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                if main:
+                    state[name] = param.detach().cpu().clone()
+        if not trainable_only and main:
+            keys = set(inner.state_dict())  # persistent buffers only
+            state.update({name: b.detach().cpu().clone() for name, b in inner.named_buffers() if name in keys})
+        return state if main else None
+
+    def describe(self) -> str:
+        dc = self.cfg.deepspeed_config
+        offload = [what for what, on in (("optimizer", dc.offload_optimizer), ("parameters", dc.offload_param)) if on]
+        text = (f"deepspeed ZeRO-{self.zero_stage}, world size {self.env.world_size}, compute dtype "
+                f"{dtype_name(self.compute_dtype)}")
+        return text + (f", {' and '.join(offload)} offloaded to CPU" if offload else "")

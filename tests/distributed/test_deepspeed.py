@@ -1,0 +1,100 @@
+"""DeepSpeed ZeRO trains exactly like DDP behind the same strategy face.
+
+Real torchrun launches of 2 gloo processes (DeepSpeed's CPU accelerator), real tiny Llama, accumulation 2, clipping
+and a cosine schedule with warm-up (so the lr changes every step: DeepSpeed must apply the lr the loop's scheduler
+sets on the client AdamW). Each ZeRO stage must reproduce the DDP run step by step (token counts, losses, grad
+norms) and at the end (weights), up to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.helpers import assert_same_training, max_relative_difference, step_rows, weights
+
+pytest.importorskip("deepspeed", reason="pip install --no-build-isolation 'shardtune[deepspeed]'")
+
+DS = ("--enable_deepspeed",)
+# name -> flags; offload and a HF-Trainer-style config file ride along with ZeRO-1 to keep launches few.
+VARIANTS = {
+    "ddp": (),
+    "zero1+offload_optimizer+config_file": (*DS, "--deepspeed_config.zero_stage", "1",
+                                            "--deepspeed_config.offload_optimizer", "true"),
+    "zero2": (*DS, "--deepspeed_config.zero_stage", "2"),
+    "zero3": (*DS, "--deepspeed_config.zero_stage", "3"),
+}
+# the kind of file TRL / HF Trainer users have: "auto" entries, our accumulation repeated, a bucket size
+TRAINER_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2,
+                  "bf16": {"enabled": "auto"}, "gradient_clipping": "auto",
+                  "zero_optimization": {"stage": 1, "reduce_bucket_size": 500_000, "overlap_comm": "auto"}}
+TRAIN_ARGS = ("--nproc_per_node", 2, "--batch_size_training", 2, "--gradient_accumulation_steps", 2,
+              "--batching_strategy", "packing", "--context_length", 256, "--synthetic_dialogues.num_train", 96,
+              "--synthetic_dialogues.num_validation", 16, "--max_train_step", 4, "--lr", 3e-3,
+              "--lr_scheduler", "cosine", "--warmup_steps", 1, "--gradient_clipping", "true",
+              "--num_workers_dataloader", 0, "--val_batch_size", 4)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Output dirs of the runs so far, shared by the tests of this module (each launch costs ~10 s)."""
+    return {"root": tmp_path_factory.mktemp("deepspeed-runs")}
+
+
+def trained(name: str, runs: dict, run_cli, model) -> object:
+    if name not in runs:
+        flags = VARIANTS[name]
+        out = runs["root"] / name
+        if "config_file" in name:
+            path = runs["root"] / "ds_config.json"
+            path.write_text(json.dumps(TRAINER_CONFIG))
+            flags = (*flags, "--deepspeed_config.config_file", path)
+        proc = run_cli("sft", "--model_name", model, "--output_dir", out, *TRAIN_ARGS, *flags)
+        (out / "stdout.log").write_text(proc.stdout)
+        runs[name] = out
+    return runs[name]
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "ddp"])
+def test_zero_stage_trains_like_ddp(variant, runs, run_cli, tiny_model):
+    ddp = trained("ddp", runs, run_cli, tiny_model)
+    rows = step_rows(ddp)
+    assert rows[-1]["loss"] < rows[0]["loss"], "the model did not learn: the comparison would be vacuous"
+    assert len({r["lr"] for r in rows}) == 4, "the schedule must change the lr every step"
+    out = trained(variant, runs, run_cli, tiny_model)
+    difference = assert_same_training(ddp, out, variant)
+    assert [r["lr"] for r in step_rows(out)] == [r["lr"] for r in rows]
+    stage = variant[len("zero")]
+    assert f"strategy: deepspeed ZeRO-{stage}, world size 2, compute dtype float32" in \
+        (out / "stdout.log").read_text()
+    print(f"{variant}: max relative weight difference to DDP {difference:.2e}")
+
+
+def test_zero3_saved_model_is_a_plain_hf_directory(runs, run_cli, tiny_model):
+    """ZeRO-3 partitions every parameter; the saved model is gathered whole (tied and untied weights alike)."""
+    out = trained("zero3", runs, run_cli, tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    saved = weights(out)
+    state = model.state_dict()
+    assert saved.keys() == state.keys()
+    assert all(torch.equal(saved[k], state[k]) for k in saved)
+    assert all(t.numel() > 0 for t in saved.values()), "a partitioned (empty) parameter was saved"
+    reference = AutoModelForCausalLM.from_pretrained(trained("ddp", runs, run_cli, tiny_model))
+    assert max_relative_difference(reference.state_dict(), state) <= 1e-5
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.tensor([[1, 5, 9, 14]])).logits).all()
+
+
+def test_non_finite_loss_stops_a_deepspeed_run_before_its_step(run_cli, tiny_model, tmp_path):
+    """lr 1e30: step 1 is finite and makes the weights huge, step 2's loss overflows; the loop stops before
+    DeepSpeed's step, with one error line, and every rank exits (nobody is left waiting in a collective)."""
+    out = tmp_path / "run"
+    proc = run_cli("sft", "--model_name", tiny_model, "--output_dir", out, *TRAIN_ARGS, *VARIANTS["zero2"],
+                   "--lr", 1e30, timeout=300, check=False)
+    assert proc.returncode == 1
+    errors = [line[line.index("shardtune: error:"):] for line in proc.stderr.splitlines() if "shardtune: error:" in line]
+    assert len(errors) == 1 and "non-finite loss" in errors[0] and "at step 2" in errors[0], proc.stderr[-3000:]
+    assert [r["step"] for r in step_rows(out)] == [1]
