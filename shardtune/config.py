@@ -595,10 +595,10 @@ def _check_deepspeed(cfg: TrainConfig, world_size: int) -> None:
         flag = "--save_steps" if cfg.save_steps else "--resume" if cfg.resume else "--checkpoint_type"
         raise ConfigError(f"{flag}: checkpoints are not supported with --enable_deepspeed yet: use --enable_fsdp for "
                           "resumable runs, or drop the flag")
-    if cfg.use_peft or cfg.quantization or cfg.from_peft_checkpoint:
-        flag = "--use_peft" if cfg.use_peft else "--quantization" if cfg.quantization else "--from_peft_checkpoint"
+    if cfg.quantization or cfg.from_peft_checkpoint:
+        flag = "--quantization" if cfg.quantization else "--from_peft_checkpoint"
         raise ConfigError(f"{flag} is not supported with --enable_deepspeed yet: use --enable_fsdp (or DDP) for "
-                          "adapters and quantized models, or drop --enable_deepspeed")
+                          "quantized models and continuing from an adapter, or drop --enable_deepspeed")
     if cfg.nan_policy == "skip":
         raise ConfigError("--nan_policy skip is not supported with --enable_deepspeed (its step cannot be skipped "
                           "once gradients are accumulated): use --nan_policy stop, or --enable_fsdp")

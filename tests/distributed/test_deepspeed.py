@@ -26,6 +26,8 @@ VARIANTS = {
                                             "--deepspeed_config.offload_optimizer", "true"),
     "zero2": (*DS, "--deepspeed_config.zero_stage", "2"),
     "zero3": (*DS, "--deepspeed_config.zero_stage", "3"),
+    "lora_ddp": ("--use_peft", "--peft_method", "lora"),
+    "lora_zero3": ("--use_peft", "--peft_method", "lora", *DS, "--deepspeed_config.zero_stage", "3"),
 }
 # the kind of file TRL / HF Trainer users have: "auto" entries, our accumulation repeated, a bucket size
 TRAINER_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2,
@@ -58,7 +60,7 @@ def trained(name: str, runs: dict, run_cli, model) -> object:
     return runs[name]
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "ddp"])
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.startswith("zero")])
 def test_zero_stage_trains_like_ddp(variant, runs, run_cli, tiny_model):
     ddp = trained("ddp", runs, run_cli, tiny_model)
     rows = step_rows(ddp)
@@ -98,3 +100,20 @@ def test_non_finite_loss_stops_a_deepspeed_run_before_its_step(run_cli, tiny_mod
     errors = [line[line.index("shardtune: error:"):] for line in proc.stderr.splitlines() if "shardtune: error:" in line]
     assert len(errors) == 1 and "non-finite loss" in errors[0] and "at step 2" in errors[0], proc.stderr[-3000:]
     assert [r["step"] for r in step_rows(out)] == [1]
+
+
+def test_lora_under_zero3_trains_like_lora_under_ddp(runs, run_cli, tiny_model):
+    """The adapter is gathered from ZeRO-3's partitions (trainable parameters only) and equals DDP's."""
+    from safetensors.torch import load_file
+
+    ddp, zero3 = (trained(name, runs, run_cli, tiny_model) for name in ("lora_ddp", "lora_zero3"))
+    for r, o in zip(step_rows(ddp), step_rows(zero3), strict=True):
+        assert o["num_tokens"] == r["num_tokens"]
+        assert o["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=0)
+        assert o["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
+    assert not (zero3 / "model.safetensors").exists()
+    adapters = [load_file(str(out / "adapter_model.safetensors")) for out in (ddp, zero3)]
+    assert adapters[0] and all("lora_" in k for k in adapters[0])
+    difference = max_relative_difference(*adapters)
+    assert difference <= 1e-5
+    print(f"lora zero3: max relative adapter difference to DDP {difference:.2e}")
