@@ -620,14 +620,3 @@ def _check_deepspeed(cfg: TrainConfig, world_size: int) -> None:
                 "--gradient_accumulation_steps)" if key in ours else "set by shardtune")
         raise ConfigError(f"--deepspeed_config.config_file {dc.config_file}: \"{key}\" is {what}: remove the key "
                           "or set it to \"auto\"")
-
-
-# Settings whose implementation has not landed yet: refusing them beats ignoring them silently.
-UNAVAILABLE: dict[str, str] = {}
-
-
-@validator
-def _check_available(cfg: TrainConfig, world_size: int) -> None:
-    for name, feature in UNAVAILABLE.items():
-        if getattr(cfg, name):
-            raise ConfigError(f"--{name}: {feature} is not available in this version of shardtune: drop the flag")

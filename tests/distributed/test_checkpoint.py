@@ -21,7 +21,6 @@ import torch
 from safetensors.torch import load_file
 
 from shardtune.checkpoint import complete_checkpoints, latest_checkpoint, read_trainer_state, unfinished_saves
-from shardtune.config import UNAVAILABLE
 from tests.conftest import REPO, cli_env
 from tests.helpers import eval_rows, max_relative_difference, step_rows
 
@@ -31,15 +30,10 @@ COMMON = ("--batch_size_training", 2, "--context_length", 256, "--synthetic_dial
           "--num_workers_dataloader", 0, "--save_steps", 2, "--save_total_limit", 2)
 
 
-def unavailable(flag: str, name: str) -> pytest.MarkDecorator:
-    return pytest.mark.skipif(flag in UNAVAILABLE, reason=f"--{flag} is refused by config.UNAVAILABLE ({name} has "
-                                                          "not landed)")
-
-
 STRATEGIES = [
     pytest.param((), id="ddp"),
-    pytest.param(("--enable_fsdp",), id="fsdp", marks=unavailable("enable_fsdp", "FSDP")),
-    pytest.param(("--use_peft",), id="lora", marks=unavailable("use_peft", "PEFT")),
+    pytest.param(("--enable_fsdp",), id="fsdp"),
+    pytest.param(("--use_peft",), id="lora"),
 ]
 
 
