@@ -49,3 +49,18 @@ def assert_same_training(ref: Path, other: Path, label: str) -> float:
     difference = max_relative_difference(weights(ref), weights(other))
     assert difference <= 1e-5, label
     return difference
+
+
+def assert_plain_hf_directory(out_dir: Path):
+    """The saved model loads with transformers, holds exactly the saved tensors (none of them an empty shard),
+    and computes finite logits; returns the loaded model."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out_dir)
+    saved, state = weights(out_dir), model.state_dict()
+    assert saved.keys() == state.keys()
+    assert all(torch.equal(saved[k], state[k]) for k in saved)
+    assert all(t.numel() > 0 for t in saved.values()), "a partitioned (empty) parameter was saved"
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.tensor([[1, 5, 9, 14]])).logits).all()
+    return model

@@ -2,7 +2,7 @@
 
 The loop never asks which strategy it runs: it wraps the model, runs each micro-batch under
 ``accumulating`` (no gradient sync) except the last, calls ``backward`` and ``clip_and_step`` (by default
-``clip_grad_norm`` then ``optimizer_step``), and asks for the full state dict when the model is saved.
+``_clip_grad_norm`` then ``optimizer_step``), and asks for the full state dict when the model is saved.
 """
 
 from __future__ import annotations
@@ -60,16 +60,13 @@ class Strategy(ABC):
         else:
             loss.backward()
 
-    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
-        """Clip to max_norm and return the global gradient norm (before clipping)."""
+    def _clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+        """Clip to max_norm and return the global gradient norm (before clipping); a step of clip_and_step."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         params = [p for p in model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return float(norm)
-
-    def grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
-        return self.clip_grad_norm(model, optimizer, float("inf"))
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The torch optimizer of the wrapped model (the LR schedulers act on its param_groups)."""
@@ -82,7 +79,7 @@ class Strategy(ABC):
         """Clip to max_norm (None: no clipping), ask allow_step(global norm before clipping) whether to update
         (it raises to stop; False skips the update and drops the gradients), then step.
         Returns (grad norm or None, whether the weights were updated)."""
-        grad_norm = self.clip_grad_norm(model, optimizer, max_norm) if max_norm is not None else None
+        grad_norm = self._clip_grad_norm(model, optimizer, max_norm) if max_norm is not None else None
         if not allow_step(grad_norm):
             optimizer.zero_grad(set_to_none=True)
             return grad_norm, False

@@ -138,9 +138,6 @@ class DeepSpeedStrategy(Strategy):
                                   "before the update")
         return norm, True
 
-    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
-        raise NotImplementedError("DeepSpeed clips inside its step: use clip_and_step")
-
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.engine.step()
 

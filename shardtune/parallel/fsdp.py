@@ -225,7 +225,7 @@ class FSDPStrategy(Strategy):
     def autocast(self) -> ContextManager:
         return contextlib.nullcontext()  # MixedPrecisionPolicy casts parameters and inputs itself
 
-    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+    def _clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
         """Global norm over all shards (clip_grad_norm_ reduces DTensor norms across the mesh)."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
