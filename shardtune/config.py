@@ -150,9 +150,12 @@ class TrainConfig:
     warmup_steps: int = _f(0, "linear warm-up optimizer steps (lr_scheduler=cosine)")
     seed: int = _f(42, "seed of model init, data order and dropout")
     context_length: int = _f(1024, "tokens per packed block / longest example kept")
-    batching_strategy: str = _f("packing", "packing (blocks of context_length, no attention across examples) or "
-                                           "padding (length-grouped, padded to the longest in the batch)",
+    batching_strategy: str = _f("packing", "packing (blocks of up to context_length tokens of whole examples, "
+                                           "computed without padding, no attention across examples) or padding "
+                                           "(length-grouped, padded to the longest in the micro-batch)",
                                 choices=BATCHING_STRATEGIES)
+    padding_free: bool = _f(False, "with padding: compute each micro-batch as one row of its examples without pad "
+                                   "tokens (same examples and loss, no wasted compute); packing always is")
     val_batch_size: int = _f(1, "eval micro-batch size per device")
     run_validation: bool = _f(True, "evaluate at the end of each epoch")
     output_dir: str = _f("output", "where the model, config.yaml and metrics.jsonl are written")

@@ -59,6 +59,20 @@ def training_flops_per_token(shape: ModelShape, seq_len: int) -> int:
     return 4 * shape.num_matmul_params + 2 * shape.num_trainable_params + attention
 
 
+def micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor]) -> int:
+    """Model FLOPs of training on one micro-batch: per token of each sequence the model attends over.
+
+    A padding-free row counts each example at its own length (its attention never spans the row); a padded
+    batch counts its non-pad tokens at the padded length, as the kernels compute it.
+    """
+    if "cu_seq_lens" in batch:
+        lengths = batch["cu_seq_lens"].diff().tolist()
+        return sum(training_flops_per_token(shape, n) * n for n in lengths)
+    mask = batch.get("attention_mask")
+    tokens = int(mask.sum()) if mask is not None and mask.dim() == 2 else batch["input_ids"].numel()
+    return training_flops_per_token(shape, batch["input_ids"].size(1)) * tokens
+
+
 PEAK_DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
 
 

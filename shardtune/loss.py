@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardtune.attention import varlen_kwargs
 from shardtune.distributed import warn0
 
 IGNORE_INDEX = -100
@@ -31,9 +32,13 @@ def num_label_tokens(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
-def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict:
+    """The model's keywords: tensors on ``device``, plus a padding-free row's boundaries (shardtune.attention)."""
     keys = ("input_ids", "attention_mask", "position_ids")
-    return {k: batch[k].to(device, non_blocking=True) for k in keys if k in batch}
+    inputs: dict = {k: batch[k].to(device, non_blocking=True) for k in keys if k in batch}
+    for key, value in varlen_kwargs(batch).items():
+        inputs[key] = value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+    return inputs
 
 
 def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shardtune.config import ConfigError, TrainConfig
+from shardtune.data.batching import flattened
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -161,10 +162,10 @@ def _check_method_settings(cfg: TrainConfig) -> None:
         if cfg.prefix_config.num_virtual_tokens <= 0:
             raise ConfigError(f"--prefix_config.num_virtual_tokens {cfg.prefix_config.num_virtual_tokens} must be "
                               "positive")
-        if cfg.batching_strategy == "packing":
-            raise ConfigError("--peft_method prefix cannot train on packed blocks (peft prepends the prefix to a 2-D "
-                              "attention mask; a packed block needs a 4-D block mask): add --batching_strategy "
-                              "padding")
+        if flattened(cfg):
+            raise ConfigError("--peft_method prefix cannot train on padding-free rows (packing or --padding_free: "
+                              "peft prepends the prefix to a 2-D attention mask, one per example): add "
+                              "--batching_strategy padding --padding_free false")
 
 
 def _module_matches(name: str, target: str) -> bool:

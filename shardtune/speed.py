@@ -1,7 +1,8 @@
 """Speed features that keep the numbers: --use_fast_kernels (llama-cookbook's name) and --compile.
 
 Both are applied to the bare Hugging Face model after it is built and before a strategy wraps it, and both
-change how a layer computes, never what: tests compare their losses with the default path on CPU.
+change how a layer computes, never what: tests compare their losses with the default path on CPU. So is the
+padding-free attention that packing and --padding_free need (shardtune.attention).
 
 - fast kernels: attention through flash-attention 2 when ``flash_attn`` imports and the model is on CUDA, else
   PyTorch SDPA (the default already); on CUDA, liger-kernel's fused RMSNorm / SwiGLU / RoPE when installed
@@ -20,8 +21,11 @@ import inspect
 import torch
 from torch import nn
 
+from shardtune.attention import use_varlen_attention
 from shardtune.config import TrainConfig
+from shardtune.data.batching import flattened
 from shardtune.distributed import print0
+from shardtune.loss import hf_model
 
 
 def apply_speed_features(model: nn.Module, cfg: TrainConfig, device: torch.device) -> list[str]:
@@ -29,6 +33,8 @@ def apply_speed_features(model: nn.Module, cfg: TrainConfig, device: torch.devic
     applied: list[str] = []
     if cfg.use_fast_kernels:
         applied += apply_fast_kernels(model, device)
+    if flattened(cfg):
+        applied.append(use_varlen_attention(hf_model(model)))
     if cfg.compile:
         applied.append(compile_decoder_layers(model))
     for line in applied:

@@ -22,7 +22,7 @@ from shardtune import data
 from shardtune.checkpoint import Checkpointer, Position
 from shardtune.config import TrainConfig
 from shardtune.distributed import DistEnv, all_reduce_sum
-from shardtune.flops import ModelShape, measured_peak_flops, model_shape, training_flops_per_token
+from shardtune.flops import ModelShape, measured_peak_flops, micro_batch_flops, model_shape
 from shardtune.loss import num_label_tokens, token_loss_sum
 from shardtune.metrics import MetricsWriter, peak_memory_bytes, perplexity
 from shardtune.optim import build_optimizer, build_scheduler  # noqa: F401 (build_optimizer: re-exported for bench/)
@@ -44,7 +44,7 @@ class TrainResult:
 
 
 def num_input_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Tokens the model computes on: every position of a packed block, the non-pad tokens of a padded batch."""
+    """Tokens the model computes on: every token of a padding-free row, the non-pad tokens of a padded batch."""
     mask = batch.get("attention_mask")
     if mask is not None and mask.dim() == 2:
         return int(mask.sum())
@@ -58,8 +58,8 @@ def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Opti
     model FLOPs on all ranks when ``shape`` is given)."""
     local_counts = torch.tensor([sum(num_label_tokens(mb["labels"]) for mb in micro_batches),
                                  sum(num_input_tokens(mb) for mb in micro_batches),
-                                 sum(training_flops_per_token(shape, mb["input_ids"].size(1)) * num_input_tokens(mb)
-                                     for mb in micro_batches) if shape is not None else 0])
+                                 sum(micro_batch_flops(shape, mb) for mb in micro_batches) if shape is not None
+                                 else 0])
     num_tokens, input_tokens, flops = (int(x) for x in all_reduce_sum(local_counts, env.device))
     scale = strategy.grad_average_size / max(num_tokens, 1)
     local_loss_sum = torch.zeros((), dtype=torch.float64)

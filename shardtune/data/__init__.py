@@ -11,7 +11,7 @@ The training loop uses::
     eval_batches(validation_examples, cfg, rank, world_size, pad_id)
 """
 
-from shardtune.data.batching import (StepDataset, build_units, collate_packing, collate_padding, eval_batches,
+from shardtune.data.batching import (StepDataset, build_units, collate_flat, collate_padding, eval_batches, flattened,
                                      steps_per_epoch, train_loader)
 from shardtune.data.report import DataError, DataReport
 from shardtune.data.sources import check_context_length, check_data_config, load_examples
@@ -23,7 +23,8 @@ __all__ = [
     "build_units",
     "check_context_length",
     "check_data_config",
-    "collate_packing",
+    "collate_flat",
+    "flattened",
     "collate_padding",
     "eval_batches",
     "load_examples",

@@ -9,12 +9,15 @@ accumulation) train on exactly the same global batches:
 2. The permutation is cut into global batches of G = batch_size_training x world_size x accumulation
    units, one per optimizer step; a last partial global batch is dropped (every step sees G units).
 3. With padding, each global batch is sorted by unit length (ties by unit index) so that micro-batches
-   hold similar lengths and waste little padding; packed blocks all have context_length tokens.
+   hold similar lengths and waste little padding; packed blocks all hold at most context_length tokens.
 4. The global batch is cut into world_size x accumulation micro-batches of batch_size_training contiguous
    units; micro-batch j (0 <= j < accumulation) of rank r is slice ``j * world_size + r``. This interleaving
    gives the ranks' concurrent micro-batches neighbouring lengths, so ranks wait less for each other at
    FSDP's collectives. Any fixed split is equivalent because the loss is normalised by the global count of
    labelled tokens.
+5. Collation: padding pads a micro-batch's examples to the longest (what Hugging Face's collators do); packing,
+   and padding with --padding_free, put them in one row without pad tokens (:func:`collate_flat`), which
+   trains on the same examples with the same loss and computes no padding at all.
 """
 
 from __future__ import annotations
@@ -116,37 +119,32 @@ def collate_padding(examples: list[Example], pad_id: int) -> MicroBatch:
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask, "position_ids": position_ids}
 
 
-def collate_packing(blocks: list[Unit], context_length: int, pad_id: int) -> MicroBatch:
-    """Blocks of context_length tokens with a block-diagonal causal 4D bool mask (B, 1, L, L).
+def collate_flat(examples: list[Example]) -> MicroBatch:
+    """All examples in one row, back to back, without a single pad token (a padding-free micro-batch).
 
-    Each example attends only to its own earlier tokens and its positions restart at 0; its first label is
-    -100 so that no example predicts across a boundary. Each tail pad token (pad_id, label -100) attends only
-    to itself, so no mask row is empty.
+    Positions restart at 0 for each example and ``cu_seq_lens`` holds the cumulative lengths, so attention stays
+    inside each example (shardtune.attention); each example's first label is -100 so that no example predicts
+    across a boundary. The model computes on exactly the examples' tokens, whatever their lengths.
     """
-    batch, length = len(blocks), context_length
-    input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
-    labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
-    position_ids = torch.zeros((batch, length), dtype=torch.long)
-    segment = torch.arange(length).repeat(batch, 1)  # a token's segment id: its example's start position
-    for row, block in enumerate(blocks):
-        start = 0
-        for example in block:
-            end = start + len(example["input_ids"])
-            input_ids[row, start:end] = torch.tensor(example["input_ids"])
-            labels[row, start + 1:end] = torch.tensor(example["labels"][1:])
-            position_ids[row, start:end] = torch.arange(end - start)
-            segment[row, start:end] = start
-            start = end
-    causal = torch.ones((length, length), dtype=torch.bool).tril()
-    attention_mask = (segment[:, :, None] == segment[:, None, :]) & causal
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask.unsqueeze(1),
-            "position_ids": position_ids}
+    lengths = [len(example["input_ids"]) for example in examples]
+    input_ids = torch.tensor([token for example in examples for token in example["input_ids"]], dtype=torch.long)
+    labels = torch.tensor([label for example in examples for label in [IGNORE_INDEX, *example["labels"][1:]]],
+                          dtype=torch.long)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])
+    cu_seq_lens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu_seq_lens[1:] = torch.tensor(lengths).cumsum(0)
+    return {"input_ids": input_ids[None], "labels": labels[None], "position_ids": position_ids[None],
+            "cu_seq_lens": cu_seq_lens, "max_length": torch.tensor(max(lengths))}
+
+
+def flattened(cfg: TrainConfig) -> bool:
+    """Whether training micro-batches are padding-free rows: always with packing, with padding on request."""
+    return cfg.batching_strategy == "packing" or cfg.padding_free
 
 
 def collate(units: list[Unit], cfg: TrainConfig, pad_id: int) -> MicroBatch:
-    if cfg.batching_strategy == "padding":
-        return collate_padding([example for unit in units for example in unit], pad_id)
-    return collate_packing(units, cfg.context_length, pad_id)
+    examples = [example for unit in units for example in unit]
+    return collate_flat(examples) if flattened(cfg) else collate_padding(examples, pad_id)
 
 
 class StepDataset(Dataset):

@@ -35,6 +35,15 @@ def test_same_effective_batch_gives_same_losses_and_weights(batching, configs, t
         assert_same_training(ref, out, f"{batching} {cfg}")
 
 
+def test_padding_free_trains_like_padding(tiny_model, run_cli, tmp_path):
+    """--padding_free computes the same micro-batches as padding in one row without pad tokens: same training."""
+    ref = sft(run_cli, tiny_model, tmp_path / "padding", 1, 8, 1, "padding")
+    for cfg in [(1, 8, 1), (2, 2, 2)]:
+        out = sft(run_cli, tiny_model, tmp_path / ("free" + "x".join(map(str, cfg))), *cfg, "padding",
+                  "--padding_free", "true")
+        assert_same_training(ref, out, f"padding_free {cfg}")
+
+
 def test_a_different_effective_batch_trains_differently(tiny_model, run_cli, tmp_path):
     """Control: the comparison above can fail (same data, effective batch 4 instead of 8)."""
     a = sft(run_cli, tiny_model, tmp_path / "a", 1, 8, 1, "packing")

@@ -7,10 +7,9 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from shardtune.config import TrainConfig
-from shardtune.data import (DataError, StepDataset, build_units, collate_packing, collate_padding, eval_batches,
+from shardtune.data import (DataError, StepDataset, build_units, collate_flat, collate_padding, eval_batches,
                             steps_per_epoch, train_loader)
 from shardtune.loss import IGNORE_INDEX
 
@@ -42,10 +41,13 @@ def example_ids(micro_batch: dict) -> list[int]:
     return [int(t) - FIRST_ID for t in ids]
 
 
-def unit_keys(micro_batch: dict) -> list[tuple[int, ...]]:
-    """One key per unit of the micro-batch: the ids of its examples."""
-    return [tuple(example_ids({k: v[row:row + 1] for k, v in micro_batch.items() if v.dim() == 2}))
-            for row in range(micro_batch["input_ids"].shape[0])]
+def unit_keys(micro_batch: dict, unit_of: dict[int, int]) -> list[int]:
+    """The units of a micro-batch, in order: a padded row or a run of a padding-free row is found by its examples."""
+    keys: list[int] = []
+    for example in example_ids(micro_batch):
+        if not keys or keys[-1] != unit_of[example]:
+            keys.append(unit_of[example])
+    return keys
 
 
 def test_packed_blocks_fit_hold_every_example_once_and_ignore_batch_settings():
@@ -61,20 +63,30 @@ def test_packed_blocks_fit_hold_every_example_once_and_ignore_batch_settings():
     assert build_units(examples, make_cfg("padding")) == [[ex] for ex in examples]
 
 
-def test_packed_collation_restarts_positions_and_masks_boundaries():
+def test_flat_collation_restarts_positions_marks_boundaries_and_holds_no_pad():
     examples = [{"input_ids": [1000, 5, 6], "labels": [1000, 5, 6]},
-                {"input_ids": [1001, 7], "labels": [IGNORE_INDEX, 7]}]
-    batch = collate_packing([examples], context_length=8, pad_id=PAD_ID)
-    assert batch["input_ids"].tolist() == [[1000, 5, 6, 1001, 7, 0, 0, 0]]
-    assert batch["labels"].tolist() == [[-100, 5, 6, -100, 7, -100, -100, -100]]
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 0, 0]]
-    mask = batch["attention_mask"]
-    assert mask.shape == (1, 1, 8, 8) and mask.dtype == torch.bool
-    expected = torch.zeros(8, 8, dtype=torch.bool)
-    expected[:3, :3] = torch.ones(3, 3, dtype=torch.bool).tril()
-    expected[3:5, 3:5] = torch.ones(2, 2, dtype=torch.bool).tril()
-    expected[5:, 5:] = torch.eye(3, dtype=torch.bool)
-    assert torch.equal(mask[0, 0], expected)
+                {"input_ids": [1001, 7], "labels": [IGNORE_INDEX, 7]},
+                {"input_ids": [1002], "labels": [1002]}]
+    batch = collate_flat(examples)
+    assert batch["input_ids"].tolist() == [[1000, 5, 6, 1001, 7, 1002]]
+    assert batch["labels"].tolist() == [[-100, 5, 6, -100, 7, -100]]  # nothing predicted across a boundary
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0]]
+    assert batch["cu_seq_lens"].tolist() == [0, 3, 5, 6] and batch["cu_seq_lens"].dtype == torch.int32
+    assert int(batch["max_length"]) == 3 and "attention_mask" not in batch
+
+
+def test_packing_and_padding_free_collate_flat_rows_padding_pads():
+    examples = make_examples(12)
+    for strategy, extra, flat in (("packing", {}, True), ("padding", {"padding_free": True}, True),
+                                  ("padding", {}, False)):
+        cfg = make_cfg(strategy, batch_size=3, **extra)
+        units = build_units(examples, cfg)
+        micro_batch = StepDataset(units, cfg, 0, 1, 0, PAD_ID)[0][0]
+        assert ("cu_seq_lens" in micro_batch) == flat and ("attention_mask" in micro_batch) != flat
+        if flat:
+            chosen = [ex for unit in (units[i] for i in StepDataset(units, cfg, 0, 1, 0, PAD_ID).order[:3])
+                      for ex in unit]
+            assert micro_batch["input_ids"].shape == (1, sum(len(ex["input_ids"]) for ex in chosen))
 
 
 def test_padding_collation_pads_right_and_masks_pads():
@@ -87,36 +99,6 @@ def test_padding_collation_pads_right_and_masks_pads():
     assert all(t.dtype == torch.long for t in batch.values())
 
 
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         attn_implementation="sdpa")
-    return LlamaForCausalLM(config).float().eval()
-
-
-@torch.no_grad()
-def test_packed_example_logits_equal_its_logits_alone():
-    model = tiny_llama()
-    rng = random.Random(1)
-    block = [{"input_ids": [rng.randint(1, 127) for _ in range(n)], "labels": [0] * n} for n in (9, 14, 5)]
-    batch = collate_packing([block], context_length=32, pad_id=PAD_ID)
-    packed = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"]).logits[0]
-    causal_only = batch["attention_mask"].clone()
-    causal_only[0, 0] = torch.ones(32, 32, dtype=torch.bool).tril()
-    leaky = model(input_ids=batch["input_ids"], attention_mask=causal_only,
-                  position_ids=batch["position_ids"]).logits[0]
-    start = 0
-    for example in block:
-        end = start + len(example["input_ids"])
-        alone = model(input_ids=torch.tensor([example["input_ids"]])).logits[0]
-        torch.testing.assert_close(packed[start:end], alone, atol=1e-5, rtol=0)
-        if start > 0:  # the test can fail: without the block-diagonal mask, later examples see earlier ones
-            assert (leaky[start:end] - alone).abs().max() > 1e-3
-        start = end
-
-
 LAYOUTS = [(1, 8, 1), (1, 2, 4), (2, 4, 1), (4, 2, 1)]  # (world size, micro-batch, accumulation)
 
 
@@ -127,8 +109,9 @@ def steps_by_layout(units: list, strategy: str, epoch: int, seed: int = 3) -> di
         cfg = make_cfg(strategy, batch_size, accumulation)
         cfg.seed = seed
         per_rank = [StepDataset(units, cfg, rank, world, epoch, PAD_ID) for rank in range(world)]
+        unit_of = {example["input_ids"][0] - FIRST_ID: u for u, unit in enumerate(units) for example in unit}
         out[(world, batch_size, accumulation)] = [
-            [[key for mb in ds[step] for key in unit_keys(mb)] for ds in per_rank]
+            [[key for mb in ds[step] for key in unit_keys(mb, unit_of)] for ds in per_rank]
             for step in range(len(per_rank[0]))]
     return out
 
