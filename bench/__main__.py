@@ -1,11 +1,11 @@
 """`python -m bench`: every CPU benchmark of issue #6, side by side in one run; writes bench/results/latest.md
 (the table the README quotes) and latest.json (every figure, machine info, versions).
 
-    python -m bench                       # embedded dialogues, about 15-20 minutes on a 2-core CPU
+    python -m bench                       # embedded dialogues (plain and with chatter), ~15 min on 2 CPU cores
     python -m bench --samsum data/samsum/train.json --num_train 0
     python -m bench --only trainer,overhead
 
-Sections: trainer (shardtune packing / padding vs transformers.Trainer, one epoch), overhead (train_step vs a
+Sections: trainer (shardtune packing / padding-free / padding vs transformers.Trainer, one epoch), overhead (train_step vs a
 bare PyTorch loop), loss_memory (lean loss vs the model's own loss at vocabulary 128,256), model_state (DDP /
 FSDP per-rank bytes at 1, 2, 4 processes), mfu (from the shardtune packing runs). Never part of the tests.
 """
@@ -26,17 +26,24 @@ from bench.report import markdown
 SECTIONS = ("trainer", "overhead", "loss_memory", "model_state")
 
 
-def shardtune_epoch(model: str, out: Path, batching: str, args) -> dict:
+TOOLS = ("shardtune_packing", "shardtune_padding_free", "shardtune_padding", "hf_trainer")
+
+
+def shardtune_epoch(model: str, out: Path, tool: str, variant: dict, args) -> dict:
     """One epoch through the real CLI, one process; epoch time = the logged step times (data loading included)."""
     from shardtune.metrics import read_metrics
 
-    shape = {"packing": ["--context_length", args.pack_length, "--batch_size_training", args.pack_batch],
-             "padding": ["--context_length", 1024, "--batch_size_training", args.batch]}[batching]
+    shape = {"shardtune_packing": ["--batching_strategy", "packing", "--context_length", variant["pack_length"],
+                                   "--batch_size_training", args.pack_batch],
+             "shardtune_padding": ["--batching_strategy", "padding", "--context_length", 1024,
+                                   "--batch_size_training", args.batch],
+             "shardtune_padding_free": ["--batching_strategy", "padding", "--padding_free", "true",
+                                        "--context_length", 1024, "--batch_size_training", args.batch]}[tool]
     tick = time.perf_counter()
     run([python(), "-m", "shardtune", "sft", "--nproc_per_node", 1, "--model_name", model, "--output_dir", out,
-         "--batching_strategy", batching, *shape, "--lr", args.lr, "--gradient_clipping", "true",
-         "--num_workers_dataloader", 1, "--save_model", "false",
-         *dataset_flags(args.num_train, args.num_validation, args.samsum)])
+         *shape, "--lr", args.lr, "--gradient_clipping", "true", "--num_workers_dataloader", 1,
+         "--save_model", "false", *dataset_flags(args.num_train, args.num_validation, args.samsum,
+                                                 variant["chatter"])])
     process_s = time.perf_counter() - tick
     rows = read_metrics(out / "metrics.jsonl")
     steps = [r for r in rows if "loss" in r]
@@ -47,31 +54,48 @@ def shardtune_epoch(model: str, out: Path, batching: str, args) -> dict:
             "model_flops_per_s_median": median([r["model_flops_per_s"] for r in steps[1:]] or [0.0])}
 
 
-def trainer_epoch(model: str, out: Path, args) -> dict:
+def trainer_epoch(model: str, out: Path, variant: dict, args) -> dict:
     argv = [python(), "-m", "bench.hf_trainer", "--model", model, "--num_train", args.num_train, "--num_validation",
             args.num_validation, "--batch", args.batch, "--lr", args.lr, "--out", out]
     if args.samsum:
         argv += ["--samsum", args.samsum]
+    if variant["chatter"]:
+        argv += ["--chatter"]
     tick = time.perf_counter()
     result = run_json(argv)
     result["process_s"] = time.perf_counter() - tick
     return result
 
 
-def bench_trainer(model: str, args) -> dict:
-    runs: dict[str, list[dict]] = {"shardtune_packing": [], "shardtune_padding": [], "hf_trainer": []}
+def dataset_variants(model: str, args) -> list[dict]:
+    """The data each vs-Trainer table runs on; packed blocks hold ~4 mean examples, so 2 blocks ~ 8 examples."""
+    from bench.data import bench_config, mean_example_length
+
+    names = ["samsum"] if args.samsum else [n for n in args.datasets.split(",") if n]
+    variants = []
+    for name in names:
+        chatter = name == "chatter"
+        mean = mean_example_length(bench_config(model, args.num_train, args.num_validation, args.samsum, 1024,
+                                                chatter))
+        pack_length = args.pack_length or max(64, round(4 * mean / 64) * 64)
+        variants.append({"name": name, "chatter": chatter, "mean_example_tokens": mean, "pack_length": pack_length})
+    return variants
+
+
+def bench_trainer(model: str, variant: dict, args) -> dict:
+    runs: dict[str, list[dict]] = {name: [] for name in TOOLS}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
             names = list(runs)
-            names = names[rep % 3:] + names[:rep % 3]  # rotate the order: drifting load hits every tool alike
+            names = names[rep % len(names):] + names[:rep % len(names)]  # rotate: drifting load hits every tool
             for name in names:
                 out = Path(tmp) / f"{name}-{rep}"
-                print(f"  trainer: {name} (repeat {rep + 1}/{args.repeats})", flush=True)
+                print(f"  trainer [{variant['name']}]: {name} (repeat {rep + 1}/{args.repeats})", flush=True)
                 if name == "hf_trainer":
-                    runs[name].append(trainer_epoch(model, out, args))
+                    runs[name].append(trainer_epoch(model, out, variant, args))
                 else:
-                    runs[name].append(shardtune_epoch(model, out, name.split("_")[1], args))
-    summary = {}
+                    runs[name].append(shardtune_epoch(model, out, name, variant, args))
+    summary: dict = {}
     for name, results in runs.items():
         epoch = [r["epoch_s"] for r in results]
         summary[name] = {"epoch_s": median(epoch), "epoch_s_spread": spread(epoch), "steps": results[0]["steps"],
@@ -79,14 +103,18 @@ def bench_trainer(model: str, args) -> dict:
                          "label_tokens_per_s": results[0]["label_tokens"] / median(epoch),
                          "eval_loss": median([r["eval_loss"] for r in results]), "runs": results}
     base = summary["hf_trainer"]["epoch_s"]
-    for name in ("shardtune_packing", "shardtune_padding"):
+    for name in TOOLS[:-1]:
         summary[name]["speedup_vs_trainer"] = base / summary[name]["epoch_s"]
-    summary["setup"] = {"preset": "demo", "dataset": args.samsum or "synthetic_dialogues",
+    trainer_run = runs["hf_trainer"][0]
+    dataset = args.samsum or ("synthetic_dialogues" + (" --synthetic_dialogues.chatter" if variant["chatter"] else ""))
+    summary["setup"] = {"preset": "demo", "dataset": dataset, "variant": variant["name"],
+                        "mean_example_tokens": variant["mean_example_tokens"],
+                        "trainer_padding_ratio": trainer_run["computed_tokens"] / trainer_run["real_tokens"],
                         "num_train": args.num_train, "num_validation": args.num_validation, "lr": args.lr,
                         "optimizer": "AdamW (torch), betas 0.9/0.999, eps 1e-8, weight decay 0",
                         "schedule": "constant lr (shardtune StepLR steps after the epoch; Trainer 'constant')",
                         "clipping": "global grad norm 1.0", "padding_batch_examples": args.batch,
-                        "packing": f"{args.pack_batch} blocks of {args.pack_length} tokens",
+                        "packing": f"{args.pack_batch} blocks of {variant['pack_length']} tokens",
                         "repeats": args.repeats}
     return summary
 
@@ -133,7 +161,10 @@ def main() -> None:
     ap.add_argument("--num_train", type=int, default=600)
     ap.add_argument("--num_validation", type=int, default=100)
     ap.add_argument("--batch", type=int, default=8, help="examples per optimizer step (padding, Trainer)")
-    ap.add_argument("--pack_length", type=int, default=512)
+    ap.add_argument("--datasets", default="plain,chatter",
+                    help="vs-Trainer tables: plain (the embedded dialogues), chatter (the same with "
+                         "--synthetic_dialogues.chatter: SAMSum-like spread of lengths)")
+    ap.add_argument("--pack_length", type=int, default=0, help="tokens per packed block (0: 4 x mean example)")
     ap.add_argument("--pack_batch", type=int, default=2, help="packed blocks per step (2 x 512 ~ 8 examples)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--repeats", type=int, default=2, help="epochs per tool (medians reported)")
@@ -153,10 +184,15 @@ def main() -> None:
     save(result)
     if "trainer" in sections:
         print("trainer: shardtune vs transformers.Trainer, one epoch each", flush=True)
-        result["trainer"] = bench_trainer(model, args)
-        packing = result["trainer"]["shardtune_packing"]["runs"]
+        result["trainer"] = {}
+        for variant in dataset_variants(model, args):
+            result["trainer"][variant["name"]] = bench_trainer(model, variant, args)
+            save(result)
+        first = next(iter(result["trainer"].values()))
+        packing = first["shardtune_packing"]["runs"]
         result["mfu"] = {"shardtune_packing_median": median([r["mfu_median"] for r in packing]),
-                         "model_flops_per_s_median": median([r["model_flops_per_s_median"] for r in packing])}
+                         "model_flops_per_s_median": median([r["model_flops_per_s_median"] for r in packing]),
+                         "dataset": first["setup"]["dataset"]}
         save(result)
     if "overhead" in sections:
         print("overhead: train_step vs a bare PyTorch loop", flush=True)

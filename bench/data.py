@@ -9,7 +9,8 @@ from shardtune.data.batching import collate_padding
 from shardtune.loss import num_label_tokens, token_loss_sum
 
 
-def bench_config(model: str, num_train: int, num_validation: int, samsum: str, context_length: int) -> TrainConfig:
+def bench_config(model: str, num_train: int, num_validation: int, samsum: str, context_length: int,
+                 chatter: bool = False) -> TrainConfig:
     cfg = TrainConfig(model_name=model, context_length=context_length)
     if samsum:
         cfg.dataset = "samsum_dataset"
@@ -17,14 +18,23 @@ def bench_config(model: str, num_train: int, num_validation: int, samsum: str, c
     else:
         cfg.synthetic_dialogues.num_train = num_train
         cfg.synthetic_dialogues.num_validation = num_validation
+        cfg.synthetic_dialogues.chatter = chatter
     return cfg
 
 
-def dataset_flags(num_train: int, num_validation: int, samsum: str) -> list[str]:
+def dataset_flags(num_train: int, num_validation: int, samsum: str, chatter: bool = False) -> list[str]:
     if samsum:
         return ["--dataset", "samsum_dataset", "--samsum_dataset.data_path", samsum]
     return ["--synthetic_dialogues.num_train", str(num_train), "--synthetic_dialogues.num_validation",
-            str(num_validation)]
+            str(num_validation), "--synthetic_dialogues.chatter", str(chatter).lower()]
+
+
+def mean_example_length(cfg: TrainConfig) -> float:
+    from shardtune import data
+    from shardtune.models import load_tokenizer
+
+    examples, _ = data.load_examples(cfg, load_tokenizer(cfg.model_name), "train")
+    return sum(len(e["input_ids"]) for e in examples) / len(examples)
 
 
 @torch.no_grad()

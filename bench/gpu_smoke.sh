@@ -2,7 +2,7 @@
 # GPU smoke suite (one GPU, under 5 minutes): the CUDA code paths the CPU tests cannot reach, through the CLI as a
 # user runs it. Each check prints PASS or FAIL; the exit status is the number of failures.
 #   bf16 FSDP full fine-tune | FSDP + LoRA | QLoRA (bitsandbytes 4-bit CUDA kernels) | fast kernels + compile
-#   | generation from the LoRA adapter
+#   | padding-free rows through the FlashAttention varlen kernel | generation from the LoRA adapter
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -38,6 +38,8 @@ check lora 120 shardtune sft "${COMMON[@]}" --enable_fsdp --use_peft --peft_meth
 check qlora_4bit 120 shardtune sft "${COMMON[@]}" --use_peft --peft_method lora --quantization 4bit \
   --output_dir "$OUT/qlora"
 check fast_kernels_compile 150 shardtune sft "${COMMON[@]}" --use_fast_kernels --compile --output_dir "$OUT/fast"
+check varlen_flash 60 python -m bench.varlen_check --device cuda --dtype bfloat16
+check packing_varlen_learns 120 shardtune sft "${COMMON[@]}" --batching_strategy packing --output_dir "$OUT/pack"
 check generate 60 shardtune generate --model_name "$OUT/lora" --max_new_tokens 32 \
   "Summarize this dialog:
 Anna: lunch at 1?

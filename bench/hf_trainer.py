@@ -22,6 +22,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, required=True)
     ap.add_argument("--lr", type=float, required=True)
     ap.add_argument("--samsum", default="")
+    ap.add_argument("--chatter", action="store_true")
     ap.add_argument("--context_length", type=int, default=1024)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -34,7 +35,8 @@ def main() -> None:
     from shardtune import data
     from shardtune.models import load_tokenizer
 
-    cfg = bench_config(args.model, args.num_train, args.num_validation, args.samsum, args.context_length)
+    cfg = bench_config(args.model, args.num_train, args.num_validation, args.samsum, args.context_length,
+                       args.chatter)
     tokenizer = load_tokenizer(args.model)
     train_examples, _ = data.load_examples(cfg, tokenizer, "train")
     eval_examples, _ = data.load_examples(cfg, tokenizer, "validation")
@@ -47,8 +49,17 @@ def main() -> None:
         optim="adamw_torch", max_grad_norm=1.0, seed=42, use_cpu=True, dataloader_num_workers=0,
         dataloader_drop_last=True, save_strategy="no", eval_strategy="no", logging_steps=10**9, report_to=[],
         disable_tqdm=True)
+    collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    computed = {"tokens": 0, "real_tokens": 0}
+
+    def counting_collator(features):  # what the model computes on: real and pad tokens of each batch
+        batch = collator(features)
+        computed["tokens"] += batch["input_ids"].numel()
+        computed["real_tokens"] += int(batch["attention_mask"].sum())
+        return batch
+
     trainer = Trainer(model=model, args=training_args, train_dataset=Dataset.from_list(rows),
-                      data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
+                      data_collator=counting_collator)
     tick = time.perf_counter()
     output = trainer.train()
     epoch_s = time.perf_counter() - tick
@@ -59,6 +70,7 @@ def main() -> None:
     print(json.dumps({"epoch_s": epoch_s, "steps": steps, "examples": used,
                       "label_tokens": round(num_label_tokens * used / len(train_examples)),
                       "eval_loss": loss, "eval_ppl": math.exp(loss), "process_s": time.perf_counter() - start,
+                      "computed_tokens": computed["tokens"], "real_tokens": computed["real_tokens"],
                       "train_loss": output.training_loss}))
 
 

@@ -15,19 +15,22 @@ def markdown(r: dict) -> str:
              f"{m['load_average_at_start'][0]:.1f}, at end {m['load_average_at_end'][0]:.1f} (other jobs share "
              f"this machine: ratios are taken side by side, medians of repeated runs). `python -m bench` "
              f"took {r['bench_wall_s'] / 60:.1f} min.", ""]
-    t = r.get("trainer")
-    if t:
+    for number, t in enumerate((r.get("trainer") or {}).values()):
         s = t["setup"]
-        lines += [f"**1. One epoch vs Hugging Face Trainer** (preset demo, {s['dataset']} "
-                  f"{s['num_train']} train / {s['num_validation']} validation, AdamW lr {s['lr']} constant, clip "
-                  f"1.0, ~8 examples per step: padding {s['padding_batch_examples']} examples, packing "
-                  f"{s['packing']}; {s['repeats']} epochs per tool, median)", "",
+        lines += [f"**1{'abcdefgh'[number]}. One epoch vs Hugging Face Trainer: {s['dataset']}** (preset demo, "
+                  f"{s['num_train']} train / {s['num_validation']} validation dialogues of "
+                  f"{s['mean_example_tokens']:.0f} tokens on average; Trainer's padded batches compute "
+                  f"{s['trainer_padding_ratio']:.2f}x the real tokens; AdamW lr {s['lr']} constant, clip 1.0, "
+                  f"~8 examples per step: padding {s['padding_batch_examples']} examples, packing {s['packing']}; "
+                  f"{s['repeats']} epochs per tool, median)", "",
                   "| tool | epoch time | steps | label tokens/s | eval loss | speed-up vs Trainer | run-to-run spread |",
                   "|---|---|---|---|---|---|---|"]
-        for name, label in (("shardtune_packing", "shardtune, packing"), ("shardtune_padding", "shardtune, padding"),
+        for name, label in (("shardtune_packing", "shardtune, packing (padding-free)"),
+                            ("shardtune_padding_free", "shardtune, padding --padding_free"),
+                            ("shardtune_padding", "shardtune, padding"),
                             ("hf_trainer", "transformers.Trainer + DataCollatorForSeq2Seq")):
             x = t[name]
-            speed = f"{x['speedup_vs_trainer']:.2f}x" if "speedup_vs_trainer" in x else "1.00x"
+            speed = f"**{x['speedup_vs_trainer']:.2f}x**" if "speedup_vs_trainer" in x else "1.00x"
             lines.append(f"| {label} | {x['epoch_s']:.1f} s | {x['steps']} | {x['label_tokens_per_s']:,.0f} | "
                          f"{x['eval_loss']:.4f} | {speed} | {x['epoch_s_spread']:.0%} |")
         lines.append("")
@@ -63,7 +66,8 @@ def markdown(r: dict) -> str:
             lines.append("FSDP was not available in this build: DDP only.")
         lines.append("")
     if "mfu" in r:
-        lines += [f"**5. MFU on CPU** (demo preset, shardtune packing, median over steps): "
+        lines += [f"**5. MFU on CPU** (demo preset, shardtune packing on {r['mfu'].get('dataset', 'the dialogues')}, "
+                  "median over steps): "
                   f"{r['mfu']['shardtune_packing_median']:.1%} of the measured fp32 matmul peak "
                   f"({r['mfu']['model_flops_per_s_median'] / 1e9:.1f} model GFLOP/s; FLOPs per token = "
                   "6 N + 12 L d T, `shardtune/flops.py`). A 5M-parameter model with hidden size 256 runs small "

@@ -38,6 +38,8 @@ class SyntheticDialoguesConfig:
     num_train: int = _f(4000, "number of generated training dialogues")
     num_validation: int = _f(200, "number of generated validation dialogues")
     seed: int = _f(1234, "seed of the dialogue generator (independent of the training seed)")
+    chatter: bool = _f(False, "mix off-topic talk into about half of the dialogues: 3 to 30 turns with a long tail "
+                              "of long chats, like SAMSum (the summaries do not change)")
 
 
 @dataclass

@@ -97,8 +97,10 @@ def _synthetic_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row]]:
 
     sd = cfg.synthetic_dialogues
     num = sd.num_train if split == "train" else sd.num_validation
-    source = f"synthetic_dialogues: {num} generated {split} dialogues (seed {sd.seed})"
-    return source, [(source, i, row) for i, row in enumerate(generate_dialogues(num, sd.seed, split), start=1)]
+    chatter = ", with chatter" if sd.chatter else ""
+    source = f"synthetic_dialogues: {num} generated {split} dialogues (seed {sd.seed}{chatter})"
+    rows = generate_dialogues(num, sd.seed, split, chatter=sd.chatter)
+    return source, [(source, i, row) for i, row in enumerate(rows, start=1)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -86,6 +86,41 @@ BRING = ("I'll bring {item}.", "I can bring {item}.", "Don't worry, I'll bring {
 BRING_REPLY = ("Perfect!", "Great, thanks!", "Lovely.", "Good idea.")
 CLOSINGS = ("See you on {day}!", "Great, see you there!", "Can't wait!", "Perfect, see you!", "Looking forward to it.")
 
+# Off-topic exchanges (an opener and its possible replies) that --synthetic_dialogues.chatter mixes into about
+# half of the dialogues. They name no person, day, time, place or activity, so the summary does not change.
+CHATTER = (
+    ("Did you watch the game last night?", ("Yes, what a finish!", "No, I missed it. Who won?",
+                                             "Only the second half, I fell asleep.")),
+    ("How's the new job going?", ("Busy, but I like the team.", "Tiring, there is so much to learn.",
+                                  "Great so far, thanks for asking!")),
+    ("Have you finished the book I lent you?", ("Almost, two chapters left.", "Not yet, sorry!",
+                                                 "Yes, I loved the ending.")),
+    ("My sister just got a puppy!", ("Aww, send pictures!", "What breed is it?", "So cute, lucky her.")),
+    ("The weather has been terrible this week.", ("I know, rain every single day.", "Tell me about it.",
+                                                  "At least it's not cold.")),
+    ("I started learning Spanish.", ("Cool, how is it going?", "Good luck with that!",
+                                     "I tried once, the verbs killed me.")),
+    ("I'm so tired, I worked the whole weekend.", ("You need a break.", "Poor you, get some sleep.",
+                                                   "Same here, it never ends.")),
+    ("Have you seen the new series everyone is talking about?", ("Yes, I watched it in two nights!",
+                                                                 "Not yet, no spoilers please.",
+                                                                 "I didn't like the first episode.")),
+    ("My phone died again.", ("Time for a new one.", "Did you try a new battery?", "That's why you never answer!")),
+    ("Guess what, I passed my driving test!", ("Congrats!!", "Finally, well done!", "Amazing, you deserve it.")),
+    ("I need a new laptop, any ideas?", ("What's your budget?", "Mine is great, I'll send you the link.",
+                                         "Wait for the sales next month.")),
+    ("The traffic this morning was crazy.", ("I took the bike, much faster.", "Roadworks again?",
+                                             "I was late too.")),
+    ("I cooked pasta from scratch yesterday.", ("Wow, chef!", "Was it good?", "Teach me one day.")),
+    ("Our neighbours are renovating again.", ("Oh no, the drilling?", "Noise every morning?", "Buy earplugs.")),
+    ("I can't find my keys anywhere.", ("Check your jacket.", "Again? haha", "Did you leave them at work?")),
+    ("My parents want to sell the house.", ("Wow, big change.", "How do you feel about it?",
+                                            "Where would they move?")),
+)
+REACTIONS = ("haha", "lol", "Really?", "No way!", "Nice!", "True.", "Oh no.", "Same here.", "Exactly!", ":)",
+             "Wow.", "I know, right?", "Fair enough.", "Ha, typical.")
+MAX_TURNS = 30  # SAMSum's dialogues have 3 to 30 utterances
+
 # Ordinary English the dialogues do not contain, so that other data (alpaca-style instructions) still
 # tokenises into sensible pieces rather than single bytes.
 GENERAL_TEXT = (
@@ -255,11 +290,35 @@ def _hour_of(time: str) -> float:
     return int(hour) % 12 + (12 if suffix == "pm" else 0) + (int(minute or 0) / 60)
 
 
-def render_dialogue(plan: Plan) -> str:
+def _chatter(plan: Plan, rng: random.Random, budget: int) -> list[tuple[str, str]]:
+    """Off-topic turns: none for 40% of dialogues, else a count with a long tail (mean ~9, at most ``budget``)."""
+    if rng.random() < 0.4 or budget < 2:
+        return []
+    wanted = min(budget, 2 + int(rng.expovariate(1 / 7)))
+    turns: list[tuple[str, str]] = []
+    for opener, replies in rng.sample(CHATTER, len(CHATTER)):
+        if len(turns) + 2 > wanted:
+            break
+        speaker = rng.choice(plan.participants)
+        listener = rng.choice([p for p in plan.participants if p != speaker])
+        turns += [(speaker, opener), (listener, rng.choice(replies))]
+        while len(turns) < wanted and rng.random() < 0.35:
+            turns.append((rng.choice(plan.participants), rng.choice(REACTIONS)))
+    return turns
+
+
+def render_dialogue(plan: Plan, chatter: bool = False) -> str:
+    """The plan as a chat. With ``chatter``, about half of the dialogues also talk about other things (before
+    the plan or after it), which spreads their lengths like SAMSum's; the summary stays the same."""
     rng = random.Random(plan.phrasing_seed)
-    turns = _opening(plan, rng) + _proposal(plan, rng) + _answers(plan, rng) + _twists(plan, rng)
+    opening = _opening(plan, rng)
+    turns = _proposal(plan, rng) + _answers(plan, rng) + _twists(plan, rng)
     turns.append((rng.choice(plan.attendees), rng.choice(CLOSINGS).format(day=plan.day)))
-    return "\n".join(f"{name}: {text}" for name, text in turns)
+    if chatter:  # its own random stream: the plan's own turns are the same with and without chatter
+        chat_rng = random.Random(f"chatter:{plan.phrasing_seed}")
+        extra = _chatter(plan, chat_rng, MAX_TURNS - len(opening) - len(turns))
+        turns = turns + extra if chat_rng.random() < 0.5 else extra + turns
+    return "\n".join(f"{name}: {text}" for name, text in opening + turns)
 
 
 def split_of(plan: Plan) -> str:
@@ -281,9 +340,9 @@ def generate_plans(num_examples: int, seed: int, split: str = "train") -> list[P
     return list(plans.values())
 
 
-def generate_dialogues(num_examples: int, seed: int, split: str = "train") -> list[dict]:
+def generate_dialogues(num_examples: int, seed: int, split: str = "train", chatter: bool = False) -> list[dict]:
     """SAMSum-style rows ``{"id", "dialogue", "summary"}``; splits never share a plan (hence a dialogue)."""
-    return [{"id": f"{split}-{seed}-{i:06d}", "dialogue": render_dialogue(plan), "summary": summarize(plan)}
+    return [{"id": f"{split}-{seed}-{i:06d}", "dialogue": render_dialogue(plan, chatter), "summary": summarize(plan)}
             for i, plan in enumerate(generate_plans(num_examples, seed, split))]
 
 

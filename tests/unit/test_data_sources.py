@@ -348,3 +348,15 @@ def test_tensor_rows_from_custom_function_become_lists(tmp_path, tokenizer):
     examples, _ = load_examples(custom_cfg(f"{tmp_path / 't.py'}:f"), tokenizer, "train")
     assert examples == [{"input_ids": list(range(3, 9)), "labels": list(range(3, 9))}]
     assert isinstance(examples[0]["input_ids"][0], int) and not isinstance(examples[0]["input_ids"], torch.Tensor)
+
+
+def test_synthetic_chatter_flag_lengthens_the_loaded_dialogues_not_their_labels(tokenizer):
+    cfg = TrainConfig(context_length=1024)
+    cfg.synthetic_dialogues.num_train = 200
+    plain, _ = load_examples(cfg, tokenizer, "train")
+    cfg.synthetic_dialogues.chatter = True
+    chatty, report = load_examples(cfg, tokenizer, "train")
+    assert len(chatty) == len(plain) == 200 and "chatter" in report.source
+    assert sum(len(e["input_ids"]) for e in chatty) > 1.2 * sum(len(e["input_ids"]) for e in plain)
+    assert [[t for t in e["labels"] if t != IGNORE_INDEX] for e in chatty] == \
+        [[t for t in e["labels"] if t != IGNORE_INDEX] for e in plain]

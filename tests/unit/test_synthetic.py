@@ -90,3 +90,23 @@ def test_tokenizer_corpus_contains_the_prompt_strings_and_general_text():
     text = "\n".join(corpus_for_tokenizer(seed=0, num_dialogues=10))
     assert PROMPT_PREFIX in text and PROMPT_SUFFIX in text
     assert "### Instruction:" in text and all(d in text for d in "0123456789")
+
+
+def test_chatter_spreads_lengths_like_samsum_and_keeps_the_plan_and_summary():
+    plans = generate_plans(400, seed=9)
+    plain = [render_dialogue(plan) for plan in plans]
+    chatty = [render_dialogue(plan, chatter=True) for plan in plans]
+    turns = [dialogue.count("\n") + 1 for dialogue in chatty]
+    assert max(turns) <= 30 and min(turns) >= 3
+    assert max(turns) >= 25 and sorted(turns)[len(turns) // 2] < 16  # a long tail, most dialogues short
+    changed = sum(a != b for a, b in zip(plain, chatty))
+    assert 0.4 * len(plans) < changed < 0.8 * len(plans)
+    for plan, a, b in zip(plans, plain, chatty):
+        # the plan's own turns are all there, in order; chatter names no day, time, place or activity
+        b_lines = iter(b.split("\n"))
+        assert all(line in b_lines for line in a.split("\n"))  # a subsequence: consumed in order
+        extra = [line for line in b_lines if line not in a.split("\n")]
+        assert not any(word in line for line in extra for word in (*DAYS, plan.place, plan.activity, " pm", " am"))
+        assert {line.split(": ", 1)[0] for line in extra} <= set(plan.participants)
+    rows = generate_dialogues(50, seed=2, chatter=True)
+    assert [r["summary"] for r in rows] == [r["summary"] for r in generate_dialogues(50, seed=2)]

@@ -1,0 +1,66 @@
+"""Padding-free rows on this device: loss and gradients equal padding's, and which attention kernel ran.
+
+    python -m bench.varlen_check [--device cuda] [--dtype bfloat16]
+
+On CUDA in bf16 the row goes through torch's FlashAttention varlen kernel; the reference is the padded batch
+through SDPA. Prints one JSON line; exits 1 when the numbers differ beyond the dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
+    ap.add_argument("--preset", default="demo")
+    args = ap.parse_args()
+
+    import shardtune.attention as attention
+    from shardtune.data.batching import collate_flat, collate_padding
+    from shardtune.loss import token_loss_sum
+    from shardtune.models import load_model, resolve_model_name
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    model = load_model(resolve_model_name(f"preset:{args.preset}"), dtype=dtype).to(device)
+    rng = random.Random(0)
+    examples = []
+    for n in (37, 120, 8, 250, 64, 1, 90):
+        ids = [rng.randint(4, 1000) for _ in range(n)]
+        examples.append({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3:]})
+
+    def loss_and_grads(batch):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        loss = token_loss_sum(model, batch, device)
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+        return float(loss.detach()), grads, time.perf_counter() - start
+
+    padded_loss, padded_grads, _ = loss_and_grads(collate_padding(examples, pad_id=0))
+    attention.use_varlen_attention(model)
+    flat = collate_flat(examples)
+    kernel = attention._kernel_applies(torch.empty(0, device=device, dtype=dtype), 0.0)
+    flat_loss, flat_grads, seconds = loss_and_grads(flat)
+    loss_diff = abs(flat_loss - padded_loss) / abs(padded_loss)
+    grad_diff = float((flat_grads - padded_grads).norm() / padded_grads.norm())
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    ok = loss_diff <= tolerance and grad_diff <= 10 * tolerance
+    print(json.dumps({"device": str(device), "dtype": args.dtype, "kernel": "flash varlen" if kernel else
+                      "SDPA per example", "loss_padded": padded_loss, "loss_flat": flat_loss,
+                      "loss_rel_diff": loss_diff, "grad_rel_diff": grad_diff, "flat_step_s": seconds, "ok": ok}))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
