@@ -21,9 +21,11 @@ import torch.nn.functional as F
 
 
 def bare_step(model, optimizer, batch):
-    """The 10-line loop: forward, token-summed cross-entropy / labelled tokens, backward, step."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"]).logits[:, :-1]
+    """The 10-line loop: forward, token-summed cross-entropy / labelled tokens, backward, step (a padding-free
+    packed row: the examples' boundaries go to the same varlen attention as shardtune's)."""
+    cu, longest = batch["cu_seq_lens"], int(batch["max_length"])
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], cu_seq_lens_q=cu,
+                   cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest).logits[:, :-1]
     targets = batch["labels"][:, 1:]
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), reduction="sum")
     (loss / (targets != -100).sum()).backward()
@@ -39,6 +41,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from shardtune import data
+    from shardtune.attention import use_varlen_attention
     from shardtune.config import TrainConfig
     from shardtune.distributed import DistEnv
     from shardtune.flops import model_shape
@@ -57,6 +60,7 @@ def main() -> None:
 
     env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend="gloo")
     base = load_model(args.model)
+    use_varlen_attention(base)
     bare_model = copy.deepcopy(base)
     bare_opt = torch.optim.AdamW(bare_model.parameters(), lr=cfg.lr)
     strategy = make_strategy(cfg, env)

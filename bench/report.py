@@ -36,7 +36,7 @@ def markdown(r: dict) -> str:
         lines.append("")
     o = r.get("overhead")
     if o:
-        lines += [f"**2. Overhead vs bare PyTorch** (identical pre-built packed batches, {o['steps']} steps "
+        lines += [f"**2. Overhead vs bare PyTorch** (identical pre-built packed padding-free rows, {o['steps']} steps "
                   "interleaved, median step time)", "",
                   "| shardtune train_step | 10-line PyTorch loop | ratio |", "|---|---|---|",
                   f"| {o['shardtune_step_s'] * 1e3:.0f} ms | {o['bare_step_s'] * 1e3:.0f} ms | {o['ratio']:.3f} |", ""]

@@ -342,6 +342,11 @@ class Checkpointer:
         if changed:
             warn0(f"resuming with settings that differ from the checkpoint's ({', '.join(changed)}): the run will "
                   "not equal an uninterrupted one")
+        planned = state.get("total_steps")
+        if self.cfg.lr_scheduler == "cosine" and planned is not None and planned != self.total_steps:
+            warn0(f"the cosine schedule now spans {self.total_steps} steps instead of the checkpoint's {planned} "
+                  f"(--max_train_step / --num_epochs / batch changed): the learning rate from step {state['step']} "
+                  "on differs from the uninterrupted run's")
         training_state = self.strategy.training_state_dict(model, optimizer)
         dcp.load(training_state, checkpoint_id=path)
         self.strategy.load_training_state_dict(model, optimizer, training_state)
@@ -428,7 +433,7 @@ class Checkpointer:
         state = {
             "format_version": FORMAT_VERSION,
             "step": position.step, "epoch": position.epoch, "step_in_epoch": position.step_in_epoch,
-            "steps_per_epoch": self.steps_per_epoch,
+            "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
             "global_batch_size": effective_batch_size(self.cfg, self.env.world_size),
             "world_size": self.env.world_size, "seed": self.cfg.seed, "strategy": self.strategy.name,
             "model_name": self.cfg.model_name, "adapter_only": bool(self.cfg.use_peft),

@@ -299,3 +299,11 @@ def test_a_full_disk_fails_the_save_cleanly_and_keeps_the_previous_checkpoint(ti
     proc = sft(cache_dir, tiny_model, tiny_disk, nproc=1, check=False)
     assert proc.returncode == 1 and "less than one checkpoint" in proc.stderr
     assert not (tiny_disk / "metrics.jsonl").exists() or step_rows(tiny_disk) == []
+
+
+def test_resuming_with_a_longer_cosine_schedule_says_the_learning_rate_changes(tiny_model, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    cosine = ("--lr_scheduler", "cosine", "--warmup_steps", 1)
+    sft(cache_dir, tiny_model, out, *cosine, "--max_train_step", 3, nproc=1)
+    resumed = sft(cache_dir, tiny_model, out, *cosine, "--max_train_step", 6, "--resume", "latest", nproc=1)
+    assert "cosine schedule now spans 6 steps instead of the checkpoint's 3" in resumed.stderr + resumed.stdout
