@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 import yaml
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -175,7 +174,21 @@ def _check_checkpointing(cfg: TrainConfig, world_size: int) -> None:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} {getattr(cfg, name)} must be >= 0 (0: see shardtune sft --help)")
     if cfg.resume:
-        resolve_checkpoint(cfg.resume, cfg.output_dir)
+        path = resolve_checkpoint(cfg.resume, cfg.output_dir)
+        saved = read_trainer_state(path)
+        by_deepspeed = saved.get("strategy") == "deepspeed"
+        if by_deepspeed != cfg.enable_deepspeed:
+            how, fix = (("by DeepSpeed ZeRO, whose files only DeepSpeed reads", "add") if by_deepspeed else
+                        ("without DeepSpeed", "drop"))
+            raise ConfigError(f"--resume {cfg.resume}: {path} was saved {how}: {fix} --enable_deepspeed, or start a "
+                              "new run from its export (shardtune export)")
+        stage = saved.get("zero_stage")
+        if by_deepspeed and (saved["world_size"] != world_size or stage != cfg.deepspeed_config.zero_stage):
+            raise ConfigError(f"--resume {cfg.resume}: {path} holds DeepSpeed ZeRO-{stage} partitions of "
+                              f"{saved['world_size']} processes, and this run is ZeRO-"
+                              f"{cfg.deepspeed_config.zero_stage} on {world_size}: resume with --nproc_per_node "
+                              f"{saved['world_size']} (x nodes) and --deepspeed_config.zero_stage {stage}, or start a "
+                              "new run from its export (shardtune export)")
 
 
 def read_trainer_state(path: Path) -> dict:
@@ -347,9 +360,7 @@ class Checkpointer:
             warn0(f"the cosine schedule now spans {self.total_steps} steps instead of the checkpoint's {planned} "
                   f"(--max_train_step / --num_epochs / batch changed): the learning rate from step {state['step']} "
                   "on differs from the uninterrupted run's")
-        training_state = self.strategy.training_state_dict(model, optimizer)
-        dcp.load(training_state, checkpoint_id=path)
-        self.strategy.load_training_state_dict(model, optimizer, training_state)
+        self.strategy.load_training_state(model, optimizer, path, state)
         scheduler.load_state_dict(state["scheduler"])
         own_rng = rng_file(path, self.env.rank)
         if own_rng.is_file():
@@ -395,7 +406,7 @@ class Checkpointer:
         barrier()
         error: BaseException | None = None
         try:
-            dcp.save(self.strategy.training_state_dict(model, optimizer), checkpoint_id=tmp)
+            self.strategy.save_training_state(model, optimizer, tmp)
             full_state = self.strategy.full_state_dict(model) if self.full_model else None
         except (OSError, RuntimeError, CheckpointException) as e:  # DCP raises on every rank when one fails
             error = e
@@ -443,6 +454,7 @@ class Checkpointer:
             "metrics_rows": (sum(1 for _ in metrics.open(encoding="utf-8"))
                              if self.cfg.save_metrics and metrics.is_file() else None),
             "config_hash": config_hash(self.cfg),
+            **self.strategy.checkpoint_state(),
         }
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
 

@@ -596,10 +596,6 @@ def _check_deepspeed(cfg: TrainConfig, world_size: int) -> None:
     if dc.offload_param and dc.zero_stage != 3:
         raise ConfigError(f"--deepspeed_config.offload_param needs --deepspeed_config.zero_stage 3 (not "
                           f"{dc.zero_stage}): set it, or drop --deepspeed_config.offload_param")
-    if cfg.save_steps or cfg.resume or cfg.fsdp_config.checkpoint_type:
-        flag = "--save_steps" if cfg.save_steps else "--resume" if cfg.resume else "--checkpoint_type"
-        raise ConfigError(f"{flag}: checkpoints are not supported with --enable_deepspeed yet: use --enable_fsdp for "
-                          "resumable runs, or drop the flag")
     if cfg.quantization or cfg.from_peft_checkpoint:
         flag = "--quantization" if cfg.quantization else "--from_peft_checkpoint"
         raise ConfigError(f"{flag} is not supported with --enable_deepspeed yet: use --enable_fsdp (or DDP) for "

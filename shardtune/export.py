@@ -43,14 +43,21 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     target = DTYPES[dtype] or source_dtype(config)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     tokenizer = AutoTokenizer.from_pretrained(path / "hf_config")
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if state.get("strategy") == "deepspeed":
+        read = _deepspeed_reader(path)
+        stored = {f"model.{k}" for k in read()}
+    else:
+        stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+        def read(into: dict[str, torch.Tensor]) -> None:
+            dcp.load({"model": into}, checkpoint_id=path, no_dist=True)  # this one process reads every shard
     if state.get("adapter_only"):  # the base weights do not matter: only the adapter is read and written
         from shardtune.peft import apply_peft, save_adapter
 
         cfg.quantization, cfg.from_peft_checkpoint = "", ""
         model = apply_peft(model, cfg)
         adapter = {k: v for k, v in model.state_dict().items() if f"model.{k}" in stored}
-        dcp.load({"model": adapter}, checkpoint_id=path, no_dist=True)
+        read(adapter)
         trainable = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
         save_adapter(model, trainable, cfg.model_name, tokenizer, Path(out_dir))
         return path
@@ -61,10 +68,29 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
             raise ConfigError(f"{path} does not hold {missing[0]} (and {len(missing) - 1} more frozen tensors), and "
                               f"the base model {cfg.model_name} is not here: export on a machine that has it")
         model.load_state_dict(load_model(cfg.model_name).state_dict())
-    dcp.load({"model": wanted}, checkpoint_id=path, no_dist=True)  # this one process reads every shard
+    read(wanted)
     model.config.dtype = target
     save_hf_model(model, model.state_dict(), tokenizer, Path(out_dir))
     return path
+
+
+def _deepspeed_reader(path: Path):
+    """DeepSpeed ZeRO partitions consolidated into fp32 tensors (DeepSpeed's zero_to_fp32, one CPU process).
+    Returns read(): with no argument the consolidated state dict, with a dict the same tensors copied into it."""
+    from shardtune.parallel.deepspeed import DEEPSPEED_TAG, import_deepspeed
+
+    import_deepspeed()
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_TAG)
+
+    def read(into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        if into is not None:
+            for name, tensor in into.items():
+                tensor.copy_(consolidated[name])
+        return consolidated
+
+    return read
 
 
 def main(argv: list[str]) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Callable, ContextManager
 
 import torch
@@ -125,6 +126,31 @@ class Strategy(ABC):
         """
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(ignore_frozen_params=True, strict=False))
+
+    def save_training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+        """Every rank writes its part of the model and optimizer state into ``directory`` (a checkpoint's staging
+        folder): torch.distributed.checkpoint files, which any world size and strategy of the face can load."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.training_state_dict(model, optimizer), checkpoint_id=directory)
+
+    def load_training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path,
+                            saved: dict) -> None:
+        """Every rank reads back what save_training_state wrote (``saved``: the checkpoint's trainer_state)."""
+        import torch.distributed.checkpoint as dcp
+
+        if saved.get("strategy") == "deepspeed":
+            from shardtune.checkpoint import CheckpointError
+
+            raise CheckpointError(f"{directory} was saved by DeepSpeed ZeRO, whose files only DeepSpeed reads: resume "
+                                  "it with --enable_deepspeed, or start this run from its export (shardtune export)")
+        state = self.training_state_dict(model, optimizer)
+        dcp.load(state, checkpoint_id=directory)
+        self.load_training_state_dict(model, optimizer, state)
+
+    def checkpoint_state(self) -> dict:
+        """Extra facts a checkpoint's trainer_state records about how this strategy saved it."""
+        return {}
 
     def describe(self) -> str:
         return f"{self.name}, world size {self.env.world_size}, compute dtype {dtype_name(self.compute_dtype)}"

@@ -15,6 +15,7 @@ import contextlib
 import copy
 import math
 import os
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -24,6 +25,8 @@ from shardtune.config import DEEPSPEED_OWNED_KEYS, ConfigError, TrainConfig, dee
 from shardtune.distributed import DistEnv
 from shardtune.optim import build_optimizer
 from shardtune.parallel.base import Strategy, dtype_name
+
+DEEPSPEED_TAG = "deepspeed"  # the sub-folder of a checkpoint that DeepSpeed's save_checkpoint writes
 
 
 def import_deepspeed():
@@ -140,6 +143,35 @@ class DeepSpeedStrategy(Strategy):
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.engine.step()
+
+    def save_training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+        """DeepSpeed's own checkpoint (each rank its ZeRO partitions) under ``directory/deepspeed``; frozen base
+        weights (PEFT) are left out, as in the other strategies' checkpoints."""
+        self.engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG, save_latest=False,
+                                    exclude_frozen_parameters=self.cfg.use_peft)
+
+    def load_training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path,
+                            saved: dict) -> None:
+        from shardtune.checkpoint import CheckpointError
+
+        stage = saved.get("zero_stage")
+        if saved.get("strategy") != self.name:
+            raise CheckpointError(f"{directory} was saved by the {saved.get('strategy')} strategy, not DeepSpeed: "
+                                  "resume it without --enable_deepspeed, or start from its export (shardtune export)")
+        if saved["world_size"] != self.env.world_size or stage != self.zero_stage:
+            raise CheckpointError(f"{directory} holds DeepSpeed ZeRO-{stage} partitions of {saved['world_size']} "
+                                  f"processes, and this run is ZeRO-{self.zero_stage} on {self.env.world_size}: "
+                                  f"resume with --nproc_per_node {saved['world_size']} (x nodes) and "
+                                  f"--deepspeed_config.zero_stage {stage}, or start from its export")
+        loaded, _ = self.engine.load_checkpoint(str(directory), tag=DEEPSPEED_TAG,
+                                                load_module_strict=not self.cfg.use_peft,
+                                                load_optimizer_states=True, load_lr_scheduler_states=False)
+        if loaded is None:
+            raise CheckpointError(f"DeepSpeed found no checkpoint in {directory / DEEPSPEED_TAG}: the checkpoint is "
+                                  "incomplete; resume from an earlier one (--resume PATH)")
+
+    def checkpoint_state(self) -> dict:
+        return {"zero_stage": self.zero_stage}
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         return self._gathered_state(model, trainable_only=False)

@@ -110,3 +110,38 @@ def test_lora_under_zero3_trains_like_lora_under_ddp(runs, run_cli, tiny_model):
     difference = max_relative_difference(*adapters)
     assert difference <= 1e-5
     print(f"lora zero3: max relative adapter difference to DDP {difference:.2e}")
+
+
+RESUME_ARGS = ("--save_steps", 2, "--save_total_limit", 2, "--max_train_step", 0)  # one epoch of 6 steps
+
+
+@pytest.mark.parametrize("variant", ["zero2", "lora_zero3"])
+def test_a_resumed_deepspeed_run_equals_the_uninterrupted_one_and_exports(variant, run_cli, tiny_model, tmp_path):
+    """DeepSpeed writes its own partitions into our checkpoint folder; resume continues the same data order,
+    schedule and optimizer state; export consolidates the partitions into the same model (or adapter)."""
+    from safetensors.torch import load_file
+
+    from shardtune.checkpoint import latest_checkpoint, read_trainer_state
+
+    flags = (*TRAIN_ARGS, *VARIANTS[variant], *RESUME_ARGS)
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    run_cli("sft", "--model_name", tiny_model, "--output_dir", ref, *flags)
+    run_cli("sft", "--model_name", tiny_model, "--output_dir", out, *flags, "--max_train_step", 3)
+    state = read_trainer_state(latest_checkpoint(out))
+    assert (state["step"], state["strategy"], state["zero_stage"]) == (3, "deepspeed", int(variant[-1]))
+    wrong = run_cli("sft", "--model_name", tiny_model, "--output_dir", out, *flags, "--resume", "latest",
+                    "--nproc_per_node", 1, "--gradient_accumulation_steps", 4, check=False)
+    assert wrong.returncode != 0 and "partitions of 2 processes" in wrong.stderr and "--nproc_per_node 2" in \
+        wrong.stderr, wrong.stderr[-2000:]
+    resumed = run_cli("sft", "--model_name", tiny_model, "--output_dir", out, *flags, "--resume", "latest")
+    assert "data order kept" in resumed.stdout
+    ref_rows, rows = step_rows(ref), step_rows(out)
+    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] and len(rows) > 4
+    for r, o in zip(ref_rows, rows):
+        assert (o["num_tokens"], o["lr"]) == (r["num_tokens"], r["lr"]), r["step"]
+        assert o["loss"] == pytest.approx(r["loss"], rel=1e-6, abs=0), r["step"]
+    name = "adapter_model.safetensors" if "lora" in variant else "model.safetensors"
+    final = load_file(str(out / name))
+    assert max_relative_difference(load_file(str(ref / name)), final) <= 1e-6
+    run_cli("export", out, tmp_path / "exported")
+    assert max_relative_difference(final, load_file(str(tmp_path / "exported" / name))) <= 1e-6
