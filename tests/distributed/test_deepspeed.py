@@ -112,7 +112,9 @@ def test_lora_under_zero3_trains_like_lora_under_ddp(runs, run_cli, tiny_model):
     print(f"lora zero3: max relative adapter difference to DDP {difference:.2e}")
 
 
-RESUME_ARGS = ("--save_steps", 2, "--save_total_limit", 2, "--max_train_step", 0)  # one epoch of 6 steps
+# 2 epochs of 3 steps, StepLR (the lr changes at the epoch boundary: the scheduler's state must come back)
+RESUME_ARGS = ("--save_steps", 2, "--save_total_limit", 2, "--max_train_step", 0, "--num_epochs", 2,
+               "--synthetic_dialogues.num_train", 48, "--lr_scheduler", "step", "--gamma", 0.5)
 
 
 @pytest.mark.parametrize("variant", ["zero2", "lora_zero3"])
@@ -126,9 +128,9 @@ def test_a_resumed_deepspeed_run_equals_the_uninterrupted_one_and_exports(varian
     flags = (*TRAIN_ARGS, *VARIANTS[variant], *RESUME_ARGS)
     ref, out = tmp_path / "ref", tmp_path / "run"
     run_cli("sft", "--model_name", tiny_model, "--output_dir", ref, *flags)
-    run_cli("sft", "--model_name", tiny_model, "--output_dir", out, *flags, "--max_train_step", 3)
+    run_cli("sft", "--model_name", tiny_model, "--output_dir", out, *flags, "--max_train_step", 4)
     state = read_trainer_state(latest_checkpoint(out))
-    assert (state["step"], state["strategy"], state["zero_stage"]) == (3, "deepspeed", int(variant[-1]))
+    assert (state["step"], state["strategy"], state["zero_stage"]) == (4, "deepspeed", int(variant[-1]))
     wrong = run_cli("sft", "--model_name", tiny_model, "--output_dir", out, *flags, "--resume", "latest",
                     "--nproc_per_node", 1, "--gradient_accumulation_steps", 4, check=False)
     assert wrong.returncode != 0 and "partitions of 2 processes" in wrong.stderr and "--nproc_per_node 2" in \
@@ -137,6 +139,7 @@ def test_a_resumed_deepspeed_run_equals_the_uninterrupted_one_and_exports(varian
     assert "data order kept" in resumed.stdout
     ref_rows, rows = step_rows(ref), step_rows(out)
     assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] and len(rows) > 4
+    assert len({r["lr"] for r in ref_rows}) == 2
     for r, o in zip(ref_rows, rows):
         assert (o["num_tokens"], o["lr"]) == (r["num_tokens"], r["lr"]), r["step"]
         assert o["loss"] == pytest.approx(r["loss"], rel=1e-6, abs=0), r["step"]
