@@ -5,8 +5,8 @@
     python -m bench --samsum data/samsum/train.json --num_train 0
     python -m bench --only trainer,overhead
 
-Sections: trainer (shardtune packing / padding-free / padding vs transformers.Trainer, one epoch), overhead (train_step vs a
-bare PyTorch loop), loss_memory (lean loss vs the model's own loss at vocabulary 128,256), model_state (DDP /
+Sections: trainer (shardtune packing / padding-free / padding vs transformers.Trainer, one epoch), overhead
+(train_step vs a bare PyTorch loop), loss_memory (lean loss vs the model's own loss at vocabulary 128,256), model_state (DDP /
 FSDP per-rank bytes at 1, 2, 4 processes), mfu (from the shardtune packing runs). Never part of the tests.
 """
 
