@@ -104,3 +104,26 @@ def test_padding_free_loss_and_gradients_equal_padding(lengths):
     assert flat_loss.item() == pytest.approx(padded_loss.item(), rel=1e-6)
     for name, g in padded_grads.items():
         assert float((flat_grads[name] - g).norm() / g.norm()) <= 1e-5, name
+
+
+def test_llama_adapter_on_padding_free_rows_equals_padding():
+    """peft's adapted attention wraps the model's own (now varlen) attention and adds the adapter per token."""
+    import peft
+
+    model = peft.get_peft_model(tiny_llama(), peft.AdaptionPromptConfig(adapter_len=4, adapter_layers=2,
+                                                                        task_type="CAUSAL_LM"))
+    for name, p in model.named_parameters():
+        if "adaption_gate" in name:  # gates start at 0: open them so the adapter changes the numbers
+            torch.nn.init.constant_(p, 0.5)
+    examples = block()
+
+    def loss_and_grads(batch):
+        model.zero_grad(set_to_none=True)
+        loss = token_loss_sum(model, batch, CPU)
+        loss.backward()
+        return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    padded_loss, padded_grads = loss_and_grads(collate_padding(examples, pad_id=0))
+    flat_loss, flat_grads = loss_and_grads(collate_flat(examples))
+    assert flat_loss == pytest.approx(padded_loss, rel=1e-6)
+    assert float((flat_grads - padded_grads).norm() / padded_grads.norm()) <= 1e-5
