@@ -71,9 +71,11 @@ def run_config(name: str, args, env) -> dict:
     gen = torch.Generator().manual_seed(env.rank)
 
     def micro_batch() -> dict:
-        ids = torch.randint(0, vocab, (batch, seq_len), generator=gen)
-        return {"input_ids": ids, "labels": ids.clone(),
-                "position_ids": torch.arange(seq_len).expand(batch, seq_len).clone()}
+        """`batch` sequences of seq_len tokens as training collates packed blocks: one padding-free row."""
+        from shardtune.data.batching import collate_flat
+
+        ids = torch.randint(0, vocab, (batch, seq_len), generator=gen).tolist()
+        return collate_flat([{"input_ids": row, "labels": row} for row in ids])
 
     warmup, steps = (1, 2) if args.cpu_smoke else (args.warmup, args.steps)
     sync = torch.cuda.synchronize if env.device.type == "cuda" else (lambda: None)

@@ -9,6 +9,7 @@ through SDPA. Prints one JSON line; exits 1 when the numbers differ beyond the d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -22,6 +23,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     ap.add_argument("--preset", default="demo")
+    ap.add_argument("--autocast", default="", help="e.g. bfloat16: fp32 weights, autocast compute (DDP's mixed "
+                                                   "precision) instead of weights in --dtype")
     args = ap.parse_args()
 
     import shardtune.attention as attention
@@ -37,10 +40,14 @@ def main() -> None:
         ids = [rng.randint(4, 1000) for _ in range(n)]
         examples.append({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3:]})
 
+    autocast = (torch.autocast(device.type, dtype=getattr(torch, args.autocast)) if args.autocast
+                else contextlib.nullcontext())
+
     def loss_and_grads(batch):
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        loss = token_loss_sum(model, batch, device)
+        with autocast:
+            loss = token_loss_sum(model, batch, device)
         loss.backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -50,13 +57,13 @@ def main() -> None:
     padded_loss, padded_grads, _ = loss_and_grads(collate_padding(examples, pad_id=0))
     attention.use_varlen_attention(model)
     flat = collate_flat(examples)
-    kernel = attention._kernel_applies(torch.empty(0, device=device, dtype=dtype), 0.0)
+    kernel = attention._kernel_applies(device, getattr(torch, args.autocast) if args.autocast else dtype, 0.0)
     flat_loss, flat_grads, seconds = loss_and_grads(flat)
     loss_diff = abs(flat_loss - padded_loss) / abs(padded_loss)
     grad_diff = float((flat_grads - padded_grads).norm() / padded_grads.norm())
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    tolerance = 1e-5 if dtype == torch.float32 and not args.autocast else 2e-2
     ok = loss_diff <= tolerance and grad_diff <= 10 * tolerance
-    print(json.dumps({"device": str(device), "dtype": args.dtype, "kernel": "flash varlen" if kernel else
+    print(json.dumps({"device": str(device), "dtype": args.dtype, "autocast": args.autocast, "kernel": "flash varlen" if kernel else
                       "SDPA per example", "loss_padded": padded_loss, "loss_flat": flat_loss,
                       "loss_rel_diff": loss_diff, "grad_rel_diff": grad_diff, "flat_step_s": seconds, "ok": ok}))
     sys.exit(0 if ok else 1)

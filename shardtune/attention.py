@@ -88,7 +88,9 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     max_length = kwargs.get("max_length_q")
     if max_length is None:
         max_length = int(cu.diff().max())
-    if _kernel_applies(query, dropout if module.training else 0.0):
+    dtype = _compute_dtype(query)
+    if _kernel_applies(query.device, dtype, dropout if module.training else 0.0):
+        query, key, value = (t.to(dtype) for t in (query, key, value))  # what SDPA's autocast would do
         return _flash_varlen(query, key, value, cu, int(max_length), scaling), None
     return _per_example(module, query, key, value, cu, dropout if module.training else 0.0, scaling), None
 
@@ -104,8 +106,16 @@ def _boundaries_from_positions(positions: torch.Tensor) -> torch.Tensor | None:
     return torch.cat([starts, end]).to(torch.int32)
 
 
-def _kernel_applies(query: torch.Tensor, dropout: float) -> bool:
-    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0
+def _compute_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype attention runs in: autocast's (DDP mixed precision: rotary leaves q, k in fp32), else q's."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return query.dtype
+
+
+def _kernel_applies(device: torch.device, dtype: torch.dtype, dropout: float) -> bool:
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and dropout == 0.0
             and _torch_varlen() is not None)
 
 

@@ -596,10 +596,9 @@ def _check_deepspeed(cfg: TrainConfig, world_size: int) -> None:
     if dc.offload_param and dc.zero_stage != 3:
         raise ConfigError(f"--deepspeed_config.offload_param needs --deepspeed_config.zero_stage 3 (not "
                           f"{dc.zero_stage}): set it, or drop --deepspeed_config.offload_param")
-    if cfg.quantization or cfg.from_peft_checkpoint:
-        flag = "--quantization" if cfg.quantization else "--from_peft_checkpoint"
-        raise ConfigError(f"{flag} is not supported with --enable_deepspeed yet: use --enable_fsdp (or DDP) for "
-                          "quantized models and continuing from an adapter, or drop --enable_deepspeed")
+    if cfg.quantization:
+        raise ConfigError("--quantization is not supported with --enable_deepspeed yet: use --enable_fsdp (or DDP) "
+                          "for quantized models (QLoRA), or drop --enable_deepspeed")
     if cfg.nan_policy == "skip":
         raise ConfigError("--nan_policy skip is not supported with --enable_deepspeed (its step cannot be skipped "
                           "once gradients are accumulated): use --nan_policy stop, or --enable_fsdp")
