@@ -82,9 +82,9 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     if attention_mask is not None or cu is None or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    if query.shape[0] != 1:  # positions restart inside several rows: each row flattened on its own
-        starts = [int(x) for x in cu]
-        raise ValueError(f"varlen attention takes one flattened row, got {query.shape[0]} rows (boundaries {starts})")
+    if query.shape[0] != 1:  # cu_seq_lens index one row: batches of several rows are flattened first
+        raise ValueError(f"cu_seq_lens describe one flattened row, but the batch has {query.shape[0]} rows: put the "
+                         "examples in one row (shardtune.data.batching.collate_flat)")
     max_length = kwargs.get("max_length_q")
     if max_length is None:
         max_length = int(cu.diff().max())
