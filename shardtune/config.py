@@ -596,9 +596,9 @@ def _check_deepspeed(cfg: TrainConfig, world_size: int) -> None:
     if dc.offload_param and dc.zero_stage != 3:
         raise ConfigError(f"--deepspeed_config.offload_param needs --deepspeed_config.zero_stage 3 (not "
                           f"{dc.zero_stage}): set it, or drop --deepspeed_config.offload_param")
-    if cfg.quantization:
-        raise ConfigError("--quantization is not supported with --enable_deepspeed yet: use --enable_fsdp (or DDP) "
-                          "for quantized models (QLoRA), or drop --enable_deepspeed")
+    if cfg.quantization == "8bit" and dc.zero_stage == 3:
+        raise ConfigError("--quantization 8bit cannot be partitioned by ZeRO-3: use --quantization 4bit (stored in the "
+                          "compute dtype, which ZeRO-3 partitions), or --deepspeed_config.zero_stage 2")
     if cfg.nan_policy == "skip":
         raise ConfigError("--nan_policy skip is not supported with --enable_deepspeed (its step cannot be skipped "
                           "once gradients are accumulated): use --nan_policy stop, or --enable_fsdp")

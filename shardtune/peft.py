@@ -63,9 +63,14 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def shards_parameters(cfg: TrainConfig) -> bool:
+    """FSDP and ZeRO-3 cut every parameter into shards: quantised weights must then look like ordinary ones."""
+    return cfg.enable_fsdp or (cfg.enable_deepspeed and cfg.deepspeed_config.zero_stage == 3)
+
+
 def quantization_config(cfg: TrainConfig, device: torch.device):
-    """transformers' BitsAndBytesConfig for --quantization (None without). Under FSDP the packed 4-bit weights
-    are stored in the compute dtype, so FSDP can shard them like any other parameter of that dtype."""
+    """transformers' BitsAndBytesConfig for --quantization (None without). Under FSDP and ZeRO-3 the packed 4-bit
+    weights are stored in the compute dtype, so they are sharded like any other parameter of that dtype."""
     if not cfg.quantization:
         return None
     from transformers import BitsAndBytesConfig
@@ -75,7 +80,7 @@ def quantization_config(cfg: TrainConfig, device: torch.device):
     qc, dtype = cfg.quantization_config, compute_dtype(cfg, device)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=qc.quant_type,
                               bnb_4bit_use_double_quant=qc.use_double_quant, bnb_4bit_compute_dtype=dtype,
-                              bnb_4bit_quant_storage=dtype if cfg.enable_fsdp else torch.uint8)
+                              bnb_4bit_quant_storage=dtype if shards_parameters(cfg) else torch.uint8)
 
 
 def load_quantized_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
@@ -274,10 +279,10 @@ def apply_peft(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     if cfg.peft_method == "llama_adapter" and ac.adapter_layers > num_layers and not cfg.from_peft_checkpoint:
         warn0(f"--llama_adapter_config.adapter_layers {ac.adapter_layers} > the model's {num_layers} layers: "
               f"adapting all {num_layers}")
-    if cfg.quantization and not cfg.enable_fsdp:
+    if cfg.quantization and not shards_parameters(cfg):
         import peft
 
-        # fp32 norms / embeddings for stable QLoRA; under FSDP every parameter stays in the storage dtype instead
+        # fp32 norms / embeddings for stable QLoRA; when sharded, every parameter stays in the storage dtype instead
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     model = _attach(model, cfg, num_layers)
     trainable, total = model.get_nb_trainable_parameters()

@@ -14,7 +14,8 @@ from typing import Callable, ContextManager
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, get_state_dict,
+                                                     set_optimizer_state_dict, set_state_dict)
 
 from shardtune.config import TrainConfig
 from shardtune.distributed import DistEnv
@@ -105,16 +106,31 @@ class Strategy(ABC):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         inner = self.unwrap(model)
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-        state = get_model_state_dict(inner, options=options)
+        if self._state_from_parameters():
+            state = {k: v.detach().cpu() for k, v in self._trainable_parameters(model).items()}
+        else:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+            state = get_model_state_dict(inner, options=options)
         trainable = {name for name, p in inner.named_parameters() if p.requires_grad}
         return {k: v for k, v in state.items() if k in trainable} if self.env.rank == 0 else None
+
+    def _state_from_parameters(self) -> bool:
+        """bitsandbytes' 8-bit layers add state-dict entries that are not attributes (SCB, weight_format), which
+        torch's state-dict helpers cannot map: then the (unsharded) trainable parameters are taken directly."""
+        return self.cfg.quantization == "8bit"
+
+    def _trainable_parameters(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {name: p for name, p in self.unwrap(model).named_parameters() if p.requires_grad}
 
     def training_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """Model and optimizer state as each rank holds it, for torch.distributed.checkpoint (nothing gathered).
 
         Frozen parameters are left out, so a PEFT checkpoint holds the adapter and its optimizer state only.
         """
+        if self._state_from_parameters():
+            model_state = {k: p.detach() for k, p in self._trainable_parameters(model).items()}
+            return {"model": model_state, "optimizer": get_optimizer_state_dict(model, optimizer,
+                                                                                options=TRAINABLE_ONLY)}
         model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
         return {"model": model_state, "optimizer": optimizer_state}
 
@@ -124,6 +140,12 @@ class Strategy(ABC):
         Not strict: frozen parameters keep their loaded values; every trainable one was in ``state`` (built by
         training_state_dict), and dcp.load fails when the checkpoint lacks any of them.
         """
+        if self._state_from_parameters():
+            with torch.no_grad():
+                for name, p in self._trainable_parameters(model).items():
+                    p.copy_(state["model"][name])
+            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=TRAINABLE_ONLY)
+            return
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(ignore_frozen_params=True, strict=False))
 

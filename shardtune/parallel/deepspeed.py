@@ -98,7 +98,8 @@ class DeepSpeedStrategy(Strategy):
 
         if not dist.is_initialized():
             deepspeed.init_distributed(dist_backend=self.env.backend)
-        model.to(self.env.device)
+        if not getattr(model, "is_quantized", False):  # a bitsandbytes model is loaded onto its device already
+            model.to(self.env.device)
         self.optimizer = build_optimizer(model, self.cfg)
         config = deepspeed_config(self.cfg, self.env.world_size, self.compute_dtype)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=config,

@@ -29,6 +29,9 @@ VARIANTS = {
     "zero3": (*DS, "--deepspeed_config.zero_stage", "3"),
     "lora_ddp": ("--use_peft", "--peft_method", "lora"),
     "lora_zero3": ("--use_peft", "--peft_method", "lora", *DS, "--deepspeed_config.zero_stage", "3"),
+    "qlora_ddp": ("--use_peft", "--peft_method", "lora", "--quantization", "4bit"),
+    "qlora_zero3": ("--use_peft", "--peft_method", "lora", "--quantization", "4bit", *DS,
+                    "--deepspeed_config.zero_stage", "3"),
 }
 # the kind of file TRL / HF Trainer users have: "auto" entries, our accumulation repeated, a bucket size
 TRAINER_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2,
@@ -95,11 +98,13 @@ def test_non_finite_loss_stops_a_deepspeed_run_before_its_step(run_cli, tiny_mod
     assert [r["step"] for r in step_rows(out)] == [1]
 
 
-def test_lora_under_zero3_trains_like_lora_under_ddp(runs, run_cli, tiny_model):
-    """The adapter is gathered from ZeRO-3's partitions (trainable parameters only) and equals DDP's."""
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_lora_under_zero3_trains_like_lora_under_ddp(method, runs, run_cli, tiny_model):
+    """The adapter is gathered from ZeRO-3's partitions (trainable parameters only) and equals DDP's; with QLoRA
+    the 4-bit base is stored in the compute dtype so that ZeRO-3 partitions it like any other weight."""
     from safetensors.torch import load_file
 
-    ddp, zero3 = (trained(name, runs, run_cli, tiny_model) for name in ("lora_ddp", "lora_zero3"))
+    ddp, zero3 = (trained(f"{method}_{s}", runs, run_cli, tiny_model) for s in ("ddp", "zero3"))
     for r, o in zip(step_rows(ddp), step_rows(zero3), strict=True):
         assert o["num_tokens"] == r["num_tokens"]
         assert o["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=0)
@@ -109,7 +114,7 @@ def test_lora_under_zero3_trains_like_lora_under_ddp(runs, run_cli, tiny_model):
     assert adapters[0] and all("lora_" in k for k in adapters[0])
     difference = max_relative_difference(*adapters)
     assert difference <= 1e-5
-    print(f"lora zero3: max relative adapter difference to DDP {difference:.2e}")
+    print(f"{method} zero3: max relative adapter difference to DDP {difference:.2e}")
 
 
 # 2 epochs of 3 steps, StepLR (the lr changes at the epoch boundary: the scheduler's state must come back)
@@ -148,3 +153,20 @@ def test_a_resumed_deepspeed_run_equals_the_uninterrupted_one_and_exports(varian
     assert max_relative_difference(load_file(str(ref / name)), final) <= 1e-6
     run_cli("export", out, tmp_path / "exported")
     assert max_relative_difference(final, load_file(str(tmp_path / "exported" / name))) <= 1e-6
+
+
+def test_8bit_lora_checkpoints_and_resumes_under_ddp_and_trains_like_zero2(run_cli, tiny_model, tmp_path):
+    """bitsandbytes 8-bit layers put non-attribute entries (SCB) in their state dict: the adapter, checkpoints and
+    resume take the trainable parameters directly. DDP (stopped at step 2, resumed) and ZeRO-2 train alike."""
+    from safetensors.torch import load_file
+
+    flags = (*TRAIN_ARGS, "--use_peft", "--peft_method", "lora", "--quantization", "8bit", "--lr_scheduler", "step")
+    ddp, zero2 = tmp_path / "ddp", tmp_path / "zero2"
+    run_cli("sft", "--model_name", tiny_model, "--output_dir", ddp, *flags, "--max_train_step", 2, "--save_steps", 2)
+    resumed = run_cli("sft", "--model_name", tiny_model, "--output_dir", ddp, *flags, "--resume", "latest")
+    assert "resumed from" in resumed.stdout
+    run_cli("sft", "--model_name", tiny_model, "--output_dir", zero2, *flags, *DS, "--deepspeed_config.zero_stage", 2)
+    for r, o in zip(step_rows(ddp), step_rows(zero2), strict=True):
+        assert o["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=0), r["step"]
+    adapters = [load_file(str(out / "adapter_model.safetensors")) for out in (ddp, zero2)]
+    assert max_relative_difference(*adapters) <= 1e-5
