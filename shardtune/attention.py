@@ -128,15 +128,19 @@ def _torch_varlen():
     return varlen_attn
 
 
+@functools.cache
+def _torch_varlen_parameters() -> frozenset[str]:
+    return frozenset(inspect.signature(_torch_varlen()).parameters)
+
+
 def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, max_length: int,
                   scaling: float | None) -> torch.Tensor:
-    varlen_attn = _torch_varlen()
+    varlen_attn, accepted = _torch_varlen(), _torch_varlen_parameters()
     cu = cu.to(device=query.device, dtype=torch.int32)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
-    causal = {"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters else {
-        "window_size": (-1, 0)}
+    causal = {"is_causal": True} if "is_causal" in accepted else {"window_size": (-1, 0)}  # older torch: is_causal
     if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+        if "enable_gqa" in accepted:
             causal["enable_gqa"] = True
         else:
             groups = q.shape[1] // k.shape[1]

@@ -59,6 +59,14 @@ def training_flops_per_token(shape: ModelShape, seq_len: int) -> int:
     return 4 * shape.num_matmul_params + 2 * shape.num_trainable_params + attention
 
 
+def num_input_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens the model computes on: every token of a padding-free row, the non-pad tokens of a padded batch."""
+    mask = batch.get("attention_mask")
+    if mask is not None and mask.dim() == 2:
+        return int(mask.sum())
+    return int(batch["input_ids"].numel())
+
+
 def micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor]) -> int:
     """Model FLOPs of training on one micro-batch: per token of each sequence the model attends over.
 
@@ -68,9 +76,7 @@ def micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor]) -> int:
     if "cu_seq_lens" in batch:
         lengths = batch["cu_seq_lens"].diff().tolist()
         return sum(training_flops_per_token(shape, n) * n for n in lengths)
-    mask = batch.get("attention_mask")
-    tokens = int(mask.sum()) if mask is not None and mask.dim() == 2 else batch["input_ids"].numel()
-    return training_flops_per_token(shape, batch["input_ids"].size(1)) * tokens
+    return training_flops_per_token(shape, batch["input_ids"].size(1)) * num_input_tokens(batch)
 
 
 PEAK_DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
@@ -81,7 +87,8 @@ def measured_peak_flops(device_str: str, size: int | None = None, seconds: float
     """The matmul FLOP/s this process reaches on ``device`` in its compute dtype: best of short timed bursts.
 
     Measured once per process (cached), in well under a second. CPU: fp32 1024 x 1024 with the threads this
-    process has (the same rate as 2048 x 2048 on the 2-core test machine, 4x sooner); GPU: bf16 8192 x 8192. The best burst is taken, so that a neighbour's load lowers the estimate as little as possible.
+    process has (the same rate as 2048 x 2048 on the 2-core test machine, 4x sooner); GPU: bf16 8192 x 8192. The
+    best burst is taken, so that a neighbour's load lowers the estimate as little as possible.
     """
     device = torch.device(device_str)
     size = size or (8192 if device.type == "cuda" else 1024)

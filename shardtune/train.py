@@ -22,7 +22,7 @@ from shardtune import data
 from shardtune.checkpoint import Checkpointer, Position
 from shardtune.config import TrainConfig
 from shardtune.distributed import DistEnv, all_reduce_sum
-from shardtune.flops import ModelShape, measured_peak_flops, micro_batch_flops, model_shape
+from shardtune.flops import ModelShape, measured_peak_flops, micro_batch_flops, model_shape, num_input_tokens
 from shardtune.loss import num_label_tokens, token_loss_sum
 from shardtune.metrics import MetricsWriter, peak_memory_bytes, perplexity
 from shardtune.optim import build_optimizer, build_scheduler  # noqa: F401 (build_optimizer: re-exported for bench/)
@@ -41,14 +41,6 @@ class TrainResult:
     @property
     def tokens_per_s(self) -> float:
         return self.num_tokens / self.train_time_s if self.train_time_s > 0 else 0.0
-
-
-def num_input_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Tokens the model computes on: every token of a padding-free row, the non-pad tokens of a padded batch."""
-    mask = batch.get("attention_mask")
-    if mask is not None and mask.dim() == 2:
-        return int(mask.sum())
-    return int(batch["input_ids"].numel())
 
 
 def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer,
