@@ -182,13 +182,19 @@ def _check_checkpointing(cfg: TrainConfig, world_size: int) -> None:
                         ("without DeepSpeed", "drop"))
             raise ConfigError(f"--resume {cfg.resume}: {path} was saved {how}: {fix} --enable_deepspeed, or start a "
                               "new run from its export (shardtune export)")
-        stage = saved.get("zero_stage")
-        if by_deepspeed and (saved["world_size"] != world_size or stage != cfg.deepspeed_config.zero_stage):
-            raise ConfigError(f"--resume {cfg.resume}: {path} holds DeepSpeed ZeRO-{stage} partitions of "
-                              f"{saved['world_size']} processes, and this run is ZeRO-"
-                              f"{cfg.deepspeed_config.zero_stage} on {world_size}: resume with --nproc_per_node "
-                              f"{saved['world_size']} (x nodes) and --deepspeed_config.zero_stage {stage}, or start a "
-                              "new run from its export (shardtune export)")
+        problem = by_deepspeed and deepspeed_resume_problem(path, saved, world_size, cfg.deepspeed_config.zero_stage)
+        if problem:
+            raise ConfigError(f"--resume {cfg.resume}: {problem}")
+
+
+def deepspeed_resume_problem(path: Path, saved: dict, world_size: int, zero_stage: int) -> str | None:
+    """Why a DeepSpeed checkpoint cannot be loaded by this run (its partitions are DeepSpeed's own), or None."""
+    stage = saved.get("zero_stage")
+    if saved["world_size"] == world_size and stage == zero_stage:
+        return None
+    return (f"{path} holds DeepSpeed ZeRO-{stage} partitions of {saved['world_size']} processes, and this run is "
+            f"ZeRO-{zero_stage} on {world_size}: resume with --nproc_per_node {saved['world_size']} (x nodes) and "
+            f"--deepspeed_config.zero_stage {stage}, or start a new run from its export (shardtune export)")
 
 
 def read_trainer_state(path: Path) -> dict:

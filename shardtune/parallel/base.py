@@ -158,14 +158,10 @@ class Strategy(ABC):
 
     def load_training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path,
                             saved: dict) -> None:
-        """Every rank reads back what save_training_state wrote (``saved``: the checkpoint's trainer_state)."""
+        """Every rank reads back what save_training_state wrote (``saved``: the checkpoint's trainer_state; a
+        DeepSpeed checkpoint never gets here, --resume refuses it before launch)."""
         import torch.distributed.checkpoint as dcp
 
-        if saved.get("strategy") == "deepspeed":
-            from shardtune.checkpoint import CheckpointError
-
-            raise CheckpointError(f"{directory} was saved by DeepSpeed ZeRO, whose files only DeepSpeed reads: resume "
-                                  "it with --enable_deepspeed, or start this run from its export (shardtune export)")
         state = self.training_state_dict(model, optimizer)
         dcp.load(state, checkpoint_id=directory)
         self.load_training_state_dict(model, optimizer, state)

@@ -153,17 +153,12 @@ class DeepSpeedStrategy(Strategy):
 
     def load_training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path,
                             saved: dict) -> None:
-        from shardtune.checkpoint import CheckpointError
+        """--resume was checked before launch; this catches a torchrun restart on another number of nodes."""
+        from shardtune.checkpoint import CheckpointError, deepspeed_resume_problem
 
-        stage = saved.get("zero_stage")
-        if saved.get("strategy") != self.name:
-            raise CheckpointError(f"{directory} was saved by the {saved.get('strategy')} strategy, not DeepSpeed: "
-                                  "resume it without --enable_deepspeed, or start from its export (shardtune export)")
-        if saved["world_size"] != self.env.world_size or stage != self.zero_stage:
-            raise CheckpointError(f"{directory} holds DeepSpeed ZeRO-{stage} partitions of {saved['world_size']} "
-                                  f"processes, and this run is ZeRO-{self.zero_stage} on {self.env.world_size}: "
-                                  f"resume with --nproc_per_node {saved['world_size']} (x nodes) and "
-                                  f"--deepspeed_config.zero_stage {stage}, or start from its export")
+        problem = deepspeed_resume_problem(directory, saved, self.env.world_size, self.zero_stage)
+        if problem:
+            raise CheckpointError(problem)
         loaded, _ = self.engine.load_checkpoint(str(directory), tag=DEEPSPEED_TAG,
                                                 load_module_strict=not self.cfg.use_peft,
                                                 load_optimizer_states=True, load_lr_scheduler_states=False)
