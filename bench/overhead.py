@@ -19,13 +19,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shardtune.attention import varlen_kwargs
+
 
 def bare_step(model, optimizer, batch):
     """The 10-line loop: forward, token-summed cross-entropy / labelled tokens, backward, step (a padding-free
     packed row: the examples' boundaries go to the same varlen attention as shardtune's)."""
-    cu, longest = batch["cu_seq_lens"], int(batch["max_length"])
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], cu_seq_lens_q=cu,
-                   cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest).logits[:, :-1]
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                   **varlen_kwargs(batch)).logits[:, :-1]
     targets = batch["labels"][:, 1:]
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), reduction="sum")
     (loss / (targets != -100).sum()).backward()

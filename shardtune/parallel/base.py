@@ -14,8 +14,8 @@ from typing import Callable, ContextManager
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, get_state_dict,
-                                                     set_optimizer_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     get_state_dict, set_optimizer_state_dict, set_state_dict)
 
 from shardtune.config import TrainConfig
 from shardtune.distributed import DistEnv
@@ -103,8 +103,6 @@ class Strategy(ABC):
     def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """Only the trainable parameters (an adapter), as full tensors on global rank 0's CPU (None elsewhere).
         Frozen parameters are dropped before anything is gathered, so sharded base weights never move."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         inner = self.unwrap(model)
         if self._state_from_parameters():
             state = {k: v.detach().cpu() for k, v in self._trainable_parameters(model).items()}
