@@ -6,8 +6,13 @@ starts. Every linear layer then computes on real tokens only, and attention must
 is what the attention function registered here as ``shardtune_varlen`` does, with the cost of sum(n_i^2)
 rather than the (sum n_i)^2 of a block-diagonal mask:
 
-- CUDA, fp16 / bf16: ``torch.nn.attention.varlen.varlen_attn``, the FlashAttention varlen kernel shipped in torch;
-- otherwise (CPU, fp32, dropout): one causal SDPA call per example, on a view of the row (no copy, no mask).
+- CUDA, fp16 / bf16: ``torch.nn.attention.varlen.varlen_attn``, the FlashAttention varlen kernel shipped in torch
+  (its arguments are built by :func:`flash_varlen_arguments`, which a CPU test feeds to a reference);
+- otherwise (CPU, fp32, dropout, soft-capped logits): one causal SDPA call per example, on a view of the row (no
+  copy, no mask), or the eager formula where the model soft-caps its attention logits (Gemma 2).
+
+A layer's sliding window (Mistral, Qwen2, Phi-3, the sliding layers of Gemma 2/3) is honoured on each path: a
+banded causal mask for an example longer than the window, ``window_size`` on the kernel.
 
 Models whose attention is flash-attention 2/3 (``--use_fast_kernels`` with flash_attn installed) keep it:
 transformers passes the same ``cu_seq_lens_*`` / ``max_length_*`` keywords to flash_attn_varlen_func itself.
@@ -25,9 +30,10 @@ import inspect
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward, use_gqa_in_sdpa
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 VARLEN = "shardtune_varlen"
 NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3")  # transformers runs these varlen from the same keywords
@@ -39,6 +45,15 @@ def varlen_kwargs(batch: dict[str, torch.Tensor]) -> dict:
         return {}
     cu, longest = batch["cu_seq_lens"], int(batch["max_length"])
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def attention_implementation(config: PretrainedConfig) -> str:
+    """The attention shardtune loads a model with: SDPA, or eager where SDPA cannot compute the model's attention
+    (attention-logit soft-capping, as in Gemma 2; a model class without SDPA support)."""
+    if getattr(config.get_text_config(), "attn_logit_softcapping", None) is not None:
+        return "eager"
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "eager" if model_class is not None and not model_class._supports_sdpa else "sdpa"
 
 
 def use_varlen_attention(model: nn.Module) -> str:
@@ -58,41 +73,58 @@ def register() -> None:
     AttentionMaskInterface.register(VARLEN, varlen_mask)
 
 
-def varlen_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
-    """No mask for an unpadded row (the attention function finds the examples itself); SDPA's mask otherwise."""
-    if attention_mask is None:
+def varlen_mask(*args, **kwargs):
+    """No mask for an unpadded row (the attention function finds its examples and applies causality and the
+    sliding window itself); SDPA's mask otherwise (padding; decoding after a cache, where keys outnumber queries)."""
+    if kwargs.get("attention_mask") is None and kwargs.get("q_length") == kwargs.get("kv_length"):
         return None
-    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    return sdpa_mask(*args, **kwargs)
 
 
 def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                              is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Transformers' attention-function contract: q (B, H, T, D), k / v (B, H_kv, S, D) -> (B, T, H, D)."""
+    """Transformers' attention-function contract: q (B, H, T, D), k / v (B, H_kv, S, D) -> (B, T, H, D).
+
+    The layer's ``sliding_window`` (Mistral, Qwen2, Gemma 2/3 sliding layers: a query sees itself and the
+    ``sliding_window - 1`` keys before it) and attention-logit ``softcap`` (Gemma 2) keywords are honoured on
+    every path.
+    """
     cu = kwargs.get("cu_seq_lens_q")
     position_ids = kwargs.get("position_ids")
     if attention_mask is None and cu is None and query.shape[2] == key.shape[2] > 1 and position_ids is not None:
         positions = position_ids.expand(query.shape[0], -1)
         if query.shape[0] > 1 and bool((positions[:, 1:] == 0).any()):  # several packed rows: one at a time
+            others = {k: v for k, v in kwargs.items() if k != "position_ids"}
             rows = [varlen_attention_forward(module, query[b:b + 1], key[b:b + 1], value[b:b + 1], None, dropout,
-                                             scaling, is_causal, position_ids=positions[b:b + 1])[0]
+                                             scaling, is_causal, position_ids=positions[b:b + 1], **others)[0]
                     for b in range(query.shape[0])]
             return torch.cat(rows), None
         cu = _boundaries_from_positions(positions)
-    if attention_mask is not None or cu is None or query.shape[2] != key.shape[2]:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    if query.shape[0] != 1:  # cu_seq_lens index one row: batches of several rows are flattened first
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if attention_mask is not None or query.shape[2] != key.shape[2]:  # padded batches: the mask holds the window
+        if softcap is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, is_causal=is_causal, **kwargs)
+        dropout = dropout if module.training else 0.0
+        return _attend(query, key, value, attention_mask, dropout, scaling, window, softcap).transpose(1, 2), None
+    if cu is None:  # plain sequences (one per row): each row is one example
+        cu = torch.tensor([0, query.shape[2]], dtype=torch.int32)
+    elif query.shape[0] != 1:  # cu_seq_lens index one row: batches of several rows are flattened first
         raise ValueError(f"cu_seq_lens describe one flattened row, but the batch has {query.shape[0]} rows: put the "
                          "examples in one row (shardtune.data.batching.collate_flat)")
     max_length = kwargs.get("max_length_q")
     if max_length is None:
         max_length = int(cu.diff().max())
+    dropout = dropout if module.training else 0.0
     dtype = _compute_dtype(query)
-    if _kernel_applies(query.device, dtype, dropout if module.training else 0.0):
-        query, key, value = (t.to(dtype) for t in (query, key, value))  # what SDPA's autocast would do
-        return _flash_varlen(query, key, value, cu, int(max_length), scaling), None
-    return _per_example(module, query, key, value, cu, dropout if module.training else 0.0, scaling), None
+    if query.shape[0] == 1 and softcap is None and _kernel_applies(query.device, dtype, dropout):
+        cast = [t.to(dtype) for t in (query, key, value)]  # what SDPA's autocast would do
+        arguments = flash_varlen_arguments(*cast, cu, int(max_length), scaling, window)
+        if arguments is not None:  # else this torch's kernel cannot express the window: per example below
+            args, options = arguments
+            return _torch_varlen()(*args, **options).unsqueeze(0), None  # (1, T, H, D)
+    return _per_example(query, key, value, cu, dropout, scaling, window, softcap), None
 
 
 def _boundaries_from_positions(positions: torch.Tensor) -> torch.Tensor | None:
@@ -133,34 +165,91 @@ def _torch_varlen_parameters() -> frozenset[str]:
     return frozenset(inspect.signature(_torch_varlen()).parameters)
 
 
-def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, max_length: int,
-                  scaling: float | None) -> torch.Tensor:
-    varlen_attn, accepted = _torch_varlen(), _torch_varlen_parameters()
+def flash_varlen_arguments(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
+                           max_length: int, scaling: float | None, sliding_window: int | None,
+                           accepted: frozenset[str] | None = None) -> tuple[tuple, dict] | None:
+    """The arguments of torch's FlashAttention ``varlen_attn`` for one flattened row (q (1, H, T, D), k / v
+    (1, H_kv, T, D)): ``(args, keywords)``, or None when a kernel taking only ``accepted`` keywords (the installed
+    one's by default) cannot express the window. Built apart from the call so that a CPU test can feed them to a
+    reference with the same semantics.
+
+    Flash's ``window_size=(left, right)`` lets query i see keys i - left .. i + right of its own sequence (-1:
+    unbounded), so causal is (-1, 0) and transformers' sliding window (key j seen when i - j < sliding_window)
+    is (sliding_window - 1, 0).
+    """
+    accepted = _torch_varlen_parameters() if accepted is None else accepted
     cu = cu.to(device=query.device, dtype=torch.int32)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
-    causal = {"is_causal": True} if "is_causal" in accepted else {"window_size": (-1, 0)}  # older torch: is_causal
+    options: dict = {"scale": scaling}
+    if _window_bites(sliding_window, max_length):
+        if "window_size" not in accepted:
+            return None
+        options["window_size"] = (sliding_window - 1, 0)
+    elif "is_causal" in accepted:  # older torch
+        options["is_causal"] = True
+    else:
+        options["window_size"] = (-1, 0)
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in accepted:
-            causal["enable_gqa"] = True
+            options["enable_gqa"] = True
         else:
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = varlen_attn(q, k, v, cu, cu, max_length, max_length, scale=scaling, **causal)
-    return out.unsqueeze(0)  # (1, T, H, D)
+    return (q, k, v, cu, cu, max_length, max_length), options
+
+
+def _window_bites(sliding_window: int | None, length: int) -> bool:
+    """Whether a sliding window hides some earlier key from some query of a sequence of ``length`` tokens."""
+    return sliding_window is not None and sliding_window < length
 
 
 @torch.compiler.disable  # a loop over data-dependent boundaries: run eagerly inside a compiled layer
-def _per_example(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
-                 dropout: float, scaling: float | None) -> torch.Tensor:
-    gqa = {}
-    if key.shape[1] != query.shape[1]:
-        if use_gqa_in_sdpa(None, key, value):
-            gqa = {"enable_gqa": True}
-        else:
-            groups = query.shape[1] // key.shape[1]
-            key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+def _per_example(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, dropout: float,
+                 scaling: float | None, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """Causal attention within each example of the rows (boundaries ``cu``), on views: (B, T, H, D)."""
     bounds = cu.tolist()
-    outputs = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout,
-                                              is_causal=True, scale=scaling, **gqa)
-               for s, e in zip(bounds[:-1], bounds[1:])]
+    outputs = [_attend(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, dropout, scaling, sliding_window,
+                       softcap) for s, e in zip(bounds[:-1], bounds[1:])]
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, dropout: float,
+            scaling: float | None, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """Attention of one sequence (or rows of one length): (B, H, T, D) -> (B, H, T, D). Without ``mask``, causal
+    within ``sliding_window``; a boolean mask is True where a query sees a key, a float one is added. SDPA, or the
+    eager formula of soft-capped models (Gemma 2: scores = softcap * tanh(scores / softcap)) that SDPA lacks."""
+    causal = mask is None and not _window_bites(sliding_window, key.shape[2])
+    if mask is None and not causal:
+        mask = causal_window_mask(query.shape[2], key.shape[2], sliding_window, query.device)
+    groups = query.shape[1] // key.shape[1]
+    if softcap is None:
+        gqa = {}
+        if groups > 1 and use_gqa_in_sdpa(mask, key, value):
+            gqa = {"enable_gqa": True}
+        elif groups > 1:
+            key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                              scale=scaling, **gqa)
+    if causal:
+        mask = causal_window_mask(query.shape[2], key.shape[2], None, query.device)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    scores = query @ key.transpose(2, 3) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask
+    weights = F.dropout(scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype), p=dropout)
+    return weights @ value
+
+
+def causal_window_mask(num_queries: int, num_keys: int, sliding_window: int | None,
+                       device: torch.device) -> torch.Tensor:
+    """(num_queries, num_keys) booleans, True where a query (the last ``num_queries`` positions) sees a key:
+    earlier or itself, and, with a window, fewer than ``sliding_window`` positions back."""
+    query_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
+    key_pos = torch.arange(num_keys, device=device)[None, :]
+    seen = key_pos <= query_pos
+    if sliding_window is not None:
+        seen &= key_pos > query_pos - sliding_window
+    return seen

@@ -20,6 +20,7 @@ import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from shardtune.attention import attention_implementation
 from shardtune.checkpoint import read_trainer_state, resolve_checkpoint, save_hf_model
 from shardtune.config import ConfigError, from_dict
 from shardtune.models import load_model
@@ -41,7 +42,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     cfg = from_dict(yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")))
     config = AutoConfig.from_pretrained(path / "hf_config")
     target = DTYPES[dtype] or source_dtype(config)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                             attn_implementation=attention_implementation(config))
     tokenizer = AutoTokenizer.from_pretrained(path / "hf_config")
     if state.get("strategy") == "deepspeed":
         read = _deepspeed_reader(path)

@@ -18,6 +18,7 @@ from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
 from tokenizers.models import BPE
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
+from shardtune.attention import attention_implementation
 from shardtune.config import ConfigError
 from shardtune.data.synthetic import corpus_for_tokenizer
 
@@ -188,7 +189,8 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerFast:
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation="sdpa")
+    attention = attention_implementation(AutoConfig.from_pretrained(name_or_path))
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attention)
     return model.to(device)
 
 
@@ -196,7 +198,8 @@ def build_model_on_meta(name_or_path: str, dtype: torch.dtype = torch.float32) -
     """The model's structure without memory, for sharding first and loading weights (on rank 0) afterwards."""
     config = AutoConfig.from_pretrained(name_or_path)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                attn_implementation=attention_implementation(config))
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

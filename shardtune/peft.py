@@ -85,11 +85,14 @@ def quantization_config(cfg: TrainConfig, device: torch.device):
 
 def load_quantized_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
     """The base model with bitsandbytes-quantised linear layers, on ``device``; other weights in the compute dtype."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from shardtune.attention import attention_implementation
+
+    attention = attention_implementation(AutoConfig.from_pretrained(cfg.model_name))
     model = AutoModelForCausalLM.from_pretrained(cfg.model_name, quantization_config=quantization_config(cfg, device),
                                                  dtype=compute_dtype(cfg, device), device_map={"": device},
-                                                 attn_implementation="sdpa")
+                                                 attn_implementation=attention)
     if device.type == "cpu":
         use_generic_cpu_kernels(model)
     return model
