@@ -187,6 +187,18 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def check_tokenizer_fits(model_name: str, tokenizer: PreTrainedTokenizerFast, tokenizer_name: str) -> None:
+    """A token id without a row in the model's embedding fails mid-step (IndexError on every rank): refuse it here.
+    Typical cause: a tokenizer (class) that adds a pad or chat token, saved without resizing the model."""
+    num_rows = AutoConfig.from_pretrained(model_name).get_text_config().vocab_size
+    if len(tokenizer) > num_rows:
+        source = f"--tokenizer_name {tokenizer_name}" if tokenizer_name else f"the tokenizer of {model_name}"
+        raise ConfigError(f"{source} has {len(tokenizer)} tokens, but the model's embedding has {num_rows} rows "
+                          f"(vocab_size in its config.json), so ids {num_rows} and up cannot be embedded: use the "
+                          "model's own tokenizer, or resize the embedding first (model.resize_token_embeddings("
+                          "len(tokenizer)), then save_pretrained both)")
+
+
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> torch.nn.Module:
     attention = attention_implementation(AutoConfig.from_pretrained(name_or_path))

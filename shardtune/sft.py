@@ -26,8 +26,8 @@ from shardtune.distributed import (
 from shardtune.launch import launch, resolve_nnodes, resolve_nproc, split_launcher_args, torchrun_argv
 from shardtune.metrics import MetricsWriter
 from shardtune.models import (
-    build_model_on_meta, cache_dir, check_model_source, count_parameters, load_model, load_tokenizer,
-    resolve_model_name,
+    build_model_on_meta, cache_dir, check_model_source, check_tokenizer_fits, count_parameters, load_model,
+    load_tokenizer, resolve_model_name,
 )
 from shardtune.parallel import make_strategy
 from shardtune.peft import apply_peft, check_peft, load_quantized_model, save_adapter
@@ -48,6 +48,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> None:
         check_model_source(cfg.tokenizer_name, "tokenizer_name")
     data.check_data_config(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer_name or cfg.model_name)
+    check_tokenizer_fits(cfg.model_name, tokenizer, cfg.tokenizer_name)
     data.check_context_length(cfg, tokenizer)
     loaded = {split: load_examples_cached(cfg, tokenizer, split, cache_dir()) for split in data_splits(cfg)}
     data.steps_per_epoch(len(data.build_units(loaded["train"][0], cfg)), cfg, world_size)
