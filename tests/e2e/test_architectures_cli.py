@@ -49,9 +49,11 @@ def test_gemma2_trains_the_same_on_padded_and_padding_free_batches(tiny_gemma2, 
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused_before_launch(tiny_model, run_cli, tmp_path):
     tokenizer = train_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})  # one id past the embedding
+    tokenizer.add_special_tokens({"pad_token": "<|pad|>"})  # a new pad token, one id past the embedding
     _save_tokenizer(tokenizer, tmp_path / "tokenizer")
     proc = run_cli("sft", "--model_name", tiny_model, "--tokenizer_name", tmp_path / "tokenizer", "--output_dir",
-                   tmp_path / "never", check=False)
+                   tmp_path / "never", "--batching_strategy", "padding", "--max_train_step", 1,
+                   "--synthetic_dialogues.num_train", 16, "--run_validation", "false", "--num_workers_dataloader", 0,
+                   check=False)
     assert_one_line_error(proc, f"--tokenizer_name {tmp_path / 'tokenizer'}", "1025 tokens", "1024 rows",
                           "resize_token_embeddings")
