@@ -41,6 +41,7 @@ check qlora_4bit 120 shardtune sft "${COMMON[@]}" --use_peft --peft_method lora 
 check fast_kernels_compile 150 shardtune sft "${COMMON[@]}" --use_fast_kernels --compile --output_dir "$OUT/fast"
 check varlen_flash 60 python -m bench.varlen_check --device cuda --dtype bfloat16
 check varlen_flash_autocast 60 python -m bench.varlen_check --device cuda --dtype float32 --autocast bfloat16
+check varlen_flash_window 60 python -m bench.varlen_check --device cuda --dtype bfloat16 --sliding_window 32
 check generate 60 shardtune generate --model_name "$OUT/lora" --max_new_tokens 32 \
   "Summarize this dialog:
 Anna: lunch at 1?
