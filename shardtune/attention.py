@@ -216,22 +216,30 @@ def _per_example(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, dropout: float,
             scaling: float | None, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     """Attention of one sequence (or rows of one length): (B, H, T, D) -> (B, H, T, D). Without ``mask``, causal
-    within ``sliding_window``; a boolean mask is True where a query sees a key, a float one is added. SDPA, or the
-    eager formula of soft-capped models (Gemma 2: scores = softcap * tanh(scores / softcap)) that SDPA lacks."""
-    causal = mask is None and not _window_bites(sliding_window, key.shape[2])
+    within ``sliding_window``; a boolean mask is True where a query sees a key, a float one is added."""
+    if softcap is not None:
+        if mask is None:
+            mask = causal_window_mask(query.shape[2], key.shape[2], sliding_window, query.device)
+        return _soft_capped_attention(query, key, value, mask, dropout, scaling, softcap)
+    # SDPA's is_causal aligns the first query with the first key: only right when queries and keys are one sequence
+    causal = mask is None and query.shape[2] == key.shape[2] and not _window_bites(sliding_window, key.shape[2])
     if mask is None and not causal:
         mask = causal_window_mask(query.shape[2], key.shape[2], sliding_window, query.device)
     groups = query.shape[1] // key.shape[1]
-    if softcap is None:
-        gqa = {}
-        if groups > 1 and use_gqa_in_sdpa(mask, key, value):
-            gqa = {"enable_gqa": True}
-        elif groups > 1:
-            key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-                                              scale=scaling, **gqa)
-    if causal:
-        mask = causal_window_mask(query.shape[2], key.shape[2], None, query.device)
+    gqa = {}
+    if groups > 1 and use_gqa_in_sdpa(mask, key, value):
+        gqa = {"enable_gqa": True}
+    elif groups > 1:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                          scale=scaling, **gqa)
+
+
+def _soft_capped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                           dropout: float, scaling: float | None, softcap: float) -> torch.Tensor:
+    """The eager formula of models that soft-cap their attention logits (Gemma 2), which SDPA cannot compute:
+    softmax(softcap * tanh(q k^T * scaling / softcap) + mask) v, the softmax in fp32."""
+    groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     scores = query @ key.transpose(2, 3) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
     scores = softcap * torch.tanh(scores / softcap)

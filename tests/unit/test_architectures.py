@@ -121,13 +121,18 @@ def test_gemma2_loads_with_eager_attention_and_soft_capping_is_honoured_per_exam
     assert relative(logits_and_grads(model, flat)[2], reference[2]) > 1e-3
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
 @torch.no_grad()
-def test_windowed_plain_sequences_and_generation_compute_as_the_models_own_attention():
+def test_windowed_plain_sequences_and_generation_compute_as_the_models_own_attention(family):
     """A sequence longer than the window, without a mask or cu_seq_lens, and cached decoding past the window."""
-    varlen, eager = build("mistral", "sdpa").eval(), build("mistral", "eager").eval()
+    varlen, eager = build(family, attention_implementation(CONFIGS[family])).eval(), build(family, "eager").eval()
     use_varlen_attention(varlen)
     sequence = torch.tensor([examples()[-1]["input_ids"]])
-    torch.testing.assert_close(varlen(input_ids=sequence).logits, eager(input_ids=sequence).logits, atol=1e-5, rtol=0)
+    expected = eager(input_ids=sequence).logits
+    torch.testing.assert_close(varlen(input_ids=sequence).logits, expected, atol=1e-5, rtol=0)
+    cache = varlen(input_ids=sequence[:, :-3], use_cache=True).past_key_values  # then 3 tokens, no mask given
+    last = varlen(input_ids=sequence[:, -3:], past_key_values=cache).logits
+    torch.testing.assert_close(last, expected[:, -3:], atol=1e-5, rtol=0)
     prompt = sequence[:, :6]
     assert torch.equal(varlen.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0),
                        eager.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0))
