@@ -102,11 +102,11 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
             return torch.cat(rows), None
         cu = _boundaries_from_positions(positions)
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    dropout = dropout if module.training else 0.0
     if attention_mask is not None or query.shape[2] != key.shape[2]:  # padded batches: the mask holds the window
         if softcap is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, is_causal=is_causal, **kwargs)
-        dropout = dropout if module.training else 0.0
         return _attend(query, key, value, attention_mask, dropout, scaling, window, softcap).transpose(1, 2), None
     if cu is None:  # plain sequences (one per row): each row is one example
         cu = torch.tensor([0, query.shape[2]], dtype=torch.int32)
@@ -116,7 +116,6 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     max_length = kwargs.get("max_length_q")
     if max_length is None:
         max_length = int(cu.diff().max())
-    dropout = dropout if module.training else 0.0
     dtype = _compute_dtype(query)
     if query.shape[0] == 1 and softcap is None and _kernel_applies(query.device, dtype, dropout):
         cast = [t.to(dtype) for t in (query, key, value)]  # what SDPA's autocast would do
