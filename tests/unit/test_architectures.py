@@ -131,7 +131,7 @@ def test_windowed_plain_sequences_and_generation_compute_as_the_models_own_atten
     expected = eager(input_ids=sequence).logits
     torch.testing.assert_close(varlen(input_ids=sequence).logits, expected, atol=1e-5, rtol=0)
     cache = varlen(input_ids=sequence[:, :-3], use_cache=True).past_key_values  # then 3 tokens, no mask given
-    last = varlen(input_ids=sequence[:, -3:], past_key_values=cache).logits
+    last = varlen(input_ids=sequence[:, -3:], cache=cache).logits
     torch.testing.assert_close(last, expected[:, -3:], atol=1e-5, rtol=0)
     prompt = sequence[:, :6]
     assert torch.equal(varlen.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0),
