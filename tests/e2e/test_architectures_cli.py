@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config
 
-from shardtune.models import PRESETS, _save_tokenizer, train_tokenizer
+from shardtune.models import PRESETS, train_tokenizer
 from tests.e2e.test_bad_input import assert_one_line_error
 from tests.helpers import assert_same_training, step_rows
 
@@ -29,7 +29,7 @@ def tiny_gemma2(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("models") / "gemma2"
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    _save_tokenizer(tokenizer, out)
+    tokenizer.save_pretrained(out)
     return out
 
 
@@ -50,7 +50,7 @@ def test_gemma2_trains_the_same_on_padded_and_padding_free_batches(tiny_gemma2, 
 def test_a_tokenizer_larger_than_the_embedding_is_refused_before_launch(tiny_model, run_cli, tmp_path):
     tokenizer = train_tokenizer()
     tokenizer.add_special_tokens({"pad_token": "<|pad|>"})  # a new pad token, one id past the embedding
-    _save_tokenizer(tokenizer, tmp_path / "tokenizer")
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
     proc = run_cli("sft", "--model_name", tiny_model, "--tokenizer_name", tmp_path / "tokenizer", "--output_dir",
                    tmp_path / "never", "--batching_strategy", "padding", "--max_train_step", 1,
                    "--synthetic_dialogues.num_train", 16, "--run_validation", "false", "--num_workers_dataloader", 0,
