@@ -309,9 +309,10 @@ SHORT_SPELLING_OWNERS: list[str] = ["fsdp_config"]
 
 
 def set_value(cfg: TrainConfig, key: str, raw: Any) -> None:
+    """Set a flat key from a flag or YAML value; None (YAML's empty value, ``data_path:``) means the default."""
     key = resolve_key(key)
-    typ, _ = flat_fields()[key]
-    value = _parse_value(key, typ, raw)
+    typ, f = flat_fields()[key]
+    value = field_default(f) if raw is None else _parse_value(key, typ, raw)
     *owners, name = key.split(".")
     target: Any = cfg
     for owner in owners:
@@ -397,10 +398,14 @@ def from_dict(data: dict[str, Any]) -> TrainConfig:
     return cfg
 
 
+def field_default(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+
+
 def help_text() -> str:
     lines = ["usage: shardtune sft [--config recipe.yaml] [--flag value ...] [torchrun flags]", "", "training flags:"]
     for key, (typ, f) in flat_fields().items():
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = field_default(f)
         tname = getattr(typ, "__name__", str(typ))
         lines.append(f"  --{key} {tname.upper()}  (default: {default!r})")
         lines.append(f"      {f.metadata.get('help', '')}")
