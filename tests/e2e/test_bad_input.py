@@ -37,6 +37,7 @@ def assert_one_line_error(proc, *needles):
     (["--enable_fsdp", "--quantization", "8bit"], ["--quantization 8bit", "--enable_fsdp"]),
     (["--enable_fsdp", "--use_fp16", "--pure_bf16"], ["--use_fp16", "pure_bf16"]),
     (["--use_fp16"], ["--use_fp16 needs CUDA GPUs", "fp32"]),
+    (["--pure_bf16"], ["--fsdp_config.pure_bf16 True has no effect without FSDP", "--enable_fsdp"]),
     (["--fsdp_config.sharding_strategy", "SHARD_GRAD_OP"], ["SHARD_GRAD_OP", "--enable_fsdp"]),
     (["--low_cpu_fsdp"], ["--low_cpu_fsdp", "--enable_fsdp"]),
     (["--enable_fsdp", "--enable_deepspeed"], ["--enable_fsdp and --enable_deepspeed"]),
