@@ -2,7 +2,8 @@
 
 bf16 mixed precision (``--mixed_precision``, the default) computes in bf16 on CUDA GPUs that support it and in fp32
 elsewhere; ``--use_fp16`` (fp16 compute with a gradient scaler) is for CUDA GPUs, typically those without bf16.
-On CPU, bf16 / fp16 matmuls are slow (see STACK.md), so a CPU run computes in fp32.
+On CPU, bf16 / fp16 matmuls are slow at a small model's sizes (measured on the 2-core test machine, 64-256 square:
+bf16 2-5 GFLOP/s, fp16 3-4, fp32 70-180), so a CPU run computes in fp32.
 
 Test-only switch: with ``SHARDTUNE_TEST_LOW_PRECISION_ON_CPU=1`` in the environment, a CPU device is treated as a
 GPU with bf16 and fp16 for these decisions only. Everything after the decision (autocast, FSDP2's
