@@ -42,6 +42,7 @@ QLORA_RECIPE = "recipes/llama3-70b-qlora-fsdp-4gpu.yaml"
 # per-step relative loss tolerance, by the compute format of the run under test (4 steps; measured on CPU over 3
 # steps: bf16 <= 3.8e-4, fp16 <= 4.5e-5, tests/distributed/test_precision.py)
 LOSS_RTOL = {"bf16": 5e-3, "fp16": 1e-3, "same": 1e-4}
+RUN_TIMEOUT_S = 240
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,12 @@ class Runner:
             # the common flags override the run's (the QLoRA recipe's model, sizes and output_dir)
             argv = [sys.executable, "-m", "shardtune", "sft", *RUNS[name], *self.common_flags(out),
                     "--output_dir", str(out)]
-            proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=self.env, timeout=240)
+            try:
+                proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=self.env,
+                                      timeout=RUN_TIMEOUT_S)
+            except subprocess.TimeoutExpired as e:
+                (self.out_dir / f"{name}.log").write_text(f"{e.stdout or ''}{e.stderr or ''}")
+                raise RuntimeError(f"run {name} took over {RUN_TIMEOUT_S} s: see {self.out_dir / name}.log") from None
             self.logs[name] = proc.stdout + proc.stderr
             (self.out_dir / f"{name}.log").write_text(self.logs[name])
             if proc.returncode != 0:
@@ -161,7 +167,7 @@ def run_check(check: Check, runner: Runner) -> Result:
         return Result(check.name, "SKIP", note=missing)
     try:
         result = compare(check, runner.step_rows(check.run), runner.step_rows(check.reference))
-    except (RuntimeError, subprocess.TimeoutExpired) as e:
+    except RuntimeError as e:
         return Result(check.name, "FAIL", note=str(e).splitlines()[0])
     log = runner.logs[check.run]
     if check.run == "fast_kernels":
