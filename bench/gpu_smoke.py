@@ -141,7 +141,8 @@ class Runner:
                 proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=self.env,
                                       timeout=RUN_TIMEOUT_S)
             except subprocess.TimeoutExpired as e:
-                partial = [x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr)]
+                partial = [x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+                           for x in (e.stdout, e.stderr)]
                 (self.out_dir / f"{name}.log").write_text("".join(partial))
                 raise RuntimeError(f"run {name} took over {RUN_TIMEOUT_S} s: see {self.out_dir / name}.log") from None
             self.logs[name] = proc.stdout + proc.stderr
