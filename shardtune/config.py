@@ -164,7 +164,8 @@ class TrainConfig:
     overwrite_output_dir: bool = _f(False, "allow a new run to replace the outputs of a previous run in output_dir")
     save_model: bool = _f(True, "write the final model (or adapter) to output_dir")
     save_metrics: bool = _f(True, "write metrics.jsonl to output_dir")
-    use_fp16: bool = _f(False, "fp16 autocast with a gradient scaler (GPU)")
+    use_fp16: bool = _f(False, "fp16 compute with a gradient scaler, for CUDA GPUs without bf16 (refused on CPU, "
+                                     "which computes in fp32)")
     mixed_precision: bool = _f(True, "bf16 compute where the device supports it fast (CUDA); fp32 on CPU")
     gradient_clipping: bool = _f(False, "clip the global gradient norm")
     gradient_clipping_threshold: float = _f(1.0, "max global gradient norm when gradient_clipping")
@@ -308,9 +309,10 @@ SHORT_SPELLING_OWNERS: list[str] = ["fsdp_config"]
 
 
 def set_value(cfg: TrainConfig, key: str, raw: Any) -> None:
+    """Set a flat key from a flag or YAML value; None (YAML's empty value, ``data_path:``) means the default."""
     key = resolve_key(key)
-    typ, _ = flat_fields()[key]
-    value = _parse_value(key, typ, raw)
+    typ, f = flat_fields()[key]
+    value = field_default(f) if raw is None else _parse_value(key, typ, raw)
     *owners, name = key.split(".")
     target: Any = cfg
     for owner in owners:
@@ -396,10 +398,14 @@ def from_dict(data: dict[str, Any]) -> TrainConfig:
     return cfg
 
 
+def field_default(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+
+
 def help_text() -> str:
     lines = ["usage: shardtune sft [--config recipe.yaml] [--flag value ...] [torchrun flags]", "", "training flags:"]
     for key, (typ, f) in flat_fields().items():
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = field_default(f)
         tname = getattr(typ, "__name__", str(typ))
         lines.append(f"  --{key} {tname.upper()}  (default: {default!r})")
         lines.append(f"      {f.metadata.get('help', '')}")
@@ -620,3 +626,12 @@ def _check_deepspeed(cfg: TrainConfig, world_size: int) -> None:
                 "--gradient_accumulation_steps)" if key in ours else "set by shardtune")
         raise ConfigError(f"--deepspeed_config.config_file {dc.config_file}: \"{key}\" is {what}: remove the key "
                           "or set it to \"auto\"")
+
+
+@validator
+def _check_fp16_device(cfg: TrainConfig, world_size: int) -> None:
+    from shardtune.precision import fp16_compute_available
+
+    if cfg.use_fp16 and not fp16_compute_available():
+        raise ConfigError("--use_fp16 needs CUDA GPUs (fp16 compute with a gradient scaler, for GPUs without bf16); "
+                          "this machine has none, and on CPU shardtune computes in fp32: drop --use_fp16")

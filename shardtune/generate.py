@@ -20,6 +20,7 @@ from torch import nn
 
 from shardtune.config import ConfigError
 from shardtune.data.formatting import SAMSUM_PROMPT, special_ids
+from shardtune.precision import bf16_compute_available
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -29,8 +30,8 @@ def inference_device() -> torch.device:
 
 
 def inference_dtype(device: torch.device) -> torch.dtype:
-    """bf16 where it is fast (CUDA), fp32 on CPU (bf16 matmuls are ~400x slower there)."""
-    return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    """bf16 where training computes in bf16 (CUDA GPUs with bf16), else fp32 (shardtune.precision decides)."""
+    return torch.bfloat16 if bf16_compute_available(device) else torch.float32
 
 
 def resolve_model_and_adapter(model_name: str, adapter: str = "") -> tuple[str, str]:

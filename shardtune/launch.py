@@ -103,8 +103,11 @@ def launch(torchrun_args: list[str], module: str, module_args: list[str], nproc:
         run(args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        print(f"shardtune: training failed: rank {rank} exited with code {failure.exitcode} "
-              "(its error is printed above)", file=sys.stderr)
+        if os.path.isfile(failure.error_file):  # one line recorded by the worker (shardtune.sft.record_worker_error)
+            print(f"shardtune: error: {failure.message}", file=sys.stderr)
+        else:
+            print(f"shardtune: training failed: rank {rank} exited with code {failure.exitcode} "
+                  "(its error is printed above)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("shardtune: interrupted", file=sys.stderr)

@@ -136,8 +136,13 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     keep = targets != IGNORE_INDEX
     rows = hidden[keep]
     if chunk_rows is None:
-        chunk_rows = max(16, CHUNK_ELEMENTS.get(hidden.device.type, 1 << 25) // weight.size(0))
+        chunk_rows = default_chunk_rows(hidden.device.type, weight.size(0))
     return ChunkedLinearCrossEntropy.apply(rows, weight, targets[keep], chunk_rows)
+
+
+def default_chunk_rows(device_type: str, vocab_size: int) -> int:
+    """Rows per chunk: CHUNK_ELEMENTS fp32 logits on this kind of device (at least 16 rows)."""
+    return max(16, CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS["cpu"]) // vocab_size)
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):

@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from shardtune.distributed import (
 )
 from shardtune.launch import launch, resolve_nnodes, resolve_nproc, split_launcher_args, torchrun_argv
 from shardtune.metrics import MetricsWriter
+from shardtune.model_checks import check_model_structure
 from shardtune.models import (
     build_model_on_meta, cache_dir, check_model_source, check_tokenizer_fits, count_parameters, load_model,
     load_tokenizer, resolve_model_name,
@@ -43,6 +46,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> None:
     validate(cfg, world_size)
     cfg.model_name = resolve_model_name(cfg.model_name)
     check_model_source(cfg.model_name)
+    check_model_structure(cfg)
     check_peft(cfg)
     if cfg.tokenizer_name:
         check_model_source(cfg.tokenizer_name, "tokenizer_name")
@@ -157,6 +161,30 @@ def fail(message: str, debug: bool) -> None:
     print(f"shardtune: error: {message}", file=sys.stderr, flush=True)
 
 
+# Faults with a known fix, by exception class name.
+KNOWN_FIXES = {"OutOfMemoryError": "lower --batch_size_training or --context_length, or shard with --enable_fsdp "
+                                   "(and --fsdp_config.fsdp_activation_checkpointing true)"}
+
+
+def unexpected_error_line(e: Exception, rank: int) -> str:
+    """Where and what, in one line, with the fix when it is known; the traceback is for --debug."""
+    what = (str(e).strip().splitlines() or [""])[0]
+    fix = KNOWN_FIXES.get(type(e).__name__, "--debug prints the traceback")
+    return f"rank {rank}: {type(e).__name__}: {what} ({fix})"
+
+
+def record_worker_error(line: str) -> None:
+    """Hand the line to torchrun's agent through its per-worker error file: shardtune's launcher prints the first
+    failure's line once (launch.py), plain torchrun shows it in its failure summary. Without an agent (no error
+    file), the line goes to stderr."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        print(f"shardtune: error: {line}", file=sys.stderr, flush=True)
+        return
+    with open(path, "w") as f:
+        json.dump({"message": line, "timestamp": int(time.time())}, f)
+
+
 def run_worker(cfg: TrainConfig) -> int:
     rank = int(os.environ["RANK"])
     try:
@@ -174,6 +202,11 @@ def run_worker(cfg: TrainConfig) -> int:
     except (CheckpointError, TrainingStopped) as e:  # raised on every rank alike
         if env.is_main:
             fail(str(e), cfg.debug)
+        return 1
+    except Exception as e:  # a fault no check foresaw: one line, printed once by whoever launched the workers
+        if cfg.debug:
+            traceback.print_exc()
+        record_worker_error(unexpected_error_line(e, env.rank))
         return 1
     finally:
         shutdown()

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from shardtune.config import TrainConfig
 from shardtune.distributed import DistEnv
+from shardtune.precision import bf16_compute_available
 
 
 # Checkpoints hold what training changes: frozen base weights (PEFT) are left out.
@@ -177,9 +178,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def resolve_compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
-    """fp16 when asked; bf16 autocast on GPUs that support it; fp32 on CPU, where bf16 matmuls are ~400x slower."""
+    """fp16 when asked (a CUDA device: checked before launch); bf16 autocast on GPUs that support it; fp32 on CPU,
+    where bf16 matmuls are slow (shardtune.precision has the test-only switch that makes a CPU take the GPU's path)."""
     if cfg.use_fp16:
         return torch.float16
-    if cfg.mixed_precision and device.type == "cuda" and torch.cuda.is_bf16_supported():
+    if cfg.mixed_precision and bf16_compute_available(device):
         return torch.bfloat16
     return torch.float32

@@ -26,6 +26,7 @@ from shardtune.distributed import DistEnv, print0
 from shardtune.memory import human_bytes, local_state_bytes
 from shardtune.metrics import peak_memory_bytes
 from shardtune.parallel.base import Strategy, dtype_name
+from shardtune.precision import bf16_compute_available
 
 MESH_DIMS = ("replicate", "shard")
 
@@ -88,7 +89,7 @@ def resolve_precision(cfg: TrainConfig, device: torch.device) -> Precision:
     if cfg.use_fp16:
         return Precision(torch.float32, MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32),
                          True)
-    if cfg.mixed_precision and device.type == "cuda" and torch.cuda.is_bf16_supported():
+    if cfg.mixed_precision and bf16_compute_available(device):
         return Precision(torch.float32, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
                          False)
     return Precision(torch.float32, MixedPrecisionPolicy(), False)

@@ -108,7 +108,12 @@ def test_saved_model_after_fsdp_training_is_a_plain_hf_directory(runs, run_cli, 
 
 def test_full_shard_ranks_hold_their_share_and_low_cpu_fsdp_loads_rank0_weights(cache_dir, tiny_model, tmp_path):
     """From the real local shards of 4 ranks: at most 1/N of the model plus one layer; low_cpu_fsdp builds on
-    the meta device on ranks 1..3 and ends with rank 0's exact weights, buffers (rotary inv_freq) and logits."""
+    the meta device on ranks 1..3 and ends with rank 0's exact weights, buffers (rotary inv_freq) and logits.
+
+    CPU offload: every fully_shard unit received the CPU offload policy and keeps its sharded parameters on the CPU
+    (and the default wrap does not); after a step the local shards, their gradients and AdamW's state are on the CPU.
+    On a CPU device that placement is where everything is anyway: what offloading moves on a GPU (and that its loss
+    equals the GPU-resident run's) is checked by bench/gpu_smoke.sh (check fsdp_cpu_offload)."""
     world_size = 4
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
                     "tests/distributed/fsdp_probe.py", str(tiny_model), str(tmp_path)],
@@ -122,6 +127,11 @@ def test_full_shard_ranks_hold_their_share_and_low_cpu_fsdp_loads_rank0_weights(
         assert r["built_on_meta"] == (r["rank"] != 0), r
         assert r["low_cpu_buffers_equal"], r
         assert r["low_cpu_logits_max_abs_diff"] == 0.0 and r["sharded_logits_max_abs_diff"] == 0.0, r
+        offloaded, not_offloaded = r["offloaded"], r["not_offloaded"]
+        assert offloaded["units_with_cpu_offload_policy"] == offloaded["num_units"] > 1, r
+        assert offloaded["all_params_offloaded"] and not not_offloaded["all_params_offloaded"], r
+        assert not_offloaded["units_with_cpu_offload_policy"] == 0, r
+        assert all(offloaded[k] for k in ("local_shards_on_cpu", "grads_on_cpu", "optimizer_state_on_cpu")), r
     assert sum(r["local_numel"] for r in ranks) >= total  # the shards cover the model (plus padding)
     assert ranks[0]["low_cpu_weights_equal"]
     print("local numel per rank:", [r["local_numel"] for r in ranks], "of", total)

@@ -36,6 +36,8 @@ def assert_one_line_error(proc, *needles):
     (["--enable_fsdp", "--fsdp_config.hsdp", "true"], ["--fsdp_config.hsdp", "HYBRID_SHARD"]),
     (["--enable_fsdp", "--quantization", "8bit"], ["--quantization 8bit", "--enable_fsdp"]),
     (["--enable_fsdp", "--use_fp16", "--pure_bf16"], ["--use_fp16", "pure_bf16"]),
+    (["--use_fp16"], ["--use_fp16 needs CUDA GPUs", "fp32"]),
+    (["--pure_bf16"], ["--fsdp_config.pure_bf16 True has no effect without FSDP", "--enable_fsdp"]),
     (["--fsdp_config.sharding_strategy", "SHARD_GRAD_OP"], ["SHARD_GRAD_OP", "--enable_fsdp"]),
     (["--low_cpu_fsdp"], ["--low_cpu_fsdp", "--enable_fsdp"]),
     (["--enable_fsdp", "--enable_deepspeed"], ["--enable_fsdp and --enable_deepspeed"]),
@@ -92,3 +94,51 @@ def test_deepspeed_config_file_cannot_change_our_batch_sizes(tiny_model, run_cli
     proc = run_cli("sft", "--model_name", tiny_model, "--output_dir", tmp_path / "out", "--enable_deepspeed",
                    "--batch_size_training", "2", "--deepspeed_config.config_file", path, check=False)
     assert_one_line_error(proc, str(path), "train_micro_batch_size_per_gpu", "is 8", "shardtune's is 2")
+
+
+def model_dir_with_config(config, tiny_model, path):
+    """A model directory as a user has it: a config.json and the tokenizer files (the checks read no weights)."""
+    import shutil
+
+    config.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_model / name).exists():
+            shutil.copy(tiny_model / name, path / name)
+    return path
+
+
+@pytest.mark.parametrize("flag,needles", [
+    ("--enable_fsdp", ["--enable_fsdp: BioGptForCausalLM declares no _no_split_modules", "DDP"]),
+    ("--compile", ["--compile: BioGptForCausalLM has no model.layers", "drop --compile"]),
+])
+def test_a_model_fsdp_or_compile_cannot_wrap_is_refused_before_launch(flag, needles, tiny_model, run_cli, tmp_path):
+    """BioGPT (a causal LM of transformers) declares no decoder layer class and keeps its layers in model.biogpt:
+    found on the meta device before any worker starts."""
+    from transformers import BioGptConfig
+
+    config = BioGptConfig(vocab_size=1024, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=64)
+    model = model_dir_with_config(config, tiny_model, tmp_path / "biogpt")
+    proc = run_cli("sft", "--model_name", model, "--output_dir", tmp_path / "out", flag, check=False)
+    assert_one_line_error(proc, *needles)
+
+
+def test_a_fault_inside_the_workers_is_one_line_without_traceback(tiny_model, run_cli, tmp_path):
+    """A fault no check foresees (here: a config.json whose shapes differ from the weights, found by transformers
+    while every rank loads) ends the run with one line naming the rank, the error and --debug; no traceback."""
+    import json
+    import shutil
+
+    model = tmp_path / "edited"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    proc = run_cli("sft", "--nproc_per_node", 2, "--model_name", model, "--output_dir", tmp_path / "out",
+                   "--synthetic_dialogues.num_train", 64, "--synthetic_dialogues.num_validation", 8,
+                   "--num_workers_dataloader", 0, check=False)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if "shardtune: error:" in line]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("shardtune: error: rank ") and "RuntimeError: " in errors[0], errors[0]
+    assert errors[0].endswith("(--debug prints the traceback)"), errors[0]
+    assert "Traceback" not in proc.stderr

@@ -49,8 +49,10 @@ def test_sft_writes_model_config_and_metrics(tiny_model, run_cli, tmp_path):
 
 def test_yaml_recipe_with_flag_override(tiny_model, run_cli, tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"model_name: {tiny_model}\nbatching_strategy: padding\nlr: 0.5\n"
-                      "synthetic_dialogues:\n  num_train: 16\n  num_validation: 4\n")
+    # empty values (a key left blank in a recipe) mean the default, not the string "None"
+    recipe.write_text(f"model_name: {tiny_model}\nbatching_strategy: padding\nlr: 0.5\ntokenizer_name:\n"
+                      "warmup_steps:\nsynthetic_dialogues:\n  num_train: 16\n  num_validation: 4\n"
+                      "samsum_dataset:\n  data_path:\n")
     out = tmp_path / "run"
     run_cli("sft", "--config", recipe, "--lr", "0.001", "--output_dir", out, "--max_train_step", 2,
             "--num_workers_dataloader", 0, "--run_validation", "false", "--save_model", "false")
@@ -59,6 +61,8 @@ def test_yaml_recipe_with_flag_override(tiny_model, run_cli, tmp_path):
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert resolved["lr"] == 0.001 and resolved["batching_strategy"] == "padding"
     assert resolved["synthetic_dialogues"]["num_train"] == 16
+    assert resolved["tokenizer_name"] == "" and resolved["warmup_steps"] == 0
+    assert resolved["samsum_dataset"]["data_path"] == ""
     assert [r["lr"] for r in step_rows(out)][0] == 0.001
     assert not (out / "model.safetensors").exists()
 

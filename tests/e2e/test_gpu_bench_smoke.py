@@ -30,3 +30,28 @@ def test_varlen_check_of_the_gpu_smoke_suite_passes_in_its_cpu_mode(cache_dir):
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["ok"] and result["kernel"] == "SDPA per example" and result["loss_rel_diff"] <= 1e-5
+
+
+def test_gpu_smoke_suite_compares_losses_in_its_cpu_mode(cache_dir, tmp_path):
+    """bench/gpu_smoke.sh's CPU mode: FSDP2 in bf16 (the test-only switch) against the fp32 run, a table at the end."""
+    proc = subprocess.run(["bash", "bench/gpu_smoke.sh", "--cpu-smoke", "--only", "fsdp2_bf16_vs_fp32",
+                           "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO, env=cli_env(cache_dir),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| check | result | max loss rel diff | tolerance | note |" in proc.stdout
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| fsdp2_bf16_vs_fp32 |"))
+    _, name, status, diff, tolerance, _, _ = row.split("|")
+    assert status.strip() == "PASS" and 0 < float(diff) <= float(tolerance), row
+    assert "compute bfloat16" in (tmp_path / "fsdp_bf16.log").read_text()
+
+
+def test_gpu_smoke_comparison_fails_beyond_its_tolerance_and_on_missing_steps():
+    from bench.gpu_smoke import LOSS_RTOL, Check, compare
+
+    check = Check("x", "run", "reference", "bf16")
+    reference = [{"loss": 2.0}, {"loss": 1.5}]
+    inside = [{"loss": 2.0}, {"loss": 1.5 * (1 + LOSS_RTOL["bf16"] / 2)}]
+    outside = [{"loss": 2.0}, {"loss": 1.5 * (1 + LOSS_RTOL["bf16"] * 2)}]
+    assert compare(check, inside, reference).status == "PASS"
+    assert compare(check, outside, reference).status == "FAIL"
+    assert compare(check, inside[:1], reference).status == "FAIL"
