@@ -15,19 +15,20 @@ from pathlib import Path
 import torch
 
 from shardtune import data
+from shardtune.cookbook import check_model_flags, clear_accelerate_loading_variables, freeze_first_layers
 from shardtune.checkpoint import (
     Checkpointer, CheckpointError, remove_stale_staging, save_hf_model, write_text_atomic,
 )
 from shardtune.config import ConfigError, TrainConfig, effective_batch_size, help_text, parse_args, to_yaml, validate
 from shardtune.data.cache import load_examples_cached
 from shardtune.distributed import (
-    DistEnv, barrier, init_distributed, is_torchrun_worker, print0, seed_everything, shutdown,
+    DistEnv, barrier, init_distributed, is_torchrun_worker, print0, seed_everything, shutdown, warn0,
 )
 from shardtune.launch import launch, resolve_nnodes, resolve_nproc, split_launcher_args, torchrun_argv
 from shardtune.metrics import MetricsWriter
 from shardtune.models import (
     build_model_on_meta, cache_dir, check_model_source, count_parameters, load_model, load_tokenizer,
-    resolve_model_name,
+    loads_on_rank0_only, resolve_model_name,
 )
 from shardtune.parallel import make_strategy
 from shardtune.peft import apply_peft, check_peft, load_quantized_model, save_adapter
@@ -43,6 +44,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> None:
     validate(cfg, world_size)
     cfg.model_name = resolve_model_name(cfg.model_name)
     check_model_source(cfg.model_name)
+    check_model_flags(cfg)
     check_peft(cfg)
     if cfg.tokenizer_name:
         check_model_source(cfg.tokenizer_name, "tokenizer_name")
@@ -71,9 +73,12 @@ def build_model(cfg: TrainConfig, env: DistEnv) -> torch.nn.Module:
     """The model to train, before wrapping: fp32 master weights (bf16 with pure_bf16). With low_cpu_fsdp only
     global rank 0 reads the weights; the others build on the meta device and receive theirs after sharding."""
     dtype = torch.bfloat16 if cfg.enable_fsdp and cfg.fsdp_config.pure_bf16 else torch.float32
-    if cfg.low_cpu_fsdp and env.rank != 0:
+    if loads_on_rank0_only(cfg) and env.rank != 0:
         return build_model_on_meta(cfg.model_name, dtype=dtype)
     if cfg.quantization:
+        if cfg.low_cpu_fsdp:
+            warn0(f"--low_cpu_fsdp with --quantization {cfg.quantization}: every rank loads and quantises its own copy "
+                  "(bitsandbytes' quantisation state cannot be broadcast from rank 0 into FSDP shards)")
         return load_quantized_model(cfg, env.device)
     return load_model(cfg.model_name, dtype=dtype)
 
@@ -103,6 +108,7 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     units, eval_examples = load_data(cfg, env, tokenizer)
 
     model = build_model(cfg, env)
+    freeze_first_layers(model, cfg)
     if cfg.use_peft:
         model = apply_peft(model, cfg)
     apply_speed_features(model, cfg, env.device)
@@ -182,6 +188,7 @@ def run_worker(cfg: TrainConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     quiet_libraries()
+    clear_accelerate_loading_variables()
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
@@ -194,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--{next(iter(launch_args))} is a torchrun flag, but this process already runs "
                                   "under torchrun: give it to torchrun, before -m shardtune.sft")
             return run_worker(cfg)
-        nproc = resolve_nproc(launch_args.get("nproc_per_node"))
+        nproc = 1 if cfg.one_gpu and "nproc_per_node" not in launch_args else \
+            resolve_nproc(launch_args.get("nproc_per_node"))
         prepare(cfg, nproc * resolve_nnodes(launch_args.get("nnodes")))
     except ConfigError as e:
         fail(str(e), debug)

@@ -25,6 +25,7 @@ from shardtune.config import TrainConfig
 from shardtune.distributed import DistEnv, print0
 from shardtune.memory import human_bytes, local_state_bytes
 from shardtune.metrics import peak_memory_bytes
+from shardtune.models import loads_on_rank0_only
 from shardtune.parallel.base import Strategy, dtype_name
 
 MESH_DIMS = ("replicate", "shard")
@@ -189,7 +190,7 @@ class FSDPStrategy(Strategy):
         fc = self.cfg.fsdp_config
         self.mesh = build_mesh(self.cfg, self.env)
         on_meta = any(p.is_meta for p in model.parameters())
-        if self.cfg.low_cpu_fsdp:
+        if loads_on_rank0_only(self.cfg):
             # rank 0 keeps references to the loaded tensors (no copy) until they are broadcast into the shards
             full_state = None if on_meta else model.state_dict()
         elif not self.offload:
@@ -204,7 +205,7 @@ class FSDPStrategy(Strategy):
         for layer in layers:
             fully_shard(layer, reshard_after_forward=reshard, **kwargs)
         fully_shard(model, reshard_after_forward=reshard, **kwargs)
-        if self.cfg.low_cpu_fsdp:
+        if loads_on_rank0_only(self.cfg):
             materialize_from_rank0(model, full_state, torch.device("cpu") if self.offload else self.env.device)
             del full_state
         peaks = gather_peak_host_memory()
@@ -247,7 +248,7 @@ class FSDPStrategy(Strategy):
         assert self.mesh is not None, "describe() after wrap()"
         shape = " x ".join(f"{n} {s}" for n, s in zip(MESH_DIMS, self.mesh.shape))
         extras = [x for x, on in (("activation checkpointing", fc.fsdp_activation_checkpointing),
-                                  ("CPU offload", self.offload), ("low_cpu_fsdp", self.cfg.low_cpu_fsdp)) if on]
+                                  ("CPU offload", self.offload), ("low_cpu_fsdp", loads_on_rank0_only(self.cfg))) if on]
         return (f"fsdp2 {fc.sharding_strategy}, world size {self.env.world_size}, mesh ({shape}), "
                 f"{self.precision.describe()}" + "".join(f", {x}" for x in extras))
 
