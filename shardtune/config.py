@@ -345,7 +345,8 @@ def set_value(cfg: TrainConfig, key: str, raw: Any) -> None:
     key = resolve_key(key)
     typ, f = flat_fields()[key]
     value = _parse_value(key, typ, raw)
-    value = f.metadata.get("spellings", {}).get(value, value)
+    if "spellings" in f.metadata:  # another accepted spelling of a choice (int4 -> 4bit)
+        value = f.metadata["spellings"].get(value, value)
     *owners, name = key.split(".")
     target: Any = cfg
     for owner in owners:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from shardtune import data
+from shardtune.accelerate_config import expand_accelerate_config
 from shardtune.cookbook import check_model_flags, clear_accelerate_loading_variables, freeze_first_layers
 from shardtune.checkpoint import (
     Checkpointer, CheckpointError, remove_stale_staging, save_hf_model, write_text_atomic,
@@ -194,13 +195,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     debug = "--debug" in argv
     try:
+        file_launch_args, file_train_argv, argv = expand_accelerate_config(argv)
         launch_args, train_argv = split_launcher_args(argv)
+        train_argv = file_train_argv + train_argv  # flags typed on the command line come last and win
         cfg = parse_args(train_argv)
         if is_torchrun_worker():
             if launch_args:
                 raise ConfigError(f"--{next(iter(launch_args))} is a torchrun flag, but this process already runs "
                                   "under torchrun: give it to torchrun, before -m shardtune.sft")
             return run_worker(cfg)
+        launch_args = {**file_launch_args, **launch_args}
         nproc = 1 if cfg.one_gpu and "nproc_per_node" not in launch_args else \
             resolve_nproc(launch_args.get("nproc_per_node"))
         prepare(cfg, nproc * resolve_nnodes(launch_args.get("nnodes")))
