@@ -441,7 +441,8 @@ def from_dict(data: dict[str, Any]) -> TrainConfig:
 
 
 def help_text() -> str:
-    lines = ["usage: shardtune sft [--config recipe.yaml] [--flag value ...] [torchrun flags]", "", "training flags:"]
+    lines = ["usage: shardtune sft [--config recipe.yaml] [--accelerate_config accelerate.yaml] [--flag value ...] "
+             "[torchrun flags]", "", "training flags:"]
     for key, (typ, f) in flat_fields().items():
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         tname = getattr(typ, "__name__", str(typ))
