@@ -273,18 +273,26 @@ def shardtune(cache_dir: Path, cwd: Path, *args, env: dict | None = None) -> sub
 
 def test_full_fine_tuning_low_cpu_and_slow_interconnect_commands(tiny_model, cache_dir, tmp_path):
     """The lesson's slow-interconnect command (which holds the low-CPU command's flags), with --use_fast_kernels of
-    the full fine-tuning command and --freeze_layers: hybrid sharding with the given groups, the checkpoint where
-    the cookbook writes it, and `shardtune export` turning that folder into a Hugging Face model."""
+    the full fine-tuning command, --freeze_layers and --save_optimizer false (the cookbook's default): hybrid
+    sharding with the given groups, the checkpoint where the cookbook writes it, without optimizer state (so it
+    is not resumable, and --resume says so), and `shardtune export` turning that folder into a Hugging Face model."""
+    import torch.distributed.checkpoint as dcp
+
     proc = shardtune(cache_dir, tmp_path, "sft", "--nproc_per_node", 2, "--enable_fsdp", "--low_cpu_fsdp",
                      "--fsdp_config.pure_bf16", "--model_name", tiny_model, "--batch_size_training", 1,
                      "--dist_checkpoint_root_folder", "model_checkpoints", "--dist_checkpoint_folder", "fine-tuned",
                      "--hsdp", "--sharding_group_size", 1, "--replica_group_size", 2, "--use_fast_kernels",
-                     "--freeze_layers", "--num_freeze_layers", 1, "--output_dir", "out", *STEPS,
+                     "--freeze_layers", "--num_freeze_layers", 1, "--save_optimizer", "false", "--output_dir", "out",
+                     *STEPS,
                      "--synthetic_dialogues.num_train", 16, "--synthetic_dialogues.num_validation", 4)
     assert "fsdp2 HYBRID_SHARD, world size 2, mesh (replicate 2 x shard 1)" in proc.stdout
     assert "low_cpu_fsdp" in proc.stdout
     folder = tmp_path / "model_checkpoints" / f"fine-tuned-{tiny_model}"
     assert (folder / "latest").read_text().strip() == "step-000002"
+    saved = dcp.FileSystemReader(str(folder / "step-000002")).read_metadata().state_dict_metadata
+    assert any(k.startswith("model.") for k in saved) and not any(k.startswith("optimizer.") for k in saved)
+    with pytest.raises(ConfigError, match="--save_optimizer false and holds no optimizer state"):
+        validate(parse_args(["--resume", str(folder), "--output_dir", str(tmp_path / "resumed")]), 2)
     shardtune(cache_dir, tmp_path, "export", folder, "exported")
     exported = load_file(tmp_path / "exported" / "model.safetensors")
     base = load_file(Path(tiny_model) / "model.safetensors")
