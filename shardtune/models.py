@@ -199,14 +199,6 @@ def build_model_on_meta(name_or_path: str, dtype: torch.dtype = torch.float32) -
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
 
 
-def loads_on_rank0_only(cfg) -> bool:
-    """--low_cpu_fsdp: global rank 0 reads the weights, the other ranks receive their shards from it. Not for
-    quantised models: bitsandbytes keeps each 4-bit weight's quantisation state (absmax, code, nested statistics)
-    as Python attributes beside the packed tensor, which a state-dict broadcast into FSDP shards does not carry;
-    every rank then loads and quantises its own copy (streamed file by file onto its device)."""
-    return cfg.low_cpu_fsdp and not cfg.quantization
-
-
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(total, trainable) parameter counts; tied weights count once."""
     params = list(model.parameters())

@@ -23,16 +23,17 @@ from shardtune.checkpoint import (
 from shardtune.config import ConfigError, TrainConfig, effective_batch_size, help_text, parse_args, to_yaml, validate
 from shardtune.data.cache import load_examples_cached
 from shardtune.distributed import (
-    DistEnv, barrier, init_distributed, is_torchrun_worker, print0, seed_everything, shutdown, warn0,
+    DistEnv, barrier, init_distributed, is_torchrun_worker, print0, seed_everything, shutdown,
 )
 from shardtune.launch import launch, resolve_nnodes, resolve_nproc, split_launcher_args, torchrun_argv
 from shardtune.metrics import MetricsWriter
 from shardtune.models import (
     build_model_on_meta, cache_dir, check_model_source, count_parameters, load_model, load_tokenizer,
-    loads_on_rank0_only, resolve_model_name,
+    resolve_model_name,
 )
 from shardtune.parallel import make_strategy
 from shardtune.peft import apply_peft, check_peft, load_quantized_model, save_adapter
+from shardtune.quantized_loading import load_quantized_on_rank0
 from shardtune.speed import apply_speed_features
 from shardtune.train import TrainingStopped, TrainResult, train
 
@@ -74,12 +75,11 @@ def build_model(cfg: TrainConfig, env: DistEnv) -> torch.nn.Module:
     """The model to train, before wrapping: fp32 master weights (bf16 with pure_bf16). With low_cpu_fsdp only
     global rank 0 reads the weights; the others build on the meta device and receive theirs after sharding."""
     dtype = torch.bfloat16 if cfg.enable_fsdp and cfg.fsdp_config.pure_bf16 else torch.float32
-    if loads_on_rank0_only(cfg) and env.rank != 0:
+    if cfg.quantization and cfg.low_cpu_fsdp:
+        return load_quantized_on_rank0(cfg, env)
+    if cfg.low_cpu_fsdp and env.rank != 0:
         return build_model_on_meta(cfg.model_name, dtype=dtype)
     if cfg.quantization:
-        if cfg.low_cpu_fsdp:
-            warn0(f"--low_cpu_fsdp with --quantization {cfg.quantization}: every rank loads and quantises its own copy "
-                  "(bitsandbytes' quantisation state cannot be broadcast from rank 0 into FSDP shards)")
         return load_quantized_model(cfg, env.device)
     return load_model(cfg.model_name, dtype=dtype)
 

@@ -25,7 +25,6 @@ from shardtune.config import TrainConfig
 from shardtune.distributed import DistEnv, print0
 from shardtune.memory import human_bytes, local_state_bytes
 from shardtune.metrics import peak_memory_bytes
-from shardtune.models import loads_on_rank0_only
 from shardtune.parallel.base import Strategy, dtype_name
 
 MESH_DIMS = ("replicate", "shard")
@@ -164,6 +163,14 @@ def materialize_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor]
             dist.broadcast(buf, src=0)
 
 
+def tensor_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by state-dict name, as plain tensors: bitsandbytes' 4-bit layers add
+    their quantisation statistics to state dicts, which are no tensors of the module (rank 0 sends those itself,
+    shardtune.quantized_loading)."""
+    names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    return {k: v.as_subclass(torch.Tensor) for k, v in model.state_dict().items() if k in names}
+
+
 def gather_peak_host_memory() -> list[int]:
     """Peak RSS of every rank (process-level, so it covers loading), in rank order."""
     peaks: list[int] = [0] * dist.get_world_size()
@@ -190,9 +197,9 @@ class FSDPStrategy(Strategy):
         fc = self.cfg.fsdp_config
         self.mesh = build_mesh(self.cfg, self.env)
         on_meta = any(p.is_meta for p in model.parameters())
-        if loads_on_rank0_only(self.cfg):
+        if self.cfg.low_cpu_fsdp:
             # rank 0 keeps references to the loaded tensors (no copy) until they are broadcast into the shards
-            full_state = None if on_meta else model.state_dict()
+            full_state = None if on_meta else tensor_state_dict(model)
         elif not self.offload:
             model.to(self.env.device)
         layers = decoder_layers(model)
@@ -205,7 +212,7 @@ class FSDPStrategy(Strategy):
         for layer in layers:
             fully_shard(layer, reshard_after_forward=reshard, **kwargs)
         fully_shard(model, reshard_after_forward=reshard, **kwargs)
-        if loads_on_rank0_only(self.cfg):
+        if self.cfg.low_cpu_fsdp:
             materialize_from_rank0(model, full_state, torch.device("cpu") if self.offload else self.env.device)
             del full_state
         peaks = gather_peak_host_memory()
@@ -248,7 +255,7 @@ class FSDPStrategy(Strategy):
         assert self.mesh is not None, "describe() after wrap()"
         shape = " x ".join(f"{n} {s}" for n, s in zip(MESH_DIMS, self.mesh.shape))
         extras = [x for x, on in (("activation checkpointing", fc.fsdp_activation_checkpointing),
-                                  ("CPU offload", self.offload), ("low_cpu_fsdp", loads_on_rank0_only(self.cfg))) if on]
+                                  ("CPU offload", self.offload), ("low_cpu_fsdp", self.cfg.low_cpu_fsdp)) if on]
         return (f"fsdp2 {fc.sharding_strategy}, world size {self.env.world_size}, mesh ({shape}), "
                 f"{self.precision.describe()}" + "".join(f", {x}" for x in extras))
 

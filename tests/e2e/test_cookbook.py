@@ -302,22 +302,30 @@ def test_full_fine_tuning_low_cpu_and_slow_interconnect_commands(tiny_model, cac
 
 
 def test_qlora_command_with_its_environment_and_samsum_files(tiny_model, cache_dir, tmp_path):
-    """FSDP + QLoRA exactly as the lesson writes it, with its environment, on samsum files, --save_model bare."""
+    """FSDP + QLoRA exactly as the lesson writes it, with its environment, on samsum files, --save_model bare:
+    rank 0 alone loads and quantises, and the run equals one where every rank loads (losses, adapter)."""
     samsum = tmp_path / "samsum"
     samsum.mkdir()
     dialogues = [{"dialogue": f"Ann: lunch at {h}?\nBob: sure, see you at {h}", "summary": f"Lunch at {h}."}
                  for h in range(1, 13)]
     (samsum / "train.json").write_text(json.dumps(dialogues * 2))
     (samsum / "validation.json").write_text(json.dumps(dialogues[:4]))
-    proc = shardtune(cache_dir, tmp_path, "sft", "--nproc_per_node", 2, "--enable_fsdp", "--quantization", "4bit",
-                     "--model_name", tiny_model, "--mixed_precision", "False", "--low_cpu_fsdp", "--use_peft",
-                     "--peft_method", "lora", "--output_dir", "qlora", "--dataset", "samsum_dataset",
-                     "--samsum_dataset.data_path", samsum, "--save_model", *STEPS, "--batch_size_training", 1,
+    lesson = ["--enable_fsdp", "--quantization", "4bit", "--model_name", tiny_model, "--mixed_precision", "False",
+              "--low_cpu_fsdp", "--use_peft", "--peft_method", "lora"]
+    data = ["--dataset", "samsum_dataset", "--samsum_dataset.data_path", samsum, "--save_model", *STEPS,
+            "--batch_size_training", 1, "--lora_config.lora_dropout", 0, "--lr", 1e-2]
+    proc = shardtune(cache_dir, tmp_path, "sft", "--nproc_per_node", 2, *lesson, "--output_dir", "qlora", *data,
                      env={"FSDP_CPU_RAM_EFFICIENT_LOADING": "1", "ACCELERATE_USE_FSDP": "1"})
-    assert proc.stderr.count("--low_cpu_fsdp with --quantization 4bit: every rank loads") == 1
     assert proc.stderr.count("ignoring ACCELERATE_USE_FSDP and FSDP_CPU_RAM_EFFICIENT_LOADING") == 1
-    assert (tmp_path / "qlora" / "adapter_model.safetensors").is_file()
-    assert len(step_rows(tmp_path / "qlora")) == 2
+    assert "low_cpu_fsdp" in proc.stdout
+    every_rank = [f for f in lesson if f != "--low_cpu_fsdp"]
+    shardtune(cache_dir, tmp_path, "sft", "--nproc_per_node", 2, *every_rank, "--output_dir", "reference", *data)
+    rows, reference = step_rows(tmp_path / "qlora"), step_rows(tmp_path / "reference")
+    assert len(rows) == 2 and [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
+    adapter = load_file(tmp_path / "qlora" / "adapter_model.safetensors")
+    expected = load_file(tmp_path / "reference" / "adapter_model.safetensors")
+    assert adapter.keys() == expected.keys()
+    assert all(torch.allclose(adapter[k], expected[k], rtol=1e-5, atol=0) for k in adapter)
 
 
 def test_prefix_command_with_default_packing_on_the_grammar_dataset(tiny_model, cache_dir, tmp_path):
