@@ -551,7 +551,7 @@ def effective_batch_size(cfg: TrainConfig, world_size: int) -> int:
 
 
 # FSDP settings that only mean something with --enable_fsdp (checkpoint_type belongs to checkpointing).
-FSDP_ONLY_SETTINGS = ("sharding_strategy", "hsdp", "sharding_group_size", "replica_group_size", "pure_bf16",
+FSDP_ONLY_SETTINGS = ("hsdp", "sharding_strategy", "sharding_group_size", "replica_group_size", "pure_bf16",
                       "fsdp_activation_checkpointing", "fsdp_cpu_offload")
 
 

@@ -205,8 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "under torchrun: give it to torchrun, before -m shardtune.sft")
             return run_worker(cfg)
         launch_args = {**file_launch_args, **launch_args}
-        nproc = 1 if cfg.one_gpu and "nproc_per_node" not in launch_args else \
-            resolve_nproc(launch_args.get("nproc_per_node"))
+        nproc = resolve_nproc(launch_args.get("nproc_per_node", "1" if cfg.one_gpu else None))
         prepare(cfg, nproc * resolve_nnodes(launch_args.get("nnodes")))
     except ConfigError as e:
         fail(str(e), debug)
