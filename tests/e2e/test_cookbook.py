@@ -328,15 +328,20 @@ def test_qlora_command_with_its_environment_and_samsum_files(tiny_model, cache_d
     assert all(torch.allclose(adapter[k], expected[k], rtol=1e-5, atol=0) for k in adapter)
 
 
-def test_prefix_command_with_default_packing_on_the_grammar_dataset(tiny_model, cache_dir, tmp_path):
+def test_other_datasets_command_with_prefix_tuning_on_the_grammar_dataset(tiny_model, cache_dir, tmp_path):
+    """The lesson's "other datasets" command (its checkpoint folders and pure bf16 kept) with prefix tuning and the
+    default (packed) batching: the adapter is written to --output_dir, its checkpoint to the cookbook's folder."""
     train, validation = write_grammar_csvs(tmp_path)
     shardtune(cache_dir, tmp_path, "sft", "--nproc_per_node", 2, "--enable_fsdp", "--model_name", tiny_model,
-              "--use_peft", "--peft_method", "prefix", "--output_dir", "prefix", "--dataset", "grammar_dataset",
-              "--grammar_dataset.train_split", train, "--grammar_dataset.test_split", validation, "--save_model",
-              *STEPS, "--batch_size_training", 1)
+              "--use_peft", "--peft_method", "prefix", "--dataset", "grammar_dataset", "--save_model",
+              "--dist_checkpoint_root_folder", "model_checkpoints", "--dist_checkpoint_folder", "fine-tuned",
+              "--fsdp_config.pure_bf16", "--output_dir", "prefix", "--grammar_dataset.train_split", train,
+              "--grammar_dataset.test_split", validation, *STEPS, "--batch_size_training", 1)
     config = json.loads((tmp_path / "prefix" / "adapter_config.json").read_text())
     assert config["peft_type"] == "PREFIX_TUNING"
     assert all(row["loss"] > 0 for row in step_rows(tmp_path / "prefix"))
+    checkpoint = tmp_path / "model_checkpoints" / f"fine-tuned-{tiny_model}" / "step-000002"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["adapter_only"]
 
 
 def test_llama_adapter_command_launched_from_a_trl_accelerate_file(tiny_model, cache_dir, tmp_path):
