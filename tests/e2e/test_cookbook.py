@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import shardtune.sft  # noqa: F401  (registers every validator, as a run does)
 from shardtune.config import ConfigError, parse_args, validate
-from tests.conftest import REPO, cli_env
+from tests.conftest import cli_env
 from tests.helpers import step_rows
 
 # llama-cookbook's train_config and fsdp_config fields (src/llama_cookbook/configs/training.py and fsdp.py), each
