@@ -103,6 +103,9 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         cu = _boundaries_from_positions(positions)
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     dropout = dropout if module.training else 0.0
+    num_prefix = key.shape[2] - query.shape[2]
+    if attention_mask is None and cu is not None and num_prefix > 0 and query.shape[0] == 1:  # prefix tuning
+        return _per_example_after_prefix(query, key, value, cu, num_prefix, dropout, scaling), None
     if attention_mask is not None or query.shape[2] != key.shape[2]:  # padded batches: the mask holds the window
         if softcap is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -260,3 +263,24 @@ def causal_window_mask(num_queries: int, num_keys: int, sliding_window: int | No
     if sliding_window is not None:
         seen &= key_pos > query_pos - sliding_window
     return seen
+
+
+@torch.compiler.disable
+def _per_example_after_prefix(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
+                              num_prefix: int, dropout: float, scaling: float | None) -> torch.Tensor:
+    """Prefix tuning on a flattened row: peft puts the learned prefix in the cache, so the first ``num_prefix``
+    keys / values are the prefix and the rest is the row. Each example's queries attend to the whole prefix and
+    causally to their own example (keys: num_prefix + n), as that example alone with its prefix does."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    prefix_key, prefix_value = key[:, :, :num_prefix], value[:, :, :num_prefix]
+    bounds = cu.tolist()
+    outputs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        own = slice(num_prefix + start, num_prefix + end)
+        allowed = torch.ones(end - start, num_prefix + end - start, dtype=torch.bool, device=query.device)
+        allowed[:, num_prefix:].tril_()
+        outputs.append(F.scaled_dot_product_attention(
+            query[:, :, start:end], torch.cat([prefix_key, key[:, :, own]], dim=2),
+            torch.cat([prefix_value, value[:, :, own]], dim=2), attn_mask=allowed, dropout_p=dropout, scale=scaling))
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()

@@ -109,8 +109,21 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read: one line naming the path, the cause and the fix."""
 
 
-def checkpoints_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / CHECKPOINTS_DIR
+def checkpoints_dir(where: str | Path) -> Path:
+    """The folder of step-NNNNNN checkpoints: ``where`` itself when it is one (it holds ``latest`` or step
+    folders, as llama-cookbook's checkpoint folder does), else ``where``/checkpoints (an output dir)."""
+    where = Path(where)
+    if (where / LATEST_FILE).is_file() or any(where.glob("step-*")):
+        return where
+    return where / CHECKPOINTS_DIR
+
+
+def checkpoint_root(cfg: TrainConfig) -> Path:
+    """Where this run writes its checkpoints: llama-cookbook's <dist_checkpoint_root_folder>/
+    <dist_checkpoint_folder>-<model_name> when the root folder is given, else output_dir/checkpoints."""
+    if cfg.dist_checkpoint_root_folder:
+        return Path(cfg.dist_checkpoint_root_folder) / f"{cfg.dist_checkpoint_folder}-{cfg.model_name}"
+    return Path(cfg.output_dir) / CHECKPOINTS_DIR
 
 
 def checkpoint_name(step: int) -> str:
@@ -152,7 +165,8 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def resolve_checkpoint(where: str, output_dir: str | Path) -> Path:
-    """``latest`` (of output_dir), a checkpoint folder, or an output dir (its latest checkpoint)."""
+    """``latest`` (of output_dir, or of a checkpoints folder), a checkpoint folder, or an output dir or checkpoints
+    folder (its latest checkpoint)."""
     if where == "latest":
         path = latest_checkpoint(output_dir)
         if path is None:
@@ -174,8 +188,12 @@ def _check_checkpointing(cfg: TrainConfig, world_size: int) -> None:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} {getattr(cfg, name)} must be >= 0 (0: see shardtune sft --help)")
     if cfg.resume:
-        path = resolve_checkpoint(cfg.resume, cfg.output_dir)
+        path = resolve_checkpoint(cfg.resume, checkpoint_root(cfg))
         saved = read_trainer_state(path)
+        if not saved.get("optimizer_saved", True):
+            raise ConfigError(f"--resume {cfg.resume}: {path} was saved with --save_optimizer false and holds no "
+                              "optimizer state: start a new run from its export (shardtune export), or resume from "
+                              "a checkpoint saved with the optimizer")
         by_deepspeed = saved.get("strategy") == "deepspeed"
         if by_deepspeed != cfg.enable_deepspeed:
             how, fix = (("by DeepSpeed ZeRO, whose files only DeepSpeed reads", "add") if by_deepspeed else
@@ -202,8 +220,9 @@ def read_trainer_state(path: Path) -> dict:
 
 
 def checkpointing_enabled(cfg: TrainConfig) -> bool:
-    """Checkpoints are written when --save_steps N > 0 or a --checkpoint_type is given."""
-    return cfg.save_steps > 0 or bool(cfg.fsdp_config.checkpoint_type)
+    """Checkpoints are written when --save_steps N > 0, a --checkpoint_type or a --dist_checkpoint_root_folder is
+    given."""
+    return cfg.save_steps > 0 or bool(cfg.fsdp_config.checkpoint_type) or bool(cfg.dist_checkpoint_root_folder)
 
 
 def checkpoint_bytes_estimate(model: nn.Module, full_model: bool) -> int:
@@ -286,7 +305,7 @@ class Checkpointer:
         self.cfg, self.env, self.strategy, self.tokenizer = cfg, env, strategy, tokenizer
         self.enabled = checkpointing_enabled(cfg)
         self.full_model = cfg.fsdp_config.checkpoint_type == "FULL_STATE_DICT"
-        self.root = checkpoints_dir(cfg.output_dir)
+        self.root = checkpoint_root(cfg)
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.resume_from = self._resume_source()
         self.resume_state = read_trainer_state(self.resume_from) if self.resume_from else None
@@ -294,15 +313,15 @@ class Checkpointer:
         self.bytes_needed = 0
         self.last_saved: Path | None = self.resume_from
         if env.is_main:
-            for stale in unfinished_saves(cfg.output_dir):
+            for stale in unfinished_saves(self.root):
                 print0(f"checkpoint: removing {stale.name}, left by a save that did not finish")
                 shutil.rmtree(stale, ignore_errors=True)
 
     def _resume_source(self) -> Path | None:
         if self.cfg.resume:
-            return resolve_checkpoint(self.cfg.resume, self.cfg.output_dir)
+            return resolve_checkpoint(self.cfg.resume, self.root)
         if self.attempt > 0:  # torchrun restarted the worker group (--max_restarts)
-            latest = latest_checkpoint(self.cfg.output_dir)
+            latest = latest_checkpoint(self.root)
             if latest is not None:
                 print0(f"restart {self.attempt} of the worker group: resuming automatically from {latest}")
             else:
@@ -317,7 +336,7 @@ class Checkpointer:
         if self.resume_state is None or not metrics_path.is_file():
             return False
         keep = self.resume_state.get("metrics_rows")
-        same_run = self.resume_from.parent.parent.resolve() == Path(self.cfg.output_dir).resolve()  # type: ignore
+        same_run = self.resume_from.parent.resolve() == self.root.resolve()  # type: ignore[union-attr]
         if same_run and keep is not None:
             lines = metrics_path.read_text(encoding="utf-8").splitlines(keepends=True)
             write_text_atomic(metrics_path, "".join(lines[:keep]))
@@ -455,6 +474,7 @@ class Checkpointer:
             "world_size": self.env.world_size, "seed": self.cfg.seed, "strategy": self.strategy.name,
             "model_name": self.cfg.model_name, "adapter_only": bool(self.cfg.use_peft),
             "checkpoint_type": self.cfg.fsdp_config.checkpoint_type or "SHARDED_STATE_DICT",
+            "optimizer_saved": self.cfg.save_optimizer,
             "scheduler": scheduler.state_dict(),
             "num_tokens": result.num_tokens, "train_time_s": result.train_time_s,
             "metrics_rows": (sum(1 for _ in metrics.open(encoding="utf-8"))
@@ -471,7 +491,7 @@ class Checkpointer:
         write_text_atomic(self.root / LATEST_FILE, final.name + "\n")
         if self.cfg.save_total_limit:
             step = checkpoint_step(final)
-            older = [p for p in complete_checkpoints(self.cfg.output_dir) if checkpoint_step(p) <= step]  # type: ignore
+            older = [p for p in complete_checkpoints(self.root) if checkpoint_step(p) <= step]  # type: ignore
             for stale in older[:-self.cfg.save_total_limit]:
                 shutil.rmtree(stale, ignore_errors=True)
 

@@ -28,7 +28,7 @@ def _f(default: Any, help: str, **kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, **kwargs})
 
 
-DATASETS = ("synthetic_dialogues", "samsum_dataset", "alpaca_dataset", "custom_dataset")
+DATASETS = ("synthetic_dialogues", "samsum_dataset", "alpaca_dataset", "custom_dataset", "grammar_dataset")
 BATCHING_STRATEGIES = ("packing", "padding")
 LR_SCHEDULERS = ("step", "cosine")
 
@@ -73,6 +73,7 @@ SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
 CHECKPOINT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 PEFT_METHODS = ("lora", "llama_adapter", "prefix")
 QUANTIZATIONS = ("", "4bit", "8bit")
+QUANTIZATION_SPELLINGS = {"int4": "4bit", "int8": "8bit"}  # older llama-cookbook pages write int4 / int8
 NAN_POLICIES = ("stop", "skip")
 
 
@@ -82,7 +83,7 @@ class FsdpConfig:
                                               "(params kept after forward), NO_SHARD (like DDP), HYBRID_SHARD "
                                               "(shard within a group, replicate across groups)",
                                 choices=SHARDING_STRATEGIES)
-    hsdp: bool = _f(False, "hybrid sharding with explicit group sizes (needs sharding_strategy HYBRID_SHARD)")
+    hsdp: bool = _f(False, "hybrid sharding with explicit group sizes (selects HYBRID_SHARD, as in llama-cookbook)")
     sharding_group_size: int = _f(0, "ranks that shard one replica; 0: the processes of one node")
     replica_group_size: int = _f(0, "number of replicas; 0: world size / sharding_group_size")
     pure_bf16: bool = _f(False, "parameters, gradients and optimizer state in bf16 (less memory, less accuracy)")
@@ -133,6 +134,16 @@ class QuantizationConfig:
 
 
 @dataclass
+class GrammarDatasetConfig:
+    train_split: str = _f("gtrain_10k.csv", "CSV file of training rows with columns input, target (llama-cookbook's "
+                                            "grammar_dataset)")
+    test_split: str = _f("grammar_validation.csv", "CSV file of evaluation rows with columns input, target")
+
+
+COOKBOOK_OPTIMIZERS = ("AdamW", "anyprecision")
+
+
+@dataclass
 class TrainConfig:
     model_name: str = _f("", "local Hugging Face directory, hub id, or preset:NAME (tiny, demo); empty: the demo "
                              "preset, built once and cached")
@@ -180,8 +191,8 @@ class TrainConfig:
     use_peft: bool = _f(False, "train an adapter (peft_method) instead of all parameters")
     peft_method: str = _f("lora", "lora, llama_adapter or prefix", choices=PEFT_METHODS)
     from_peft_checkpoint: str = _f("", "adapter directory to continue training from")
-    quantization: str = _f("", "4bit (QLoRA, bitsandbytes) or 8bit (not with FSDP); empty: none",
-                           choices=QUANTIZATIONS)
+    quantization: str = _f("", "4bit (QLoRA, bitsandbytes) or 8bit (not with FSDP); empty: none; int4 / int8 are "
+                               "the same", choices=QUANTIZATIONS, spellings=QUANTIZATION_SPELLINGS)
     use_fast_kernels: bool = _f(False, "fastest attention / fused kernels the install supports: flash-attention 2 "
                                        "(if installed, CUDA), else SDPA; liger-kernel fused RMSNorm / SwiGLU / "
                                        "RoPE on CUDA (pip install 'shardtune[fast]')")
@@ -197,6 +208,27 @@ class TrainConfig:
                                  "optimizer step; the last checkpoint stays latest) or skip (no weight or optimizer "
                                  "update; the step still counts: its data is used up and the LR schedule advances)",
                          choices=NAN_POLICIES)
+
+    # llama-cookbook train_config flags (shardtune/cookbook.py gives them the cookbook's meaning)
+    freeze_layers: bool = _f(False, "full fine-tuning: freeze the first num_freeze_layers decoder layers")
+    num_freeze_layers: int = _f(1, "decoder layers frozen by freeze_layers, counted from the embeddings")
+    freeze_LLM_only: bool = _f(False, "vision models only (llama-cookbook's mllama recipe); refused for text-only "
+                                      "models")
+    one_gpu: bool = _f(False, "train in one process (llama-cookbook's single-GPU run); refused with more processes")
+    save_optimizer: bool = _f(True, "checkpoints hold the optimizer state (--resume needs it); false: the model "
+                                    "only (smaller; such a checkpoint exports but does not resume)")
+    dist_checkpoint_root_folder: str = _f("", "write checkpoints to <root>/<dist_checkpoint_folder>-<model_name> "
+                                              "(llama-cookbook's FSDP layout; turns on epoch-end checkpoints) "
+                                              "instead of output_dir/checkpoints; shardtune export reads it")
+    dist_checkpoint_folder: str = _f("fine-tuned", "see dist_checkpoint_root_folder")
+    optimizer: str = _f("AdamW", "AdamW (llama-cookbook's fsdp_config.optimizer; anyprecision is refused: use "
+                                 "--pure_bf16 for bf16 optimizer state)", choices=COOKBOOK_OPTIMIZERS)
+    activation_checkpointing_use_reentrant: bool = _f(False, "llama-cookbook's reentrant checkpointing; shardtune "
+                                                             "recomputes non-reentrantly (true is refused)")
+    enable_memory_monitoring: bool = _f(False, "llama-cookbook's memory logging: shardtune records peak memory in "
+                                               "every metrics.jsonl row and the start log, always")
+    memory_monitoring_interval: int = _f(100, "accepted for llama-cookbook configs; memory is logged every step")
+    grammar_dataset: GrammarDatasetConfig = _f(GrammarDatasetConfig(), "llama-cookbook's grammar correction CSVs")
 
     synthetic_dialogues: SyntheticDialoguesConfig = _f(SyntheticDialoguesConfig(), "embedded dialogue data")
     samsum_dataset: SamsumDatasetConfig = _f(SamsumDatasetConfig(), "SAMSum-format data")
@@ -226,6 +258,8 @@ ALIASES = {
     "max_length": "context_length",
     "fsdp_config.use_fp16": "use_fp16",
     "fsdp_config.mixed_precision": "mixed_precision",
+    "fsdp_config.optimizer": "optimizer",
+    "enable_activation_checkpointing": "fsdp_config.fsdp_activation_checkpointing",
 }
 
 
@@ -313,6 +347,8 @@ def set_value(cfg: TrainConfig, key: str, raw: Any) -> None:
     key = resolve_key(key)
     typ, f = flat_fields()[key]
     value = field_default(f) if raw is None else _parse_value(key, typ, raw)
+    if "spellings" in f.metadata:  # another accepted spelling of a choice (int4 -> 4bit)
+        value = f.metadata["spellings"].get(value, value)
     *owners, name = key.split(".")
     target: Any = cfg
     for owner in owners:
@@ -380,7 +416,15 @@ def parse_args(argv: list[str]) -> TrainConfig:
                 raise ConfigError(f"--{name} needs a value")
             value = "true"
         set_value(cfg, key, value)
+    select_hybrid_sharding(cfg)
     return cfg
+
+
+def select_hybrid_sharding(cfg: TrainConfig) -> None:
+    """llama-cookbook's --hsdp means hybrid sharding (with --sharding_group_size / --replica_group_size): it selects
+    HYBRID_SHARD over the default FULL_SHARD; with SHARD_GRAD_OP or NO_SHARD it is refused by the FSDP check."""
+    if cfg.fsdp_config.hsdp and cfg.fsdp_config.sharding_strategy == "FULL_SHARD":
+        cfg.fsdp_config.sharding_strategy = "HYBRID_SHARD"
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -403,7 +447,8 @@ def field_default(f: dataclasses.Field) -> Any:
 
 
 def help_text() -> str:
-    lines = ["usage: shardtune sft [--config recipe.yaml] [--flag value ...] [torchrun flags]", "", "training flags:"]
+    lines = ["usage: shardtune sft [--config recipe.yaml] [--accelerate_config accelerate.yaml] [--flag value ...] "
+             "[torchrun flags]", "", "training flags:"]
     for key, (typ, f) in flat_fields().items():
         default = field_default(f)
         tname = getattr(typ, "__name__", str(typ))
@@ -512,7 +557,7 @@ def effective_batch_size(cfg: TrainConfig, world_size: int) -> int:
 
 
 # FSDP settings that only mean something with --enable_fsdp (checkpoint_type belongs to checkpointing).
-FSDP_ONLY_SETTINGS = ("sharding_strategy", "hsdp", "sharding_group_size", "replica_group_size", "pure_bf16",
+FSDP_ONLY_SETTINGS = ("hsdp", "sharding_strategy", "sharding_group_size", "replica_group_size", "pure_bf16",
                       "fsdp_activation_checkpointing", "fsdp_cpu_offload")
 
 

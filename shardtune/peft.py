@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from shardtune.config import ConfigError, TrainConfig
-from shardtune.data.batching import flattened
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -114,9 +113,6 @@ def check_peft(cfg: TrainConfig) -> None:
     ``cfg.model_name`` is already resolved to a directory or hub id."""
     if cfg.quantization:
         _check_bitsandbytes(cfg)
-        if cfg.low_cpu_fsdp:
-            raise ConfigError(f"--quantization {cfg.quantization} with --low_cpu_fsdp is not supported (every rank "
-                              "quantises its own copy while loading): drop --low_cpu_fsdp")
         if not cfg.use_peft:
             raise ConfigError(f"--quantization {cfg.quantization} without --use_peft: quantised weights cannot be "
                               "trained directly; add --use_peft (QLoRA) or drop --quantization")
@@ -170,10 +166,6 @@ def _check_method_settings(cfg: TrainConfig) -> None:
         if cfg.prefix_config.num_virtual_tokens <= 0:
             raise ConfigError(f"--prefix_config.num_virtual_tokens {cfg.prefix_config.num_virtual_tokens} must be "
                               "positive")
-        if flattened(cfg):
-            raise ConfigError("--peft_method prefix cannot train on padding-free rows (packing or --padding_free: "
-                              "peft prepends the prefix to a 2-D attention mask, one per example): add "
-                              "--batching_strategy padding --padding_free false")
 
 
 def _module_matches(name: str, target: str) -> bool:

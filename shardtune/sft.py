@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 
 from shardtune import data
+from shardtune.accelerate_config import expand_accelerate_config
+from shardtune.cookbook import check_model_flags, clear_accelerate_loading_variables, freeze_first_layers
 from shardtune.checkpoint import (
     Checkpointer, CheckpointError, remove_stale_staging, save_hf_model, write_text_atomic,
 )
@@ -34,6 +36,7 @@ from shardtune.models import (
 )
 from shardtune.parallel import make_strategy
 from shardtune.peft import apply_peft, check_peft, load_quantized_model, save_adapter
+from shardtune.quantized_loading import load_quantized_on_rank0
 from shardtune.speed import apply_speed_features
 from shardtune.train import TrainingStopped, TrainResult, train
 
@@ -47,6 +50,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> None:
     cfg.model_name = resolve_model_name(cfg.model_name)
     check_model_source(cfg.model_name)
     check_model_structure(cfg)
+    check_model_flags(cfg)
     check_peft(cfg)
     if cfg.tokenizer_name:
         check_model_source(cfg.tokenizer_name, "tokenizer_name")
@@ -76,6 +80,8 @@ def build_model(cfg: TrainConfig, env: DistEnv) -> torch.nn.Module:
     """The model to train, before wrapping: fp32 master weights (bf16 with pure_bf16). With low_cpu_fsdp only
     global rank 0 reads the weights; the others build on the meta device and receive theirs after sharding."""
     dtype = torch.bfloat16 if cfg.enable_fsdp and cfg.fsdp_config.pure_bf16 else torch.float32
+    if cfg.quantization and cfg.low_cpu_fsdp:
+        return load_quantized_on_rank0(cfg, env)
     if cfg.low_cpu_fsdp and env.rank != 0:
         return build_model_on_meta(cfg.model_name, dtype=dtype)
     if cfg.quantization:
@@ -108,6 +114,7 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     units, eval_examples = load_data(cfg, env, tokenizer)
 
     model = build_model(cfg, env)
+    freeze_first_layers(model, cfg)
     if cfg.use_peft:
         model = apply_peft(model, cfg)
     apply_speed_features(model, cfg, env.device)
@@ -216,19 +223,23 @@ def run_worker(cfg: TrainConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     quiet_libraries()
+    clear_accelerate_loading_variables()
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
     debug = "--debug" in argv
     try:
+        file_launch_args, file_train_argv, argv = expand_accelerate_config(argv)
         launch_args, train_argv = split_launcher_args(argv)
+        train_argv = file_train_argv + train_argv  # flags typed on the command line come last and win
         cfg = parse_args(train_argv)
         if is_torchrun_worker():
             if launch_args:
                 raise ConfigError(f"--{next(iter(launch_args))} is a torchrun flag, but this process already runs "
                                   "under torchrun: give it to torchrun, before -m shardtune.sft")
             return run_worker(cfg)
-        nproc = resolve_nproc(launch_args.get("nproc_per_node"))
+        launch_args = {**file_launch_args, **launch_args}
+        nproc = resolve_nproc(launch_args.get("nproc_per_node", "1" if cfg.one_gpu else None))
         prepare(cfg, nproc * resolve_nnodes(launch_args.get("nnodes")))
     except ConfigError as e:
         fail(str(e), debug)

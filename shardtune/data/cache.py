@@ -64,6 +64,9 @@ def cache_key(cfg: TrainConfig, tokenizer: Any, split: str) -> str:
     }, sort_keys=True).encode())
     if dataset_config.get("data_path"):
         _hash_path(Path(dataset_config["data_path"]), digest)
+    if cfg.dataset == "grammar_dataset":  # its split names are the paths of its files
+        for path in (cfg.grammar_dataset.train_split, cfg.grammar_dataset.test_split):
+            _hash_path(Path(path), digest)
     return digest.hexdigest()[:32]
 
 

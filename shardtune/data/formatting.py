@@ -23,6 +23,7 @@ from shardtune.loss import IGNORE_INDEX
 SAMSUM_PROMPT = "Summarize this dialog:\n{dialog}\n---\nSummary:\n"
 ALPACA_PROMPT = ("Below is a task, together with input that gives it context. Write a response that carries "
                  "out the task.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+GRAMMAR_PROMPT = "Correct this to standard English: {input}\n---\nCorrected: "  # llama-cookbook's grammar_dataset
 ALPACA_PROMPT_NO_INPUT = ("Below is a task. Write a response that carries out the task.\n\n"
                           "### Instruction:\n{instruction}\n\n### Response:\n")
 
@@ -87,6 +88,15 @@ def alpaca_pairs(rows: list[Row], filt: RowFilter) -> list[TextPair]:
         else:
             prompt = ALPACA_PROMPT_NO_INPUT.format(instruction=values["instruction"])
         pairs.append(TextPair(row[0], row[1], prompt, values["output"]))
+    return pairs
+
+
+def grammar_pairs(rows: list[Row], filt: RowFilter) -> list[TextPair]:
+    pairs = []
+    for row in rows:
+        values = _fields(row, ("input", "target"), (), filt)
+        if values is not None:
+            pairs.append(TextPair(row[0], row[1], GRAMMAR_PROMPT.format(input=values["input"]), values["target"]))
     return pairs
 
 

@@ -13,14 +13,15 @@ from typing import Any, Callable
 
 from shardtune.config import ConfigError, TrainConfig
 from shardtune.data.files import DataFiles, Row, hold_out, locate, read_rows
-from shardtune.data.formatting import (ALPACA_PROMPT_NO_INPUT, SAMSUM_PROMPT, alpaca_pairs, samsum_pairs,
-                                       template_length, token_examples, tokenize_pairs)
+from shardtune.data.formatting import (ALPACA_PROMPT_NO_INPUT, GRAMMAR_PROMPT, SAMSUM_PROMPT, alpaca_pairs,
+                                       grammar_pairs, samsum_pairs, template_length, token_examples, tokenize_pairs)
 from shardtune.data.report import DataError, DataReport, RowFilter
 
 SPLITS = ("train", "validation")
 DEFAULT_CUSTOM_FUNCTION = "get_custom_dataset"
 SAMSUM_COLUMNS = ("dialogue", "summary")
 ALPACA_COLUMNS = ("instruction", "output")
+GRAMMAR_COLUMNS = ("input", "target")
 
 
 def check_data_config(cfg: TrainConfig) -> None:
@@ -33,12 +34,14 @@ def check_data_config(cfg: TrainConfig) -> None:
         _alpaca_files(cfg)
     elif cfg.dataset == "custom_dataset":
         load_custom_function(cfg.custom_dataset.file)
+    elif cfg.dataset == "grammar_dataset":
+        grammar_files(cfg)
 
 
 def check_context_length(cfg: TrainConfig, tokenizer: Any) -> None:
     """ConfigError if no example could fit: the fixed prompt template + bos + eos + one response token."""
     template = {"synthetic_dialogues": SAMSUM_PROMPT, "samsum_dataset": SAMSUM_PROMPT,
-                "alpaca_dataset": ALPACA_PROMPT_NO_INPUT}.get(cfg.dataset)
+                "alpaca_dataset": ALPACA_PROMPT_NO_INPUT, "grammar_dataset": GRAMMAR_PROMPT}.get(cfg.dataset)
     if template is None:
         return
     needed = template_length(tokenizer, template) + 1
@@ -58,7 +61,8 @@ def load_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[di
         source, rows = _text_rows(cfg, split)
         report = DataReport(source=source, num_rows=len(rows))
         filt = RowFilter(report, cfg.strict_data)
-        pairs = alpaca_pairs(rows, filt) if cfg.dataset == "alpaca_dataset" else samsum_pairs(rows, filt)
+        to_pairs = {"alpaca_dataset": alpaca_pairs, "grammar_dataset": grammar_pairs}.get(cfg.dataset, samsum_pairs)
+        pairs = to_pairs(rows, filt)
         examples = tokenize_pairs(pairs, tokenizer, cfg.context_length, filt)
     report.num_examples = len(examples)
     if not examples:
@@ -73,6 +77,9 @@ def _text_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row]]:
     if cfg.dataset == "alpaca_dataset":
         return _file_rows("alpaca_dataset", _alpaca_files(cfg), cfg.alpaca_dataset.validation_fraction, cfg.seed,
                           split, ALPACA_COLUMNS)
+    if cfg.dataset == "grammar_dataset":
+        path = grammar_files(cfg)[0 if split == "train" else 1]
+        return f"grammar_dataset: {path}", read_rows([path], GRAMMAR_COLUMNS)
     if cfg.samsum_dataset.data_path:
         return _file_rows("samsum_dataset", _samsum_files(cfg), cfg.samsum_dataset.validation_fraction, cfg.seed,
                           split, SAMSUM_COLUMNS)
@@ -145,6 +152,18 @@ def _file_rows(name: str, files: DataFiles, fraction: float, seed: int, split: s
     side = "held out for validation" if split == "validation" else "kept for training"
     source = f"{name}: {_names(files.train)} (the rows {side}: validation_fraction {fraction:g}, seed {seed})"
     return source, hold_out(rows, fraction, seed, split)
+
+
+def grammar_files(cfg: TrainConfig) -> tuple[Path, Path]:
+    """llama-cookbook's grammar_dataset: train_split and test_split are the paths of its two CSV files."""
+    gc = cfg.grammar_dataset
+    splits = {"train_split": gc.train_split, "test_split": gc.test_split}
+    for name, value in splits.items():
+        path = Path(value).expanduser()
+        if path.suffix.lower() != ".csv" or not path.is_file():
+            raise DataError(f"--grammar_dataset.{name} {value}: no such CSV file: pass the path of a CSV file with "
+                            f"columns {', '.join(GRAMMAR_COLUMNS)}")
+    return Path(gc.train_split).expanduser(), Path(gc.test_split).expanduser()
 
 
 def _names(paths: list[Path]) -> str:

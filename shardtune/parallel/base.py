@@ -153,7 +153,10 @@ class Strategy(ABC):
         folder): torch.distributed.checkpoint files, which any world size and strategy of the face can load."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self.training_state_dict(model, optimizer), checkpoint_id=directory)
+        state = self.training_state_dict(model, optimizer)
+        if not self.cfg.save_optimizer:  # llama-cookbook's default: the model only
+            del state["optimizer"]
+        dcp.save(state, checkpoint_id=directory)
 
     def load_training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path,
                             saved: dict) -> None:

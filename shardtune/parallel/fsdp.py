@@ -164,6 +164,14 @@ def materialize_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor]
             dist.broadcast(buf, src=0)
 
 
+def tensor_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by state-dict name, as plain tensors: bitsandbytes' 4-bit layers add
+    their quantisation statistics to state dicts, which are no tensors of the module (rank 0 sends those itself,
+    shardtune.quantized_loading)."""
+    names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    return {k: v.as_subclass(torch.Tensor) for k, v in model.state_dict().items() if k in names}
+
+
 def gather_peak_host_memory() -> list[int]:
     """Peak RSS of every rank (process-level, so it covers loading), in rank order."""
     peaks: list[int] = [0] * dist.get_world_size()
@@ -192,7 +200,7 @@ class FSDPStrategy(Strategy):
         on_meta = any(p.is_meta for p in model.parameters())
         if self.cfg.low_cpu_fsdp:
             # rank 0 keeps references to the loaded tensors (no copy) until they are broadcast into the shards
-            full_state = None if on_meta else model.state_dict()
+            full_state = None if on_meta else tensor_state_dict(model)
         elif not self.offload:
             model.to(self.env.device)
         layers = decoder_layers(model)
