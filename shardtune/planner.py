@@ -34,6 +34,10 @@ BUILTIN_SHAPES: dict[str, dict] = {
     "llama3.1-405b": dict(_LLAMA3, hidden_size=16384, num_hidden_layers=126, num_attention_heads=128,
                           num_key_value_heads=8, intermediate_size=53248),
 }
+# the hub ids a recommended command line names for the built-in shapes
+HUB_IDS = {"llama3.2-1b": "meta-llama/Llama-3.2-1B-Instruct", "llama3.2-3b": "meta-llama/Llama-3.2-3B-Instruct",
+           "llama3-8b": "meta-llama/Llama-3.1-8B-Instruct", "llama3-70b": "meta-llama/Llama-3.1-70B-Instruct",
+           "llama3.1-405b": "meta-llama/Llama-3.1-405B-Instruct"}
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -156,7 +160,8 @@ class Adapter:
             return arch.num_layers * per_layer
         if self.method == "llama_adapter":
             return min(self.adapter_layers, arch.num_layers) * (self.adapter_len * arch.hidden_size + 1)
-        return self.num_virtual_tokens * arch.num_layers * 2 * arch.hidden_size  # prefix: keys and values per layer
+        # prefix: a key and a value per layer and virtual token, at the key-value width (GQA)
+        return self.num_virtual_tokens * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim
 
 
 # -- hardware --------------------------------------------------------------------------------------------------------
@@ -186,7 +191,9 @@ DEVICES: dict[str, Device] = {
     "A100": Device("A100 80GB SXM", 80 * GIB, 312e12, 230 * GB, 25 * GB),
     "L40S": Device("L40S 48GB (PCIe)", 48 * GIB, 362e12, 20 * GB, 12.5 * GB),
 }
-ASSUMED_MFU = 0.40  # fraction of the matmul peak a well-tuned fine-tuning step reaches (what MFU reports show)
+ASSUMED_MFU = 0.40
+HOST_LINK_BYTES_S = 25 * GB   # PCIe gen4/5 x16, achievable: what offloaded state crosses each step
+HOST_ADAM_BYTES_S = 10 * GB   # a CPU AdamW step streams its state at about this rate per rank  # fraction of the matmul peak a well-tuned fine-tuning step reaches (what MFU reports show)
 
 
 def cpu_device(memory_bytes: float) -> Device:
@@ -353,6 +360,9 @@ def estimate(setup: Setup) -> Breakdown:
     group = s.shard_group
     strategy = s.strategy
     layer_unsharded = arch.layer_params * c
+    if s.quantization:  # a quantised layer is gathered packed
+        layer_unsharded = (arch.layer_linear_params * QUANT_BYTES_PER_PARAM[quant_key]
+                           + (arch.layer_params - arch.layer_linear_params) * c)
     if strategy.startswith("ZERO"):
         stage = int(strategy[-1])
         n = s.world_size
@@ -473,7 +483,11 @@ def step_time_s(setup: Setup, device: Device, accumulation_steps: int = 1) -> tu
     compute = flops / (setup.world_size * device.matmul_flops * ASSUMED_MFU)
     traffic = traffic_per_step(setup, accumulation_steps)
     comm = traffic.intra_node / device.intra_node_bytes_s + traffic.inter_node / device.inter_node_bytes_s
-    return max(compute, comm), compute, comm
+    offload = 0.0
+    if setup.cpu_offload and device.compute_bytes < 4:  # not overlapped: the state crosses PCIe, AdamW runs on the CPU
+        b = estimate(setup)
+        offload = 2 * b.host_state / HOST_LINK_BYTES_S + b.host_state / HOST_ADAM_BYTES_S
+    return max(compute, comm) + offload, compute, comm + offload
 
 
 # -- alternatives, limits and the recommendation ---------------------------------------------------------------------
