@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "init-model": "write a small random-init Llama preset with its tokenizer as a Hugging Face directory",
     "export": "turn a training checkpoint (any world size, any strategy) into a Hugging Face model directory",
     "generate": "generate text with a model, a model + PEFT adapter, or a merged model (prompt, file or stdin)",
+    "plan": "per-GPU memory and speed of a configuration and its alternatives, from config.json alone (no GPU)",
     "eval": "eval loss, perplexity and ROUGE of generated summaries on a samsum-format split; JSON report",
 }
 
@@ -56,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         from shardtune.generate import main as generate_main
 
         return generate_main(rest)
+    if command == "plan":
+        from shardtune.plan import main as plan_main
+
+        return plan_main(rest)
     if command == "eval":
         from shardtune.evaluate import main as eval_main
 

@@ -1,0 +1,565 @@
+"""Memory and speed of a training configuration per GPU, from the model's config.json alone (``shardtune plan``).
+
+Nothing is loaded or downloaded: the parameter counts come from the architecture's shapes (checked against real
+models in tests/unit/test_planner.py), the training state from the formulas of shardtune.memory, and the
+activations from the tensors a decoder layer saves for backward, counted tensor by tensor (see
+``layer_activation_bytes``) and validated against torch's memory profiler on this machine
+(``python -m bench.plan_check``). What the planner calls *peak* is the peak of live tensor bytes, what
+``torch.cuda.max_memory_allocated`` reports; a GPU also holds its CUDA context and allocator slack, which
+``usable_bytes`` reserves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from shardtune.memory import ADAM_STATES_PER_PARAM, GIB
+
+# -- architectures ---------------------------------------------------------------------------------------------------
+
+_LLAMA3 = dict(model_type="llama", vocab_size=128256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+               max_position_embeddings=131072)
+BUILTIN_SHAPES: dict[str, dict] = {
+    "llama3.2-1b": dict(_LLAMA3, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                        num_key_value_heads=8, intermediate_size=8192, tie_word_embeddings=True),
+    "llama3.2-3b": dict(_LLAMA3, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24,
+                        num_key_value_heads=8, intermediate_size=8192, tie_word_embeddings=True),
+    "llama3-8b": dict(_LLAMA3, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      intermediate_size=14336),
+    "llama3-70b": dict(_LLAMA3, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                       num_key_value_heads=8, intermediate_size=28672),
+    "llama3.1-405b": dict(_LLAMA3, hidden_size=16384, num_hidden_layers=126, num_attention_heads=128,
+                          num_key_value_heads=8, intermediate_size=53248),
+}
+# the hub ids a recommended command line names for the built-in shapes
+HUB_IDS = {"llama3.2-1b": "meta-llama/Llama-3.2-1B-Instruct", "llama3.2-3b": "meta-llama/Llama-3.2-3B-Instruct",
+           "llama3-8b": "meta-llama/Llama-3.1-8B-Instruct", "llama3-70b": "meta-llama/Llama-3.1-70B-Instruct",
+           "llama3.1-405b": "meta-llama/Llama-3.1-405B-Instruct"}
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The shapes of a decoder-only transformer that memory and FLOPs depend on."""
+
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_config(cls, config: dict, name: str = "") -> Arch:
+        text = config.get("text_config") or config
+        heads = text["num_attention_heads"]
+        hidden = text["hidden_size"]
+        return cls(name=name or text.get("_name_or_path", "") or text.get("model_type", "model"),
+                   model_type=text.get("model_type", "llama"), vocab_size=text["vocab_size"], hidden_size=hidden,
+                   num_layers=text["num_hidden_layers"], num_heads=heads,
+                   num_kv_heads=text.get("num_key_value_heads") or heads,
+                   head_dim=text.get("head_dim") or hidden // heads, intermediate_size=text["intermediate_size"],
+                   tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+                   attention_bias=bool(text.get("attention_bias", text.get("model_type") == "qwen2")),
+                   sliding_window=text.get("sliding_window") if text.get("use_sliding_window", True) else None)
+
+    # shapes (in, out) of each linear layer of one decoder layer
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        d, q, kv, f = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
+            self.intermediate_size
+        return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, f),
+                "up_proj": (d, f), "down_proj": (f, d)}
+
+    @property
+    def layer_linear_params(self) -> int:
+        return sum(i * o for i, o in self.linear_shapes().values())
+
+    @property
+    def layer_params(self) -> int:
+        bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0
+        return self.layer_linear_params + bias + 2 * self.hidden_size  # + two RMSNorm weights
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def root_params(self) -> int:
+        """Parameters outside the decoder layers: embedding, final norm, and the head when untied."""
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return self.embedding_params + self.hidden_size + head
+
+    @property
+    def num_params(self) -> int:
+        return self.root_params + self.num_layers * self.layer_params
+
+
+def read_arch(model: str) -> Arch:
+    """A built-in shape name, a preset (preset:tiny), a local directory or config.json, or a hub id (its config
+    only, when online)."""
+    from shardtune.config import ConfigError
+
+    if model in BUILTIN_SHAPES:
+        return Arch.from_config(BUILTIN_SHAPES[model], model)
+    if model.startswith("preset:") or not model:
+        from shardtune.models import PRESETS, TOKENIZER_VOCAB_SIZE
+
+        name = model.removeprefix("preset:") or "demo"
+        if name not in PRESETS:
+            raise ConfigError(f"--model_name {model}: unknown preset: choose one of "
+                              + ", ".join(f"preset:{p}" for p in PRESETS))
+        return Arch.from_config({"vocab_size": TOKENIZER_VOCAB_SIZE, "model_type": "llama", **PRESETS[name]}, model)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return Arch.from_config(json.loads(path.read_text()), str(model))
+    if path.parent != Path(".") and not path.parent.exists() or model.startswith(("/", ".", "~")):
+        raise ConfigError(f"--model_name {model}: no such directory or config.json: pass a model directory, a "
+                          "hub id, or a built-in shape: " + ", ".join(BUILTIN_SHAPES))
+    try:
+        from transformers import AutoConfig
+
+        return Arch.from_config(AutoConfig.from_pretrained(model).to_dict(), model)
+    except Exception as e:  # offline, unknown repo, gated: the same fix for the user
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"--model_name {model}: not a local directory and its config could not be read from the "
+                          f"hub ({reason}): pass a local directory with config.json or a built-in shape: "
+                          + ", ".join(BUILTIN_SHAPES)) from None
+
+
+# -- what is trained ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Adapter:
+    """The trainable part: everything (method ""), or a PEFT adapter."""
+
+    method: str = ""                      # "", lora, llama_adapter, prefix
+    lora_r: int = 8
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    lora_dropout: float = 0.05
+    adapter_len: int = 10
+    adapter_layers: int = 30
+    num_virtual_tokens: int = 30
+
+    def trainable_params(self, arch: Arch) -> int:
+        if not self.method:
+            return arch.num_params
+        if self.method == "lora":
+            shapes = arch.linear_shapes()
+            per_layer = sum(self.lora_r * (shapes[t][0] + shapes[t][1]) for t in self.lora_targets if t in shapes)
+            return arch.num_layers * per_layer
+        if self.method == "llama_adapter":
+            return min(self.adapter_layers, arch.num_layers) * (self.adapter_len * arch.hidden_size + 1)
+        # prefix: a key and a value per layer and virtual token, at the key-value width (GQA)
+        return self.num_virtual_tokens * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim
+
+
+# -- hardware --------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Device:
+    """Peak rates the estimate assumes (data-sheet dense bf16 matmul; usable link bandwidths)."""
+
+    name: str
+    memory_bytes: float
+    matmul_flops: float          # per second, dense, in the compute dtype
+    intra_node_bytes_s: float    # per GPU, achievable collective bus bandwidth inside a node
+    inter_node_bytes_s: float    # per GPU, across nodes
+    compute_bytes: int = 2       # bf16
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.memory_bytes / GIB:.0f} GiB, {self.matmul_flops / 1e12:.0f} TFLOP/s dense "
+                f"{'bf16' if self.compute_bytes == 2 else 'fp32'}, {self.intra_node_bytes_s / 1e9:.0f} GB/s in a "
+                f"node, {self.inter_node_bytes_s / 1e9:.0f} GB/s across nodes")
+
+
+GB = 1e9
+DEVICES: dict[str, Device] = {
+    # NVLink 4 (900 GB/s bidirectional) reaches ~360 GB/s of NCCL bus bandwidth; 400 Gb/s InfiniBand per GPU = 50 GB/s
+    "H100": Device("H100 80GB SXM", 80 * GIB, 989e12, 360 * GB, 50 * GB),
+    "H200": Device("H200 141GB SXM", 141 * GIB, 989e12, 360 * GB, 50 * GB),
+    "A100": Device("A100 80GB SXM", 80 * GIB, 312e12, 230 * GB, 25 * GB),
+    "L40S": Device("L40S 48GB (PCIe)", 48 * GIB, 362e12, 20 * GB, 12.5 * GB),
+}
+ASSUMED_MFU = 0.40
+HOST_LINK_BYTES_S = 25 * GB   # PCIe gen4/5 x16, achievable: what offloaded state crosses each step
+HOST_ADAM_BYTES_S = 10 * GB   # a CPU AdamW step streams its state at about this rate per rank  # fraction of the matmul peak a well-tuned fine-tuning step reaches (what MFU reports show)
+
+
+def cpu_device(memory_bytes: float) -> Device:
+    """This machine, measured: fp32 matmul rate, memory bandwidth-bound collectives between processes."""
+    from shardtune.flops import measured_peak_flops
+
+    return Device("this CPU (measured)", memory_bytes, measured_peak_flops("cpu"), 5 * GB, 1 * GB, compute_bytes=4)
+
+
+# -- the configuration ---------------------------------------------------------------------------------------------------
+
+STRATEGIES = ("DDP", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "ZERO1", "ZERO2", "ZERO3")
+FSDP_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")  # activation checkpointing: FSDP only
+
+
+@dataclass(frozen=True)
+class Setup:
+    arch: Arch
+    strategy: str = "DDP"
+    num_nodes: int = 1
+    gpus_per_node: int = 8
+    sharding_group_size: int = 0          # HYBRID_SHARD: 0 = one node
+    batch_size: int = 1                   # micro-batch, in units (packed blocks or examples)
+    seq_len: int = 4096                   # tokens per unit
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False             # FSDP params+grads+optimizer, or ZeRO optimizer (and params for ZeRO-3)
+    pure_bf16: bool = False
+    compute_bytes: int = 2                # 2: bf16/fp16 compute; 4: fp32 (CPU)
+    adapter: Adapter = field(default_factory=Adapter)
+    quantization: str = ""                # "", 4bit, 8bit
+    sequence_parallel: int = 1
+    context_parallel: int = 1
+    low_cpu_fsdp: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    @property
+    def data_parallel(self) -> int:
+        return self.world_size // (self.sequence_parallel * self.context_parallel)
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens one rank computes per micro-batch (a long sequence is split over sp x cp ranks)."""
+        return math.ceil(self.batch_size * self.seq_len / (self.sequence_parallel * self.context_parallel))
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks one copy of the parameters is sharded over."""
+        if self.strategy in ("DDP", "NO_SHARD"):
+            return 1
+        if self.strategy == "HYBRID_SHARD":
+            return min(self.sharding_group_size or self.gpus_per_node, self.world_size)
+        return self.world_size
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes per trainable parameter of the weights the optimizer updates (fp32 master unless pure_bf16)."""
+        return 2 if self.pure_bf16 else 4
+
+
+@dataclass
+class Breakdown:
+    """Bytes per GPU (the largest rank) by what holds them, and the peak of a step; plus host memory."""
+
+    params: float = 0.0
+    grads: float = 0.0           # gradient tensors: they exist from backward to the optimizer step
+    optimizer: float = 0.0       # AdamW state (and ZeRO's fp32 master copy)
+    buffers: float = 0.0         # persistent communication buffers (DDP's gradient buckets)
+    gathered: float = 0.0        # parameters all-gathered for compute (FSDP / ZeRO-3 units, the root, autocast copies)
+    activations: float = 0.0     # saved for backward at the end of the forward, one micro-batch
+    loss_buffers: float = 0.0    # lean chunked cross-entropy (one chunk of fp32 logits, the head's fp32 gradient)
+    backward: float = 0.0        # what a layer's backward (and its recomputation under checkpointing) adds
+    host_state: float = 0.0      # per rank, CPU memory of offloaded state
+    host_loading: float = 0.0    # per NODE, CPU memory to load the weights (all ranks of the node together)
+
+    @property
+    def state(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> float:
+        """The larger of the end of the forward (activations saved, no gradients yet) and the backward / step
+        (gradients formed, activations mostly freed)."""
+        resident = self.params + self.optimizer + self.buffers + self.gathered
+        return resident + max(self.activations + self.loss_buffers + self.backward, self.grads + self.backward)
+
+    def rows(self) -> list[tuple[str, float]]:
+        return [("parameters", self.params), ("gradients", self.grads), ("optimizer state", self.optimizer),
+                ("communication buffers", self.buffers), ("gathered parameters", self.gathered),
+                ("activations", self.activations), ("loss buffers", self.loss_buffers),
+                ("backward working memory", self.backward)]
+
+
+def usable_bytes(device: Device) -> float:
+    """What training may allocate: the CUDA context, NCCL buffers and allocator fragmentation take the rest."""
+    if device.compute_bytes == 4:  # CPU: the process and its libraries
+        return device.memory_bytes - 2 * GIB
+    return device.memory_bytes * 0.95 - 1.5 * GIB
+
+
+# -- the estimate ----------------------------------------------------------------------------------------------------
+
+# quantised storage per weight: NF4/FP4 half a byte, plus one absmax per block of 64 (fp32, or 8-bit + an fp32 per
+# 256 blocks with double quantisation); LLM.int8: one byte plus an fp32 scale per row (negligible)
+QUANT_BYTES_PER_PARAM = {"4bit": 0.5 + 4 / 64, "4bit-double": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}
+# shardtune.loss.CHUNK_ELEMENTS on CUDA: fp32 logits of one chunk of labelled rows
+LOSS_CHUNK_ELEMENTS = 1 << 28
+FSDP_PREFETCH_LAYERS = 2  # the layer computing and the next one being all-gathered
+# working memory of backward, in layers' worth of saved activations (measured with bench/plan_check.py)
+BACKWARD_LAYERS = 0.0
+BACKWARD_LAYERS_CHECKPOINTED = 4 / 3
+
+
+def layer_activation_bytes(arch: Arch, compute_bytes: int, adapter: Adapter = Adapter()) -> float:
+    """Bytes a decoder layer saves for backward, per token (no activation checkpointing).
+
+    Counted tensor by tensor on Hugging Face's Llama layer (c = compute dtype bytes, d hidden, q / kv the query /
+    key-value widths, f intermediate, H heads):
+      2 RMSNorms    each keeps its input in fp32 (4 d) and its normalised output (c d), + an fp32 rstd   2 (4 + c) d + 8
+      attention     rotated q (c q), k and v (2 c kv), the attention output and its log-sum-exp (c q + 4 H), the
+                    o_proj input (c q), and the head-major copies the attention kernel works on (2 c q)     5 c q + 2 c kv + 4 H
+      MLP           gate, SiLU(gate), up and their product                                                 4 c f
+      LoRA          per target with dropout: the dropped input (c in) and its mask (in), the rank-r output (c r)
+    On this machine's torch (CPU SDPA, padding-free rows) the count matches the profiler's to the byte per token.
+    """
+    d, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    c = compute_bytes
+    norms = 2 * (4 + c) * d + 8
+    attention = 5 * c * q + 2 * c * kv + 4 * arch.num_heads
+    mlp = 4 * c * arch.intermediate_size
+    lora = 0
+    if adapter.method == "lora" and adapter.lora_dropout > 0:
+        shapes = arch.linear_shapes()
+        lora = sum((c + 1) * shapes[t][0] + c * adapter.lora_r for t in adapter.lora_targets if t in shapes)
+    return norms + attention + mlp + lora
+
+
+def outside_layers_bytes(arch: Arch, compute_bytes: int) -> float:
+    """Saved per token outside the decoder layers: the final RMSNorm (fp32 input, normalised output), the labelled
+    rows the lean head takes and their gradient (c d each), the rotary tables (fp32 cos and sin)."""
+    return (4 + compute_bytes) * arch.hidden_size + 2 * compute_bytes * arch.hidden_size + 8 * arch.head_dim
+
+
+def loss_buffer_bytes(arch: Arch, num_labels: int) -> float:
+    """The lean loss (shardtune.loss.ChunkedLinearCrossEntropy): the head's gradient in fp32 (4 V d), and one chunk
+    of fp32 logits with its softmax (2 x 4 V per row)."""
+    chunk_rows = min(num_labels, max(16, LOSS_CHUNK_ELEMENTS // arch.vocab_size))
+    return 4 * arch.vocab_size * arch.hidden_size + 2 * 4 * arch.vocab_size * chunk_rows
+
+
+def estimate(setup: Setup) -> Breakdown:
+    arch, s = setup.arch, setup
+    c, m = s.compute_bytes, s.master_bytes
+    total, trainable = arch.num_params, s.adapter.trainable_params(arch)
+    frozen = total - trainable if s.adapter.method else 0
+    quantized_linear = arch.num_layers * arch.layer_linear_params if s.quantization else 0
+    # frozen base weights: quantised linears, the rest in the compute dtype (PEFT keeps a frozen base in bf16 on GPU)
+    quant_key = "4bit-double" if s.quantization == "4bit" else s.quantization
+    frozen_bytes = (quantized_linear * QUANT_BYTES_PER_PARAM[quant_key] + (frozen - quantized_linear) * c
+                    if s.quantization else frozen * (c if s.adapter.method and c < 4 else m))
+    out = Breakdown()
+    group = s.shard_group
+    strategy = s.strategy
+    layer_unsharded = arch.layer_params * c
+    if s.quantization:  # a quantised layer is gathered packed
+        layer_unsharded = (arch.layer_linear_params * QUANT_BYTES_PER_PARAM[quant_key]
+                           + (arch.layer_params - arch.layer_linear_params) * c)
+    if strategy.startswith("ZERO"):
+        stage = int(strategy[-1])
+        n = s.world_size
+        out.params = (trainable * c + frozen_bytes) / (n if stage == 3 else 1)
+        out.grads = trainable * c / (n if stage >= 2 else 1)
+        master = trainable * 4 / n if c < 4 else 0  # fp32 master copy lives with the partitioned optimizer
+        optimizer = ADAM_STATES_PER_PARAM * trainable * 4 / n + master
+        if s.cpu_offload:
+            out.host_state, optimizer = optimizer, 0.0
+            if stage == 3:
+                out.host_state += out.params
+                out.params = 0.0
+        out.optimizer = optimizer
+        if stage == 3:
+            out.gathered = FSDP_PREFETCH_LAYERS * layer_unsharded + arch.root_params * c
+    else:
+        out.params = (trainable * m + frozen_bytes) / group
+        out.grads = trainable * m / group
+        out.optimizer = ADAM_STATES_PER_PARAM * trainable * m / group
+        if strategy == "DDP":
+            out.buffers = trainable * 4  # the reducer's gradient buckets (gradient_as_bucket_view is off)
+            if c < m:
+                out.gathered = trainable * c  # autocast's cached low-precision copy of every weight
+        elif group > 1 or c < m:
+            if strategy == "SHARD_GRAD_OP":
+                out.gathered = total * c
+            else:
+                out.gathered = FSDP_PREFETCH_LAYERS * layer_unsharded + arch.root_params * c
+        if s.cpu_offload and strategy != "DDP":
+            out.host_state = out.state
+            out.params = out.grads = out.optimizer = 0.0
+    tokens = s.tokens_per_rank
+    per_layer = layer_activation_bytes(arch, c, s.adapter) * tokens
+    if s.activation_checkpointing:
+        out.activations = arch.num_layers * c * arch.hidden_size * tokens  # each layer's input
+        out.backward = BACKWARD_LAYERS_CHECKPOINTED * per_layer  # the recomputed layer and its backward
+    else:
+        out.activations = arch.num_layers * per_layer
+        out.backward = BACKWARD_LAYERS * per_layer
+    out.activations += outside_layers_bytes(arch, c) * tokens
+    out.loss_buffers = loss_buffer_bytes(arch, tokens)
+    out.host_loading = host_loading_bytes(setup)
+    return out
+
+
+def host_loading_bytes(setup: Setup) -> float:
+    """CPU memory per node to load the weights: every local rank reads a full copy, or only global rank 0 with
+    --low_cpu_fsdp (other nodes read nothing)."""
+    weight_bytes = setup.arch.num_params * (2 if setup.pure_bf16 or setup.quantization else 4)
+    if setup.strategy == "DDP" or not setup.low_cpu_fsdp:
+        return setup.gpus_per_node * weight_bytes
+    return weight_bytes
+
+
+# -- communication and time ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one GPU sends per optimizer step, inside its node and across nodes."""
+
+    intra_node: float
+    inter_node: float
+
+
+def _ring(bytes_: float, n: int) -> float:
+    """Bytes each rank sends in a ring all-gather or reduce-scatter of ``bytes_`` over n ranks."""
+    return bytes_ * (n - 1) / n if n > 1 else 0.0
+
+
+def traffic_per_step(setup: Setup, accumulation_steps: int = 1) -> Traffic:
+    """Parameter all-gathers and gradient reductions of one optimizer step (accumulated micro-batches skip the
+    reduction). A group spanning nodes is charged to the inter-node link, which it is bound by."""
+    s, arch = setup, setup.arch
+    trainable = s.adapter.trainable_params(arch)
+    frozen_sharded = arch.num_params - trainable if s.adapter.method else 0
+    c, grad_bytes = s.compute_bytes, 4  # gradients reduced in fp32
+    spans_nodes = s.num_nodes > 1
+    intra = inter = 0.0
+
+    def add(bytes_: float, n: int, crosses: bool) -> None:
+        nonlocal intra, inter
+        if crosses:
+            inter += bytes_
+        else:
+            intra += bytes_
+
+    strategy = s.strategy
+    if strategy in ("DDP", "NO_SHARD", "ZERO1", "ZERO2"):
+        add(2 * _ring(trainable * grad_bytes, s.world_size), s.world_size, spans_nodes)
+        if strategy in ("ZERO1", "ZERO2"):
+            add(_ring(trainable * c, s.world_size), s.world_size, spans_nodes)  # updated params all-gathered
+    else:
+        group = s.shard_group
+        gathers = 1 if strategy == "SHARD_GRAD_OP" else 2
+        gathered_bytes = (trainable + frozen_sharded) * c
+        group_spans = spans_nodes and group > s.gpus_per_node or (spans_nodes and strategy != "HYBRID_SHARD")
+        add(gathers * accumulation_steps * _ring(gathered_bytes, group), group, group_spans)
+        add(_ring(trainable * grad_bytes, group), group, group_spans)
+        replicas = s.world_size // group
+        if replicas > 1:  # HSDP: the shard's gradients all-reduced across replicas (one per node)
+            add(2 * _ring(trainable * grad_bytes / group, replicas), replicas, spans_nodes)
+    return Traffic(intra, inter)
+
+
+def step_time_s(setup: Setup, device: Device, accumulation_steps: int = 1) -> tuple[float, float, float]:
+    """(step seconds, compute seconds, communication seconds): compute at ASSUMED_MFU of the peak; communication
+    at the link rates, overlapped with compute (FSDP prefetch, DDP buckets), so the slower of the two bounds it."""
+    from shardtune.flops import ModelShape, training_flops_per_token
+
+    arch = setup.arch
+    trainable = setup.adapter.trainable_params(arch)
+    matmul = arch.num_params - (0 if arch.tie_word_embeddings else arch.embedding_params)
+    shape = ModelShape(arch.num_layers, arch.hidden_size, matmul, min(trainable, matmul))
+    tokens = setup.batch_size * setup.seq_len * accumulation_steps * setup.data_parallel
+    flops = training_flops_per_token(shape, setup.seq_len) * tokens
+    if setup.activation_checkpointing:
+        flops *= 4 / 3  # the forward runs twice
+    compute = flops / (setup.world_size * device.matmul_flops * ASSUMED_MFU)
+    traffic = traffic_per_step(setup, accumulation_steps)
+    comm = traffic.intra_node / device.intra_node_bytes_s + traffic.inter_node / device.inter_node_bytes_s
+    offload = 0.0
+    if setup.cpu_offload and device.compute_bytes < 4:  # not overlapped: the state crosses PCIe, AdamW runs on the CPU
+        b = estimate(setup)
+        offload = 2 * b.host_state / HOST_LINK_BYTES_S + b.host_state / HOST_ADAM_BYTES_S
+    return max(compute, comm) + offload, compute, comm + offload
+
+
+# -- alternatives, limits and the recommendation ---------------------------------------------------------------------
+
+def fits(setup: Setup, device: Device) -> bool:
+    return estimate(setup).peak <= usable_bytes(device)
+
+
+def alternatives(setup: Setup) -> list[Setup]:
+    """The given setup and the others worth comparing: each strategy, with activation checkpointing and offload."""
+    out = [setup]
+    for strategy in STRATEGIES:
+        if strategy == "HYBRID_SHARD" and setup.num_nodes == 1:
+            continue
+        if setup.quantization == "8bit" and strategy not in ("DDP", "ZERO1", "ZERO2"):
+            continue
+        for ac in ((False, True) if strategy in FSDP_STRATEGIES else (False,)):
+            offloads = (False, True) if strategy in ("FULL_SHARD", "ZERO2", "ZERO3") else (False,)
+            for offload in offloads:
+                candidate = replace(setup, strategy=strategy, activation_checkpointing=ac, cpu_offload=offload)
+                if candidate not in out:
+                    out.append(candidate)
+    return out
+
+
+def largest_batch(setup: Setup, device: Device, limit: int = 1024) -> int:
+    """The largest micro-batch (units of seq_len tokens) that fits, 0 if none."""
+    best, lo, hi = 0, 1, limit
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(replace(setup, batch_size=mid), device):
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def longest_sequence(setup: Setup, device: Device, limit: int = 1 << 24) -> int:
+    """The longest sequence (tokens, multiple of 256) that fits with the setup's micro-batch of 1, 0 if none."""
+    best, lo, hi = 0, 1, limit // 256
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(replace(setup, batch_size=1, seq_len=mid * 256), device):
+            best, lo = mid * 256, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def describe_setup(setup: Setup) -> str:
+    parts = [setup.strategy]
+    if setup.activation_checkpointing:
+        parts.append("+AC")
+    if setup.cpu_offload:
+        parts.append("+offload")
+    return " ".join(parts)
+
+
+def command_flags(setup: Setup) -> list[str]:
+    """The sft flags that select this setup's strategy and memory levers."""
+    s = setup
+    flags: list[str] = []
+    if s.strategy.startswith("ZERO"):
+        flags += ["--enable_deepspeed", "--deepspeed_config.zero_stage", s.strategy[-1]]
+        if s.cpu_offload:
+            flags += ["--deepspeed_config.offload_optimizer", "true"]
+            if s.strategy == "ZERO3":
+                flags += ["--deepspeed_config.offload_param", "true"]
+    elif s.strategy != "DDP":
+        flags += ["--enable_fsdp", "--fsdp_config.sharding_strategy", s.strategy]
+        if s.activation_checkpointing:
+            flags += ["--fsdp_config.fsdp_activation_checkpointing", "true"]
+        if s.cpu_offload:
+            flags += ["--fsdp_config.fsdp_cpu_offload", "true"]
+    return flags
