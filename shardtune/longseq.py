@@ -58,7 +58,8 @@ def apply_memory_levers(model: nn.Module, cfg: TrainConfig, device: torch.device
     if cfg.rope_scaling:
         rope = model.config.rope_parameters
         notes.append(f"RoPE scaling {rope['rope_type']} x{rope['factor']:g}: positions up to "
-                     f"{model.config.max_position_embeddings:,} (trained at {rope['original_max_position_embeddings']:,})")
+                     f"{model.config.max_position_embeddings:,} (trained at "
+                     f"{rope['original_max_position_embeddings']:,})")
     for line in notes:
         print0(f"long sequences: {line}")
     return notes

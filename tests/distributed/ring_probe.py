@@ -55,7 +55,7 @@ def run_ring(row: dict[str, torch.Tensor], bounds: list[int], chunk_ids: tuple[i
 
 
 def main(out_dir: Path) -> None:
-    ring.TILE_ELEMENTS = 1 << 17  # row tiles of ~20-40 rows, so segments span several tiles (partial ones too)
+    ring.TILE_ELEMENTS["cpu"] = 1 << 17  # row tiles of ~20-40 rows, so segments span several tiles (partial ones too)
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     chunk_len = ROW_TOKENS // (2 * size)
