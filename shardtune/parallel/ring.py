@@ -55,8 +55,12 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         raise ValueError(f"ring attention: {query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     layout = _Layout(group, tuple(chunk_ids), chunk_len, tuple(int(b) for b in cu_seq_lens.tolist()))
+    row_tokens = 2 * layout.size * chunk_len
+    if layout.bounds[0] != 0 or layout.bounds[-1] != row_tokens:
+        raise ValueError(f"ring attention: cu_seq_lens must run from 0 to the whole row's {row_tokens} tokens "
+                         f"(padding included), got {layout.bounds[0]} .. {layout.bounds[-1]}")
     out = _RingAttention.apply(query[0], key[0], value[0], layout, scale)
-    return out.transpose(0, 1).unsqueeze(0)
+    return out.transpose(0, 1).unsqueeze(0).contiguous()
 
 
 @dataclass(frozen=True)
@@ -193,7 +197,7 @@ class _RingAttention(torch.autograd.Function):
         q = _grouped(query.float(), num_kv_heads)
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        held = [key, value]
+        held = [key.contiguous(), value.contiguous()]  # sent as they are: point-to-point ops need contiguous tensors
         for step in range(layout.size):
             last = step == layout.size - 1
             incoming, requests = _exchange(held, layout) if not last else (None, [])
@@ -215,7 +219,7 @@ class _RingAttention(torch.autograd.Function):
         dout = _grouped(grad_out.float(), num_kv_heads)
         delta = (dout * out).sum(-1)  # rowsum(dO * O), the softmax backward's correction term
         dq = torch.zeros_like(q)
-        held = [key, value]
+        held = [key.contiguous(), value.contiguous()]  # sent as they are: point-to-point ops need contiguous tensors
         dkv = [torch.zeros(key.shape, dtype=torch.float32, device=key.device) for _ in range(2)]
         for step in range(layout.size):
             last = step == layout.size - 1
