@@ -83,11 +83,11 @@ class _Layout:
         group_rank = (self.rank + offset) % self.size
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
-    def all_chunk_ids(self) -> list[tuple[int, int]]:
-        """Every group member's chunk ids, in group-rank order (one small all-gather)."""
+    def all_chunk_ids(self, device: torch.device) -> list[tuple[int, int]]:
+        """Every group member's chunk ids, in group-rank order (one small all-gather, on the backend's device)."""
         if self.size == 1:
             return [self.chunk_ids]
-        mine = torch.tensor(self.chunk_ids, dtype=torch.int64)
+        mine = torch.tensor(self.chunk_ids, dtype=torch.int64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(self.size)]
         dist.all_gather(gathered, mine, group=self.group)
         return [tuple(t.tolist()) for t in gathered]
@@ -193,7 +193,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, layout: _Layout, scale: float):  # (H, T, D), (H_kv, T, D) x 2
         num_kv_heads = key.shape[0]
-        chunk_ids = layout.all_chunk_ids()
+        chunk_ids = layout.all_chunk_ids(query.device)
         q = _grouped(query.float(), num_kv_heads)
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
