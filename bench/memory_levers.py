@@ -133,28 +133,26 @@ def mib(num_bytes: int) -> str:
 def markdown(lever_rows: list[dict], ring_rows: list[dict], machine: dict) -> str:
     lines = [f"# Long sequences on CPU ({datetime.date.today()})", "",
              f"{machine['cpu']}, {machine['cpu_count']} cores, torch {machine['torch']}. Peak resident memory of "
-             "one forward + backward above the process's memory just before it (MiB), each in a fresh process.", ""]
+             "one forward + backward above the process's memory just before it (MiB), each in a fresh process. "
+             "Step times are in the JSON file only: this machine is shared, they do not compare.", ""]
     if lever_rows:
         modes = list(LEVER_MODES)
         lines += [f"## Memory levers: one decoder layer (hidden {HIDDEN}, intermediate {INTERMEDIATE}, "
                   f"{NUM_HEADS} heads / {NUM_KV_HEADS} KV heads), lean loss", "",
-                  "| tokens | " + " | ".join(modes) + " | step s (plain / tiled) |",
-                  "|---:|" + "---:|" * len(modes) + "---|"]
+                  "| tokens | " + " | ".join(modes) + " |", "|---:|" + "---:|" * len(modes)]
         for seq_len in sorted({r["seq_len"] for r in lever_rows}):
             by_mode = {r["mode"]: r for r in lever_rows if r["seq_len"] == seq_len}
-            times = f"{by_mode['plain']['step_s']:.1f} / {by_mode['tiled_mlp']['step_s']:.1f}"
-            lines.append(f"| {seq_len:,} | " + " | ".join(mib(by_mode[m]["step_peak_bytes"]) for m in modes)
-                         + f" | {times} |")
+            lines.append(f"| {seq_len:,} | " + " | ".join(mib(by_mode[m]["step_peak_bytes"]) for m in modes) + " |")
         lines.append("")
     if ring_rows:
         sizes = sorted({r["cp_size"] for r in ring_rows})
         lines += [f"## Ring attention alone ({NUM_HEADS} heads / {NUM_KV_HEADS} KV heads x {HIDDEN // NUM_HEADS}, "
-                  "one causal document): largest per-rank peak (MiB) and step time (s)", "",
+                  "one causal document): largest per-rank peak (MiB)", "",
                   "| tokens | " + " | ".join(f"C={c}" for c in sizes) + " |", "|---:|" + "---:|" * len(sizes)]
         for seq_len in sorted({r["seq_len"] for r in ring_rows}):
             by_size = {r["cp_size"]: r for r in ring_rows if r["seq_len"] == seq_len}
-            lines.append(f"| {seq_len:,} | " + " | ".join(
-                f"{mib(by_size[c]['max_step_peak_bytes'])} ({by_size[c]['step_s']:.1f} s)" for c in sizes) + " |")
+            lines.append(f"| {seq_len:,} | " + " | ".join(mib(by_size[c]["max_step_peak_bytes"]) for c in sizes)
+                         + " |")
         lines.append("")
     return "\n".join(lines)
 
