@@ -75,6 +75,7 @@ PEFT_METHODS = ("lora", "llama_adapter", "prefix")
 QUANTIZATIONS = ("", "4bit", "8bit")
 QUANTIZATION_SPELLINGS = {"int4": "4bit", "int8": "8bit"}  # older llama-cookbook pages write int4 / int8
 NAN_POLICIES = ("stop", "skip")
+ROPE_SCALINGS = ("", "yarn")
 
 
 @dataclass
@@ -229,6 +230,18 @@ class TrainConfig:
                                                "every metrics.jsonl row and the start log, always")
     memory_monitoring_interval: int = _f(100, "accepted for llama-cookbook configs; memory is logged every step")
     grammar_dataset: GrammarDatasetConfig = _f(GrammarDatasetConfig(), "llama-cookbook's grammar correction CSVs")
+    # long sequences: memory levers (issue 10, shardtune.longseq)
+    tiled_mlp: bool = _f(False, "run each decoder layer's MLP over sequence tiles of hidden_size tokens, recomputed "
+                                "in backward (ALST): its (sequence x intermediate) activations never exist for the "
+                                "whole sequence; same results")
+    activation_offloading: bool = _f(False, "keep the activations saved for backward (with activation checkpointing: "
+                                            "each checkpointed layer's input) in pinned CPU memory until backward "
+                                            "(CUDA; on CPU they are in CPU memory anyway); same results")
+    rope_scaling: str = _f("", "yarn: YaRN RoPE scaling by --rope_factor, set in the model config before the model is "
+                               "built (a model trained at N tokens fine-tunes at N x factor); empty: the model's own",
+                           choices=ROPE_SCALINGS)
+    rope_factor: float = _f(1.0, "context extension factor of --rope_scaling (> 1): max_position_embeddings grows "
+                                 "by it")
 
     synthetic_dialogues: SyntheticDialoguesConfig = _f(SyntheticDialoguesConfig(), "embedded dialogue data")
     samsum_dataset: SamsumDatasetConfig = _f(SamsumDatasetConfig(), "SAMSum-format data")
@@ -680,3 +693,13 @@ def _check_fp16_device(cfg: TrainConfig, world_size: int) -> None:
     if cfg.use_fp16 and not fp16_compute_available():
         raise ConfigError("--use_fp16 needs CUDA GPUs (fp16 compute with a gradient scaler, for GPUs without bf16); "
                           "this machine has none, and on CPU shardtune computes in fp32: drop --use_fp16")
+
+
+@validator
+def _check_long_sequence_levers(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.rope_scaling and cfg.rope_factor <= 1:
+        raise ConfigError(f"--rope_factor {cfg.rope_factor} must be > 1 with --rope_scaling {cfg.rope_scaling}: pass "
+                          "the context extension, e.g. --rope_factor 4")
+    if not cfg.rope_scaling and cfg.rope_factor != 1:
+        raise ConfigError(f"--rope_factor {cfg.rope_factor} has no effect without --rope_scaling: add "
+                          "--rope_scaling yarn or drop the flag")

@@ -199,16 +199,18 @@ def check_tokenizer_fits(model_name: str, tokenizer: PreTrainedTokenizerFast, to
                           "len(tokenizer)), then save_pretrained both)")
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> torch.nn.Module:
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               **config_overrides) -> torch.nn.Module:
     attention = attention_implementation(AutoConfig.from_pretrained(name_or_path))
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attention)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attention,
+                                                 **config_overrides)
     return model.to(device)
 
 
-def build_model_on_meta(name_or_path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def build_model_on_meta(name_or_path: str, dtype: torch.dtype = torch.float32,
+                        **config_overrides) -> torch.nn.Module:
     """The model's structure without memory, for sharding first and loading weights (on rank 0) afterwards."""
-    config = AutoConfig.from_pretrained(name_or_path)
+    config = AutoConfig.from_pretrained(name_or_path, **config_overrides)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                 attn_implementation=attention_implementation(config))

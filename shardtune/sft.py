@@ -28,6 +28,7 @@ from shardtune.distributed import (
     DistEnv, barrier, init_distributed, is_torchrun_worker, print0, seed_everything, shutdown,
 )
 from shardtune.launch import launch, resolve_nnodes, resolve_nproc, split_launcher_args, torchrun_argv
+from shardtune.longseq import apply_memory_levers, check_rope_scaling, rope_config_overrides
 from shardtune.metrics import MetricsWriter
 from shardtune.model_checks import check_model_structure
 from shardtune.models import (
@@ -52,6 +53,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> None:
     check_model_structure(cfg)
     check_model_flags(cfg)
     check_peft(cfg)
+    check_rope_scaling(cfg)
     if cfg.tokenizer_name:
         check_model_source(cfg.tokenizer_name, "tokenizer_name")
     data.check_data_config(cfg)
@@ -80,13 +82,14 @@ def build_model(cfg: TrainConfig, env: DistEnv) -> torch.nn.Module:
     """The model to train, before wrapping: fp32 master weights (bf16 with pure_bf16). With low_cpu_fsdp only
     global rank 0 reads the weights; the others build on the meta device and receive theirs after sharding."""
     dtype = torch.bfloat16 if cfg.enable_fsdp and cfg.fsdp_config.pure_bf16 else torch.float32
+    overrides = rope_config_overrides(cfg)
     if cfg.quantization and cfg.low_cpu_fsdp:
         return load_quantized_on_rank0(cfg, env)
     if cfg.low_cpu_fsdp and env.rank != 0:
-        return build_model_on_meta(cfg.model_name, dtype=dtype)
+        return build_model_on_meta(cfg.model_name, dtype=dtype, **overrides)
     if cfg.quantization:
-        return load_quantized_model(cfg, env.device)
-    return load_model(cfg.model_name, dtype=dtype)
+        return load_quantized_model(cfg, env.device, **overrides)
+    return load_model(cfg.model_name, dtype=dtype, **overrides)
 
 
 def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, tokenizer) -> None:
@@ -115,6 +118,7 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
 
     model = build_model(cfg, env)
     freeze_first_layers(model, cfg)
+    apply_memory_levers(model, cfg, env.device)
     if cfg.use_peft:
         model = apply_peft(model, cfg)
     apply_speed_features(model, cfg, env.device)
