@@ -22,11 +22,14 @@ from shardtune import data
 from shardtune.checkpoint import Checkpointer, Position
 from shardtune.config import TrainConfig
 from shardtune.distributed import DistEnv, all_reduce_sum
-from shardtune.flops import ModelShape, measured_peak_flops, micro_batch_flops, model_shape, num_input_tokens
+from shardtune.flops import (
+    ModelShape, measured_peak_flops, micro_batch_flops, model_shape, num_input_tokens, palm_micro_batch_flops,
+)
 from shardtune.loss import num_label_tokens, token_loss_sum
 from shardtune.metrics import MetricsWriter, peak_memory_bytes, perplexity
 from shardtune.optim import build_optimizer, build_scheduler  # noqa: F401 (build_optimizer: re-exported for bench/)
 from shardtune.parallel.base import Strategy
+from shardtune.profiling import StepProbe
 
 
 @dataclass
@@ -51,8 +54,10 @@ def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Opti
     local_counts = torch.tensor([sum(num_label_tokens(mb["labels"]) for mb in micro_batches),
                                  sum(num_input_tokens(mb) for mb in micro_batches),
                                  sum(micro_batch_flops(shape, mb) for mb in micro_batches) if shape is not None
+                                 else 0,
+                                 sum(palm_micro_batch_flops(shape, mb) for mb in micro_batches) if shape is not None
                                  else 0])
-    num_tokens, input_tokens, flops = (int(x) for x in all_reduce_sum(local_counts, env.device))
+    num_tokens, input_tokens, flops, palm_flops = (int(x) for x in all_reduce_sum(local_counts, env.device))
     scale = strategy.grad_average_size / max(num_tokens, 1)
     local_loss_sum = torch.zeros((), dtype=torch.float64)
     last = len(micro_batches) - 1
@@ -76,7 +81,7 @@ def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Opti
     max_norm = cfg.gradient_clipping_threshold if cfg.gradient_clipping else None
     grad_norm, stepped = strategy.clip_and_step(model, optimizer, max_norm, allow_step)
     stats = {"loss": loss, "num_tokens": num_tokens, "input_tokens": input_tokens, "grad_norm": grad_norm,
-             "flops": flops}
+             "flops": flops, "palm_flops": palm_flops}
     return stats if stepped else {**stats, "skipped": True}
 
 
@@ -124,6 +129,7 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
                     if cfg.run_validation else [])
 
     result = TrainResult()
+    probe = StepProbe(cfg, env, total_steps)
     start = (checkpointer.start(model, optimizer, scheduler, result, steps_per_epoch, total_steps)
              if checkpointer else Position())
     bar = tqdm(total=total_steps, initial=result.steps, desc="train", unit="step", disable=not env.is_main,
@@ -141,7 +147,8 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
                 break
             lr = optimizer.param_groups[0]["lr"]
             try:
-                stats = train_step(model, strategy, optimizer, micro_batches, cfg, env, shape)
+                with probe.step(result.steps + 1):
+                    stats = train_step(model, strategy, optimizer, micro_batches, cfg, env, shape)
             except NonFiniteLossError as e:
                 raise TrainingStopped(f"non-finite {e} at step {result.steps + 1} (epoch {epoch + 1}), found before "
                                       "the optimizer step, so the weights were not touched; "
@@ -167,12 +174,16 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
                 "peak_memory_bytes": peak_memory_bytes(env.device),
                 "model_flops_per_s": stats["flops"] / step_time_s,
                 "mfu": stats["flops"] / step_time_s / peak_flops,
+                "mfu_palm": stats["palm_flops"] / step_time_s / peak_flops,
             }
             if stats["grad_norm"] is not None:
                 row["grad_norm"] = stats["grad_norm"]
             if stats.get("skipped"):
                 row["skipped"] = True
+            flop_report = probe.report(result.steps, row, stats)
             writer.write(row)
+            if flop_report and env.is_main:
+                bar.write(flop_report)
             done_in_epoch = step_in_epoch + 1
             if checkpointer:
                 checkpointer.after_step(epoch, done_in_epoch)
@@ -191,4 +202,5 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
         if checkpointer:
             checkpointer.after_epoch(epoch, done_in_epoch)
     bar.close()
+    probe.close()
     return result
