@@ -11,6 +11,8 @@ SUBCOMMANDS = {
     "export": "turn a training checkpoint (any world size, any strategy) into a Hugging Face model directory",
     "generate": "generate text with a model, a model + PEFT adapter, or a merged model (prompt, file or stdin)",
     "eval": "eval loss, perplexity and ROUGE of generated summaries on a samsum-format split; JSON report",
+    "plot": "PNG charts (loss, lr, tokens/s, MFU, memory) of one or more runs, overlaid; reads metrics.jsonl or "
+            "llama-cookbook's metrics_data_*.json",
 }
 
 
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<12} {text}")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    from shardtune.sft import quiet_libraries
+    from shardtune.runtime import quiet_libraries
 
     quiet_libraries()
     if command == "sft":
@@ -56,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         from shardtune.generate import main as generate_main
 
         return generate_main(rest)
+    if command == "plot":
+        from shardtune.plot import main as plot_main
+
+        return plot_main(rest)
     if command == "eval":
         from shardtune.evaluate import main as eval_main
 

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import traceback
@@ -16,13 +15,15 @@ import torch
 
 from shardtune import data
 from shardtune.checkpoint import (
-    Checkpointer, CheckpointError, remove_stale_staging, save_hf_model, write_text_atomic,
+    Checkpointer, remove_stale_staging, save_hf_model, write_text_atomic,
 )
 from shardtune.config import ConfigError, TrainConfig, effective_batch_size, help_text, parse_args, to_yaml, validate
 from shardtune.data.cache import load_examples_cached
 from shardtune.distributed import (
     DistEnv, barrier, init_distributed, is_torchrun_worker, print0, seed_everything, shutdown,
 )
+from shardtune.errors import CheckpointError, TrainingStopped
+from shardtune.inference import EvalSampler
 from shardtune.launch import launch, resolve_nnodes, resolve_nproc, split_launcher_args, torchrun_argv
 from shardtune.metrics import MetricsWriter
 from shardtune.models import (
@@ -31,8 +32,10 @@ from shardtune.models import (
 )
 from shardtune.parallel import make_strategy
 from shardtune.peft import apply_peft, check_peft, load_quantized_model, save_adapter
+from shardtune.runtime import quiet_libraries
 from shardtune.speed import apply_speed_features
-from shardtune.train import TrainingStopped, TrainResult, train
+from shardtune.trackers import open_trackers
+from shardtune.train import TrainResult, train
 
 
 def prepare(cfg: TrainConfig, world_size: int) -> None:
@@ -118,9 +121,11 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     checkpointer = Checkpointer(cfg, env, strategy, tokenizer)
     metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.save_metrics else None
     append = metrics_path is not None and checkpointer.keep_metrics_rows(metrics_path)
-    writer = MetricsWriter(metrics_path, append=append)
+    writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else ())
     try:
-        result = train(model, strategy, cfg, env, units, eval_examples, tokenizer.pad_token_id, writer, checkpointer)
+        sampler = EvalSampler(eval_examples[:cfg.log_eval_samples], tokenizer) if cfg.log_eval_samples else None
+        result = train(model, strategy, cfg, env, units, eval_examples, tokenizer.pad_token_id, writer, checkpointer,
+                       sampler)
     finally:
         writer.close()
     if cfg.save_model:
@@ -139,15 +144,6 @@ def report(result: TrainResult, cfg: TrainConfig) -> str:
     if cfg.save_model:
         lines.append(f"  model written to {Path(cfg.output_dir).resolve()}")
     return "\n".join(lines)
-
-
-def quiet_libraries() -> None:
-    """Our progress bar is the one a user watches; transformers' load/save bars on every rank are noise, and so
-    is bitsandbytes' import-time note about an optional CPU kernel package (it is printed on every import)."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 def fail(message: str, debug: bool) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -22,9 +23,11 @@ from shardtune import data
 from shardtune.checkpoint import Checkpointer, Position
 from shardtune.config import TrainConfig
 from shardtune.distributed import DistEnv, all_reduce_sum
+from shardtune.errors import TrainingStopped
 from shardtune.flops import (
     ModelShape, measured_peak_flops, micro_batch_flops, model_shape, num_input_tokens, palm_micro_batch_flops,
 )
+from shardtune.inference import mean_rouge
 from shardtune.loss import num_label_tokens, token_loss_sum
 from shardtune.metrics import MetricsWriter, peak_memory_bytes, perplexity
 from shardtune.optim import build_optimizer, build_scheduler  # noqa: F401 (build_optimizer: re-exported for bench/)
@@ -92,10 +95,6 @@ class NonFiniteLossError(RuntimeError):
         super().__init__(f"loss {loss}" + (f", gradient norm {grad_norm}" if grad_norm is not None else ""))
 
 
-class TrainingStopped(RuntimeError):
-    """Training cannot go on (e.g. a non-finite loss): one line saying where, what was kept, and the fix."""
-
-
 @torch.no_grad()
 def evaluate(model: nn.Module, strategy: Strategy, batches: list[dict[str, torch.Tensor]],
              env: DistEnv) -> tuple[float, float, int]:
@@ -112,9 +111,20 @@ def evaluate(model: nn.Module, strategy: Strategy, batches: list[dict[str, torch
     return loss, perplexity(loss), int(num_tokens)
 
 
+@torch.no_grad()
+def generate_samples(model: nn.Module, strategy: Strategy, sampler: Callable[[nn.Module], list[dict]]) -> list[dict]:
+    """--log_eval_samples: the sampler's generations with the model as it is now (every rank runs them)."""
+    model.eval()
+    with strategy.autocast():
+        samples = sampler(strategy.unwrap(model))
+    model.train()
+    return samples
+
+
 def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
           train_units: list, eval_examples: list[dict], pad_id: int, writer: MetricsWriter,
-          checkpointer: Checkpointer | None = None) -> TrainResult:
+          checkpointer: Checkpointer | None = None,
+          eval_sampler: Callable[[nn.Module], list[dict]] | None = None) -> TrainResult:
     optimizer = strategy.build_optimizer(model)
     steps_per_epoch = data.steps_per_epoch(len(train_units), cfg, env.world_size)
     total_steps = steps_per_epoch * cfg.num_epochs
@@ -195,8 +205,11 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
         if cfg.run_validation:
             loss, ppl, n = evaluate(model, strategy, eval_batches, env)
             result.eval_loss, result.eval_ppl = loss, ppl
+            samples = generate_samples(model, strategy, eval_sampler) if eval_sampler else []
             writer.write({"step": result.steps, "epoch": epoch + 1, "eval_loss": loss, "eval_ppl": ppl,
-                          "eval_num_tokens": n})
+                          "eval_num_tokens": n, **mean_rouge(samples)})
+            if samples:
+                writer.write_samples(samples, result.steps)
             if env.is_main:
                 bar.write(f"epoch {epoch + 1}: eval loss {loss:.4f}, perplexity {ppl:.2f}")
         if checkpointer:
