@@ -41,13 +41,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<12} {text}")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    from shardtune.runtime import quiet_libraries
-
-    quiet_libraries()
     if command == "sft":
+        if "-h" in rest or "--help" in rest:  # answered at once: torch and transformers are not imported for it
+            from shardtune.launch import sft_help_text
+
+            print(sft_help_text())
+            return 0
         from shardtune.sft import main as sft_main
 
         return sft_main(rest)
+    if command in ("init-model", "export"):
+        from shardtune.runtime import quiet_libraries
+
+        quiet_libraries()
     if command == "init-model":
         return init_model_main(rest)
     if command == "export":

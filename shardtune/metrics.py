@@ -1,4 +1,6 @@
-"""Metrics: one JSON object per optimizer step / evaluation in metrics.jsonl, written by rank 0."""
+"""Metrics: one JSON object per optimizer step / evaluation in metrics.jsonl, written by rank 0.
+
+Imports no torch at module level: `shardtune plot` reads metrics with it and starts at once."""
 
 from __future__ import annotations
 
@@ -8,13 +10,14 @@ import os
 import resource
 import sys
 from pathlib import Path
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from shardtune.trackers import Tracker, tracker_scalars
 
 EVAL_SAMPLES_FILE = "eval_samples.jsonl"
+
+if TYPE_CHECKING:
+    import torch
 
 
 class MetricsWriter:
@@ -64,6 +67,8 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak device memory on GPU; peak resident set size of this process on CPU."""
     if device.type == "cuda":
+        import torch
+
         return int(torch.cuda.max_memory_allocated(device))
     rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss_kib * (1 if sys.platform == "darwin" else 1024))

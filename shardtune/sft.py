@@ -17,14 +17,17 @@ from shardtune import data
 from shardtune.checkpoint import (
     Checkpointer, remove_stale_staging, save_hf_model, write_text_atomic,
 )
-from shardtune.config import ConfigError, TrainConfig, effective_batch_size, help_text, parse_args, to_yaml, validate
+from shardtune.config import ConfigError, TrainConfig, effective_batch_size, parse_args, to_yaml, validate
 from shardtune.data.cache import load_examples_cached
 from shardtune.distributed import (
     DistEnv, barrier, init_distributed, is_torchrun_worker, print0, seed_everything, shutdown,
 )
 from shardtune.errors import CheckpointError, TrainingStopped
 from shardtune.inference import EvalSampler
-from shardtune.launch import launch, resolve_nnodes, resolve_nproc, split_launcher_args, torchrun_argv
+from shardtune.launch import (
+    in_place_worker_env, launch, resolve_nnodes, resolve_nproc, runs_in_place, sft_help_text, split_launcher_args,
+    torchrun_argv,
+)
 from shardtune.metrics import MetricsWriter
 from shardtune.models import (
     build_model_on_meta, cache_dir, check_model_source, count_parameters, load_model, load_tokenizer,
@@ -152,10 +155,11 @@ def fail(message: str, debug: bool) -> None:
     print(f"shardtune: error: {message}", file=sys.stderr, flush=True)
 
 
-def run_worker(cfg: TrainConfig) -> int:
+def run_worker(cfg: TrainConfig, prepared: bool = False) -> int:
     rank = int(os.environ["RANK"])
     try:
-        prepare(cfg, int(os.environ["WORLD_SIZE"]))
+        if not prepared:  # the in-place run (one process) prepared it already
+            prepare(cfg, int(os.environ["WORLD_SIZE"]))
     except ConfigError as e:
         if rank == 0:  # every rank finds the same problem; one line is enough
             fail(str(e), cfg.debug)
@@ -179,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     quiet_libraries()
     if "-h" in argv or "--help" in argv:
-        print(help_text())
+        print(sft_help_text())
         return 0
     debug = "--debug" in argv
     try:
@@ -195,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         fail(str(e), debug)
         return 2
+    if runs_in_place(launch_args, nproc):
+        os.environ.update(in_place_worker_env())
+        return run_worker(cfg, prepared=True)
     # workers receive the resolved model path, so a preset is built once, here
     return launch(torchrun_argv(launch_args, nproc), "shardtune.sft", [*train_argv, "--model_name", cfg.model_name],
                   nproc)

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shardtune.config import TrainConfig, to_dict, to_yaml, trackers
-from shardtune.distributed import print0
 
 # metrics.jsonl key -> tracker name; other numeric keys of a step row go under train/, of an eval row under eval/
 TRACKER_NAMES = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
@@ -71,6 +70,8 @@ def wandb_mode(cfg: TrainConfig) -> str:
     logged_in = bool(os.environ.get("WANDB_API_KEY")) or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())
     if logged_in and reachable("api.wandb.ai", 443):
         return "online"
+    from shardtune.distributed import print0
+
     print0("wandb: offline (" + ("api.wandb.ai is not reachable" if logged_in else "not logged in")
            + f"): the run is kept in {Path(cfg.output_dir) / 'wandb'}; upload it later with wandb sync")
     return "offline"
