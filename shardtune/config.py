@@ -672,7 +672,8 @@ def _check_observability(cfg: TrainConfig, world_size: int) -> None:
     for name in trackers(cfg):
         module, extra = TRACKER_PACKAGES[name]
         if importlib.util.find_spec(module) is None:
-            flag = "--use_wandb" if name == "wandb" and cfg.report_to not in ("wandb", "all") else f"--report_to {name}"
+            flag = "--use_wandb" if name == "wandb" and cfg.report_to not in ("wandb", "all") else \
+                f"--report_to {cfg.report_to}"
             raise ConfigError(f"{flag} needs {module}, which is not installed: pip install 'shardtune[{extra}]', "
                               "or drop the flag")
     if cfg.use_profiler and cfg.flop_counter:

@@ -19,6 +19,7 @@ from pathlib import Path
 from shardtune.metrics import read_metrics
 
 GIB = 1 << 30
+LINE_STYLES = ("-", "--", "-.", ":")  # run i's style: runs that coincide (equivalent layouts) stay visible
 COOKBOOK_PATTERN = "metrics_data_*.json"
 
 
@@ -99,11 +100,12 @@ def draw_loss(ax, runs: list[Run], smoothing: float) -> bool:
         steps = [r["step"] for r in run.steps]
         losses = [r["loss"] for r in run.steps]
         ax.plot(steps, losses, color=color, alpha=0.25, linewidth=0.8)
-        ax.plot(steps, smoothed(losses, smoothing), color=color, linewidth=1.6, label=f"{run.name} (train)")
+        ax.plot(steps, smoothed(losses, smoothing), color=color, linewidth=1.6, label=f"{run.name} (train)",
+                linestyle=LINE_STYLES[i % len(LINE_STYLES)])
         if run.evals:
             ax.plot([r["step"] for r in run.evals], [r["eval_loss"] for r in run.evals], color=color, marker="o",
-                    linestyle="--", markersize=6, markeredgecolor="black", label=f"{run.name} (eval)")
-    ax.set(title=f"loss (faint: raw, solid: smoothed {smoothing}; dots: eval)", xlabel="optimizer step",
+                    linestyle="none", markersize=7 - 2 * (i % 2), markeredgecolor="black", label=f"{run.name} (eval)")
+    ax.set(title=f"loss (faint: raw; bold: smoothed {smoothing}; dots: eval)", xlabel="optimizer step",
            ylabel="loss")
     return any(run.steps for run in runs)
 
@@ -114,7 +116,7 @@ def draw_panel(ax, runs: list[Run], panel: Panel) -> bool:
         points = [(r["step"], r[panel.key] * panel.scale) for r in run.steps if r.get(panel.key) is not None]
         if points:
             ax.plot(*zip(*points), color=f"C{i}", linewidth=1.4, marker="." if len(points) < 50 else None,
-                    label=run.name)
+                    linestyle=LINE_STYLES[i % len(LINE_STYLES)], label=run.name)
             drawn = True
     ax.set(title=panel.title, xlabel="optimizer step", ylabel=panel.ylabel)
     return drawn
