@@ -25,7 +25,8 @@ from shardtune import data
 from shardtune.checkpoint import write_text_atomic
 from shardtune.config import ConfigError, TrainConfig, parse_args
 from shardtune.inference import (
-    SUMMARY_MAX_NEW_TOKENS, ROUGE_TYPES, generate_for_examples, load_for_inference, resolve_model_and_adapter, rouge_scores,
+    ROUGE_TYPES, SUMMARY_MAX_NEW_TOKENS, generate_for_examples, load_for_inference, resolve_model_and_adapter,
+    rouge_scores,
 )
 from shardtune.loss import num_label_tokens, token_loss_sum
 from shardtune.metrics import perplexity

@@ -53,9 +53,10 @@ class TensorBoardTracker:
         self.writer.flush()
 
     def log_samples(self, samples: list[dict[str, str]], step: int) -> None:
+        columns = ("prompt", "prediction", "reference")
+        cells = [[s[k].replace("|", "\\|").replace("\n", " ") for k in columns] for s in samples]
         table = "| prompt | prediction | reference |\n|---|---|---|\n" + "\n".join(
-            "| " + " | ".join(s[k].replace("|", "\\|").replace("\n", " ") for k in ("prompt", "prediction", "reference"))
-            + " |" for s in samples)
+            "| " + " | ".join(row) + " |" for row in cells)
         self.writer.add_text("eval/samples", table, global_step=step)
 
     def close(self) -> None:
