@@ -4,7 +4,8 @@ step on random-initialised Llama shapes. Launched by bench/gpu.sh under torchrun
     full  llama-1b-shape, bf16 compute (fp32 master weights), FSDP2, sequence 2048, full fine-tuning
     lora  llama-8b-shape, bf16 weights, FSDP2, LoRA r=8 on q_proj / v_proj, sequence 2048
 
-MFU = model FLOPs (shardtune/flops.py: 6 N + 12 L d T; frozen weights 4 N) / the measured bf16 matmul peak.
+MFU = model FLOPs as computed (shardtune/flops.py: output layer on labelled tokens, causal attention) / the measured
+bf16 matmul peak.
 ``--cpu-smoke`` runs the same code on tiny shapes, fp32, gloo, two steps each: what the tests exercise.
 On CUDA the figures are appended to bench/results/gpu.md and written to bench/results/gpu-DATE.json.
 """

@@ -23,6 +23,8 @@ from shardtune.config import (
     ConfigError, TrainConfig, effective_batch_size, flatten_dict, to_dict, to_yaml, validator,
 )
 from shardtune.distributed import DistEnv, all_reduce_sum, barrier, print0, warn0
+from shardtune.errors import CheckpointError
+from shardtune.parallel.deepspeed import deepspeed_resume_problem
 
 # Written last when publishing a model directory: without it the directory does not load as a model.
 LAST_FILES = ("config.json", "adapter_config.json")
@@ -103,10 +105,6 @@ RUN_CONTROL_SETTINGS = frozenset({
     "save_model", "save_metrics", "max_eval_step", "run_validation", "val_batch_size", "nan_policy",
     "fsdp_config.checkpoint_type", "batch_size_training", "gradient_accumulation_steps",
 })
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read: one line naming the path, the cause and the fix."""
 
 
 def checkpoints_dir(where: str | Path) -> Path:
@@ -203,16 +201,6 @@ def _check_checkpointing(cfg: TrainConfig, world_size: int) -> None:
         problem = by_deepspeed and deepspeed_resume_problem(path, saved, world_size, cfg.deepspeed_config.zero_stage)
         if problem:
             raise ConfigError(f"--resume {cfg.resume}: {problem}")
-
-
-def deepspeed_resume_problem(path: Path, saved: dict, world_size: int, zero_stage: int) -> str | None:
-    """Why a DeepSpeed checkpoint cannot be loaded by this run (its partitions are DeepSpeed's own), or None."""
-    stage = saved.get("zero_stage")
-    if saved["world_size"] == world_size and stage == zero_stage:
-        return None
-    return (f"{path} holds DeepSpeed ZeRO-{stage} partitions of {saved['world_size']} processes, and this run is "
-            f"ZeRO-{zero_stage} on {world_size}: resume with --nproc_per_node {saved['world_size']} (x nodes) and "
-            f"--deepspeed_config.zero_stage {stage}, or start a new run from its export (shardtune export)")
 
 
 def read_trainer_state(path: Path) -> dict:

@@ -12,6 +12,8 @@ SUBCOMMANDS = {
     "generate": "generate text with a model, a model + PEFT adapter, or a merged model (prompt, file or stdin)",
     "plan": "per-GPU memory and speed of a configuration and its alternatives, from config.json alone (no GPU)",
     "eval": "eval loss, perplexity and ROUGE of generated summaries on a samsum-format split; JSON report",
+    "plot": "PNG charts (loss, lr, tokens/s, MFU, memory) of one or more runs, overlaid; reads metrics.jsonl or "
+            "llama-cookbook's metrics_data_*.json",
 }
 
 
@@ -40,13 +42,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<12} {text}")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    from shardtune.sft import quiet_libraries
-
-    quiet_libraries()
     if command == "sft":
+        if "-h" in rest or "--help" in rest:  # answered at once: torch and transformers are not imported for it
+            from shardtune.launch import sft_help_text
+
+            print(sft_help_text())
+            return 0
         from shardtune.sft import main as sft_main
 
         return sft_main(rest)
+    if command in ("init-model", "export"):
+        from shardtune.runtime import quiet_libraries
+
+        quiet_libraries()
     if command == "init-model":
         return init_model_main(rest)
     if command == "export":
@@ -61,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         from shardtune.plan import main as plan_main
 
         return plan_main(rest)
+    if command == "plot":
+        from shardtune.plot import main as plot_main
+
+        return plot_main(rest)
     if command == "eval":
         from shardtune.evaluate import main as eval_main
 

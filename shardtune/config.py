@@ -76,6 +76,7 @@ QUANTIZATIONS = ("", "4bit", "8bit")
 QUANTIZATION_SPELLINGS = {"int4": "4bit", "int8": "8bit"}  # older llama-cookbook pages write int4 / int8
 NAN_POLICIES = ("stop", "skip")
 ROPE_SCALINGS = ("", "yarn")
+REPORT_TO = ("none", "tensorboard", "wandb", "trackio", "all")
 
 
 @dataclass
@@ -142,6 +143,18 @@ class GrammarDatasetConfig:
 
 
 COOKBOOK_OPTIMIZERS = ("AdamW", "anyprecision")
+
+
+@dataclass
+class WandbConfig:
+    project: str = _f("shardtune", "W&B project")
+    entity: str = _f("", "W&B team or user; empty: your default entity")
+    job_type: str = _f("", "W&B job type (e.g. train)")
+    tags: list[str] = _f([], "W&B tags (comma-separated on the CLI)")
+    group: str = _f("", "W&B group, to see related runs together")
+    notes: str = _f("", "W&B notes: a longer description of the run")
+    mode: str = _f("", "online, offline or disabled; empty: online when api.wandb.ai answers and you are logged "
+                       "in, else offline (sync later with wandb sync)", choices=("", "online", "offline", "disabled"))
 
 
 @dataclass
@@ -242,6 +255,21 @@ class TrainConfig:
                            choices=ROPE_SCALINGS)
     rope_factor: float = _f(1.0, "context extension factor of --rope_scaling (> 1): max_position_embeddings grows "
                                  "by it")
+    # What a person sees (issue 13): trackers, profiles, FLOP counts, eval samples
+    report_to: str = _f("none", "where rank 0 also sends the metrics.jsonl rows: none, tensorboard (event files in "
+                                "output_dir/tensorboard), wandb, trackio, or all (TRL's name; each is an optional "
+                                "extra: pip install 'shardtune[tensorboard]')", choices=REPORT_TO)
+    use_wandb: bool = _f(False, "log to Weights & Biases (llama-cookbook's spelling of --report_to wandb)")
+    wandb_config: WandbConfig = _f(WandbConfig(), "Weights & Biases settings")
+    use_profiler: bool = _f(False, "torch.profiler traces per rank in profiler_dir: steps 4-6 after 1 wait and 2 "
+                                   "warm-up steps (llama-cookbook's schedule); open in TensorBoard or ui.perfetto.dev")
+    profiler_dir: str = _f("", "where the profiler traces go; empty: output_dir/profiler")
+    flop_counter: bool = _f(False, "measure the FLOPs of one optimizer step with torch's FlopCounterMode and print "
+                                   "them next to the analytic count (not with use_profiler)")
+    flop_counter_start: int = _f(3, "warm-up optimizer steps before the measured one (the measured step is the "
+                                    "next one)")
+    log_eval_samples: int = _f(0, "at each evaluation, write N greedy generated answers with their references to "
+                                  "output_dir/eval_samples.jsonl (and to the tracker); 0: none")
 
     synthetic_dialogues: SyntheticDialoguesConfig = _f(SyntheticDialoguesConfig(), "embedded dialogue data")
     samsum_dataset: SamsumDatasetConfig = _f(SamsumDatasetConfig(), "SAMSum-format data")
@@ -703,3 +731,45 @@ def _check_long_sequence_levers(cfg: TrainConfig, world_size: int) -> None:
     if not cfg.rope_scaling and cfg.rope_factor != 1:
         raise ConfigError(f"--rope_factor {cfg.rope_factor} has no effect without --rope_scaling: add "
                           "--rope_scaling yarn or drop the flag")
+
+
+# Trackers: --report_to name -> (module to import, the optional extra that installs it)
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+                    "trackio": ("trackio", "trackio")}
+PROFILER_SCHEDULE = {"wait": 1, "warmup": 2, "active": 3}  # llama-cookbook's torch.profiler schedule
+
+
+def trackers(cfg: TrainConfig) -> list[str]:
+    """The trackers a run reports to: --report_to (all: every one) plus --use_wandb."""
+    names = list(TRACKER_PACKAGES) if cfg.report_to == "all" else [] if cfg.report_to == "none" else [cfg.report_to]
+    if cfg.use_wandb and "wandb" not in names:
+        names.append("wandb")
+    return names
+
+
+@validator
+def _check_observability(cfg: TrainConfig, world_size: int) -> None:
+    import importlib.util
+
+    for name in trackers(cfg):
+        module, extra = TRACKER_PACKAGES[name]
+        if importlib.util.find_spec(module) is None:
+            flag = "--use_wandb" if name == "wandb" and cfg.report_to not in ("wandb", "all") else \
+                f"--report_to {cfg.report_to}"
+            raise ConfigError(f"{flag} needs {module}, which is not installed: pip install 'shardtune[{extra}]', "
+                              "or drop the flag")
+    if cfg.use_profiler and cfg.flop_counter:
+        raise ConfigError("--use_profiler and --flop_counter are both set: the FLOP counter would count the "
+                          "profiler's steps too; drop one of them")
+    if cfg.flop_counter_start < 0 or cfg.log_eval_samples < 0:
+        bad = "flop_counter_start" if cfg.flop_counter_start < 0 else "log_eval_samples"
+        raise ConfigError(f"--{bad} {getattr(cfg, bad)} must be >= 0")
+    if cfg.flop_counter and cfg.max_train_step and cfg.max_train_step <= cfg.flop_counter_start:
+        raise ConfigError(f"--flop_counter measures step {cfg.flop_counter_start + 1} (after --flop_counter_start "
+                          f"{cfg.flop_counter_start} warm-up steps), but --max_train_step is {cfg.max_train_step}: "
+                          "raise --max_train_step or lower --flop_counter_start")
+    profiled = sum(PROFILER_SCHEDULE.values())
+    if cfg.use_profiler and cfg.max_train_step and cfg.max_train_step <= profiled:
+        raise ConfigError(f"--use_profiler records steps 4-6 after {PROFILER_SCHEDULE['wait']} wait and "
+                          f"{PROFILER_SCHEDULE['warmup']} warm-up steps, so it needs more than {profiled} steps, but "
+                          f"--max_train_step is {cfg.max_train_step}: raise it to {profiled + 1} or more")

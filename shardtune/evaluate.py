@@ -24,28 +24,14 @@ from torch import nn
 from shardtune import data
 from shardtune.checkpoint import write_text_atomic
 from shardtune.config import ConfigError, TrainConfig, parse_args
-from shardtune.generate import generate_ids, load_for_inference, resolve_model_and_adapter
-from shardtune.loss import IGNORE_INDEX, num_label_tokens, token_loss_sum
+from shardtune.inference import (
+    ROUGE_TYPES, SUMMARY_MAX_NEW_TOKENS, generate_for_examples, load_for_inference, resolve_model_and_adapter,
+    rouge_scores,
+)
+from shardtune.loss import num_label_tokens, token_loss_sum
 from shardtune.metrics import perplexity
 
-ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 DEFAULT_MAX_EXAMPLES = 50
-DEFAULT_MAX_NEW_TOKENS = 96
-
-
-def rouge_scores(references: list[str], predictions: list[str]) -> list[dict[str, float]]:
-    """Per-example ROUGE-1/2/L F-measures, with Porter stemming (as the SAMSum papers report them)."""
-    from rouge_score import rouge_scorer
-
-    scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
-    return [{k: s.fmeasure for k, s in scorer.score(ref, pred).items()} for ref, pred in zip(references, predictions)]
-
-
-def split_example(example: dict) -> tuple[list[int], list[int]]:
-    """(prompt ids: bos + prompt, reference ids: the labelled tokens without the final eos)."""
-    labels = example["labels"]
-    num_prompt = next(i for i, label in enumerate(labels) if label != IGNORE_INDEX)
-    return example["input_ids"][:num_prompt], [t for t in labels[num_prompt:-1] if t != IGNORE_INDEX]
 
 
 @torch.no_grad()
@@ -68,13 +54,7 @@ def evaluate_model(cfg: TrainConfig, adapter: str, max_examples: int, max_new_to
         raise ConfigError(f"--dataset {cfg.dataset}: the validation split has no usable example "
                           f"({data_report.summary()})")
     loss, ppl, num_tokens = eval_loss(model, examples, cfg, tokenizer.pad_token_id)
-    rows = []
-    for example in examples:
-        prompt_ids, reference_ids = split_example(example)
-        generated = generate_ids(model, tokenizer, prompt_ids, max_new_tokens=max_new_tokens)
-        rows.append({"prompt": tokenizer.decode(prompt_ids, skip_special_tokens=True),
-                     "reference": tokenizer.decode(reference_ids, skip_special_tokens=True).strip(),
-                     "prediction": tokenizer.decode(generated, skip_special_tokens=True).strip()})
+    rows = generate_for_examples(model, tokenizer, examples, max_new_tokens)
     scores = rouge_scores([r["reference"] for r in rows], [r["prediction"] for r in rows])
     for row, score in zip(rows, scores):
         row.update(score)
@@ -104,14 +84,14 @@ def parser() -> argparse.ArgumentParser:
                                                  "adapter directory as --model_name)")
     p.add_argument("--max_examples", type=int, default=DEFAULT_MAX_EXAMPLES, help="evaluate the first N "
                                                                                    "validation examples")
-    p.add_argument("--max_new_tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="summary length limit")
+    p.add_argument("--max_new_tokens", type=int, default=SUMMARY_MAX_NEW_TOKENS, help="summary length limit")
     p.add_argument("--report_path", default="", help="write the JSON report here (default: print only)")
     p.add_argument("--num_print", type=int, default=3, help="examples printed")
     return p
 
 
 def main(argv: list[str]) -> int:
-    from shardtune.sft import quiet_libraries
+    from shardtune.runtime import quiet_libraries
 
     args, rest = parser().parse_known_args(argv)
     quiet_libraries()

@@ -19,72 +19,8 @@ import torch
 from torch import nn
 
 from shardtune.config import ConfigError
-from shardtune.data.formatting import SAMSUM_PROMPT, special_ids
-from shardtune.precision import bf16_compute_available
-
-DEFAULT_MAX_NEW_TOKENS = 128
-
-
-def inference_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def inference_dtype(device: torch.device) -> torch.dtype:
-    """bf16 where training computes in bf16 (CUDA GPUs with bf16), else fp32 (shardtune.precision decides)."""
-    return torch.bfloat16 if bf16_compute_available(device) else torch.float32
-
-
-def resolve_model_and_adapter(model_name: str, adapter: str = "") -> tuple[str, str]:
-    """(base model, adapter dir or ""): a PEFT directory given as the model brings its base from its config."""
-    from shardtune.models import check_model_source, resolve_model_name
-    from shardtune.peft import ADAPTER_CONFIG, read_adapter_config
-
-    if not adapter and model_name and (Path(model_name) / ADAPTER_CONFIG).is_file():
-        model_name, adapter = "", model_name
-    if adapter:
-        base = read_adapter_config(adapter, "--adapter").get("base_model_name_or_path") or ""
-        model_name = model_name or base
-        if not model_name:
-            raise ConfigError(f"--adapter {adapter}: its adapter_config.json names no base model: pass --model_name")
-    model_name = resolve_model_name(model_name)
-    check_model_source(model_name)
-    return model_name, adapter
-
-
-def load_for_inference(model_name: str, adapter: str = "", device: torch.device | None = None):
-    """(model in eval mode, tokenizer): ``model_name`` + optional ``adapter`` (peft loads it; nothing merged)."""
-    from shardtune.models import load_model, load_tokenizer
-
-    model_name, adapter = resolve_model_and_adapter(model_name, adapter)
-    device = device or inference_device()
-    model = load_model(model_name, dtype=inference_dtype(device), device=device)
-    tokenizer_dir = adapter if adapter and (Path(adapter) / "tokenizer_config.json").is_file() else model_name
-    if adapter:
-        import peft
-
-        model = peft.PeftModel.from_pretrained(model, adapter)
-    return model.eval(), load_tokenizer(tokenizer_dir)
-
-
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """As the training data encodes a prompt: bos + tokens(text), no other special tokens."""
-    bos, _ = special_ids(tokenizer)
-    return bos + tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-@torch.no_grad()
-def generate_ids(model: nn.Module, tokenizer, prompt_ids: list[int], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                 do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0) -> list[int]:
-    """The generated continuation (prompt stripped), stopping at eos (not included) or after max_new_tokens."""
-    device = next(model.parameters()).device
-    input_ids = torch.tensor([prompt_ids], device=device)
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if do_sample else \
-        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                         max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, **sampling)
-    new = out[0, len(prompt_ids):].tolist()
-    return new[:new.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in new else new
+from shardtune.data.formatting import SAMSUM_PROMPT
+from shardtune.inference import DEFAULT_MAX_NEW_TOKENS, encode_prompt, generate_ids, load_for_inference
 
 
 def generate_text(model: nn.Module, tokenizer, prompt: str, **kwargs) -> str:
@@ -129,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from shardtune.sft import quiet_libraries
+    from shardtune.runtime import quiet_libraries
 
     args = parser().parse_args(argv)
     quiet_libraries()

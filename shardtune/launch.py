@@ -7,10 +7,10 @@ flags and passed to torch.distributed.run unchanged. Inside a torchrun worker no
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
-from shardtune.config import ConfigError
-from shardtune.distributed import local_gpu_count
+from shardtune.config import ConfigError, help_text
 
 # torchrun flags that take a value, and those that do not; both spellings (_ and -) are accepted.
 TORCHRUN_VALUE_FLAGS = (
@@ -20,6 +20,17 @@ TORCHRUN_VALUE_FLAGS = (
 )
 TORCHRUN_SWITCHES = ("standalone",)
 MULTI_NODE_FLAGS = ("nnodes", "rdzv_endpoint", "master_addr", "rdzv_backend", "rdzv_id")
+
+
+def sft_help_text() -> str:
+    """``shardtune sft --help``, answered without importing torch: the training flags and the torchrun flags."""
+    return "\n".join([
+        help_text(), "",
+        "torchrun flags, passed to torch.distributed.run unchanged (see torchrun --help):",
+        "  " + " ".join(f"--{name} VALUE" for name in TORCHRUN_VALUE_FLAGS),
+        "  " + " ".join(f"--{name}" for name in TORCHRUN_SWITCHES),
+        "  --nproc_per_node defaults to one process per visible GPU (1 without GPUs). A run of one process on one",
+        "  node with no other torchrun flag runs in place, without torchrun (same code, rank 0 of 1)."])
 
 
 def split_launcher_args(argv: list[str]) -> tuple[dict[str, str | None], list[str]]:
@@ -48,6 +59,8 @@ def split_launcher_args(argv: list[str]) -> tuple[dict[str, str | None], list[st
 
 def resolve_nproc(value: str | None) -> int:
     """One process per visible GPU by default; 1 on a machine without GPUs."""
+    from shardtune.distributed import local_gpu_count
+
     num_gpus = local_gpu_count()
     if value is None or value in ("auto", "gpu"):
         return num_gpus or 1
@@ -88,6 +101,21 @@ def torchrun_argv(launch: dict[str, str | None], nproc: int) -> list[str]:
             continue
         args.append(f"--{name}" if value is None else f"--{name}={value}")
     return args
+
+
+def runs_in_place(launch_args: dict[str, str | None], nproc: int) -> bool:
+    """One process on one node, and nothing asked of torchrun (restarts, rendezvous, log files): the launcher
+    itself becomes the worker, instead of starting a new interpreter that imports and checks everything again."""
+    return nproc == 1 and set(launch_args) <= {"nproc_per_node", "standalone"}
+
+
+def in_place_worker_env() -> dict[str, str]:
+    """The variables torchrun gives a lone worker: rank 0 of 1, and a free local port for the process group."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
 def launch(torchrun_args: list[str], module: str, module_args: list[str], nproc: int) -> int:

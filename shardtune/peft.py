@@ -333,7 +333,7 @@ def merge_adapter(adapter_dir: str, out_dir: str | Path, base: str = "",
     from transformers import AutoConfig
 
     from shardtune.checkpoint import save_hf_model
-    from shardtune.generate import resolve_model_and_adapter
+    from shardtune.inference import resolve_model_and_adapter
     from shardtune.models import load_model, load_tokenizer
 
     peft_type = read_adapter_config(adapter_dir, "--merge").get("peft_type")

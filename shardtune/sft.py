@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import time
@@ -20,14 +19,19 @@ from shardtune import data
 from shardtune.accelerate_config import expand_accelerate_config
 from shardtune.cookbook import check_model_flags, clear_accelerate_loading_variables, freeze_first_layers
 from shardtune.checkpoint import (
-    Checkpointer, CheckpointError, remove_stale_staging, save_hf_model, write_text_atomic,
+    Checkpointer, remove_stale_staging, save_hf_model, write_text_atomic,
 )
-from shardtune.config import ConfigError, TrainConfig, effective_batch_size, help_text, parse_args, to_yaml, validate
+from shardtune.config import ConfigError, TrainConfig, effective_batch_size, parse_args, to_yaml, validate
 from shardtune.data.cache import load_examples_cached
 from shardtune.distributed import (
     DistEnv, barrier, init_distributed, is_torchrun_worker, print0, seed_everything, shutdown,
 )
-from shardtune.launch import launch, resolve_nnodes, resolve_nproc, split_launcher_args, torchrun_argv
+from shardtune.errors import CheckpointError, TrainingStopped
+from shardtune.inference import EvalSampler
+from shardtune.launch import (
+    in_place_worker_env, launch, resolve_nnodes, resolve_nproc, runs_in_place, sft_help_text, split_launcher_args,
+    torchrun_argv,
+)
 from shardtune.longseq import apply_memory_levers, check_rope_scaling, rope_config_overrides
 from shardtune.metrics import MetricsWriter
 from shardtune.model_checks import check_model_structure
@@ -38,8 +42,10 @@ from shardtune.models import (
 from shardtune.parallel import make_strategy
 from shardtune.peft import apply_peft, check_peft, load_quantized_model, save_adapter
 from shardtune.quantized_loading import load_quantized_on_rank0
+from shardtune.runtime import quiet_libraries
 from shardtune.speed import apply_speed_features
-from shardtune.train import TrainingStopped, TrainResult, train
+from shardtune.trackers import open_trackers
+from shardtune.train import TrainResult, train
 
 
 def prepare(cfg: TrainConfig, world_size: int) -> None:
@@ -134,9 +140,11 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     checkpointer = Checkpointer(cfg, env, strategy, tokenizer)
     metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.save_metrics else None
     append = metrics_path is not None and checkpointer.keep_metrics_rows(metrics_path)
-    writer = MetricsWriter(metrics_path, append=append)
+    writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else ())
     try:
-        result = train(model, strategy, cfg, env, units, eval_examples, tokenizer.pad_token_id, writer, checkpointer)
+        sampler = EvalSampler(eval_examples[:cfg.log_eval_samples], tokenizer) if cfg.log_eval_samples else None
+        result = train(model, strategy, cfg, env, units, eval_examples, tokenizer.pad_token_id, writer, checkpointer,
+                       sampler)
     finally:
         writer.close()
     if cfg.save_model:
@@ -155,15 +163,6 @@ def report(result: TrainResult, cfg: TrainConfig) -> str:
     if cfg.save_model:
         lines.append(f"  model written to {Path(cfg.output_dir).resolve()}")
     return "\n".join(lines)
-
-
-def quiet_libraries() -> None:
-    """Our progress bar is the one a user watches; transformers' load/save bars on every rank are noise, and so
-    is bitsandbytes' import-time note about an optional CPU kernel package (it is printed on every import)."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 def fail(message: str, debug: bool) -> None:
@@ -196,10 +195,11 @@ def record_worker_error(line: str) -> None:
         json.dump({"message": line, "timestamp": int(time.time())}, f)
 
 
-def run_worker(cfg: TrainConfig) -> int:
+def run_worker(cfg: TrainConfig, prepared: bool = False) -> int:
     rank = int(os.environ["RANK"])
     try:
-        prepare(cfg, int(os.environ["WORLD_SIZE"]))
+        if not prepared:  # the in-place run (one process) prepared it already
+            prepare(cfg, int(os.environ["WORLD_SIZE"]))
     except ConfigError as e:
         if rank == 0:  # every rank finds the same problem; one line is enough
             fail(str(e), cfg.debug)
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     clear_accelerate_loading_variables()
     if "-h" in argv or "--help" in argv:
-        print(help_text())
+        print(sft_help_text())
         return 0
     debug = "--debug" in argv
     try:
@@ -248,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         fail(str(e), debug)
         return 2
+    if runs_in_place(launch_args, nproc):
+        os.environ.update(in_place_worker_env())
+        return run_worker(cfg, prepared=True)
     # workers receive the resolved model path, so a preset is built once, here
     return launch(torchrun_argv(launch_args, nproc), "shardtune.sft", [*train_argv, "--model_name", cfg.model_name],
                   nproc)

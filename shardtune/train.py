@@ -13,6 +13,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -22,11 +23,16 @@ from shardtune import data
 from shardtune.checkpoint import Checkpointer, Position
 from shardtune.config import TrainConfig
 from shardtune.distributed import DistEnv, all_reduce_sum
-from shardtune.flops import ModelShape, measured_peak_flops, micro_batch_flops, model_shape, num_input_tokens
+from shardtune.errors import TrainingStopped
+from shardtune.flops import (
+    ModelShape, measured_peak_flops, micro_batch_flops, model_shape, num_input_tokens, palm_micro_batch_flops,
+)
+from shardtune.inference import mean_rouge
 from shardtune.loss import num_label_tokens, token_loss_sum
 from shardtune.metrics import MetricsWriter, peak_memory_bytes, perplexity
 from shardtune.optim import build_optimizer, build_scheduler  # noqa: F401 (build_optimizer: re-exported for bench/)
 from shardtune.parallel.base import Strategy
+from shardtune.profiling import StepProbe
 
 
 @dataclass
@@ -51,8 +57,10 @@ def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Opti
     local_counts = torch.tensor([sum(num_label_tokens(mb["labels"]) for mb in micro_batches),
                                  sum(num_input_tokens(mb) for mb in micro_batches),
                                  sum(micro_batch_flops(shape, mb) for mb in micro_batches) if shape is not None
+                                 else 0,
+                                 sum(palm_micro_batch_flops(shape, mb) for mb in micro_batches) if shape is not None
                                  else 0])
-    num_tokens, input_tokens, flops = (int(x) for x in all_reduce_sum(local_counts, env.device))
+    num_tokens, input_tokens, flops, palm_flops = (int(x) for x in all_reduce_sum(local_counts, env.device))
     scale = strategy.grad_average_size / max(num_tokens, 1)
     local_loss_sum = torch.zeros((), dtype=torch.float64)
     last = len(micro_batches) - 1
@@ -76,7 +84,7 @@ def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Opti
     max_norm = cfg.gradient_clipping_threshold if cfg.gradient_clipping else None
     grad_norm, stepped = strategy.clip_and_step(model, optimizer, max_norm, allow_step)
     stats = {"loss": loss, "num_tokens": num_tokens, "input_tokens": input_tokens, "grad_norm": grad_norm,
-             "flops": flops}
+             "flops": flops, "palm_flops": palm_flops}
     return stats if stepped else {**stats, "skipped": True}
 
 
@@ -85,10 +93,6 @@ class NonFiniteLossError(RuntimeError):
 
     def __init__(self, loss: float, grad_norm: float | None):
         super().__init__(f"loss {loss}" + (f", gradient norm {grad_norm}" if grad_norm is not None else ""))
-
-
-class TrainingStopped(RuntimeError):
-    """Training cannot go on (e.g. a non-finite loss): one line saying where, what was kept, and the fix."""
 
 
 @torch.no_grad()
@@ -107,9 +111,20 @@ def evaluate(model: nn.Module, strategy: Strategy, batches: list[dict[str, torch
     return loss, perplexity(loss), int(num_tokens)
 
 
+@torch.no_grad()
+def generate_samples(model: nn.Module, strategy: Strategy, sampler: Callable[[nn.Module], list[dict]]) -> list[dict]:
+    """--log_eval_samples: the sampler's generations with the model as it is now (every rank runs them)."""
+    model.eval()
+    with strategy.autocast():
+        samples = sampler(strategy.unwrap(model))
+    model.train()
+    return samples
+
+
 def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
           train_units: list, eval_examples: list[dict], pad_id: int, writer: MetricsWriter,
-          checkpointer: Checkpointer | None = None) -> TrainResult:
+          checkpointer: Checkpointer | None = None,
+          eval_sampler: Callable[[nn.Module], list[dict]] | None = None) -> TrainResult:
     optimizer = strategy.build_optimizer(model)
     steps_per_epoch = data.steps_per_epoch(len(train_units), cfg, env.world_size)
     total_steps = steps_per_epoch * cfg.num_epochs
@@ -124,6 +139,7 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
                     if cfg.run_validation else [])
 
     result = TrainResult()
+    probe = StepProbe(cfg, env, total_steps)
     start = (checkpointer.start(model, optimizer, scheduler, result, steps_per_epoch, total_steps)
              if checkpointer else Position())
     bar = tqdm(total=total_steps, initial=result.steps, desc="train", unit="step", disable=not env.is_main,
@@ -141,7 +157,8 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
                 break
             lr = optimizer.param_groups[0]["lr"]
             try:
-                stats = train_step(model, strategy, optimizer, micro_batches, cfg, env, shape)
+                with probe.step(result.steps + 1):
+                    stats = train_step(model, strategy, optimizer, micro_batches, cfg, env, shape)
             except NonFiniteLossError as e:
                 raise TrainingStopped(f"non-finite {e} at step {result.steps + 1} (epoch {epoch + 1}), found before "
                                       "the optimizer step, so the weights were not touched; "
@@ -167,12 +184,16 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
                 "peak_memory_bytes": peak_memory_bytes(env.device),
                 "model_flops_per_s": stats["flops"] / step_time_s,
                 "mfu": stats["flops"] / step_time_s / peak_flops,
+                "mfu_palm": stats["palm_flops"] / step_time_s / peak_flops,
             }
             if stats["grad_norm"] is not None:
                 row["grad_norm"] = stats["grad_norm"]
             if stats.get("skipped"):
                 row["skipped"] = True
+            flop_report = probe.report(result.steps, row, stats)
             writer.write(row)
+            if flop_report and env.is_main:
+                bar.write(flop_report)
             done_in_epoch = step_in_epoch + 1
             if checkpointer:
                 checkpointer.after_step(epoch, done_in_epoch)
@@ -184,11 +205,15 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
         if cfg.run_validation:
             loss, ppl, n = evaluate(model, strategy, eval_batches, env)
             result.eval_loss, result.eval_ppl = loss, ppl
+            samples = generate_samples(model, strategy, eval_sampler) if eval_sampler else []
             writer.write({"step": result.steps, "epoch": epoch + 1, "eval_loss": loss, "eval_ppl": ppl,
-                          "eval_num_tokens": n})
+                          "eval_num_tokens": n, **mean_rouge(samples)})
+            if samples:
+                writer.write_samples(samples, result.steps)
             if env.is_main:
                 bar.write(f"epoch {epoch + 1}: eval loss {loss:.4f}, perplexity {ppl:.2f}")
         if checkpointer:
             checkpointer.after_epoch(epoch, done_in_epoch)
     bar.close()
+    probe.close()
     return result

@@ -23,6 +23,7 @@ from torch import nn
 
 from shardtune.config import DEEPSPEED_OWNED_KEYS, ConfigError, TrainConfig, deepspeed_file_config, effective_batch_size
 from shardtune.distributed import DistEnv
+from shardtune.errors import CheckpointError, TrainingStopped
 from shardtune.optim import build_optimizer
 from shardtune.parallel.base import Strategy, dtype_name
 
@@ -134,8 +135,6 @@ class DeepSpeedStrategy(Strategy):
         norm = float(norm) if norm is not None else None
         # fp16: DeepSpeed's loss scaler skips overflowing steps itself (as the GradScaler does for DDP / FSDP)
         if norm is not None and not math.isfinite(norm) and self.compute_dtype != torch.float16:
-            from shardtune.train import TrainingStopped
-
             raise TrainingStopped(f"non-finite gradient norm {norm} at optimizer step {self.engine.global_steps}, "
                                   "found by DeepSpeed's step, which clips and updates in one call, so the weights "
                                   "took that update: lower --lr, or use --enable_fsdp with --nan_policy stop to stop "
@@ -154,8 +153,6 @@ class DeepSpeedStrategy(Strategy):
     def load_training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path,
                             saved: dict) -> None:
         """--resume was checked before launch; this catches a torchrun restart on another number of nodes."""
-        from shardtune.checkpoint import CheckpointError, deepspeed_resume_problem
-
         problem = deepspeed_resume_problem(directory, saved, self.env.world_size, self.zero_stage)
         if problem:
             raise CheckpointError(problem)
@@ -207,3 +204,13 @@ class DeepSpeedStrategy(Strategy):
         text = (f"deepspeed ZeRO-{self.zero_stage}, world size {self.env.world_size}, compute dtype "
                 f"{dtype_name(self.compute_dtype)}")
         return text + (f", {' and '.join(offload)} offloaded to CPU" if offload else "")
+
+
+def deepspeed_resume_problem(path: Path, saved: dict, world_size: int, zero_stage: int) -> str | None:
+    """Why a DeepSpeed checkpoint cannot be loaded by this run (its partitions are DeepSpeed's own), or None."""
+    stage = saved.get("zero_stage")
+    if saved["world_size"] == world_size and stage == zero_stage:
+        return None
+    return (f"{path} holds DeepSpeed ZeRO-{stage} partitions of {saved['world_size']} processes, and this run is "
+            f"ZeRO-{zero_stage} on {world_size}: resume with --nproc_per_node {saved['world_size']} (x nodes) and "
+            f"--deepspeed_config.zero_stage {stage}, or start a new run from its export (shardtune export)")

@@ -1,0 +1,76 @@
+"""The analytic FLOPs count (shardtune/flops.py) against torch's own FlopCounterMode on a real training step:
+forward + backward of the tiny preset with the lean loss, padded and padding-free."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardtune.attention import use_varlen_attention
+from shardtune.data.batching import collate_flat, collate_padding
+from shardtune.flops import (
+    causal_attention_flops, flop_counter, matmul_flops_per_token, micro_batch_flops, model_shape, num_input_tokens,
+    palm_micro_batch_flops, sequence_lengths,
+)
+from shardtune.loss import IGNORE_INDEX, token_loss_sum
+from shardtune.models import load_model
+
+CPU = torch.device("cpu")
+# both sides are exact integer counts of the same matmuls: they must agree to float rounding of the sum
+TOLERANCE = 1e-9
+
+
+def examples(num: int, seed: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(num):
+        length = int(torch.randint(12, 40, (1,), generator=gen))
+        ids = torch.randint(4, 1000, (length,), generator=gen).tolist()
+        prompt = length // 2  # the lean loss computes the output layer on the labelled half only
+        rows.append({"input_ids": ids, "labels": [IGNORE_INDEX] * prompt + ids[prompt:]})
+    return rows
+
+
+def measured_step(model, batch) -> tuple[int, int]:
+    """(all FLOPs, attention FLOPs) torch counts for one forward + backward."""
+    model.zero_grad(set_to_none=True)
+    with flop_counter() as counter:
+        token_loss_sum(model, batch, CPU).backward()
+    counts = counter.get_flop_counts()["Global"]
+    attention = sum(n for op, n in counts.items() if "scaled_dot_product" in str(op))
+    return counter.get_total_flops(), attention
+
+
+def attention_squares(batch) -> int:
+    """Query-key pairs the kernels are handed: each example's n x n (padding-free), each padded row's T x T."""
+    if "cu_seq_lens" in batch:
+        return sum(n * n for n in sequence_lengths(batch))
+    rows, length = batch["input_ids"].shape
+    return rows * length * length
+
+
+@pytest.mark.parametrize("layout", ["padding", "packing"])
+def test_analytic_flops_equal_torch_flop_counter_on_a_lean_loss_step(tiny_model, layout):
+    model = load_model(str(tiny_model))
+    if layout == "packing":
+        use_varlen_attention(model)
+        batch = collate_flat(examples(3, 1) + examples(2, 2))
+    else:
+        batch = collate_padding(examples(3, 0), pad_id=3)
+    shape = model_shape(model)
+    assert shape.lean_loss
+    total, attention = measured_step(model, batch)
+    analytic = micro_batch_flops(shape, batch)
+    analytic_attention = causal_attention_flops(shape, sequence_lengths(batch))
+    # the layers' matmuls and the output layer (on labelled positions only): what torch counts, to rounding,
+    # except the pad tokens of a padded batch, which the kernels compute and the count leaves out (wasted work)
+    pad_tokens = batch["input_ids"].numel() - num_input_tokens(batch)
+    assert (layout == "padding") == (pad_tokens > 0)
+    wasted = pad_tokens * matmul_flops_per_token(shape.num_body_params, shape.num_trainable_body_params)
+    assert abs((analytic - analytic_attention + wasted) - (total - attention)) <= TOLERANCE * total
+    # attention: torch counts the full square it hands the kernel, 4 FLOPs per pair and feature forward and 10
+    # backward (5 matmuls: the scores are recomputed); the model needs 4 + 8 on the causal triangle, n (n + 1) / 2
+    # pairs of each sequence (what causal kernels compute, without the recomputation): strictly less
+    assert attention == 14 * shape.num_layers * shape.attention_size * attention_squares(batch)
+    assert 0 < analytic_attention < attention
+    assert analytic < total < palm_micro_batch_flops(shape, batch)  # PaLM: the output layer on every token too
