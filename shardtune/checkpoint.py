@@ -102,6 +102,7 @@ RUN_CONTROL_SETTINGS = frozenset({
     "output_dir", "resume", "save_steps", "save_total_limit", "max_train_step", "debug", "num_workers_dataloader",
     "save_model", "save_metrics", "max_eval_step", "run_validation", "val_batch_size", "nan_policy",
     "fsdp_config.checkpoint_type", "batch_size_training", "gradient_accumulation_steps",
+    "sequence_parallel_size", "context_parallel_size",  # how rows are split: the training state does not depend on it
 })
 
 

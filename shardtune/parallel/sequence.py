@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
@@ -187,7 +187,7 @@ def heads_for_sequence(x: torch.Tensor, group: dist.ProcessGroup | None, sp: int
     """(1, H, T/sp, D) slices of the sequence -> (1, H/sp, T, D): all tokens of this rank's H/sp heads."""
     _, heads, length, dim = x.shape
     send = x[0].reshape(sp, heads // sp, length, dim).contiguous()  # [j]: the heads rank j will own
-    received = dist_fn.all_to_all_single(torch.empty_like(send), send, group=group)  # [j]: rank j's tokens
+    received = all_to_all(send, group)  # [j]: rank j's tokens
     return received.transpose(0, 1).reshape(1, heads // sp, sp * length, dim)
 
 
@@ -195,8 +195,13 @@ def sequence_for_heads(out: torch.Tensor, group: dist.ProcessGroup | None, sp: i
     """(1, T, H/sp, D) attention output of this rank's heads -> (1, T/sp, H, D) of its own tokens."""
     _, length, heads, dim = out.shape
     send = out[0].reshape(sp, length // sp, heads, dim).contiguous()  # [j]: rank j's tokens
-    received = dist_fn.all_to_all_single(torch.empty_like(send), send, group=group)  # [j]: rank j's heads
+    received = all_to_all(send, group)  # [j]: rank j's heads
     return received.transpose(0, 1).reshape(1, length // sp, sp * heads, dim)
+
+
+def all_to_all(send: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable all-to-all of equal blocks along dim 0 (the single-tensor form, which gloo supports too)."""
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(send, None, None, group))
 
 
 # -- checks before launch --------------------------------------------------------------------------------------------
