@@ -161,6 +161,8 @@ def sequence_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     if groups.cp_size > 1:
         from shardtune.parallel.ring import ring_attention
 
+        # point-to-point sends need contiguous tensors; the model's value states are a transposed view
+        query, key, value = (t.contiguous() for t in (query, key, value))
         out = ring_attention(query, key, value, group=groups.cp_group, cu_seq_lens=layout.cu_seq_lens,
                              chunk_ids=layout.chunk_ids, chunk_len=layout.chunk_len, scaling=scaling)
     else:

@@ -19,12 +19,11 @@ from tests.helpers import assert_same_training, max_relative_difference, step_ro
 # name -> (processes, per-device batch, flags); effective batch = batch x processes / (sp x cp) x accumulation = 2
 VARIANTS = {
     "reference": (1, 2, ()),
-    # checkpoints at step 2 and 4: the step-2 one is resumed on a single process below
-    "sp2": (2, 2, ("--sp_size", 2, "--save_steps", 2)),
     "sp4_kv_heads_repeated": (4, 2, ("--sequence_parallel_size", 4)),
     "cp2_accumulation": (2, 1, ("--cp_size", 2, "--gradient_accumulation_steps", 2)),
     "sp2_cp2": (4, 2, ("--sp_size", 2, "--cp_size", 2)),
-    "fsdp_sp2_dp2": (4, 1, ("--enable_fsdp", "--sp_size", 2)),
+    # checkpoints at steps 2 and 4: the step-2 one is resumed on a single process without a split below
+    "fsdp_sp2_dp2": (4, 1, ("--enable_fsdp", "--sp_size", 2, "--save_steps", 2)),
 }
 TRAIN_ARGS = ("--batching_strategy", "packing", "--context_length", 1024, "--synthetic_dialogues.num_train", 64,
               "--synthetic_dialogues.num_validation", 8, "--max_train_step", 4, "--lr", 3e-3,
@@ -65,11 +64,13 @@ def test_start_log_states_the_split_and_the_data_parallel_batch(runs, run_cli, t
 
 
 def test_a_checkpoint_written_with_sp2_resumes_on_one_process(runs, run_cli, tiny_model, tmp_path):
-    reference, split = trained("reference", runs, run_cli, tiny_model), trained("sp2", runs, run_cli, tiny_model)
+    reference, split = (trained("reference", runs, run_cli, tiny_model),
+                        trained("fsdp_sp2_dp2", runs, run_cli, tiny_model))
     out = tmp_path / "resumed"
     proc = run_cli("sft", "--nproc_per_node", 1, "--model_name", tiny_model, "--output_dir", out,
-                   "--batch_size_training", 2, *TRAIN_ARGS, "--resume", split / "checkpoints" / "step-000002")
-    assert "saved by 2 processes, now 1" in proc.stdout and "data order kept" in proc.stdout
+                   "--batch_size_training", 2, *TRAIN_ARGS, "--enable_fsdp",
+                   "--resume", split / "checkpoints" / "step-000002")
+    assert "saved by 4 processes, now 1" in proc.stdout and "data order kept" in proc.stdout
     assert "differ from the checkpoint" not in proc.stderr  # the split is not a training setting
     rows, reference_rows = step_rows(out), step_rows(reference)
     assert [r["step"] for r in rows] == [3, 4]
