@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardtune.loss import SEQUENCE_LAYOUT
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -76,6 +78,10 @@ def micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor]) -> int:
     if "cu_seq_lens" in batch:
         lengths = batch["cu_seq_lens"].diff().tolist()
         return sum(training_flops_per_token(shape, n) * n for n in lengths)
+    if SEQUENCE_LAYOUT in batch:  # a slice of a row split over ranks: its share of the whole row's FLOPs
+        boundaries = batch[SEQUENCE_LAYOUT].cu_seq_lens
+        whole = sum(training_flops_per_token(shape, n) * n for n in boundaries.diff().tolist())
+        return whole * batch["input_ids"].size(1) // int(boundaries[-1])
     return training_flops_per_token(shape, batch["input_ids"].size(1)) * num_input_tokens(batch)
 
 

@@ -161,6 +161,10 @@ def sequence_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     if groups.cp_size > 1:
         from shardtune.parallel.ring import ring_attention
 
+        if module.training and dropout > 0:
+            raise ValueError(f"ring attention has no attention dropout, and this model asks for {dropout}: set the "
+                             "model's attention_dropout to 0, or use --sequence_parallel_size instead")
+
         # point-to-point sends need contiguous tensors; the model's value states are a transposed view
         query, key, value = (t.contiguous() for t in (query, key, value))
         out = ring_attention(query, key, value, group=groups.cp_group, cu_seq_lens=layout.cu_seq_lens,
