@@ -74,6 +74,7 @@ CHECKPOINT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 PEFT_METHODS = ("lora", "llama_adapter", "prefix")
 QUANTIZATIONS = ("", "4bit", "8bit")
 NAN_POLICIES = ("stop", "skip")
+ROPE_SCALINGS = ("", "yarn")
 
 
 @dataclass
@@ -207,6 +208,19 @@ class TrainConfig:
     context_parallel_size: int = _f(1, "ring attention: each row is split over this many processes (load-balanced "
                                        "causal chunks), K/V rotate around the ring; no head limit; these processes "
                                        "share their micro-batches, so they count once in the effective batch")
+
+    # long sequences: memory levers (issue 10, shardtune.longseq)
+    tiled_mlp: bool = _f(False, "run each decoder layer's MLP over sequence tiles of hidden_size tokens, recomputed "
+                                "in backward (ALST): its (sequence x intermediate) activations never exist for the "
+                                "whole sequence; same results")
+    activation_offloading: bool = _f(False, "keep the activations saved for backward (with activation checkpointing: "
+                                            "each checkpointed layer's input) in pinned CPU memory until backward "
+                                            "(CUDA; on CPU they are in CPU memory anyway); same results")
+    rope_scaling: str = _f("", "yarn: YaRN RoPE scaling by --rope_factor, set in the model config before the model is "
+                               "built (a model trained at N tokens fine-tunes at N x factor); empty: the model's own",
+                           choices=ROPE_SCALINGS)
+    rope_factor: float = _f(1.0, "context extension factor of --rope_scaling (> 1): max_position_embeddings grows "
+                                 "by it")
 
     synthetic_dialogues: SyntheticDialoguesConfig = _f(SyntheticDialoguesConfig(), "embedded dialogue data")
     samsum_dataset: SamsumDatasetConfig = _f(SamsumDatasetConfig(), "SAMSum-format data")
@@ -634,3 +648,13 @@ def _check_deepspeed(cfg: TrainConfig, world_size: int) -> None:
                 "--gradient_accumulation_steps)" if key in ours else "set by shardtune")
         raise ConfigError(f"--deepspeed_config.config_file {dc.config_file}: \"{key}\" is {what}: remove the key "
                           "or set it to \"auto\"")
+
+
+@validator
+def _check_long_sequence_levers(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.rope_scaling and cfg.rope_factor <= 1:
+        raise ConfigError(f"--rope_factor {cfg.rope_factor} must be > 1 with --rope_scaling {cfg.rope_scaling}: pass "
+                          "the context extension, e.g. --rope_factor 4")
+    if not cfg.rope_scaling and cfg.rope_factor != 1:
+        raise ConfigError(f"--rope_factor {cfg.rope_factor} has no effect without --rope_scaling: add "
+                          "--rope_scaling yarn or drop the flag")

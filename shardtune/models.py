@@ -186,15 +186,17 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation="sdpa")
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               **config_overrides) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation="sdpa",
+                                                 **config_overrides)
     return model.to(device)
 
 
-def build_model_on_meta(name_or_path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def build_model_on_meta(name_or_path: str, dtype: torch.dtype = torch.float32,
+                        **config_overrides) -> torch.nn.Module:
     """The model's structure without memory, for sharding first and loading weights (on rank 0) afterwards."""
-    config = AutoConfig.from_pretrained(name_or_path)
+    config = AutoConfig.from_pretrained(name_or_path, **config_overrides)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
 

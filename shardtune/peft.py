@@ -83,13 +83,13 @@ def quantization_config(cfg: TrainConfig, device: torch.device):
                               bnb_4bit_quant_storage=dtype if shards_parameters(cfg) else torch.uint8)
 
 
-def load_quantized_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
+def load_quantized_model(cfg: TrainConfig, device: torch.device, **config_overrides) -> nn.Module:
     """The base model with bitsandbytes-quantised linear layers, on ``device``; other weights in the compute dtype."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(cfg.model_name, quantization_config=quantization_config(cfg, device),
                                                  dtype=compute_dtype(cfg, device), device_map={"": device},
-                                                 attn_implementation="sdpa")
+                                                 attn_implementation="sdpa", **config_overrides)
     if device.type == "cpu":
         use_generic_cpu_kernels(model)
     return model

@@ -25,6 +25,7 @@ from shardtune.distributed import (
     DistEnv, barrier, init_distributed, is_torchrun_worker, print0, seed_everything, shutdown,
 )
 from shardtune.launch import launch, resolve_nnodes, resolve_nproc, split_launcher_args, torchrun_argv
+from shardtune.longseq import apply_memory_levers, check_rope_scaling, rope_config_overrides
 from shardtune.metrics import MetricsWriter
 from shardtune.models import (
     build_model_on_meta, cache_dir, check_model_source, count_parameters, load_model, load_tokenizer,
@@ -48,6 +49,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> None:
     cfg.model_name = resolve_model_name(cfg.model_name)
     check_model_source(cfg.model_name)
     check_peft(cfg)
+    check_rope_scaling(cfg)
     if cfg.tokenizer_name:
         check_model_source(cfg.tokenizer_name, "tokenizer_name")
     data.check_data_config(cfg)
@@ -78,11 +80,12 @@ def build_model(cfg: TrainConfig, env: DistEnv) -> torch.nn.Module:
     """The model to train, before wrapping: fp32 master weights (bf16 with pure_bf16). With low_cpu_fsdp only
     global rank 0 reads the weights; the others build on the meta device and receive theirs after sharding."""
     dtype = torch.bfloat16 if cfg.enable_fsdp and cfg.fsdp_config.pure_bf16 else torch.float32
+    overrides = rope_config_overrides(cfg)
     if cfg.low_cpu_fsdp and env.rank != 0:
-        return build_model_on_meta(cfg.model_name, dtype=dtype)
+        return build_model_on_meta(cfg.model_name, dtype=dtype, **overrides)
     if cfg.quantization:
-        return load_quantized_model(cfg, env.device)
-    return load_model(cfg.model_name, dtype=dtype)
+        return load_quantized_model(cfg, env.device, **overrides)
+    return load_model(cfg.model_name, dtype=dtype, **overrides)
 
 
 def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, tokenizer) -> None:
@@ -111,6 +114,7 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     units, eval_examples = load_data(cfg, env, strategy.dims, tokenizer)
 
     model = build_model(cfg, env)
+    apply_memory_levers(model, cfg, env.device)
     if cfg.use_peft:
         model = apply_peft(model, cfg)
     apply_speed_features(model, cfg, env.device)

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-TILE_ELEMENTS = 1 << 24  # scores of one row tile (heads x rows x keys), fp32: 64 MiB
+# scores of one row tile (heads x rows x keys), fp32: 16 MiB on CPU (a few such buffers are live at once, which
+# bounds the scratch memory); 256 MiB on GPU, where larger matmuls run faster
+TILE_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
 
 
 def load_balanced_chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
@@ -53,8 +55,12 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         raise ValueError(f"ring attention: {query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     layout = _Layout(group, tuple(chunk_ids), chunk_len, tuple(int(b) for b in cu_seq_lens.tolist()))
+    row_tokens = 2 * layout.size * chunk_len
+    if layout.bounds[0] != 0 or layout.bounds[-1] != row_tokens:
+        raise ValueError(f"ring attention: cu_seq_lens must run from 0 to the whole row's {row_tokens} tokens "
+                         f"(padding included), got {layout.bounds[0]} .. {layout.bounds[-1]}")
     out = _RingAttention.apply(query[0], key[0], value[0], layout, scale)
-    return out.transpose(0, 1).unsqueeze(0)
+    return out.transpose(0, 1).unsqueeze(0).contiguous()
 
 
 @dataclass(frozen=True)
@@ -127,8 +133,8 @@ def _local_pairs(layout: _Layout, q_chunks: tuple[int, int], k_chunks: tuple[int
                        slice(k_rows.start + ki * length, k_rows.stop + ki * length), causal)
 
 
-def _row_tiles(num_rows: int, num_heads: int, num_keys: int):
-    tile = max(1, TILE_ELEMENTS // max(1, num_heads * num_keys))
+def _row_tiles(num_rows: int, num_heads: int, num_keys: int, device: torch.device):
+    tile = max(1, TILE_ELEMENTS.get(device.type, TILE_ELEMENTS["cpu"]) // max(1, num_heads * num_keys))
     for start in range(0, num_rows, tile):
         yield start, min(start + tile, num_rows)
 
@@ -153,7 +159,7 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     """Merge the attention of q (H_kv, G, T, D) onto one held K/V block into out / lse (fp32, in place)."""
     for q_rows, k_rows, causal in pairs:
         k_seg, v_seg = k[:, k_rows], v[:, k_rows]
-        for lo, hi in _row_tiles(q_rows.stop - q_rows.start, q.shape[0] * q.shape[1], k_seg.shape[1]):
+        for lo, hi in _row_tiles(q_rows.stop - q_rows.start, q.shape[0] * q.shape[1], k_seg.shape[1], q.device):
             rows = slice(q_rows.start + lo, q_rows.start + hi)
             keys = slice(0, hi) if causal else slice(None)  # a causal tile sees no key after its last row
             scores = _scores(q[:, :, rows], k_seg[:, keys], scale, lo, causal)
@@ -169,7 +175,7 @@ def _block_backward(q, k, v, dout, lse, delta, dq, dk, dv, pairs, scale: float) 
     """Accumulate the gradients of one held K/V block (fp32, in place), recomputing its probabilities."""
     for q_rows, k_rows, causal in pairs:
         k_seg, v_seg = k[:, k_rows], v[:, k_rows]
-        for lo, hi in _row_tiles(q_rows.stop - q_rows.start, q.shape[0] * q.shape[1], k_seg.shape[1]):
+        for lo, hi in _row_tiles(q_rows.stop - q_rows.start, q.shape[0] * q.shape[1], k_seg.shape[1], q.device):
             rows = slice(q_rows.start + lo, q_rows.start + hi)
             keys = slice(0, hi) if causal else slice(None)
             key_rows = slice(k_rows.start, k_rows.start + hi) if causal else k_rows
@@ -191,7 +197,7 @@ class _RingAttention(torch.autograd.Function):
         q = _grouped(query.float(), num_kv_heads)
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        held = [key, value]
+        held = [key.contiguous(), value.contiguous()]  # sent as they are: point-to-point ops need contiguous tensors
         for step in range(layout.size):
             last = step == layout.size - 1
             incoming, requests = _exchange(held, layout) if not last else (None, [])
@@ -213,7 +219,7 @@ class _RingAttention(torch.autograd.Function):
         dout = _grouped(grad_out.float(), num_kv_heads)
         delta = (dout * out).sum(-1)  # rowsum(dO * O), the softmax backward's correction term
         dq = torch.zeros_like(q)
-        held = [key, value]
+        held = [key.contiguous(), value.contiguous()]  # sent as they are: point-to-point ops need contiguous tensors
         dkv = [torch.zeros(key.shape, dtype=torch.float32, device=key.device) for _ in range(2)]
         for step in range(layout.size):
             last = step == layout.size - 1

@@ -165,8 +165,6 @@ def sequence_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
             raise ValueError(f"ring attention has no attention dropout, and this model asks for {dropout}: set the "
                              "model's attention_dropout to 0, or use --sequence_parallel_size instead")
 
-        # point-to-point sends need contiguous tensors; the model's value states are a transposed view
-        query, key, value = (t.contiguous() for t in (query, key, value))
         out = ring_attention(query, key, value, group=groups.cp_group, cu_seq_lens=layout.cu_seq_lens,
                              chunk_ids=layout.chunk_ids, chunk_len=layout.chunk_len, scaling=scaling)
     else:

@@ -48,14 +48,17 @@ def run_ring(row: dict[str, torch.Tensor], bounds: list[int], chunk_ids: tuple[i
     """Ring attention on this rank's ``chunk_ids`` tokens, told they are ``claimed_chunk_ids``."""
     inputs = {name: local_tokens(row[name], chunk_ids, chunk_len, 2).requires_grad_()
               for name in ("query", "key", "value")}
-    out = ring_attention(**inputs, group=None, cu_seq_lens=torch.tensor(bounds, dtype=torch.int32),
-                         chunk_ids=claimed_chunk_ids, chunk_len=chunk_len)
+    # key and value as the model passes them: transposed views, not contiguous
+    key, value = (inputs[n].transpose(1, 2).contiguous().transpose(1, 2) for n in ("key", "value"))
+    out = ring_attention(inputs["query"], key, value, group=None,
+                         cu_seq_lens=torch.tensor(bounds, dtype=torch.int32), chunk_ids=claimed_chunk_ids,
+                         chunk_len=chunk_len)
     out.backward(local_tokens(row["grad_out"], chunk_ids, chunk_len, 1))
     return {"out": out.detach(), **{f"d{name[0]}": t.grad for name, t in inputs.items()}}
 
 
 def main(out_dir: Path) -> None:
-    ring.TILE_ELEMENTS = 1 << 17  # row tiles of ~20-40 rows, so segments span several tiles (partial ones too)
+    ring.TILE_ELEMENTS["cpu"] = 1 << 17  # row tiles of ~20-40 rows, so segments span several tiles (partial ones too)
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     chunk_len = ROW_TOKENS // (2 * size)
