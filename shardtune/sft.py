@@ -26,12 +26,12 @@ from shardtune.distributed import (
 )
 from shardtune.launch import launch, resolve_nnodes, resolve_nproc, split_launcher_args, torchrun_argv
 from shardtune.longseq import apply_memory_levers, check_rope_scaling, rope_config_overrides
+from shardtune.loss import hf_model
 from shardtune.metrics import MetricsWriter
 from shardtune.models import (
     build_model_on_meta, cache_dir, check_model_source, count_parameters, load_model, load_tokenizer,
     resolve_model_name,
 )
-from shardtune.loss import hf_model
 from shardtune.parallel import make_strategy
 from shardtune.parallel.dims import ParallelDims
 from shardtune.parallel.sequence import SequenceGroups, check_sequence_split, use_sequence_attention

@@ -14,9 +14,9 @@ from typing import Callable, ContextManager
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      get_state_dict, set_optimizer_state_dict, set_state_dict)
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardtune.config import TrainConfig
 from shardtune.distributed import DistEnv
