@@ -104,6 +104,7 @@ RUN_CONTROL_SETTINGS = frozenset({
     "output_dir", "resume", "save_steps", "save_total_limit", "max_train_step", "debug", "num_workers_dataloader",
     "save_model", "save_metrics", "max_eval_step", "run_validation", "val_batch_size", "nan_policy",
     "fsdp_config.checkpoint_type", "batch_size_training", "gradient_accumulation_steps",
+    "sequence_parallel_size", "context_parallel_size",  # how rows are split: the training state does not depend on it
 })
 
 
@@ -381,7 +382,7 @@ class Checkpointer:
         result.steps, result.num_tokens = state["step"], state["num_tokens"]
         result.train_time_s = state["train_time_s"]
         position = Position(state["step"], state["epoch"], state["step_in_epoch"])
-        global_batch = effective_batch_size(self.cfg, self.env.world_size)
+        global_batch = effective_batch_size(self.cfg, self.strategy.dims.dp_size)
         where = f"epoch {position.epoch + 1}, step {position.step_in_epoch} of {self.steps_per_epoch}"
         if global_batch == state["global_batch_size"]:
             order = f"data order kept (global batch {global_batch} unchanged): continuing at {where}"
@@ -458,7 +459,7 @@ class Checkpointer:
             "format_version": FORMAT_VERSION,
             "step": position.step, "epoch": position.epoch, "step_in_epoch": position.step_in_epoch,
             "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
-            "global_batch_size": effective_batch_size(self.cfg, self.env.world_size),
+            "global_batch_size": effective_batch_size(self.cfg, self.strategy.dims.dp_size),
             "world_size": self.env.world_size, "seed": self.cfg.seed, "strategy": self.strategy.name,
             "model_name": self.cfg.model_name, "adapter_only": bool(self.cfg.use_peft),
             "checkpoint_type": self.cfg.fsdp_config.checkpoint_type or "SHARDED_STATE_DICT",

@@ -165,7 +165,9 @@ class TrainConfig:
     dataset: str = _f("synthetic_dialogues", "one of: " + ", ".join(DATASETS), choices=DATASETS)
     batch_size_training: int = _f(4, "micro-batch size per device (TRL: per_device_train_batch_size)")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step; effective batch = "
-                                             "batch_size_training x processes x gradient_accumulation_steps")
+                                             "batch_size_training x data-parallel processes (processes / "
+                                             "(sequence_parallel_size x context_parallel_size)) x "
+                                             "gradient_accumulation_steps")
     num_epochs: int = _f(1, "passes over the training data")
     max_train_step: int = _f(0, "stop after this many OPTIMIZER steps (llama-cookbook counts micro-batches); 0: no limit")
     max_eval_step: int = _f(0, "evaluate on at most this many eval batches per rank; 0: all")
@@ -243,6 +245,15 @@ class TrainConfig:
                                                "every metrics.jsonl row and the start log, always")
     memory_monitoring_interval: int = _f(100, "accepted for llama-cookbook configs; memory is logged every step")
     grammar_dataset: GrammarDatasetConfig = _f(GrammarDatasetConfig(), "llama-cookbook's grammar correction CSVs")
+    # long sequences: sequence parallelism (DeepSpeed-Ulysses) and context parallelism (ring attention)
+    sequence_parallel_size: int = _f(1, "Ulysses sequence parallelism: each row of a micro-batch is split over this "
+                                        "many processes, which swap sequence slices for attention heads around "
+                                        "attention (must divide the attention heads); these processes share their "
+                                        "micro-batches, so they count once in the effective batch")
+    context_parallel_size: int = _f(1, "ring attention: each row is split over this many processes (load-balanced "
+                                       "causal chunks), K/V rotate around the ring; no head limit; these processes "
+                                       "share their micro-batches, so they count once in the effective batch")
+
     # long sequences: memory levers (issue 10, shardtune.longseq)
     tiled_mlp: bool = _f(False, "run each decoder layer's MLP over sequence tiles of hidden_size tokens, recomputed "
                                 "in backward (ALST): its (sequence x intermediate) activations never exist for the "
@@ -297,6 +308,8 @@ ALIASES = {
     "max_grad_norm": "gradient_clipping_threshold",
     "max_seq_length": "context_length",
     "max_length": "context_length",
+    "sp_size": "sequence_parallel_size",
+    "cp_size": "context_parallel_size",
     "fsdp_config.use_fp16": "use_fp16",
     "fsdp_config.mixed_precision": "mixed_precision",
     "fsdp_config.optimizer": "optimizer",
@@ -592,9 +605,10 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         fn(cfg, world_size)
 
 
-def effective_batch_size(cfg: TrainConfig, world_size: int) -> int:
-    """Examples (or packed blocks) per optimizer step: per-device batch x devices x accumulation steps."""
-    return cfg.batch_size_training * world_size * cfg.gradient_accumulation_steps
+def effective_batch_size(cfg: TrainConfig, dp_size: int) -> int:
+    """Examples (or packed blocks) per optimizer step: per-device batch x data-parallel processes (the world size
+    without sequence / context parallelism; shardtune.parallel.dims) x accumulation steps."""
+    return cfg.batch_size_training * dp_size * cfg.gradient_accumulation_steps
 
 
 # FSDP settings that only mean something with --enable_fsdp (checkpoint_type belongs to checkpointing).

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardtune.loss import SEQUENCE_LAYOUT
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -128,9 +130,9 @@ def causal_attention_flops(shape: ModelShape, lengths: list[int]) -> int:
 
 def output_layer_tokens(shape: ModelShape, batch: dict[str, torch.Tensor]) -> int:
     """Positions the output layer computes: the labelled ones under the lean loss, every input token otherwise."""
-    from shardtune.loss import num_label_tokens
+    from shardtune.loss import batch_label_tokens
 
-    return num_label_tokens(batch["labels"]) if shape.lean_loss else num_input_tokens(batch)
+    return batch_label_tokens(batch) if shape.lean_loss else num_input_tokens(batch)
 
 
 def micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor]) -> int:
@@ -141,7 +143,13 @@ def micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor]) -> int:
     """
     body = matmul_flops_per_token(shape.num_body_params, shape.num_trainable_body_params) * num_input_tokens(batch)
     head = matmul_flops_per_token(shape.num_head_params, shape.num_head_params if shape.head_trainable else 0)
-    return body + head * output_layer_tokens(shape, batch) + causal_attention_flops(shape, sequence_lengths(batch))
+    if SEQUENCE_LAYOUT in batch:  # a slice of a row split over ranks: its share of the whole row's attention
+        boundaries = batch[SEQUENCE_LAYOUT].cu_seq_lens
+        whole = causal_attention_flops(shape, boundaries.diff().tolist())
+        attention = whole * batch["input_ids"].size(1) // int(boundaries[-1])
+    else:
+        attention = causal_attention_flops(shape, sequence_lengths(batch))
+    return body + head * output_layer_tokens(shape, batch) + attention
 
 
 def palm_micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor]) -> int:
@@ -153,6 +161,10 @@ def palm_micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor]) ->
     if "cu_seq_lens" in batch:
         lengths = batch["cu_seq_lens"].diff().tolist()
         return sum(training_flops_per_token(shape, n) * n for n in lengths)
+    if SEQUENCE_LAYOUT in batch:  # a slice of a row split over ranks: its share of the whole row's FLOPs
+        boundaries = batch[SEQUENCE_LAYOUT].cu_seq_lens
+        whole = sum(training_flops_per_token(shape, n) * n for n in boundaries.diff().tolist())
+        return whole * batch["input_ids"].size(1) // int(boundaries[-1])
     return training_flops_per_token(shape, batch["input_ids"].size(1)) * num_input_tokens(batch)
 
 

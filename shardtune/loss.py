@@ -27,9 +27,31 @@ LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 CHUNK_ELEMENTS = {"cpu": 1 << 25, "cuda": 1 << 28}
 
 
+# A sequence-split micro-batch (shardtune.parallel.sequence) holds a slice of a row: its labels are shifted BEFORE
+# the split (the next token of a slice's last position lives on another rank), and stored under this key.
+SHIFT_LABELS = "shift_labels"
+# The model keyword that carries a split micro-batch's layout to the attention function.
+SEQUENCE_LAYOUT = "sequence_layout"
+
+
 def num_label_tokens(labels: torch.Tensor) -> int:
     """Tokens that carry a loss: labels are aligned with input_ids, so position 0 never predicts anything."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """The target of each position (the next token's label), -100 at the last position: (B, T) like labels."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def next_token_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Target of every position of the micro-batch: pre-shifted labels when it carries them, else shifted here."""
+    return batch[SHIFT_LABELS] if SHIFT_LABELS in batch else shift_labels(batch["labels"])
+
+
+def batch_label_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Labelled tokens of a micro-batch (of a split one: those of its slice, each counted on exactly one rank)."""
+    return int((next_token_targets(batch) != IGNORE_INDEX).sum())
 
 
 def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict:
@@ -38,6 +60,8 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict:
     inputs: dict = {k: batch[k].to(device, non_blocking=True) for k in keys if k in batch}
     for key, value in varlen_kwargs(batch).items():
         inputs[key] = value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+    if SEQUENCE_LAYOUT in batch:
+        inputs[SEQUENCE_LAYOUT] = batch[SEQUENCE_LAYOUT].to(device)
     return inputs
 
 
@@ -46,7 +70,7 @@ def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: tor
 
     ``model`` is what the loop calls: a DDP-, FSDP2- or PEFT-wrapped (or bare) Hugging Face causal LM.
     """
-    targets = batch["labels"][:, 1:].to(device, non_blocking=True)
+    targets = next_token_targets(batch).to(device, non_blocking=True)
     head = lean_head(model)
     if head is None:
         return full_logits_loss_sum(model, batch, device)
@@ -58,8 +82,8 @@ def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: tor
 def full_logits_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
     """The plain path: full-sequence logits, then cross-entropy. The reference the lean path is tested against."""
     out = model(**model_inputs(batch, device), use_cache=False)
-    logits = out.logits[:, :-1, :]
-    targets = batch["labels"][:, 1:].to(device, non_blocking=True)
+    logits = out.logits
+    targets = next_token_targets(batch).to(device, non_blocking=True)
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)).float(),
         targets.reshape(-1),
@@ -113,7 +137,7 @@ def head_returns_loss(head: nn.Linear, targets: torch.Tensor) -> Iterator[dict[s
     result: dict[str, torch.Tensor] = {}
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy_sum(hidden[:, :-1, :], head.weight, targets)
+        return linear_cross_entropy_sum(hidden, head.weight, targets)
 
     def keep_output(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         result["loss_sum"] = output

@@ -14,6 +14,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from shardtune import data
 from shardtune.accelerate_config import expand_accelerate_config
@@ -33,6 +34,7 @@ from shardtune.launch import (
     torchrun_argv,
 )
 from shardtune.longseq import apply_memory_levers, check_rope_scaling, rope_config_overrides
+from shardtune.loss import hf_model
 from shardtune.metrics import MetricsWriter
 from shardtune.model_checks import check_model_structure
 from shardtune.models import (
@@ -40,6 +42,8 @@ from shardtune.models import (
     load_tokenizer, resolve_model_name,
 )
 from shardtune.parallel import make_strategy
+from shardtune.parallel.dims import ParallelDims
+from shardtune.parallel.sequence import SequenceGroups, check_sequence_split, use_sequence_attention
 from shardtune.peft import apply_peft, check_peft, load_quantized_model, save_adapter
 from shardtune.quantized_loading import load_quantized_on_rank0
 from shardtune.runtime import quiet_libraries
@@ -66,21 +70,24 @@ def prepare(cfg: TrainConfig, world_size: int) -> None:
     tokenizer = load_tokenizer(cfg.tokenizer_name or cfg.model_name)
     check_tokenizer_fits(cfg.model_name, tokenizer, cfg.tokenizer_name)
     data.check_context_length(cfg, tokenizer)
+    dims = ParallelDims.from_config(cfg, world_size)
+    if dims.sequence_split:
+        check_sequence_split(cfg, AutoConfig.from_pretrained(cfg.model_name))
     loaded = {split: load_examples_cached(cfg, tokenizer, split, cache_dir()) for split in data_splits(cfg)}
-    data.steps_per_epoch(len(data.build_units(loaded["train"][0], cfg)), cfg, world_size)
+    data.steps_per_epoch(len(data.build_units(loaded["train"][0], cfg)), cfg, dims.dp_size)
 
 
 def data_splits(cfg: TrainConfig) -> tuple[str, ...]:
     return ("train", "validation") if cfg.run_validation else ("train",)
 
 
-def load_data(cfg: TrainConfig, env: DistEnv, tokenizer) -> tuple[list, list[dict]]:
+def load_data(cfg: TrainConfig, env: DistEnv, dims: ParallelDims, tokenizer) -> tuple[list, list[dict]]:
     """Training units and validation examples; every rank reads the same (from the tokenised-data cache)."""
     loaded = {split: load_examples_cached(cfg, tokenizer, split, cache_dir()) for split in data_splits(cfg)}
     for split, (_, report) in loaded.items():
         print0(f"data ({split}): {report.summary()}")
     units = data.build_units(loaded["train"][0], cfg)
-    data.steps_per_epoch(len(units), cfg, env.world_size)  # fails early if the data is too small
+    data.steps_per_epoch(len(units), cfg, dims.dp_size)  # fails early if the data is too small
     return units, loaded["validation"][0] if cfg.run_validation else []
 
 
@@ -120,7 +127,8 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         remove_stale_staging(out_dir)
         write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
     tokenizer = load_tokenizer(cfg.tokenizer_name or cfg.model_name)
-    units, eval_examples = load_data(cfg, env, tokenizer)
+    strategy = make_strategy(cfg, env)
+    units, eval_examples = load_data(cfg, env, strategy.dims, tokenizer)
 
     model = build_model(cfg, env)
     freeze_first_layers(model, cfg)
@@ -128,13 +136,18 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     if cfg.use_peft:
         model = apply_peft(model, cfg)
     apply_speed_features(model, cfg, env.device)
+    if strategy.dims.sequence_split:
+        groups = SequenceGroups.from_mesh(strategy.mesh, strategy.dims)
+        print0(f"speed: {use_sequence_attention(hf_model(model), groups)}")
     num_params, num_trainable = count_parameters(model)
-    strategy = make_strategy(cfg, env)
     model = strategy.wrap(model)
     print0(f"model: {cfg.model_name} ({num_params:,} parameters, {num_trainable:,} trainable)")
     print0(f"strategy: {strategy.describe()}")
-    print0(f"effective batch: {cfg.batch_size_training} per device x {env.world_size} devices x "
-           f"{cfg.gradient_accumulation_steps} accumulation = {effective_batch_size(cfg, env.world_size)} "
+    dp_size = strategy.dims.dp_size
+    split = (f" ({env.world_size} processes / {env.world_size // dp_size} that split each row)"
+             if strategy.dims.sequence_split else "")
+    print0(f"effective batch: {cfg.batch_size_training} per device x {dp_size} data-parallel devices{split} x "
+           f"{cfg.gradient_accumulation_steps} accumulation = {effective_batch_size(cfg, dp_size)} "
            f"{'packed blocks' if cfg.batching_strategy == 'packing' else 'examples'} per step")
 
     checkpointer = Checkpointer(cfg, env, strategy, tokenizer)

@@ -4,7 +4,8 @@ The loss of an optimizer step is sum(token losses over all its micro-batches on 
 the global number of labelled tokens of the step. Each micro-batch contributes sum x W / N to backward,
 where W is the number of ranks the strategy averages gradients over: the average then yields exactly
 sum / N. Nothing is divided by the accumulation steps. So 1 x 8 x 1, 1 x 2 x 4 and 4 x 2 x 1
-(processes x batch x accumulation) compute the same gradients up to float rounding.
+(processes x batch x accumulation) compute the same gradients up to float rounding. With sequence / context
+parallelism each labelled token of a split row lives on one rank of its group, so N and W stay as they are.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from shardtune.flops import (
     ModelShape, measured_peak_flops, micro_batch_flops, model_shape, num_input_tokens, palm_micro_batch_flops,
 )
 from shardtune.inference import mean_rouge
-from shardtune.loss import num_label_tokens, token_loss_sum
+from shardtune.loss import batch_label_tokens, token_loss_sum
 from shardtune.metrics import MetricsWriter, peak_memory_bytes, perplexity
 from shardtune.optim import build_optimizer, build_scheduler  # noqa: F401 (build_optimizer: re-exported for bench/)
 from shardtune.parallel.base import Strategy
 from shardtune.profiling import StepProbe
+from shardtune.parallel.sequence import RowSlice
 
 
 @dataclass
@@ -54,7 +56,7 @@ def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Opti
                shape: ModelShape | None = None) -> dict:
     """One optimizer step over this rank's micro-batches; returns the global loss and counts (and the step's
     model FLOPs on all ranks when ``shape`` is given)."""
-    local_counts = torch.tensor([sum(num_label_tokens(mb["labels"]) for mb in micro_batches),
+    local_counts = torch.tensor([sum(batch_label_tokens(mb) for mb in micro_batches),
                                  sum(num_input_tokens(mb) for mb in micro_batches),
                                  sum(micro_batch_flops(shape, mb) for mb in micro_batches) if shape is not None
                                  else 0,
@@ -104,7 +106,7 @@ def evaluate(model: nn.Module, strategy: Strategy, batches: list[dict[str, torch
     for mb in batches:
         with strategy.autocast():
             local[0] += token_loss_sum(model, mb, env.device).double().cpu()
-        local[1] += num_label_tokens(mb["labels"])
+        local[1] += batch_label_tokens(mb)
     model.train()
     loss_sum, num_tokens = all_reduce_sum(local, env.device).tolist()
     loss = loss_sum / num_tokens if num_tokens else float("nan")
@@ -126,7 +128,8 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
           checkpointer: Checkpointer | None = None,
           eval_sampler: Callable[[nn.Module], list[dict]] | None = None) -> TrainResult:
     optimizer = strategy.build_optimizer(model)
-    steps_per_epoch = data.steps_per_epoch(len(train_units), cfg, env.world_size)
+    dims = strategy.dims  # the sampler sees data-parallel ranks; the ranks of one cp x sp group split each row
+    steps_per_epoch = data.steps_per_epoch(len(train_units), cfg, dims.dp_size)
     total_steps = steps_per_epoch * cfg.num_epochs
     if cfg.max_train_step:
         total_steps = min(total_steps, cfg.max_train_step)
@@ -152,7 +155,8 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
         first = start.step_in_epoch if epoch == start.epoch else 0
         done_in_epoch = first
         for step_in_epoch, micro_batches in enumerate(
-                data.train_loader(train_units, cfg, env.rank, env.world_size, epoch, pad_id, first), start=first):
+                data.train_loader(train_units, cfg, dims.dp_rank(env.rank), dims.dp_size, epoch, pad_id, first,
+                                  RowSlice.of_rank(dims, env.rank)), start=first):
             if result.steps >= total_steps:
                 break
             lr = optimizer.param_groups[0]["lr"]

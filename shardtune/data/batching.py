@@ -6,18 +6,22 @@ accumulation, which is why 1 x 8 x 1, 1 x 2 x 4, 2 x 4 x 1 and 4 x 2 x 1 (proces
 accumulation) train on exactly the same global batches:
 
 1. Each epoch permutes the units with ``torch.Generator().manual_seed(seed + epoch)``.
-2. The permutation is cut into global batches of G = batch_size_training x world_size x accumulation
-   units, one per optimizer step; a last partial global batch is dropped (every step sees G units).
+2. The permutation is cut into global batches of G = batch_size_training x dp_size x accumulation
+   units, one per optimizer step; a last partial global batch is dropped (every step sees G units). dp_size is
+   the number of data-parallel ranks (shardtune.parallel.dims): the world size, divided by the sequence /
+   context parallel degrees, whose ranks share micro-batches and split each row (rule 6).
 3. With padding, each global batch is sorted by unit length (ties by unit index) so that micro-batches
    hold similar lengths and waste little padding; packed blocks all hold at most context_length tokens.
-4. The global batch is cut into world_size x accumulation micro-batches of batch_size_training contiguous
-   units; micro-batch j (0 <= j < accumulation) of rank r is slice ``j * world_size + r``. This interleaving
+4. The global batch is cut into dp_size x accumulation micro-batches of batch_size_training contiguous
+   units; micro-batch j (0 <= j < accumulation) of rank r is slice ``j * dp_size + r``. This interleaving
    gives the ranks' concurrent micro-batches neighbouring lengths, so ranks wait less for each other at
    FSDP's collectives. Any fixed split is equivalent because the loss is normalised by the global count of
    labelled tokens.
 5. Collation: padding pads a micro-batch's examples to the longest (what Hugging Face's collators do); packing,
    and padding with --padding_free, put them in one row without pad tokens (:func:`collate_flat`), which
    trains on the same examples with the same loss and computes no padding at all.
+6. Sequence / context parallelism: every rank of a cp x sp group collates the same micro-batch (always a flat
+   row) and keeps its own slice of it (shardtune.parallel.sequence.split_row).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 from shardtune.config import TrainConfig, effective_batch_size
 from shardtune.data.report import DataError
 from shardtune.loss import IGNORE_INDEX
+from shardtune.parallel.sequence import RowSlice, split_row
 
 Example = dict[str, list[int]]
 Unit = list[Example]
@@ -71,23 +76,23 @@ def pack(examples: list[Example], context_length: int, seed: int) -> list[Unit]:
     return blocks
 
 
-def steps_per_epoch(num_units: int, cfg: TrainConfig, world_size: int) -> int:
+def steps_per_epoch(num_units: int, cfg: TrainConfig, dp_size: int) -> int:
     """Full global batches per epoch; the last partial one is dropped so that every step has G units."""
-    size = effective_batch_size(cfg, world_size)
+    size = effective_batch_size(cfg, dp_size)
     steps = num_units // size
     if steps == 0:
         what = "packed blocks" if cfg.batching_strategy == "packing" else "examples"
         raise DataError(f"dataset too small for effective batch {size} (batch_size_training "
-                        f"{cfg.batch_size_training} x {world_size} processes x gradient_accumulation_steps "
+                        f"{cfg.batch_size_training} x {dp_size} data-parallel processes x gradient_accumulation_steps "
                         f"{cfg.gradient_accumulation_steps}): it has {num_units} {what}: add data or lower "
                         "--batch_size_training / --gradient_accumulation_steps")
     return steps
 
 
-def epoch_order(units: list[Unit], cfg: TrainConfig, world_size: int, epoch: int) -> list[int]:
+def epoch_order(units: list[Unit], cfg: TrainConfig, dp_size: int, epoch: int) -> list[int]:
     """Unit indices of ``epoch``, global batch after global batch (rules 1-3 of the module docstring)."""
-    size = effective_batch_size(cfg, world_size)
-    num_steps = steps_per_epoch(len(units), cfg, world_size)
+    size = effective_batch_size(cfg, dp_size)
+    num_steps = steps_per_epoch(len(units), cfg, dp_size)
     generator = torch.Generator().manual_seed(cfg.seed + epoch)
     order = torch.randperm(len(units), generator=generator).tolist()[: num_steps * size]
     if cfg.batching_strategy == "padding":
@@ -96,10 +101,11 @@ def epoch_order(units: list[Unit], cfg: TrainConfig, world_size: int, epoch: int
     return order
 
 
-def micro_batch_slice(step: int, micro_step: int, rank: int, cfg: TrainConfig, world_size: int) -> slice:
-    """Where rank ``rank``'s micro-batch ``micro_step`` of optimizer step ``step`` lies in the epoch order."""
-    index = micro_step * world_size + rank
-    start = step * effective_batch_size(cfg, world_size) + index * cfg.batch_size_training
+def micro_batch_slice(step: int, micro_step: int, dp_rank: int, cfg: TrainConfig, dp_size: int) -> slice:
+    """Where data-parallel rank ``dp_rank``'s micro-batch ``micro_step`` of optimizer step ``step`` lies in the epoch
+    order."""
+    index = micro_step * dp_size + dp_rank
+    start = step * effective_batch_size(cfg, dp_size) + index * cfg.batch_size_training
     return slice(start, start + cfg.batch_size_training)
 
 
@@ -138,8 +144,10 @@ def collate_flat(examples: list[Example]) -> MicroBatch:
 
 
 def flattened(cfg: TrainConfig) -> bool:
-    """Whether training micro-batches are padding-free rows: always with packing, with padding on request."""
-    return cfg.batching_strategy == "packing" or cfg.padding_free
+    """Whether training micro-batches are padding-free rows: always with packing, with padding on request, and
+    whenever rows are split over sequence / context parallel ranks (a split needs one row with boundaries)."""
+    return (cfg.batching_strategy == "packing" or cfg.padding_free
+            or cfg.sequence_parallel_size * cfg.context_parallel_size > 1)
 
 
 def collate(units: list[Unit], cfg: TrainConfig, pad_id: int) -> MicroBatch:
@@ -148,17 +156,19 @@ def collate(units: list[Unit], cfg: TrainConfig, pad_id: int) -> MicroBatch:
 
 
 class StepDataset(Dataset):
-    """Item i: this rank's gradient_accumulation_steps micro-batches of optimizer step ``start_step + i``."""
+    """Item i: this rank's gradient_accumulation_steps micro-batches of optimizer step ``start_step + i``
+    (with ``row_slice``: this rank's slice of each, for sequence / context parallelism)."""
 
-    def __init__(self, units: list[Unit], cfg: TrainConfig, rank: int, world_size: int, epoch: int, pad_id: int,
-                 start_step: int = 0) -> None:
+    def __init__(self, units: list[Unit], cfg: TrainConfig, dp_rank: int, dp_size: int, epoch: int, pad_id: int,
+                 start_step: int = 0, row_slice: RowSlice | None = None) -> None:
         self.units = units
         self.cfg = cfg
-        self.rank = rank
-        self.world_size = world_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
         self.pad_id = pad_id
-        self.order = epoch_order(units, cfg, world_size, epoch)
-        num_steps = len(self.order) // effective_batch_size(cfg, world_size)
+        self.row_slice = row_slice
+        self.order = epoch_order(units, cfg, dp_size, epoch)
+        num_steps = len(self.order) // effective_batch_size(cfg, dp_size)
         if not 0 <= start_step <= num_steps:
             raise ValueError(f"start_step {start_step} is outside the epoch's {num_steps} steps")
         self.start_step = start_step
@@ -174,19 +184,20 @@ class StepDataset(Dataset):
         return [self._micro_batch(step, micro_step) for micro_step in range(self.cfg.gradient_accumulation_steps)]
 
     def _micro_batch(self, step: int, micro_step: int) -> MicroBatch:
-        chosen = self.order[micro_batch_slice(step, micro_step, self.rank, self.cfg, self.world_size)]
-        return collate([self.units[i] for i in chosen], self.cfg, self.pad_id)
+        chosen = self.order[micro_batch_slice(step, micro_step, self.dp_rank, self.cfg, self.dp_size)]
+        batch = collate([self.units[i] for i in chosen], self.cfg, self.pad_id)
+        return batch if self.row_slice is None else split_row(batch, self.row_slice, self.pad_id)
 
 
-def train_loader(units: list[Unit], cfg: TrainConfig, rank: int, world_size: int, epoch: int, pad_id: int,
-                 start_step: int = 0) -> DataLoader:
+def train_loader(units: list[Unit], cfg: TrainConfig, dp_rank: int, dp_size: int, epoch: int, pad_id: int,
+                 start_step: int = 0, row_slice: RowSlice | None = None) -> DataLoader:
     """Yields one list of micro-batches per optimizer step (collated in workers when num_workers > 0).
 
     The loader gets its own generator: starting it draws no number from the global RNG, whose state (dropout)
     a checkpoint saves, so resuming mid-epoch continues the same random stream.
     """
     workers = cfg.num_workers_dataloader
-    return DataLoader(StepDataset(units, cfg, rank, world_size, epoch, pad_id, start_step), batch_size=None,
+    return DataLoader(StepDataset(units, cfg, dp_rank, dp_size, epoch, pad_id, start_step, row_slice), batch_size=None,
                       shuffle=False, num_workers=workers, prefetch_factor=2 if workers > 0 else None,
                       persistent_workers=False, generator=torch.Generator().manual_seed(cfg.seed + epoch))
 

@@ -16,9 +16,11 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      get_state_dict, set_optimizer_state_dict, set_state_dict)
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardtune.config import TrainConfig
 from shardtune.distributed import DistEnv
+from shardtune.parallel.dims import ParallelDims
 from shardtune.precision import bf16_compute_available
 
 
@@ -34,6 +36,16 @@ class Strategy(ABC):
         self.env = env
         self.compute_dtype = resolve_compute_dtype(cfg, env.device)
         self.scaler = None
+        self.dims = ParallelDims.from_config(cfg, env.world_size, env.local_world_size)
+        self._mesh: DeviceMesh | None = None
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The run's one device mesh (shardtune.parallel.dims), built on first use: every rank uses it at the same
+        point (FSDP's wrap, the sequence split's groups), as building it is a collective."""
+        if self._mesh is None:
+            self._mesh = self.dims.build_mesh(self.env.device.type)
+        return self._mesh
 
     # -- the face ------------------------------------------------------------------------------------------------
     @abstractmethod
@@ -173,7 +185,15 @@ class Strategy(ABC):
         return {}
 
     def describe(self) -> str:
-        return f"{self.name}, world size {self.env.world_size}, compute dtype {dtype_name(self.compute_dtype)}"
+        return (f"{self.name}, world size {self.env.world_size}{self.describe_split()}, compute dtype "
+                f"{dtype_name(self.compute_dtype)}")
+
+    def describe_split(self) -> str:
+        """How rows are split (empty when they are not): part of every strategy's start line."""
+        if not self.dims.sequence_split:
+            return ""
+        return (f", rows split over context parallel {self.dims.cp} x sequence parallel {self.dims.sp} "
+                f"(data parallel {self.dims.dp_size})")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -1,11 +1,12 @@
-"""Sharded data parallel with PyTorch FSDP2 (``fully_shard`` on a replicate x shard device mesh).
+"""Sharded data parallel with PyTorch FSDP2 (``fully_shard`` on the run's mesh: replicate x shard, where shard is
+dp_shard x cp x sp of shardtune.parallel.dims).
 
 Wrapping order (torchtitan's): activation checkpointing on each decoder layer, then ``fully_shard`` on each
 decoder layer (bottom-up), then on the root. The decoder layer class comes from the model's
 ``_no_split_modules``, so any Hugging Face causal LM works, also inside a PEFT wrapper.
 
-FSDP2 averages gradients over all data-parallel ranks (reduce-scatter within the shard group, all-reduce
-across replicas), so ``grad_average_size`` is the world size, as for DDP.
+FSDP2 averages gradients over all ranks of the mesh (reduce-scatter within the shard group, all-reduce across
+replicas), so ``grad_average_size`` is the world size, as for DDP.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import ContextManager
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -26,39 +27,12 @@ from shardtune.distributed import DistEnv, print0
 from shardtune.memory import human_bytes, local_state_bytes
 from shardtune.metrics import peak_memory_bytes
 from shardtune.parallel.base import Strategy, dtype_name
+from shardtune.parallel.dims import fsdp_mesh
 from shardtune.precision import bf16_compute_available
-
-MESH_DIMS = ("replicate", "shard")
 
 PURE_BF16_COST = ("pure bf16: weights, gradients and AdamW state in bf16 (8 significant bits): updates smaller "
                   "than ~1/256 of a weight are rounded away, so small learning rates train less well than with "
                   "fp32 master weights")
-
-
-# -- mesh ----------------------------------------------------------------------------------------------------------
-
-def mesh_shape(cfg: TrainConfig, world_size: int, local_world_size: int) -> tuple[int, int]:
-    """(replicas, ranks per replica) for the sharding strategy; validated sizes (config.py) divide the world."""
-    strategy = cfg.fsdp_config.sharding_strategy
-    if strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
-        return 1, world_size
-    if strategy == "NO_SHARD":
-        return world_size, 1
-    shard = cfg.fsdp_config.sharding_group_size
-    replicas = cfg.fsdp_config.replica_group_size
-    if not shard:
-        shard = world_size // replicas if replicas else local_world_size
-    return world_size // shard, shard
-
-
-def build_mesh(cfg: TrainConfig, env: DistEnv) -> DeviceMesh:
-    return init_device_mesh(env.device.type, mesh_shape(cfg, env.world_size, env.local_world_size),
-                            mesh_dim_names=MESH_DIMS)
-
-
-def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh handed to fully_shard: 1-D (pure sharding) when there is a single replica, else 2-D (HSDP)."""
-    return mesh["shard"] if mesh.shape[0] == 1 else mesh
 
 
 # -- precision -----------------------------------------------------------------------------------------------------
@@ -188,7 +162,7 @@ class FSDPStrategy(Strategy):
         super().__init__(cfg, env)
         self.precision = resolve_precision(cfg, env.device)
         self.compute_dtype = self.precision.policy.param_dtype or self.precision.load_dtype
-        self.mesh: DeviceMesh | None = None
+        self.fsdp_mesh: DeviceMesh | None = None
 
     @property
     def offload(self) -> bool:
@@ -196,7 +170,7 @@ class FSDPStrategy(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         fc = self.cfg.fsdp_config
-        self.mesh = build_mesh(self.cfg, self.env)
+        self.fsdp_mesh = fsdp_mesh(self.mesh, self.dims)
         on_meta = any(p.is_meta for p in model.parameters())
         if self.cfg.low_cpu_fsdp:
             # rank 0 keeps references to the loaded tensors (no copy) until they are broadcast into the shards
@@ -207,7 +181,7 @@ class FSDPStrategy(Strategy):
         if fc.fsdp_activation_checkpointing:
             layers = apply_activation_checkpointing(model, layers)
         reshard = fc.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
-        kwargs = dict(mesh=fsdp_mesh(self.mesh), mp_policy=self.precision.policy,
+        kwargs = dict(mesh=self.fsdp_mesh, mp_policy=self.precision.policy,
                       offload_policy=CPUOffloadPolicy(pin_memory=self.env.device.type == "cuda") if self.offload
                       else OffloadPolicy())
         for layer in layers:
@@ -253,11 +227,12 @@ class FSDPStrategy(Strategy):
 
     def describe(self) -> str:
         fc = self.cfg.fsdp_config
-        assert self.mesh is not None, "describe() after wrap()"
-        shape = " x ".join(f"{n} {s}" for n, s in zip(MESH_DIMS, self.mesh.shape))
+        assert self.fsdp_mesh is not None, "describe() after wrap()"
+        shape = f"replicate {self.dims.dp_replicate} x shard {self.fsdp_mesh.shape[-1]}"
         extras = [x for x, on in (("activation checkpointing", fc.fsdp_activation_checkpointing),
                                   ("CPU offload", self.offload), ("low_cpu_fsdp", self.cfg.low_cpu_fsdp)) if on]
-        return (f"fsdp2 {fc.sharding_strategy}, world size {self.env.world_size}, mesh ({shape}), "
+        return (f"fsdp2 {fc.sharding_strategy}, world size {self.env.world_size}, mesh ({shape})"
+                f"{self.describe_split()}, "
                 f"{self.precision.describe()}" + "".join(f", {x}" for x in extras))
 
 

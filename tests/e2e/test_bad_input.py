@@ -48,6 +48,13 @@ def assert_one_line_error(proc, *needles):
     (["--enable_deepspeed", "--deepspeed_config.zero_stage", "4"], ["--deepspeed_config.zero_stage 4", "1, 2 or 3"]),
     (["--enable_deepspeed", "--deepspeed_config.offload_param", "true"], ["offload_param", "zero_stage 3"]),
     (["--deepspeed_config.zero_stage", "3"], ["--deepspeed_config.zero_stage 3", "--enable_deepspeed"]),
+    (["--nproc_per_node", "4", "--sp_size", "3"], ["--sequence_parallel_size 3 = 3", "world size 4"]),
+    (["--nproc_per_node", "8", "--sequence_parallel_size", "8"],
+     ["--sequence_parallel_size 8 must divide the model's 4 attention heads (2 KV heads"]),
+    (["--nproc_per_node", "2", "--cp_size", "2", "--use_peft", "--peft_method", "prefix"],
+     ["--context_parallel_size 2", "--peft_method prefix"]),
+    (["--nproc_per_node", "2", "--sp_size", "2", "--enable_deepspeed"],
+     ["--sequence_parallel_size 2", "--enable_deepspeed", "--enable_fsdp"]),
 ])
 def test_bad_values_fail_early_with_one_line(args, needles, tiny_model, run_cli, tmp_path):
     out = tmp_path / "never-created"

@@ -154,16 +154,16 @@ def test_padding_micro_batches_are_length_grouped():
 
 def test_steps_per_epoch_drops_the_partial_global_batch():
     cfg = make_cfg("padding", batch_size=2, accumulation=3)
-    assert steps_per_epoch(25, cfg, world_size=2) == 2
+    assert steps_per_epoch(25, cfg, dp_size=2) == 2
     with pytest.raises(DataError, match="dataset too small for effective batch 12"):
-        steps_per_epoch(11, cfg, world_size=2)
+        steps_per_epoch(11, cfg, dp_size=2)
 
 
 def test_start_step_resumes_the_same_sequence():
     cfg = make_cfg("packing", batch_size=2, accumulation=2)
     units = build_units(make_examples(120), cfg)
-    full = StepDataset(units, cfg, rank=1, world_size=2, epoch=2, pad_id=PAD_ID)
-    resumed = StepDataset(units, cfg, rank=1, world_size=2, epoch=2, pad_id=PAD_ID, start_step=3)
+    full = StepDataset(units, cfg, dp_rank=1, dp_size=2, epoch=2, pad_id=PAD_ID)
+    resumed = StepDataset(units, cfg, dp_rank=1, dp_size=2, epoch=2, pad_id=PAD_ID, start_step=3)
     assert len(resumed) == len(full) - 3
     for i in range(len(resumed)):
         for a, b in zip(resumed[i], full[i + 3]):
@@ -176,7 +176,7 @@ def test_start_step_resumes_the_same_sequence():
 def test_train_loader_yields_the_step_dataset(num_workers):
     cfg = make_cfg("padding", batch_size=3, accumulation=2, num_workers_dataloader=num_workers)
     units = build_units(make_examples(40), cfg)
-    loader = train_loader(units, cfg, rank=0, world_size=2, epoch=0, pad_id=PAD_ID, start_step=1)
+    loader = train_loader(units, cfg, dp_rank=0, dp_size=2, epoch=0, pad_id=PAD_ID, start_step=1)
     dataset = StepDataset(units, cfg, 0, 2, 0, PAD_ID, start_step=1)
     steps = list(loader)
     assert len(steps) == len(dataset) == len(units) // 12 - 1
