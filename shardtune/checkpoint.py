@@ -23,6 +23,7 @@ from shardtune.config import (
     ConfigError, TrainConfig, effective_batch_size, flatten_dict, to_dict, to_yaml, validator,
 )
 from shardtune.distributed import DistEnv, all_reduce_sum, barrier, print0, warn0
+from shardtune.preemption import Preempted, stop_signal_anywhere
 
 # Written last when publishing a model directory: without it the directory does not load as a model.
 LAST_FILES = ("config.json", "adapter_config.json")
@@ -151,8 +152,11 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def resolve_checkpoint(where: str, output_dir: str | Path) -> Path:
-    """``latest`` (of output_dir), a checkpoint folder, or an output dir (its latest checkpoint)."""
+def resolve_checkpoint(where: str, output_dir: str | Path) -> Path | None:
+    """``latest`` (of output_dir), a checkpoint folder, or an output dir (its latest checkpoint); ``auto``: latest
+    if output_dir has a complete checkpoint, else None (a new run; for jobs that requeue or restart themselves)."""
+    if where == "auto":
+        return latest_checkpoint(output_dir)
     if where == "latest":
         path = latest_checkpoint(output_dir)
         if path is None:
@@ -173,8 +177,8 @@ def _check_checkpointing(cfg: TrainConfig, world_size: int) -> None:
     for name in ("save_steps", "save_total_limit"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} {getattr(cfg, name)} must be >= 0 (0: see shardtune sft --help)")
-    if cfg.resume:
-        path = resolve_checkpoint(cfg.resume, cfg.output_dir)
+    path = resolve_checkpoint(cfg.resume, cfg.output_dir) if cfg.resume else None
+    if path is not None:
         saved = read_trainer_state(path)
         by_deepspeed = saved.get("strategy") == "deepspeed"
         if by_deepspeed != cfg.enable_deepspeed:
@@ -401,6 +405,17 @@ class Checkpointer:
         if self.enabled and done_in_epoch == self.steps_per_epoch:
             self.save(Position(self.training[3].steps, epoch + 1, 0))  # type: ignore[index]
 
+    def stop_if_requested(self, epoch: int, done_in_epoch: int) -> None:
+        """Collective, after each optimizer step but the last: when a stop signal reached any rank, save this step
+        (also with checkpointing off) and raise Preempted on every rank (see shardtune/preemption.py)."""
+        signal_name = stop_signal_anywhere(self.env.device)
+        if signal_name is None:
+            return
+        step = self.training[3].steps  # type: ignore[index]
+        saved = self.last_saved if self.last_saved is not None and checkpoint_step(self.last_saved) == step else (
+            self.save(Position(step, epoch, done_in_epoch)))
+        raise Preempted(signal_name, step, saved)
+
     # -- writing -------------------------------------------------------------------------------------------------
     def save(self, position: Position) -> Path:
         model, optimizer, scheduler, result = self.training  # type: ignore[misc]
@@ -409,6 +424,7 @@ class Checkpointer:
         started = time.perf_counter()
         if self.env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
+            self.root.mkdir(parents=True, exist_ok=True)
         barrier()
         error: BaseException | None = None
         try:

@@ -190,7 +190,8 @@ class TrainConfig:
                             "epoch ends and after the last step)")
     save_total_limit: int = _f(0, "keep the last K checkpoints; 0: keep all")
     resume: str = _f("", "latest (newest complete checkpoint of output_dir), a checkpoint folder, or another run's "
-                         "output dir: continue exactly where it stopped (any number of processes); a worker group "
+                         "output dir: continue exactly where it stopped (any number of processes); auto: latest if "
+                         "output_dir has a checkpoint, else start (for jobs that requeue themselves); a worker group "
                          "restarted by torchrun (--max_restarts) resumes from latest by itself")
     nan_policy: str = _f("stop", "on a non-finite (NaN/Inf) loss or gradient norm on any rank: stop (before the "
                                  "optimizer step; the last checkpoint stays latest) or skip (no weight or optimizer "

@@ -11,12 +11,13 @@ import sys
 
 from shardtune.config import ConfigError
 from shardtune.distributed import local_gpu_count
+from shardtune.preemption import EXIT_PREEMPTED, TORCHRUN_SIGNALS, stop_signals_forwarded, workers_stopped
 
 # torchrun flags that take a value, and those that do not; both spellings (_ and -) are accepted.
 TORCHRUN_VALUE_FLAGS = (
     "nproc_per_node", "nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
     "master_addr", "master_port", "max_restarts", "monitor_interval", "start_method", "role", "log_dir",
-    "redirects", "tee", "local_addr",
+    "redirects", "tee", "local_addr", "signals_to_handle",
 )
 TORCHRUN_SWITCHES = ("standalone",)
 MULTI_NODE_FLAGS = ("nnodes", "rdzv_endpoint", "master_addr", "rdzv_backend", "rdzv_id")
@@ -83,6 +84,8 @@ def torchrun_argv(launch: dict[str, str | None], nproc: int) -> list[str]:
     single_node = not any(k in launch for k in MULTI_NODE_FLAGS)
     if single_node and "standalone" not in launch:
         args.append("--standalone")  # a free local port per run, so concurrent jobs never collide
+    if "signals_to_handle" not in launch:
+        args.append(f"--signals_to_handle={TORCHRUN_SIGNALS}")  # SIGTERM / SIGUSR1: see shardtune/preemption.py
     for name, value in launch.items():
         if name == "nproc_per_node":
             continue
@@ -92,13 +95,26 @@ def torchrun_argv(launch: dict[str, str | None], nproc: int) -> list[str]:
 
 def launch(torchrun_args: list[str], module: str, module_args: list[str], nproc: int) -> int:
     """Run ``torchrun <torchrun_args> -m <module> <module_args>`` in this process; return an exit status."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import get_args_parser
 
     args = get_args_parser().parse_args([*torchrun_args, "-m", module, *module_args])
     if "OMP_NUM_THREADS" not in os.environ:
         # share the cores between the local processes (torchrun would set 1 and warn about it)
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, nproc)))
+    with stop_signals_forwarded() as control_dir:
+        status = run_torchrun(args)
+        stopped = workers_stopped(control_dir)
+    if stopped and status == 0:
+        print(f"shardtune: {stopped}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    return status
+
+
+def run_torchrun(args) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
     try:
         run(args)
     except ChildFailedError as e:
@@ -109,4 +125,7 @@ def launch(torchrun_args: list[str], module: str, module_args: list[str], nproc:
     except KeyboardInterrupt:
         print("shardtune: interrupted", file=sys.stderr)
         return 130
+    except SignalException as e:
+        print(f"shardtune: workers terminated by {e.sigval.name}", file=sys.stderr)
+        return 128 + int(e.sigval)
     return 0

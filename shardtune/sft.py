@@ -31,6 +31,7 @@ from shardtune.models import (
 )
 from shardtune.parallel import make_strategy
 from shardtune.peft import apply_peft, check_peft, load_quantized_model, save_adapter
+from shardtune.preemption import Preempted, install_worker_handlers, report_stopped
 from shardtune.speed import apply_speed_features
 from shardtune.train import TrainingStopped, TrainResult, train
 
@@ -157,6 +158,7 @@ def fail(message: str, debug: bool) -> None:
 
 
 def run_worker(cfg: TrainConfig) -> int:
+    install_worker_handlers()
     rank = int(os.environ["RANK"])
     try:
         prepare(cfg, int(os.environ["WORLD_SIZE"]))
@@ -174,6 +176,10 @@ def run_worker(cfg: TrainConfig) -> int:
         if env.is_main:
             fail(str(e), cfg.debug)
         return 1
+    except Preempted as e:  # every rank alike, after the checkpoint; 0 so that no agent restarts the workers
+        if not report_stopped(e):
+            print0(f"shardtune: {e}")
+        return 0
     finally:
         shutdown()
     return 0
