@@ -102,7 +102,7 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 RUN_CONTROL_SETTINGS = frozenset({
     "output_dir", "resume", "save_steps", "save_total_limit", "max_train_step", "debug", "num_workers_dataloader",
     "save_model", "save_metrics", "max_eval_step", "run_validation", "val_batch_size", "nan_policy",
-    "fsdp_config.checkpoint_type", "batch_size_training", "gradient_accumulation_steps",
+    "fsdp_config.checkpoint_type", "batch_size_training", "gradient_accumulation_steps", "dist_timeout",
 })
 
 

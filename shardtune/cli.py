@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "export": "turn a training checkpoint (any world size, any strategy) into a Hugging Face model directory",
     "generate": "generate text with a model, a model + PEFT adapter, or a merged model (prompt, file or stdin)",
     "eval": "eval loss, perplexity and ROUGE of generated summaries on a samsum-format split; JSON report",
+    "doctor": "check versions, devices, topology, bandwidth and the NCCL / gloo environment on every node",
 }
 
 
@@ -60,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         from shardtune.evaluate import main as eval_main
 
         return eval_main(rest)
+    if command == "doctor":
+        from shardtune.doctor import main as doctor_main
+
+        return doctor_main(rest)
     print(f"shardtune: error: unknown command {command!r}: choose one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
     return 2
 

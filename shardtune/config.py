@@ -198,6 +198,10 @@ class TrainConfig:
                                  "update; the step still counts: its data is used up and the LR schedule advances)",
                          choices=NAN_POLICIES)
 
+    # many nodes, no hangs (issue 11)
+    dist_timeout: int = _f(1800, "seconds a collective (all-reduce, barrier, checkpoint exchange) waits for the other "
+                                 "ranks before the job fails with a timeout error instead of hanging")
+
     synthetic_dialogues: SyntheticDialoguesConfig = _f(SyntheticDialoguesConfig(), "embedded dialogue data")
     samsum_dataset: SamsumDatasetConfig = _f(SamsumDatasetConfig(), "SAMSum-format data")
     alpaca_dataset: AlpacaDatasetConfig = _f(AlpacaDatasetConfig(), "alpaca-format data")
@@ -621,3 +625,9 @@ def _check_deepspeed(cfg: TrainConfig, world_size: int) -> None:
                 "--gradient_accumulation_steps)" if key in ours else "set by shardtune")
         raise ConfigError(f"--deepspeed_config.config_file {dc.config_file}: \"{key}\" is {what}: remove the key "
                           "or set it to \"auto\"")
+
+
+@validator
+def _check_dist_timeout(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.dist_timeout <= 0:
+        raise ConfigError(f"--dist_timeout {cfg.dist_timeout} must be a positive number of seconds (default 1800)")

@@ -93,7 +93,37 @@ def torchrun_argv(launch: dict[str, str | None], nproc: int) -> list[str]:
     return args
 
 
-def launch(torchrun_args: list[str], module: str, module_args: list[str], nproc: int) -> int:
+# torchrun's default --rdzv_conf join_timeout
+DEFAULT_JOIN_TIMEOUT_S = 600
+
+
+def rendezvous_timeout_message(args, error: BaseException) -> str:
+    """One line for a rendezvous that timed out: how many nodes joined, where, and what to check."""
+    conf = dict(item.split("=", 1) for item in (args.rdzv_conf or "").split(",") if "=" in item)
+    wanted = args.nnodes.split(":")[0]
+    joined = nodes_joined(error)
+    count = f"{joined} of {wanted}" if joined is not None else f"fewer than {wanted}"
+    return (f"rendezvous at {args.rdzv_endpoint or 'localhost'} (--rdzv_id {args.rdzv_id}): {count} nodes joined "
+            f"within {conf.get('join_timeout', DEFAULT_JOIN_TIMEOUT_S)} s (--rdzv_conf join_timeout=SECONDS): start "
+            "the same command on every node with the same --nnodes and --rdzv_id, and check that the endpoint's "
+            "host name resolves to its address on every node (not 127.0.1.1) and that its port is open (firewall)")
+
+
+def nodes_joined(error: BaseException) -> int | None:
+    """Nodes in the round that timed out, read from torch's rendezvous state in the traceback (torch's error does
+    not say): the participants left plus this node, which removes itself before raising. None when that state is
+    not found (another rendezvous backend or torch version)."""
+    tb = error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        state = getattr(owner, "_state", None)
+        if hasattr(state, "participants"):
+            return len(set(state.participants) | {getattr(owner, "_node", None)})
+        tb = tb.tb_next
+    return None
+
+
+def launch(torchrun_args: list[str], module: str, module_args: list[str], nproc: int, what: str = "training") -> int:
     """Run ``torchrun <torchrun_args> -m <module> <module_args>`` in this process; return an exit status."""
     from torch.distributed.run import get_args_parser
 
@@ -102,7 +132,7 @@ def launch(torchrun_args: list[str], module: str, module_args: list[str], nproc:
         # share the cores between the local processes (torchrun would set 1 and warn about it)
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, nproc)))
     with stop_signals_forwarded() as control_dir:
-        status = run_torchrun(args)
+        status = run_torchrun(args, what)
         stopped = workers_stopped(control_dir)
     if stopped and status == 0:
         print(f"shardtune: {stopped}", file=sys.stderr)
@@ -110,16 +140,20 @@ def launch(torchrun_args: list[str], module: str, module_args: list[str], nproc:
     return status
 
 
-def run_torchrun(args) -> int:
+def run_torchrun(args, what: str) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.run import run
 
     try:
         run(args)
+    except RendezvousTimeoutError as e:
+        print(f"shardtune: error: {rendezvous_timeout_message(args, e)}", file=sys.stderr)
+        return 1
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        print(f"shardtune: training failed: rank {rank} exited with code {failure.exitcode} "
+        print(f"shardtune: {what} failed: rank {rank} exited with code {failure.exitcode} "
               "(its error is printed above)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -166,7 +166,7 @@ def run_worker(cfg: TrainConfig) -> int:
         if rank == 0:  # every rank finds the same problem; one line is enough
             fail(str(e), cfg.debug)
         return 2
-    env = init_distributed()
+    env = init_distributed(timeout_s=cfg.dist_timeout)
     try:
         fine_tune(cfg, env)
     except ConfigError as e:  # data errors found while loading
