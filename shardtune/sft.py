@@ -29,7 +29,9 @@ from shardtune.models import (
     build_model_on_meta, cache_dir, check_model_source, count_parameters, load_model, load_tokenizer,
     resolve_model_name,
 )
+from shardtune.memory import cross_node_summary
 from shardtune.parallel import make_strategy
+from shardtune.parallel.fsdp import mesh_shape
 from shardtune.peft import apply_peft, check_peft, load_quantized_model, save_adapter
 from shardtune.preemption import Preempted, install_worker_handlers, report_stopped
 from shardtune.speed import apply_speed_features
@@ -116,6 +118,8 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
            f"{cfg.gradient_accumulation_steps} accumulation = {effective_batch_size(cfg, env.world_size)} "
            f"{'packed blocks' if cfg.batching_strategy == 'packing' else 'examples'} per step")
 
+    if env.num_nodes > 1 and not cfg.enable_deepspeed:
+        print0(cross_node_traffic(cfg, env, model, strategy, num_params, num_trainable))
     checkpointer = Checkpointer(cfg, env, strategy, tokenizer)
     metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.save_metrics else None
     append = metrics_path is not None and checkpointer.keep_metrics_rows(metrics_path)
@@ -128,6 +132,19 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         save_outputs(cfg, env, strategy, model, tokenizer)
     print0(report(result, cfg))
     return result
+
+
+def cross_node_traffic(cfg: TrainConfig, env: DistEnv, model: torch.nn.Module, strategy, num_params: int,
+                       num_trainable: int) -> str:
+    """The formula of shardtune/memory.py with this run's sizes: all parameters are gathered in the compute dtype,
+    trainable ones reduced in the dtype of the master weights."""
+    master = next(p for p in model.parameters() if p.requires_grad)
+    chosen = cfg.fsdp_config.sharding_strategy if cfg.enable_fsdp else "DDP"
+    shard_group_size = mesh_shape(cfg, env.world_size, env.local_world_size)[1] if cfg.enable_fsdp else 0
+    return cross_node_summary(chosen, env.num_nodes, env.local_world_size, num_params=num_params,
+                              num_trainable=num_trainable, micro_batches=cfg.gradient_accumulation_steps,
+                              shard_group_size=shard_group_size, compute_bytes=strategy.compute_dtype.itemsize,
+                              grad_bytes=master.element_size())
 
 
 def report(result: TrainResult, cfg: TrainConfig) -> str:

@@ -53,3 +53,32 @@ def test_a_dead_rank_on_node_1_ends_node_0_within_seconds(tiny_model, cache_dir,
     assert "shardtune: training failed: rank 0 exited with code 1" in outputs[0][1]
     assert node0_s < 60, node0_s
     print(f"node 0 ended {node0_s:.1f} s after node 1's rank died")
+
+
+def test_doctor_on_two_nodes_reports_topology_bandwidth_and_what_is_wrong(cache_dir, tmp_path):
+    """Two simulated nodes on one host: the shared host name and its loopback address are real problems for
+    real nodes; NCCL_IB_DISABLE set on node 1 only is the planted one."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = []
+    for node_rank in (0, 1):
+        args = ["doctor", "--nnodes", 2, "--node_rank", node_rank, "--nproc_per_node", 1, "--rdzv_backend", "c10d",
+                "--rdzv_endpoint", endpoint, "--rdzv_id", "doctor", "--rdzv_conf", f"is_host={int(node_rank == 0)}",
+                "--bandwidth_mb", 1]
+        env = {**cli_env(cache_dir), "OMP_NUM_THREADS": "1", **({"NCCL_IB_DISABLE": "1"} if node_rank else {})}
+        nodes.append(subprocess.Popen([sys.executable, "-m", "shardtune", *map(str, args)], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True))
+    outputs = finish(nodes)
+    report = outputs[0][0]
+    assert [p.returncode for p in nodes] == [1, 1], outputs[0][1][-3000:]
+    assert "topology: 2 node(s) x 1 process(es) = world size 2, backend gloo" in report
+    assert "node 0: host" in report and "node 1: host" in report and "ranks [1], device CPU" in report
+    assert "versions: python" in report and "torch 2." in report
+    assert "communication environment:" in report and "NCCL_IB_DISABLE=1" in report
+    for group in ("all ranks", "across nodes"):
+        line = next(line for line in report.splitlines() if line.startswith(f"bandwidth ({group}):"))
+        assert float(line.split("all_reduce ")[1].split(" GB/s")[0]) > 0, line
+    problems = [line for line in report.splitlines() if line.startswith("problem:")]
+    assert any("NCCL_IB_DISABLE differs between ranks" in p for p in problems), problems
+    assert any("NCCL_IB_DISABLE=1 on node 1: cross-node traffic goes over TCP sockets" in p for p in problems)
+    assert any("nodes share a host name" in p for p in problems), problems
+    assert "shardtune: the checks failed: rank 0 exited with code 1" in outputs[0][1]
