@@ -6,6 +6,7 @@ Two simulated nodes are two launchers on this host (c10d rendezvous on 127.0.0.1
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from tests.distributed.test_checkpoint import (
 def test_a_node_that_never_joins_is_named_within_the_join_timeout(tiny_model, cache_dir, tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     args = ["sft", "--nnodes", 2, "--node_rank", 0, "--nproc_per_node", 1, "--rdzv_backend", "c10d",
-            "--rdzv_endpoint", endpoint, "--rdzv_id", "lonely", "--rdzv_conf", "join_timeout=15",
+            "--rdzv_endpoint", endpoint, "--rdzv_id", "lonely", "--rdzv_conf", "join_timeout=10",
             "--model_name", tiny_model, "--output_dir", tmp_path / "run", *COMMON]
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "shardtune", *map(str, args)], capture_output=True, text=True,
@@ -28,11 +29,11 @@ def test_a_node_that_never_joins_is_named_within_the_join_timeout(tiny_model, ca
     elapsed_s = time.monotonic() - started
     errors = [line for line in proc.stderr.splitlines() if line.startswith("shardtune: error:")]
     assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
-    assert f"rendezvous at {endpoint} (--rdzv_id lonely): 1 of 2 nodes joined within 15 s" in errors[0]
+    assert f"rendezvous at {endpoint} (--rdzv_id lonely): 1 of 2 nodes joined within 10 s" in errors[0]
     assert "same --nnodes and --rdzv_id" in errors[0] and "firewall" in errors[0]
     assert "Traceback" not in proc.stderr
-    assert elapsed_s < 150, elapsed_s  # start-up + 15 s, not torchrun's default 600 s
-    print(f"node that never joined: error after {elapsed_s:.1f} s (join timeout 15 s, start-up included)")
+    assert elapsed_s < 150, elapsed_s  # start-up + 10 s, not torchrun's default 600 s
+    print(f"node that never joined: error after {elapsed_s:.1f} s (join timeout 10 s, start-up included)")
 
 
 def test_a_dead_rank_on_node_1_ends_node_0_within_seconds(tiny_model, cache_dir, tmp_path):
@@ -49,8 +50,9 @@ def test_a_dead_rank_on_node_1_ends_node_0_within_seconds(tiny_model, cache_dir,
     finally:
         outputs = finish(nodes)
     assert [p.returncode for p in nodes] == [1, 1]
-    assert "shardtune: training failed: rank 1 exited with code -9" in outputs[1][1]
-    assert "shardtune: training failed: rank 0 exited with code 1" in outputs[0][1]
+    # c10d assigns global ranks by arrival: node 1's worker may be rank 0 or 1
+    assert re.search(r"shardtune: training failed: rank \d exited with code -9", outputs[1][1]), outputs[1][1][-2000:]
+    assert re.search(r"shardtune: training failed: rank \d exited with code 1", outputs[0][1]), outputs[0][1][-2000:]
     assert node0_s < 60, node0_s
     print(f"node 0 ended {node0_s:.1f} s after node 1's rank died")
 
@@ -68,7 +70,7 @@ def test_doctor_on_two_nodes_reports_topology_bandwidth_and_what_is_wrong(cache_
         nodes.append(subprocess.Popen([sys.executable, "-m", "shardtune", *map(str, args)], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True))
     outputs = finish(nodes)
-    report = outputs[0][0]
+    report = outputs[0][0] + outputs[1][0]  # global rank 0 (which prints) is on either launcher
     assert [p.returncode for p in nodes] == [1, 1], outputs[0][1][-3000:]
     assert "topology: 2 node(s) x 1 process(es) = world size 2, backend gloo" in report
     assert "node 0: host" in report and "node 1: host" in report and "ranks [1], device CPU" in report
@@ -79,6 +81,7 @@ def test_doctor_on_two_nodes_reports_topology_bandwidth_and_what_is_wrong(cache_
         assert float(line.split("all_reduce ")[1].split(" GB/s")[0]) > 0, line
     problems = [line for line in report.splitlines() if line.startswith("problem:")]
     assert any("NCCL_IB_DISABLE differs between ranks" in p for p in problems), problems
-    assert any("NCCL_IB_DISABLE=1 on node 1: cross-node traffic goes over TCP sockets" in p for p in problems)
+    assert any(re.search(r"NCCL_IB_DISABLE=1 on node \d: cross-node traffic goes over TCP sockets", p)
+               for p in problems), problems
     assert any("nodes share a host name" in p for p in problems), problems
-    assert "shardtune: the checks failed: rank 0 exited with code 1" in outputs[0][1]
+    assert all(re.search(r"shardtune: the checks failed: rank \d exited with code 1", err) for _out, err in outputs)
