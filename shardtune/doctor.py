@@ -27,7 +27,10 @@ SLOW_GPU_BUS_GB_S = {"all ranks": 20.0, "across nodes": 5.0}
 
 
 def parse_doctor_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="shardtune doctor", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="shardtune doctor",
+        description="check versions, devices, topology, collective bandwidth and the NCCL / gloo environment of "
+                    "every rank; torchrun's flags (--nproc_per_node, --nnodes, --rdzv_endpoint ...) pass through")
     parser.add_argument("--bandwidth_mb", type=float, default=64.0,
                         help="size of the all-reduce / all-gather test tensor per rank, in MB (default 64)")
     parser.add_argument("--bandwidth_iters", type=int, default=5, help="timed repetitions (after one warm-up)")

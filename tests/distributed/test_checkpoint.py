@@ -336,11 +336,15 @@ def start_two_nodes(cache_dir, model, out, *extra) -> list[subprocess.Popen]:
 
 
 def finish(nodes: list[subprocess.Popen], timeout_s: float = 300) -> list[tuple[str, str]]:
+    """Outputs of the launchers; on a timeout the launchers and their workers (not in their group) are killed."""
     try:
         return [p.communicate(timeout=timeout_s) for p in nodes]
     finally:
         for p in nodes:
             if p.poll() is None:
+                for pid in worker_pids(p.pid).values():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 os.killpg(p.pid, signal.SIGKILL)
 
 
