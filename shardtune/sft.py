@@ -23,7 +23,7 @@ from shardtune.data.cache import load_examples_cached
 from shardtune.distributed import (
     DistEnv, barrier, init_distributed, is_torchrun_worker, print0, seed_everything, shutdown,
 )
-from shardtune.launch import launch, resolve_nnodes, resolve_nproc, split_launcher_args, torchrun_argv
+from shardtune.launch import launch, resolve_here, split_launcher_args
 from shardtune.metrics import MetricsWriter
 from shardtune.models import (
     build_model_on_meta, cache_dir, check_model_source, count_parameters, load_model, load_tokenizer,
@@ -194,14 +194,13 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--{next(iter(launch_args))} is a torchrun flag, but this process already runs "
                                   "under torchrun: give it to torchrun, before -m shardtune.sft")
             return run_worker(cfg)
-        nproc = resolve_nproc(launch_args.get("nproc_per_node"))
-        prepare(cfg, nproc * resolve_nnodes(launch_args.get("nnodes")))
+        topology = resolve_here(launch_args)
+        prepare(cfg, topology.world_size)
     except ConfigError as e:
         fail(str(e), debug)
         return 2
     # workers receive the resolved model path, so a preset is built once, here
-    return launch(torchrun_argv(launch_args, nproc), "shardtune.sft", [*train_argv, "--model_name", cfg.model_name],
-                  nproc)
+    return launch(topology, "shardtune.sft", [*train_argv, "--model_name", cfg.model_name])
 
 
 if __name__ == "__main__":
