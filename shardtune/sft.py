@@ -31,6 +31,7 @@ from shardtune.models import (
 )
 from shardtune.parallel import make_strategy
 from shardtune.peft import apply_peft, check_peft, load_quantized_model, save_adapter
+from shardtune.preflight import PreflightError, run_preflight
 from shardtune.speed import apply_speed_features
 from shardtune.train import TrainingStopped, TrainResult, train
 
@@ -166,7 +167,12 @@ def run_worker(cfg: TrainConfig) -> int:
         return 2
     env = init_distributed()
     try:
+        run_preflight(cfg, env)
         fine_tune(cfg, env)
+    except PreflightError as e:  # found alike on every rank: one line per node
+        if env.local_rank == 0:
+            fail(str(e), cfg.debug)
+        return 1
     except ConfigError as e:  # data errors found while loading
         fail(f"{e}" if env.world_size == 1 else f"(rank {env.rank}) {e}", cfg.debug)
         return 1
