@@ -19,7 +19,8 @@ Use it through the ``two_hosts`` fixture of tests/multihost/conftest.py (one pai
 ``popen(i, argv, env, node_local_dirs=[d])`` also mounts an empty tmpfs over each ``d`` for host ``i`` only:
 the same path is then a different directory on each host, as a node-local disk is. Every host sees the rest
 of the file system (the repository, the models, pytest's tmp_path), like nodes with a shared file system.
-``GLOO_SOCKET_IFNAME`` is set to the host's veth in the environment of what it runs. Processes left in the
+``GLOO_SOCKET_IFNAME`` is set to the hosts' veth (``st0`` on both, as ``eth0`` is on real nodes: an
+environment copied from one node to the other, as sbatch / srun do, stays right). Processes left in the
 namespaces are killed and the namespaces and hosts files removed at the end, also when a test fails.
 
 Needs root and iproute2 (``ip``) and util-linux (``unshare``); ``skip_reason()`` says why not when not.
@@ -36,6 +37,7 @@ from pathlib import Path
 
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
 HOSTNAMES = ("hostA", "hostB")
+INTERFACE = "st0"  # the veth end's name on each host: the same on both, as eth0 is on real nodes
 NETNS_ETC = Path("/etc/netns")
 
 
@@ -58,7 +60,7 @@ class TwoHosts:
 
     def __init__(self, tag: str) -> None:
         self.namespaces = (f"st{tag}a", f"st{tag}b")
-        self.interfaces = (f"vst{tag}a"[:15], f"vst{tag}b"[:15])
+        self.interface = INTERFACE
         self.hostnames = HOSTNAMES
         self.addresses = ADDRESSES
 
@@ -66,12 +68,12 @@ class TwoHosts:
         try:
             for ns in self.namespaces:
                 _run("ip", "netns", "add", ns)
-            _run("ip", "link", "add", self.interfaces[0], "netns", self.namespaces[0],
-                 "type", "veth", "peer", "name", self.interfaces[1], "netns", self.namespaces[1])
+            _run("ip", "link", "add", INTERFACE, "netns", self.namespaces[0],
+                 "type", "veth", "peer", "name", INTERFACE, "netns", self.namespaces[1])
             hosts = "127.0.0.1 localhost\n" + "".join(f"{a} {h}\n" for a, h in zip(self.addresses, self.hostnames))
-            for ns, interface, address in zip(self.namespaces, self.interfaces, self.addresses):
-                _run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", interface)
-                _run("ip", "-n", ns, "link", "set", interface, "up")
+            for ns, address in zip(self.namespaces, self.addresses):
+                _run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", INTERFACE)
+                _run("ip", "-n", ns, "link", "set", INTERFACE, "up")
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
                 (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
                 (NETNS_ETC / ns / "hosts").write_text(hosts)
@@ -109,7 +111,7 @@ class TwoHosts:
     def popen(self, host: int, argv: list[str], env: dict[str, str], node_local_dirs: list[Path] = (),
               **kwargs) -> subprocess.Popen:
         """Start ``argv`` on host ``host`` with ``GLOO_SOCKET_IFNAME`` set to its veth; output is captured."""
-        env = {**env, "GLOO_SOCKET_IFNAME": self.interfaces[host]}
+        env = {**env, "GLOO_SOCKET_IFNAME": INTERFACE}
         kwargs.setdefault("stdout", subprocess.PIPE)
         kwargs.setdefault("stderr", subprocess.PIPE)
         return subprocess.Popen(self.command(host, argv, node_local_dirs), env=env, text=True, **kwargs)
@@ -117,7 +119,7 @@ class TwoHosts:
     def run(self, host: int, argv: list[str], env: dict[str, str], timeout: float = 60,
             **kwargs) -> subprocess.CompletedProcess:
         """Run ``argv`` on host ``host`` to completion."""
-        return subprocess.run(self.command(host, argv), env={**env, "GLOO_SOCKET_IFNAME": self.interfaces[host]},
+        return subprocess.run(self.command(host, argv), env={**env, "GLOO_SOCKET_IFNAME": INTERFACE},
                               capture_output=True, text=True, timeout=timeout, **kwargs)
 
     def wait(self, procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:

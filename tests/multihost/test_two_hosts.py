@@ -10,6 +10,7 @@ folds several properties: the Kubeflow pod simulation is the DDP case, the c10d 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import stat
 import subprocess
@@ -21,6 +22,8 @@ import pytest
 from tests.conftest import REPO, cli_env
 from tests.helpers import assert_same_training, step_rows
 from tests.multihost.conftest import RDZV_PORT, assert_succeeded
+from tests.multihost.slurm import SlurmCluster, missing_programs
+from tests.netns import INTERFACE
 
 TRAIN_ARGS = ("--config", "recipes/demo.yaml", "--batch_size_training", 2, "--context_length", 256,
               "--synthetic_dialogues.num_train", 96, "--synthetic_dialogues.num_validation", 8,
@@ -78,44 +81,74 @@ def test_hybrid_shard_with_c10d_flags_shards_within_each_host(sft_on_two_hosts, 
     print(f"HYBRID_SHARD 2 hosts x 2 vs one host: max relative weight difference {difference:.2e}")
 
 
-def fake_slurm_bin(two_hosts, bin_dir: Path) -> Path:
-    """``srun`` standing in for SLURM's: one task per test host with the variables srun sets for a step; and
-    ``shardtune``, the entry point an installed shardtune has."""
-    bin_dir.mkdir()
+def bin_dir_with_shardtune(bin_dir: Path) -> Path:
+    """A folder for PATH with ``shardtune``, the entry point an installed shardtune has."""
+    bin_dir.mkdir(exist_ok=True)
+    write_executable(bin_dir / "shardtune", f'#!/bin/bash\nexec {shlex.quote(sys.executable)} -m shardtune "$@"\n')
+    return bin_dir
+
+
+def write_executable(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(stat.S_IRWXU)
+
+
+def stand_in_srun(two_hosts, bin_dir: Path) -> None:
+    """``srun`` standing in for SLURM's where slurm-wlm is not installed: one task per test host with the
+    variables srun sets for a step."""
     step_env = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2",
                 "SLURM_STEP_NODELIST": "hostA,hostB", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
     tasks = []
     for node in (0, 1):
-        variables = {**step_env, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node),
-                     "GLOO_SOCKET_IFNAME": two_hosts.interfaces[node]}
+        variables = {**step_env, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node)}
         assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in variables.items())
         tasks.append(f'env {assignments} {shlex.join(two_hosts.command(node, []))} "${{argv[@]}}" & pids+=($!)')
-    srun = "\n".join([
+    write_executable(bin_dir / "srun", "\n".join([
         "#!/bin/bash",
         "# stand-in srun: drop srun's own options, start the command once on each test host",
         'while [[ $# -gt 0 && $1 == -* ]]; do shift; done',
         'argv=("$@"); pids=()', *tasks,
-        'status=0; for pid in "${pids[@]}"; do wait "$pid" || status=$?; done; exit $status', ""])
-    shardtune = f'#!/bin/bash\nexec {shlex.quote(sys.executable)} -m shardtune "$@"\n'
-    for name, text in (("srun", srun), ("shardtune", shardtune)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(stat.S_IRWXU)
-    return bin_dir
+        'status=0; for pid in "${pids[@]}"; do wait "$pid" || status=$?; done; exit $status', ""]))
+
+
+def submit_slurm_recipe(two_hosts, args: list[str], env: dict[str, str], root: Path) -> tuple[int, str, str]:
+    """``sbatch recipes/multinode.slurm ARGS`` on a real SLURM cluster on the two hosts (slurmctld + one slurmd
+    per host) when slurm-wlm is installed; else the script run by bash as sbatch would on the first node,
+    with sbatch's variables, and the stand-in srun. Returns (exit status, output, job id)."""
+    missing = missing_programs()
+    if not missing:
+        cluster = SlurmCluster(two_hosts, root / "slurm")
+        (root / "slurm").mkdir()
+        try:
+            cluster.start()
+            # the recipe is written for 8 GPUs and 32 CPUs per node; these hosts have 2 and 2
+            code, output = cluster.sbatch(["--gpus-per-node=2", "--cpus-per-task=1", "recipes/multinode.slurm",
+                                           *args], env=env, cwd=REPO, timeout=300)
+        finally:
+            cluster.stop()
+        print("SLURM recipe run by a real SLURM (slurmctld + 2 slurmd)")
+        return code, output, re.search(r"Submitted batch job (\d+)", output).group(1)
+    print(f"SLURM recipe run with the stand-in srun ({', '.join(missing)} not installed)")
+    stand_in_srun(two_hosts, Path(env["PATH"].split(":")[0]))
+    job_id = "4242"
+    batch = {"SLURM_JOB_ID": job_id, "SLURM_JOB_NAME": "shardtune", "SLURM_NNODES": "2",
+             "SLURM_JOB_NODELIST": "hostA,hostB", "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "2"}
+    proc = subprocess.run(["bash", "recipes/multinode.slurm", *args], env={**env, **batch}, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr, job_id
 
 
 def test_slurm_recipe_runs_as_it_is_with_deepspeed_zero3(two_hosts, cache_dir, one_host, tiny_model, tmp_path):
-    """recipes/multinode.slurm executed unmodified by bash, as sbatch would on the first node, with the batch
-    variables sbatch sets; srun is the stand-in above. No torchrun flags: the topology comes from SLURM."""
-    job_id = "4242"
-    bin_dir = fake_slurm_bin(two_hosts, tmp_path / "bin")
+    """recipes/multinode.slurm submitted unmodified; no torchrun flags: the topology comes from SLURM."""
+    bin_dir = bin_dir_with_shardtune(tmp_path / "bin")
     env = {**cli_env(cache_dir), "PATH": f"{bin_dir}:{os.environ['PATH']}", "SHARED": str(tmp_path / "shared"),
-           "STRATEGY": "deepspeed", "SLURM_JOB_ID": job_id, "SLURM_JOB_NAME": "shardtune", "SLURM_NNODES": "2",
-           "SLURM_JOB_NODELIST": "hostA,hostB", "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "2"}
-    proc = subprocess.run(["bash", "recipes/multinode.slurm", "--model_name", str(tiny_model),
-                           *map(str, TRAIN_ARGS[2:])], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
-    assert "c10d rendezvous at hostA:29500, 2 processes per node, from SLURM (SLURM_NNODES=2" in proc.stdout
-    assert "ZeRO-3" in proc.stdout, proc.stdout[-3000:]
+           "STRATEGY": "deepspeed", "GLOO_SOCKET_IFNAME": INTERFACE}
+    code, output, job_id = submit_slurm_recipe(two_hosts, ["--model_name", str(tiny_model), *map(str, TRAIN_ARGS[2:])],
+                                               env, tmp_path)
+    assert code == 0, output[-6000:]
+    assert "c10d rendezvous at hostA:29500, 2 processes per node, from SLURM (SLURM_NNODES=2" in output, output[-3000:]
+    assert "processes per node from SLURM_GPUS_ON_NODE" in output
+    assert "ZeRO-3" in output, output[-3000:]
     out = tmp_path / "shared" / "runs" / f"shardtune-{job_id}"
     assert (tmp_path / "shared" / "cache").is_dir()  # SHARDTUNE_CACHE on the shared path
     difference = assert_same_training(one_host, out, "slurm recipe zero3 2x2")
