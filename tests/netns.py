@@ -16,6 +16,12 @@ Use it through the ``two_hosts`` fixture of tests/multihost/conftest.py (one pai
                                  env=cli_env(cache_dir)) for i in (0, 1)]
         outputs = two_hosts.wait(procs, timeout=300)   # [(returncode, stdout, stderr), ...]
 
+or, shorter, through ``sft_on_two_hosts`` (``shardtune sft`` with the c10d flags on both hosts) and
+``launch_on_two_hosts`` (any command per host) of the same conftest.
+
+``ip netns exec``, ``unshare`` and ``sh`` all exec, so a Popen's pid is the program's own: signals sent with
+``proc.send_signal(SIGUSR1)`` reach it (a ``shardtune sft`` launcher) directly; ``pids(i)`` lists
+everything host ``i`` runs (its workers too, e.g. to SIGKILL node 1's workers).
 ``popen(i, argv, env, node_local_dirs=[d])`` also mounts an empty tmpfs over each ``d`` for host ``i`` only:
 the same path is then a different directory on each host, as a node-local disk is. Every host sees the rest
 of the file system (the repository, the models, pytest's tmp_path), like nodes with a shared file system.
@@ -82,13 +88,17 @@ class TwoHosts:
             raise
         return self
 
+    def pids(self, host: int) -> list[int]:
+        """Every process running on host ``host``."""
+        out = subprocess.run(["ip", "netns", "pids", self.namespaces[host]], capture_output=True, text=True).stdout
+        return [int(pid) for pid in out.split()]
+
     def kill_processes(self) -> None:
         """SIGKILL everything still running in the two namespaces (launchers, their workers)."""
-        for ns in self.namespaces:
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
+        for host in (0, 1):
+            for pid in self.pids(host):
                 try:
-                    os.kill(int(pid), signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
 
