@@ -201,7 +201,7 @@ def run_worker(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from shardtune.config import ConfigError
     from shardtune.distributed import is_torchrun_worker
-    from shardtune.launch import launch, resolve_nproc, split_launcher_args, torchrun_argv
+    from shardtune.launch import launch, resolve_here, split_launcher_args
 
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -209,13 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_doctor_args(rest)
         if is_torchrun_worker():
             return run_worker(args)
-        nproc = resolve_nproc(launch_args.get("nproc_per_node"))
+        topology = resolve_here(launch_args)
     except ConfigError as e:
         print(f"shardtune: error: {e}", file=sys.stderr)
         return 2
-    torchrun_args = torchrun_argv(launch_args, nproc)
-    print(f"launch: torchrun {' '.join(torchrun_args)}", flush=True)
-    return launch(torchrun_args, "shardtune.doctor", rest, nproc, what="the checks")
+    return launch(topology, "shardtune.doctor", rest, what="the checks")
 
 
 if __name__ == "__main__":

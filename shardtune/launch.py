@@ -1,7 +1,8 @@
 """Turn ``shardtune sft ...`` into a torch.distributed.run launch; never re-implements rendezvous.
 
 torchrun's own flags (``--nproc_per_node``, ``--nnodes``, ``--rdzv_endpoint`` ...) are split from the training
-flags and passed to torch.distributed.run unchanged. Inside a torchrun worker nothing is launched.
+flags; with the cluster's environment (SLURM, Kubeflow, SkyPilot) they resolve to a Topology
+(shardtune.topology), which is what torch.distributed.run is given. Inside a torchrun worker nothing is launched.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 from shardtune.config import ConfigError
 from shardtune.distributed import local_gpu_count
 from shardtune.preemption import EXIT_PREEMPTED, TORCHRUN_SIGNALS, stop_signals_forwarded, workers_stopped
+from shardtune.topology import Topology, resolve_topology
 
 # torchrun flags that take a value, and those that do not; both spellings (_ and -) are accepted.
 TORCHRUN_VALUE_FLAGS = (
@@ -20,7 +22,6 @@ TORCHRUN_VALUE_FLAGS = (
     "redirects", "tee", "local_addr", "signals_to_handle",
 )
 TORCHRUN_SWITCHES = ("standalone",)
-MULTI_NODE_FLAGS = ("nnodes", "rdzv_endpoint", "master_addr", "rdzv_backend", "rdzv_id")
 
 
 def split_launcher_args(argv: list[str]) -> tuple[dict[str, str | None], list[str]]:
@@ -47,50 +48,9 @@ def split_launcher_args(argv: list[str]) -> tuple[dict[str, str | None], list[st
     return launch, rest
 
 
-def resolve_nproc(value: str | None) -> int:
-    """One process per visible GPU by default; 1 on a machine without GPUs."""
-    num_gpus = local_gpu_count()
-    if value is None or value in ("auto", "gpu"):
-        return num_gpus or 1
-    if value == "cpu":
-        return 1
-    try:
-        nproc = int(value)
-    except ValueError:
-        raise ConfigError(f"--nproc_per_node {value!r} is not a number: pass e.g. --nproc_per_node 8") from None
-    if nproc <= 0:
-        raise ConfigError(f"--nproc_per_node {nproc} must be positive")
-    if num_gpus and nproc > num_gpus:
-        raise ConfigError(f"--nproc_per_node {nproc} exceeds the {num_gpus} visible GPUs: pass at most {num_gpus} "
-                          "(one process per GPU)")
-    return nproc
-
-
-def resolve_nnodes(value: str | None) -> int:
-    """torchrun accepts a fixed count or an elastic range MIN:MAX; the world size is planned for MAX."""
-    if value is None:
-        return 1
-    try:
-        nnodes = int(value.split(":")[-1])
-    except ValueError:
-        raise ConfigError(f"--nnodes {value!r} is not a number or MIN:MAX range") from None
-    if nnodes <= 0:
-        raise ConfigError(f"--nnodes {value} must be positive")
-    return nnodes
-
-
-def torchrun_argv(launch: dict[str, str | None], nproc: int) -> list[str]:
-    args = [f"--nproc_per_node={nproc}"]
-    single_node = not any(k in launch for k in MULTI_NODE_FLAGS)
-    if single_node and "standalone" not in launch:
-        args.append("--standalone")  # a free local port per run, so concurrent jobs never collide
-    if "signals_to_handle" not in launch:
-        args.append(f"--signals_to_handle={TORCHRUN_SIGNALS}")  # SIGTERM / SIGUSR1: see shardtune/preemption.py
-    for name, value in launch.items():
-        if name == "nproc_per_node":
-            continue
-        args.append(f"--{name}" if value is None else f"--{name}={value}")
-    return args
+def resolve_here(flags: dict[str, str | None]) -> Topology:
+    """This node's topology: torchrun's flags, else what the cluster's environment says (shardtune.topology)."""
+    return resolve_topology(flags, os.environ, local_gpu_count())
 
 
 # torchrun's default --rdzv_conf join_timeout
@@ -123,14 +83,18 @@ def nodes_joined(error: BaseException) -> int | None:
     return None
 
 
-def launch(torchrun_args: list[str], module: str, module_args: list[str], nproc: int, what: str = "training") -> int:
-    """Run ``torchrun <torchrun_args> -m <module> <module_args>`` in this process; return an exit status."""
+def launch(topology: Topology, module: str, module_args: list[str], what: str = "training") -> int:
+    """Run ``torchrun <topology's flags> -m <module> <module_args>`` in this process; return an exit status."""
     from torch.distributed.run import get_args_parser
 
+    print(topology.describe(), flush=True)
+    torchrun_args = topology.torchrun_argv()
+    if "signals_to_handle" not in topology.other_args:
+        torchrun_args.append(f"--signals_to_handle={TORCHRUN_SIGNALS}")  # SIGTERM / SIGUSR1: shardtune/preemption.py
     args = get_args_parser().parse_args([*torchrun_args, "-m", module, *module_args])
     if "OMP_NUM_THREADS" not in os.environ:
         # share the cores between the local processes (torchrun would set 1 and warn about it)
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, nproc)))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // topology.nproc_per_node))
     with stop_signals_forwarded() as control_dir:
         status = run_torchrun(args, what)
         stopped = workers_stopped(control_dir)

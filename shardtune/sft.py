@@ -23,7 +23,7 @@ from shardtune.data.cache import load_examples_cached
 from shardtune.distributed import (
     DistEnv, barrier, init_distributed, is_torchrun_worker, print0, seed_everything, shutdown,
 )
-from shardtune.launch import launch, resolve_nnodes, resolve_nproc, split_launcher_args, torchrun_argv
+from shardtune.launch import launch, resolve_here, split_launcher_args
 from shardtune.metrics import MetricsWriter
 from shardtune.models import (
     build_model_on_meta, cache_dir, check_model_source, count_parameters, load_model, load_tokenizer,
@@ -34,6 +34,7 @@ from shardtune.parallel import make_strategy
 from shardtune.parallel.fsdp import mesh_shape
 from shardtune.peft import apply_peft, check_peft, load_quantized_model, save_adapter
 from shardtune.preemption import Preempted, install_worker_handlers, report_stopped
+from shardtune.preflight import PreflightError, run_preflight
 from shardtune.speed import apply_speed_features
 from shardtune.train import TrainingStopped, TrainResult, train
 
@@ -185,7 +186,12 @@ def run_worker(cfg: TrainConfig) -> int:
         return 2
     env = init_distributed(timeout_s=cfg.dist_timeout)
     try:
+        run_preflight(cfg, env)
         fine_tune(cfg, env)
+    except PreflightError as e:  # found alike on every rank: one line per node
+        if env.local_rank == 0:
+            fail(str(e), cfg.debug)
+        return 1
     except ConfigError as e:  # data errors found while loading
         fail(f"{e}" if env.world_size == 1 else f"(rank {env.rank}) {e}", cfg.debug)
         return 1
@@ -217,14 +223,13 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--{next(iter(launch_args))} is a torchrun flag, but this process already runs "
                                   "under torchrun: give it to torchrun, before -m shardtune.sft")
             return run_worker(cfg)
-        nproc = resolve_nproc(launch_args.get("nproc_per_node"))
-        prepare(cfg, nproc * resolve_nnodes(launch_args.get("nnodes")))
+        topology = resolve_here(launch_args)
+        prepare(cfg, topology.world_size)
     except ConfigError as e:
         fail(str(e), debug)
         return 2
     # workers receive the resolved model path, so a preset is built once, here
-    return launch(torchrun_argv(launch_args, nproc), "shardtune.sft", [*train_argv, "--model_name", cfg.model_name],
-                  nproc)
+    return launch(topology, "shardtune.sft", [*train_argv, "--model_name", cfg.model_name])
 
 
 if __name__ == "__main__":
