@@ -5,6 +5,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# the two-host tests (tests/multihost) make network namespaces with iproute2's `ip` (slim images lack it) and
+# submit the SLURM recipe to a real SLURM on them (else to a stand-in srun); as root with apt only, best effort
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  missing=()
+  command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+  command -v slurmd >/dev/null 2>&1 || missing+=(slurmd slurmctld slurm-client munge)
+  if [ ${#missing[@]} -gt 0 ]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        "${missing[@]}" >/dev/null; } || echo "setup: could not install ${missing[*]} (two-host tests skip or use stand-ins)"
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
     echo "setup: using the CUDA torch of $PYTHON"

@@ -25,6 +25,7 @@ from shardtune.config import (
 from shardtune.distributed import DistEnv, all_reduce_sum, barrier, print0, warn0
 from shardtune.errors import CheckpointError
 from shardtune.parallel.deepspeed import deepspeed_resume_problem
+from shardtune.preemption import Preempted, stop_signal_anywhere
 
 # Written last when publishing a model directory: without it the directory does not load as a model.
 LAST_FILES = ("config.json", "adapter_config.json")
@@ -103,7 +104,7 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 RUN_CONTROL_SETTINGS = frozenset({
     "output_dir", "resume", "save_steps", "save_total_limit", "max_train_step", "debug", "num_workers_dataloader",
     "save_model", "save_metrics", "max_eval_step", "run_validation", "val_batch_size", "nan_policy",
-    "fsdp_config.checkpoint_type", "batch_size_training", "gradient_accumulation_steps",
+    "fsdp_config.checkpoint_type", "batch_size_training", "gradient_accumulation_steps", "dist_timeout",
     "sequence_parallel_size", "context_parallel_size",  # how rows are split: the training state does not depend on it
 })
 
@@ -163,9 +164,12 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def resolve_checkpoint(where: str, output_dir: str | Path) -> Path:
+def resolve_checkpoint(where: str, output_dir: str | Path) -> Path | None:
     """``latest`` (of output_dir, or of a checkpoints folder), a checkpoint folder, or an output dir or checkpoints
-    folder (its latest checkpoint)."""
+    folder (its latest checkpoint); ``auto``: latest if there is a complete checkpoint, else None (a new run; for
+    jobs that requeue or restart themselves)."""
+    if where == "auto":
+        return latest_checkpoint(output_dir)
     if where == "latest":
         path = latest_checkpoint(output_dir)
         if path is None:
@@ -186,8 +190,8 @@ def _check_checkpointing(cfg: TrainConfig, world_size: int) -> None:
     for name in ("save_steps", "save_total_limit"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} {getattr(cfg, name)} must be >= 0 (0: see shardtune sft --help)")
-    if cfg.resume:
-        path = resolve_checkpoint(cfg.resume, checkpoint_root(cfg))
+    path = resolve_checkpoint(cfg.resume, checkpoint_root(cfg)) if cfg.resume else None
+    if path is not None:
         saved = read_trainer_state(path)
         if not saved.get("optimizer_saved", True):
             raise ConfigError(f"--resume {cfg.resume}: {path} was saved with --save_optimizer false and holds no "
@@ -409,6 +413,17 @@ class Checkpointer:
         if self.enabled and done_in_epoch == self.steps_per_epoch:
             self.save(Position(self.training[3].steps, epoch + 1, 0))  # type: ignore[index]
 
+    def stop_if_requested(self, epoch: int, done_in_epoch: int) -> None:
+        """Collective, after each optimizer step but the last: when a stop signal reached any rank, save this step
+        (also with checkpointing off) and raise Preempted on every rank (see shardtune/preemption.py)."""
+        signal_name = stop_signal_anywhere(self.env.device)
+        if signal_name is None:
+            return
+        step = self.training[3].steps  # type: ignore[index]
+        saved = self.last_saved if self.last_saved is not None and checkpoint_step(self.last_saved) == step else (
+            self.save(Position(step, epoch, done_in_epoch)))
+        raise Preempted(signal_name, step, saved)
+
     # -- writing -------------------------------------------------------------------------------------------------
     def save(self, position: Position) -> Path:
         model, optimizer, scheduler, result = self.training  # type: ignore[misc]
@@ -417,6 +432,7 @@ class Checkpointer:
         started = time.perf_counter()
         if self.env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
+            self.root.mkdir(parents=True, exist_ok=True)
         barrier()
         error: BaseException | None = None
         try:

@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "eval": "eval loss, perplexity and ROUGE of generated summaries on a samsum-format split; JSON report",
     "plot": "PNG charts (loss, lr, tokens/s, MFU, memory) of one or more runs, overlaid; reads metrics.jsonl or "
             "llama-cookbook's metrics_data_*.json",
+    "doctor": "check versions, devices, topology, bandwidth and the NCCL / gloo environment on every node",
 }
 
 
@@ -77,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         from shardtune.evaluate import main as eval_main
 
         return eval_main(rest)
+    if command == "doctor":
+        from shardtune.doctor import main as doctor_main
+
+        return doctor_main(rest)
     print(f"shardtune: error: unknown command {command!r}: choose one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
     return 2
 

@@ -218,7 +218,8 @@ class TrainConfig:
                             "epoch ends and after the last step)")
     save_total_limit: int = _f(0, "keep the last K checkpoints; 0: keep all")
     resume: str = _f("", "latest (newest complete checkpoint of output_dir), a checkpoint folder, or another run's "
-                         "output dir: continue exactly where it stopped (any number of processes); a worker group "
+                         "output dir: continue exactly where it stopped (any number of processes); auto: latest if "
+                         "output_dir has a checkpoint, else start (for jobs that requeue themselves); a worker group "
                          "restarted by torchrun (--max_restarts) resumes from latest by itself")
     nan_policy: str = _f("stop", "on a non-finite (NaN/Inf) loss or gradient norm on any rank: stop (before the "
                                  "optimizer step; the last checkpoint stays latest) or skip (no weight or optimizer "
@@ -281,6 +282,9 @@ class TrainConfig:
                                     "next one)")
     log_eval_samples: int = _f(0, "at each evaluation, write N greedy generated answers with their references to "
                                   "output_dir/eval_samples.jsonl (and to the tracker); 0: none")
+    # many nodes, no hangs (issue 11)
+    dist_timeout: int = _f(1800, "seconds a collective (all-reduce, barrier, checkpoint exchange) waits for the other "
+                                 "ranks before the job fails with a timeout error instead of hanging")
 
     synthetic_dialogues: SyntheticDialoguesConfig = _f(SyntheticDialoguesConfig(), "embedded dialogue data")
     samsum_dataset: SamsumDatasetConfig = _f(SamsumDatasetConfig(), "SAMSum-format data")
@@ -787,3 +791,9 @@ def _check_observability(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"--use_profiler records steps 4-6 after {PROFILER_SCHEDULE['wait']} wait and "
                           f"{PROFILER_SCHEDULE['warmup']} warm-up steps, so it needs more than {profiled} steps, but "
                           f"--max_train_step is {cfg.max_train_step}: raise it to {profiled + 1} or more")
+
+
+@validator
+def _check_dist_timeout(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.dist_timeout <= 0:
+        raise ConfigError(f"--dist_timeout {cfg.dist_timeout} must be a positive number of seconds (default 1800)")

@@ -78,6 +78,60 @@ def human_bytes(num_bytes: float) -> str:
     return f"{int(num_bytes)} B"
 
 
+# -- traffic between nodes ----------------------------------------------------------------------------------------
+
+def ring_factor(collective: str, group_size: int) -> float:
+    """Bytes each rank sends per byte of the full tensor in a ring collective (nccl-tests' bus-bandwidth factor)."""
+    if group_size <= 1:
+        return 0.0
+    share = (group_size - 1) / group_size
+    return 2 * share if collective == "all_reduce" else share  # all_gather, reduce_scatter
+
+
+def cross_node_bytes_per_step(strategy: str, num_params: float, num_trainable: float, num_nodes: int,
+                              gpus_per_node: int, micro_batches: int = 1, shard_group_size: int = 0,
+                              compute_bytes: int = 2, grad_bytes: int = 4) -> int:
+    """Bytes each node sends to other nodes per optimizer step, for ring collectives (as NCCL runs large tensors).
+
+    A ring ordered by node leaves each node over one link, which carries what one rank sends; a node holding
+    members of k groups that span nodes sends k such shares. Gradients are reduced once per step (no sync on
+    the other micro-batches); FSDP all-gathers the (compute-dtype) parameters per micro-batch, twice with
+    FULL_SHARD (forward, and again for backward), once with SHARD_GRAD_OP. HYBRID_SHARD shards within groups of
+    shard_group_size ranks (default: one node) and all-reduces each shard across the replicas. Divided by the
+    across-nodes bus bandwidth `shardtune doctor` measures, it is the communication time of a step.
+    """
+    if num_nodes <= 1:
+        return 0
+    world = num_nodes * gpus_per_node
+    params, grads = num_params * compute_bytes, num_trainable * grad_bytes
+    if strategy in ("DDP", "NO_SHARD"):
+        return int(ring_factor("all_reduce", world) * grads)
+    gathers = {"FULL_SHARD": 2, "SHARD_GRAD_OP": 1}
+    if strategy in gathers:
+        return int(micro_batches * gathers[strategy] * ring_factor("all_gather", world) * params
+                   + ring_factor("reduce_scatter", world) * grads)
+    if strategy != "HYBRID_SHARD":
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of " + ", ".join(STRATEGIES))
+    shard = shard_group_size or gpus_per_node
+    total = 0.0
+    if shard > gpus_per_node:  # a shard group spans nodes: its gathers and reduce-scatters cross them
+        total += (micro_batches * 2 * ring_factor("all_gather", shard) * params
+                  + ring_factor("reduce_scatter", shard) * grads)
+    replicas = world // shard
+    total += min(shard, gpus_per_node) * ring_factor("all_reduce", replicas) * grads / shard
+    return int(total)
+
+
+def cross_node_summary(chosen: str, num_nodes: int, gpus_per_node: int, **sizes) -> str:
+    """Start-log line: the chosen strategy's bytes per node per step, next to the alternatives'."""
+    def amount(strategy: str) -> str:
+        return human_bytes(cross_node_bytes_per_step(strategy, num_nodes=num_nodes, gpus_per_node=gpus_per_node,
+                                                     **sizes))
+    others = ", ".join(f"{s} {amount(s)}" for s in ("DDP", "FULL_SHARD", "HYBRID_SHARD") if s != chosen)
+    return (f"traffic between nodes: {amount(chosen)} sent by each node per optimizer step with {chosen} "
+            f"({num_nodes} nodes x {gpus_per_node} processes, ring collectives; {others})")
+
+
 # (parameters, decoder layers)
 MODEL_SIZES = {"Llama 3 8B": (8.03e9, 32), "Llama 3 70B": (70.55e9, 80)}
 COMPUTE_BYTES = 2  # bf16 compute copy, what FSDP all-gathers under the default mixed precision

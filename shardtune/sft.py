@@ -30,8 +30,7 @@ from shardtune.distributed import (
 from shardtune.errors import CheckpointError, TrainingStopped
 from shardtune.inference import EvalSampler
 from shardtune.launch import (
-    in_place_worker_env, launch, resolve_nnodes, resolve_nproc, runs_in_place, sft_help_text, split_launcher_args,
-    torchrun_argv,
+    in_place_worker_env, launch, resolve_here, runs_in_place, sft_help_text, split_launcher_args,
 )
 from shardtune.longseq import apply_memory_levers, check_rope_scaling, rope_config_overrides
 from shardtune.loss import hf_model
@@ -41,12 +40,15 @@ from shardtune.models import (
     build_model_on_meta, cache_dir, check_model_source, check_tokenizer_fits, count_parameters, load_model,
     load_tokenizer, resolve_model_name,
 )
+from shardtune.memory import cross_node_summary
 from shardtune.parallel import make_strategy
 from shardtune.parallel.dims import ParallelDims
 from shardtune.parallel.sequence import SequenceGroups, check_sequence_split, use_sequence_attention
 from shardtune.peft import apply_peft, check_peft, load_quantized_model, save_adapter
 from shardtune.quantized_loading import load_quantized_on_rank0
 from shardtune.runtime import quiet_libraries
+from shardtune.preemption import Preempted, install_worker_handlers, report_stopped
+from shardtune.preflight import PreflightError, run_preflight
 from shardtune.speed import apply_speed_features
 from shardtune.trackers import open_trackers
 from shardtune.train import TrainResult, train
@@ -150,6 +152,8 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
            f"{cfg.gradient_accumulation_steps} accumulation = {effective_batch_size(cfg, dp_size)} "
            f"{'packed blocks' if cfg.batching_strategy == 'packing' else 'examples'} per step")
 
+    if env.num_nodes > 1 and not cfg.enable_deepspeed:
+        print0(cross_node_traffic(cfg, env, model, strategy, num_params, num_trainable))
     checkpointer = Checkpointer(cfg, env, strategy, tokenizer)
     metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.save_metrics else None
     append = metrics_path is not None and checkpointer.keep_metrics_rows(metrics_path)
@@ -164,6 +168,20 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         save_outputs(cfg, env, strategy, model, tokenizer)
     print0(report(result, cfg))
     return result
+
+
+def cross_node_traffic(cfg: TrainConfig, env: DistEnv, model: torch.nn.Module, strategy, num_params: int,
+                       num_trainable: int) -> str:
+    """The formula of shardtune/memory.py with this run's sizes: all parameters are gathered in the compute dtype,
+    trainable ones reduced in the dtype of the master weights."""
+    master = next(p for p in model.parameters() if p.requires_grad)
+    chosen = cfg.fsdp_config.sharding_strategy if cfg.enable_fsdp else "DDP"
+    dims = ParallelDims.from_config(cfg, env.world_size, env.local_world_size)
+    shard_group_size = dims.dp_shard * dims.cp * dims.sp if cfg.enable_fsdp else 0
+    return cross_node_summary(chosen, env.num_nodes, env.local_world_size, num_params=num_params,
+                              num_trainable=num_trainable, micro_batches=cfg.gradient_accumulation_steps,
+                              shard_group_size=shard_group_size, compute_bytes=strategy.compute_dtype.itemsize,
+                              grad_bytes=master.element_size())
 
 
 def report(result: TrainResult, cfg: TrainConfig) -> str:
@@ -209,6 +227,7 @@ def record_worker_error(line: str) -> None:
 
 
 def run_worker(cfg: TrainConfig, prepared: bool = False) -> int:
+    install_worker_handlers()
     rank = int(os.environ["RANK"])
     try:
         if not prepared:  # the in-place run (one process) prepared it already
@@ -217,9 +236,14 @@ def run_worker(cfg: TrainConfig, prepared: bool = False) -> int:
         if rank == 0:  # every rank finds the same problem; one line is enough
             fail(str(e), cfg.debug)
         return 2
-    env = init_distributed()
+    env = init_distributed(timeout_s=cfg.dist_timeout)
     try:
+        run_preflight(cfg, env)
         fine_tune(cfg, env)
+    except PreflightError as e:  # found alike on every rank: one line per node
+        if env.local_rank == 0:
+            fail(str(e), cfg.debug)
+        return 1
     except ConfigError as e:  # data errors found while loading
         fail(f"{e}" if env.world_size == 1 else f"(rank {env.rank}) {e}", cfg.debug)
         return 1
@@ -227,6 +251,10 @@ def run_worker(cfg: TrainConfig, prepared: bool = False) -> int:
         if env.is_main:
             fail(str(e), cfg.debug)
         return 1
+    except Preempted as e:  # every rank alike, after the checkpoint; 0 so that no agent restarts the workers
+        if not report_stopped(e):
+            print0(f"shardtune: {e}")
+        return 0
     except Exception as e:  # a fault no check foresaw: one line, printed once by whoever launched the workers
         if cfg.debug:
             traceback.print_exc()
@@ -256,17 +284,18 @@ def main(argv: list[str] | None = None) -> int:
                                   "under torchrun: give it to torchrun, before -m shardtune.sft")
             return run_worker(cfg)
         launch_args = {**file_launch_args, **launch_args}
-        nproc = resolve_nproc(launch_args.get("nproc_per_node", "1" if cfg.one_gpu else None))
-        prepare(cfg, nproc * resolve_nnodes(launch_args.get("nnodes")))
+        if cfg.one_gpu:
+            launch_args.setdefault("nproc_per_node", "1")
+        topology = resolve_here(launch_args)
+        prepare(cfg, topology.world_size)
     except ConfigError as e:
         fail(str(e), debug)
         return 2
-    if runs_in_place(launch_args, nproc):
+    if runs_in_place(launch_args, topology):
         os.environ.update(in_place_worker_env())
         return run_worker(cfg, prepared=True)
     # workers receive the resolved model path, so a preset is built once, here
-    return launch(torchrun_argv(launch_args, nproc), "shardtune.sft", [*train_argv, "--model_name", cfg.model_name],
-                  nproc)
+    return launch(topology, "shardtune.sft", [*train_argv, "--model_name", cfg.model_name])
 
 
 if __name__ == "__main__":

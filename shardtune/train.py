@@ -201,6 +201,8 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
             done_in_epoch = step_in_epoch + 1
             if checkpointer:
                 checkpointer.after_step(epoch, done_in_epoch)
+                if result.steps < total_steps:
+                    checkpointer.stop_if_requested(epoch, done_in_epoch)
             bar.update(1)
             bar.set_postfix(loss=f"{stats['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
                             mfu=f"{row['mfu']:.1%}", refresh=False)

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +21,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardtune.checkpoint import complete_checkpoints, latest_checkpoint, read_trainer_state, unfinished_saves
+from shardtune.checkpoint import (
+    checkpoint_step, complete_checkpoints, latest_checkpoint, read_trainer_state, unfinished_saves,
+)
+from shardtune.preemption import EXIT_PREEMPTED
 from tests.conftest import REPO, cli_env
 from tests.helpers import eval_rows, max_relative_difference, step_rows
 
@@ -142,7 +146,7 @@ def start_sft(cache_dir, model, out, *extra) -> subprocess.Popen:
 def wait_for(condition, proc: subprocess.Popen, what: str, poll_s: float = 0.002):
     while (value := condition()) is None:
         if proc.poll() is not None:
-            raise AssertionError(f"the run ended before {what}:\n{proc.stderr.read()[-4000:]}")
+            raise AssertionError(f"the run ended before {what}:\n{proc.stderr.read()[-8000:]}")
         time.sleep(poll_s)
     return value
 
@@ -307,3 +311,87 @@ def test_resuming_with_a_longer_cosine_schedule_says_the_learning_rate_changes(t
     sft(cache_dir, tiny_model, out, *cosine, "--max_train_step", 3, nproc=1)
     resumed = sft(cache_dir, tiny_model, out, *cosine, "--max_train_step", 6, "--resume", "latest", nproc=1)
     assert "cosine schedule now spans 6 steps instead of the checkpoint's 3" in resumed.stderr + resumed.stdout
+
+
+# -- two simulated nodes: two launchers of 1 process each on this host (same world size as the reference) ---------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_two_nodes(cache_dir, model, out, *extra) -> list[subprocess.Popen]:
+    """Both nodes write into one output_dir, as on a shared filesystem. Node 0 hosts the rendezvous store (on one
+    host both launchers match the endpoint and would race for it)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = []
+    for node_rank in (0, 1):
+        args = ["sft", "--nnodes", 2, "--node_rank", node_rank, "--nproc_per_node", 1, "--rdzv_backend", "c10d",
+                "--rdzv_endpoint", endpoint, "--rdzv_id", "two-nodes", "--rdzv_conf", f"is_host={int(node_rank == 0)}",
+                "--model_name", model, "--output_dir", out, *COMMON, *extra]
+        nodes.append(subprocess.Popen([sys.executable, "-m", "shardtune", *map(str, args)], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
+                                      env={**cli_env(cache_dir), "OMP_NUM_THREADS": "1"}))  # 2 processes, 2 cores
+    return nodes
+
+
+def finish(nodes: list[subprocess.Popen], timeout_s: float = 300) -> list[tuple[str, str]]:
+    """Outputs of the launchers; on a timeout the launchers and their workers (not in their group) are killed."""
+    try:
+        return [p.communicate(timeout=timeout_s) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                for pid in worker_pids(p.pid).values():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_sigusr1_to_one_node_stops_every_node_with_a_checkpoint_and_the_rerun_ends_like_no_stop(
+        reference, tiny_model, cache_dir, tmp_path):
+    """SLURM's time-limit warning (or a preemption) reaching only node 1's launcher, with --save_steps 0."""
+    ref = reference(())
+    out = tmp_path / "run"
+    nodes = start_two_nodes(cache_dir, tiny_model, out, "--save_steps", 0)
+    try:
+        wait_for(lambda: True if logged_steps(out) >= 3 else None, nodes[0], "step 3")
+        nodes[1].send_signal(signal.SIGUSR1)
+    finally:
+        outputs = finish(nodes)
+    assert [p.returncode for p in nodes] == [EXIT_PREEMPTED] * 2, outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    stopped = latest_checkpoint(out)
+    step = checkpoint_step(stopped)
+    assert 3 <= step < 16 and complete_checkpoints(out) == [stopped] and logged_steps(out) == step
+    assert "SIGUSR1 received: every rank finishes its optimizer step" in outputs[1][1]
+    for _stdout, stderr in outputs:  # node 0 got no signal: it stopped by the collective decision
+        assert f"stopped by SIGUSR1 after step {step}: checkpoint {stopped} written" in stderr
+    # the requeued job: the same command with --resume auto, here on one node of 2 processes
+    resumed = sft(cache_dir, tiny_model, out, "--save_steps", 0, "--resume", "auto")
+    assert f"resumed from {stopped}" in resumed.stdout
+    assert_same_rows(ref, out, rel=1e-6)
+    assert max_relative_difference(final_tensors(ref), final_tensors(out)) <= 1e-6
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "known bug: the other node's agent restarts its workers for the membership change with "
+    "TORCHELASTIC_RESTART_COUNT unchanged (0), so they refuse output_dir / do not auto-resume and use another store "
+    "prefix than the restarted node's (distributed.attempt_store); passes in about half the runs here"))
+def test_a_lost_node_restarted_by_its_agent_resumes_to_the_same_weights(reference, tiny_model, cache_dir, tmp_path):
+    """SIGKILL of node 1's worker with --max_restarts 1: both nodes restart from the latest checkpoint."""
+    ref = reference(())
+    out = tmp_path / "run"
+    nodes = start_two_nodes(cache_dir, tiny_model, out, "--max_restarts", 1)
+    try:
+        wait_for(lambda: True if logged_steps(out) >= 5 else None, nodes[0], "step 5")
+        os.kill(wait_for(lambda: worker_pids(nodes[1].pid).get(0), nodes[1], "node 1's worker was found"),
+                signal.SIGKILL)
+    finally:
+        outputs = finish(nodes)
+    assert [p.returncode for p in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    log = outputs[0][0] + outputs[1][0]  # global rank 0 (which prints) is on either launcher
+    assert "restart 1 of the worker group: resuming automatically from" in log
+    # DDP all-reduces 223,552 fp32 gradients on a 2-rank ring: 2 x 1/2 x 4 bytes x 223,552 = 873.25 KiB per node
+    assert "traffic between nodes: 873.2 KiB sent by each node per optimizer step with DDP" in log
+    assert_same_rows(ref, out, rel=1e-6)
+    assert max_relative_difference(final_tensors(ref), final_tensors(out)) <= 1e-6

@@ -9,7 +9,9 @@ import pytest
 
 from shardtune.config import parse_args, validate
 
-RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
+CLUSTER_SPECS = ("skypilot.yaml",)  # a SkyPilot task, not a training recipe: checked below
+RECIPES = sorted(p for p in (Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml")
+                 if p.name not in CLUSTER_SPECS)
 
 
 def target_world_size(path: Path) -> int:
@@ -29,3 +31,49 @@ def test_fsdp_recipes_name_their_world_size():
     fsdp = [p for p in RECIPES if parse_args(["--config", str(p)]).enable_fsdp]
     assert fsdp, "no FSDP recipe shipped"
     assert all(target_world_size(p) > 1 for p in fsdp)
+
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+LAUNCHER_FLAGS = ("--nnodes", "--node_rank", "--rdzv", "--master_addr", "--nproc_per_node")
+
+
+def sft_flags(command: list[str]) -> list[str]:
+    """What follows `shardtune sft` in a recipe's command: training flags that must parse and validate."""
+    assert command[:2] == ["shardtune", "sft"], command
+    return command[2:]
+
+
+def test_slurm_recipe_leaves_the_topology_to_shardtune_and_keeps_outputs_shared():
+    import subprocess
+
+    text = (RECIPES_DIR / "multinode.slurm").read_text()
+    subprocess.run(["bash", "-n", str(RECIPES_DIR / "multinode.slurm")], check=True)  # parses as bash
+    for line in ("#SBATCH --ntasks-per-node=1", "#SBATCH --signal=USR1@90", "#SBATCH --requeue"):
+        assert line in text
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert "shardtune sft" in srun and not any(flag in srun for flag in LAUNCHER_FLAGS), srun
+    assert "SHARDTUNE_CACHE=$SHARED/" in text and "OUTPUT_DIR=$SHARED/" in text
+
+
+@pytest.mark.parametrize("name", ["k8s/trainjob.yaml", "k8s/pytorchjob.yaml", "skypilot.yaml"])
+def test_cluster_recipes_run_shardtune_without_launcher_flags_on_a_shared_volume(name, tmp_path, monkeypatch):
+    import yaml
+
+    spec = yaml.safe_load((RECIPES_DIR / name).read_text())
+    if spec.get("kind") == "TrainJob":
+        trainer = spec["spec"]["trainer"]
+        assert trainer["numNodes"] == 2
+        command = trainer["command"] + trainer["args"]
+    elif spec.get("kind") == "PyTorchJob":
+        assert spec["spec"]["nprocPerNode"]
+        command = spec["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["command"]
+    else:
+        assert spec["num_nodes"] == 2
+        command = spec["run"].split("\n", 1)[1].replace("\\\n", " ").split()
+    flags = sft_flags(command)
+    assert not any(f.startswith(LAUNCHER_FLAGS) for f in flags), flags
+    assert flags[flags.index("--output_dir") + 1].startswith("/shared/")
+    monkeypatch.chdir(RECIPES_DIR.parent)  # --config paths are relative to the repository
+    cfg = parse_args(flags)
+    monkeypatch.chdir(tmp_path)
+    validate(cfg, 16)
