@@ -41,17 +41,19 @@ class PreflightError(Exception):
 
 
 def run_preflight(cfg: TrainConfig, env: DistEnv) -> None:
-    """Compare every rank's fingerprint with rank 0's, then (several nodes) check that output_dir is shared."""
-    if env.world_size == 1:
+    """On several nodes: compare every rank's fingerprint with rank 0's, then check that output_dir is shared.
+
+    One node's processes come from one launcher, one command line and one file system: nothing to compare.
+    """
+    if env.num_nodes == 1:
         return
     fingerprints: list[dict[str, str]] = [{} for _ in range(env.world_size)]
     dist.all_gather_object(fingerprints, fingerprint(cfg, env))
     check_fingerprints(fingerprints)
-    if env.num_nodes > 1:
-        check_shared_output_dir(Path(cfg.output_dir), env)
+    check_shared_output_dir(Path(cfg.output_dir), env)
     hosts = list(dict.fromkeys(f["host"] for f in fingerprints))
-    print0(f"preflight: {len(hosts)} node(s) ({', '.join(hosts)}), {env.world_size} processes agree on code, "
-           f"library versions, config and data" + ("; output_dir is shared" if env.num_nodes > 1 else ""))
+    print0(f"preflight: {env.num_nodes} nodes ({', '.join(hosts)}), {env.world_size} processes agree on code, "
+           "library versions, config and data; output_dir is shared")
 
 
 def fingerprint(cfg: TrainConfig, env: DistEnv) -> dict[str, str]:

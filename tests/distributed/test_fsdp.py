@@ -87,7 +87,7 @@ def test_hybrid_shard_across_two_nodes_matches_one_node(runs, run_cli, cache_dir
     for node_rank in (0, 1):
         args = ["sft", "--nnodes", "2", "--node_rank", str(node_rank), "--nproc_per_node", "2",
                 "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", "fsdp-test",
-                "--model_name", str(tiny_model), "--output_dir", str(tmp_path / f"node{node_rank}"),
+                "--model_name", str(tiny_model), "--output_dir", str(tmp_path / "two-nodes"),
                 "--batch_size_training", "2", *map(str, TRAIN_ARGS), "--enable_fsdp",
                 "--fsdp_config.sharding_strategy", "HYBRID_SHARD"]
         procs.append(subprocess.Popen([sys.executable, "-m", "shardtune", *args], stdout=subprocess.PIPE,
@@ -96,7 +96,7 @@ def test_hybrid_shard_across_two_nodes_matches_one_node(runs, run_cli, cache_dir
     for p, (out, err) in zip(procs, outputs):
         assert p.returncode == 0, f"--- stdout\n{out[-3000:]}\n--- stderr\n{err[-5000:]}"
     assert "mesh (replicate 2 x shard 2)" in outputs[0][0]
-    difference = assert_same_training(one_node, tmp_path / "node0", "two nodes")
+    difference = assert_same_training(one_node, tmp_path / "two-nodes", "two nodes")
     print(f"two nodes vs one node: max relative weight difference {difference:.2e}")
 
 

@@ -63,7 +63,7 @@ def test_kubeflow_pods_with_only_pet_variables_train_like_one_host(launch_on_two
     assert ("topology: 2 nodes, this is node 1, static rendezvous at hostA:29500, 2 processes per node, from "
             "torchrun's environment (PET_NNODES=2") in results[1][1]
     assert "strategy: ddp, world size 4" in results[0][1] + results[1][1]
-    assert "preflight: 2 node(s) (" in results[0][1] and "output_dir is shared" in results[0][1]
+    assert "preflight: 2 nodes (" in results[0][1] and "output_dir is shared" in results[0][1]
     difference = assert_same_training(one_host, out, "kubeflow ddp 2x2")
     print(f"kubeflow pods (DDP 2 hosts x 2) vs one host: max relative weight difference {difference:.2e}")
 
