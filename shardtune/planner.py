@@ -557,9 +557,7 @@ def command_flags(setup: Setup) -> list[str]:
             if s.strategy == "ZERO3":
                 flags += ["--deepspeed_config.offload_param", "true"]
     elif s.strategy != "DDP":
-        flags += ["--enable_fsdp", "--fsdp_config.sharding_strategy", s.strategy]
-        if s.activation_checkpointing:
-            flags += ["--fsdp_config.fsdp_activation_checkpointing", "true"]
-        if s.cpu_offload:
-            flags += ["--fsdp_config.fsdp_cpu_offload", "true"]
+        flags += ["--enable_fsdp", "--fsdp_config.sharding_strategy", s.strategy,  # explicit: a --config may set them
+                  "--fsdp_config.fsdp_activation_checkpointing", str(s.activation_checkpointing).lower(),
+                  "--fsdp_config.fsdp_cpu_offload", str(s.cpu_offload).lower()]
     return flags
