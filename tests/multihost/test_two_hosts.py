@@ -123,7 +123,7 @@ def submit_slurm_recipe(two_hosts, args: list[str], env: dict[str, str], root: P
             cluster.start()
             # the recipe is written for 8 GPUs and 32 CPUs per node; these hosts have 2 and 2
             code, output = cluster.sbatch(["--gpus-per-node=2", "--cpus-per-task=1", "recipes/multinode.slurm",
-                                           *args], env=env, cwd=REPO, timeout=300)
+                                           *args], env=env, cwd=REPO, timeout=480)
         finally:
             cluster.stop()
         print("SLURM recipe run by a real SLURM (slurmctld + 2 slurmd)")
@@ -134,7 +134,7 @@ def submit_slurm_recipe(two_hosts, args: list[str], env: dict[str, str], root: P
     batch = {"SLURM_JOB_ID": job_id, "SLURM_JOB_NAME": "shardtune", "SLURM_NNODES": "2",
              "SLURM_JOB_NODELIST": "hostA,hostB", "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "2"}
     proc = subprocess.run(["bash", "recipes/multinode.slurm", *args], env={**env, **batch}, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=480)
     return proc.returncode, proc.stdout + proc.stderr, job_id
 
 
