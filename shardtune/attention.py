@@ -104,7 +104,9 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     dropout = dropout if module.training else 0.0
     num_prefix = key.shape[2] - query.shape[2]
-    if attention_mask is None and cu is not None and num_prefix > 0 and query.shape[0] == 1:  # prefix tuning
+    # prefix tuning on a flattened row: the mask transformers builds for keys outnumbering queries is one causal mask
+    # over the whole row, which would let examples see each other; the row's boundaries decide instead
+    if kwargs.get("cu_seq_lens_q") is not None and num_prefix > 0 and query.shape[0] == 1:
         return _per_example_after_prefix(query, key, value, cu, num_prefix, dropout, scaling), None
     if attention_mask is not None or query.shape[2] != key.shape[2]:  # padded batches: the mask holds the window
         if softcap is None:
