@@ -16,7 +16,6 @@ import argparse
 import gc
 import json
 import sys
-from dataclasses import replace
 
 from bench.common import RESULTS, run_json
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 ADAM_STATES_PER_PARAM = 2  # exp_avg and exp_avg_sq
