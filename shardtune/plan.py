@@ -99,8 +99,23 @@ def setup_from_config(cfg: TrainConfig, values: dict[str, str], device: Device) 
                  activation_checkpointing=fc.fsdp_activation_checkpointing,
                  cpu_offload=fc.fsdp_cpu_offload or dc.offload_optimizer, pure_bf16=fc.pure_bf16,
                  compute_bytes=device.compute_bytes, adapter=adapter, quantization=quantization,
-                 sequence_parallel=getattr(cfg, "sequence_parallel_size", 1) or 1,
-                 context_parallel=getattr(cfg, "context_parallel_size", 1) or 1, low_cpu_fsdp=cfg.low_cpu_fsdp)
+                 sequence_parallel=cfg.sequence_parallel_size, context_parallel=cfg.context_parallel_size,
+                 low_cpu_fsdp=cfg.low_cpu_fsdp)
+
+
+def check_split(cfg: TrainConfig, setup: Setup) -> None:
+    """The sequence / context parallel sizes against the world and the model's heads: sft's own checks and
+    messages (shardtune.parallel.dims, shardtune.parallel.sequence)."""
+    from types import SimpleNamespace
+
+    from shardtune.parallel.dims import ParallelDims, _check_parallel_dims
+    from shardtune.parallel.sequence import check_sequence_split
+
+    _check_parallel_dims(cfg, setup.world_size)
+    ParallelDims.from_config(cfg, setup.world_size, setup.gpus_per_node)
+    arch = setup.arch
+    check_sequence_split(cfg, SimpleNamespace(num_attention_heads=arch.num_heads, num_key_value_heads=arch.num_kv_heads,
+                                              sliding_window=arch.sliding_window))
 
 
 def plan(setup: Setup, device: Device, accumulation: int) -> dict:
@@ -116,7 +131,8 @@ def plan(setup: Setup, device: Device, accumulation: int) -> dict:
                      tokens / seconds / candidate.world_size, "host_state_bytes": b.host_state,
                      "_setup": candidate})
     fitting = [r for r in rows if r["fits"]]
-    best = min(fitting, key=lambda r: r["step_s"]) if fitting else None
+    # by tokens/s: a row split over sp x cp ranks trains fewer rows per step, so its step time is not comparable
+    best = max(fitting, key=lambda r: r["tokens_per_s_per_gpu"]) if fitting else None
     smallest = min(rows, key=lambda r: r["peak_bytes"])
     given = estimate(setup)
     return {"model": setup.arch.name, "parameters": setup.arch.num_params,
@@ -126,8 +142,30 @@ def plan(setup: Setup, device: Device, accumulation: int) -> dict:
                       "fits": fits(setup, device), "host_loading_bytes_per_node": given.host_loading,
                       "host_state_bytes_per_rank": given.host_state},
             "alternatives": rows, "recommended": best, "smallest": None if best else smallest,
+            "would_fit": None if best else would_fit(setup, device),
             "largest_micro_batch": largest_batch(best["_setup"] if best else setup, device),
             "longest_sequence": longest_sequence(best["_setup"] if best else setup, device)}
+
+
+def would_fit(setup: Setup, device: Device, max_nodes: int = 128) -> dict:
+    """When nothing fits: the fewest GPUs (this many per node, up to 8, then more nodes) on which an alternative
+    fits, and the GPU memory on which the smallest alternative of this world size would fit."""
+    smallest = min((estimate(c).peak for c in alternatives(setup)))
+    memory = 1.0
+    while not smallest <= usable_bytes(replace(device, memory_bytes=memory * GIB)):  # the inverse of usable_bytes
+        memory += 1.0
+    result = {"gpu_memory_bytes": memory * GIB, "gpus": None}
+    per_node = [(1, g) for g in range(setup.gpus_per_node + 1, 9)] if setup.num_nodes == 1 else []
+    per_node += [(n, max(setup.gpus_per_node, 8)) for n in range(setup.num_nodes + 1, max_nodes + 1)]
+    for nodes, gpus in per_node:
+        grown = replace(setup, num_nodes=nodes, gpus_per_node=gpus)
+        if grown.world_size % (grown.sequence_parallel * grown.context_parallel):
+            continue
+        fitting = [c for c in alternatives(grown) if fits(c, device)]
+        if fitting:
+            result["gpus"] = {"nnodes": nodes, "gpus_per_node": gpus, "setup": describe_setup(fitting[0])}
+            break
+    return result
 
 
 def render(result: dict, base_argv: list[str]) -> str:
@@ -143,9 +181,9 @@ def render(result: dict, base_argv: list[str]) -> str:
     lines.append(f"  host memory to load the weights: {g(result['given']['host_loading_bytes_per_node'])} per node")
     lines += ["", "alternatives (peak per GPU, estimated step time at "
               "40% of the matmul peak, communication overlapped):",
-              f"  {'setup':<24} {'peak':>12}  {'fits':<4} {'step':>9} {'tokens/s/GPU':>13}"]
-    for r in sorted(result["alternatives"], key=lambda r: (not r["fits"], r["step_s"])):
-        lines.append(f"  {r['setup']:<24} {g(r['peak_bytes']):>12}  {'yes' if r['fits'] else 'no':<4} "
+              f"  {'setup':<30} {'peak':>12}  {'fits':<4} {'step':>9} {'tokens/s/GPU':>13}"]
+    for r in sorted(result["alternatives"], key=lambda r: (not r["fits"], -r["tokens_per_s_per_gpu"])):
+        lines.append(f"  {r['setup']:<30} {g(r['peak_bytes']):>12}  {'yes' if r['fits'] else 'no':<4} "
                      f"{r['step_s']:>8.2f}s {r['tokens_per_s_per_gpu']:>13,.0f}")
     best = result["recommended"]
     if best:
@@ -154,17 +192,25 @@ def render(result: dict, base_argv: list[str]) -> str:
                   f"largest micro-batch that fits: {result['largest_micro_batch']}; longest sequence (micro-batch "
                   f"1): {result['longest_sequence']:,} tokens"]
     else:
-        s = result["smallest"]
-        miss = s["peak_bytes"] - result["usable_bytes"]
-        lines += ["", f"nothing fits: the smallest is {s['setup']} at {g(s['peak_bytes'])} per GPU, {g(miss)} over "
-                  "what a GPU can use: add GPUs (--gpus_per_node / --nnodes), shorten --context_length, lower "
-                  "--batch_size_training, or use --use_peft / --quantization 4bit"]
+        s, given, usable = result["smallest"], result["given"], result["usable_bytes"]
+        lines += ["", f"nothing fits: {given['setup']} (as given) misses by {g(given['peak_bytes'] - usable)}; the "
+                  f"smallest is {s['setup']} at {g(s['peak_bytes'])} per GPU, {g(s['peak_bytes'] - usable)} over "
+                  f"what a GPU can use ({g(usable)})"]
+        grow, where = result["would_fit"], []
+        if grow["gpus"]:
+            gpus = grow["gpus"]
+            where.append(f"{gpus['setup']} on {gpus['nnodes'] * gpus['gpus_per_node']} GPUs (--nnodes "
+                         f"{gpus['nnodes']} --gpus_per_node {gpus['gpus_per_node']})")
+        where.append(f"{s['setup']} on GPUs of {grow['gpu_memory_bytes'] / GIB:,.0f} GiB (--gpu_memory)")
+        lines.append("  would fit: " + ", or ".join(where) + "; else shorten --context_length, lower "
+                     "--batch_size_training, or use --use_peft / --quantization 4bit")
     return "\n".join(lines)
 
 
 STRATEGY_FLAGS = ("enable_fsdp", "enable_deepspeed", "fsdp_config.sharding_strategy", "fsdp_config.fsdp_cpu_offload",
                   "fsdp_config.fsdp_activation_checkpointing", "deepspeed_config.zero_stage",
-                  "deepspeed_config.offload_optimizer", "deepspeed_config.offload_param")
+                  "deepspeed_config.offload_optimizer", "deepspeed_config.offload_param", "sequence_parallel_size",
+                  "context_parallel_size", "sp_size", "cp_size")
 
 
 def without_strategy_flags(argv: list[str]) -> list[str]:
@@ -194,6 +240,7 @@ def main(argv: list[str]) -> int:
         cfg = parse_args(sft_argv)
         device = resolve_device(values)
         setup = setup_from_config(cfg, values, device)
+        check_split(cfg, setup)
         result = plan(setup, device, cfg.gradient_accumulation_steps)
     except ConfigError as e:
         print(f"shardtune: error: {e}", file=sys.stderr)

@@ -403,9 +403,23 @@ def estimate(setup: Setup) -> Breakdown:
         out.activations = arch.num_layers * per_layer
         out.backward = BACKWARD_LAYERS * per_layer
     out.activations += outside_layers_bytes(arch, c) * tokens
+    replicated_kv = replicated_kv_bytes(setup)
+    out.activations += replicated_kv * (1 if s.activation_checkpointing else arch.num_layers)
     out.loss_buffers = loss_buffer_bytes(arch, tokens)
     out.host_loading = host_loading_bytes(setup)
     return out
+
+
+def ulysses_kv_heads(arch: Arch, sequence_parallel: int) -> int:
+    """KV heads one rank holds after Ulysses' all-to-all: its share, or one (repeated) when the degree exceeds them."""
+    return max(arch.num_kv_heads, sequence_parallel) // sequence_parallel
+
+
+def replicated_kv_bytes(setup: Setup) -> float:
+    """Per layer: the K and V a rank holds beyond its share when Ulysses repeats KV heads (degree > KV heads)."""
+    s, arch = setup, setup.arch
+    extra_heads = ulysses_kv_heads(arch, s.sequence_parallel) * s.sequence_parallel - arch.num_kv_heads
+    return 2 * s.compute_bytes * arch.head_dim * extra_heads * s.tokens_per_rank
 
 
 def host_loading_bytes(setup: Setup) -> float:
@@ -467,6 +481,28 @@ def traffic_per_step(setup: Setup, accumulation_steps: int = 1) -> Traffic:
     return Traffic(intra, inter)
 
 
+def sequence_traffic_per_step(setup: Setup, accumulation_steps: int = 1) -> tuple[Traffic, Traffic]:
+    """(Ulysses all-to-all, ring K/V) bytes one GPU sends per optimizer step for a row split over sp x cp ranks.
+
+    Ulysses, per layer and pass: q, k, v (KV heads repeated up to the degree) to head-major and the output back,
+    each rank sending (S-1)/S of its slice. Ring: the rank's K/V chunk travels C-1 hops forward; backward rotates
+    K/V and their gradients (twice the forward). Activation checkpointing repeats the forward. sp is the innermost
+    mesh dimension (inside a node when S <= GPUs per node); a ring of cp x sp ranks spans nodes when larger."""
+    s, arch = setup, setup.arch
+    sp, cp, c = s.sequence_parallel, s.context_parallel, s.compute_bytes
+    passes = (3 if s.activation_checkpointing else 2) * accumulation_steps * arch.num_layers  # forward(s) + backward
+    q_width = arch.num_heads * arch.head_dim
+    kv_width = max(arch.num_kv_heads, sp) * arch.head_dim
+    ulysses = passes * s.tokens_per_rank * c * (2 * q_width + 2 * kv_width) * (sp - 1) / sp if sp > 1 else 0.0
+    ring_passes = (4 if s.activation_checkpointing else 3) * accumulation_steps * arch.num_layers
+    kv_chunk = s.tokens_per_rank * c * 2 * ulysses_kv_heads(arch, sp) * arch.head_dim * sp  # before the all-to-all
+    ring = ring_passes * kv_chunk * (cp - 1) if cp > 1 else 0.0
+    crosses_sp = sp > s.gpus_per_node
+    crosses_cp = cp * sp > s.gpus_per_node
+    return (Traffic(0.0 if crosses_sp else ulysses, ulysses if crosses_sp else 0.0),
+            Traffic(0.0 if crosses_cp else ring, ring if crosses_cp else 0.0))
+
+
 def step_time_s(setup: Setup, device: Device, accumulation_steps: int = 1) -> tuple[float, float, float]:
     """(step seconds, compute seconds, communication seconds): compute at ASSUMED_MFU of the peak; communication
     at the link rates, overlapped with compute (FSDP prefetch, DDP buckets), so the slower of the two bounds it."""
@@ -482,12 +518,18 @@ def step_time_s(setup: Setup, device: Device, accumulation_steps: int = 1) -> tu
         flops *= 4 / 3  # the forward runs twice
     compute = flops / (setup.world_size * device.matmul_flops * ASSUMED_MFU)
     traffic = traffic_per_step(setup, accumulation_steps)
-    comm = traffic.intra_node / device.intra_node_bytes_s + traffic.inter_node / device.inter_node_bytes_s
+
+    def seconds(t: Traffic) -> float:
+        return t.intra_node / device.intra_node_bytes_s + t.inter_node / device.inter_node_bytes_s
+
+    ulysses, ring = sequence_traffic_per_step(setup, accumulation_steps)
+    comm = seconds(traffic) + seconds(ring)  # overlapped with compute (prefetch, buckets, the ring's next chunk)
+    blocking = seconds(ulysses)  # attention waits for its all-to-all
     offload = 0.0
     if setup.cpu_offload and device.compute_bytes < 4:  # not overlapped: the state crosses PCIe, AdamW runs on the CPU
         b = estimate(setup)
         offload = 2 * b.host_state / HOST_LINK_BYTES_S + b.host_state / HOST_ADAM_BYTES_S
-    return max(compute, comm) + offload, compute, comm + offload
+    return max(compute, comm) + blocking + offload, compute, comm + blocking + offload
 
 
 # -- alternatives, limits and the recommendation ---------------------------------------------------------------------
@@ -496,18 +538,49 @@ def fits(setup: Setup, device: Device) -> bool:
     return estimate(setup).peak <= usable_bytes(device)
 
 
+# from this many tokens per micro-batch on, the alternatives include rows split over sequence / context parallel ranks
+LONG_CONTEXT_TOKENS = 32768
+
+
+def sequence_splits(arch: Arch, world_size: int, gpus_per_node: int) -> list[tuple[int, int]]:
+    """(sp, cp) pairs worth comparing for a split row: for each product P > 1 that divides the world, the most
+    Ulysses ranks that divide the query heads and stay in a node, the ring for the rest; and the pure ring."""
+    pairs: list[tuple[int, int]] = []
+    for product in range(2, world_size + 1):
+        if world_size % product:
+            continue
+        sp = max(d for d in range(1, product + 1)
+                 if product % d == 0 and arch.num_heads % d == 0 and d <= gpus_per_node)
+        for pair in ((sp, product // sp), (1, product)):
+            if pair not in pairs and (pair[1] == 1 or arch.sliding_window is None):
+                pairs.append(pair)
+    return pairs
+
+
 def alternatives(setup: Setup) -> list[Setup]:
-    """The given setup and the others worth comparing: each strategy, with activation checkpointing and offload."""
+    """The given setup and the others worth comparing: each strategy, with activation checkpointing and offload;
+    for long rows, FSDP with each sequence / context parallel split (FSDP shards over the split ranks too)."""
     out = [setup]
+    split = setup.sequence_parallel * setup.context_parallel > 1
     for strategy in STRATEGIES:
         if strategy == "HYBRID_SHARD" and setup.num_nodes == 1:
             continue
         if setup.quantization == "8bit" and strategy not in ("DDP", "ZERO1", "ZERO2"):
             continue
+        if split and strategy.startswith("ZERO"):  # DeepSpeed counts every rank as data parallel (config.py)
+            continue
         for ac in ((False, True) if strategy in FSDP_STRATEGIES else (False,)):
             offloads = (False, True) if strategy in ("FULL_SHARD", "ZERO2", "ZERO3") else (False,)
             for offload in offloads:
                 candidate = replace(setup, strategy=strategy, activation_checkpointing=ac, cpu_offload=offload)
+                if candidate not in out:
+                    out.append(candidate)
+    if setup.batch_size * setup.seq_len >= LONG_CONTEXT_TOKENS and setup.quantization != "8bit" \
+            and setup.adapter.method in ("", "lora"):
+        for sp, cp in sequence_splits(setup.arch, setup.world_size, setup.gpus_per_node):
+            for ac in (False, True):
+                candidate = replace(setup, strategy="FULL_SHARD", activation_checkpointing=ac, cpu_offload=False,
+                                    sequence_parallel=sp, context_parallel=cp)
                 if candidate not in out:
                     out.append(candidate)
     return out
@@ -543,6 +616,10 @@ def describe_setup(setup: Setup) -> str:
         parts.append("+AC")
     if setup.cpu_offload:
         parts.append("+offload")
+    if setup.sequence_parallel > 1:
+        parts.append(f"sp {setup.sequence_parallel}")
+    if setup.context_parallel > 1:
+        parts.append(f"cp {setup.context_parallel}")
     return " ".join(parts)
 
 
@@ -560,4 +637,8 @@ def command_flags(setup: Setup) -> list[str]:
         flags += ["--enable_fsdp", "--fsdp_config.sharding_strategy", s.strategy,  # explicit: a --config may set them
                   "--fsdp_config.fsdp_activation_checkpointing", str(s.activation_checkpointing).lower(),
                   "--fsdp_config.fsdp_cpu_offload", str(s.cpu_offload).lower()]
+    if s.sequence_parallel > 1:
+        flags += ["--sp_size", str(s.sequence_parallel)]
+    if s.context_parallel > 1:
+        flags += ["--cp_size", str(s.context_parallel)]
     return flags
