@@ -199,6 +199,10 @@ class TrainConfig:
     num_workers_dataloader: int = _f(1, "data loader worker processes per rank (0: in the training process)")
     strict_data: bool = _f(False, "fail on the first bad data row (naming file and row) instead of skipping it")
     debug: bool = _f(False, "print tracebacks with errors")
+    dry_run: bool = _f(False, "build the model on the meta device, resolve the mesh for the world size (no GPU, no "
+                              "process started, no weights or data read, nothing written), print the per-rank shard "
+                              "sizes and the plan (shardtune plan; its --gpu / --gpu_memory / --gpus_per_node "
+                              "flags too), and exit")
 
     enable_fsdp: bool = _f(False, "shard with PyTorch FSDP2 (fully_shard) instead of DDP")
     enable_deepspeed: bool = _f(False, "shard with DeepSpeed ZeRO (--deepspeed_config.zero_stage 1/2/3) instead of "

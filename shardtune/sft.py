@@ -24,6 +24,7 @@ from shardtune.checkpoint import (
 )
 from shardtune.config import ConfigError, TrainConfig, effective_batch_size, parse_args, to_yaml, validate
 from shardtune.data.cache import load_examples_cached
+from shardtune.dry_run import dry_run, dry_run_topology, split_hardware_flags
 from shardtune.distributed import (
     DistEnv, barrier, init_distributed, is_torchrun_worker, print0, seed_everything, shutdown,
 )
@@ -276,8 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         file_launch_args, file_train_argv, argv = expand_accelerate_config(argv)
         launch_args, train_argv = split_launcher_args(argv)
+        hardware, train_argv = split_hardware_flags(train_argv)
         train_argv = file_train_argv + train_argv  # flags typed on the command line come last and win
         cfg = parse_args(train_argv)
+        if hardware and not cfg.dry_run:
+            raise ConfigError(f"--{next(iter(hardware))} describes the hardware of a plan: add --dry_run (or use "
+                              "shardtune plan), or drop the flag")
         if is_torchrun_worker():
             if launch_args:
                 raise ConfigError(f"--{next(iter(launch_args))} is a torchrun flag, but this process already runs "
@@ -286,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         launch_args = {**file_launch_args, **launch_args}
         if cfg.one_gpu:
             launch_args.setdefault("nproc_per_node", "1")
+        if cfg.dry_run:
+            return dry_run(cfg, dry_run_topology(launch_args, hardware), hardware, train_argv)
         topology = resolve_here(launch_args)
         prepare(cfg, topology.world_size)
     except ConfigError as e:

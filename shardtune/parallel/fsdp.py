@@ -168,15 +168,11 @@ class FSDPStrategy(Strategy):
     def offload(self) -> bool:
         return self.cfg.fsdp_config.fsdp_cpu_offload
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def shard(self, model: nn.Module) -> nn.Module:
+        """Activation checkpointing on each decoder layer, then fully_shard on each layer and the root, on the run's
+        mesh. Moves no data: a model on the meta device stays there (``shardtune sft --dry_run`` shards one)."""
         fc = self.cfg.fsdp_config
         self.fsdp_mesh = fsdp_mesh(self.mesh, self.dims)
-        on_meta = any(p.is_meta for p in model.parameters())
-        if self.cfg.low_cpu_fsdp:
-            # rank 0 keeps references to the loaded tensors (no copy) until they are broadcast into the shards
-            full_state = None if on_meta else tensor_state_dict(model)
-        elif not self.offload:
-            model.to(self.env.device)
         layers = decoder_layers(model)
         if fc.fsdp_activation_checkpointing:
             layers = apply_activation_checkpointing(model, layers)
@@ -187,6 +183,16 @@ class FSDPStrategy(Strategy):
         for layer in layers:
             fully_shard(layer, reshard_after_forward=reshard, **kwargs)
         fully_shard(model, reshard_after_forward=reshard, **kwargs)
+        return model
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        on_meta = any(p.is_meta for p in model.parameters())
+        if self.cfg.low_cpu_fsdp:
+            # rank 0 keeps references to the loaded tensors (no copy) until they are broadcast into the shards
+            full_state = None if on_meta else tensor_state_dict(model)
+        elif not self.offload:
+            model.to(self.env.device)
+        self.shard(model)
         if self.cfg.low_cpu_fsdp:
             materialize_from_rank0(model, full_state, torch.device("cpu") if self.offload else self.env.device)
             del full_state
@@ -197,9 +203,7 @@ class FSDPStrategy(Strategy):
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             self.scaler = ShardedGradScaler(self.env.device.type)
-        state = local_state_bytes(model)
-        print0(f"fsdp: per-rank training state (rank 0's local shards): params {human_bytes(state.params)}, "
-               f"grads {human_bytes(state.grads)}, AdamW state {human_bytes(state.optimizer)}")
+        print0(per_rank_state_line(model))
         return model
 
     def accumulating(self, model: nn.Module) -> ContextManager:
@@ -234,6 +238,13 @@ class FSDPStrategy(Strategy):
         return (f"fsdp2 {fc.sharding_strategy}, world size {self.env.world_size}, mesh ({shape})"
                 f"{self.describe_split()}, "
                 f"{self.precision.describe()}" + "".join(f", {x}" for x in extras))
+
+
+def per_rank_state_line(model: nn.Module) -> str:
+    """The start log's line: this rank's training state, from the local shards it holds (shardtune.memory)."""
+    state = local_state_bytes(model)
+    return (f"fsdp: per-rank training state (rank 0's local shards): params {human_bytes(state.params)}, "
+            f"grads {human_bytes(state.grads)}, AdamW state {human_bytes(state.optimizer)}")
 
 
 @contextlib.contextmanager

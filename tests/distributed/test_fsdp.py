@@ -7,6 +7,7 @@ so each must reproduce the DDP run step by step (losses) and at the end (weights
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -71,6 +72,25 @@ def test_start_log_states_strategy_mesh_and_per_rank_state(runs, run_cli, tiny_m
            "float32, gradient reduction float32" in log
     assert "fsdp: per-rank training state (rank 0's local shards): params" in log
     assert "fsdp: peak host memory per rank after loading and sharding: rank 0" in log
+
+
+def per_rank_state(log: str) -> str:
+    return next(line for line in log.splitlines() if line.startswith("fsdp: per-rank training state"))
+
+
+def test_dry_run_reports_the_per_rank_state_of_the_real_run(runs, run_cli, tiny_model, tmp_path):
+    """`sft --dry_run` with the 4-process HSDP run's flags: the model sharded on the meta device over a fake process
+    group gives the start log's line of the real run, and no process starts (nothing is written)."""
+    real = per_rank_state((trained("hybrid_shard_2x2", runs, run_cli, tiny_model) / "stdout.log").read_text())
+    nproc, batch, flags = VARIANTS["hybrid_shard_2x2"]
+    out = tmp_path / "dry"
+    proc = run_cli("sft", "--dry_run", "--nproc_per_node", nproc, "--model_name", tiny_model, "--output_dir", out,
+                   "--batch_size_training", batch, *TRAIN_ARGS, *flags)
+    assert per_rank_state(proc.stdout) == real
+    num_params = int(re.search(r"meta model: .* \(([\d,]+) parameters", proc.stdout).group(1).replace(",", ""))
+    assert f"params {num_params * 4 / 2 / 1024:.1f} KiB" in real  # control: fp32 shards of 2 ranks, not 1 or 4
+    assert "dry run: no process started" in proc.stdout and not out.exists()
+    assert "mesh: dp_replicate 2 x dp_shard 2 x cp 1 x sp 1" in proc.stdout
 
 
 def free_port() -> int:
