@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from shardtune.planner import (
-    DEVICES, Adapter, Arch, Setup, estimate, fits, host_loading_bytes, read_arch, traffic_per_step,
+    DEVICES, Adapter, Arch, Setup, Traffic, alternatives, estimate, fits, host_loading_bytes, read_arch,
+    sequence_splits, sequence_traffic_per_step, step_time_s, traffic_per_step,
 )
 from tests.conftest import REPO, cli_env
 
@@ -113,7 +115,8 @@ def test_plan_recommends_a_fitting_command_and_reports_limits():
 def test_plan_when_nothing_fits_names_the_smallest_and_the_miss():
     proc = plan_cli("--model_name", "llama3-70b", "--gpus_per_node", "1", "--gpu_memory", "24GB")
     assert proc.returncode == 1
-    assert "nothing fits: the smallest is" in proc.stdout and "GiB over what a GPU can use" in proc.stdout
+    assert "nothing fits: DDP (as given) misses by" in proc.stdout and "GiB over what a GPU can use" in proc.stdout
+    assert "would fit: FULL_SHARD +AC +offload on GPUs of 24 GiB (--gpu_memory)" in proc.stdout
     bad = plan_cli("--model_name", "llama3-8b", "--gpu", "K80")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--gpu 'K80' is unknown" in bad.stderr
 
@@ -128,3 +131,96 @@ def test_predicted_peak_within_10_percent_of_the_profiler_on_the_demo_preset():
                          "bench.plan_check", "--worker", "--shape", "demo", "--seq_len", "1024"], timeout=300)
     predicted = predict("demo", 1, False, False, 1024)
     assert predicted.peak == pytest.approx(measured["peak_bytes"], rel=0.10)
+
+
+# -- sequence / context parallel -------------------------------------------------------------------------------------
+
+def test_sequence_splits_are_valid_for_the_heads_and_the_world():
+    """Ulysses' degree divides the query heads and stays in a node; every product divides the world; a model with
+    12 heads on 8 GPUs takes Ulysses 4 and a ring of 2 for a split of 8, and the pure ring of 8."""
+    arch = Arch.from_config(dict(vocab_size=1024, hidden_size=768, num_hidden_layers=2, num_attention_heads=12,
+                                 num_key_value_heads=4, intermediate_size=2048))
+    pairs = sequence_splits(arch, world_size=8, gpus_per_node=8)
+    assert all(arch.num_heads % sp == 0 and 8 % (sp * cp) == 0 and sp <= 8 for sp, cp in pairs)
+    assert (4, 2) in pairs and (1, 8) in pairs and (8, 1) not in pairs
+    assert (16, 1) in sequence_splits(read_arch("llama3-8b"), world_size=16, gpus_per_node=16)
+    assert (8, 2) in sequence_splits(read_arch("llama3-8b"), world_size=16, gpus_per_node=8)  # sp inside a node
+
+
+def test_activations_are_divided_by_the_sequence_split_and_kv_heads_repeat_beyond_their_count():
+    arch = read_arch("llama3-8b")  # 32 query heads, 8 KV heads
+    base = Setup(arch=arch, strategy="FULL_SHARD", gpus_per_node=16, seq_len=65536)
+    whole = estimate(base).activations
+    for sp, cp in ((4, 1), (1, 4), (2, 2), (8, 2)):
+        assert estimate(replace(base, sequence_parallel=sp, context_parallel=cp)).activations == \
+            pytest.approx(whole / (sp * cp))
+    # Ulysses 16 > 8 KV heads: each rank holds one (repeated) KV head of the whole row instead of half of one
+    sp16 = estimate(replace(base, sequence_parallel=16)).activations
+    repeated = arch.num_layers * 2 * 2 * arch.head_dim * 65536 * (1 - arch.num_kv_heads / 16)  # K and V, bf16
+    assert sp16 == pytest.approx(whole / 16 + repeated)
+
+
+def test_sequence_traffic_counts_ulysses_all_to_all_and_ring_kv_bytes():
+    arch = read_arch("llama3-8b")
+    base = Setup(arch=arch, strategy="FULL_SHARD", gpus_per_node=8, seq_len=65536)
+    assert sequence_traffic_per_step(base) == (Traffic(0.0, 0.0), Traffic(0.0, 0.0))
+    ulysses, ring = sequence_traffic_per_step(replace(base, sequence_parallel=4))
+    tokens, width = 65536 // 4, 2 * 32 * 128 + 2 * 8 * 128  # q and output, k and v, per token
+    assert ulysses == Traffic(2 * 32 * tokens * 2 * width * 3 / 4, 0.0) and ring == Traffic(0.0, 0.0)
+    ulysses, ring = sequence_traffic_per_step(replace(base, context_parallel=4))
+    kv_chunk = tokens * 2 * 2 * 8 * 128
+    assert ulysses == Traffic(0.0, 0.0) and ring == Traffic(3 * 32 * kv_chunk * 3, 0.0)  # 3 passes, 3 hops
+    _, across = sequence_traffic_per_step(replace(base, num_nodes=2, context_parallel=16))
+    assert across.intra_node == 0 and across.inter_node > 0  # a ring of 16 spans the two nodes
+    h100 = DEVICES["H100"]
+    assert step_time_s(replace(base, sequence_parallel=4), h100)[2] > step_time_s(base, h100)[2]
+
+
+def test_128k_tokens_on_8_h100_fit_only_with_a_sequence_split_which_is_recommended():
+    from shardtune.plan import plan
+
+    h100 = DEVICES["H100"]
+    setup = Setup(arch=read_arch("llama3-8b"), strategy="FULL_SHARD", gpus_per_node=8, seq_len=131072,
+                  activation_checkpointing=True)
+    result = plan(setup, h100, 1)
+    unsplit = [r for r in result["alternatives"] if r["_setup"].sequence_parallel * r["_setup"].context_parallel == 1]
+    assert unsplit and not any(r["fits"] for r in unsplit)
+    best = result["recommended"]["_setup"]
+    assert best.sequence_parallel * best.context_parallel > 1 and fits(best, h100)
+    flags = result["recommended"]["flags"]
+    assert "--sp_size" in flags or "--cp_size" in flags
+    short = plan(replace(setup, seq_len=4096), h100, 1)  # a short row gets no split rows
+    assert all(r["_setup"].sequence_parallel * r["_setup"].context_parallel == 1 for r in short["alternatives"])
+
+
+def test_plan_takes_sft_sequence_flags_and_refuses_an_impossible_mesh_like_sft():
+    proc = plan_cli("--model_name", "llama3-8b", "--enable_fsdp", "--gpus_per_node", "8", "--sp_size", "4",
+                    "--cp_size", "2", "--context_length", "65536", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["given"]["setup"] == "FULL_SHARD sp 4 cp 2"
+    bad = plan_cli("--model_name", "llama3-8b", "--enable_fsdp", "--gpus_per_node", "8", "--sp_size", "16")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "--sequence_parallel_size 16 = 16 does not divide the world size 8" in bad.stderr
+
+
+def test_nothing_fits_names_the_miss_and_the_gpus_that_would_fit():
+    """1M tokens of llama3-8b on 8 x 80 GB: no split of 8 fits; the smallest world that fits is named (and it fits
+    there), next to the GPU memory the smallest configuration needs."""
+    from shardtune.plan import plan, render
+
+    h100 = DEVICES["H100"]
+    setup = Setup(arch=read_arch("llama3-8b"), strategy="FULL_SHARD", gpus_per_node=8, seq_len=1 << 20)
+    result = plan(setup, h100, 1)
+    assert result["recommended"] is None
+    grow = result["would_fit"]["gpus"]
+    grown = replace(setup, num_nodes=grow["nnodes"], gpus_per_node=grow["gpus_per_node"])
+    assert any(fits(c, h100) for c in alternatives(grown))
+    fewer = replace(grown, num_nodes=grow["nnodes"] - 1)
+    assert not any(fits(c, h100) for c in alternatives(fewer))  # control: the smallest, not just one that fits
+    memory = result["would_fit"]["gpu_memory_bytes"]
+    assert fits(replace(result["smallest"]["_setup"]), replace(h100, memory_bytes=memory))
+    assert not fits(result["smallest"]["_setup"], replace(h100, memory_bytes=memory - GIB))
+    text = render(result, [])
+    miss = (result["given"]["peak_bytes"] - result["usable_bytes"]) / GIB
+    assert f"nothing fits: FULL_SHARD (as given) misses by {miss:,.1f} GiB" in text
+    assert f"on {grow['nnodes'] * 8} GPUs (--nnodes {grow['nnodes']} --gpus_per_node 8)" in text
