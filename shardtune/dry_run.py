@@ -133,7 +133,8 @@ def shard_lines(cfg: TrainConfig, topology: Topology, arch_name: str) -> list[st
     if cfg.use_peft:
         model = apply_peft(model, cfg)
     num_params, num_trainable = count_parameters(model)
-    lines.insert(0, f"meta model: {arch_name} ({num_params:,} parameters, {num_trainable:,} trainable), on the meta device")
+    lines.insert(0, f"meta model: {arch_name} ({num_params:,} parameters, {num_trainable:,} trainable), on the "
+                    "meta device")
     if not cfg.enable_fsdp:
         state = local_state_bytes(model)
         lines.append(f"ddp: per-rank training state (every rank holds the whole model): params "
