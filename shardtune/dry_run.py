@@ -111,7 +111,7 @@ def fake_world(world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
-def shard_lines(cfg: TrainConfig, topology: Topology, arch_name: str) -> list[str]:
+def shard_lines(cfg: TrainConfig, topology: Topology, arch_name: str, setup) -> list[str]:
     """The model on the meta device, sharded as the run would shard it; the start log's lines about it."""
     import torch.distributed as dist
 
@@ -125,8 +125,15 @@ def shard_lines(cfg: TrainConfig, topology: Topology, arch_name: str) -> list[st
 
     dims = ParallelDims.from_config(cfg, topology.world_size, topology.nproc_per_node)
     lines = [f"mesh: {dims.describe()} (world size {topology.world_size}; {dims.dp_size} data-parallel ranks)"]
-    if cfg.quantization or cfg.enable_deepspeed:
-        return lines  # computed with the plan (module docstring)
+    if cfg.quantization or cfg.enable_deepspeed:  # computed (module docstring)
+        from shardtune.planner import describe_setup, estimate
+
+        state = estimate(setup)
+        lines.append(f"{describe_setup(setup)}: per-rank training state (computed by shardtune.planner): params "
+                     f"{human_bytes(state.params)}, grads {human_bytes(state.grads)}, AdamW state "
+                     + ("and fp32 master weights " if cfg.enable_deepspeed else "") + human_bytes(state.optimizer)
+                     + (f", offloaded to the host {human_bytes(state.host_state)}" if state.host_state else ""))
+        return lines
     dtype = torch.bfloat16 if cfg.enable_fsdp and cfg.fsdp_config.pure_bf16 else torch.float32
     model = build_model_on_meta(cfg.model_name, dtype=dtype)
     freeze_first_layers(model, cfg)
@@ -170,7 +177,7 @@ def dry_run(cfg: TrainConfig, topology: Topology, hardware: dict[str, str], trai
         setup = setup_from_config(cfg, values, device)
         check_split(cfg, setup)
         lines = ["dry run: no process started, no weights or data read, nothing written", topology.describe(),
-                 *shard_lines(cfg, topology, given_name or "preset:demo")]
+                 *shard_lines(cfg, topology, given_name or "preset:demo", setup)]
         result = plan(setup, device, cfg.gradient_accumulation_steps)
     result["model"] = given_name or "preset:demo"
     argv = without_dry_run(without_strategy_flags(train_argv))
