@@ -284,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--{next(iter(hardware))} describes the hardware of a plan: add --dry_run (or use "
                               "shardtune plan), or drop the flag")
         if is_torchrun_worker():
+            if cfg.dry_run:
+                raise ConfigError("--dry_run starts no processes, but this one runs under torchrun: run shardtune "
+                                  "sft --dry_run (with --nproc_per_node / --nnodes) without torchrun")
             if launch_args:
                 raise ConfigError(f"--{next(iter(launch_args))} is a torchrun flag, but this process already runs "
                                   "under torchrun: give it to torchrun, before -m shardtune.sft")
