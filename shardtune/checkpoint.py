@@ -17,13 +17,13 @@ import torch
 import yaml
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from transformers import AutoConfig
 
 from shardtune.config import (
     ConfigError, TrainConfig, effective_batch_size, flatten_dict, to_dict, to_yaml, validator,
 )
 from shardtune.distributed import DistEnv, all_reduce_sum, barrier, print0, warn0
 from shardtune.errors import CheckpointError
+from shardtune.models import training_model_config
 from shardtune.parallel.deepspeed import deepspeed_resume_problem
 from shardtune.preemption import Preempted, stop_signal_anywhere
 
@@ -466,8 +466,8 @@ class Checkpointer:
         model = self.strategy.unwrap(self.training[0])  # type: ignore[index]
         if full_state is not None:
             save_hf_model(model, full_state, self.tokenizer, tmp / "hf_model")
-        source_config = AutoConfig.from_pretrained(self.cfg.model_name)  # the source's dtype, not the fp32 master's
-        source_config.save_pretrained(tmp / "hf_config")
+        # the source's dtype (not the fp32 master's), with what training changes (--rope_scaling): export rebuilds it
+        training_model_config(self.cfg).save_pretrained(tmp / "hf_config")
         self.tokenizer.save_pretrained(tmp / "hf_config")
         (tmp / "config.yaml").write_text(to_yaml(self.cfg), encoding="utf-8")
         metrics = Path(self.cfg.output_dir) / "metrics.jsonl"

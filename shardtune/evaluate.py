@@ -39,7 +39,7 @@ def eval_loss(model: nn.Module, examples: list[dict], cfg: TrainConfig, pad_id: 
     """Token-weighted loss over the examples, with the training loop's loss code: (loss, perplexity, tokens)."""
     device = next(model.parameters()).device
     loss_sum, num_tokens = 0.0, 0
-    for batch in data.eval_batches(examples, cfg, rank=0, world_size=1, pad_id=pad_id):
+    for batch in data.eval_batches(examples, cfg, dp_rank=0, dp_size=1, pad_id=pad_id):
         loss_sum += float(token_loss_sum(model, batch, device).double())
         num_tokens += num_label_tokens(batch["labels"])
     loss = loss_sum / num_tokens if num_tokens else float("nan")

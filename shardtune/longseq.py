@@ -25,11 +25,12 @@ from shardtune.config import ConfigError, TrainConfig
 from shardtune.distributed import print0
 
 
-def rope_config_overrides(cfg: TrainConfig) -> dict:
-    """Model-config keywords for --rope_scaling, to build the model with (empty when it is off)."""
+def rope_config_overrides(cfg: TrainConfig, model_config=None) -> dict:
+    """Model-config keywords for --rope_scaling (empty when it is off), applied to ``model_config`` (default: the
+    model's config.json) by :func:`shardtune.models.training_model_config`, which every loading path builds from."""
     if not cfg.rope_scaling:
         return {}
-    model_config = AutoConfig.from_pretrained(cfg.model_name)
+    model_config = model_config or AutoConfig.from_pretrained(cfg.model_name)
     original = model_config.max_position_embeddings
     rope = dict(model_config.rope_parameters, rope_type=cfg.rope_scaling, factor=float(cfg.rope_factor),
                 original_max_position_embeddings=original)

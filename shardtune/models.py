@@ -19,7 +19,7 @@ from tokenizers.models import BPE
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
 from shardtune.attention import attention_implementation
-from shardtune.config import ConfigError
+from shardtune.config import ConfigError, TrainConfig
 from shardtune.data.synthetic import corpus_for_tokenizer
 
 PRESET_PREFIX = "preset:"
@@ -199,18 +199,30 @@ def check_tokenizer_fits(model_name: str, tokenizer: PreTrainedTokenizerFast, to
                           "len(tokenizer)), then save_pretrained both)")
 
 
+def training_model_config(cfg: TrainConfig):
+    """The config the model is trained with: its config.json, plus --rope_scaling. The one place where training
+    flags change a model's config: every path that builds the model to train (full weights, 4-bit, the meta
+    device of rank-0 loading) builds from it, and checkpoints record it (export rebuilds the same model)."""
+    from shardtune.longseq import rope_config_overrides
+
+    config = AutoConfig.from_pretrained(cfg.model_name)
+    for key, value in rope_config_overrides(cfg, config).items():
+        setattr(config, key, value)
+    return config
+
+
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               **config_overrides) -> torch.nn.Module:
-    attention = attention_implementation(AutoConfig.from_pretrained(name_or_path))
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attention,
-                                                 **config_overrides)
+               config=None) -> torch.nn.Module:
+    """The model's weights from ``name_or_path``, built with ``config`` (default: its own config.json)."""
+    config = config or AutoConfig.from_pretrained(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=dtype,
+                                                 attn_implementation=attention_implementation(config))
     return model.to(device)
 
 
-def build_model_on_meta(name_or_path: str, dtype: torch.dtype = torch.float32,
-                        **config_overrides) -> torch.nn.Module:
+def build_model_on_meta(name_or_path: str, dtype: torch.dtype = torch.float32, config=None) -> torch.nn.Module:
     """The model's structure without memory, for sharding first and loading weights (on rank 0) afterwards."""
-    config = AutoConfig.from_pretrained(name_or_path, **config_overrides)
+    config = config or AutoConfig.from_pretrained(name_or_path)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                 attn_implementation=attention_implementation(config))

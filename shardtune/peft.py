@@ -82,16 +82,18 @@ def quantization_config(cfg: TrainConfig, device: torch.device):
                               bnb_4bit_quant_storage=dtype if shards_parameters(cfg) else torch.uint8)
 
 
-def load_quantized_model(cfg: TrainConfig, device: torch.device, **config_overrides) -> nn.Module:
+def load_quantized_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
     """The base model with bitsandbytes-quantised linear layers, on ``device``; other weights in the compute dtype."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from shardtune.attention import attention_implementation
+    from shardtune.models import training_model_config
 
-    attention = attention_implementation(AutoConfig.from_pretrained(cfg.model_name))
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_name, quantization_config=quantization_config(cfg, device),
+    config = training_model_config(cfg)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_name, config=config,
+                                                 quantization_config=quantization_config(cfg, device),
                                                  dtype=compute_dtype(cfg, device), device_map={"": device},
-                                                 attn_implementation=attention, **config_overrides)
+                                                 attn_implementation=attention_implementation(config))
     if device.type == "cpu":
         use_generic_cpu_kernels(model)
     return model

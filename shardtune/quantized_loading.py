@@ -20,7 +20,7 @@ from shardtune.distributed import DistEnv
 
 def load_quantized_on_rank0(cfg: TrainConfig, env: DistEnv) -> nn.Module:
     """Rank 0: the loaded 4-bit model. Other ranks: its structure on the meta device, with rank 0's QuantStates."""
-    from shardtune.models import build_model_on_meta
+    from shardtune.models import build_model_on_meta, training_model_config
     from shardtune.peft import compute_dtype, load_quantized_model, use_generic_cpu_kernels
 
     model = load_quantized_model(cfg, env.device) if env.rank == 0 else None
@@ -28,7 +28,7 @@ def load_quantized_on_rank0(cfg: TrainConfig, env: DistEnv) -> nn.Module:
     dist.broadcast_object_list(layout, src=0)
     if model is not None:
         return model
-    model = build_model_on_meta(cfg.model_name, dtype=compute_dtype(cfg, env.device))
+    model = build_model_on_meta(cfg.model_name, dtype=compute_dtype(cfg, env.device), config=training_model_config(cfg))
     for name, (shape, storage, quant_state) in layout[0].items():
         _replace_with_meta_4bit(model, name, shape, storage, quant_state, env.device)
     model.is_loaded_in_4bit = True  # what peft reads to treat the base as quantised

@@ -33,13 +33,13 @@ from shardtune.inference import EvalSampler
 from shardtune.launch import (
     in_place_worker_env, launch, resolve_here, runs_in_place, sft_help_text, split_launcher_args,
 )
-from shardtune.longseq import apply_memory_levers, check_rope_scaling, rope_config_overrides
+from shardtune.longseq import apply_memory_levers, check_rope_scaling
 from shardtune.loss import hf_model
 from shardtune.metrics import MetricsWriter
 from shardtune.model_checks import check_model_structure
 from shardtune.models import (
     build_model_on_meta, cache_dir, check_model_source, check_tokenizer_fits, count_parameters, load_model,
-    load_tokenizer, resolve_model_name,
+    load_tokenizer, resolve_model_name, training_model_config,
 )
 from shardtune.memory import cross_node_summary
 from shardtune.parallel import make_strategy
@@ -98,14 +98,14 @@ def build_model(cfg: TrainConfig, env: DistEnv) -> torch.nn.Module:
     """The model to train, before wrapping: fp32 master weights (bf16 with pure_bf16). With low_cpu_fsdp only
     global rank 0 reads the weights; the others build on the meta device and receive theirs after sharding."""
     dtype = torch.bfloat16 if cfg.enable_fsdp and cfg.fsdp_config.pure_bf16 else torch.float32
-    overrides = rope_config_overrides(cfg)
     if cfg.quantization and cfg.low_cpu_fsdp:
         return load_quantized_on_rank0(cfg, env)
-    if cfg.low_cpu_fsdp and env.rank != 0:
-        return build_model_on_meta(cfg.model_name, dtype=dtype, **overrides)
     if cfg.quantization:
-        return load_quantized_model(cfg, env.device, **overrides)
-    return load_model(cfg.model_name, dtype=dtype, **overrides)
+        return load_quantized_model(cfg, env.device)
+    config = training_model_config(cfg)  # with --rope_scaling; the 4-bit paths build from it too
+    if cfg.low_cpu_fsdp and env.rank != 0:
+        return build_model_on_meta(cfg.model_name, dtype=dtype, config=config)
+    return load_model(cfg.model_name, dtype=dtype, config=config)
 
 
 def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, tokenizer) -> None:

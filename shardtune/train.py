@@ -138,7 +138,8 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
     # every rank measures its own matmul rate at the same moment (so shared cores are shared as in training)
     peak_flops = float(all_reduce_sum(torch.tensor(measured_peak_flops(str(env.device)), dtype=torch.float64),
                                       env.device))
-    eval_batches = (data.eval_batches(eval_examples, cfg, env.rank, env.world_size, pad_id)
+    row_slice = RowSlice.of_rank(dims, env.rank)  # eval rows are split like training rows
+    eval_batches = (data.eval_batches(eval_examples, cfg, dims.dp_rank(env.rank), dims.dp_size, pad_id, row_slice)
                     if cfg.run_validation else [])
 
     result = TrainResult()
@@ -156,7 +157,7 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
         done_in_epoch = first
         for step_in_epoch, micro_batches in enumerate(
                 data.train_loader(train_units, cfg, dims.dp_rank(env.rank), dims.dp_size, epoch, pad_id, first,
-                                  RowSlice.of_rank(dims, env.rank)), start=first):
+                                  row_slice), start=first):
             if result.steps >= total_steps:
                 break
             lr = optimizer.param_groups[0]["lr"]

@@ -20,7 +20,21 @@ def eval_rows(out_dir: Path) -> list[dict]:
 
 
 def weights(out_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(out_dir / "model.safetensors"))
+    """The saved model's tensors, or the adapter's when the run trained one (PEFT writes no model.safetensors)."""
+    model = out_dir / "model.safetensors"
+    return load_file(str(model if model.is_file() else out_dir / "adapter_model.safetensors"))
+
+
+def train_once(runs: dict, name: str, run_cli, *args) -> Path:
+    """``shardtune sft ARGS --output_dir ROOT/name``, launched on first use and cached in ``runs`` (a module-scoped
+    dict with the "root" folder), so that the tests of a module share their launches; stdout is kept in the output
+    dir's stdout.log."""
+    if name not in runs:
+        out = runs["root"] / name
+        proc = run_cli("sft", "--output_dir", out, *args)
+        (out / "stdout.log").write_text(proc.stdout)
+        runs[name] = out
+    return runs[name]
 
 
 def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -38,10 +52,10 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
     return worst
 
 
-def assert_same_training(ref: Path, other: Path, label: str) -> float:
-    """Same token counts and losses at every one of the 4 steps, same weights: returns the weight difference."""
+def assert_same_training(ref: Path, other: Path, label: str, num_steps: int = 4) -> float:
+    """Same token counts and losses at every one of the steps, same weights: returns the weight difference."""
     ref_rows, rows = step_rows(ref), step_rows(other)
-    assert len(rows) == len(ref_rows) == 4, label
+    assert len(rows) == len(ref_rows) == num_steps, label
     for r, o in zip(ref_rows, rows):
         assert o["num_tokens"] == r["num_tokens"], (label, r["step"])
         assert o["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=0), (label, r["step"])

@@ -8,7 +8,7 @@ The training loop uses::
     units = build_units(examples, cfg)
     steps = steps_per_epoch(len(units), cfg, world_size)
     for batch in train_loader(units, cfg, rank, world_size, epoch, pad_id, start_step): ...
-    eval_batches(validation_examples, cfg, rank, world_size, pad_id)
+    eval_batches(validation_examples, cfg, dp_rank, dp_size, pad_id, row_slice)
 """
 
 from shardtune.data.batching import (StepDataset, build_units, collate_flat, collate_padding, eval_batches, flattened,

@@ -202,22 +202,26 @@ def train_loader(units: list[Unit], cfg: TrainConfig, dp_rank: int, dp_size: int
                       persistent_workers=False, generator=torch.Generator().manual_seed(cfg.seed + epoch))
 
 
-def eval_batches(examples: list[Example], cfg: TrainConfig, rank: int, world_size: int, pad_id: int
-                 ) -> list[MicroBatch]:
-    """This rank's eval micro-batches: the same count on every rank, each example on exactly one rank.
+def eval_batches(examples: list[Example], cfg: TrainConfig, dp_rank: int, dp_size: int, pad_id: int,
+                 row_slice: RowSlice | None = None) -> list[MicroBatch]:
+    """This rank's eval micro-batches: the same count on every rank, each example on exactly one data-parallel rank.
 
-    Examples keep their order and are cut into chunks of val_batch_size; chunk c goes to rank c % world_size.
-    Eval always uses padding collation: an example's logits are the same as inside a packed block, and no
-    L x L mask is built. Ranks with fewer chunks get dummy batches (one pad token, label -100) because FSDP's
-    forward is a collective every rank must join. max_eval_step > 0 keeps at most that many batches per rank.
+    Examples keep their order and are cut into chunks of val_batch_size; chunk c goes to data-parallel rank
+    c % dp_size. Eval uses padding collation: an example's logits are the same as inside a packed block, and no
+    L x L mask is built. With ``row_slice`` (sequence / context parallelism) the ranks of a cp x sp group share their
+    chunks and split them as in training: one padding-free row per chunk, of which each keeps its slice, so an eval
+    row needs no more memory per rank than a training row. Ranks with fewer chunks get dummy batches (one pad token,
+    label -100) because FSDP's forward is a collective every rank must join. max_eval_step > 0 keeps at most that
+    many batches per rank.
     """
     size = cfg.val_batch_size
     chunks = [examples[start:start + size] for start in range(0, len(examples), size)]
-    num_batches = math.ceil(len(chunks) / world_size)
+    num_batches = math.ceil(len(chunks) / dp_size)
     if cfg.max_eval_step > 0:
         num_batches = min(num_batches, cfg.max_eval_step)
-    mine = chunks[rank::world_size][:num_batches]
+    mine = chunks[dp_rank::dp_size][:num_batches]
     dummy: Example = {"input_ids": [pad_id], "labels": [IGNORE_INDEX]}
-    return [collate_padding(chunk, pad_id) for chunk in mine] + [
-        collate_padding([dummy], pad_id) for _ in range(num_batches - len(mine))]
-
+    chunks = mine + [[dummy]] * (num_batches - len(mine))
+    if row_slice is None:
+        return [collate_padding(chunk, pad_id) for chunk in chunks]
+    return [split_row(collate_flat(chunk), row_slice, pad_id) for chunk in chunks]

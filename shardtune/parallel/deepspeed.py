@@ -201,8 +201,8 @@ class DeepSpeedStrategy(Strategy):
     def describe(self) -> str:
         dc = self.cfg.deepspeed_config
         offload = [what for what, on in (("optimizer", dc.offload_optimizer), ("parameters", dc.offload_param)) if on]
-        text = (f"deepspeed ZeRO-{self.zero_stage}, world size {self.env.world_size}, compute dtype "
-                f"{dtype_name(self.compute_dtype)}")
+        text = (f"deepspeed ZeRO-{self.zero_stage}, world size {self.env.world_size}{self.describe_split()}, "
+                f"compute dtype {dtype_name(self.compute_dtype)}")
         return text + (f", {' and '.join(offload)} offloaded to CPU" if offload else "")
 
 

@@ -11,7 +11,9 @@ The world is ``dp_replicate x dp_shard x cp x sp`` processes (outermost first):
   node); the ring of ``cp`` may span nodes.
 
 FSDP shards parameters over ``dp_shard x cp x sp`` (the sequence ranks hold the same model, so they share its
-shards, as torchtitan does with its context-parallel dimension). Every strategy averages gradients over the whole
+shards, as torchtitan does with its context-parallel dimension); DeepSpeed ZeRO partitions over the whole world,
+which it takes for data parallel (its batch-size bookkeeping then counts the sequence ranks as data-parallel ones:
+only a consistency check of its config, it loads no data). Every strategy averages gradients over the whole
 world, which is right: each labelled token lives on exactly one rank, so the sum over all ranks is the step's
 gradient (train.py multiplies by the world size to undo the mean).
 
@@ -130,9 +132,6 @@ def _check_parallel_dims(cfg: TrainConfig, world_size: int) -> None:
         return
     flags = " / ".join(f"--{name} {value}" for name, value in (("sequence_parallel_size", dims.sp),
                                                                 ("context_parallel_size", dims.cp)) if value > 1)
-    if cfg.enable_deepspeed:
-        raise ConfigError(f"{flags} is not supported with --enable_deepspeed (every ZeRO stage: its engine counts "
-                          "all processes as data parallel): use --enable_fsdp (sharded like ZeRO-3) or DDP")
     if cfg.use_peft and cfg.peft_method in ("prefix", "llama_adapter"):
         raise ConfigError(f"{flags} cannot split rows with --peft_method {cfg.peft_method} (its virtual tokens are "
                           "attended outside the split attention): use --peft_method lora, or drop the flag")

@@ -11,12 +11,13 @@ import re
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO, cli_env
 from tests.helpers import (
-    assert_plain_hf_directory, assert_same_training, step_rows, weights,
+    assert_plain_hf_directory, assert_same_training, step_rows, train_once, weights,
 )
 
 FSDP = ("--enable_fsdp",)
@@ -46,15 +47,10 @@ def runs(tmp_path_factory) -> dict:
     return {"root": tmp_path_factory.mktemp("fsdp-runs")}
 
 
-def trained(name: str, runs: dict, run_cli, model) -> object:
-    if name not in runs:
-        nproc, batch, flags = VARIANTS[name]
-        out = runs["root"] / name
-        proc = run_cli("sft", "--nproc_per_node", nproc, "--model_name", model, "--output_dir", out,
-                       "--batch_size_training", batch, *TRAIN_ARGS, *flags)
-        (out / "stdout.log").write_text(proc.stdout)
-        runs[name] = out
-    return runs[name]
+def trained(name: str, runs: dict, run_cli, model) -> Path:
+    nproc, batch, flags = VARIANTS[name]
+    return train_once(runs, name, run_cli, "--nproc_per_node", nproc, "--model_name", model, "--batch_size_training",
+                      batch, *TRAIN_ARGS, *flags)
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "ddp"])

@@ -53,8 +53,6 @@ def assert_one_line_error(proc, *needles):
      ["--sequence_parallel_size 8 must divide the model's 4 attention heads (2 KV heads"]),
     (["--nproc_per_node", "2", "--cp_size", "2", "--use_peft", "--peft_method", "prefix"],
      ["--context_parallel_size 2", "--peft_method prefix"]),
-    (["--nproc_per_node", "2", "--sp_size", "2", "--enable_deepspeed"],
-     ["--sequence_parallel_size 2", "--enable_deepspeed", "--enable_fsdp"]),
     (["--gpus_per_node", "8"], ["--gpus_per_node", "add --dry_run"]),  # a plan's flag, without --dry_run
 ])
 def test_bad_values_fail_early_with_one_line(args, needles, tiny_model, run_cli, tmp_path):

@@ -9,9 +9,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from shardtune.config import ConfigError, TrainConfig, validate
-from shardtune.longseq import apply_memory_levers, check_rope_scaling, rope_config_overrides
+from shardtune.longseq import apply_memory_levers, check_rope_scaling
 from shardtune.loss import hf_model, token_loss_sum
-from shardtune.models import load_model
+from shardtune.models import build_model_on_meta, load_model, training_model_config
+from shardtune.peft import load_quantized_model
 
 CPU = torch.device("cpu")
 ROW_TOKENS = 300  # the tiny preset's hidden size is 64: four whole tiles and a partial one
@@ -85,7 +86,7 @@ def test_tiled_mlp_and_offloading_under_activation_checkpointing_same_gradients(
 
 def test_yarn_rope_scaling_builds_scaled_positions_that_train(tiny_model, tmp_path):
     cfg = TrainConfig(model_name=str(tiny_model), rope_scaling="yarn", rope_factor=4.0)
-    plain, scaled = load_model(str(tiny_model)), load_model(str(tiny_model), **rope_config_overrides(cfg))
+    plain, scaled = load_model(str(tiny_model)), load_model(str(tiny_model), config=training_model_config(cfg))
     rope = scaled.config.rope_parameters
     assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 4.0, 2048)
     assert scaled.config.max_position_embeddings == 4 * plain.config.max_position_embeddings == 8192
@@ -107,6 +108,26 @@ def test_yarn_rope_scaling_builds_scaled_positions_that_train(tiny_model, tmp_pa
     scaled.save_pretrained(tmp_path / "scaled")  # the scaling is saved with the model, and refused on top of itself
     with pytest.raises(ConfigError, match="already uses RoPE scaling 'yarn'"):
         check_rope_scaling(TrainConfig(model_name=str(tmp_path / "scaled"), rope_scaling="yarn", rope_factor=2.0))
+
+
+def test_every_loading_path_builds_the_yarn_scaled_model(tiny_model):
+    """Full weights, 4-bit (QLoRA, also rank 0 of --low_cpu_fsdp) and the meta-device structure of the other ranks
+    of --low_cpu_fsdp all build from training_model_config: the same scaled positions (inv_freq, and YaRN's
+    attention scaling, which is an attribute the meta ranks compute themselves, not a buffer rank 0 could send)."""
+    cfg = TrainConfig(model_name=str(tiny_model), rope_scaling="yarn", rope_factor=4.0, use_peft=True,
+                      quantization="4bit")
+    full = load_model(str(tiny_model), config=training_model_config(cfg)).model.rotary_emb
+    quantized = load_quantized_model(cfg, CPU)
+    meta = build_model_on_meta(str(tiny_model), config=training_model_config(cfg)).model.rotary_emb
+    plain = load_model(str(tiny_model)).model.rotary_emb
+    assert quantized.config.rope_parameters["rope_type"] == "yarn" and quantized.config.max_position_embeddings == 8192
+    assert type(quantized.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"  # the 4-bit path, truly
+    for rotary in (quantized.model.rotary_emb, meta):
+        assert rotary.attention_scaling == full.attention_scaling > plain.attention_scaling
+        assert rotary.rope_type == "yarn"
+    assert torch.equal(quantized.model.rotary_emb.inv_freq.float(), full.inv_freq)
+    assert training_model_config(TrainConfig(model_name=str(tiny_model))).to_dict() == load_model(
+        str(tiny_model)).config.to_dict()  # without the flag: the model's own config
 
 
 @pytest.mark.parametrize("flags, message", [

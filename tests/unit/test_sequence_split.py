@@ -7,8 +7,8 @@ import torch
 from transformers import LlamaConfig, MistralConfig
 
 from shardtune.config import ConfigError, TrainConfig
-from shardtune.data.batching import collate_flat
-from shardtune.loss import IGNORE_INDEX, SEQUENCE_LAYOUT, SHIFT_LABELS
+from shardtune.data.batching import collate_flat, eval_batches
+from shardtune.loss import IGNORE_INDEX, SEQUENCE_LAYOUT, SHIFT_LABELS, batch_label_tokens
 from shardtune.parallel.dims import ParallelDims
 from shardtune.parallel.sequence import RowSlice, check_sequence_split, split_row
 
@@ -66,6 +66,30 @@ def test_slices_cover_the_padded_row_once_with_labels_shifted_before_the_split(c
     if cp == 2:  # rank 0 holds the first and the last chunk (causal load balance)
         first = torch.cat([split_row(row, RowSlice(0, cp, s, sp), 0)["input_ids"][0] for s in range(sp)])
         assert first[0] == 10 and first[-1] == 0
+
+
+def test_eval_rows_are_split_like_training_rows_by_the_ranks_of_a_group():
+    """8 ranks as dp 2 x cp 2 x sp 2, 7 eval examples in chunks of 2: a data-parallel rank's cp x sp group shares
+    its chunks, each rank holds a slice of every chunk's padding-free row, and every labelled token of the unsplit
+    (padding-collated) eval batches is counted on exactly one rank."""
+    cfg = config(sequence_parallel_size=2, context_parallel_size=2, val_batch_size=2)
+    dims = ParallelDims.from_config(cfg, world_size=8)
+    examples = packed([5, 9, 3, 6, 4, 8, 7])
+    cu = examples["cu_seq_lens"].tolist()
+    examples = [{"input_ids": examples["input_ids"][0, a:b].tolist(), "labels": examples["labels"][0, a:b].tolist()}
+                for a, b in zip(cu, cu[1:])]
+    per_rank = [eval_batches(examples, cfg, dims.dp_rank(r), dims.dp_size, 0, RowSlice.of_rank(dims, r))
+                for r in range(8)]
+    assert {len(batches) for batches in per_rank} == {2}  # 4 chunks over 2 data-parallel ranks
+    unsplit = [mb for dp in range(2) for mb in eval_batches(examples, cfg, dp, 2, 0)]
+    assert sum(batch_label_tokens(mb) for batches in per_rank for mb in batches) == \
+        sum(batch_label_tokens(mb) for mb in unsplit) > 0
+    for dp in range(2):
+        group = per_rank[4 * dp:4 * dp + 4]
+        for i in range(2):  # the group's slices of batch i cover its row once (the chunk of examples 2i, 2i + 1)
+            tokens = sorted(t for batches in group for t in batches[i]["input_ids"][0].tolist() if t)
+            expected = sorted(t for e in examples[2 * (2 * i + dp):2 * (2 * i + dp) + 2] for t in e["input_ids"])
+            assert tokens == expected and all(SEQUENCE_LAYOUT in batches[i] for batches in group)
 
 
 def test_model_checks_name_the_head_counts_and_refuse_sliding_windows_for_the_ring():
