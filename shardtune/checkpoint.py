@@ -106,6 +106,8 @@ RUN_CONTROL_SETTINGS = frozenset({
     "save_model", "save_metrics", "max_eval_step", "run_validation", "val_batch_size", "nan_policy",
     "fsdp_config.checkpoint_type", "batch_size_training", "gradient_accumulation_steps", "dist_timeout",
     "sequence_parallel_size", "context_parallel_size",  # how rows are split: the training state does not depend on it
+    # memory levers: they change where activations live or when they are computed, not the numbers (tested equal)
+    "tiled_mlp", "activation_offloading", "fsdp_config.fsdp_activation_checkpointing",
 })
 
 
