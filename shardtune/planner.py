@@ -263,7 +263,7 @@ class Breakdown:
     params: float = 0.0
     grads: float = 0.0           # gradient tensors: they exist from backward to the optimizer step
     optimizer: float = 0.0       # AdamW state (and ZeRO's fp32 master copy)
-    buffers: float = 0.0         # persistent communication buffers (DDP's gradient buckets)
+    buffers: float = 0.0         # communication buffers (DDP's gradient buckets, DeepSpeed's reduce bucket)
     gathered: float = 0.0        # parameters all-gathered for compute (FSDP / ZeRO-3 units, the root, autocast copies)
     activations: float = 0.0     # saved for backward at the end of the forward, one micro-batch
     loss_buffers: float = 0.0    # lean chunked cross-entropy (one chunk of fp32 logits, the head's fp32 gradient)
@@ -277,10 +277,12 @@ class Breakdown:
 
     @property
     def peak(self) -> float:
-        """The larger of the end of the forward (activations saved, no gradients yet) and the backward / step
-        (gradients formed, activations mostly freed)."""
+        """The largest of the end of the forward (activations saved, the loss buffers, no gradients yet), a layer's
+        backward (the loss buffers are freed by then: the head's backward runs first) and the step (gradients
+        formed, activations mostly freed)."""
         resident = self.params + self.optimizer + self.buffers + self.gathered
-        return resident + max(self.activations + self.loss_buffers + self.backward, self.grads + self.backward)
+        return resident + max(self.activations + self.loss_buffers, self.activations + self.backward,
+                              self.grads + self.backward)
 
     def rows(self) -> list[tuple[str, float]]:
         return [("parameters", self.params), ("gradients", self.grads), ("optimizer state", self.optimizer),
@@ -304,6 +306,9 @@ QUANT_BYTES_PER_PARAM = {"4bit": 0.5 + 4 / 64, "4bit-double": 0.5 + 1 / 64 + 4 /
 # shardtune.loss.CHUNK_ELEMENTS on CUDA: fp32 logits of one chunk of labelled rows
 LOSS_CHUNK_ELEMENTS = 1 << 28
 FSDP_PREFETCH_LAYERS = 2  # the layer computing and the next one being all-gathered
+# DeepSpeed's defaults (shardtune does not change them; a --deepspeed_config.config_file may): the contiguous gradient
+# bucket every ZeRO stage allocates whole, whatever the model's size (stages 1/2 for each backward, stage 3 at init)
+DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
 # working memory of backward, in layers' worth of saved activations (measured with bench/plan_check.py)
 BACKWARD_LAYERS = 0.0
 BACKWARD_LAYERS_CHECKPOINTED = 4 / 3
@@ -368,7 +373,9 @@ def estimate(setup: Setup) -> Breakdown:
         n = s.world_size
         out.params = (trainable * c + frozen_bytes) / (n if stage == 3 else 1)
         out.grads = trainable * c / (n if stage >= 2 else 1)
-        master = trainable * 4 / n if c < 4 else 0  # fp32 master copy lives with the partitioned optimizer
+        # the fp32 master copy of the partition: stages 1/2 always clone it, stage 3 reuses fp32 weights
+        master = trainable * 4 / n if c < 4 or stage < 3 else 0
+        out.buffers = DEEPSPEED_REDUCE_BUCKET_ELEMENTS * c
         optimizer = ADAM_STATES_PER_PARAM * trainable * 4 / n + master
         if s.cpu_offload:
             out.host_state, optimizer = optimizer, 0.0
