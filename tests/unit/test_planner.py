@@ -111,7 +111,7 @@ def test_plan_recommends_a_fitting_command_and_reports_limits():
 
 
 def test_plan_when_nothing_fits_names_the_smallest_and_the_miss():
-    proc = plan_cli("--model_name", "llama3-70b", "--gpus_per_node", "1", "--gpu_memory", "24GB")
+    proc = plan_cli("--model_name", "llama3-70b", "--gpus_per_node", "1", "--gpu_memory", "16GB")
     assert proc.returncode == 1
     assert "nothing fits: the smallest is" in proc.stdout and "GiB over what a GPU can use" in proc.stdout
     bad = plan_cli("--model_name", "llama3-8b", "--gpu", "K80")
