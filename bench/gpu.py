@@ -118,7 +118,8 @@ def run_config(name: str, args, env) -> dict:
             "peak_memory_gib": peak_memory / 2**30, "planned_peak_gib": planned / 2**30,
             # the planner's error against torch.cuda.max_memory_allocated (live tensor bytes); None on the CPU,
             # where peak_memory is the process's resident size
-            "plan_error": planned / peak_memory - 1 if env.device.type == "cuda" else None, "loss_first": losses[0], "loss_last": losses[-1],
+            "plan_error": planned / peak_memory - 1 if env.device.type == "cuda" else None,
+            "loss_first": losses[0], "loss_last": losses[-1],
             "num_matmul_params": shape.num_matmul_params, "num_trainable_params": shape.num_trainable_params}
 
 

@@ -345,7 +345,8 @@ def layer_activation_bytes(arch: Arch, compute_bytes: int, adapter: Adapter = Ad
         lora = sum((c + 1) * shapes[t][0] + c * adapter.lora_r for t in adapter.lora_targets if t in shapes)
     frozen_inputs = 0
     if adapter.method and not linear_inputs_always_saved:
-        no_dropout_targets = set(adapter.lora_targets) if adapter.method == "lora" and not adapter.lora_dropout else set()
+        no_dropout = adapter.method == "lora" and not adapter.lora_dropout
+        no_dropout_targets = set(adapter.lora_targets) if no_dropout else set()
         for size, readers in ((c * d, ("q_proj", "k_proj", "v_proj")), (c * q, ("o_proj",)),
                               (c * d, ("gate_proj", "up_proj")), (c * arch.intermediate_size, ("down_proj",))):
             if not no_dropout_targets.intersection(readers):
