@@ -3,7 +3,7 @@
 Nothing is loaded or downloaded: the parameter counts come from the architecture's shapes (checked against real
 models in tests/unit/test_planner.py), the training state from the formulas of shardtune.memory, and the
 activations from the tensors a decoder layer saves for backward, counted tensor by tensor (see
-``layer_activation_bytes``) and validated against torch's memory profiler on this machine
+``layer_activation_bytes``) and validated against the measured peak of live tensor bytes on this machine
 (``python -m bench.plan_check``). What the planner calls *peak* is the peak of live tensor bytes, what
 ``torch.cuda.max_memory_allocated`` reports; a GPU also holds its CUDA context and allocator slack, which
 ``usable_bytes`` reserves.
