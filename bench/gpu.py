@@ -47,6 +47,19 @@ def build(name: str, smoke: bool, device: torch.device) -> tuple[torch.nn.Module
     return model, seq_len, batch
 
 
+def planned_peak_bytes(name: str, config: dict, env, seq_len: int, batch: int) -> float:
+    """``shardtune plan``'s peak for this configuration (shardtune.planner): FSDP FULL_SHARD over the processes,
+    bf16 compute with fp32 master weights (full) or bf16 weights (LoRA) on a GPU, fp32 on the CPU."""
+    from shardtune.planner import Adapter, Arch, Setup, estimate
+
+    gpu = env.device.type == "cuda"
+    lora = SHAPES[name]["peft"]
+    setup = Setup(arch=Arch.from_config(config, name), strategy="FULL_SHARD", gpus_per_node=env.world_size,
+                  batch_size=batch, seq_len=seq_len, compute_bytes=2 if gpu else 4, pure_bf16=gpu and lora,
+                  adapter=Adapter(method="lora", lora_targets=("q_proj", "v_proj")) if lora else Adapter())
+    return estimate(setup).peak
+
+
 def run_config(name: str, args, env) -> dict:
     from shardtune.flops import measured_peak_flops, model_shape
     from shardtune.parallel import make_strategy
@@ -56,6 +69,7 @@ def run_config(name: str, args, env) -> dict:
     spec = SHAPES[name]
     cfg = TrainConfig(enable_fsdp=True, use_peft=spec["peft"], use_fast_kernels=True, compile=args.compile, lr=1e-5)
     model, seq_len, batch = build(name, args.cpu_smoke, env.device)
+    planned = planned_peak_bytes(name, model.config.to_dict(), env, seq_len, batch)
     apply_speed_features(model, cfg, env.device)
     if spec["peft"]:
         import peft
@@ -101,7 +115,11 @@ def run_config(name: str, args, env) -> dict:
     return {"config": name, "model": "smoke" if args.cpu_smoke else spec["preset"], "seq_len": seq_len,
             "batch_per_gpu": batch, "steps": steps, "tokens_per_s_per_gpu": tokens / elapsed / env.world_size,
             "mfu": flops / elapsed / (peak * env.world_size), "peak_flops_per_s": peak,
-            "peak_memory_gib": peak_memory / 2**30, "loss_first": losses[0], "loss_last": losses[-1],
+            "peak_memory_gib": peak_memory / 2**30, "planned_peak_gib": planned / 2**30,
+            # the planner's error against torch.cuda.max_memory_allocated (live tensor bytes); None on the CPU,
+            # where peak_memory is the process's resident size
+            "plan_error": planned / peak_memory - 1 if env.device.type == "cuda" else None,
+            "loss_first": losses[0], "loss_last": losses[-1],
             "num_matmul_params": shape.num_matmul_params, "num_trainable_params": shape.num_trainable_params}
 
 
@@ -117,6 +135,16 @@ def record(results: list[dict], device_name: str) -> None:
         for r in results:
             fh.write(f"| {date} | {device_name} | {r['model']} {r['config']} | {r['seq_len']} | {r['batch_per_gpu']} | "
                      f"{r['tokens_per_s_per_gpu']:,.0f} | {r['mfu']:.1%} | {r['peak_memory_gib']:.1f} GiB |\n")
+
+
+def print_plan_check(results: list[dict]) -> None:
+    """shardtune plan's predicted peak device memory against torch.cuda.max_memory_allocated, per row."""
+    print("| config | predicted peak (shardtune plan) | measured peak (max_memory_allocated) | error |")
+    print("|---|---|---|---|")
+    for r in results:
+        error = f"{r['plan_error']:+.1%}" if r["plan_error"] is not None else "n/a (CPU: resident size)"
+        print(f"| {r['model']} {r['config']} | {r['planned_peak_gib']:.2f} GiB | {r['peak_memory_gib']:.2f} GiB | "
+              f"{error} |")
 
 
 def main() -> None:
@@ -147,6 +175,7 @@ def main() -> None:
         for r in results:
             print(f"| {r['model']} {r['config']} | {r['seq_len']} | {r['batch_per_gpu']} | "
                   f"{r['tokens_per_s_per_gpu']:,.0f} | {r['mfu']:.1%} | {r['peak_memory_gib']:.1f} GiB |")
+        print_plan_check(results)
         if env.device.type == "cuda" and not args.cpu_smoke:
             record(results, device_name)
 

@@ -3,7 +3,7 @@
 Nothing is loaded or downloaded: the parameter counts come from the architecture's shapes (checked against real
 models in tests/unit/test_planner.py), the training state from the formulas of shardtune.memory, and the
 activations from the tensors a decoder layer saves for backward, counted tensor by tensor (see
-``layer_activation_bytes``) and validated against torch's memory profiler on this machine
+``layer_activation_bytes``) and validated against the measured peak of live tensor bytes on this machine
 (``python -m bench.plan_check``). What the planner calls *peak* is the peak of live tensor bytes, what
 ``torch.cuda.max_memory_allocated`` reports; a GPU also holds its CUDA context and allocator slack, which
 ``usable_bytes`` reserves.
@@ -263,7 +263,7 @@ class Breakdown:
     params: float = 0.0
     grads: float = 0.0           # gradient tensors: they exist from backward to the optimizer step
     optimizer: float = 0.0       # AdamW state (and ZeRO's fp32 master copy)
-    buffers: float = 0.0         # persistent communication buffers (DDP's gradient buckets)
+    buffers: float = 0.0         # communication buffers (DDP's gradient buckets, DeepSpeed's reduce bucket)
     gathered: float = 0.0        # parameters all-gathered for compute (FSDP / ZeRO-3 units, the root, autocast copies)
     activations: float = 0.0     # saved for backward at the end of the forward, one micro-batch
     loss_buffers: float = 0.0    # lean chunked cross-entropy (one chunk of fp32 logits, the head's fp32 gradient)
@@ -277,10 +277,13 @@ class Breakdown:
 
     @property
     def peak(self) -> float:
-        """The larger of the end of the forward (activations saved, no gradients yet) and the backward / step
-        (gradients formed, activations mostly freed)."""
+        """The larger of the end of the forward (activations saved, the loss buffers, no gradients yet) and the
+        backward (gradients formed, the loss buffers freed: the head's backward runs first). Without activation
+        checkpointing backward frees the saved activations as the gradients form; with it, the layers' inputs stay
+        with the gradients and the layer being recomputed (measured: bench/plan_check.py)."""
         resident = self.params + self.optimizer + self.buffers + self.gathered
-        return resident + max(self.activations + self.loss_buffers + self.backward, self.grads + self.backward)
+        checkpointed = self.activations if self.backward else 0.0
+        return resident + max(self.activations + self.loss_buffers, checkpointed + self.grads + self.backward)
 
     def rows(self) -> list[tuple[str, float]]:
         return [("parameters", self.params), ("gradients", self.grads), ("optimizer state", self.optimizer),
@@ -304,12 +307,19 @@ QUANT_BYTES_PER_PARAM = {"4bit": 0.5 + 4 / 64, "4bit-double": 0.5 + 1 / 64 + 4 /
 # shardtune.loss.CHUNK_ELEMENTS on CUDA: fp32 logits of one chunk of labelled rows
 LOSS_CHUNK_ELEMENTS = 1 << 28
 FSDP_PREFETCH_LAYERS = 2  # the layer computing and the next one being all-gathered
+# DeepSpeed's defaults (shardtune does not change them; a --deepspeed_config.config_file may): the contiguous gradient
+# bucket every ZeRO stage allocates whole, whatever the model's size (stages 1/2 for each backward, stage 3 at init)
+DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
+# ZeRO-3 keeps a gathered parameter whose next use comes within stage3_max_reuse_distance (1e9) elements of fetched
+# parameters: each layer is used again in backward after twice the layers above it, so about half of that stays
+DEEPSPEED_ZERO3_REUSE_ELEMENTS = 1_000_000_000 // 2
 # working memory of backward, in layers' worth of saved activations (measured with bench/plan_check.py)
 BACKWARD_LAYERS = 0.0
-BACKWARD_LAYERS_CHECKPOINTED = 4 / 3
+BACKWARD_LAYERS_CHECKPOINTED = 1.0  # the recomputed layer's saved tensors; its backward reuses what it frees
 
 
-def layer_activation_bytes(arch: Arch, compute_bytes: int, adapter: Adapter = Adapter()) -> float:
+def layer_activation_bytes(arch: Arch, compute_bytes: int, adapter: Adapter = Adapter(),
+                           linear_inputs_always_saved: bool = False) -> float:
     """Bytes a decoder layer saves for backward, per token (no activation checkpointing).
 
     Counted tensor by tensor on Hugging Face's Llama layer (c = compute dtype bytes, d hidden, q / kv the query /
@@ -319,6 +329,9 @@ def layer_activation_bytes(arch: Arch, compute_bytes: int, adapter: Adapter = Ad
                     o_proj input (c q), and the head-major copies the attention kernel works on (2 c q)     5 c q + 2 c kv + 4 H
       MLP           gate, SiLU(gate), up and their product                                                 4 c f
       LoRA          per target with dropout: the dropped input (c in) and its mask (in), the rank-r output (c r)
+    A frozen base (PEFT) saves no linear's input for a weight gradient: the norms' outputs (2 c d), the o_proj
+    input (c q) and the down_proj input (c f) go, unless a LoRA target without dropout reads them, or ZeRO-3's linear
+    (``linear_inputs_always_saved``), which saves its input whether the weight trains or not.
     On this machine's torch (CPU SDPA, padding-free rows) the count matches the profiler's to the byte per token.
     """
     d, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
@@ -330,7 +343,15 @@ def layer_activation_bytes(arch: Arch, compute_bytes: int, adapter: Adapter = Ad
     if adapter.method == "lora" and adapter.lora_dropout > 0:
         shapes = arch.linear_shapes()
         lora = sum((c + 1) * shapes[t][0] + c * adapter.lora_r for t in adapter.lora_targets if t in shapes)
-    return norms + attention + mlp + lora
+    frozen_inputs = 0
+    if adapter.method and not linear_inputs_always_saved:
+        no_dropout = adapter.method == "lora" and not adapter.lora_dropout
+        no_dropout_targets = set(adapter.lora_targets) if no_dropout else set()
+        for size, readers in ((c * d, ("q_proj", "k_proj", "v_proj")), (c * q, ("o_proj",)),
+                              (c * d, ("gate_proj", "up_proj")), (c * arch.intermediate_size, ("down_proj",))):
+            if not no_dropout_targets.intersection(readers):
+                frozen_inputs += size
+    return norms + attention + mlp + lora - frozen_inputs
 
 
 def outside_layers_bytes(arch: Arch, compute_bytes: int) -> float:
@@ -368,7 +389,9 @@ def estimate(setup: Setup) -> Breakdown:
         n = s.world_size
         out.params = (trainable * c + frozen_bytes) / (n if stage == 3 else 1)
         out.grads = trainable * c / (n if stage >= 2 else 1)
-        master = trainable * 4 / n if c < 4 else 0  # fp32 master copy lives with the partitioned optimizer
+        # the fp32 master copy of the partition: stages 1/2 always clone it, stage 3 reuses fp32 weights
+        master = trainable * 4 / n if c < 4 or stage < 3 else 0
+        out.buffers = DEEPSPEED_REDUCE_BUCKET_ELEMENTS * c
         optimizer = ADAM_STATES_PER_PARAM * trainable * 4 / n + master
         if s.cpu_offload:
             out.host_state, optimizer = optimizer, 0.0
@@ -377,7 +400,11 @@ def estimate(setup: Setup) -> Breakdown:
                 out.params = 0.0
         out.optimizer = optimizer
         if stage == 3:
-            out.gathered = FSDP_PREFETCH_LAYERS * layer_unsharded + arch.root_params * c
+            # small models (under ~0.5 B parameters) stay gathered whole, also between steps
+            out.gathered = min(total * c, DEEPSPEED_ZERO3_REUSE_ELEMENTS * c + FSDP_PREFETCH_LAYERS * layer_unsharded)
+            # the gradient partitions live in one flat buffer allocated at init: resident, counted with the buffers
+            out.buffers += out.grads
+            out.grads = 0.0
     else:
         out.params = (trainable * m + frozen_bytes) / group
         out.grads = trainable * m / group
@@ -393,9 +420,12 @@ def estimate(setup: Setup) -> Breakdown:
                 out.gathered = FSDP_PREFETCH_LAYERS * layer_unsharded + arch.root_params * c
         if s.cpu_offload and strategy != "DDP":
             out.host_state = out.state
-            out.params = out.grads = out.optimizer = 0.0
+            out.params = out.optimizer = 0.0
+            # on the device in backward: a layer's unsharded gradient (and its fp32 copy for the reduction) until its
+            # shard moves to the host
+            out.grads = min(trainable, arch.layer_params) * (c + 4 if c < 4 else 4)
     tokens = s.tokens_per_rank
-    per_layer = layer_activation_bytes(arch, c, s.adapter) * tokens
+    per_layer = layer_activation_bytes(arch, c, s.adapter, linear_inputs_always_saved=strategy == "ZERO3") * tokens
     if s.activation_checkpointing:
         out.activations = arch.num_layers * c * arch.hidden_size * tokens  # each layer's input
         out.backward = BACKWARD_LAYERS_CHECKPOINTED * per_layer  # the recomputed layer and its backward

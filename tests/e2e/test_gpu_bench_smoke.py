@@ -17,9 +17,11 @@ def test_gpu_benchmark_cpu_smoke_mode_reports_throughput_mfu_and_memory(cache_di
     assert [r["config"] for r in rows] == ["full", "lora"]
     for r in rows:
         assert r["tokens_per_s_per_gpu"] > 0 and 0 < r["mfu"] < 1 and r["peak_memory_gib"] > 0
+        assert r["planned_peak_gib"] > 0 and r["plan_error"] is None  # measured is the resident size on the CPU
     full, lora = rows
     assert lora["num_trainable_params"] < full["num_trainable_params"] / 10
     assert "| config | seq | batch/GPU | tokens/s/GPU | MFU | peak memory |" in proc.stdout
+    assert "| config | predicted peak (shardtune plan) | measured peak (max_memory_allocated) | error |" in proc.stdout
 
 
 def test_varlen_check_of_the_gpu_smoke_suite_passes_in_its_cpu_mode(cache_dir):
