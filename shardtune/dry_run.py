@@ -165,7 +165,8 @@ def shard_lines(cfg: TrainConfig, topology: Topology, arch_name: str, setup) -> 
 def dry_run(cfg: TrainConfig, topology: Topology, hardware: dict[str, str], train_argv: list[str]) -> int:
     """Check, shard on the meta device, print the shards and the plan; 0 when the plan finds a configuration that
     fits, 1 when nothing does (as shardtune plan)."""
-    from shardtune.plan import check_split, plan, render, resolve_device, setup_from_config, without_strategy_flags
+    from shardtune.planner import (check_split, plan, render, resolve_device, setup_from_config,
+                                   without_strategy_flags)
 
     given_name = cfg.model_name
     with tempfile.TemporaryDirectory(prefix="shardtune-dry-run-") as tmp:
