@@ -739,10 +739,10 @@ def check_split(cfg: TrainConfig, setup: Setup) -> None:
     messages (shardtune.parallel.dims, shardtune.parallel.sequence)."""
     from types import SimpleNamespace
 
-    from shardtune.parallel.dims import ParallelDims, _check_parallel_dims
+    from shardtune.parallel.dims import ParallelDims, check_parallel_dims
     from shardtune.parallel.sequence import check_sequence_split
 
-    _check_parallel_dims(cfg, setup.world_size)
+    check_parallel_dims(cfg, setup.world_size)
     ParallelDims.from_config(cfg, setup.world_size, setup.gpus_per_node)
     arch = setup.arch
     check_sequence_split(cfg, SimpleNamespace(num_attention_heads=arch.num_heads, num_key_value_heads=arch.num_kv_heads,

@@ -125,7 +125,7 @@ def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
 
 
 @validator
-def _check_parallel_dims(cfg: TrainConfig, world_size: int) -> None:
+def check_parallel_dims(cfg: TrainConfig, world_size: int) -> None:
     """Sizes that fit the world, and what cannot run with a split row (one line each, before launch)."""
     dims = ParallelDims.from_config(cfg, world_size)
     if not dims.sequence_split:
