@@ -6,6 +6,7 @@ node is restarted is tests/multihost/test_two_hosts.py.
 
 from __future__ import annotations
 
+import os
 import threading
 from datetime import timedelta
 
@@ -81,7 +82,7 @@ def test_the_wrapped_c10d_handler_sets_the_attempt_after_each_rendezvous(monkeyp
         for _ in range(2):
             info = handler.next_rendezvous()
             assert (info.rank, info.world_size) == (0, 1)
-            seen.append(__import__("os").environ[ATTEMPT_ENV])
+            seen.append(os.environ[ATTEMPT_ENV])
         assert seen == ["0", "1"]
         assert handler.num_nodes_waiting() == 0
     finally:
