@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from shardtune.config import (
     ConfigError, TrainConfig, effective_batch_size, flatten_dict, to_dict, to_yaml, validator,
 )
-from shardtune.distributed import DistEnv, all_reduce_sum, barrier, print0, warn0
+from shardtune.distributed import DistEnv, all_reduce_sum, barrier, broadcast_from_main, print0, warn0
+from shardtune.elastic import worker_group_attempt
 from shardtune.errors import CheckpointError
 from shardtune.models import training_model_config
 from shardtune.parallel.deepspeed import deepspeed_resume_problem
@@ -301,7 +302,7 @@ class Checkpointer:
         self.enabled = checkpointing_enabled(cfg)
         self.full_model = cfg.fsdp_config.checkpoint_type == "FULL_STATE_DICT"
         self.root = checkpoint_root(cfg)
-        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.attempt = worker_group_attempt()  # the same on every node (shardtune/elastic.py)
         self.resume_from = self._resume_source()
         self.resume_state = read_trainer_state(self.resume_from) if self.resume_from else None
         self.training: tuple | None = None
@@ -313,9 +314,23 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
 
     def _resume_source(self) -> Path | None:
+        """The checkpoint to resume from, decided by rank 0 and taken by every rank: all ranks must load the same
+        one, and a shared file system may show a node an older ``latest`` for a moment."""
+        found, error = None, None
+        if self.env.is_main:
+            try:
+                found = self._find_resume_source()
+            except ConfigError as e:
+                error = str(e)
+        found, error = broadcast_from_main((found, error))
+        if error is not None:
+            raise ConfigError(error)
+        return found
+
+    def _find_resume_source(self) -> Path | None:
         if self.cfg.resume:
             return resolve_checkpoint(self.cfg.resume, self.root)
-        if self.attempt > 0:  # torchrun restarted the worker group (--max_restarts)
+        if self.attempt > 0:  # the worker group was restarted (--max_restarts): after a failure on any node
             latest = latest_checkpoint(self.root)
             if latest is not None:
                 print0(f"restart {self.attempt} of the worker group: resuming automatically from {latest}")

@@ -17,6 +17,8 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from shardtune.elastic import worker_group_attempt
+
 
 class ConfigError(ValueError):
     """A user-facing configuration error: one line naming the value and the fix."""
@@ -577,7 +579,7 @@ RUN_FILES = ("metrics.jsonl", "config.yaml", "config.json", "adapter_config.json
 
 def _check_previous_run(cfg: TrainConfig) -> None:
     """Never overwrite a previous run's outputs by accident (resuming it, or a torchrun restart, is fine)."""
-    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    restarted = worker_group_attempt() > 0
     if cfg.overwrite_output_dir or cfg.resume or restarted:
         return
     found = [name for name in RUN_FILES if (Path(cfg.output_dir) / name).exists()]

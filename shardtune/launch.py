@@ -139,6 +139,9 @@ def run_torchrun(args, what: str) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.run import run
 
+    from shardtune.elastic import count_attempts_across_nodes
+
+    count_attempts_across_nodes(args)  # every node's workers agree on which start of the group they are
     try:
         run(args)
     except RendezvousTimeoutError as e:

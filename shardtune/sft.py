@@ -26,7 +26,8 @@ from shardtune.config import ConfigError, TrainConfig, effective_batch_size, par
 from shardtune.data.cache import load_examples_cached
 from shardtune.dry_run import dry_run, dry_run_topology, split_hardware_flags
 from shardtune.distributed import (
-    DistEnv, barrier, init_distributed, is_torchrun_worker, print0, seed_everything, shutdown,
+    DistEnv, barrier, init_distributed, is_torchrun_worker, local_gpu_count, nccl_watchdog_env, print0,
+    seed_everything, shutdown,
 )
 from shardtune.errors import CheckpointError, TrainingStopped
 from shardtune.inference import EvalSampler
@@ -304,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     if runs_in_place(launch_args, topology):
         os.environ.update(in_place_worker_env())
         return run_worker(cfg, prepared=True)
+    if local_gpu_count():  # before torchrun's agent starts: it would set TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+        os.environ.update(nccl_watchdog_env(cfg.dist_timeout, os.environ))
     # workers receive the resolved model path, so a preset is built once, here
     return launch(topology, "shardtune.sft", [*train_argv, "--model_name", cfg.model_name])
 

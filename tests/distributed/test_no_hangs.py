@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+from shardtune.launch import DEFAULT_JOIN_TIMEOUT_S
 from tests.conftest import REPO, cli_env
 from tests.distributed.test_checkpoint import (
     COMMON, finish, free_port, logged_steps, start_two_nodes, wait_for, worker_pids,
@@ -24,15 +25,15 @@ def test_a_node_that_never_joins_is_named_within_the_join_timeout(tiny_model, ca
             "--rdzv_endpoint", endpoint, "--rdzv_id", "lonely", "--rdzv_conf", "join_timeout=10",
             "--model_name", tiny_model, "--output_dir", tmp_path / "run", *COMMON]
     started = time.monotonic()
+    # no hang until torchrun's default join timeout: past half of it the run's own timeout fails the test
     proc = subprocess.run([sys.executable, "-m", "shardtune", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, env=cli_env(cache_dir), cwd=REPO)
+                          timeout=DEFAULT_JOIN_TIMEOUT_S / 2, env=cli_env(cache_dir), cwd=REPO)
     elapsed_s = time.monotonic() - started
     errors = [line for line in proc.stderr.splitlines() if line.startswith("shardtune: error:")]
     assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
     assert f"rendezvous at {endpoint} (--rdzv_id lonely): 1 of 2 nodes joined within 10 s" in errors[0]
     assert "same --nnodes and --rdzv_id" in errors[0] and "firewall" in errors[0]
     assert "Traceback" not in proc.stderr
-    assert elapsed_s < 150, elapsed_s  # start-up + 10 s, not torchrun's default 600 s
     print(f"node that never joined: error after {elapsed_s:.1f} s (join timeout 10 s, start-up included)")
 
 

@@ -53,6 +53,14 @@ def launch_on_two_hosts(two_hosts, cache_dir):
     return launch
 
 
+def sft_argvs(two_hosts, nproc_per_node: int, args: list, args_per_host: list[list] | None = None) -> list[list[str]]:
+    """``shardtune sft`` for each host with torchrun's multi-node flags, c10d rendezvous on host A."""
+    return [[sys.executable, "-m", "shardtune", "sft", "--nnodes", "2", "--nproc_per_node", str(nproc_per_node),
+             "--node_rank", str(host), "--rdzv_backend", "c10d", "--rdzv_id", "two-hosts",
+             "--rdzv_endpoint", f"{two_hosts.hostnames[0]}:{RDZV_PORT}", *map(str, args),
+             *map(str, (args_per_host or [[], []])[host])] for host in (0, 1)]
+
+
 @pytest.fixture
 def sft_on_two_hosts(launch_on_two_hosts, two_hosts):
     """``sft(nproc_per_node, args, args_per_host=None, **launch_kwargs)``: ``shardtune sft`` on both hosts
@@ -60,11 +68,7 @@ def sft_on_two_hosts(launch_on_two_hosts, two_hosts):
 
     def sft(nproc_per_node: int, args: list[str], args_per_host: list[list[str]] | None = None,
             **launch_kwargs) -> list[tuple[int, str, str]]:
-        argvs = [[sys.executable, "-m", "shardtune", "sft", "--nnodes", "2", "--nproc_per_node", str(nproc_per_node),
-                  "--node_rank", str(host), "--rdzv_backend", "c10d", "--rdzv_id", "two-hosts",
-                  "--rdzv_endpoint", f"{two_hosts.hostnames[0]}:{RDZV_PORT}", *map(str, args),
-                  *(args_per_host or [[], []])[host]] for host in (0, 1)]
-        return launch_on_two_hosts(argvs, **launch_kwargs)
+        return launch_on_two_hosts(sft_argvs(two_hosts, nproc_per_node, args, args_per_host), **launch_kwargs)
 
     return sft
 

@@ -22,6 +22,7 @@ from tests.netns import TwoHosts
 
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "sinfo")
 GPUS_PER_NODE = 2
+REQUEUE_DELAY_S = 10
 # slurmd refuses to start without cgroup controllers under /sys/fs/cgroup (which `ip netns exec` remounts
 # empty), and a cgroup v1 / v2 mix ("hybrid") is not supported: v2 alone where the machine is v2 only,
 # else the v1 controllers slurmd looks at
@@ -67,13 +68,21 @@ class SlurmCluster:
         out = self.hosts.run(0, ["sinfo", "-h", "-N", "-o", "%T"], env=self.env, timeout=30)
         return sorted(out.stdout.split())
 
-    def sbatch(self, args: list[str], env: dict[str, str], cwd: Path, timeout: float) -> tuple[int, str]:
-        """``sbatch --wait ARGS`` submitted on host A; returns its exit status and the job's output file."""
+    def submit(self, args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
+        """``sbatch --wait ARGS`` started on host A; ``finish`` waits for it."""
+        return self.hosts.popen(0, ["sbatch", "--wait", f"--output={self.root / 'job.out'}", *args],
+                                env={**env, **self.env, "PATH": env["PATH"]}, cwd=cwd)
+
+    def finish(self, proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+        """The exit status of ``sbatch --wait`` (the job's, after any requeue) and its output and the job's."""
+        out, err = proc.communicate(timeout=timeout)
         output = self.root / "job.out"
-        proc = self.hosts.run(0, ["sbatch", "--wait", f"--output={output}", *args], env={**env, **self.env,
-                              "PATH": env["PATH"]}, timeout=timeout, cwd=cwd)
-        text = output.read_text() if output.exists() else ""
-        return proc.returncode, proc.stdout + proc.stderr + text
+        return proc.returncode, out + err + (output.read_text() if output.exists() else "")
+
+    def signal(self, job_id: str, name: str) -> None:
+        """What SLURM does before a time limit (``--signal``) or on preemption: ``name`` to every task of the
+        job's steps (here one ``shardtune sft`` launcher per node), not to the batch script."""
+        self.hosts.run(0, ["scancel", f"--signal={name}", job_id], env=self.env, timeout=30, check=True)
 
     def stop(self) -> None:
         for p in self.daemons:
@@ -115,7 +124,8 @@ class SlurmCluster:
         self.conf.write_text(
             f"ClusterName=shardtune-test\nSlurmctldHost={self.hosts.hostnames[0]}({self.hosts.addresses[0]})\n"
             "SlurmUser=root\nSlurmdUser=root\nAuthType=auth/munge\nCredType=cred/munge\n"
-            f"AuthInfo=socket={root / 'munge.socket'}\n"
+            # cred_expire is also how long a requeued job waits before it starts again (default 120 s)
+            f"AuthInfo=socket={root / 'munge.socket'},cred_expire={REQUEUE_DELAY_S}\n"
             "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nJobAcctGatherType=jobacct_gather/none\n"
             "MpiDefault=none\nReturnToService=2\nSelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\n"
             "GresTypes=gpu\nMailProg=/bin/true\n"

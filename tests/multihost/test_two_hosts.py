@@ -4,7 +4,8 @@ Every successful run has 2 hosts x 2 processes and is compared with one host run
 losses per step, same weights; DDP, FSDP and DeepSpeed ZeRO-3 are equal on one host, tests/distributed): a
 node that trained alone, or joined the wrong rendezvous, would see world size 2 and other losses. Each run
 folds several properties: the Kubeflow pod simulation is the DDP case, the c10d flags the HYBRID_SHARD case
-(one shard group per host), the SLURM recipe the DeepSpeed ZeRO-3 case. Then the preflight failures.
+(one shard group per host) with a lost node restarted mid-run, the SLURM recipe the DeepSpeed ZeRO-3 case. Then
+the preflight failures.
 """
 
 from __future__ import annotations
@@ -12,16 +13,20 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from shardtune.checkpoint import latest_checkpoint
+from shardtune.preemption import EXIT_PREEMPTED
 from tests.conftest import REPO, cli_env
 from tests.helpers import assert_same_training, step_rows
-from tests.multihost.conftest import RDZV_PORT, assert_succeeded
+from tests.multihost.conftest import RDZV_PORT, assert_succeeded, sft_argvs
 from tests.multihost.slurm import SlurmCluster, missing_programs
 from tests.netns import INTERFACE
 
@@ -68,17 +73,52 @@ def test_kubeflow_pods_with_only_pet_variables_train_like_one_host(launch_on_two
     print(f"kubeflow pods (DDP 2 hosts x 2) vs one host: max relative weight difference {difference:.2e}")
 
 
-def test_hybrid_shard_with_c10d_flags_shards_within_each_host(sft_on_two_hosts, one_host, tiny_model, tmp_path):
-    """The TRL guide's manual commands (c10d rendezvous on host A), HYBRID_SHARD: one shard group per host."""
+def torchrun_workers(two_hosts, host: int) -> list[int]:
+    """The training processes torchrun's agent started on host ``host`` (read from /proc: root reads any)."""
+    found = []
+    for pid in two_hosts.pids(host):
+        try:
+            env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(v.startswith(b"TORCHELASTIC_RUN_ID=") for v in env) and any(v.startswith(b"LOCAL_RANK=") for v in env):
+            found.append(pid)
+    return found
+
+
+def test_hybrid_shard_with_c10d_flags_resumes_on_every_node_after_a_lost_node(two_hosts, cache_dir, one_host,
+                                                                             tiny_model, tmp_path):
+    """The TRL guide's manual commands (c10d rendezvous on host A), HYBRID_SHARD: one shard group per host; and a
+    lost node: host B's workers are SIGKILLed after the first checkpoint, with --max_restarts 1. Host B's agent
+    restarts them, host A's agent restarts its own for the membership change (without counting a restart of its
+    own), and every worker resumes from the same checkpoint because all agree on the restart (shardtune/elastic.py)."""
     out = tmp_path / "hsdp"
-    results = sft_on_two_hosts(2, ["--model_name", tiny_model, "--output_dir", out, *TRAIN_ARGS, "--enable_fsdp",
-                                   "--fsdp_config.sharding_strategy", "HYBRID_SHARD"])
+    argvs = sft_argvs(two_hosts, 2, ["--model_name", tiny_model, "--output_dir", out, *TRAIN_ARGS, "--enable_fsdp",
+                                     "--fsdp_config.sharding_strategy", "HYBRID_SHARD", "--save_steps", 1,
+                                     "--max_restarts", 1])
+    procs = [two_hosts.popen(host, argv, env=cli_env(cache_dir), cwd=REPO) for host, argv in enumerate(argvs)]
+    killed: list[int] = []
+    try:
+        while latest_checkpoint(out) is None:
+            assert all(p.poll() is None for p in procs), "the run ended before its first checkpoint"
+            time.sleep(0.005)
+        killed = torchrun_workers(two_hosts, 1)
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        # a worker blocked in a collective with a dead peer may take torchrun's 30 s from SIGTERM to SIGKILL
+        results = two_hosts.wait(procs, timeout=480)
+    assert len(killed) == 2, killed
     assert_succeeded(results)
-    logs = results[0][1] + results[1][1]
+    logs = results[0][1] + results[1][1]  # global rank 0 (which prints) is on either host
     assert "fsdp2 HYBRID_SHARD, world size 4, mesh (replicate 2 x shard 2)" in logs
     assert "c10d rendezvous at hostA:29500, 2 processes per node, from flags" in results[0][1]
-    difference = assert_same_training(one_host, out, "hybrid shard 2x2")
-    print(f"HYBRID_SHARD 2 hosts x 2 vs one host: max relative weight difference {difference:.2e}")
+    # one restart, after the kill and before the end: the steps after that checkpoint were trained again
+    resumed = re.findall(r"restart 1 of the worker group: resuming automatically from \S+/step-(\d+)", logs)
+    assert len(resumed) == 1 and 1 <= int(resumed[0]) < 4, logs[-3000:]
+    difference = assert_same_training(one_host, out, "hybrid shard 2x2, node lost and restarted")
+    print(f"HYBRID_SHARD 2 hosts x 2, host B's workers killed after step {int(resumed[0])}'s checkpoint, all "
+          f"resumed: max relative weight difference to one host {difference:.2e}")
 
 
 def bin_dir_with_shardtune(bin_dir: Path) -> Path:
@@ -111,10 +151,52 @@ def stand_in_srun(two_hosts, bin_dir: Path) -> None:
         'status=0; for pid in "${pids[@]}"; do wait "$pid" || status=$?; done; exit $status', ""]))
 
 
-def submit_slurm_recipe(two_hosts, args: list[str], env: dict[str, str], root: Path) -> tuple[int, str, str]:
+def stand_in_scontrol(bin_dir: Path, record: Path) -> None:
+    """``scontrol`` standing in for SLURM's: records ``scontrol requeue ID`` (what the recipe calls); anything
+    else fails (``scontrol show hostnames``: shardtune then reads the host list itself)."""
+    write_executable(bin_dir / "scontrol", "\n".join([
+        "#!/bin/bash", f'if [ "$1" = requeue ]; then echo "$*" >> {shlex.quote(str(record))}; exit 0; fi', "exit 1", ""]))
+
+
+def launchers(two_hosts, host: int) -> list[int]:
+    """The ``shardtune sft`` launchers (not torchrun's workers) running on host ``host``."""
+    found = []
+    for pid in set(two_hosts.pids(host)) - set(torchrun_workers(two_hosts, host)):
+        try:
+            argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"shardtune" in argv and b"sft" in argv:
+            found.append(pid)
+    return found
+
+
+def wait_for_first_step(runs: Path, proc: subprocess.Popen) -> Path:
+    """The run folder under ``runs`` once it has logged an optimizer step (training is under way)."""
+    while True:
+        for metrics in runs.glob("*/metrics.jsonl"):
+            if logged_steps(metrics.parent) >= 1:
+                return metrics.parent
+        assert proc.poll() is None, "the job ended before its first step"
+        time.sleep(0.05)
+
+
+def logged_steps(out: Path) -> int:
+    try:
+        return len(step_rows(out))
+    except (OSError, ValueError):
+        return 0
+
+
+def submit_slurm_recipe_and_stop_it(two_hosts, args: list[str], env: dict[str, str], root: Path
+                                    ) -> tuple[int, str, str]:
     """``sbatch recipes/multinode.slurm ARGS`` on a real SLURM cluster on the two hosts (slurmctld + one slurmd
-    per host) when slurm-wlm is installed; else the script run by bash as sbatch would on the first node,
-    with sbatch's variables, and the stand-in srun. Returns (exit status, output, job id)."""
+    per host) when slurm-wlm is installed, SIGUSR1 to the job's tasks after its first step as SLURM sends it
+    before a time limit: the recipe requeues the job and SLURM starts it again, which resumes. Without slurm-wlm,
+    the script is run by bash as sbatch would on the first node, with sbatch's variables, a stand-in srun and a
+    stand-in scontrol that records the requeue; SIGUSR1 goes to both launchers, and the script is run again as
+    SLURM would run the requeued job. Returns (exit status of the last run, all output, job id)."""
+    runs = Path(env["SHARED"]) / "runs"
     missing = missing_programs()
     if not missing:
         cluster = SlurmCluster(two_hosts, root / "slurm")
@@ -122,37 +204,60 @@ def submit_slurm_recipe(two_hosts, args: list[str], env: dict[str, str], root: P
         try:
             cluster.start()
             # the recipe is written for 8 GPUs and 32 CPUs per node; these hosts have 2 and 2
-            code, output = cluster.sbatch(["--gpus-per-node=2", "--cpus-per-task=1", "recipes/multinode.slurm",
-                                           *args], env=env, cwd=REPO, timeout=480)
+            proc = cluster.submit(["--gpus-per-node=2", "--cpus-per-task=1", "recipes/multinode.slurm", *args],
+                                  env=env, cwd=REPO)
+            job_id = wait_for_first_step(runs, proc).name.rsplit("-", 1)[1]
+            cluster.signal(job_id, "USR1")
+            code, output = cluster.finish(proc, timeout=600)
         finally:
             cluster.stop()
-        print("SLURM recipe run by a real SLURM (slurmctld + 2 slurmd)")
-        return code, output, re.search(r"Submitted batch job (\d+)", output).group(1)
-    print(f"SLURM recipe run with the stand-in srun ({', '.join(missing)} not installed)")
-    stand_in_srun(two_hosts, Path(env["PATH"].split(":")[0]))
+        print("SLURM recipe run by a real SLURM (slurmctld + 2 slurmd), requeued by itself")
+        return code, output, job_id
+    print(f"SLURM recipe run with the stand-in srun and scontrol ({', '.join(missing)} not installed)")
+    bin_dir = Path(env["PATH"].split(":")[0])
+    stand_in_srun(two_hosts, bin_dir)
+    stand_in_scontrol(bin_dir, root / "scontrol.log")
     job_id = "4242"
     batch = {"SLURM_JOB_ID": job_id, "SLURM_JOB_NAME": "shardtune", "SLURM_NNODES": "2",
              "SLURM_JOB_NODELIST": "hostA,hostB", "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "2"}
-    proc = subprocess.run(["bash", "recipes/multinode.slurm", *args], env={**env, **batch}, cwd=REPO,
-                          capture_output=True, text=True, timeout=480)
-    return proc.returncode, proc.stdout + proc.stderr, job_id
+    proc = subprocess.Popen(["bash", "recipes/multinode.slurm", *args], env={**env, **batch}, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_first_step(runs, proc)
+    for host in (0, 1):  # SLURM signals every task of the step
+        for pid in launchers(two_hosts, host):
+            os.kill(pid, signal.SIGUSR1)
+    first, _ = proc.communicate(timeout=480)
+    assert proc.returncode == EXIT_PREEMPTED, first[-3000:]
+    assert (root / "scontrol.log").read_text() == f"requeue {job_id}\n"
+    again = subprocess.run(["bash", "recipes/multinode.slurm", *args], env={**env, **batch, "SLURM_RESTART_COUNT": "1"},
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=480)
+    return again.returncode, first + again.stdout, job_id
 
 
-def test_slurm_recipe_runs_as_it_is_with_deepspeed_zero3(two_hosts, cache_dir, one_host, tiny_model, tmp_path):
-    """recipes/multinode.slurm submitted unmodified; no torchrun flags: the topology comes from SLURM."""
+def test_slurm_recipe_runs_as_it_is_with_deepspeed_zero3_and_requeues_itself_when_stopped(
+        two_hosts, cache_dir, one_host, tiny_model, tmp_path):
+    """recipes/multinode.slurm submitted unmodified; no torchrun flags: the topology comes from SLURM. SIGUSR1
+    mid-run (a time limit or a preemption): checkpoint, exit 75, the recipe's requeue, the requeued job resumes
+    (--resume auto) and ends like the uninterrupted run."""
     bin_dir = bin_dir_with_shardtune(tmp_path / "bin")
     env = {**cli_env(cache_dir), "PATH": f"{bin_dir}:{os.environ['PATH']}", "SHARED": str(tmp_path / "shared"),
            "STRATEGY": "deepspeed", "GLOO_SOCKET_IFNAME": INTERFACE}
-    code, output, job_id = submit_slurm_recipe(two_hosts, ["--model_name", str(tiny_model), *map(str, TRAIN_ARGS[2:])],
-                                               env, tmp_path)
+    code, output, job_id = submit_slurm_recipe_and_stop_it(
+        two_hosts, ["--model_name", str(tiny_model), *map(str, TRAIN_ARGS[2:])], env, tmp_path)
     assert code == 0, output[-6000:]
     assert "c10d rendezvous at hostA:29500, 2 processes per node, from SLURM (SLURM_NNODES=2" in output, output[-3000:]
     assert "processes per node from SLURM_GPUS_ON_NODE" in output
     assert "ZeRO-3" in output, output[-3000:]
     out = tmp_path / "shared" / "runs" / f"shardtune-{job_id}"
+    stopped = re.search(rf"stopped by SIGUSR1 after step (\d+): checkpoint {re.escape(str(out))}/checkpoints/"
+                        r"(step-\d+) written", output)
+    assert stopped and 1 <= int(stopped[1]) < 4, output[-6000:]  # stopped before the end: steps were left
+    assert f"requeueing job {job_id}" in output
+    assert f"resumed from {out / 'checkpoints' / stopped[2]}" in output, output[-3000:]
     assert (tmp_path / "shared" / "cache").is_dir()  # SHARDTUNE_CACHE on the shared path
-    difference = assert_same_training(one_host, out, "slurm recipe zero3 2x2")
-    print(f"SLURM recipe (ZeRO-3, 2 hosts x 2) vs one host: max relative weight difference {difference:.2e}")
+    difference = assert_same_training(one_host, out, "slurm recipe zero3 2x2, stopped and requeued")
+    print(f"SLURM recipe (ZeRO-3, 2 hosts x 2) stopped by SIGUSR1 after step {stopped[1]}, requeued, resumed: max "
+          f"relative weight difference to one host {difference:.2e}")
 
 
 def test_a_node_with_another_config_stops_every_node_naming_the_field(sft_on_two_hosts, tiny_model, tmp_path):
