@@ -7,13 +7,15 @@ step on random-initialised Llama shapes. Launched by bench/gpu.sh under torchrun
     long-512k  checkpointing, --tiled_mlp, the lean loss, and --activation_offloading when the checkpointed
     long-1m    layers' inputs would not fit the GPU (issue 10); one step each, no warm-up step
 
-A long row whose offloaded activations would not fit the host's memory, or that would not end in the time left before ``--deadline_s``
-(estimated from the FLOPs of the step at the rate the rows before it reached) is skipped and reported as such;
-one that fails (CUDA out of memory, any error) is reported with its error, and the script goes on.
+A long row whose offloaded activations would not fit the host's memory, or that would not end in the time left
+before ``--deadline_s`` (estimated from the FLOPs of the step at the rate the rows before it reached) is skipped
+and reported as such; one that fails (CUDA out of memory, any error) is reported with its error, and the script
+goes on.
 
 MFU = model FLOPs as computed (shardtune/flops.py: output layer on labelled tokens, causal attention) / the measured
 bf16 matmul peak.
-``--cpu-smoke`` runs the same code on tiny shapes, fp32, gloo, two steps each: what the tests exercise.
+``--cpu-smoke`` runs the same code on tiny shapes, fp32, gloo, two steps each (one for the long rows, of 256 / 512 /
+1,024 tokens): what the tests exercise.
 On CUDA the figures are appended to bench/results/gpu.md and written to bench/results/gpu-DATE.json.
 """
 
@@ -82,10 +84,10 @@ def plan_long_row(config: dict, seq_len: int, dtype_bytes: int, device_gib: floa
     Kept between forward and backward: each decoder layer's input (layers x tokens x hidden) -- on the GPU, or in
     host memory with --activation_offloading, taken when the GPU cannot hold it. A row whose offloaded activations
     would not fit the host's available memory is skipped (the kernel's OOM killer would end the whole script); one
-    estimated too large for the GPU still runs (CUDA's out-of-memory error is caught and reported). Live at the peak, on the GPU: the
-    weights, and about WORKING_ROWS rows of tokens x hidden (one layer's recomputed activations and their
-    gradients, q / k / v / attention output, the loss's hidden rows and their gradients; the MLP's (tokens x
-    intermediate) activations exist one tile at a time). Time: the step's FLOPs (body matmuls forward, input
+    estimated too large for the GPU still runs (CUDA's out-of-memory error is caught and reported). Live at the
+    peak, on the GPU: the weights, and about WORKING_ROWS rows of tokens x hidden (one layer's recomputed
+    activations and their gradients, q / k / v / attention output, the loss's hidden rows and their gradients; the
+    MLP's (tokens x intermediate) activations exist one tile at a time). Time: the step's FLOPs (body matmuls forward, input
     gradients and the checkpointing recompute: 6 per parameter per token; causal attention forward, recompute and
     backward: ~9 x tokens^2 x hidden per layer) at ``flops_per_s``, plus a minute to build the model."""
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]

@@ -201,7 +201,7 @@ def markdown(results: dict) -> str:
              "of one training step above the resident memory just before it, largest rank (MiB); fixed process "
              "memory (libraries, model and optimizer shards) is not in it.", "",
              f"## Longest row whose step fits in {budget:,} MiB per rank", "",
-             "| lever | " + " | ".join(f"{r}" for r in CONFIG_TITLES) + " | 4 ranks vs 1 |",
+             "| lever | " + " | ".join(CONFIG_TITLES.values()) + " | 4 ranks vs 1 |",
              "|---|" + "---:|" * (len(CONFIG_TITLES) + 1)]
     for lever in LEVERS:
         by = {r["config"]: r for r in runs if r["lever"] == lever}
@@ -209,10 +209,12 @@ def markdown(results: dict) -> str:
             continue
         cells = [f"{by[c]['longest_fit']:,}" if c in by else "" for c in CONFIG_TITLES]
         base = by.get("sp1", {}).get("longest_fit")
-        ratios = [f"{by[c]['longest_fit'] / base:.2f}x ({c})" for c in ("sp4", "cp4") if c in by and base]
+        ratios = [f"{by[c]['longest_fit'] / base:.2f}x ({CONFIG_TITLES[c]})" for c in ("sp4", "cp4")
+                  if c in by and base]
         lines.append(f"| {lever} | " + " | ".join(cells) + " | " + ", ".join(ratios) + " |")
     lines += ["", "## Peak step memory per rank (MiB) against row length", "",
-              "| lever | tokens | " + " | ".join(CONFIG_TITLES) + " |", "|---|---:|" + "---:|" * len(CONFIG_TITLES)]
+              "| lever | tokens | " + " | ".join(CONFIG_TITLES.values()) + " |",
+              "|---|---:|" + "---:|" * len(CONFIG_TITLES)]
     for lever in LEVERS:
         by = {r["config"]: {row["tokens"]: row for row in r["rows"]} for r in runs if r["lever"] == lever}
         for tokens in sorted({t for rows in by.values() for t in rows}):
