@@ -87,9 +87,10 @@ def plan_long_row(config: dict, seq_len: int, dtype_bytes: int, device_gib: floa
     estimated too large for the GPU still runs (CUDA's out-of-memory error is caught and reported). Live at the
     peak, on the GPU: the weights, and about WORKING_ROWS rows of tokens x hidden (one layer's recomputed
     activations and their gradients, q / k / v / attention output, the loss's hidden rows and their gradients; the
-    MLP's (tokens x intermediate) activations exist one tile at a time). Time: the step's FLOPs (body matmuls forward, input
-    gradients and the checkpointing recompute: 6 per parameter per token; causal attention forward, recompute and
-    backward: ~9 x tokens^2 x hidden per layer) at ``flops_per_s``, plus a minute to build the model."""
+    MLP's (tokens x intermediate) activations exist one tile at a time). Time: the step's FLOPs (body matmuls
+    forward, input gradients and the checkpointing recompute: 6 per parameter per token; causal attention forward,
+    recompute and backward: ~9 x tokens^2 x hidden per layer) at ``flops_per_s``, plus a minute to build the
+    model."""
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     params = layers * (4 * hidden * hidden + 3 * hidden * config["intermediate_size"])
     params += 2 * config["vocab_size"] * hidden
