@@ -20,7 +20,7 @@ Per configuration: the rows of --grid (the table of memory against length), then
 whose step stays within --budget_mib per rank: regula falsi on the measured peaks, to GRANULE_PER_RANK tokens per
 rank. Writes bench/results/long_context.md and .json.
 
-    python -m bench.long_context                                  # the default grid, ~40 min on 2 busy cores
+    python -m bench.long_context                                  # all of it, ~55 min per lever on 2 busy cores
     python -m bench.long_context --configs sp1,sp4 --levers plain --budget_mib 256 --grid 4096
 """
 
