@@ -1,4 +1,5 @@
-"""The GPU benchmark script runs end to end in its CPU mode: FSDP full fine-tune and FSDP + LoRA, tiny shapes."""
+"""The GPU benchmark script runs end to end in its CPU mode: FSDP full fine-tune, FSDP + LoRA and the long-sequence
+rows (LoRA with the memory levers), tiny shapes."""
 
 from __future__ import annotations
 
@@ -14,14 +15,35 @@ def test_gpu_benchmark_cpu_smoke_mode_reports_throughput_mfu_and_memory(cache_di
                           env=cli_env(cache_dir), timeout=480)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [r["config"] for r in rows] == ["full", "lora"]
+    assert [r["config"] for r in rows] == ["full", "lora", "long-128k", "long-512k", "long-1m"]
     for r in rows:
         assert r["tokens_per_s_per_gpu"] > 0 and 0 < r["mfu"] < 1 and r["peak_memory_gib"] > 0
-        assert r["planned_peak_gib"] > 0 and r["plan_error"] is None  # measured is the resident size on the CPU
-    full, lora = rows
+        assert r["plan_error"] is None  # measured is the resident size on the CPU
+    full, lora, *long = rows
+    assert full["planned_peak_gib"] > 0 and lora["planned_peak_gib"] > 0
+    assert all(r["planned_peak_gib"] is None for r in long)  # the plan does not model tiled MLP and offloading
     assert lora["num_trainable_params"] < full["num_trainable_params"] / 10
+    assert [r["seq_len"] for r in long] == [256, 512, 1024] and all(r["steps"] == 1 for r in long)
+    assert all(r["levers"] == "activation checkpointing, tiled MLP, lean loss, activation offloading" for r in long)
     assert "| config | seq | batch/GPU | tokens/s/GPU | MFU | peak memory |" in proc.stdout
     assert "| config | predicted peak (shardtune plan) | measured peak (max_memory_allocated) | error |" in proc.stdout
+
+
+def test_long_rows_of_the_gpu_benchmark_are_planned_to_fit_an_h200_or_skipped_with_the_reason():
+    """The plan the GPU run takes for the Llama-3-8B-shaped long rows on one H200 (141 GB, 128 GiB host memory)."""
+    from bench.gpu import LONG, plan_long_row
+    from shardtune.models import PRESETS
+
+    config = dict(PRESETS["llama-8b-shape"])
+    plans = {name: plan_long_row(config, tokens, 2, device_gib=139.8, host_gib=120, flops_per_s=3e14,
+                                 seconds_left=400) for name, tokens in LONG.items()}
+    assert plans["long-128k"].run and not plans["long-128k"].offload, plans["long-128k"]
+    assert 40 < plans["long-128k"].device_gib < 120
+    assert not plans["long-512k"].run and "host memory" in plans["long-512k"].reason
+    assert not plans["long-1m"].run and "host memory" in plans["long-1m"].reason
+    # control: with time too short even the 128k row is skipped, and says why
+    short = plan_long_row(config, LONG["long-128k"], 2, 139.8, 120, 3e14, seconds_left=30)
+    assert not short.run and "s left before the deadline" in short.reason
 
 
 def test_varlen_check_of_the_gpu_smoke_suite_passes_in_its_cpu_mode(cache_dir):

@@ -77,3 +77,26 @@ def test_cluster_recipes_run_shardtune_without_launcher_flags_on_a_shared_volume
     cfg = parse_args(flags)
     monkeypatch.chdir(tmp_path)
     validate(cfg, 16)
+
+
+def test_long_context_recipe_splits_a_million_token_row_over_its_eight_gpus():
+    """recipes/long-context-1m-8gpu.yaml: one row of 1M tokens over all 8 processes, on Llama-3-8B's head counts,
+    with the memory levers; a split the heads cannot take is refused by the same check (control)."""
+    from transformers import LlamaConfig
+
+    from shardtune.config import ConfigError
+    from shardtune.models import PRESETS
+    from shardtune.parallel.dims import ParallelDims
+    from shardtune.parallel.sequence import check_sequence_split
+
+    path = RECIPES_DIR / "long-context-1m-8gpu.yaml"
+    cfg = parse_args(["--config", str(path)])
+    dims = ParallelDims.from_config(cfg, target_world_size(path))
+    assert (dims.sp * dims.cp, dims.dp_size, cfg.context_length) == (8, 1, 2**20)
+    assert cfg.tiled_mlp and cfg.activation_offloading and cfg.fsdp_config.fsdp_activation_checkpointing
+    assert cfg.rope_scaling == "yarn" and 8192 * cfg.rope_factor >= cfg.context_length
+    llama3_8b = LlamaConfig(**PRESETS["llama-8b-shape"])
+    check_sequence_split(cfg, llama3_8b)
+    cfg.sequence_parallel_size = 6
+    with pytest.raises(ConfigError, match="must divide the model's 32 attention heads"):
+        check_sequence_split(cfg, llama3_8b)
