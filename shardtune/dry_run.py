@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from shardtune.config import ConfigError, TrainConfig, validate
+from shardtune.config import TrainConfig, validate
 from shardtune.topology import Topology, resolve_topology
 
 # shardtune plan's hardware flags, also taken by sft --dry_run (--gpus_per_node is --nproc_per_node)
@@ -36,22 +36,9 @@ HARDWARE_FLAGS = ("gpu", "gpu_memory", "gpus_per_node")
 
 def split_hardware_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     """The plan's hardware flags, and the rest."""
-    values: dict[str, str] = {}
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        name, eq, value = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
-        if name in HARDWARE_FLAGS:
-            if not eq:
-                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                    raise ConfigError(f"--{name} needs a value")
-                i += 1
-                value = argv[i]
-            values[name] = value
-        else:
-            rest.append(argv[i])
-        i += 1
-    return values, rest
+    from shardtune.planner import split_named_flags
+
+    return split_named_flags(argv, HARDWARE_FLAGS)
 
 
 def dry_run_topology(launch_args: dict[str, str | None], hardware: dict[str, str]) -> Topology:

@@ -14,29 +14,17 @@ import json
 import sys
 
 from shardtune.config import ConfigError, parse_args
-from shardtune.planner import DEVICES, check_split, plan, render, resolve_device, setup_from_config, without_strategy_flags
+from shardtune.planner import (
+    DEVICES, check_split, plan, render, resolve_device, setup_from_config, split_named_flags, without_strategy_flags,
+)
 
 PLAN_FLAGS = {"gpu": "H100", "gpu_memory": "", "nnodes": "1", "gpus_per_node": "8"}
 
 
 def split_plan_args(argv: list[str]) -> tuple[dict[str, str], list[str], bool]:
-    values, rest, as_json = dict(PLAN_FLAGS), [], False
-    i = 0
-    while i < len(argv):
-        name, eq, value = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
-        if name == "json":
-            as_json = True
-        elif name in PLAN_FLAGS:
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ConfigError(f"--{name} needs a value")
-                i += 1
-                value = argv[i]
-            values[name] = value
-        else:
-            rest.append(argv[i])
-        i += 1
-    return values, rest, as_json
+    as_json = any(a == "--json" for a in argv)
+    values, rest = split_named_flags([a for a in argv if a != "--json"], PLAN_FLAGS)
+    return {**PLAN_FLAGS, **values}, rest, as_json
 
 
 def main(argv: list[str]) -> int:

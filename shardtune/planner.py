@@ -860,3 +860,24 @@ def without_strategy_flags(argv: list[str]) -> list[str]:
             i += 1
         i += 1
     return out
+
+
+def split_named_flags(argv: list[str], names) -> tuple[dict[str, str], list[str]]:
+    """The flags of ``names`` (``--name value`` or ``--name=value``) taken out of ``argv``, and the rest: the hardware
+    flags that `shardtune plan` and `shardtune sft --dry_run` take besides sft's own."""
+    values: dict[str, str] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        name, eq, value = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
+        if name in names:
+            if not eq:
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    raise ConfigError(f"--{name} needs a value")
+                i += 1
+                value = argv[i]
+            values[name] = value
+        else:
+            rest.append(argv[i])
+        i += 1
+    return values, rest
