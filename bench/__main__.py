@@ -1,5 +1,5 @@
 """`python -m bench`: every CPU benchmark of issue #6, side by side in one run; writes bench/results/latest.md
-(the table the README quotes) and latest.json (every figure, machine info, versions).
+(the table docs/benchmarks.md quotes) and latest.json (every figure, machine info, versions).
 
     python -m bench                       # embedded dialogues (plain and with chatter), ~15 min on 2 CPU cores
     python -m bench --samsum data/samsum/train.json --num_train 0

@@ -1,4 +1,4 @@
-"""latest.json -> the markdown table the README quotes."""
+"""latest.json -> the markdown table docs/benchmarks.md quotes."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Memory of the training state per GPU: one formula, used by the start log (from the real local shards) and by
-the README table (from parameter counts and dtypes).
+the table in docs/sharding.md (from parameter counts and dtypes).
 
 Training state = parameters + gradients + AdamW state (two tensors per trainable parameter). Activations and
 the parameters all-gathered during a step come on top (``gathered_bytes_per_gpu``).
