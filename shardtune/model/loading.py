@@ -80,9 +80,14 @@ def init_model(preset: str, out_dir: str | Path, seed: int = 0, dtype: torch.dty
     _check_preset(preset, "preset")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"init_model: {out_dir} exists and is not empty: pick an empty or new directory")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:  # before building anything: the folder must be writable
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise ValueError(f"init_model: cannot write {out_dir} ({e.strerror}): pick a directory you can write to") \
+            from None
     tokenizer = train_tokenizer()
     model = _random_model(preset, tokenizer, seed, dtype)
     model.save_pretrained(tmp)
