@@ -4,11 +4,11 @@ This also moves data errors before any process group: the launcher loads the dat
 so a bad row under --strict_data is one line from the launcher, not a failed worker.
 
 An entry lives in ``<cache>/tokenized/<key>/`` where the key hashes everything the examples depend on: the
-dataset settings, the data files' contents, context_length, the seed (it
-picks held-out rows), strict_data, the tokenizer (with its chat template) and, for TRL's formats, the template
-and loss options (--assistant_only_loss, --completion_only_loss, --truncation_mode ...). It holds flat int32 ``input_ids`` / ``labels`` arrays
-plus example offsets as .npy files (read without unpickling) and the data report as JSON. Entries are written to a
-temporary folder and renamed, under a file lock, so concurrent processes never see half an entry.
+dataset settings, the data files' contents, context_length, the seed (it picks held-out rows), strict_data, the
+tokenizer (with its chat template) and, for TRL's formats, the loss options (--assistant_only_loss,
+--completion_only_loss, --truncation_mode ...). It holds flat int32 ``input_ids`` / ``labels`` arrays plus example
+offsets as .npy files (read without unpickling) and the data report as JSON. Entries are written to a temporary
+folder and renamed, under a file lock, so concurrent processes never see half an entry.
 """
 
 from __future__ import annotations

@@ -168,7 +168,8 @@ def test_the_comparison_sees_a_different_mask(tokenizer, tmp_path):
 
 
 def test_pretokenized_rows_use_their_masks_as_trl(tokenizer, tmp_path):
-    rows = [{"input_ids": [5, 6, 7, 8, 2], "completion_mask": [0, 0, 1, 1, 1], "assistant_masks": [1, 1, 1, 1, 1]},
+    rows = [{"input_ids": [5, 6, 7, 8, 2], "completion_mask": [0, 0, 1, 1, 1],
+             "assistant_masks": [1, 1, 1, 1, 1]},
             {"input_ids": [9, 10, 11, 2], "completion_mask": [0, 1, 1, 1], "assistant_masks": [0, 0, 1, 1]}]
     path = write_jsonl(tmp_path / "ids.jsonl", rows)
     explicit = assert_same_as_trl(trl_cfg(path, completion_only_loss="true"), tokenizer, tmp_path)
