@@ -71,7 +71,8 @@ def prepare(cfg: TrainConfig, world_size: int) -> None:
     if cfg.tokenizer_name:
         check_model_source(cfg.tokenizer_name, "tokenizer_name")
     data.check_data_config(cfg)
-    tokenizer = load_tokenizer(cfg.tokenizer_name or cfg.model_name)
+    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name))
+    data.drop_absent_validation(cfg, say=not is_torchrun_worker())
     check_tokenizer_fits(cfg.model_name, tokenizer, cfg.tokenizer_name)
     data.check_context_length(cfg, tokenizer)
     dims = ParallelDims.from_config(cfg, world_size)
@@ -130,7 +131,7 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_staging(out_dir)
         write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
-    tokenizer = load_tokenizer(cfg.tokenizer_name or cfg.model_name)
+    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name))
     strategy = make_strategy(cfg, env)
     units, eval_examples = load_data(cfg, env, strategy.dims, tokenizer)
 

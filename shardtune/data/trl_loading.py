@@ -134,3 +134,14 @@ def trl_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[dic
     filt = RowFilter(report, cfg.strict_data)
     return prepare_rows(rows, fmt, columns, tokenizer, loss_options(cfg), filt, report), report
 
+
+
+def drop_absent_validation(cfg: TrainConfig, say: bool) -> None:
+    """No --dataset_test_split in the data: train without evaluation (``say``: tell it, in the one process that
+    talks before launch)."""
+    if cfg.run_validation and not validation_available(cfg):
+        cfg.run_validation = False
+        if say:
+            tc = cfg.trl_dataset
+            print(f"shardtune: --dataset_name {tc.dataset_name} has no split {tc.dataset_test_split!r}: training "
+                  "without evaluation (pass --dataset_test_split to evaluate on another split)", flush=True)
