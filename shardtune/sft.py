@@ -24,6 +24,7 @@ from shardtune.checkpoint import (
 )
 from shardtune.config import ConfigError, TrainConfig, effective_batch_size, parse_args, to_yaml, validate
 from shardtune.data.cache import load_examples_cached
+from shardtune.data.chat import mirror_eos_token
 from shardtune.dry_run import dry_run, dry_run_topology, split_hardware_flags
 from shardtune.distributed import (
     DistEnv, barrier, init_distributed, is_torchrun_worker, local_gpu_count, nccl_watchdog_env, print0,
@@ -136,6 +137,7 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     units, eval_examples = load_data(cfg, env, strategy.dims, tokenizer)
 
     model = build_model(cfg, env)
+    mirror_eos_token(cfg, model, tokenizer)
     freeze_first_layers(model, cfg)
     apply_memory_levers(model, cfg, env.device)
     if cfg.use_peft:

@@ -83,3 +83,15 @@ def check_chat_template(cfg: TrainConfig, tokenizer: Any, what: str) -> None:
                           "{% generation %} ... {% endgeneration %}, and the tokenizer's has no such markers: pass "
                           f"--chat_template_path with a template that has them ({TRL_TRAINING_TEMPLATES_HINT}), or "
                           "--assistant_only_loss false")
+
+
+def mirror_eos_token(cfg: TrainConfig, model: Any, tokenizer: Any) -> None:
+    """With --eos_token, the model's config and generation config end sequences at it too (as TRL does), so the
+    saved model stops where it was trained to; the generation config keeps its other eos ids."""
+    if not cfg.trl_dataset.eos_token:
+        return
+    model.config.get_text_config().eos_token_id = tokenizer.eos_token_id
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id not in ids:
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, *ids]

@@ -47,7 +47,7 @@ def check_trl_config(cfg: TrainConfig) -> None:
         if path.is_file() and path.suffix.lower() not in BUILDERS:
             raise DataError(f"--dataset_name {tc.dataset_name}: unknown format {path.suffix!r}: pass a "
                             f"{', '.join(BUILDERS)} file or a folder of them")
-        if not path.exists() and tc.dataset_name.startswith(("/", ".", "~")):
+        if not path.exists() and (tc.dataset_name.startswith(("/", ".", "~")) or path.suffix.lower() in BUILDERS):
             raise DataError(f"--dataset_name {tc.dataset_name}: no such file or folder")
 
 

@@ -72,7 +72,8 @@ def test_messages_rows_train_alike_on_one_process_x4_and_two_processes_x2(tiny_m
     is evaluated."""
     data = write_chat_folder(tmp_path / "chat")
     common = ("sft", "--model_name", tiny_model, "--dataset_name", data, "--assistant_only_loss", "true",
-              "--max_length", 96, "--num_workers_dataloader", 0, "--max_train_step", 4, "--lr", "1e-3", "--gradient_clipping", "true")
+              "--max_length", 96, "--num_workers_dataloader", 0, "--max_train_step", 4, "--lr", "1e-3",
+              "--gradient_clipping", "true")
     one = run_cli(*common, "--batch_size_training", 4, "--output_dir", tmp_path / "one")
     run_cli(*common, "--nproc_per_node", 2, "--batch_size_training", 2, "--output_dir", tmp_path / "two")
     source = "conversational rows (columns messages)"
@@ -81,3 +82,9 @@ def test_messages_rows_train_alike_on_one_process_x4_and_two_processes_x2(tiny_m
     assert_same_training(tmp_path / "one", tmp_path / "two", "messages 1x4 vs 2x2")
     (evaluated,), (evaluated_two,) = eval_rows(tmp_path / "one"), eval_rows(tmp_path / "two")
     assert evaluated["eval_loss"] == pytest.approx(evaluated_two["eval_loss"], rel=1e-5)
+    # the trained model: `shardtune eval` reports the same loss on the test split, `generate` renders messages
+    report = tmp_path / "eval.json"
+    run_cli("eval", "--model_name", tmp_path / "one", "--dataset_name", data, "--report_path", report)
+    assert json.loads(report.read_text())["eval_loss"] == pytest.approx(evaluated["eval_loss"], rel=1e-4)
+    prompt = json.dumps([{"role": "user", "content": "Where do we meet on day 3?"}])
+    run_cli("generate", "--model_name", tmp_path / "one", prompt, "--max_new_tokens", 8)

@@ -40,8 +40,8 @@ TEXTS = ["Anna and Tom go to the cinema at 7.", "Ben can't have lunch with Kate.
 PAIRS = [("Summarize: Anna: cinema at 7? Tom: sure!\nSummary:", " Anna and Tom go to the cinema."),
          ("Summarize: Kate: lunch? Ben: can't today.\nSummary:", " Ben can't have lunch with Kate."),
          ("Summarize: Lucy: I'll bring cake.\nSummary:", " Lucy brings cake.")]
-TOOLS = [{"type": "function", "function": {"name": "book", "description": "Book a table",
-                                           "parameters": {"type": "object", "properties": {"place": {"type": "string"}}}}}]
+PLACE = {"type": "object", "properties": {"place": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "book", "description": "Book a table", "parameters": PLACE}}]
 
 
 def chat_prompt_completion(chat: list[dict]) -> dict:
@@ -285,3 +285,40 @@ def test_cache_key_follows_template_and_mask_options(tokenizer, tmp_path):
     other.chat_template = tokenizer.chat_template.replace("<|assistant|>", "<|bot|>")
     keys.add(cache_key(trl_cfg(path), other, "train"))
     assert len(keys) == 5
+
+
+def test_synthetic_dialogues_as_messages_train_on_the_summary_and_eos(tokenizer):
+    cfg = TrainConfig(run_validation=False)
+    cfg.synthetic_dialogues.num_train, cfg.synthetic_dialogues.messages = 8, True
+    cfg.trl_dataset.assistant_only_loss = True
+    check_data_config(cfg)
+    examples, report = load_examples(cfg, tokenizer, "train")
+    assert "generated train dialogues as messages" in report.source and len(examples) == 8
+    plain, _ = load_examples(TrainConfig(synthetic_dialogues=cfg.synthetic_dialogues.__class__(num_train=8)),
+                             tokenizer, "train")
+    for example, samsum in zip(examples, plain):
+        summary = [t for t in samsum["labels"] if t != IGNORE_INDEX]
+        assert [t for t in example["labels"] if t != IGNORE_INDEX] == summary  # summary + eos, as the samsum form
+        assert tokenizer.decode(example["input_ids"]).startswith("<|system|>\nSummarize the dialog.\n<|user|>\n")
+
+
+def test_generate_renders_message_prompts_with_the_chat_template(tokenizer):
+    from shardtune.generate import encode_messages, prompt_messages
+
+    chat = [SYSTEM, {"role": "user", "content": "Lunch on Monday?"}]
+    for text in (json.dumps(chat), json.dumps({"messages": chat}), json.dumps({"prompt": chat})):
+        assert prompt_messages(text) == chat
+    assert prompt_messages("Summarize this dialog: [1, 2]") is None and prompt_messages('["a"]') is None
+    rendered = tokenizer.decode(encode_messages(tokenizer, chat))
+    assert rendered == "<|system|>\nYou plan outings. Be brief.\n<|user|>\nLunch on Monday?\n<|assistant|>\n"
+
+
+def test_missing_files_and_unreachable_hub_ids_are_one_line(tokenizer, tmp_path):
+    with pytest.raises(DataError, match="no such file or folder"):
+        check_data_config(parse_args(["--dataset_name", str(tmp_path / "missing.jsonl")]))
+    with pytest.raises(DataError, match="unknown format '.txt'"):
+        check_data_config(parse_args(["--dataset_name", str(write_jsonl(tmp_path / "rows.txt", ROWS["text"]))]))
+    cfg = parse_args(["--dataset_name", "nobody-here/no-such-dataset", "--run_validation", "false"])
+    check_data_config(cfg)  # a hub id: looked up when loading (HF_DATASETS_OFFLINE is set in the tests)
+    with pytest.raises(DataError, match="nobody-here/no-such-dataset: could not be loaded from the Hugging Face hub"):
+        load_examples(cfg, tokenizer, "train")
