@@ -322,3 +322,24 @@ def test_missing_files_and_unreachable_hub_ids_are_one_line(tokenizer, tmp_path)
     check_data_config(cfg)  # a hub id: looked up when loading (HF_DATASETS_OFFLINE is set in the tests)
     with pytest.raises(DataError, match="nobody-here/no-such-dataset: could not be loaded from the Hugging Face hub"):
         load_examples(cfg, tokenizer, "train")
+
+
+@pytest.mark.parametrize("suffix", [".json", ".csv", ".parquet", ".arrow"])
+def test_every_file_format_gives_the_same_examples(suffix, tokenizer, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = ROWS["prompt_completion"]
+    path = tmp_path / f"pairs{suffix}"
+    table = pa.Table.from_pylist(rows)
+    if suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif suffix == ".csv":
+        table.to_pandas().to_csv(path, index=False)
+    elif suffix == ".parquet":
+        pq.write_table(table, path)
+    else:
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+    expected = ours(trl_cfg(write_jsonl(tmp_path / "pairs.jsonl", rows)), tokenizer)
+    assert ours(trl_cfg(path), tokenizer) == expected
