@@ -84,7 +84,8 @@ def test_messages_rows_train_alike_on_one_process_x4_and_two_processes_x2(tiny_m
     assert evaluated["eval_loss"] == pytest.approx(evaluated_two["eval_loss"], rel=1e-5)
     # the trained model: `shardtune eval` reports the same loss on the test split, `generate` renders messages
     report = tmp_path / "eval.json"
-    run_cli("eval", "--model_name", tmp_path / "one", "--dataset_name", data, "--report_path", report)
+    run_cli("eval", "--model_name", tmp_path / "one", "--dataset_name", data, "--assistant_only_loss", "true",
+            "--max_length", 96, "--report_path", report)
     assert json.loads(report.read_text())["eval_loss"] == pytest.approx(evaluated["eval_loss"], rel=1e-4)
     prompt = json.dumps([{"role": "user", "content": "Where do we meet on day 3?"}])
     run_cli("generate", "--model_name", tmp_path / "one", prompt, "--max_new_tokens", 8)
