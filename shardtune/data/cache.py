@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from shardtune.config import TrainConfig
+from shardtune.config.schema import TrainConfig
 from shardtune.data.report import DataReport
 from shardtune.data.sources import load_examples
 from shardtune.data.trl_loading import uses_trl_formats

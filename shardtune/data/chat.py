@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from shardtune.config import ConfigError, TrainConfig
+from shardtune.config.schema import ConfigError, TrainConfig
 
 PRESET_CHAT_TEMPLATE = (
     "{%- if tools %}{{ '<|tools|>\\n' + (tools | tojson) + '\\n' }}{% endif -%}"

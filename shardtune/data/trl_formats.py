@@ -34,11 +34,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardtune.config import ConfigError
+from shardtune.config.schema import ConfigError
 from shardtune.data.files import Row
-from shardtune.data.formatting import _as_ids, _check_token_ids
+from shardtune.data.formatting import IGNORE_INDEX, _as_ids, _check_token_ids
 from shardtune.data.report import DataReport, RowFilter
-from shardtune.loss import IGNORE_INDEX
 
 TOKENIZED, SHAREGPT, PROMPT_COMPLETION, CHAT_PROMPT_COMPLETION, MESSAGES, TEXT = (
     "tokenized", "ShareGPT conversations", "prompt-completion", "conversational prompt-completion",

@@ -13,7 +13,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from shardtune.config import ConfigError, TrainConfig, TrlDatasetConfig
+from shardtune.config.schema import ConfigError, TrainConfig, TrlDatasetConfig
 from shardtune.data.chat import check_chat_template
 from shardtune.data.files import Row
 from shardtune.data.report import DataError, DataReport, RowFilter

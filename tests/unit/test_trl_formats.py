@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 from datasets import load_dataset
 
-from shardtune.config import ConfigError, TrainConfig, parse_args
+from shardtune.config.flags import parse_args
+from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data import DataError, check_data_config, load_examples
 from shardtune.data.cache import cache_key
 from shardtune.data.chat import apply_tokenizer_options
 from shardtune.data.trl_loading import validation_available
-from shardtune.loss import IGNORE_INDEX
-from shardtune.models import train_tokenizer
+from shardtune.data.formatting import IGNORE_INDEX
+from shardtune.model.loading import train_tokenizer
 
 SYSTEM = {"role": "system", "content": "You plan outings. Be brief."}
 CHATS = [
@@ -303,7 +304,7 @@ def test_synthetic_dialogues_as_messages_train_on_the_summary_and_eos(tokenizer)
 
 
 def test_generate_renders_message_prompts_with_the_chat_template(tokenizer):
-    from shardtune.generate import encode_messages, prompt_messages
+    from shardtune.commands.generate import encode_messages, prompt_messages
 
     chat = [SYSTEM, {"role": "user", "content": "Lunch on Monday?"}]
     for text in (json.dumps(chat), json.dumps({"messages": chat}), json.dumps({"prompt": chat})):
