@@ -224,7 +224,9 @@ def help_text() -> str:
     for key, (typ, f) in flat_fields().items():
         default = field_default(f)
         tname = getattr(typ, "__name__", str(typ))
-        lines.append(f"  --{key} {tname.upper()}  (default: {default!r})")
+        owner, _, name = key.rpartition(".")
+        short = f" (or --{name})" if owner == "trl_dataset" else ""  # TRL's names, as TRL users type them
+        lines.append(f"  --{key} {tname.upper()}  (default: {default!r}){short}")
         lines.append(f"      {f.metadata.get('help', '')}")
     lines.append("")
     lines.append("aliases: " + ", ".join(f"--{a} = --{c}" for a, c in ALIASES.items()))
