@@ -344,3 +344,16 @@ def test_every_file_format_gives_the_same_examples(suffix, tokenizer, tmp_path):
             writer.write_table(table)
     expected = ours(trl_cfg(write_jsonl(tmp_path / "pairs.jsonl", rows)), tokenizer)
     assert ours(trl_cfg(path), tokenizer) == expected
+
+
+def test_chat_template_path_may_name_a_tokenizer_directory(tokenizer, tmp_path):
+    source = copy.deepcopy(tokenizer)
+    source.chat_template = tokenizer.chat_template.replace("<|assistant|>", "<|bot|>")
+    source.save_pretrained(tmp_path / "other")
+    cfg = trl_cfg(tmp_path / "unused.jsonl", chat_template_path=str(tmp_path / "other"))
+    assert apply_tokenizer_options(cfg, copy.deepcopy(tokenizer)).chat_template == source.chat_template
+    with pytest.raises(ConfigError, match="no such Jinja file"):
+        apply_tokenizer_options(trl_cfg(tmp_path / "unused.jsonl", chat_template_path=str(tmp_path / "nope.jinja")),
+                                copy.deepcopy(tokenizer))
+    with pytest.raises(ConfigError, match="--eos_token '<eot>' is not a token"):
+        apply_tokenizer_options(trl_cfg(tmp_path / "unused.jsonl", eos_token="<eot>"), copy.deepcopy(tokenizer))
