@@ -109,7 +109,7 @@ def resolve_key(key: str) -> str:
 
 
 # Nested configs whose fields may also be given without their prefix (llama-cookbook spells --pure_bf16).
-SHORT_SPELLING_OWNERS: list[str] = ["fsdp_config"]
+SHORT_SPELLING_OWNERS: list[str] = ["fsdp_config", "trl_dataset"]
 
 
 def set_value(cfg: TrainConfig, key: str, raw: Any) -> None:
@@ -187,6 +187,8 @@ def parse_args(argv: list[str]) -> TrainConfig:
             value = "true"
         set_value(cfg, key, value)
     select_hybrid_sharding(cfg)
+    if cfg.trl_dataset.dataset_name and cfg.dataset == field_default(flat_fields()["dataset"][1]):
+        cfg.dataset = "trl_dataset"  # TRL's --dataset_name alone names the data
     return cfg
 
 
@@ -222,7 +224,9 @@ def help_text() -> str:
     for key, (typ, f) in flat_fields().items():
         default = field_default(f)
         tname = getattr(typ, "__name__", str(typ))
-        lines.append(f"  --{key} {tname.upper()}  (default: {default!r})")
+        owner, _, name = key.rpartition(".")
+        short = f" (or --{name})" if owner == "trl_dataset" else ""  # TRL's names, as TRL users type them
+        lines.append(f"  --{key} {tname.upper()}  (default: {default!r}){short}")
         lines.append(f"      {f.metadata.get('help', '')}")
     lines.append("")
     lines.append("aliases: " + ", ".join(f"--{a} = --{c}" for a, c in ALIASES.items()))

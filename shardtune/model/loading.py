@@ -20,11 +20,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 
 from shardtune.model.attention import attention_implementation
 from shardtune.config.schema import ConfigError, TrainConfig
+from shardtune.data.chat import PRESET_CHAT_TEMPLATE
 from shardtune.data.synthetic import corpus_for_tokenizer
 
 PRESET_PREFIX = "preset:"
 DEFAULT_PRESET = "demo"
-PRESET_VERSION = "v1"  # bump when a preset's shape, init or tokenizer changes, so stale caches are not reused
+PRESET_VERSION = "v2"  # bump when a preset's shape, init or tokenizer changes, so stale caches are not reused
 TOKENIZER_VOCAB_SIZE = 1024
 TOKENIZER_SEED = 0  # every preset shares one tokenizer, whatever the model's init seed
 
@@ -58,7 +59,8 @@ def cache_dir() -> Path:
 
 
 def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE, seed: int = TOKENIZER_SEED) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on the synthetic corpus; never adds bos/eos by itself (the data code does)."""
+    """Byte-level BPE trained on the synthetic corpus; never adds bos/eos by itself (the data code does); with a
+    small chat template (plain-text role headers, {% generation %} markers: data.chat.PRESET_CHAT_TEMPLATE)."""
     bpe = Tokenizer(BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -67,7 +69,7 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE, seed: int = TOKENIZE
     bpe.train_from_iterator(corpus_for_tokenizer(seed), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=BOS, eos_token=EOS, pad_token=PAD,
                                    unk_token=UNK, padding_side="right", model_max_length=1_000_000,
-                                   clean_up_tokenization_spaces=False)
+                                   clean_up_tokenization_spaces=False, chat_template=PRESET_CHAT_TEMPLATE)
 
 
 def init_model(preset: str, out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
