@@ -109,7 +109,7 @@ def resolve_key(key: str) -> str:
 
 
 # Nested configs whose fields may also be given without their prefix (llama-cookbook spells --pure_bf16).
-SHORT_SPELLING_OWNERS: list[str] = ["fsdp_config", "trl_dataset"]
+SHORT_SPELLING_OWNERS: list[str] = ["fsdp_config", "trl_dataset", "dpo"]
 
 
 def set_value(cfg: TrainConfig, key: str, raw: Any) -> None:

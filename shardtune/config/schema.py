@@ -92,6 +92,19 @@ class TrlDatasetConfig:
                                             "or keep_end", choices=TRUNCATION_MODES)
 
 
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
+
+
+@dataclass
+class DpoConfig:
+    """TRL's DPO flags, under TRL's names (read by shardtune dpo); see docs/dpo.md."""
+
+    beta: float = _f(0.1, "how far the policy may move from the reference (sigmoid, hinge, robust); ipo: the "
+                          "regularisation parameter tau")
+    loss_type: str = _f("sigmoid", "the preference loss: sigmoid (DPO), ipo, hinge, robust", choices=DPO_LOSS_TYPES)
+    label_smoothing: float = _f(0.0, "robust: the probability that a preference label is flipped, in [0, 0.5)")
+
+
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 CHECKPOINT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 PEFT_METHODS = ("lora", "llama_adapter", "prefix")
@@ -318,6 +331,7 @@ class TrainConfig:
     alpaca_dataset: AlpacaDatasetConfig = _f(AlpacaDatasetConfig(), "alpaca-format data")
     custom_dataset: CustomDatasetConfig = _f(CustomDatasetConfig(), "your own dataset function")
     trl_dataset: TrlDatasetConfig = _f(TrlDatasetConfig(), "TRL's dataset flags (--dataset_name ...)")
+    dpo: DpoConfig = _f(DpoConfig(), "TRL's DPO flags (--beta, --loss_type, --label_smoothing): shardtune dpo")
     fsdp_config: FsdpConfig = _f(FsdpConfig(), "FSDP settings")
     deepspeed_config: DeepSpeedConfig = _f(DeepSpeedConfig(), "DeepSpeed ZeRO settings")
     lora_config: LoraConfig = _f(LoraConfig(), "LoRA settings")

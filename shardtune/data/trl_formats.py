@@ -264,11 +264,17 @@ def _assistant_masks(rendered: Mapping, options: LossOptions) -> list[list[int]]
 def _completion_labels(prompt_ids: list[int], input_ids: list[int], masks: list[list[int]], mask_completion: bool
                        ) -> list[int]:
     """The completion starts where the tokenised prompt and prompt + completion first differ."""
-    prompt_len = 0
-    for a, b in zip(prompt_ids, input_ids):
-        if a != b:
-            break
-        prompt_len += 1
+    prompt_len = common_prefix_length(prompt_ids, input_ids)
     if mask_completion:
         masks = [[0] * prompt_len + [1] * (len(input_ids) - prompt_len), *masks]
     return _labels(input_ids, masks)
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

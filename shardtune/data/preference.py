@@ -1,0 +1,191 @@
+"""TRL's preference formats -> tokenised pairs, as TRL's DPOTrainer (trl 1.16) prepares them.
+
+=======================================  =========================================  ==============================
+format                                   columns                                    prompt
+=======================================  =========================================  ==============================
+preference                               ``prompt``, ``chosen``, ``rejected`` text   as given
+conversational preference                the same as message lists                   as given (chat template)
+implicit-prompt preference               ``chosen``, ``rejected`` (text or lists)    their shared prefix
+=======================================  =========================================  ==============================
+
+A pair is ``{prompt_ids, chosen_ids, rejected_ids}``: text completions get the tokenizer's eos (unless they end
+with it); conversations are rendered by the chat template (the prompt with the generation prompt). The completion
+starts where the tokenised prompt and prompt + completion first diverge (for both completions: the shorter of the
+two prefixes). With ``keep_start`` a pair whose prompt alone fills ``max_length`` is dropped (TRL's filter);
+:func:`collate_pairs` cuts each sequence to ``max_length`` (keep_start / keep_end) and lays a batch out as TRL's
+``DataCollatorForPreference``: the chosen rows first, then the rejected rows, right-padded, with
+``completion_mask`` marking the completion tokens. TRL 1.16 has no ``max_prompt_length``: ``max_length`` alone
+bounds a sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from shardtune.config.schema import ConfigError
+from shardtune.data.files import Row
+from shardtune.data.report import DataReport, RowFilter
+from shardtune.data.trl_formats import (
+    _BadRow, _is_message_list, _messages, _render, _string, _template_kwargs, common_prefix_length,
+)
+
+PREFERENCE, CHAT_PREFERENCE = "preference", "conversational preference"
+
+
+def recognise_preference(columns: list[str], first: Mapping) -> tuple[str, bool]:
+    """(the format's name, whether the prompt is implicit) of rows with these columns."""
+    if "chosen" not in columns or "rejected" not in columns:
+        raise ConfigError(f"no preference format in the columns {', '.join(columns) or '(none)'}: expected chosen and "
+                          "rejected (and prompt, or a prompt shared as their prefix; see docs/dpo.md)")
+    conversational = _is_message_list(first.get("chosen"))
+    implicit = "prompt" not in columns or _is_message_list(first.get("prompt")) != conversational
+    kind = CHAT_PREFERENCE if conversational else PREFERENCE
+    return (f"implicit-prompt {kind}" if implicit else kind), implicit
+
+
+def extract_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
+    """TRL's rule for implicit prompts: the longest shared prefix (of messages, or of characters, without the space
+    before the first differing one); (prompt, chosen, rejected)."""
+    idx = 0
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            if chosen[idx - 1] == " ":
+                idx -= 1
+            break
+    return chosen[:idx], chosen[idx:], rejected[idx:]
+
+
+def _tokenize_pair(record: Mapping, conversational: bool, implicit: bool, tokenizer: Any) -> dict:
+    if conversational:
+        chosen, rejected = _messages(record, "chosen"), _messages(record, "rejected")
+        prompt = None if implicit else _messages(record, "prompt")
+    else:
+        chosen, rejected = _string(record, "chosen"), _string(record, "rejected")
+        prompt = None if implicit else _string(record, "prompt")
+    if implicit:
+        prompt, chosen, rejected = extract_prompt(chosen, rejected)
+    if conversational:
+        kwargs = _template_kwargs(record)
+        prompt_ids = _render(tokenizer, prompt, kwargs, add_generation_prompt=True)["input_ids"]
+        chosen_full = _render(tokenizer, prompt + chosen, kwargs)["input_ids"]
+        rejected_full = _render(tokenizer, prompt + rejected, kwargs)["input_ids"]
+    else:
+        eos = tokenizer.eos_token
+        chosen, rejected = (c if c.endswith(eos) else c + eos for c in (chosen, rejected))
+        prompt_ids = tokenizer(text=prompt)["input_ids"]
+        chosen_full = tokenizer(text=prompt + chosen)["input_ids"]
+        rejected_full = tokenizer(text=prompt + rejected)["input_ids"]
+    prompt_len = min(common_prefix_length(prompt_ids, chosen_full), common_prefix_length(prompt_ids, rejected_full))
+    return {"prompt_ids": prompt_ids[:prompt_len], "chosen_ids": chosen_full[prompt_len:],
+            "rejected_ids": rejected_full[prompt_len:]}
+
+
+def prepare_pairs(rows: list[Row], columns: list[str], tokenizer: Any, max_length: int, truncation_mode: str,
+                  filt: RowFilter, report: DataReport) -> list[dict]:
+    """Tokenised pairs of ``rows`` (bad rows counted, or raised, through ``filt``); ``report.num_truncated``
+    counts the pairs with a sequence longer than ``max_length`` (cut when collated)."""
+    first = rows[0][2] if rows else {}
+    _, implicit = recognise_preference(columns, first)
+    conversational = _is_message_list(first.get("chosen"))
+    pairs = []
+    for origin, row_no, record in rows:
+        try:
+            if not isinstance(record, Mapping):
+                raise _BadRow("not_an_object", f"a {type(record).__name__}, not an object with fields")
+            pair = _tokenize_pair(record, conversational, implicit, tokenizer)
+        except _BadRow as bad:
+            filt.skip(bad.reason, origin, row_no, str(bad))
+            continue
+        prompt_len = len(pair["prompt_ids"])
+        if truncation_mode == "keep_start" and prompt_len >= max_length:
+            filt.skip("prompt_fills_max_length", origin, row_no, f"the prompt alone has {prompt_len} tokens, "
+                      f"--max_length is {max_length}", "raise --max_length, or shorten the prompt")
+            continue
+        if not pair["chosen_ids"] or not pair["rejected_ids"]:
+            filt.skip("empty_completion", origin, row_no, "a completion has no token")
+            continue
+        if prompt_len + max(len(pair["chosen_ids"]), len(pair["rejected_ids"])) > max_length:
+            report.num_truncated += 1
+        pairs.append(pair)
+    return pairs
+
+
+def pair_sequences(pair: Mapping, max_length: int | None, truncation_mode: str = "keep_start"
+                   ) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(chosen ids, chosen completion mask, rejected ids, rejected completion mask), each cut to max_length."""
+    cut = (slice(None) if max_length is None else slice(None, max_length) if truncation_mode == "keep_start"
+           else slice(-max_length, None))
+    prompt = list(pair["prompt_ids"])
+    out = []
+    for name in ("chosen_ids", "rejected_ids"):
+        ids = prompt + list(pair[name])
+        mask = [0] * len(prompt) + [1] * len(pair[name])
+        out += [ids[cut], mask[cut]]
+    return tuple(out)  # type: ignore[return-value]
+
+
+def collate_pairs(pairs: list[Mapping], pad_id: int, max_length: int | None, truncation_mode: str = "keep_start"
+                  ) -> dict[str, torch.Tensor]:
+    """A micro-batch of ``n`` pairs: rows 0..n-1 the chosen sequences, n..2n-1 the rejected, right-padded:
+    ``input_ids``, ``attention_mask``, ``completion_mask`` (B = 2n, T = the longest)."""
+    seqs = [pair_sequences(p, max_length, truncation_mode) for p in pairs]
+    rows = [(s[0], s[1]) for s in seqs] + [(s[2], s[3]) for s in seqs]
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    completion = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, mask) in enumerate(rows):
+        input_ids[i, :len(ids)] = torch.tensor(ids)
+        attention[i, :len(ids)] = 1
+        completion[i, :len(ids)] = torch.tensor(mask)
+    return {"input_ids": input_ids, "attention_mask": attention, "completion_mask": completion}
+
+
+def synthetic_pair_rows(cfg: Any, split: str) -> tuple[str, list[Row], list[str]]:
+    """The embedded dialogues as conversational preference rows: chosen is the dialogue's own summary, rejected
+    the next dialogue's (the last one takes the first's)."""
+    from shardtune.data.synthetic import generate_dialogues
+    from shardtune.data.trl_loading import SYNTHETIC_SYSTEM_PROMPT
+
+    sd = cfg.synthetic_dialogues
+    num = sd.num_train if split == "train" else sd.num_validation
+    source = f"synthetic_dialogues: {num} generated {split} dialogues as preference pairs (seed {sd.seed})"
+    dialogues = generate_dialogues(num, sd.seed, split, chatter=sd.chatter)
+    rows = [{"prompt": [{"role": "system", "content": SYNTHETIC_SYSTEM_PROMPT},
+                        {"role": "user", "content": d["dialogue"]}],
+             "chosen": [{"role": "assistant", "content": d["summary"]}],
+             "rejected": [{"role": "assistant", "content": dialogues[(i + 1) % len(dialogues)]["summary"]}]}
+            for i, d in enumerate(dialogues)]
+    return source, [(source, i, r) for i, r in enumerate(rows, start=1)], ["prompt", "chosen", "rejected"]
+
+
+def load_pairs(cfg: Any, tokenizer: Any, split: str) -> tuple[list[dict], DataReport]:
+    """Tokenised pairs of ``split`` ("train" or "validation"): --dataset_name in TRL's preference formats, or the
+    embedded dialogues as pairs (--dataset synthetic_dialogues)."""
+    from shardtune.data.chat import check_chat_template
+    from shardtune.data.report import DataError
+    from shardtune.data.trl_loading import _dataset_rows
+
+    if cfg.dataset == "trl_dataset":
+        source, rows, columns = _dataset_rows(cfg, split)
+    elif cfg.dataset == "synthetic_dialogues":
+        source, rows, columns = synthetic_pair_rows(cfg, split)
+    else:
+        raise ConfigError(f"shardtune dpo reads preference pairs: --dataset_name (TRL's preference formats) or "
+                          f"--dataset synthetic_dialogues, not --dataset {cfg.dataset}")
+    if not rows:
+        raise DataError(f"{source}: no rows: fix the data or pass another split")
+    kind, _ = recognise_preference(columns, rows[0][2])
+    if kind.endswith(CHAT_PREFERENCE):
+        check_chat_template(cfg, tokenizer, f"{source} ({kind} rows)")
+    report = DataReport(source=f"{source}: {kind} rows", num_rows=len(rows))
+    pairs = prepare_pairs(rows, columns, tokenizer, cfg.context_length, cfg.trl_dataset.truncation_mode,
+                          RowFilter(report, cfg.strict_data), report)
+    report.num_examples = len(pairs)
+    if not pairs:
+        raise DataError(f"{report.summary()}: no usable {split} pair: fix the data (see the skip reasons) or raise "
+                        "--max_length")
+    return pairs, report

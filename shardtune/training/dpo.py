@@ -1,0 +1,157 @@
+"""The DPO objective (TRL 1.16's DPOTrainer): per-pair log-probabilities, the preference losses, the reference, and
+one optimizer step whose loss is the mean over the step's GLOBAL pairs.
+
+A micro-batch is :func:`shardtune.data.preference.collate_pairs`' layout: ``n`` chosen rows then ``n`` rejected
+rows, so chosen and rejected run through the model in ONE forward. A pair's log-probability is the sum of its
+completion tokens' log-probabilities (``completion_mask``, shifted: position t predicts token t + 1).
+
+The step loss is sum(pair losses over all micro-batches on all ranks) / P, P the global number of pairs of the
+step (all-reduced, as the SFT loop does with tokens): each micro-batch contributes sum x W / P to backward, W
+the ranks the strategy averages gradients over. So 1 x 4 x 1, 2 x 2 x 1 and 1 x 1 x 4 (processes x pairs x
+accumulation) compute the same gradients up to float rounding.
+
+The reference: with PEFT the policy's own base with the adapter switched off (no second copy); for full
+fine-tuning a frozen copy (``ref_model``), which the caller wraps like the policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardtune.config.schema import DpoConfig
+from shardtune.model.loss import model_inputs
+
+# The metrics of a step, TRL's names; each the mean over the step's global pairs.
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+def pair_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) log-probabilities of the micro-batch's pairs, each (n,) in fp32, from one forward."""
+    inputs = model_inputs(batch, device)
+    logits = model(**inputs, use_cache=False).logits[:, :-1].float()
+    targets = inputs["input_ids"][:, 1:]
+    mask = batch["completion_mask"][:, 1:].to(device)
+    per_token = torch.gather(logits.log_softmax(-1), 2, targets.unsqueeze(-1)).squeeze(-1)
+    logps = (per_token * mask).sum(dim=1)
+    return logps.chunk(2, dim=0)
+
+
+def adapter_disabled(model: nn.Module) -> contextlib.AbstractContextManager:
+    """The PEFT model's base (its adapter switched off) for the duration of the block."""
+    return model.disable_adapter()
+
+
+@torch.no_grad()
+def reference_logps(policy: nn.Module, ref_model: nn.Module | None, peft_model: nn.Module | None,
+                    batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's (chosen, rejected) log-probabilities: ``ref_model`` when given, else the policy with the
+    adapter of ``peft_model`` (the unwrapped PEFT model) switched off."""
+    if ref_model is not None:
+        return pair_logps(ref_model, batch, device)
+    if peft_model is None:
+        raise ValueError("a reference needs ref_model (full fine-tuning) or peft_model (the adapter switched off)")
+    with adapter_disabled(peft_model):
+        return pair_logps(policy, batch, device)
+
+
+def preference_losses(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
+                      ref_rejected: torch.Tensor, completion_mask: torch.Tensor, dpo: DpoConfig) -> torch.Tensor:
+    """Per-pair losses (n,), as TRL 1.16 (reverse KL, no length weighting). ``completion_mask`` is the micro-batch's
+    (2n, T), for ipo's per-token normalisation."""
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    delta = chosen_ratio - rejected_ratio
+    if dpo.loss_type == "sigmoid":
+        return -F.logsigmoid(dpo.beta * delta)
+    if dpo.loss_type == "hinge":
+        return torch.relu(1 - dpo.beta * delta)
+    if dpo.loss_type == "ipo":
+        chosen_len, rejected_len = completion_mask.to(chosen.device).sum(dim=1).clamp(min=1.0).chunk(2, dim=0)
+        return (chosen_ratio / chosen_len - rejected_ratio / rejected_len - 1 / (2 * dpo.beta)) ** 2
+    if dpo.loss_type == "robust":
+        eps = dpo.label_smoothing
+        return (-(1 - eps) * F.logsigmoid(dpo.beta * delta) + eps * F.logsigmoid(-dpo.beta * delta)) / (1 - 2 * eps)
+    raise ValueError(f"unknown --loss_type {dpo.loss_type}")
+
+
+@dataclass
+class PairStats:
+    """Sums over pairs (float64, on the CPU): the loss and the metrics' numerators."""
+
+    sums: torch.Tensor
+
+    @classmethod
+    def zero(cls) -> PairStats:
+        return cls(torch.zeros(1 + len(METRICS), dtype=torch.float64))
+
+    def add(self, losses: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
+            ref_rejected: torch.Tensor, beta: float) -> None:
+        chosen_rewards = beta * (chosen - ref_chosen).detach()
+        rejected_rewards = beta * (rejected - ref_rejected).detach()
+        values = (losses.detach(), chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).float(),
+                  chosen_rewards - rejected_rewards, chosen.detach(), rejected.detach())
+        self.sums += torch.stack([v.double().sum().cpu() for v in values])
+
+    def means(self, summed: torch.Tensor, num_pairs: int) -> dict[str, float]:
+        """``summed``: these sums all-reduced over ranks."""
+        n = max(num_pairs, 1)
+        return {"loss": float(summed[0]) / n, **{name: float(summed[i + 1]) / n for i, name in enumerate(METRICS)}}
+
+
+def micro_batch_loss(policy: nn.Module, ref_model: nn.Module | None, peft_model: nn.Module | None,
+                     batch: dict[str, torch.Tensor], dpo: DpoConfig, device: torch.device, stats: PairStats
+                     ) -> torch.Tensor:
+    """The SUM of the micro-batch's pair losses (with its graph); the metrics' sums go into ``stats``."""
+    ref_chosen, ref_rejected = reference_logps(policy, ref_model, peft_model, batch, device)
+    chosen, rejected = pair_logps(policy, batch, device)
+    losses = preference_losses(chosen, rejected, ref_chosen, ref_rejected, batch["completion_mask"], dpo)
+    stats.add(losses, chosen, rejected, ref_chosen, ref_rejected, dpo.beta)
+    return losses.sum()
+
+
+def num_pairs(batch: dict[str, torch.Tensor]) -> int:
+    return batch["input_ids"].shape[0] // 2
+
+
+def check_loss_options(dpo: DpoConfig) -> None:
+    """TRL 1.16 reads --label_smoothing only in robust (and exo_pair): elsewhere it would be silently ignored."""
+    from shardtune.config.schema import ConfigError
+
+    if dpo.beta <= 0 or not math.isfinite(dpo.beta):
+        raise ConfigError(f"--beta {dpo.beta}: must be a positive number (TRL's default: 0.1)")
+    if dpo.loss_type == "robust" and not 0 <= dpo.label_smoothing < 0.5:
+        raise ConfigError(f"--label_smoothing {dpo.label_smoothing}: robust needs it in [0, 0.5)")
+    if dpo.loss_type != "robust" and dpo.label_smoothing:
+        raise ConfigError(f"--label_smoothing {dpo.label_smoothing} has no effect with --loss_type {dpo.loss_type} "
+                          "(TRL 1.16 smooths labels in robust only): pass --loss_type robust, or drop the flag")
+
+
+def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
+                   micro_batches: list[dict[str, torch.Tensor]], cfg, env, ref_model: nn.Module | None = None,
+                   peft_model: nn.Module | None = None) -> dict:
+    """One optimizer step over this rank's micro-batches of pairs: the loss and metrics are means over the step's
+    global pairs (all micro-batches, all ranks)."""
+    from shardtune.runtime.distributed import all_reduce_sum
+
+    pairs = int(all_reduce_sum(torch.tensor([sum(num_pairs(mb) for mb in micro_batches)]), env.device))
+    scale = strategy.grad_average_size / max(pairs, 1)  # the strategy's average over W ranks, undone
+    stats = PairStats.zero()
+    last = len(micro_batches) - 1
+    for i, mb in enumerate(micro_batches):
+        sync = strategy.accumulating(model) if i < last else contextlib.nullcontext()
+        with sync:
+            with strategy.autocast():
+                loss_sum = micro_batch_loss(model, ref_model, peft_model, mb, cfg.dpo, env.device, stats)
+            strategy.backward(loss_sum * scale)
+    row = stats.means(all_reduce_sum(stats.sums, env.device), pairs)
+    max_norm = cfg.gradient_clipping_threshold if cfg.gradient_clipping else None
+    grad_norm, stepped = strategy.clip_and_step(model, optimizer, max_norm,
+                                                lambda norm: math.isfinite(row["loss"]))
+    return {**row, "num_pairs": pairs, "grad_norm": grad_norm, **({} if stepped else {"skipped": True})}

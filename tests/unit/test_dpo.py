@@ -1,0 +1,176 @@
+"""DPO: shardtune's preference pairs, batches, log-probabilities and losses equal what TRL 1.16's DPOTrainer does.
+
+trl (the dev extra) is the oracle: the same JSONL file goes through ``shardtune.data.preference.load_pairs`` and
+through ``trl.DPOTrainer``'s dataset preparation and collator; every kept pair must give the same token ids,
+attention and completion masks. On the tiny preset model and one batch, the loss and the TRL-named metrics of
+``shardtune.training.dpo`` equal ``DPOTrainer.compute_loss``'s. No launch: the trainer is only constructed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import load_dataset
+
+from shardtune.config.schema import ConfigError, DpoConfig, TrainConfig
+from shardtune.data.preference import collate_pairs, extract_prompt, load_pairs
+from shardtune.model.loading import init_model, load_model, load_tokenizer
+from shardtune.training.dpo import PairStats, check_loss_options, micro_batch_loss, pair_logps
+
+SYSTEM = {"role": "system", "content": "Summarize the dialog."}
+DIALOGUES = [("Anna: cinema at 7? Tom: sure!", "Anna and Tom go to the cinema.", "Ben can't have lunch."),
+             ("Kate: lunch? Ben: can't today.", "Ben can't have lunch with Kate.", "Lucy brings cake."),
+             ("Lucy: I'll bring cake. Mark: fruit!", "Lucy brings cake and Mark fruit.", "Tom goes to the cinema.")]
+
+
+def chat(user: str, answer: str) -> list[dict]:
+    return [SYSTEM, {"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+
+
+ROWS = {
+    "text": [{"prompt": f"Summarize: {d}\nSummary:", "chosen": f" {c}", "rejected": f" {r}"} for d, c, r in DIALOGUES],
+    "chat": [{"prompt": chat(d, c)[:2], "chosen": chat(d, c)[2:], "rejected": chat(d, r)[2:]}
+             for d, c, r in DIALOGUES],
+    "implicit_text": [{"chosen": f"Summarize: {d}\nSummary: {c}", "rejected": f"Summarize: {d}\nSummary: {r}"}
+                      for d, c, r in DIALOGUES],
+    "implicit_chat": [{"chosen": chat(d, c), "rejected": chat(d, r)} for d, c, r in DIALOGUES],
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return init_model("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    return load_tokenizer(str(tiny))
+
+
+def dpo_cfg(path: Path, max_length: int = 1024, truncation_mode: str = "keep_start") -> TrainConfig:
+    cfg = TrainConfig(dataset="trl_dataset", context_length=max_length, run_validation=False)
+    cfg.trl_dataset.dataset_name = str(path)
+    cfg.trl_dataset.truncation_mode = truncation_mode
+    return cfg
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def trl_trainer(cfg: TrainConfig, model_dir: Path, tokenizer, tmp_path: Path, dpo: DpoConfig = DpoConfig()):
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, save_strategy="no",
+                     max_length=cfg.context_length, truncation_mode=cfg.trl_dataset.truncation_mode,
+                     beta=dpo.beta, loss_type=[dpo.loss_type], label_smoothing=dpo.label_smoothing)
+    dataset = load_dataset("json", data_files=cfg.trl_dataset.dataset_name, split="train")
+    return DPOTrainer(model=load_model(str(model_dir)), ref_model=load_model(str(model_dir)), args=args,
+                      train_dataset=dataset, processing_class=copy.deepcopy(tokenizer))
+
+
+CASES = {  # name: (rows, max_length, truncation mode)
+    "text": ("text", 1024, "keep_start"),
+    "chat": ("chat", 1024, "keep_start"),
+    "implicit_text": ("implicit_text", 1024, "keep_start"),
+    "implicit_chat": ("implicit_chat", 1024, "keep_start"),
+    "chat_cut_keep_start": ("chat", 45, "keep_start"),  # row 1 cut, rows 2-3 dropped (prompt fills it)
+    "text_cut_keep_end": ("text", 12, "keep_end"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pairs_and_batches_equal_trl(case, tiny, tokenizer, tmp_path):
+    name, max_length, mode = CASES[case]
+    cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS[name]), max_length, mode)
+    pairs, report = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
+    trainer = trl_trainer(cfg, tiny, tokenizer, tmp_path)
+    theirs = list(trainer.train_dataset)
+    assert len(pairs) == len(theirs), report.summary()
+    for row, (mine, trl_row) in enumerate(zip(pairs, theirs), start=1):
+        for key in ("prompt_ids", "chosen_ids", "rejected_ids"):
+            assert mine[key] == trl_row[key], f"row {row}: different {key}"
+    batch = collate_pairs(pairs, tokenizer.pad_token_id, max_length, mode)
+    trl_batch = trainer.data_collator(theirs)
+    for key in ("input_ids", "attention_mask", "completion_mask"):
+        assert torch.equal(batch[key], trl_batch[key]), f"different {key}"
+    if max_length < 100:
+        assert report.num_truncated > 0
+
+
+def test_implicit_prompt_is_the_shared_prefix_without_the_space():
+    assert extract_prompt("Q: sky? A: blue", "Q: sky? A: green") == ("Q: sky? A:", " blue", " green")
+    c, r = chat("hi", "a"), chat("hi", "b")
+    assert extract_prompt(c, r) == (c[:2], c[2:], r[2:])
+
+
+def test_a_prompt_that_fills_max_length_is_dropped_and_counted(tokenizer, tmp_path):
+    cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["chat"]), 30)
+    rows = ROWS["chat"] + [{"prompt": chat("x " * 80, "")[:2], "chosen": chat("", "a")[2:],
+                            "rejected": chat("", "b")[2:]}]
+    write_jsonl(tmp_path / "pairs.jsonl", rows)
+    cfg.context_length = 60
+    pairs, report = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
+    assert len(pairs) == 3 and report.skipped == {"prompt_fills_max_length": 1}
+
+
+LOSSES = [DpoConfig(), DpoConfig(beta=0.5, loss_type="ipo"), DpoConfig(beta=0.3, loss_type="hinge"),
+          DpoConfig(beta=0.2, loss_type="robust", label_smoothing=0.1)]
+
+
+@pytest.mark.parametrize("dpo", LOSSES, ids=lambda d: d.loss_type)
+def test_loss_and_log_probabilities_equal_trl(dpo, tiny, tokenizer, tmp_path):
+    """The policy perturbed away from the reference (so the ratios are not zero); the same batch for both.
+
+    TRL's reference log-probabilities come from its no-gradient path, whose fused LM head is up to ~5e-3 nats per
+    sequence away from a float64 forward on this model (shardtune's are within 1e-4 of it, checked here): the policy's
+    log-probabilities are compared to 1e-5 relative, the rewards to beta x 0.01, the loss to 2e-3.
+    """
+    cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["chat"]))
+    pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
+    trainer = trl_trainer(cfg, tiny, tokenizer, tmp_path, dpo)
+    policy, reference = load_model(str(tiny)), load_model(str(tiny))
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    trainer.model.load_state_dict(policy.state_dict())
+    batch = collate_pairs(pairs, tokenizer.pad_token_id, cfg.context_length)
+    trl_loss = float(trainer.compute_loss(trainer.model, trainer.data_collator(list(trainer.train_dataset))))
+    trl_metrics = {k: v[-1] for k, v in trainer._metrics["eval"].items()}
+    stats = PairStats.zero()
+    loss_sum = micro_batch_loss(policy, reference, None, batch, dpo, torch.device("cpu"), stats)
+    ours = stats.means(stats.sums, len(pairs))
+    assert float(loss_sum) / len(pairs) == pytest.approx(trl_loss, abs=2e-3)
+    assert ours["loss"] == pytest.approx(trl_loss, abs=2e-3)
+    for name in ("logps/chosen", "logps/rejected"):
+        assert ours[name] == pytest.approx(trl_metrics[name], rel=1e-5), name
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"):
+        assert ours[name] == pytest.approx(trl_metrics[name], abs=dpo.beta * 0.01), name
+    exact = torch.cat(pair_logps(load_model(str(tiny)).double(), batch, torch.device("cpu"))).double()
+    assert torch.allclose(torch.cat(pair_logps(reference, batch, torch.device("cpu"))).double(), exact, atol=1e-3)
+    assert abs(ours["rewards/margins"]) > 0.05, "the ratios must not be near zero, or the comparison is empty"
+    assert abs(ours["loss"] - math.log(2)) > 0.01
+
+
+def test_first_loss_is_ln2_when_policy_is_the_reference(tiny, tokenizer, tmp_path):
+    cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["text"]))
+    pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
+    model = load_model(str(tiny))
+    stats = PairStats.zero()
+    loss_sum = micro_batch_loss(model, load_model(str(tiny)), None, collate_pairs(pairs, tokenizer.pad_token_id, 1024),
+                                DpoConfig(), torch.device("cpu"), stats)
+    assert float(loss_sum) / len(pairs) == pytest.approx(math.log(2), abs=1e-6)
+    loss_sum.backward()  # the graph reaches the policy's weights
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_label_smoothing_outside_robust_is_refused():
+    check_loss_options(DpoConfig(loss_type="robust", label_smoothing=0.1))
+    with pytest.raises(ConfigError, match="robust only"):
+        check_loss_options(DpoConfig(label_smoothing=0.1))
