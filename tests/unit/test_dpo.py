@@ -174,3 +174,49 @@ def test_label_smoothing_outside_robust_is_refused():
     check_loss_options(DpoConfig(loss_type="robust", label_smoothing=0.1))
     with pytest.raises(ConfigError, match="robust only"):
         check_loss_options(DpoConfig(label_smoothing=0.1))
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    """A real one-process gloo group (what DDP needs to wrap a model)."""
+    import torch.distributed as dist
+
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(process_group, tiny, tokenizer, tmp_path):
+    """1 x 4 x 1, 1 x 2 x 2 and 1 x 1 x 4 (processes x pairs x accumulation): the same loss, metrics and weights
+    after one step (the pair count is all-reduced like the SFT loop's token count; the launch test does 2 ranks)."""
+    from shardtune.parallel import make_strategy
+    from shardtune.runtime.distributed import DistEnv
+    from shardtune.training.dpo import dpo_train_step
+
+    rows = ROWS["text"] + [{"prompt": "Summarize: Tom: hi!\nSummary:", "chosen": " Tom says hi.",
+                            "rejected": " Kate brings cake."}]
+    cfg0 = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", rows))
+    pairs, _ = load_pairs(cfg0, copy.deepcopy(tokenizer), "train")
+    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend="gloo")
+    results = []
+    for batch_size, accumulation in ((4, 1), (2, 2), (1, 4)):
+        cfg = dpo_cfg(tmp_path / "pairs.jsonl")
+        cfg.batch_size_training, cfg.gradient_accumulation_steps, cfg.optimizer = batch_size, accumulation, "SGD"
+        cfg.lr = 1.0
+        strategy = make_strategy(cfg, env)
+        model = strategy.wrap(load_model(str(tiny)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        micro = [collate_pairs(pairs[i:i + batch_size], tokenizer.pad_token_id, 1024)
+                 for i in range(0, 4, batch_size)]
+        stats = dpo_train_step(model, strategy, optimizer, micro, cfg, env, ref_model=load_model(str(tiny)))
+        results.append((stats, strategy.unwrap(model).state_dict()))
+    (first, weights), others = results[0], results[1:]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and first["num_pairs"] == 4
+    for stats, other in others:
+        for name in ("loss", "rewards/chosen", "logps/chosen", "logps/rejected"):
+            assert stats[name] == pytest.approx(first[name], rel=1e-6, abs=1e-7), name
+        for key, value in weights.items():
+            torch.testing.assert_close(other[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    moved = load_model(str(tiny)).state_dict()
+    assert any(not torch.equal(moved[k], v) for k, v in weights.items()), "the step changed no weight"
