@@ -10,6 +10,7 @@ import sys
 
 SUBCOMMANDS = {
     "sft": "fine-tune a model (launches torchrun; see shardtune sft --help)",
+    "dpo": "preference training (DPO) on chosen / rejected pairs, same launcher and flags as sft (docs/dpo.md)",
     "init-model": "write a small random-init Llama preset with its tokenizer as a Hugging Face directory",
     "export": "turn a training checkpoint (any world size, any strategy) into a Hugging Face model directory",
     "generate": "generate text with a model, a model + PEFT adapter, or a merged model (prompt, file or stdin)",
@@ -22,7 +23,7 @@ SUBCOMMANDS = {
 
 
 # a verb -> the module of shardtune.commands that runs it (``main(argv) -> exit status``)
-MODULES = {"sft": "sft", "init-model": "init_model", "export": "export", "generate": "generate", "plan": "plan",
+MODULES = {"sft": "sft", "dpo": "sft", "init-model": "init_model", "export": "export", "generate": "generate", "plan": "plan",
            "eval": "eval", "plot": "plot", "doctor": "doctor"}
 
 
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(sft_help_text())
         return 0
+    if command == "dpo":  # sft's command with the DPO objective (a command imports no other)
+        return importlib.import_module("shardtune.commands.sft").main(rest, objective="dpo")
     return importlib.import_module(f"shardtune.commands.{MODULES[command]}").main(rest)
 
 

@@ -1,4 +1,6 @@
 """``shardtune sft``: supervised fine-tuning. Launches itself through torchrun, or runs in place as a worker.
+``shardtune dpo`` is this command with the DPO objective (``main(argv, objective="dpo")``; torchrun runs
+``-m shardtune.dpo``): the same launcher, topology, flags and recipe files.
 
     shardtune sft --nproc_per_node 4 --dataset samsum_dataset ...       # launches 4 processes
     torchrun --nproc_per_node 4 -m shardtune.sft --dataset ...           # the same, torchrun by hand
@@ -33,7 +35,7 @@ from shardtune.training.checks import prepare
 from shardtune.training.worker import run_worker
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, objective: str = "sft") -> int:
     argv = sys.argv[1:] if argv is None else argv
     quiet_libraries()
     clear_accelerate_loading_variables()
@@ -57,21 +59,21 @@ def main(argv: list[str] | None = None) -> int:
             if launch_args:
                 raise ConfigError(f"--{next(iter(launch_args))} is a torchrun flag, but this process already runs "
                                   "under torchrun: give it to torchrun, before -m shardtune.sft")
-            return run_worker(cfg)
+            return run_worker(cfg, objective=objective)
         launch_args = {**file_launch_args, **launch_args}
         if cfg.one_gpu:
             launch_args.setdefault("nproc_per_node", "1")
         if cfg.dry_run:
             return dry_run(cfg, dry_run_topology(launch_args, hardware), hardware, train_argv)
         topology = resolve_here(launch_args)
-        prepare(cfg, topology.world_size)
+        prepare(cfg, topology.world_size, objective)
     except ConfigError as e:
         fail(str(e), debug)
         return 2
     if runs_in_place(launch_args, topology):
         os.environ.update(in_place_worker_env())
-        return run_worker(cfg, prepared=True)
+        return run_worker(cfg, prepared=True, objective=objective)
     if local_gpu_count():  # before torchrun's agent starts: it would set TORCH_NCCL_ASYNC_ERROR_HANDLING=1
         os.environ.update(nccl_watchdog_env(cfg.dist_timeout, os.environ))
     # workers receive the resolved model path, so a preset is built once, here
-    return launch(topology, "shardtune.sft", [*train_argv, "--model_name", cfg.model_name])
+    return launch(topology, f"shardtune.{objective}", [*train_argv, "--model_name", cfg.model_name])

@@ -27,7 +27,7 @@ accumulation) train on exactly the same global batches:
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -49,7 +49,9 @@ MicroBatch = dict[str, torch.Tensor]
 
 
 def unit_length(unit: Unit) -> int:
-    return sum(len(example["input_ids"]) for example in unit)
+    return sum(len(example["input_ids"]) if "input_ids" in example  # a preference pair: its longer sequence
+               else len(example["prompt_ids"]) + max(len(example["chosen_ids"]), len(example["rejected_ids"]))
+               for example in unit)
 
 
 def build_units(examples: list[Example], cfg: TrainConfig) -> list[Unit]:
@@ -167,8 +169,10 @@ class StepDataset(Dataset):
     (with ``row_slice``: this rank's slice of each, for sequence / context parallelism)."""
 
     def __init__(self, units: list[Unit], cfg: TrainConfig, dp_rank: int, dp_size: int, epoch: int, pad_id: int,
-                 start_step: int = 0, row_slice: RowTransform | None = None) -> None:
+                 start_step: int = 0, row_slice: RowTransform | None = None,
+                 collate_fn: Callable[[list[Unit], TrainConfig, int], MicroBatch] | None = None) -> None:
         self.units = units
+        self.collate_fn = collate_fn or collate
         self.cfg = cfg
         self.dp_rank = dp_rank
         self.dp_size = dp_size
@@ -192,19 +196,22 @@ class StepDataset(Dataset):
 
     def _micro_batch(self, step: int, micro_step: int) -> MicroBatch:
         chosen = self.order[micro_batch_slice(step, micro_step, self.dp_rank, self.cfg, self.dp_size)]
-        batch = collate([self.units[i] for i in chosen], self.cfg, self.pad_id)
+        batch = self.collate_fn([self.units[i] for i in chosen], self.cfg, self.pad_id)
         return batch if self.row_slice is None else self.row_slice(batch, self.pad_id)
 
 
 def train_loader(units: list[Unit], cfg: TrainConfig, dp_rank: int, dp_size: int, epoch: int, pad_id: int,
-                 start_step: int = 0, row_slice: RowTransform | None = None) -> DataLoader:
-    """Yields one list of micro-batches per optimizer step (collated in workers when num_workers > 0).
+                 start_step: int = 0, row_slice: RowTransform | None = None,
+                 collate_fn: Callable[[list[Unit], TrainConfig, int], MicroBatch] | None = None) -> DataLoader:
+    """Yields one list of micro-batches per optimizer step (collated in workers when num_workers > 0); ``collate_fn``
+    (units, cfg, pad_id) -> micro-batch replaces :func:`collate` (preference pairs).
 
     The loader gets its own generator: starting it draws no number from the global RNG, whose state (dropout)
     a checkpoint saves, so resuming mid-epoch continues the same random stream.
     """
     workers = cfg.num_workers_dataloader
-    return DataLoader(StepDataset(units, cfg, dp_rank, dp_size, epoch, pad_id, start_step, row_slice), batch_size=None,
+    return DataLoader(StepDataset(units, cfg, dp_rank, dp_size, epoch, pad_id, start_step, row_slice, collate_fn),
+                      batch_size=None,
                       shuffle=False, num_workers=workers, prefetch_factor=2 if workers > 0 else None,
                       persistent_workers=False, generator=torch.Generator().manual_seed(cfg.seed + epoch))
 

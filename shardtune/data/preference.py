@@ -189,3 +189,10 @@ def load_pairs(cfg: Any, tokenizer: Any, split: str) -> tuple[list[dict], DataRe
         raise DataError(f"{report.summary()}: no usable {split} pair: fix the data (see the skip reasons) or raise "
                         "--max_length")
     return pairs, report
+
+
+def collate_pair_units(units: list[list[Mapping]], cfg: Any, pad_id: int) -> dict[str, torch.Tensor]:
+    """The training loader's collate for pairs (one pair per unit): :func:`collate_pairs` with the run's
+    --max_length and truncation mode."""
+    return collate_pairs([pair for unit in units for pair in unit], pad_id, cfg.context_length,
+                         cfg.trl_dataset.truncation_mode)

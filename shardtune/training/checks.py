@@ -16,6 +16,7 @@ from shardtune import data
 from shardtune.config.checks import CONFIG_CHECKS
 from shardtune.config.schema import TrainConfig
 from shardtune.data.cache import load_examples_cached
+from shardtune.data.preference import load_pairs
 from shardtune.model.cookbook import check_cookbook_flags, check_model_flags
 from shardtune.model.loading import (
     cache_dir, check_model_source, check_tokenizer_fits, load_tokenizer, resolve_model_name,
@@ -27,6 +28,7 @@ from shardtune.parallel.dims import ParallelDims, check_parallel_dims
 from shardtune.parallel.sequence import check_sequence_split
 from shardtune.runtime.distributed import is_torchrun_worker
 from shardtune.training.checkpoint import check_checkpointing
+from shardtune.training.dpo import check_dpo_config
 
 # Settings alone, in order: the config floor's own, then those owned by the floors above.
 SETTING_CHECKS = (*CONFIG_CHECKS, check_cookbook_flags, check_parallel_dims, check_checkpointing)
@@ -59,11 +61,14 @@ def data_splits(cfg: TrainConfig) -> tuple[str, ...]:
     return ("train", "validation") if cfg.run_validation else ("train",)
 
 
-def prepare(cfg: TrainConfig, world_size: int) -> None:
+def prepare(cfg: TrainConfig, world_size: int, objective: str = "sft") -> None:
     """Everything checkable before a process group exists: settings, model source, data, context length.
 
     The data is loaded (and tokenised into the cache) here too, so a bad row is reported before any worker.
+    ``objective`` "dpo": the data are preference pairs (shardtune.data.preference).
     """
+    if objective == "dpo":
+        check_dpo_config(cfg, world_size)
     validate(cfg, world_size)
     cfg.model_name = resolve_model_name(cfg.model_name)
     check_model_source(cfg.model_name)
@@ -76,5 +81,9 @@ def prepare(cfg: TrainConfig, world_size: int) -> None:
     check_tokenizer_fits(cfg.model_name, tokenizer, cfg.tokenizer_name)
     data.check_context_length(cfg, tokenizer)
     dims = ParallelDims.from_config(cfg, world_size)
+    if objective == "dpo":
+        pairs, _ = load_pairs(cfg, tokenizer, "train")
+        data.steps_per_epoch(len(pairs), cfg, dims.dp_size)
+        return
     loaded = {split: load_examples_cached(cfg, tokenizer, split, cache_dir()) for split in data_splits(cfg)}
     data.steps_per_epoch(len(data.build_units(loaded["train"][0], cfg)), cfg, dims.dp_size)

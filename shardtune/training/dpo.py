@@ -134,13 +134,17 @@ def check_loss_options(dpo: DpoConfig) -> None:
 
 
 def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
-                   micro_batches: list[dict[str, torch.Tensor]], cfg, env, ref_model: nn.Module | None = None,
-                   peft_model: nn.Module | None = None) -> dict:
-    """One optimizer step over this rank's micro-batches of pairs: the loss and metrics are means over the step's
-    global pairs (all micro-batches, all ranks)."""
+                   micro_batches: list[dict[str, torch.Tensor]], cfg, env, shape=None, *,
+                   ref_model: nn.Module | None = None, peft_model: nn.Module | None = None) -> dict:
+    """One optimizer step over this rank's micro-batches of pairs (the loop's ``step_fn``): the loss and metrics are
+    means over the step's global pairs (all micro-batches, all ranks). ``num_tokens`` counts completion tokens
+    (policy forward only); model FLOPs are not counted yet (0: no MFU for DPO)."""
     from shardtune.runtime.distributed import all_reduce_sum
 
-    pairs = int(all_reduce_sum(torch.tensor([sum(num_pairs(mb) for mb in micro_batches)]), env.device))
+    local = torch.tensor([sum(num_pairs(mb) for mb in micro_batches),
+                          sum(int(mb["completion_mask"][:, 1:].sum()) for mb in micro_batches),
+                          sum(int(mb["attention_mask"].sum()) for mb in micro_batches)])
+    pairs, num_tokens, input_tokens = (int(x) for x in all_reduce_sum(local, env.device))
     scale = strategy.grad_average_size / max(pairs, 1)  # the strategy's average over W ranks, undone
     stats = PairStats.zero()
     last = len(micro_batches) - 1
@@ -154,4 +158,25 @@ def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
     max_norm = cfg.gradient_clipping_threshold if cfg.gradient_clipping else None
     grad_norm, stepped = strategy.clip_and_step(model, optimizer, max_norm,
                                                 lambda norm: math.isfinite(row["loss"]))
-    return {**row, "num_pairs": pairs, "grad_norm": grad_norm, **({} if stepped else {"skipped": True})}
+    return {**row, "num_pairs": pairs, "num_tokens": num_tokens, "input_tokens": input_tokens, "flops": 0,
+            "palm_flops": 0, "grad_norm": grad_norm, "metrics": ("num_pairs", *METRICS),
+            **({} if stepped else {"skipped": True})}
+
+
+def check_dpo_config(cfg, world_size: int) -> None:
+    """What this first slice of ``shardtune dpo`` supports (before launch; run by ``prepare``): DDP (with or without
+    PEFT), pairs padded per micro-batch (no packing), no evaluation yet (said once)."""
+    from shardtune.config.schema import ConfigError
+
+    check_loss_options(cfg.dpo)
+    if cfg.enable_fsdp or cfg.enable_deepspeed:
+        raise ConfigError("shardtune dpo runs under DDP for now (FSDP / ZeRO not yet): drop --enable_fsdp / "
+                          "--enable_deepspeed (see docs/dpo.md)")
+    if cfg.sequence_parallel_size * cfg.context_parallel_size > 1 or cfg.padding_free:
+        raise ConfigError("shardtune dpo does not split or flatten rows yet: drop --sp_size / --cp_size / "
+                          "--padding_free")
+    cfg.batching_strategy = "padding"  # pairs are collated chosen-then-rejected, never packed
+    if cfg.run_validation:
+        cfg.run_validation = False
+        print("shardtune dpo: no evaluation yet (rewards on the test split: not yet): training without it",
+              flush=True)

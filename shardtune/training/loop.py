@@ -127,7 +127,10 @@ def generate_samples(model: nn.Module, strategy: Strategy, sampler: Callable[[nn
 def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
           train_units: list, eval_examples: list[dict], pad_id: int, writer: MetricsWriter,
           checkpointer: Checkpointer | None = None,
-          eval_sampler: Callable[[nn.Module], list[dict]] | None = None) -> TrainResult:
+          eval_sampler: Callable[[nn.Module], list[dict]] | None = None,
+          step_fn: Callable[..., dict] = train_step, collate_fn: Callable | None = None) -> TrainResult:
+    """``step_fn`` (as :func:`train_step`) and ``collate_fn`` (as ``data.collate``) give another objective (DPO:
+    shardtune.training.dpo); the extra keys of its stats listed in ``stats["metrics"]`` go into the metrics rows."""
     optimizer = strategy.build_optimizer(model)
     dims = strategy.dims  # the sampler sees data-parallel ranks; the ranks of one cp x sp group split each row
     steps_per_epoch = data.steps_per_epoch(len(train_units), cfg, dims.dp_size)
@@ -158,13 +161,13 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
         done_in_epoch = first
         for step_in_epoch, micro_batches in enumerate(
                 data.train_loader(train_units, cfg, dims.dp_rank(env.rank), dims.dp_size, epoch, pad_id, first,
-                                  row_slice), start=first):
+                                  row_slice, collate_fn), start=first):
             if result.steps >= total_steps:
                 break
             lr = optimizer.param_groups[0]["lr"]
             try:
                 with probe.step(result.steps + 1):
-                    stats = train_step(model, strategy, optimizer, micro_batches, cfg, env, shape)
+                    stats = step_fn(model, strategy, optimizer, micro_batches, cfg, env, shape)
             except NonFiniteLossError as e:
                 raise TrainingStopped(f"non-finite {e} at step {result.steps + 1} (epoch {epoch + 1}), found before "
                                       "the optimizer step, so the weights were not touched; "
@@ -192,6 +195,7 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
                 "mfu": stats["flops"] / step_time_s / peak_flops,
                 "mfu_palm": stats["palm_flops"] / step_time_s / peak_flops,
             }
+            row.update({name: stats[name] for name in stats.get("metrics", ())})
             if stats["grad_norm"] is not None:
                 row["grad_norm"] = stats["grad_norm"]
             if stats.get("skipped"):

@@ -4,6 +4,7 @@ line (the launcher prints the first failing rank's)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -18,6 +19,7 @@ from shardtune.config.flags import to_yaml
 from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
 from shardtune.data.cache import load_examples_cached
 from shardtune.data.chat import mirror_eos_token
+from shardtune.data.preference import collate_pair_units, load_pairs
 from shardtune.model.cookbook import freeze_first_layers
 from shardtune.model.generation import EvalSampler
 from shardtune.model.loading import (
@@ -55,14 +57,22 @@ from shardtune.runtime.preemption import (
 )
 from shardtune.training.checkpoint import Checkpointer
 from shardtune.training.checks import data_splits, prepare
+from shardtune.training.dpo import dpo_train_step
 from shardtune.training.loop import TrainResult, train
 from shardtune.training.metrics import MetricsWriter
 from shardtune.training.preflight import PreflightError, run_preflight
 from shardtune.training.trackers import open_trackers
 
 
-def load_data(cfg: TrainConfig, env: DistEnv, dims: ParallelDims, tokenizer) -> tuple[list, list[dict]]:
-    """Training units and validation examples; every rank reads the same (from the tokenised-data cache)."""
+def load_data(cfg: TrainConfig, env: DistEnv, dims: ParallelDims, tokenizer, objective: str = "sft"
+              ) -> tuple[list, list[dict]]:
+    """Training units and validation examples; every rank reads the same (from the tokenised-data cache).
+    ``objective`` "dpo": one preference pair per unit, no validation examples."""
+    if objective == "dpo":
+        pairs, pair_report = load_pairs(cfg, tokenizer, "train")
+        print0(f"data (train): {pair_report.summary()}")
+        data.steps_per_epoch(len(pairs), cfg, dims.dp_size)
+        return [[pair] for pair in pairs], []
     loaded = {split: load_examples_cached(cfg, tokenizer, split, cache_dir()) for split in data_splits(cfg)}
     for split, (_, report) in loaded.items():
         print0(f"data ({split}): {report.summary()}")
@@ -99,7 +109,19 @@ def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Modul
     barrier()
 
 
-def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
+def dpo_objective(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module) -> dict:
+    """The loop's step and collate for DPO. The reference: with PEFT the policy's base with its adapter switched
+    off (no second copy); for full fine-tuning a frozen copy of the starting weights on this rank's device (DDP:
+    each rank holds the whole model anyway)."""
+    if cfg.use_peft:
+        reference = {"peft_model": strategy.unwrap(model)}
+    else:
+        ref_model = build_model(cfg, env).to(env.device).eval().requires_grad_(False)
+        reference = {"ref_model": ref_model}
+    return {"step_fn": functools.partial(dpo_train_step, **reference), "collate_fn": collate_pair_units}
+
+
+def fine_tune(cfg: TrainConfig, env: DistEnv, objective: str = "sft") -> TrainResult:
     seed_everything(cfg.seed)
     out_dir = Path(cfg.output_dir)
     if env.is_main:
@@ -108,7 +130,7 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
     tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name))
     strategy = make_strategy(cfg, env)
-    units, eval_examples = load_data(cfg, env, strategy.dims, tokenizer)
+    units, eval_examples = load_data(cfg, env, strategy.dims, tokenizer, objective)
 
     model = build_model(cfg, env)
     mirror_eos_token(cfg, model, tokenizer)
@@ -139,8 +161,9 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else ())
     try:
         sampler = EvalSampler(eval_examples[:cfg.log_eval_samples], tokenizer) if cfg.log_eval_samples else None
+        extra = dpo_objective(cfg, env, strategy, model) if objective == "dpo" else {}
         result = train(model, strategy, cfg, env, units, eval_examples, tokenizer.pad_token_id, writer, checkpointer,
-                       sampler)
+                       sampler, **extra)
     finally:
         writer.close()
     if cfg.save_model:
@@ -199,12 +222,12 @@ def record_worker_error(line: str) -> None:
         json.dump({"message": line, "timestamp": int(time.time())}, f)
 
 
-def run_worker(cfg: TrainConfig, prepared: bool = False) -> int:
+def run_worker(cfg: TrainConfig, prepared: bool = False, objective: str = "sft") -> int:
     install_worker_handlers()
     rank = int(os.environ["RANK"])
     try:
         if not prepared:  # the in-place run (one process) prepared it already
-            prepare(cfg, int(os.environ["WORLD_SIZE"]))
+            prepare(cfg, int(os.environ["WORLD_SIZE"]), objective)
     except ConfigError as e:
         if rank == 0:  # every rank finds the same problem; one line is enough
             fail(str(e), cfg.debug)
@@ -212,7 +235,7 @@ def run_worker(cfg: TrainConfig, prepared: bool = False) -> int:
     env = init_distributed(timeout_s=cfg.dist_timeout)
     try:
         run_preflight(cfg, env)
-        fine_tune(cfg, env)
+        fine_tune(cfg, env, objective)
     except PreflightError as e:  # found alike on every rank: one line per node
         if env.local_rank == 0:
             fail(str(e), cfg.debug)

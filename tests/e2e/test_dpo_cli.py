@@ -1,0 +1,39 @@
+"""``shardtune dpo`` as a user runs it: the embedded dialogues as pairs (own summary vs the next dialogue's), the real
+launcher, DDP on gloo. 1 process x 4 pairs and 2 processes x 2 pairs give the same losses and weights; the first
+loss is ln 2 (the policy starts as the reference); TRL's reward metrics are in metrics.jsonl."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.helpers import step_rows
+
+RUN = ("--context_length", 256, "--synthetic_dialogues.num_train", 12, "--num_workers_dataloader", 0,
+       "--max_train_step", 3, "--lr", 1e-3, "--beta", 0.5, "--seed", 7)
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+def test_dpo_one_by_four_equals_two_by_two(tiny_model, run_cli, tmp_path):
+    rows, weights = [], []
+    for nproc, batch in ((1, 4), (2, 2)):
+        out = tmp_path / f"run{nproc}"
+        proc = run_cli("dpo", "--nproc_per_node", nproc, "--batch_size_training", batch, "--model_name", tiny_model,
+                       "--output_dir", out, *RUN)
+        assert "preference pairs" in proc.stdout and "done:" in proc.stdout
+        rows.append(step_rows(out))
+        weights.append(load_file(out / "model.safetensors"))
+    one, two = rows
+    assert [r["step"] for r in one] == [1, 2, 3] == [r["step"] for r in two]
+    assert one[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert one[0]["rewards/margins"] == pytest.approx(0, abs=1e-6) and one[0]["num_pairs"] == 4
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+        for name in REWARDS:
+            assert b[name] == pytest.approx(a[name], rel=1e-4, abs=1e-6), name
+    assert all(abs(r["rewards/margins"]) > 1e-3 for r in one[1:]), "after a step the policy is not the reference"
+    for key, value in weights[0].items():
+        assert (weights[1][key] - value).abs().max() < 1e-5, key
