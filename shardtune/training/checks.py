@@ -14,7 +14,7 @@ from transformers import AutoConfig
 
 from shardtune import data
 from shardtune.config.checks import CONFIG_CHECKS
-from shardtune.config.schema import TrainConfig
+from shardtune.config.schema import ConfigError, DpoConfig, TrainConfig
 from shardtune.data.cache import load_examples_cached
 from shardtune.data.preference import load_pairs
 from shardtune.model.cookbook import check_cookbook_flags, check_model_flags
@@ -69,6 +69,8 @@ def prepare(cfg: TrainConfig, world_size: int, objective: str = "sft") -> None:
     """
     if objective == "dpo":
         check_dpo_config(cfg, world_size)
+    elif cfg.dpo != DpoConfig():
+        raise ConfigError("--beta / --loss_type / --label_smoothing are DPO flags: run shardtune dpo, or drop them")
     validate(cfg, world_size)
     cfg.model_name = resolve_model_name(cfg.model_name)
     check_model_source(cfg.model_name)

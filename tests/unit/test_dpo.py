@@ -220,3 +220,22 @@ def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(process_gro
             torch.testing.assert_close(other[key], value, rtol=1e-5, atol=1e-6, msg=key)
     moved = load_model(str(tiny)).state_dict()
     assert any(not torch.equal(moved[k], v) for k, v in weights.items()), "the step changed no weight"
+
+
+def test_with_peft_the_reference_is_the_base_with_the_adapter_off(tiny, tokenizer, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from shardtune.training.dpo import reference_logps
+
+    cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["text"]))
+    pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
+    batch = collate_pairs(pairs, tokenizer.pad_token_id, 1024)
+    policy = get_peft_model(load_model(str(tiny)), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.1)
+    cpu = torch.device("cpu")
+    base = torch.cat(pair_logps(load_model(str(tiny)), batch, cpu))
+    assert torch.allclose(torch.cat(reference_logps(policy, None, policy, batch, cpu)), base, atol=1e-4)
+    assert not torch.allclose(torch.cat(pair_logps(policy, batch, cpu)), base, atol=1e-2), "the adapter is on again"
