@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -535,8 +536,19 @@ def validator(fn):
     return fn
 
 
+def _setting(cfg: TrainConfig, key: str) -> Any:
+    target: Any = cfg
+    for part in key.split("."):
+        target = getattr(target, part)
+    return target
+
+
 @validator
 def _check_core(cfg: TrainConfig, world_size: int) -> None:
+    for key, (typ, _f) in flat_fields().items():  # inf / nan pass every comparison below as if they were fine
+        value = _setting(cfg, key)
+        if typ is float and isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--{key} {value} is not a finite number: pass a finite value")
     for name in ("batch_size_training", "gradient_accumulation_steps", "num_epochs", "context_length",
                  "val_batch_size"):
         if getattr(cfg, name) <= 0:
@@ -578,7 +590,14 @@ RUN_FILES = ("metrics.jsonl", "config.yaml", "config.json", "adapter_config.json
 
 
 def _check_previous_run(cfg: TrainConfig) -> None:
-    """Never overwrite a previous run's outputs by accident (resuming it, or a torchrun restart, is fine)."""
+    """Never overwrite a previous run's outputs by accident (resuming it, or a torchrun restart, is fine), and never
+    share output_dir with a run that is still going (not even with --resume auto or --overwrite_output_dir)."""
+    from shardtune.run_lock import RunLocked, check_not_locked
+
+    try:
+        check_not_locked(Path(cfg.output_dir))
+    except RunLocked as e:
+        raise ConfigError(str(e)) from None
     restarted = worker_group_attempt() > 0
     if cfg.overwrite_output_dir or cfg.resume or restarted:
         return
