@@ -242,8 +242,10 @@ def test_a_one_node_run_of_two_processes_listens_on_loopback_only(tiny_model, ca
     proc = start(cache_dir, tiny_model, out, "--num_epochs", 1000, "--save_steps", 0, "--standalone", nproc=2)
     try:
         wait_for(lambda: True if logged_steps(out) >= 1 else None, proc, "step 1")
-        launcher = listening_addresses([proc.pid])
-        assert launcher and all(is_loopback(a) for a in launcher), launcher
+        launcher = listening_addresses([proc.pid])  # the rendezvous store and the store shared with the workers
+        assert len(launcher) >= 2 and all(is_loopback(a) for a in launcher), launcher
+        workers = listening_addresses(list(worker_pids(proc.pid).values()))  # gloo's own connections
+        assert all(is_loopback(a) for a in workers), workers
         proc.send_signal(signal.SIGUSR1)
         _stdout, stderr = proc.communicate(timeout=300)
     finally:
