@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from shardtune.config import TrainConfig
+from shardtune.config.schema import TrainConfig
 from shardtune.data.report import DataReport
 from shardtune.data.sources import load_examples
-from shardtune.files import fsync_dir, fsync_tree
+from shardtune.runtime.files import fsync_dir, fsync_tree
 
 FORMAT_VERSION = 1
 HASH_CHUNK_BYTES = 1 << 20

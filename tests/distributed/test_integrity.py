@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.preemption import EXIT_PREEMPTED
+from shardtune.runtime.preemption import EXIT_PREEMPTED
 from tests.conftest import REPO, cli_env
 from tests.distributed.test_checkpoint import (
     error_lines,

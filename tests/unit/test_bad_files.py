@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from shardtune.config import ConfigError, TrainConfig
+from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.cache import load_examples_cached
-from shardtune.metrics import MetricsWriter, read_metrics
-from shardtune.models import check_model_source, train_tokenizer
+from shardtune.model.loading import check_model_source, train_tokenizer
+from shardtune.training.metrics import MetricsWriter, read_metrics
 
 
 def test_an_emptied_cache_file_is_removed_and_rebuilt_with_a_note(tmp_path, capsys):
