@@ -195,6 +195,13 @@ def start(cache_dir, model, out, *extra, nproc: int) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def lock_record(out: Path) -> str:
+    try:
+        return (out / ".shardtune.lock").read_text()
+    except OSError:
+        return ""
+
+
 def test_one_run_per_output_dir_loopback_only_and_a_stopped_lone_process_exits_75(tiny_model, cache_dir, tmp_path):
     """A LoRA run's outputs, then a full fine-tune over them (--overwrite_output_dir) caught while it runs: it listens
     on loopback only, a second run on the same output_dir is refused (also with --resume auto), SIGUSR1 stops it
@@ -206,7 +213,8 @@ def test_one_run_per_output_dir_loopback_only_and_a_stopped_lone_process_exits_7
     first = start(cache_dir, tiny_model, out, "--overwrite_output_dir", "true", "--num_epochs", 1000, "--save_steps",
                   0, nproc=1)
     try:
-        wait_for(lambda: True if logged_steps(out) >= 1 else None, first, "step 1")
+        # the LoRA run's metrics.jsonl is still there: wait for the new run's lock (its process group is up by then)
+        wait_for(lambda: True if f'"pid": {first.pid},' in lock_record(out) else None, first, "the lock was taken")
         addresses = listening_addresses([first.pid])
         assert all(is_loopback(a) for a in addresses), addresses
         second = sft(cache_dir, tiny_model, out, "--resume", "auto", nproc=1, check=False)
