@@ -23,16 +23,17 @@ from tqdm import tqdm
 from shardtune import data
 from shardtune.checkpoint import Checkpointer, Position
 from shardtune.config import TrainConfig
-from shardtune.distributed import DistEnv, all_reduce_sum
+from shardtune.distributed import DistEnv, all_reduce_sum, print0
 from shardtune.errors import TrainingStopped
 from shardtune.flops import (
-    ModelShape, measured_peak_flops, micro_batch_flops, model_shape, num_input_tokens, palm_micro_batch_flops,
+    ModelShape, micro_batch_flops, model_shape, num_input_tokens, palm_micro_batch_flops,
 )
 from shardtune.inference import mean_rouge
 from shardtune.loss import batch_label_tokens, token_loss_sum
 from shardtune.metrics import MetricsWriter, peak_memory_bytes, perplexity
 from shardtune.optim import build_optimizer, build_scheduler  # noqa: F401 (build_optimizer: re-exported for bench/)
 from shardtune.parallel.base import Strategy
+from shardtune.peak_flops import PeakMeter
 from shardtune.profiling import StepProbe
 from shardtune.parallel.sequence import RowSlice
 
@@ -135,9 +136,8 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
         total_steps = min(total_steps, cfg.max_train_step)
     scheduler, scheduler_unit = build_scheduler(optimizer, cfg, total_steps)
     shape = model_shape(model)
-    # every rank measures its own matmul rate at the same moment (so shared cores are shared as in training)
-    peak_flops = float(all_reduce_sum(torch.tensor(measured_peak_flops(str(env.device)), dtype=torch.float64),
-                                      env.device))
+    peak = PeakMeter(env.device, strategy.compute_dtype, lambda t: all_reduce_sum(t, env.device))
+    print0(peak.describe())
     row_slice = RowSlice.of_rank(dims, env.rank)  # eval rows are split like training rows
     eval_batches = (data.eval_batches(eval_examples, cfg, dims.dp_rank(env.rank), dims.dp_size, pad_id, row_slice)
                     if cfg.run_validation else [])
@@ -177,6 +177,9 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
             result.num_tokens += stats["num_tokens"]
             result.train_time_s += step_time_s
             result.losses.append(stats["loss"])
+            metered = time.perf_counter()
+            peak_flops = peak.after_step(result.steps, stats["flops"] / step_time_s)
+            tick += time.perf_counter() - metered  # a peak measurement is not part of the next step
             row = {
                 "step": result.steps,
                 "epoch": round(epoch + (step_in_epoch + 1) / steps_per_epoch, 6),
@@ -190,6 +193,7 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
                 "model_flops_per_s": stats["flops"] / step_time_s,
                 "mfu": stats["flops"] / step_time_s / peak_flops,
                 "mfu_palm": stats["palm_flops"] / step_time_s / peak_flops,
+                "peak_flops_per_s": peak_flops,
             }
             if stats["grad_norm"] is not None:
                 row["grad_norm"] = stats["grad_norm"]

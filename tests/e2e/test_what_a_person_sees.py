@@ -110,6 +110,10 @@ def test_a_run_reports_to_tensorboard_and_wandb_writes_eval_samples_counts_flops
     analytic = measured["model_flops_per_s"] * measured["step_time_s"]
     assert 1.0 < measured["measured_flops"] / analytic < 1.5
     assert all(0 < r["mfu"] < r["mfu_palm"] for r in steps)
+    # the start log names the peak MFU divides by; each row carries it (measured on CPU, never falling)
+    assert "mfu against the measured fp32 matmul peak of this CPU" in proc.stdout + proc.stderr
+    peaks = [r["peak_flops_per_s"] for r in steps]
+    assert peaks == sorted(peaks) and all(r["mfu"] <= 1 for r in steps)
 
     # shardtune plot: the pictures of this run
     plots = tmp_path / "plots"
