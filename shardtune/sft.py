@@ -52,6 +52,7 @@ from shardtune.runtime import quiet_libraries
 from shardtune.preemption import Preempted, install_worker_handlers, report_stopped
 from shardtune.preflight import PreflightError, run_preflight
 from shardtune.speed import apply_speed_features
+from shardtune import startup
 from shardtune.trackers import open_trackers
 from shardtune.train import TrainResult, train
 
@@ -133,8 +134,9 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     tokenizer = load_tokenizer(cfg.tokenizer_name or cfg.model_name)
     strategy = make_strategy(cfg, env)
     units, eval_examples = load_data(cfg, env, strategy.dims, tokenizer)
-
+    startup.mark("tokenizer and data")
     model = build_model(cfg, env)
+    startup.mark("model")
     freeze_first_layers(model, cfg)
     apply_memory_levers(model, cfg, env.device)
     if cfg.use_peft:
@@ -145,6 +147,7 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         print0(f"speed: {use_sequence_attention(hf_model(model), groups)}")
     num_params, num_trainable = count_parameters(model)
     model = strategy.wrap(model)
+    startup.mark("levers, adapters, wrap")
     print0(f"model: {cfg.model_name} ({num_params:,} parameters, {num_trainable:,} trainable)")
     print0(f"strategy: {strategy.describe()}")
     dp_size = strategy.dims.dp_size
@@ -239,8 +242,10 @@ def run_worker(cfg: TrainConfig, prepared: bool = False) -> int:
             fail(str(e), cfg.debug)
         return 2
     env = init_distributed(timeout_s=cfg.dist_timeout)
+    startup.mark("process group")
     try:
         run_preflight(cfg, env)
+        startup.mark("preflight")
         fine_tune(cfg, env)
     except PreflightError as e:  # found alike on every rank: one line per node
         if env.local_rank == 0:
@@ -269,6 +274,8 @@ def run_worker(cfg: TrainConfig, prepared: bool = False) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    startup.command_start()  # launched workers inherit it
+    startup.mark("python and imports")
     quiet_libraries()
     clear_accelerate_loading_variables()
     if "-h" in argv or "--help" in argv:
@@ -299,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             return dry_run(cfg, dry_run_topology(launch_args, hardware), hardware, train_argv)
         topology = resolve_here(launch_args)
         prepare(cfg, topology.world_size)
+        startup.mark("checks, model source, data cache")
     except ConfigError as e:
         fail(str(e), debug)
         return 2

@@ -35,6 +35,7 @@ from shardtune.optim import build_optimizer, build_scheduler  # noqa: F401 (buil
 from shardtune.parallel.base import Strategy
 from shardtune.peak_flops import PeakMeter
 from shardtune.profiling import StepProbe
+from shardtune import startup
 from shardtune.parallel.sequence import RowSlice
 
 
@@ -149,6 +150,10 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
     bar = tqdm(total=total_steps, initial=result.steps, desc="train", unit="step", disable=not env.is_main,
                dynamic_ncols=True)
     model.train()
+    startup.mark("optimizer, eval batches, checkpoint")
+    startup_s: float | None = startup.seconds_since_command()  # to this process's first step; in its first row
+    if cfg.debug:
+        print0(startup.phase_report())
     for epoch in range(start.epoch, cfg.num_epochs):
         if result.steps >= total_steps:
             break
@@ -195,6 +200,8 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
                 "mfu_palm": stats["palm_flops"] / step_time_s / peak_flops,
                 "peak_flops_per_s": peak_flops,
             }
+            if startup_s is not None:
+                row["startup_s"], startup_s = startup_s, None
             if stats["grad_norm"] is not None:
                 row["grad_norm"] = stats["grad_norm"]
             if stats.get("skipped"):
