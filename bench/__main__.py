@@ -62,9 +62,18 @@ def shardtune_epoch(model: str, out: Path, tool: str, variant: dict, args) -> di
             "model_flops_per_s_median": median([r["model_flops_per_s"] for r in steps[1:]] or [0.0])}
 
 
+def peer_device(args) -> str:
+    """The device the peers train on: shardtune takes the GPU when there is one, so they do too."""
+    if args.device != "auto":
+        return args.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def trainer_epoch(model: str, out: Path, variant: dict, args) -> dict:
     argv = [python(), "-m", "bench.hf_trainer", "--model", model, "--num_train", args.num_train, "--num_validation",
-            args.num_validation, "--batch", args.batch, "--lr", args.lr, "--out", out]
+            args.num_validation, "--batch", args.batch, "--lr", args.lr, "--out", out, "--device", peer_device(args)]
     if args.samsum:
         argv += ["--samsum", args.samsum]
     if variant["chatter"]:
@@ -79,7 +88,7 @@ def trl_epoch(model: str, out: Path, variant: dict, args) -> dict:
     """TRL's SFTTrainer at its fastest CPU setting, on the blocks shardtune packing uses (bench/trl_trainer.py)."""
     argv = [python(), "-m", "bench.trl_trainer", "--model", model, "--num_train", args.num_train, "--num_validation",
             args.num_validation, "--pack_batch", args.pack_batch, "--pack_length", variant["pack_length"],
-            "--lr", args.lr, "--out", out]
+            "--lr", args.lr, "--out", out, "--device", peer_device(args)]
     if args.samsum:
         argv += ["--samsum", args.samsum]
     if variant["chatter"]:
@@ -132,7 +141,7 @@ def bench_trainer(model: str, variant: dict, args) -> dict:
     compare_with_peers(summary)
     trainer_run = runs["hf_trainer"][0] if "hf_trainer" in runs else {"computed_tokens": 0, "real_tokens": 1}
     dataset = args.samsum or ("synthetic_dialogues" + (" --synthetic_dialogues.chatter" if variant["chatter"] else ""))
-    summary["setup"] = {"preset": "demo", "dataset": dataset, "variant": variant["name"],
+    summary["setup"] = {"preset": args.preset, "dataset": dataset, "variant": variant["name"],
                         "mean_example_tokens": variant["mean_example_tokens"],
                         "trainer_padding_ratio": trainer_run["computed_tokens"] / trainer_run["real_tokens"],
                         "num_train": args.num_train, "num_validation": args.num_validation, "lr": args.lr,
@@ -193,8 +202,9 @@ def bench_model_state(model: str) -> dict:
 
 def save(result: dict) -> None:
     """Written after every section, so an interrupted run keeps what it measured."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{result['args']['name']}.json").write_text(json.dumps(result, indent=2) + "\n")
+    results = Path(result["args"]["results_dir"])
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{result['args']['name']}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 def main() -> None:
@@ -214,7 +224,11 @@ def main() -> None:
     ap.add_argument("--tools", default=",".join(TOOLS),
                     help="comma-separated tools of the trainer section: " + ", ".join(TOOLS)
                     + " (trl_sft is left out when trl is not installed: pip install shardtune[bench])")
-    ap.add_argument("--name", default="latest", help="bench/results/NAME.md and NAME.json")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                    help="where the peers train (auto: the GPU when there is one, as shardtune)")
+    ap.add_argument("--preset", default="demo", help="the model of the trainer section (tiny: a functional check)")
+    ap.add_argument("--name", default="latest", help="RESULTS_DIR/NAME.md and NAME.json")
+    ap.add_argument("--results_dir", default=str(RESULTS))
     ap.add_argument("--overhead_steps", type=int, default=12)
     ap.add_argument("--memory_seq_len", type=int, default=4096)
     ap.add_argument("--memory_repeats", type=int, default=1)
@@ -224,7 +238,7 @@ def main() -> None:
     from shardtune.flops import measured_peak_flops
     from shardtune.models import resolve_model_name
 
-    model = resolve_model_name("preset:demo")
+    model = resolve_model_name(f"preset:{args.preset}")
     started = time.perf_counter()
     result: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine_info(),
                     "peak_fp32_flops_per_s": measured_peak_flops("cpu"), "args": vars(args)}
@@ -258,7 +272,7 @@ def main() -> None:
     result["machine"]["load_average_at_end"] = __import__("os").getloadavg()
     save(result)
     table = markdown(result)
-    (RESULTS / f"{args.name}.md").write_text(table)
+    (Path(args.results_dir) / f"{args.name}.md").write_text(table)
     print(table)
 
 

@@ -25,7 +25,7 @@ def markdown(r: dict) -> str:
              f"took {r['bench_wall_s'] / 60:.1f} min.", ""]
     for number, t in enumerate((r.get("trainer") or {}).values()):
         s = t["setup"]
-        lines += [f"**1{'abcdefgh'[number]}. One epoch vs Hugging Face Trainer and TRL: {s['dataset']}** (preset demo, "
+        lines += [f"**1{'abcdefgh'[number]}. One epoch vs Hugging Face Trainer and TRL: {s['dataset']}** (preset {s.get('preset', 'demo')}, "
                   f"{s['num_train']} train / {s['num_validation']} validation dialogues of "
                   f"{s['mean_example_tokens']:.0f} tokens on average; Trainer's padded batches compute "
                   f"{s['trainer_padding_ratio']:.2f}x the real tokens; AdamW lr {s['lr']} constant, clip 1.0, "

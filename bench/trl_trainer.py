@@ -6,6 +6,8 @@ Single process, single device. Prints one JSON line; ``epoch_s`` is ``trainer.tr
     python -m bench.trl_trainer --model DIR --num_train 200 --num_validation 50 --pack_batch 2 --pack_length 512 \
         --lr 1e-3 --out DIR [--samsum F] [--chatter] [--device cpu|cuda] [--max_steps N]
 
+On ``cuda`` the Trainer places the model and computes in bf16 mixed precision, as shardtune does by default.
+
 Needs ``pip install shardtune[bench]`` (trl, pinned).
 """
 
@@ -30,8 +32,7 @@ def main() -> None:
     ap.add_argument("--samsum", default="")
     ap.add_argument("--chatter", action="store_true")
     ap.add_argument("--context_length", type=int, default=1024)
-    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: bf16 mixed precision")
     ap.add_argument("--max_steps", type=int, default=-1, help="stop after N steps (-1: one epoch)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -57,13 +58,11 @@ def main() -> None:
     rows = [{"input_ids": e["input_ids"], "completion_mask": [int(x != IGNORE_INDEX) for x in e["labels"]]}
             for e in train_examples]
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
-    if args.device == "cuda":
-        model = model.cuda()
     config = SFTConfig(
         output_dir=args.out, per_device_train_batch_size=args.pack_batch, gradient_accumulation_steps=1,
         num_train_epochs=1, max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, optim="adamw_torch", max_grad_norm=1.0, seed=42,
-        use_cpu=args.device == "cpu", bf16=args.bf16, dataloader_num_workers=0, dataloader_drop_last=True,
+        use_cpu=args.device == "cpu", bf16=args.device == "cuda", dataloader_num_workers=0, dataloader_drop_last=True,
         save_strategy="no", eval_strategy="no", logging_steps=10**9, report_to=[], disable_tqdm=True,
         packing=True, packing_strategy="bfd", padding_free=True, max_length=args.pack_length,
         completion_only_loss=True, dataset_num_proc=None)
@@ -81,7 +80,7 @@ def main() -> None:
     tick = time.perf_counter()
     output = trainer.train()
     epoch_s = time.perf_counter() - tick
-    loss = eval_loss_of(model.cpu() if args.device == "cuda" else model, eval_examples, tokenizer.pad_token_id)
+    loss = eval_loss_of(model.cpu(), eval_examples, tokenizer.pad_token_id)
     print(json.dumps({"epoch_s": epoch_s, "steps": output.global_step, "examples": len(rows),
                       "label_tokens": computed["label_tokens"], "computed_tokens": computed["tokens"],
                       "eval_loss": loss, "eval_ppl": math.exp(loss), "process_s": time.perf_counter() - start,
