@@ -6,7 +6,7 @@ after the start-up work of issue 13, measured side by side in one run.
 
 ``--demo`` times the demo model's first step (cached data, one process, in place) from the command's start, in
 this checkout and, with ``--before DIR``, in another checkout side by side (interleaved), and records this
-checkout's per-phase start-up line (``--debug``: shardtune/startup.py) and the heaviest imports of the worker
+checkout's per-phase start-up line (``--debug``: shardtune/runtime/startup.py) and the heaviest imports of the worker
 (``python -X importtime``); written to bench/results/startup_demo.md and startup_demo.json.
 
 "before" is the earlier code path, still reachable: `sft --help` through the sft module (which imports torch,
@@ -38,7 +38,7 @@ PY = [sys.executable]
 CASES = {
     "shardtune --help": (PY + ["-m", "shardtune", "--help"], None),
     "shardtune sft --help (before: through the sft module)":
-        (PY + ["-c", "import sys; from shardtune.sft import main; sys.exit(main(['--help']))"], None),
+        (PY + ["-c", "import sys; from shardtune.commands.sft import main; sys.exit(main(['--help']))"], None),
     "shardtune sft --help (after)": (PY + ["-m", "shardtune", "sft", "--help"], None),
     "1-process run, launch to first step (before: torchrun worker)":
         (PY + ["-m", "shardtune", "sft", *RUN, "--max_restarts", "0"], "run"),

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from shardtune.attention import use_varlen_attention
+from shardtune.model.attention import use_varlen_attention
 from shardtune.data.batching import collate_flat
-from shardtune.loss import IGNORE_INDEX, token_loss_sum
-from shardtune.models import load_model
+from shardtune.model.loss import IGNORE_INDEX, token_loss_sum
+from shardtune.model.loading import load_model
 
 
 def rows(num: int, seed: int) -> list[dict]:

@@ -8,11 +8,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shardtune.config import ConfigError
+from shardtune.config.schema import ConfigError
 from shardtune.data.synthetic import PROMPT_PREFIX, PROMPT_SUFFIX, generate_dialogues
-from shardtune.models import (PRESETS, build_model_on_meta, cache_dir, check_model_source, count_parameters,
-                              init_model, load_model, load_tokenizer, preset_fingerprint, resolve_model_name,
-                              train_tokenizer)
+from shardtune.model.loading import (PRESET_VERSION, PRESETS, build_model_on_meta, cache_dir, check_model_source,
+                                     count_parameters, init_model, load_model, load_tokenizer, preset_fingerprint,
+                                     resolve_model_name, train_tokenizer)
 
 
 @pytest.fixture(autouse=True)
@@ -86,7 +86,7 @@ def test_init_model_fills_an_existing_empty_directory(tmp_path):
 
 def test_resolve_model_name_builds_a_preset_once_into_the_cache():
     path = resolve_model_name("preset:tiny")
-    assert path == str(cache_dir() / "presets" / f"tiny-v1-{preset_fingerprint('tiny')}")
+    assert path == str(cache_dir() / "presets" / f"tiny-{PRESET_VERSION}-{preset_fingerprint('tiny')}")
     weights = os.stat(os.path.join(path, "model.safetensors"))
     assert resolve_model_name("preset:tiny") == path
     again = os.stat(os.path.join(path, "model.safetensors"))
@@ -95,13 +95,13 @@ def test_resolve_model_name_builds_a_preset_once_into_the_cache():
 
 
 def test_empty_model_name_means_the_demo_preset():
-    assert resolve_model_name("").endswith(f"demo-v1-{preset_fingerprint('demo')}")
+    assert resolve_model_name("").endswith(f"demo-{PRESET_VERSION}-{preset_fingerprint('demo')}")
 
 
 def test_a_preset_is_the_same_bytes_in_any_fresh_cache_and_a_cache_left_by_other_code_is_not_reused(
         tmp_path, monkeypatch):
     """What a fresh clone builds is what a warm cache holds: the demo's figures cannot depend on the cache."""
-    stale = cache_dir() / "presets" / "tiny-v1"  # the name a preset had before its directory carried the fingerprint
+    stale = cache_dir() / "presets" / f"tiny-{PRESET_VERSION}"  # its name before it carried the fingerprint
     stale.mkdir(parents=True)
     (stale / "config.json").write_text("{}")
     first = resolve_model_name("preset:tiny")

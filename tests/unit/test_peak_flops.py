@@ -1,4 +1,4 @@
-"""The peak MFU divides by (shardtune/peak_flops.py): data-sheet peaks looked up by the names torch reports, in the
+"""The peak MFU divides by (shardtune/model/peak_flops.py): data-sheet peaks looked up by the names torch reports, in the
 compute dtype; on CPU a measured peak that a busy machine at measurement time does not leave too low."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from shardtune.peak_flops import (
+from shardtune.model.peak_flops import (
     DATA_SHEET_TFLOPS, PeakMeter, data_sheet_peak, is_remeasure_step, matmul_key, measure_matmul_flops,
 )
 
@@ -18,10 +18,10 @@ CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("name, key, tflops, gpu", [
-    ("NVIDIA H100 80GB HBM3", "bf16", 989.5, "NVIDIA H100 SXM"),
+    ("NVIDIA H100 80GB HBM3", "bf16", 989, "NVIDIA H100 SXM"),
     ("NVIDIA H100 PCIe", "bf16", 756, "NVIDIA H100 PCIe"),
     ("NVIDIA H100 NVL", "bf16", 835.5, "NVIDIA H100 NVL"),
-    ("NVIDIA H200", "bf16", 989.5, "NVIDIA H200 SXM"),
+    ("NVIDIA H200", "bf16", 989, "NVIDIA H200 SXM"),
     ("NVIDIA H200", "tf32", 494.5, "NVIDIA H200 SXM"),
     ("NVIDIA H200", "fp32", 67, "NVIDIA H200 SXM"),
     ("NVIDIA A100-SXM4-80GB", "bf16", 312, "NVIDIA A100"),
@@ -70,12 +70,12 @@ def test_fp32_runs_are_measured_against_the_tf32_peak_only_when_torch_uses_tf32(
 def test_a_known_gpu_uses_its_data_sheet_peak_summed_over_ranks_and_says_so():
     # a meter is built with the device's name (torch.cuda.get_device_name on a GPU); two ranks sum their peaks
     meter = PeakMeter(torch.device("cuda"), torch.bfloat16, lambda t: t * 2, device_name="NVIDIA H100 80GB HBM3")
-    assert not meter.measured and meter.flops_per_s == 2 * 989.5e12
-    assert meter.after_step(1, 5e15) == 2 * 989.5e12 and meter.num_measurements == 0  # fixed: never measured
-    assert "data-sheet dense bf16 peak of the NVIDIA H100 SXM (989.5 TFLOP/s per GPU" in meter.describe()
+    assert not meter.measured and meter.flops_per_s == 2 * 989e12
+    assert meter.after_step(1, 5e15) == 2 * 989e12 and meter.num_measurements == 0  # fixed: never measured
+    assert "data-sheet dense bf16 peak of the NVIDIA H100 SXM (989 TFLOP/s per GPU" in meter.describe()
     unknown = PeakMeter(torch.device("cuda"), torch.bfloat16, lambda t: t, device_name="NVIDIA GeForce GTX 1080")
     assert unknown.measured and "measured bf16 matmul peak" in unknown.describe()
-    assert "not in shardtune.peak_flops.DATA_SHEET_TFLOPS" in unknown.describe()
+    assert "not in shardtune.model.peak_flops.DATA_SHEET_TFLOPS" in unknown.describe()
 
 
 def test_the_measured_peak_is_remeasured_after_steps_1_2_4_8():

@@ -1,4 +1,4 @@
-"""The start-up phase timer (shardtune/startup.py): phases in order, measured from the command's start, which
+"""The start-up phase timer (shardtune/runtime/startup.py): phases in order, measured from the command's start, which
 launched workers inherit. No timed asserts: only order and consistency."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from shardtune import startup
+from shardtune.runtime import startup
 
 
 def test_this_process_started_before_now_and_a_child_inherits_the_command_start(monkeypatch):
@@ -17,7 +17,7 @@ def test_this_process_started_before_now_and_a_child_inherits_the_command_start(
     monkeypatch.delenv(startup.COMMAND_START_ENV, raising=False)
     start = startup.command_start()
     assert os.environ[startup.COMMAND_START_ENV] == repr(start)
-    child = subprocess.run([sys.executable, "-c", "from shardtune import startup; print(startup.command_start())"],
+    child = subprocess.run([sys.executable, "-c", "from shardtune.runtime import startup; print(startup.command_start())"],
                            capture_output=True, text=True, check=True, env={**os.environ})
     assert float(child.stdout) == start
 
