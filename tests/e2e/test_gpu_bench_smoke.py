@@ -89,7 +89,7 @@ def test_gpu_benchmark_runs_the_peers_side_by_side_in_its_cpu_mode(cache_dir, tm
     pytest.importorskip("trl")
     env = {**cli_env(cache_dir), "PEERS_RESULTS_DIR": str(tmp_path)}
     proc = subprocess.run(["bash", "bench/gpu.sh", "--peers-only", "--cpu-smoke"], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=480)
+                          cwd=REPO, env=env, timeout=960)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     trainer = json.loads((tmp_path / "peers_smoke.json").read_text())["trainer"]["plain"]
     assert trainer["fastest_peer"] in ("hf_trainer", "trl_sft")
