@@ -97,7 +97,8 @@ def demo_first_step(repo: Path, cache: Path) -> tuple[float, str]:
                 time.sleep(0.01)
             elapsed = time.perf_counter() - start
             proc.wait()
-        phases = next((line for line in log.read_text().splitlines() if line.startswith("start-up:")), "")
+        phases = next((line[line.index("start-up:"):] for line in log.read_text().splitlines()
+                       if "start-up: first step" in line), "")
         return elapsed, phases
 
 

@@ -148,13 +148,13 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
     probe = StepProbe(cfg, env, total_steps)
     start = (checkpointer.start(model, optimizer, scheduler, result, steps_per_epoch, total_steps)
              if checkpointer else Position())
+    startup.mark("optimizer, eval batches, checkpoint")
+    startup_s: float | None = startup.seconds_since_command()  # to this process's first step; in its first row
+    if cfg.debug:  # before the progress bar, so that the line stands alone
+        print0(startup.phase_report())
     bar = tqdm(total=total_steps, initial=result.steps, desc="train", unit="step", disable=not env.is_main,
                dynamic_ncols=True)
     model.train()
-    startup.mark("optimizer, eval batches, checkpoint")
-    startup_s: float | None = startup.seconds_since_command()  # to this process's first step; in its first row
-    if cfg.debug:
-        print0(startup.phase_report())
     for epoch in range(start.epoch, cfg.num_epochs):
         if result.steps >= total_steps:
             break
