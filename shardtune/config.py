@@ -32,7 +32,8 @@ def _f(default: Any, help: str, **kwargs: Any) -> Any:
 
 DATASETS = ("synthetic_dialogues", "samsum_dataset", "alpaca_dataset", "custom_dataset", "grammar_dataset")
 BATCHING_STRATEGIES = ("packing", "padding")
-LR_SCHEDULERS = ("step", "cosine")
+LR_SCHEDULERS = ("step", "cosine", "linear", "cosine_with_min_lr", "constant", "constant_with_warmup")
+OPTIMS = ("adamw_torch", "adamw_torch_fused")
 
 
 @dataclass
@@ -91,7 +92,8 @@ class FsdpConfig:
     sharding_group_size: int = _f(0, "ranks that shard one replica; 0: the processes of one node")
     replica_group_size: int = _f(0, "number of replicas; 0: world size / sharding_group_size")
     pure_bf16: bool = _f(False, "parameters, gradients and optimizer state in bf16 (less memory, less accuracy)")
-    fsdp_activation_checkpointing: bool = _f(False, "recompute each decoder layer's activations in backward")
+    fsdp_activation_checkpointing: bool = _f(False, "recompute each decoder layer's activations in backward (under "
+                                                     "DDP and DeepSpeed too; TRL: --gradient_checkpointing)")
     fsdp_cpu_offload: bool = _f(False, "keep sharded parameters, gradients and optimizer state in CPU memory")
     checkpoint_type: str = _f("", "SHARDED_STATE_DICT (each rank writes its shard) or FULL_STATE_DICT (also a "
                                   "gathered HF model in the checkpoint); setting it turns checkpoints on (at epoch "
@@ -117,6 +119,8 @@ class LoraConfig:
     lora_dropout: float = _f(0.05, "dropout on the LoRA input")
     bias: str = _f("none", "none, all or lora_only")
     use_dora: bool = _f(False, "weight-decomposed LoRA (DoRA)")
+    use_rslora: bool = _f(False, "rank-stabilised LoRA: scale lora_alpha / sqrt(r) instead of lora_alpha / r")
+    modules_to_save: list[str] = _f([], "modules trained in full and saved with the adapter (e.g. lm_head)")
 
 
 @dataclass
@@ -176,9 +180,21 @@ class TrainConfig:
     lr: float = _f(1e-4, "peak learning rate (AdamW)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     gamma: float = _f(0.85, "StepLR decay applied once per epoch (lr_scheduler=step)")
-    lr_scheduler: str = _f("step", "step (llama-cookbook: x gamma per epoch) or cosine (with warmup_steps)",
-                           choices=LR_SCHEDULERS)
-    warmup_steps: int = _f(0, "linear warm-up optimizer steps (lr_scheduler=cosine)")
+    lr_scheduler: str = _f("step", "step (llama-cookbook: x gamma per epoch), linear (to 0), cosine (to 0), "
+                                   "cosine_with_min_lr (to --min_lr_rate x lr), constant, constant_with_warmup; "
+                                   "each after --warmup_steps (constant: none)", choices=LR_SCHEDULERS)
+    warmup_steps: int = _f(0, "linear warm-up optimizer steps, under every scheduler but constant")
+    # TRL's training settings (issue 21; shardtune/config_trl.py maps TRL's names onto them)
+    warmup_ratio: float = _f(0.0, "warm-up as a fraction of the run's optimizer steps (rounded up); not with "
+                                  "--warmup_steps")
+    min_lr_rate: float = _f(0.0, "cosine_with_min_lr: the lr decays to this fraction of --lr")
+    min_lr: float = _f(0.0, "cosine_with_min_lr: the lr decays to this value (instead of --min_lr_rate)")
+    optim: str = _f("adamw_torch", "adamw_torch or adamw_torch_fused (torch's fused AdamW kernel); weight decay "
+                                   "skips biases and norm weights", choices=OPTIMS)
+    adam_beta1: float = _f(0.9, "AdamW beta1")
+    adam_beta2: float = _f(0.999, "AdamW beta2")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon")
+    eval_steps: int = _f(0, "also evaluate every N optimizer steps (with run_validation); 0: at epoch ends only")
     seed: int = _f(42, "seed of model init, data order and dropout")
     context_length: int = _f(1024, "tokens per packed block / longest example kept")
     batching_strategy: str = _f("packing", "packing (blocks of up to context_length tokens of whole examples, "
@@ -276,7 +292,7 @@ class TrainConfig:
     # What a person sees (issue 13): trackers, profiles, FLOP counts, eval samples
     report_to: str = _f("none", "where rank 0 also sends the metrics.jsonl rows: none, tensorboard (event files in "
                                 "output_dir/tensorboard), wandb, trackio, or all (TRL's name; each is an optional "
-                                "extra: pip install 'shardtune[tensorboard]')", choices=REPORT_TO)
+                                "extra: pip install 'shardtune[tensorboard]'); several: comma-separated")
     use_wandb: bool = _f(False, "log to Weights & Biases (llama-cookbook's spelling of --report_to wandb)")
     wandb_config: WandbConfig = _f(WandbConfig(), "Weights & Biases settings")
     use_profiler: bool = _f(False, "torch.profiler traces per rank in profiler_dir: steps 4-6 after 1 wait and 2 "
@@ -308,14 +324,8 @@ class TrainConfig:
         return getattr(self, self.dataset)
 
 
-# TRL / HF Trainer spellings accepted as aliases of ours.
+# Other spellings accepted as aliases of ours (TRL's names, with their meaning: shardtune/config_trl.py).
 ALIASES = {
-    "per_device_train_batch_size": "batch_size_training",
-    "per_device_eval_batch_size": "val_batch_size",
-    "learning_rate": "lr",
-    "num_train_epochs": "num_epochs",
-    "max_steps": "max_train_step",
-    "max_grad_norm": "gradient_clipping_threshold",
     "max_seq_length": "context_length",
     "max_length": "context_length",
     "sp_size": "sequence_parallel_size",
@@ -396,7 +406,9 @@ def resolve_key(key: str) -> str:
     for owner in SHORT_SPELLING_OWNERS:
         if f"{owner}.{key}" in known:
             return f"{owner}.{key}"
-    candidates = list(known) + list(ALIASES)
+    from shardtune.config_trl import TRL_FLAGS
+
+    candidates = list(known) + list(ALIASES) + list(TRL_FLAGS)
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
     hint = f"did you mean --{close[0]}?" if close else "see shardtune sft --help"
     raise ConfigError(f"unknown flag --{key}: {hint}")
@@ -444,8 +456,8 @@ def load_yaml(path: str) -> dict[str, Any]:
     return flatten_dict(data)
 
 
-def parse_args(argv: list[str]) -> TrainConfig:
-    """Parse ``--config FILE`` plus ``--key value`` / ``--key=value`` / bare ``--flag`` (true) overrides."""
+def _flag_pairs(argv: list[str]) -> tuple[list[tuple[str, Any]], str | None]:
+    """``--key value`` / ``--key=value`` / bare ``--flag`` (value None) pairs, and the path of ``--config``."""
     pairs: list[tuple[str, Any]] = []
     i = 0
     config_path = None
@@ -468,18 +480,82 @@ def parse_args(argv: list[str]) -> TrainConfig:
             config_path = value
             continue
         pairs.append((name, value))
-    cfg = TrainConfig()
-    if config_path:
-        for key, value in load_yaml(config_path).items():
-            set_value(cfg, key, value)
-    for name, value in pairs:
-        key = resolve_key(name)
-        typ, _ = flat_fields()[key]
-        if value is None:
-            if typ is not bool:
+    return pairs, config_path
+
+
+# Keys of a recipe that are not settings: read before launch by the command (config_trl.recipe_launch_settings).
+RECIPE_LAUNCH_KEYS = ("env", "accelerate_config")
+
+
+def _apply(cfg: TrainConfig, name: str, value: Any, given: dict[str, Any], bare_is_true: bool) -> dict[str, Any]:
+    """Set one flag (maybe a TRL name that sets several of ours); returns {our key: the value it now has}."""
+    from shardtune.config_trl import TRL_FLAGS, translate
+
+    if name.replace("-", "_") in TRL_FLAGS:
+        given[name.replace("-", "_")] = value
+    changed = {}
+    for key, raw in translate(name, value):
+        key = resolve_key(key)
+        if raw is None and bare_is_true:
+            if flat_fields()[key][0] is not bool:
                 raise ConfigError(f"--{name} needs a value")
-            value = "true"
-        set_value(cfg, key, value)
+            raw = "true"
+        set_value(cfg, key, raw)
+        changed[key] = get_value(cfg, key)
+    return changed
+
+
+def get_value(cfg: TrainConfig, key: str) -> Any:
+    target: Any = cfg
+    for part in key.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def _recipe_pairs(path: str) -> list[tuple[str, Any]]:
+    """The recipe's settings; every unknown key is named at once, in one line."""
+    pairs = [(k, v) for k, v in load_yaml(path).items() if k.split(".")[0] not in RECIPE_LAUNCH_KEYS]
+    unknown = []
+    for name, value in pairs:
+        try:
+            from shardtune.config_trl import translate
+
+            for key, _ in translate(name, value):
+                resolve_key(key)
+        except ConfigError as e:
+            if str(e).startswith("unknown flag"):
+                unknown.append(str(e).removeprefix("unknown flag --").replace(": did you mean", " (did you mean")
+                               .replace("?", "?)").replace(": see shardtune sft --help", ""))
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown keys: {'; '.join(unknown)}: fix or remove them (shardtune sft "
+                          "--help lists the names, docs/flags.md TRL's)")
+    return pairs
+
+
+def parse_args(argv: list[str], accelerate_argv: list[str] = (), notes: list[str] | None = None) -> TrainConfig:
+    """Parse ``--config FILE`` plus ``--key value`` / ``--key=value`` / bare ``--flag`` (true) overrides.
+
+    Precedence: the command line > the recipe (--config) > ``accelerate_argv`` (an Accelerate file's settings,
+    shardtune.accelerate_config). Where the recipe and the Accelerate file set one setting to different values, a
+    line naming both is appended to ``notes`` (the recipe's value is kept)."""
+    from shardtune.config_trl import finish
+
+    pairs, config_path = _flag_pairs(argv)
+    cfg = TrainConfig()
+    given: dict[str, Any] = {}
+    from_accelerate: dict[str, Any] = {}
+    for name, value in _flag_pairs(list(accelerate_argv))[0]:
+        from_accelerate.update(_apply(cfg, name, value, given, bare_is_true=True))
+    if config_path:
+        for name, value in _recipe_pairs(config_path):
+            for key, now in _apply(cfg, name, value, given, bare_is_true=False).items():
+                if key in from_accelerate and from_accelerate[key] != now and notes is not None:
+                    notes.append(f"{key}: the recipe {config_path} says {now!r} ({name}), the Accelerate file says "
+                                 f"{from_accelerate[key]!r}: using the recipe's (command line > recipe > Accelerate "
+                                 "file)")
+    for name, value in pairs:
+        _apply(cfg, name, value, given, bare_is_true=True)
+    finish(cfg, given)
     select_hybrid_sharding(cfg)
     return cfg
 
@@ -511,15 +587,25 @@ def field_default(f: dataclasses.Field) -> Any:
 
 
 def help_text() -> str:
-    lines = ["usage: shardtune sft [--config recipe.yaml] [--accelerate_config accelerate.yaml] [--flag value ...] "
-             "[torchrun flags]", "", "training flags:"]
+    from shardtune.config_trl import TRL_FLAGS, trl_names_of
+
+    lines = ["usage: shardtune sft [--config recipe.yaml] [--accelerate_config accelerate.yaml|PROFILE] [--flag value "
+             "...] [torchrun flags]", "",
+             "precedence: command line > recipe (--config; TRL's `trl sft --config` YAML too) > Accelerate file; a "
+             "setting the recipe and the Accelerate file give different values is named in one line", "",
+             "training flags:"]
     for key, (typ, f) in flat_fields().items():
         default = field_default(f)
         tname = getattr(typ, "__name__", str(typ))
-        lines.append(f"  --{key} {tname.upper()}  (default: {default!r})")
+        trl = trl_names_of(key)
+        lines.append(f"  --{key} {tname.upper()}  (default: {default!r})"
+                     + (f"  (TRL: {', '.join('--' + n for n in trl)})" if trl else ""))
         lines.append(f"      {f.metadata.get('help', '')}")
     lines.append("")
     lines.append("aliases: " + ", ".join(f"--{a} = --{c}" for a, c in ALIASES.items()))
+    refused = [n for n, flag in TRL_FLAGS.items() if flag.refuse]
+    lines.append("TRL flags refused (with the fix, in one line): " + ", ".join(f"--{n}" for n in refused)
+                 + " (docs/flags.md: the whole table)")
     return "\n".join(lines)
 
 
@@ -621,9 +707,10 @@ def effective_batch_size(cfg: TrainConfig, dp_size: int) -> int:
     return cfg.batch_size_training * dp_size * cfg.gradient_accumulation_steps
 
 
-# FSDP settings that only mean something with --enable_fsdp (checkpoint_type belongs to checkpointing).
+# FSDP settings that only mean something with --enable_fsdp (checkpoint_type belongs to checkpointing; activation
+# checkpointing applies under every strategy).
 FSDP_ONLY_SETTINGS = ("hsdp", "sharding_strategy", "sharding_group_size", "replica_group_size", "pure_bf16",
-                      "fsdp_activation_checkpointing", "fsdp_cpu_offload")
+                      "fsdp_cpu_offload")
 
 
 @validator
@@ -765,7 +852,13 @@ PROFILER_SCHEDULE = {"wait": 1, "warmup": 2, "active": 3}  # llama-cookbook's to
 
 def trackers(cfg: TrainConfig) -> list[str]:
     """The trackers a run reports to: --report_to (all: every one) plus --use_wandb."""
-    names = list(TRACKER_PACKAGES) if cfg.report_to == "all" else [] if cfg.report_to == "none" else [cfg.report_to]
+    given = [n.strip() for n in cfg.report_to.split(",") if n.strip()]
+    for name in given:
+        if name not in REPORT_TO:
+            close = difflib.get_close_matches(name, REPORT_TO, n=1)
+            raise ConfigError(f"--report_to {name!r} is not valid: " + (f"did you mean {close[0]}?" if close else
+                                                                        "choose from " + ", ".join(REPORT_TO)))
+    names = list(TRACKER_PACKAGES) if "all" in given else [n for n in given if n != "none"]
     if cfg.use_wandb and "wandb" not in names:
         names.append("wandb")
     return names

@@ -17,7 +17,8 @@ import torch
 from transformers import AutoConfig
 
 from shardtune import data
-from shardtune.accelerate_config import expand_accelerate_config
+from shardtune.accelerate_config import accelerate_config_path, expand_accelerate_config
+from shardtune.config_trl import recipe_launch_settings, take_num_processes
 from shardtune.cookbook import check_model_flags, clear_accelerate_loading_variables, freeze_first_layers
 from shardtune.checkpoint import (
     Checkpointer, remove_stale_staging, save_hf_model, write_text_atomic,
@@ -276,11 +277,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     debug = "--debug" in argv
     try:
-        file_launch_args, file_train_argv, argv = expand_accelerate_config(argv)
-        launch_args, train_argv = split_launcher_args(argv)
+        recipe_env, recipe_accelerate = recipe_launch_settings(argv)
+        os.environ.update(recipe_env)  # the recipe's env: before anything reads the environment
+        accelerate_path, _ = accelerate_config_path(argv)
+        accelerate_path = accelerate_path or recipe_accelerate
+        file_launch_args, file_train_argv, argv = expand_accelerate_config(argv, recipe_accelerate)
+        launch_args, train_argv = split_launcher_args(take_num_processes(argv))
         hardware, train_argv = split_hardware_flags(train_argv)
-        train_argv = file_train_argv + train_argv  # flags typed on the command line come last and win
-        cfg = parse_args(train_argv)
+        notes: list[str] = []  # command line > recipe > Accelerate file; a disagreement of the last two is said
+        cfg = parse_args(train_argv, file_train_argv, notes)
+        if not is_torchrun_worker():
+            for note in notes:
+                print(f"shardtune: {note}", file=sys.stderr, flush=True)
         if hardware and not cfg.dry_run:
             raise ConfigError(f"--{next(iter(hardware))} describes the hardware of a plan: add --dry_run (or use "
                               "shardtune plan), or drop the flag")
@@ -296,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.one_gpu:
             launch_args.setdefault("nproc_per_node", "1")
         if cfg.dry_run:
-            return dry_run(cfg, dry_run_topology(launch_args, hardware), hardware, train_argv)
+            return dry_run(cfg, dry_run_topology(launch_args, hardware), hardware, file_train_argv + train_argv)
         topology = resolve_here(launch_args)
         prepare(cfg, topology.world_size)
     except ConfigError as e:
@@ -308,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     if local_gpu_count():  # before torchrun's agent starts: it would set TORCH_NCCL_ASYNC_ERROR_HANDLING=1
         os.environ.update(nccl_watchdog_env(cfg.dist_timeout, os.environ))
     # workers receive the resolved model path, so a preset is built once, here
-    return launch(topology, "shardtune.sft", [*train_argv, "--model_name", cfg.model_name])
+    accelerate = ["--accelerate_config", accelerate_path] if accelerate_path else []  # the workers read it alike
+    return launch(topology, "shardtune.sft", [*accelerate, *train_argv, "--model_name", cfg.model_name])
 
 
 if __name__ == "__main__":
