@@ -194,6 +194,8 @@ class TrainConfig:
     adam_beta1: float = _f(0.9, "AdamW beta1")
     adam_beta2: float = _f(0.999, "AdamW beta2")
     adam_epsilon: float = _f(1e-8, "AdamW epsilon")
+    logging_steps: int = _f(1, "the trackers (--report_to) receive every Nth step row (eval rows: all); metrics.jsonl "
+                               "keeps every step")
     eval_steps: int = _f(0, "also evaluate every N optimizer steps (with run_validation); 0: at epoch ends only")
     seed: int = _f(42, "seed of model init, data order and dropout")
     context_length: int = _f(1024, "tokens per packed block / longest example kept")
@@ -209,6 +211,8 @@ class TrainConfig:
     overwrite_output_dir: bool = _f(False, "allow a new run to replace the outputs of a previous run in output_dir")
     save_model: bool = _f(True, "write the final model (or adapter) to output_dir")
     save_metrics: bool = _f(True, "write metrics.jsonl to output_dir")
+    save_plots: bool = _f(True, "at the end of the run, write PNG charts of metrics.jsonl to output_dir/plots (what "
+                                "shardtune plot draws)")
     use_fp16: bool = _f(False, "fp16 compute with a gradient scaler, for CUDA GPUs without bf16 (refused on CPU, "
                                      "which computes in fp32)")
     mixed_precision: bool = _f(True, "bf16 compute where the device supports it fast (CUDA); fp32 on CPU")
@@ -546,18 +550,28 @@ def parse_args(argv: list[str], accelerate_argv: list[str] = (), notes: list[str
     from_accelerate: dict[str, Any] = {}
     for name, value in _flag_pairs(list(accelerate_argv))[0]:
         from_accelerate.update(_apply(cfg, name, value, given, bare_is_true=True))
+    set_keys = set(from_accelerate)
     if config_path:
         for name, value in _recipe_pairs(config_path):
             for key, now in _apply(cfg, name, value, given, bare_is_true=False).items():
+                set_keys.add(key)
                 if key in from_accelerate and from_accelerate[key] != now and notes is not None:
                     notes.append(f"{key}: the recipe {config_path} says {now!r} ({name}), the Accelerate file says "
                                  f"{from_accelerate[key]!r}: using the recipe's (command line > recipe > Accelerate "
                                  "file)")
     for name, value in pairs:
-        _apply(cfg, name, value, given, bare_is_true=True)
+        set_keys.update(_apply(cfg, name, value, given, bare_is_true=True))
     finish(cfg, given)
     select_hybrid_sharding(cfg)
+    if cfg.dist_checkpoint_root_folder and "output_dir" not in set_keys:
+        cfg.output_dir = cookbook_run_dir(cfg)
     return cfg
+
+
+def cookbook_run_dir(cfg: TrainConfig) -> str:
+    """llama-cookbook's run folder, <dist_checkpoint_root_folder>/<dist_checkpoint_folder>-<model_name>: the run's
+    directory when those are given and --output_dir is not (the lesson's commands, run one after another)."""
+    return str(Path(cfg.dist_checkpoint_root_folder) / f"{cfg.dist_checkpoint_folder}-{cfg.model_name}")
 
 
 def select_hybrid_sharding(cfg: TrainConfig) -> None:
@@ -624,10 +638,10 @@ def validator(fn):
 @validator
 def _check_core(cfg: TrainConfig, world_size: int) -> None:
     for name in ("batch_size_training", "gradient_accumulation_steps", "num_epochs", "context_length",
-                 "val_batch_size"):
+                 "val_batch_size", "logging_steps"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name} {getattr(cfg, name)} must be positive: pass a value >= 1")
-    for name in ("max_train_step", "max_eval_step", "num_workers_dataloader", "warmup_steps"):
+    for name in ("max_train_step", "max_eval_step", "num_workers_dataloader", "warmup_steps", "eval_steps"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} {getattr(cfg, name)} must be >= 0 (0 means no limit / none)")
     if cfg.lr <= 0:

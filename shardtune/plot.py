@@ -164,6 +164,12 @@ def write_plots(runs: list[Run], out_dir: Path, smoothing: float = 0.6) -> list[
     return [*written, out_dir / "overview.png"]
 
 
+def write_run_plots(run_dir: Path) -> Path:
+    """The charts of one finished run, into RUN_DIR/plots (what `shardtune plot RUN_DIR` writes); returns the folder."""
+    write_plots([read_run(run_dir, run_dir.name)], run_dir / "plots")
+    return run_dir / "plots"
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardtune plot", description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", help="run output directories (metrics.jsonl), metrics.jsonl files, or "

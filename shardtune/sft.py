@@ -160,7 +160,8 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     checkpointer = Checkpointer(cfg, env, strategy, tokenizer)
     metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.save_metrics else None
     append = metrics_path is not None and checkpointer.keep_metrics_rows(metrics_path)
-    writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else ())
+    writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else (),
+                           tracker_every=cfg.logging_steps)
     try:
         sampler = EvalSampler(eval_examples[:cfg.log_eval_samples], tokenizer) if cfg.log_eval_samples else None
         result = train(model, strategy, cfg, env, units, eval_examples, tokenizer.pad_token_id, writer, checkpointer,
@@ -169,6 +170,10 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         writer.close()
     if cfg.save_model:
         save_outputs(cfg, env, strategy, model, tokenizer)
+    if metrics_path is not None and cfg.save_plots:  # rank 0 (the only one with a metrics path)
+        from shardtune.plot import write_run_plots
+
+        print0(f"charts: {write_run_plots(out_dir)}/ (loss, lr, grad norm, speed, memory)")
     print0(report(result, cfg))
     return result
 
@@ -315,9 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_worker(cfg, prepared=True)
     if local_gpu_count():  # before torchrun's agent starts: it would set TORCH_NCCL_ASYNC_ERROR_HANDLING=1
         os.environ.update(nccl_watchdog_env(cfg.dist_timeout, os.environ))
-    # workers receive the resolved model path, so a preset is built once, here
     accelerate = ["--accelerate_config", accelerate_path] if accelerate_path else []  # the workers read it alike
-    return launch(topology, "shardtune.sft", [*accelerate, *train_argv, "--model_name", cfg.model_name])
+    # the workers read the resolved model path (a preset is built once, here) and the run's directory as resolved
+    return launch(topology, "shardtune.sft", [*accelerate, *train_argv, "--model_name", cfg.model_name,
+                                              "--output_dir", cfg.output_dir])
 
 
 if __name__ == "__main__":

@@ -212,8 +212,9 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
             if flop_report and env.is_main:
                 bar.write(flop_report)
             done_in_epoch = step_in_epoch + 1
+            # --eval_steps: inside the epoch (its end, and the run's last step, evaluate anyway)
             if cfg.run_validation and cfg.eval_steps and result.steps % cfg.eval_steps == 0 \
-                    and done_in_epoch < steps_per_epoch:  # (the epoch's end evaluates anyway)
+                    and done_in_epoch < steps_per_epoch and result.steps < total_steps:
                 run_eval(row["epoch"], f"step {result.steps}")
             if checkpointer:
                 checkpointer.after_step(epoch, done_in_epoch)
