@@ -203,6 +203,13 @@ def _model_revision(value: Any) -> Pairs:
                        f"revision (hf download ID --revision {value} --local-dir DIR) and pass --model_name DIR")
 
 
+def _attn_implementation(value: Any) -> Pairs:
+    if _text(value) == "sdpa":
+        return []  # what shardtune loads with (eager only where a model cannot use SDPA)
+    raise TrlFlagError(f"--attn_implementation {value}: shardtune picks the attention itself (SDPA; its varlen kernel "
+                       "for packed rows; flash-attention 2 with --use_fast_kernels where installed): drop the flag")
+
+
 def _trust_remote_code(value: Any) -> Pairs:
     if not _bool("trust_remote_code", value):
         return []
@@ -220,9 +227,8 @@ TRL_FLAGS: dict[str, TrlFlag] = {
                                              "scaler; auto / float32: fp32", _dtype("dtype")),
     "torch_dtype": T("mixed_precision / use_fp16", "as --dtype (its older name)", _dtype("torch_dtype")),
     "trust_remote_code": T("-", "false only: no code from the hub is run", _trust_remote_code),
-    "attn_implementation": T("-", "refused: shardtune picks the attention of its batching (varlen for packing)",
-                             refuse="shardtune picks the attention itself (its varlen kernel for packing, SDPA "
-                                    "otherwise; flash-attention 2 with --use_fast_kernels): drop the flag"),
+    "attn_implementation": T("-", "sdpa only (shardtune's own choice; packed rows attend per example with its "
+                                  "varlen kernel)", _attn_implementation),
     # PEFT (ModelConfig)
     "lora_r": T("lora_config.r", "LoRA rank"),
     "lora_alpha": T("lora_config.lora_alpha", "LoRA scaling numerator"),
@@ -371,13 +377,29 @@ def trl_names_of(ours: str) -> list[str]:
 
 def flag_table() -> str:
     """docs/flags.md: TRL name, cookbook name, ours, meaning; generated from TRL_FLAGS."""
+    from shardtune.accelerate_config import PROFILES
+
     lines = ["# Flags: TRL's names, llama-cookbook's, shardtune's", "",
              "Generated from `shardtune/config_trl.py` (`python -m shardtune.config_trl > docs/flags.md`); a test "
              "checks it is current.", "",
              "Precedence: command line > recipe (`--config`) > Accelerate file (`--accelerate_config`). Where the "
              "recipe and the Accelerate file set the same setting to different values, one line names both and the "
              "recipe's value is used. Every flag given is honoured or refused before launch in one line.", "",
-             "Weight decay is not applied to biases and norm weights (as Hugging Face's Trainer does).", "",
+             "Weight decay is not applied to biases and norm weights (as Hugging Face's Trainer does). The "
+             "warm-up ramps the lr as (step + 1) / (warmup + 1) of the peak, so no step trains at lr 0 (Hugging "
+             "Face's first step does).", "",
+             "## Files", "",
+             "- `shardtune sft --config FILE` reads a `trl sft --config` YAML: TRL's flat keys (the table below), "
+             "shardtune's own names (nested sections too), `env:` (exported before launch) and `accelerate_config:` "
+             "(a file or a profile name). All unknown keys are named at once, in one line.",
+             "- `--accelerate_config` takes a file or a packaged profile: " + ", ".join(f"`{p}`" for p in PROFILES)
+             + " (no process count: one per visible GPU, or `--num_processes N`). `distributed_type: NO` starts one "
+             "process whatever `num_processes` says, as Accelerate does.",
+             "- `parallelism_config`: `cp_size` (torch backend) is ring attention (`--cp_size`); `sp_size`, and "
+             "`cp_size` with `cp_backend: deepspeed` (ALST), are Ulysses (`--sp_size`); `dp_replicate_size` > 1 under "
+             "FSDP is HYBRID_SHARD with that many replicas; `dp_shard_size` is the rest of the world; the product must "
+             "equal `num_processes`; `tp_size` > 1 is refused.", "",
+             "## TRL's names", "",
              "| TRL | llama-cookbook | shardtune | meaning |", "|---|---|---|---|"]
     for trl, flag in TRL_FLAGS.items():
         cookbook = ", ".join(f"`{n}`" for n in flag.ours.replace("/", " ").replace("+", " ").split()

@@ -237,3 +237,28 @@ def test_help_lists_the_trl_names_beside_ours():
 
     text = help_text()
     assert "TRL: --max_grad_norm" in text and "TRL: --learning_rate" in text and "TRL: --gradient_checkpointing" in text
+
+
+def test_plan_takes_sfts_topology_flags():
+    from shardtune.plan import split_plan_args
+
+    values, rest, _ = split_plan_args(["--nproc_per_node", "8", "--nnodes", "2", "--master_addr", "10.0.0.1",
+                                       "--enable_fsdp"])
+    assert (values["gpus_per_node"], values["nnodes"], rest) == ("8", "2", ["--enable_fsdp"])
+    assert split_plan_args(["--num_processes", "4"])[0]["gpus_per_node"] == "4"
+    with pytest.raises(ConfigError, match="disagree"):
+        split_plan_args(["--nproc_per_node", "8", "--gpus_per_node", "4"])
+
+
+def test_cookbook_checkpoint_folders_without_output_dir_are_the_runs_directory():
+    cookbook = ["--dist_checkpoint_root_folder", "model_checkpoints", "--dist_checkpoint_folder", "fine-tuned",
+                "--model_name", "meta-llama/Llama-3.2-1B"]
+    assert parse_args(cookbook).output_dir == "model_checkpoints/fine-tuned-meta-llama/Llama-3.2-1B"
+    assert parse_args([*cookbook, "--output_dir", "mine"]).output_dir == "mine"
+
+
+def test_plot_works_after_the_default_install():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert any(d.startswith("matplotlib") for d in project["dependencies"])
