@@ -210,6 +210,18 @@ def _attn_implementation(value: Any) -> Pairs:
                        "for packed rows; flash-attention 2 with --use_fast_kernels where installed): drop the flag")
 
 
+def _gradient_checkpointing_kwargs(value: Any) -> Pairs:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError:
+            value = None
+    if not isinstance(value, dict) or set(value) - {"use_reentrant"}:
+        raise TrlFlagError(f"--gradient_checkpointing_kwargs {value!r}: shardtune takes only "
+                           "'{\"use_reentrant\": false}' (it recomputes non-reentrantly)")
+    return [("activation_checkpointing_use_reentrant", _text(value.get("use_reentrant", False)))]
+
+
 def _trust_remote_code(value: Any) -> Pairs:
     if not _bool("trust_remote_code", value):
         return []
@@ -261,6 +273,14 @@ TRL_FLAGS: dict[str, TrlFlag] = {
     "fp16": T("use_fp16", "fp16 compute with a gradient scaler (CUDA)"),
     "gradient_checkpointing": T("fsdp_config.fsdp_activation_checkpointing", "recompute each decoder layer in "
                                                                              "backward (DDP, FSDP and DeepSpeed)"),
+    "gradient_checkpointing_kwargs": T("activation_checkpointing_use_reentrant", "use_reentrant false only",
+                                       _gradient_checkpointing_kwargs),
+    "gradient_checkpointing_kwargs.use_reentrant": T("activation_checkpointing_use_reentrant", "false only (a YAML "
+                                                                                              "mapping's key)"),
+    "use_liger_kernel": T("use_fast_kernels", "liger-kernel's fused RMSNorm / SwiGLU / RoPE on CUDA (and "
+                                              "flash-attention 2 where installed)"),
+    "save_only_model": T("save_optimizer", "true: checkpoints without optimizer state (they do not resume)",
+                         lambda value: [("save_optimizer", "false" if _bool("save_only_model", value) else "true")]),
     "packing": T("batching_strategy", "true: packing; false: padding", _packing),
     "packing_strategy": T("batching_strategy packing", "bfd only (shardtune's packing)", _packing_strategy),
     "dataloader_num_workers": T("num_workers_dataloader", "data loader processes per rank"),
@@ -341,13 +361,18 @@ def finish(cfg, given: dict[str, Any]) -> None:
         raise ConfigError("--save_strategy steps needs --save_steps N: say every how many optimizer steps to save")
 
 
+def recipe_path(argv: list[str]) -> str | None:
+    """The path of --config in argv (None: none)."""
+    path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), None)
+    return path or next((a.partition("=")[2] for a in argv if a.startswith("--config=")), None)
+
+
 def recipe_launch_settings(argv: list[str]) -> tuple[dict[str, str], str | None]:
     """A ``trl sft --config`` recipe's ``env:`` (variables to export before launch) and ``accelerate_config:`` (a file
     or a packaged profile name), read before anything else."""
     from shardtune.config import ConfigError, load_yaml
 
-    path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), None)
-    path = path or next((a.partition("=")[2] for a in argv if a.startswith("--config=")), None)
+    path = recipe_path(argv)
     if path is None:
         return {}, None
     flat = load_yaml(path)

@@ -18,7 +18,7 @@ from transformers import AutoConfig
 
 from shardtune import data
 from shardtune.accelerate_config import accelerate_config_path, expand_accelerate_config
-from shardtune.config_trl import recipe_launch_settings, take_num_processes
+from shardtune.config_trl import recipe_launch_settings, recipe_path, take_num_processes
 from shardtune.cookbook import check_model_flags, clear_accelerate_loading_variables, freeze_first_layers
 from shardtune.checkpoint import (
     Checkpointer, remove_stale_staging, save_hf_model, write_text_atomic,
@@ -292,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         notes: list[str] = []  # command line > recipe > Accelerate file; a disagreement of the last two is said
         cfg = parse_args(train_argv, file_train_argv, notes)
         if not is_torchrun_worker():
+            sources = [f"recipe {recipe_path(train_argv)}"] if recipe_path(train_argv) else []
+            sources += [f"Accelerate file {accelerate_path}"] if accelerate_path else []
+            if sources:  # the start log states the precedence
+                print(f"shardtune: settings from the command line > {' > '.join(sources)}", file=sys.stderr)
             for note in notes:
                 print(f"shardtune: {note}", file=sys.stderr, flush=True)
         if hardware and not cfg.dry_run:

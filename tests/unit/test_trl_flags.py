@@ -262,3 +262,11 @@ def test_plot_works_after_the_default_install():
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert any(d.startswith("matplotlib") for d in project["dependencies"])
+
+
+def test_more_trl_training_names():
+    cfg = parse_args(["--use_liger_kernel", "--save_only_model", "--gradient_checkpointing_kwargs",
+                      '{"use_reentrant": false}'])
+    assert cfg.use_fast_kernels and not cfg.save_optimizer and not cfg.activation_checkpointing_use_reentrant
+    with pytest.raises(ConfigError, match="use_reentrant"):
+        parse_args(["--gradient_checkpointing_kwargs", '{"preserve_rng_state": true}'])
