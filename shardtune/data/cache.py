@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from shardtune.config import TrainConfig
+from shardtune.config.schema import TrainConfig
 from shardtune.data.report import DataReport
 from shardtune.data.sources import load_examples
 

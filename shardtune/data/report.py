@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardtune.config import ConfigError
+from shardtune.config.schema import ConfigError
 
 
 class DataError(ConfigError):

@@ -11,7 +11,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Callable
 
-from shardtune.config import ConfigError, TrainConfig
+from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.files import DataFiles, Row, hold_out, locate, read_rows
 from shardtune.data.formatting import (ALPACA_PROMPT_NO_INPUT, GRAMMAR_PROMPT, SAMSUM_PROMPT, alpaca_pairs,
                                        grammar_pairs, samsum_pairs, template_length, token_examples, tokenize_pairs)

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from shardtune.launch import DEFAULT_JOIN_TIMEOUT_S
+from shardtune.launch.torchrun import DEFAULT_JOIN_TIMEOUT_S
 from tests.conftest import REPO, cli_env
 from tests.distributed.test_checkpoint import (
     COMMON, finish, free_port, logged_steps, start_two_nodes, wait_for, worker_pids,
@@ -53,7 +53,7 @@ def test_a_dead_rank_on_node_1_ends_node_0_within_seconds(tiny_model, cache_dir,
     assert [p.returncode for p in nodes] == [1, 1]
     # c10d assigns global ranks by arrival: node 1's worker may be rank 0 or 1
     assert re.search(r"shardtune: training failed: rank \d exited with code -9", outputs[1][1]), outputs[1][1][-2000:]
-    # node 0's worker fails in a collective with its peer gone: one line, recorded by the worker (shardtune.sft)
+    # node 0's worker fails in a collective with its peer gone: one line, recorded by the worker (shardtune.training.worker)
     assert re.search(r"shardtune: error: rank \d: RuntimeError: .*(Connection reset|Connection closed|peer)",
                      outputs[0][1]), outputs[0][1][-2000:]
     assert "Traceback" not in outputs[0][1]

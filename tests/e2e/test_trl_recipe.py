@@ -9,7 +9,7 @@ import json
 import pytest
 import yaml
 
-from shardtune.metrics import read_metrics
+from shardtune.training.metrics import read_metrics
 
 WARMUP, STEPS, PEAK = 2, 6, 1e-3
 

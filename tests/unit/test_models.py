@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shardtune.config import ConfigError
+from shardtune.config.schema import ConfigError
 from shardtune.data.synthetic import PROMPT_PREFIX, PROMPT_SUFFIX, generate_dialogues
-from shardtune.models import (PRESETS, build_model_on_meta, cache_dir, check_model_source, count_parameters,
+from shardtune.model.loading import (PRESETS, build_model_on_meta, cache_dir, check_model_source, count_parameters,
                               init_model, load_model, load_tokenizer, resolve_model_name, train_tokenizer)
 
 

@@ -13,10 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from shardtune.planner import (
-    DEVICES, Adapter, Arch, Setup, Traffic, alternatives, estimate, fits, host_loading_bytes, read_arch,
-    sequence_splits, sequence_traffic_per_step, step_time_s, traffic_per_step,
-)
+from shardtune.planner.shapes import Adapter, Arch, read_arch
+from shardtune.planner.estimate import Setup, estimate, host_loading_bytes
+from shardtune.planner.speed import Traffic, sequence_traffic_per_step, step_time_s, traffic_per_step
+from shardtune.planner.search import alternatives, fits, sequence_splits
+from shardtune.planner.hardware import DEVICES
 from tests.conftest import REPO, cli_env
 
 GIB = 2**30
@@ -47,9 +48,9 @@ def test_builtin_llama3_8b_shape_has_its_published_size():
 
 @pytest.mark.parametrize("method", ["lora", "llama_adapter", "prefix"])
 def test_trainable_counts_equal_peft(method, tiny_model):
-    from shardtune.config import TrainConfig
-    from shardtune.models import load_model
-    from shardtune.peft import apply_peft
+    from shardtune.config.schema import TrainConfig
+    from shardtune.model.loading import load_model
+    from shardtune.model.peft import apply_peft
 
     cfg = TrainConfig(model_name=str(tiny_model), use_peft=True, peft_method=method)
     model = apply_peft(load_model(str(tiny_model)), cfg)
@@ -189,7 +190,7 @@ def test_sequence_traffic_counts_ulysses_all_to_all_and_ring_kv_bytes():
 
 
 def test_128k_tokens_on_8_h100_fit_with_a_sequence_split_which_is_recommended():
-    from shardtune.planner import plan
+    from shardtune.planner.search import plan
 
     h100 = DEVICES["H100"]
     setup = Setup(arch=read_arch("llama3-8b"), strategy="FULL_SHARD", gpus_per_node=8, seq_len=131072,
@@ -219,7 +220,8 @@ def test_plan_takes_sft_sequence_flags_and_refuses_an_impossible_mesh_like_sft()
 def test_nothing_fits_names_the_miss_and_the_gpus_that_would_fit():
     """1M tokens of llama3-8b on 8 x 80 GB: no split of 8 fits; the smallest world that fits is named (and it fits
     there), next to the GPU memory the smallest configuration needs."""
-    from shardtune.planner import plan, render
+    from shardtune.planner.search import plan
+    from shardtune.planner.render import render
 
     h100 = DEVICES["H100"]
     setup = Setup(arch=read_arch("llama3-8b"), strategy="FULL_SHARD", gpus_per_node=8, seq_len=1 << 20)

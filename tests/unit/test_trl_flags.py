@@ -12,11 +12,12 @@ import pytest
 import torch
 import yaml
 
-import shardtune.sft  # noqa: F401  (registers every validator, as a run does)
-from shardtune.accelerate_config import PROFILES, expand_accelerate_config
-from shardtune.config import ConfigError, TrainConfig, parse_args, validate
-from shardtune.config_trl import TRL_FLAGS, flag_table, recipe_launch_settings
-from shardtune.optim import build_optimizer, build_scheduler
+from shardtune.config.accelerate import PROFILES, expand_accelerate_config
+from shardtune.config.flags import parse_args, recipe_launch_settings
+from shardtune.config.schema import ConfigError, TrainConfig
+from shardtune.config.trl import TRL_FLAGS, flag_table
+from shardtune.parallel.optim import build_optimizer, build_scheduler
+from shardtune.training.checks import validate
 
 REPO = Path(__file__).resolve().parents[2]
 # TRL's accelerate keys (examples/accelerate_configs/*.yaml), written here for the tests
@@ -209,7 +210,7 @@ def test_a_trl_recipe_names_every_unknown_key_at_once_and_reads_env_and_accelera
 
 def test_activation_checkpointing_under_ddp_gives_the_same_gradients(tiny_model):
     """The wrappers DDP and DeepSpeed apply (as FSDP does) recompute each layer: same loss and gradients."""
-    from shardtune.models import load_model
+    from shardtune.model.loading import load_model
     from shardtune.parallel.fsdp import checkpoint_activations
 
     batch = torch.tensor([[1, 5, 9, 14, 3, 7, 2, 8]])
@@ -229,18 +230,18 @@ def test_activation_checkpointing_under_ddp_gives_the_same_gradients(tiny_model)
 
 def test_docs_flag_table_is_current():
     assert (REPO / "docs" / "flags.md").read_text() == flag_table(), \
-        "docs/flags.md is stale: python -m shardtune.config_trl > docs/flags.md"
+        "docs/flags.md is stale: python -m shardtune.config.trl > docs/flags.md"
 
 
 def test_help_lists_the_trl_names_beside_ours():
-    from shardtune.config import help_text
+    from shardtune.config.flags import help_text
 
     text = help_text()
     assert "TRL: --max_grad_norm" in text and "TRL: --learning_rate" in text and "TRL: --gradient_checkpointing" in text
 
 
 def test_plan_takes_sfts_topology_flags():
-    from shardtune.plan import split_plan_args
+    from shardtune.commands.plan import split_plan_args
 
     values, rest, _ = split_plan_args(["--nproc_per_node", "8", "--nnodes", "2", "--master_addr", "10.0.0.1",
                                        "--enable_fsdp"])
