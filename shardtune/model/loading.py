@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -236,6 +237,13 @@ def build_model_on_meta(name_or_path: str, dtype: torch.dtype = torch.float32, c
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(total, trainable) parameter counts; tied weights count once."""
+    """(total, trainable) parameter counts; tied weights count once; a quantised weight counts its logical shape,
+    not its packed storage (bitsandbytes packs two 4-bit values per byte, or into bf16 storage under FSDP)."""
     params = list(model.parameters())
-    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    return sum(logical_numel(p) for p in params), sum(logical_numel(p) for p in params if p.requires_grad)
+
+
+def logical_numel(param: torch.Tensor) -> int:
+    quant_state = getattr(param, "quant_state", None)
+    shape = getattr(quant_state, "shape", None)
+    return math.prod(shape) if shape is not None else param.numel()

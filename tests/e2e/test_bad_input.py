@@ -163,3 +163,11 @@ def test_init_model_into_an_unwritable_place_is_one_line(run_cli, tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"shardtune: error: init_model: cannot write {target} ("), lines
         assert lines[0].endswith("): pick a directory you can write to")
+
+
+def test_generate_refuses_sampling_at_temperature_zero_in_one_line(tiny_model, run_cli):
+    for flags, needle in ((("--do_sample", "--temperature", "0"), "--temperature 0.0 with --do_sample: sampling needs"),
+                          (("--do_sample", "--top_p", "0"), "--top_p 0.0 must be in (0, 1]")):
+        proc = run_cli("generate", "--model_name", tiny_model, *flags, "Hello", check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, proc.stderr
