@@ -171,3 +171,9 @@ def test_generate_refuses_sampling_at_temperature_zero_in_one_line(tiny_model, r
         proc = run_cli("generate", "--model_name", tiny_model, *flags, "Hello", check=False)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, proc.stderr
+
+
+def test_eval_suggests_its_own_flags_for_a_typo(run_cli):
+    proc = run_cli("eval", "--max_exampels", "5", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "shardtune: error: unknown flag --max_exampels: did you mean --max_examples?"], proc.stderr
