@@ -19,7 +19,7 @@ from shardtune.planner.search import check_split, plan, setup_from_config
 from shardtune.planner.render import render, split_named_flags, without_strategy_flags
 from shardtune.planner.hardware import DEVICES, resolve_device
 
-PLAN_FLAGS = {"gpu": "H100", "gpu_memory": "", "nnodes": "1", "gpus_per_node": "8"}
+PLAN_FLAGS = {"gpu": "H100", "gpu_memory": "", "host_memory": "", "nnodes": "1", "gpus_per_node": "8"}
 
 
 def split_plan_args(argv: list[str]) -> tuple[dict[str, str], list[str], bool]:
@@ -40,7 +40,8 @@ def split_plan_args(argv: list[str]) -> tuple[dict[str, str], list[str], bool]:
 
 def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
-        print(__doc__.strip() + "\n\nplan flags: --gpu " + "|".join(DEVICES) + "|cpu, --gpu_memory SIZE, --nnodes M, "
+        print(__doc__.strip() + "\n\nplan flags: --gpu " + "|".join(DEVICES) + "|cpu, --gpu_memory SIZE, --host_memory SIZE (per node; "
+              "default: what a server of that GPU ships with, stated in the output), --nnodes M, "
               "--gpus_per_node G, --json; every sft flag (shardtune sft --help)")
         return 0
     try:

@@ -105,7 +105,7 @@ def resolve_key(key: str) -> str:
 
 
 # Nested configs whose fields may also be given without their prefix (llama-cookbook spells --pure_bf16).
-SHORT_SPELLING_OWNERS: list[str] = ["fsdp_config"]
+SHORT_SPELLING_OWNERS: list[str] = ["fsdp_config", "trl_dataset"]
 
 
 def set_value(cfg: TrainConfig, key: str, raw: Any) -> None:
@@ -272,6 +272,8 @@ def parse_args(argv: list[str], accelerate_argv: list[str] = (), notes: list[str
     select_hybrid_sharding(cfg)
     if cfg.dist_checkpoint_root_folder and "output_dir" not in set_keys:
         cfg.output_dir = cookbook_run_dir(cfg)
+    if cfg.trl_dataset.dataset_name and cfg.dataset == field_default(flat_fields()["dataset"][1]):
+        cfg.dataset = "trl_dataset"  # TRL's --dataset_name alone names the data
     return cfg
 
 
@@ -318,8 +320,10 @@ def help_text() -> str:
     for key, (typ, f) in flat_fields().items():
         default = field_default(f)
         tname = getattr(typ, "__name__", str(typ))
-        trl = trl_names_of(key)
-        lines.append(f"  --{key} {tname.upper()}  (default: {default!r})"
+        owner, _, name = key.rpartition(".")
+        short = f" (or --{name})" if owner == "trl_dataset" else ""  # TRL's names, as TRL users type them
+        trl = [n for n in trl_names_of(key) if n != name or owner != "trl_dataset"]
+        lines.append(f"  --{key} {tname.upper()}  (default: {default!r}){short}"
                      + (f"  (TRL: {', '.join('--' + n for n in trl)})" if trl else ""))
         lines.append(f"      {f.metadata.get('help', '')}")
     lines.append("")

@@ -21,7 +21,8 @@ def _f(default: Any, help: str, **kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, **kwargs})
 
 
-DATASETS = ("synthetic_dialogues", "samsum_dataset", "alpaca_dataset", "custom_dataset", "grammar_dataset")
+DATASETS = ("synthetic_dialogues", "samsum_dataset", "alpaca_dataset", "custom_dataset", "grammar_dataset",
+            "trl_dataset")
 BATCHING_STRATEGIES = ("packing", "padding")
 LR_SCHEDULERS = ("step", "cosine", "linear", "cosine_with_min_lr", "constant", "constant_with_warmup")
 OPTIMS = ("adamw_torch", "adamw_torch_fused")
@@ -34,6 +35,9 @@ class SyntheticDialoguesConfig:
     seed: int = _f(1234, "seed of the dialogue generator (independent of the training seed)")
     chatter: bool = _f(False, "mix off-topic talk into about half of the dialogues: 3 to 30 turns with a long tail "
                               "of long chats, like SAMSum (the summaries do not change)")
+    messages: bool = _f(False, "write each dialogue as conversational `messages` (system, user: the dialogue, "
+                               "assistant: the summary), rendered by the chat template with the --dataset_name "
+                               "options (--assistant_only_loss ...)")
 
 
 @dataclass
@@ -61,6 +65,33 @@ class CustomDatasetConfig:
     train_split: str = _f("train", "split name passed for training")
     test_split: str = _f("validation", "split name passed for evaluation")
     data_path: str = _f("", "free path your function may read (dataset_config.data_path)")
+
+
+COMPLETION_ONLY_LOSS = ("auto", "true", "false")
+TRUNCATION_MODES = ("keep_start", "keep_end")
+_BOOL_SPELLINGS = {"True": "true", "False": "false", "TRUE": "true", "FALSE": "false"}
+
+
+@dataclass
+class TrlDatasetConfig:
+    """TRL's SFT data flags, under TRL's names (--dataset_name selects this dataset); see docs/data-formats.md."""
+
+    dataset_name: str = _f("", "a local JSON / JSONL / CSV / Parquet / Arrow file or folder of such files, or a hub "
+                               "dataset id; its format (text, prompt-completion, messages, ShareGPT conversations, "
+                               "input_ids) is recognised from its columns, as TRL does")
+    dataset_config: str = _f("", "the dataset configuration (subset) name, for hub datasets that have several")
+    dataset_train_split: str = _f("train", "split used for training")
+    dataset_test_split: str = _f("test", "split used for evaluation; absent: no evaluation")
+    dataset_text_field: str = _f("text", "column of language-modelling rows")
+    completion_only_loss: str = _f("auto", "prompt-completion rows: loss on the completion only; auto: true for "
+                                           "prompt-completion data (TRL's None)", choices=COMPLETION_ONLY_LOSS,
+                                   spellings=_BOOL_SPELLINGS)
+    assistant_only_loss: bool = _f(False, "conversational rows: loss on the assistant turns only, through the chat "
+                                          "template's {% generation %} markers")
+    chat_template_path: str = _f("", "a Jinja chat template file, or a tokenizer directory whose template to use")
+    eos_token: str = _f("", "the token that ends a sequence / turn; empty: the tokenizer's")
+    truncation_mode: str = _f("keep_start", "rows longer than --max_length (= --context_length) are cut: keep_start "
+                                            "or keep_end", choices=TRUNCATION_MODES)
 
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -307,6 +338,7 @@ class TrainConfig:
     samsum_dataset: SamsumDatasetConfig = _f(SamsumDatasetConfig(), "SAMSum-format data")
     alpaca_dataset: AlpacaDatasetConfig = _f(AlpacaDatasetConfig(), "alpaca-format data")
     custom_dataset: CustomDatasetConfig = _f(CustomDatasetConfig(), "your own dataset function")
+    trl_dataset: TrlDatasetConfig = _f(TrlDatasetConfig(), "TRL's dataset flags (--dataset_name ...)")
     fsdp_config: FsdpConfig = _f(FsdpConfig(), "FSDP settings")
     deepspeed_config: DeepSpeedConfig = _f(DeepSpeedConfig(), "DeepSpeed ZeRO settings")
     lora_config: LoraConfig = _f(LoraConfig(), "LoRA settings")

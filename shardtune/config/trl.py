@@ -11,10 +11,10 @@ what to use instead. Nothing is accepted and ignored. The table also feeds ``--h
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from shardtune.config.schema import ConfigError
+from shardtune.config.schema import ConfigError, TrlDatasetConfig
 
 Pairs = list[tuple[str, Any]]
 
@@ -197,6 +197,12 @@ def _report_to(value: Any) -> Pairs:
     return [("report_to", names[0] if names else "none")]
 
 
+def _num_processes(value: Any) -> Pairs:
+    # the command line's --num_processes is the launcher's (take_num_processes); this is a recipe's key
+    raise TrlFlagError("num_processes is a launcher setting: give --num_processes N on the command line, or "
+                       "num_processes in the Accelerate file")
+
+
 def _model_revision(value: Any) -> Pairs:
     if _text(value) == "main":
         return []
@@ -312,9 +318,8 @@ TRL_FLAGS: dict[str, TrlFlag] = {
     "push_to_hub": T("-", "refused", refuse="not built: upload output_dir after the run (hf upload ID output_dir)"),
     "hub_model_id": T("-", "refused", refuse="not built (see --push_to_hub): drop the flag"),
     # launcher (Accelerate)
-    "num_processes": T("nproc_per_node", "processes on this machine (Accelerate's name; taken by the launcher)",
-                       refuse="a launcher flag: give it on the command line (--num_processes N), or num_processes "
-                              "in the Accelerate file"),
+    "num_processes": T("nproc_per_node", "processes on this machine (Accelerate's name; a launcher flag: the command "
+                                         "line or the Accelerate file, not a recipe)", _num_processes),
 }
 del T
 
@@ -410,6 +415,9 @@ def flag_table() -> str:
         ours = "refused" if flag.refuse else f"`{flag.ours}`"
         meaning = flag.refuse if flag.refuse else flag.meaning
         lines.append(f"| `--{trl}` | {cookbook} | {ours} | {meaning} |")
+    for f in fields(TrlDatasetConfig):  # TRL's data flags: the same names, nested under trl_dataset
+        lines.append(f"| `--{f.name}` | - | `trl_dataset.{f.name}` | {f.metadata['help']} |")
+    lines.append("| `--max_length` | `context_length` | `context_length` | tokens per packed block / longest row |")
     return "\n".join(lines) + "\n"
 
 

@@ -17,6 +17,7 @@ from shardtune import data
 from shardtune.config.flags import to_yaml
 from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
 from shardtune.data.cache import load_examples_cached
+from shardtune.data.chat import mirror_eos_token
 from shardtune.model.cookbook import freeze_first_layers
 from shardtune.model.generation import EvalSampler
 from shardtune.model.loading import (
@@ -106,11 +107,12 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_staging(out_dir)
         write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
-    tokenizer = load_tokenizer(cfg.tokenizer_name or cfg.model_name)
+    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name))
     strategy = make_strategy(cfg, env)
     units, eval_examples = load_data(cfg, env, strategy.dims, tokenizer)
 
     model = build_model(cfg, env)
+    mirror_eos_token(cfg, model, tokenizer)
     freeze_first_layers(model, cfg)
     apply_memory_levers(model, cfg, env.device)
     if cfg.use_peft:
