@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         fail(str(e), debug)
         return 2
     if runs_in_place(launch_args, topology):
+        print(topology.describe(), flush=True)  # the start log's first line, as when torchrun launches
         os.environ.update(in_place_worker_env())
         return run_worker(cfg, prepared=True)
     if local_gpu_count():  # before torchrun's agent starts: it would set TORCH_NCCL_ASYNC_ERROR_HANDLING=1
