@@ -57,6 +57,7 @@ from shardtune.training.checkpoint import Checkpointer
 from shardtune.training.checks import data_splits, prepare
 from shardtune.training.loop import TrainResult, train
 from shardtune.training.metrics import MetricsWriter
+from shardtune.training.plots import write_run_plots
 from shardtune.training.preflight import PreflightError, run_preflight
 from shardtune.training.trackers import open_trackers
 
@@ -136,7 +137,8 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     checkpointer = Checkpointer(cfg, env, strategy, tokenizer)
     metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.save_metrics else None
     append = metrics_path is not None and checkpointer.keep_metrics_rows(metrics_path)
-    writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else ())
+    writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else (),
+                           tracker_every=cfg.logging_steps)
     try:
         sampler = EvalSampler(eval_examples[:cfg.log_eval_samples], tokenizer) if cfg.log_eval_samples else None
         result = train(model, strategy, cfg, env, units, eval_examples, tokenizer.pad_token_id, writer, checkpointer,
@@ -145,6 +147,8 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         writer.close()
     if cfg.save_model:
         save_outputs(cfg, env, strategy, model, tokenizer)
+    if metrics_path is not None and cfg.save_plots:  # rank 0 (the only one with a metrics path)
+        print0(f"charts: {write_run_plots(out_dir)}/ (loss, lr, grad norm, speed, memory)")
     print0(report(result, cfg))
     return result
 
