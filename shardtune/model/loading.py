@@ -172,6 +172,22 @@ def _check_directory(model_name: str, what: str) -> None:
     if not any((path / f).is_file() for f in needed):
         raise ConfigError(f"--{what} {model_name}: the directory has no {' or '.join(needed)}: pass the directory "
                           "that save_pretrained wrote (or the snapshot folder of a download)")
+    if what != "tokenizer_name":
+        _check_config_file(path / "config.json")
+
+
+def _check_config_file(config_file: Path) -> None:
+    """A config.json that is not JSON, or names a model_type transformers does not know: one line naming it."""
+    try:
+        json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{config_file} is not valid JSON ({e}): restore it from the model's source") from None
+    try:
+        AutoConfig.from_pretrained(config_file.parent)
+    except (ValueError, KeyError, OSError, TypeError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"{config_file} cannot be read as a model config ({reason}): fix its model_type, or "
+                          "update transformers if the architecture is newer than it") from None
 
 
 def _check_hub_id(model_name: str, what: str) -> None:
