@@ -130,13 +130,31 @@ def resolve_model_name(model_name: str) -> str:
     name = model_name.removeprefix(PRESET_PREFIX) or DEFAULT_PRESET
     _check_preset(name, "model_name")
     presets_dir = cache_dir() / "presets"
-    path = presets_dir / f"{name}-{PRESET_VERSION}"
+    path = presets_dir / f"{name}-{PRESET_VERSION}-{preset_fingerprint(name)}"
     presets_dir.mkdir(parents=True, exist_ok=True)
     with open(presets_dir / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait, then find it built
         if not (path / "config.json").is_file():
             init_model(name, path, seed=0, dtype=PRESET_BUILD_DTYPES.get(name, torch.float32))
     return str(path)
+
+
+def preset_fingerprint(name: str) -> str:
+    """What a preset is built from: its shape, seed and dtype, the code that builds it and its tokenizer (this module
+    and the synthetic corpus), and the torch / transformers versions whose initialisers draw its weights. The cached
+    directory is named by it, so a cache built by other code is never taken for this code's preset."""
+    import hashlib
+
+    import transformers
+
+    from shardtune.data import synthetic
+
+    digest = hashlib.sha256(json.dumps({
+        "config": PRESETS[name], "seed": 0, "dtype": str(PRESET_BUILD_DTYPES.get(name, torch.float32)),
+        "torch": torch.__version__, "transformers": transformers.__version__}, sort_keys=True).encode())
+    for source in (__file__, synthetic.__file__):
+        digest.update(Path(source).read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _check_preset(name: str, what: str) -> None:

@@ -50,6 +50,7 @@ from shardtune.runtime.distributed import (
     shutdown,
 )
 from shardtune.runtime.errors import CheckpointError, TrainingStopped, fail
+from shardtune.runtime import startup
 from shardtune.runtime.files import remove_stale_staging, write_text_atomic
 from shardtune.runtime.preemption import (
     EXIT_PREEMPTED,
@@ -158,8 +159,9 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name))
     strategy = make_strategy(cfg, env)
     units, eval_examples = load_data(cfg, env, strategy.dims, tokenizer)
-
+    startup.mark("tokenizer and data")
     model = build_model(cfg, env)
+    startup.mark("model")
     mirror_eos_token(cfg, model, tokenizer)
     freeze_first_layers(model, cfg)
     apply_memory_levers(model, cfg, env.device)
@@ -171,6 +173,7 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         print0(f"speed: {use_sequence_attention(hf_model(model), groups)}")
     num_params, num_trainable = count_parameters(model)
     model = strategy.wrap(model)
+    startup.mark("levers, adapters, wrap")
     print0(f"model: {cfg.model_name} ({num_params:,} parameters, {num_trainable:,} trainable)")
     print0(f"strategy: {strategy.describe()}")
     dp_size = strategy.dims.dp_size
@@ -262,8 +265,10 @@ def run_worker(cfg: TrainConfig, prepared: bool = False) -> int:
             fail(str(e), cfg.debug)
         return 2
     env = init_distributed(timeout_s=cfg.dist_timeout)
+    startup.mark("process group")
     try:
         run_preflight(cfg, env)
+        startup.mark("preflight")
         fine_tune(cfg, env)
     except PreflightError as e:  # found alike on every rank: one line per node
         if env.local_rank == 0:
