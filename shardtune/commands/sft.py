@@ -29,6 +29,7 @@ from shardtune.runtime.distributed import (
     nccl_watchdog_env,
 )
 from shardtune.runtime.errors import fail
+from shardtune.runtime import startup
 from shardtune.runtime.libraries import quiet_libraries
 from shardtune.training.checks import prepare
 from shardtune.training.worker import run_worker
@@ -36,6 +37,8 @@ from shardtune.training.worker import run_worker
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    startup.command_start()  # launched workers inherit it
+    startup.mark("python and imports")
     quiet_libraries()
     clear_accelerate_loading_variables()
     if "-h" in argv or "--help" in argv:
@@ -77,10 +80,12 @@ def main(argv: list[str] | None = None) -> int:
             return dry_run(cfg, dry_run_topology(launch_args, hardware), hardware, file_train_argv + train_argv)
         topology = resolve_here(launch_args)
         prepare(cfg, topology.world_size)
+        startup.mark("checks, model source, data cache")
     except ConfigError as e:
         fail(str(e), debug)
         return 2
     if runs_in_place(launch_args, topology):
+        print(topology.describe(), flush=True)  # the start log's first line, as when torchrun launches
         os.environ.update(in_place_worker_env())
         return run_worker(cfg, prepared=True)
     if local_gpu_count():  # before torchrun's agent starts: it would set TORCH_NCCL_ASYNC_ERROR_HANDLING=1

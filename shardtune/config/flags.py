@@ -270,10 +270,10 @@ def parse_args(argv: list[str], accelerate_argv: list[str] = (), notes: list[str
         set_keys.update(_apply(cfg, name, value, given, bare_is_true=True))
     finish(cfg, given)
     select_hybrid_sharding(cfg)
-    if cfg.dist_checkpoint_root_folder and "output_dir" not in set_keys:
-        cfg.output_dir = cookbook_run_dir(cfg)
     if cfg.trl_dataset.dataset_name and cfg.dataset == field_default(flat_fields()["dataset"][1]):
         cfg.dataset = "trl_dataset"  # TRL's --dataset_name alone names the data
+    if cfg.dist_checkpoint_root_folder and "output_dir" not in set_keys:
+        cfg.output_dir = cookbook_run_dir(cfg)
     return cfg
 
 
@@ -321,9 +321,8 @@ def help_text() -> str:
         default = field_default(f)
         tname = getattr(typ, "__name__", str(typ))
         owner, _, name = key.rpartition(".")
-        short = f" (or --{name})" if owner == "trl_dataset" else ""  # TRL's names, as TRL users type them
-        trl = [n for n in trl_names_of(key) if n != name or owner != "trl_dataset"]
-        lines.append(f"  --{key} {tname.upper()}  (default: {default!r}){short}"
+        trl = trl_names_of(key) or ([name] if owner == "trl_dataset" else [])  # TRL's names, as TRL users type them
+        lines.append(f"  --{key} {tname.upper()}  (default: {default!r})"
                      + (f"  (TRL: {', '.join('--' + n for n in trl)})" if trl else ""))
         lines.append(f"      {f.metadata.get('help', '')}")
     lines.append("")

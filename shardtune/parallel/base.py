@@ -176,8 +176,12 @@ class Strategy(ABC):
         DeepSpeed checkpoint never gets here, --resume refuses it before launch)."""
         import torch.distributed.checkpoint as dcp
 
+        from shardtune.runtime.checkpoint_reader import SafeFileSystemReader
+
         state = self.training_state_dict(model, optimizer)
-        dcp.load(state, checkpoint_id=directory)
+        reader = SafeFileSystemReader(str(directory))  # its .metadata unpickles no code
+        reader.read_metadata()  # first alone: dcp.load would log a refusal as a warning and try other files
+        dcp.load(state, storage_reader=reader)
         self.load_training_state_dict(model, optimizer, state)
 
     def checkpoint_state(self) -> dict:

@@ -33,7 +33,7 @@ class MetricsWriter:
 
     def write(self, row: dict[str, Any]) -> None:
         if self._fh is not None:
-            self._fh.write(json.dumps(row, allow_nan=True) + "\n")
+            self._fh.write(json.dumps(strict_json_row(row), allow_nan=False) + "\n")
             self._fh.flush()
         if "loss" in row and row["step"] % self.tracker_every:
             return
@@ -58,9 +58,23 @@ class MetricsWriter:
         self.trackers = []
 
 
+# metrics.jsonl is strict JSON (RFC 8259 has no NaN / Infinity): a non-finite number is written as one of these
+# strings, the spellings of JavaScript and of Python's float(); read_metrics turns them back into floats.
+NON_FINITE_STRINGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def strict_json_row(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: (("NaN" if math.isnan(v) else "Infinity" if v > 0 else "-Infinity")
+                if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
+def _float_back(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: NON_FINITE_STRINGS.get(v, v) if isinstance(v, str) else v for k, v in row.items()}
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+        return [_float_back(json.loads(line)) for line in fh if line.strip()]
 
 
 def perplexity(loss: float) -> float:

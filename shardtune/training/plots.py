@@ -10,7 +10,6 @@ numbers) and overview.png with all of them. Uses matplotlib's Agg backend: no di
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
