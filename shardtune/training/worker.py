@@ -92,10 +92,12 @@ def build_model(cfg: TrainConfig, env: DistEnv) -> torch.nn.Module:
     return load_model(cfg.model_name, dtype=dtype, config=config)
 
 
-def check_finite_weights(state: dict[str, torch.Tensor], env: DistEnv, cfg: TrainConfig, result: TrainResult) -> None:
+def check_finite_weights(state: dict[str, torch.Tensor] | None, env: DistEnv, cfg: TrainConfig,
+                         result: TrainResult) -> None:
     """Collective: a model with a NaN / Inf weight is not published (an overflowing last step leaves a finite loss
-    behind it, and --nan_policy skip carries on past non-finite steps)."""
-    finite = all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point())
+    behind it, and --nan_policy skip carries on past non-finite steps). ``state`` is the gathered state dict on
+    global rank 0 and None elsewhere (rank 0 judges; every rank joins the all-reduce)."""
+    finite = state is None or all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point())
     if int(all_reduce_sum(torch.tensor([0.0 if finite else 1.0]), env.device)[0]) == 0:
         return
     bad = next((i + 1 for i, loss in enumerate(result.losses) if not math.isfinite(loss)), None)
