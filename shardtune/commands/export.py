@@ -20,12 +20,16 @@ import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from shardtune.model.attention import attention_implementation
-from shardtune.training.checkpoint import read_trainer_state, resolve_checkpoint
-from shardtune.model.saving import save_hf_model
-from shardtune.config.schema import ConfigError
 from shardtune.config.flags import from_dict
+from shardtune.config.schema import ConfigError
+from shardtune.model.attention import attention_implementation
 from shardtune.model.loading import load_model
+from shardtune.model.saving import save_hf_model
+from shardtune.runtime.checkpoint_reader import (
+    SafeFileSystemReader,
+    UnsafeCheckpointError,
+)
+from shardtune.training.checkpoint import read_trainer_state, resolve_checkpoint
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,7 +43,10 @@ def source_dtype(config) -> torch.dtype:
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = "auto") -> Path:
     """Write the model held by ``checkpoint`` (a step folder, or an output dir: its latest) to ``out_dir``."""
-    path = resolve_checkpoint(str(checkpoint), Path(checkpoint).parent.parent)
+    notes: list[str] = []
+    path = resolve_checkpoint(str(checkpoint), Path(checkpoint).parent.parent, notes=notes)
+    for note in notes:
+        print(f"shardtune: warning: {note}", file=sys.stderr)
     state = read_trainer_state(path)
     cfg = from_dict(yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")))
     config = AutoConfig.from_pretrained(path / "hf_config")
@@ -51,10 +58,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
         read = _deepspeed_reader(path)
         stored = {f"model.{k}" for k in read()}
     else:
-        stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        stored = set(SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
-        def read(into: dict[str, torch.Tensor]) -> None:
-            dcp.load({"model": into}, checkpoint_id=path, no_dist=True)  # this one process reads every shard
+        def read(into: dict[str, torch.Tensor]) -> None:  # this one process reads every shard
+            dcp.load({"model": into}, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
     if state.get("adapter_only"):  # the base weights do not matter: only the adapter is read and written
         from shardtune.model.peft import apply_peft, save_adapter
 
@@ -123,5 +130,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"shardtune: error: {e}", file=sys.stderr)
         return 2
+    except UnsafeCheckpointError as e:
+        print(f"shardtune: error: {args.checkpoint}: {e}", file=sys.stderr)
+        return 1
     print(f"exported {path} to {Path(args.out_dir).resolve()}")
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -189,6 +190,22 @@ def _check_directory(model_name: str, what: str) -> None:
     if not any((path / f).is_file() for f in needed):
         raise ConfigError(f"--{what} {model_name}: the directory has no {' or '.join(needed)}: pass the directory "
                           "that save_pretrained wrote (or the snapshot folder of a download)")
+    if what != "tokenizer_name":
+        _check_config_file(path / "config.json")
+
+
+def _check_config_file(config_file: Path) -> None:
+    """A config.json that is not JSON, or names a model_type transformers does not know: one line naming it."""
+    try:
+        json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{config_file} is not valid JSON ({e}): restore it from the model's source") from None
+    try:
+        AutoConfig.from_pretrained(config_file.parent)
+    except (ValueError, KeyError, OSError, TypeError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"{config_file} cannot be read as a model config ({reason}): fix its model_type, or "
+                          "update transformers if the architecture is newer than it") from None
 
 
 def _check_hub_id(model_name: str, what: str) -> None:
@@ -254,6 +271,13 @@ def build_model_on_meta(name_or_path: str, dtype: torch.dtype = torch.float32, c
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(total, trainable) parameter counts; tied weights count once."""
+    """(total, trainable) parameter counts; tied weights count once; a quantised weight counts its logical shape,
+    not its packed storage (bitsandbytes packs two 4-bit values per byte, or into bf16 storage under FSDP)."""
     params = list(model.parameters())
-    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    return sum(logical_numel(p) for p in params), sum(logical_numel(p) for p in params if p.requires_grad)
+
+
+def logical_numel(param: torch.Tensor) -> int:
+    quant_state = getattr(param, "quant_state", None)
+    shape = getattr(quant_state, "shape", None)
+    return math.prod(shape) if shape is not None else param.numel()

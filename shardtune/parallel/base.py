@@ -176,8 +176,12 @@ class Strategy(ABC):
         DeepSpeed checkpoint never gets here, --resume refuses it before launch)."""
         import torch.distributed.checkpoint as dcp
 
+        from shardtune.runtime.checkpoint_reader import SafeFileSystemReader
+
         state = self.training_state_dict(model, optimizer)
-        dcp.load(state, checkpoint_id=directory)
+        reader = SafeFileSystemReader(str(directory))  # its .metadata unpickles no code
+        reader.read_metadata()  # first alone: dcp.load would log a refusal as a warning and try other files
+        dcp.load(state, storage_reader=reader)
         self.load_training_state_dict(model, optimizer, state)
 
     def checkpoint_state(self) -> dict:
@@ -186,7 +190,8 @@ class Strategy(ABC):
 
     def describe(self) -> str:
         return (f"{self.name}, world size {self.env.world_size}{self.describe_split()}, compute dtype "
-                f"{dtype_name(self.compute_dtype)}")
+                f"{dtype_name(self.compute_dtype)}"
+                + (", activation checkpointing" if self.cfg.fsdp_config.fsdp_activation_checkpointing else ""))
 
     def describe_split(self) -> str:
         """How rows are split (empty when they are not): part of every strategy's start line."""

@@ -34,8 +34,14 @@ from shardtune.runtime.distributed import (
 )
 from shardtune.runtime.elastic import worker_group_attempt
 from shardtune.runtime.errors import CheckpointError
-from shardtune.runtime.files import write_text_atomic
+from shardtune.runtime.files import fsync_dir, write_text_atomic
 from shardtune.runtime.preemption import Preempted, stop_signal_anywhere
+from shardtune.training.checkpoint_files import (
+    MANIFEST_FILE,
+    remove_checkpoint,
+    verify_checkpoint,
+    write_manifest,
+)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Training checkpoints: output_dir/checkpoints/step-000123/ (torch.distributed.checkpoint + small files)
@@ -48,13 +54,16 @@ from shardtune.runtime.preemption import Preempted, stop_signal_anywhere
 #   config.yaml               the resolved training config
 #   trainer_state.json        step, epoch, position in the data, scheduler, counters; written last
 #
-# All ranks write into step-000123.tmp-<attempt>/; when every rank has finished, rank 0 renames it and then
-# rewrites checkpoints/latest (os.replace). A folder without ".tmp-" is therefore always complete.
+#   manifest.json             every other file's size and SHA-256 (shardtune/training/checkpoint_files.py); written last
+#
+# All ranks write into step-000123.tmp-<attempt>/; when every rank has finished, each fsyncs and hashes a share of
+# the files, rank 0 writes the manifest, renames the folder and then rewrites checkpoints/latest (os.replace), each
+# step fsynced. A step folder is complete when it has a manifest; resuming takes the newest one whose files match it.
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 STATE_FILE = "trainer_state.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest.json
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # Settings that may change between a run and its resumption without changing what is trained.
 RUN_CONTROL_SETTINGS = frozenset({
@@ -94,14 +103,19 @@ def checkpoint_step(path: Path) -> int | None:
 
 
 def is_complete(path: Path) -> bool:
-    return checkpoint_step(path) is not None and (path / STATE_FILE).is_file()
+    """A step folder with its manifest (written last, deleted first): not whether its files are intact."""
+    return checkpoint_step(path) is not None and (path / MANIFEST_FILE).is_file()
+
+
+def step_folders(root: Path) -> list[Path]:
+    """Every step-NNNNNN folder of a checkpoints folder, complete or not, oldest first."""
+    found = [p for p in root.iterdir() if p.is_dir() and checkpoint_step(p) is not None] if root.is_dir() else []
+    return sorted(found, key=checkpoint_step)
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     """Complete checkpoints, oldest first; temporary folders of unfinished saves are never listed."""
-    root = checkpoints_dir(output_dir)
-    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)] if root.is_dir() else []
-    return sorted(found, key=checkpoint_step)
+    return [p for p in step_folders(checkpoints_dir(output_dir)) if is_complete(p)]
 
 
 def unfinished_saves(output_dir: str | Path) -> list[Path]:
@@ -109,37 +123,77 @@ def unfinished_saves(output_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.glob("step-*.tmp-*") if p.is_dir()) if root.is_dir() else []
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The checkpoint named by ``latest``; the newest complete one when that file is missing or stale."""
-    root = checkpoints_dir(output_dir)
+def checkpoint_problem(path: Path, hashes: bool = True) -> str | None:
+    """Why the checkpoint ``path`` cannot be resumed from (None: it verifies): its manifest, then its state file."""
+    problem = verify_checkpoint(path, hashes)
+    if problem is None:
+        try:
+            read_trainer_state(path)
+        except (OSError, ValueError) as e:
+            problem = f"{STATE_FILE} cannot be read ({type(e).__name__})"
+    return problem
+
+
+def _named_by_latest(root: Path, notes: list[str]) -> Path | None:
+    """The folder ``latest`` names; only a step-NNNNNN folder of ``root`` itself is taken (never ../elsewhere)."""
     try:
-        named = root / (root / LATEST_FILE).read_text(encoding="utf-8").strip()
+        name = (root / LATEST_FILE).read_text(encoding="utf-8").strip()
     except OSError:
-        named = None
-    if named is not None and is_complete(named):
-        return named
-    found = complete_checkpoints(output_dir)
-    return found[-1] if found else None
+        return None
+    if not _STEP_DIR.match(name):
+        notes.append(f"checkpoint: {root / LATEST_FILE} names {name[:80]!r}, not a step-NNNNNN folder of {root}: "
+                     "ignored")
+        return None
+    return root / name
 
 
-def resolve_checkpoint(where: str, output_dir: str | Path) -> Path | None:
+def newest_verified_checkpoint(output_dir: str | Path, hashes: bool = True,
+                               notes: list[str] | None = None) -> Path | None:
+    """The checkpoint ``latest`` names if it verifies, else the newest one that does; ``notes`` receives one line
+    per checkpoint skipped, with the reason."""
+    notes = [] if notes is None else notes
+    root = checkpoints_dir(output_dir)
+    named = _named_by_latest(root, notes)
+    candidates = [named] if named is not None and named.is_dir() else []
+    candidates += [p for p in reversed(step_folders(root)) if p != named]
+    for path in candidates:
+        problem = checkpoint_problem(path, hashes)
+        if problem is None:
+            return path
+        notes.append(f"checkpoint: skipped {path}: {problem}")
+    return None
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The checkpoint named by ``latest``; the newest complete one when that file is missing or stale (sizes
+    checked against the manifests, not hashes)."""
+    return newest_verified_checkpoint(output_dir, hashes=False)
+
+
+def resolve_checkpoint(where: str, output_dir: str | Path, hashes: bool = True,
+                       notes: list[str] | None = None) -> Path | None:
     """``latest`` (of output_dir, or of a checkpoints folder), a checkpoint folder, or an output dir or checkpoints
     folder (its latest checkpoint); ``auto``: latest if there is a complete checkpoint, else None (a new run; for
-    jobs that requeue or restart themselves)."""
-    if where == "auto":
-        return latest_checkpoint(output_dir)
-    if where == "latest":
-        path = latest_checkpoint(output_dir)
-        if path is None:
+    jobs that requeue or restart themselves). Only a checkpoint that verifies (checkpoint_problem) is returned;
+    ``notes`` receives a line for each newer one that was skipped."""
+    if where in ("auto", "latest"):
+        path = newest_verified_checkpoint(output_dir, hashes, notes)
+        if path is None and where == "latest":
             raise ConfigError(f"--resume latest: no complete checkpoint in {checkpoints_dir(output_dir)}: drop "
                               "--resume to start a new run, or pass a checkpoint folder")
         return path
     path = Path(where)
-    if is_complete(path):
+    if checkpoint_step(path) is not None and path.is_dir():
+        problem = checkpoint_problem(path, hashes)
+        if problem is not None:
+            raise ConfigError(f"--resume {where}: the checkpoint does not verify ({problem}): pass another "
+                              "checkpoint, or --resume latest (the newest one that verifies)")
         return path
-    if checkpoints_dir(path).is_dir() and latest_checkpoint(path) is not None:
-        return latest_checkpoint(path)  # type: ignore[return-value]
-    raise ConfigError(f"{where} is not a complete checkpoint (a step-NNNNNN folder with {STATE_FILE}, or an "
+    if checkpoints_dir(path).is_dir():
+        found = newest_verified_checkpoint(path, hashes, notes)
+        if found is not None:
+            return found
+    raise ConfigError(f"{where} is not a complete checkpoint (a step-NNNNNN folder with {MANIFEST_FILE}, or an "
                       "output dir holding checkpoints/): pass one, or --resume latest")
 
 
@@ -147,7 +201,8 @@ def check_checkpointing(cfg: TrainConfig, world_size: int) -> None:
     for name in ("save_steps", "save_total_limit"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} {getattr(cfg, name)} must be >= 0 (0: see shardtune sft --help)")
-    path = resolve_checkpoint(cfg.resume, checkpoint_root(cfg)) if cfg.resume else None
+    # sizes only: the worker's rank 0 checks the hashes (and says which checkpoints it skipped) before loading
+    path = resolve_checkpoint(cfg.resume, checkpoint_root(cfg), hashes=False) if cfg.resume else None
     if path is not None:
         saved = read_trainer_state(path)
         if not saved.get("optimizer_saved", True):
@@ -282,10 +337,18 @@ class Checkpointer:
         return found
 
     def _find_resume_source(self) -> Path | None:
+        notes: list[str] = []
+        try:
+            return self._choose_resume_source(notes)
+        finally:
+            for note in notes:
+                warn0(note)
+
+    def _choose_resume_source(self, notes: list[str]) -> Path | None:
         if self.cfg.resume:
-            return resolve_checkpoint(self.cfg.resume, self.root)
+            return resolve_checkpoint(self.cfg.resume, self.root, notes=notes)
         if self.attempt > 0:  # the worker group was restarted (--max_restarts): after a failure on any node
-            latest = latest_checkpoint(self.root)
+            latest = newest_verified_checkpoint(self.root, notes=notes)
             if latest is not None:
                 print0(f"restart {self.attempt} of the worker group: resuming automatically from {latest}")
             else:
@@ -349,7 +412,11 @@ class Checkpointer:
             warn0(f"the cosine schedule now spans {self.total_steps} steps instead of the checkpoint's {planned} "
                   f"(--max_train_step / --num_epochs / batch changed): the learning rate from step {state['step']} "
                   "on differs from the uninterrupted run's")
-        self.strategy.load_training_state(model, optimizer, path, state)
+        try:  # torch's CheckpointException is a BaseException: caught here by name, so that it is one line
+            self.strategy.load_training_state(model, optimizer, path, state)
+        except (Exception, CheckpointException) as e:
+            raise CheckpointError(f"{path} could not be loaded ({failure_reason(e)}): resume from another checkpoint "
+                                  "(--resume CHECKPOINT_FOLDER), or start a new run") from e
         scheduler.load_state_dict(state["scheduler"])
         own_rng = rng_file(path, self.env.rank)
         if own_rng.is_file():
@@ -421,6 +488,12 @@ class Checkpointer:
                 error = e
         if not _all_ok(error is None, self.env.device):
             self._fail(name, tmp, error)
+        try:  # collective: every rank fsyncs and hashes a share of the files, rank 0 writes the manifest
+            write_manifest(tmp, self.env.rank, self.env.world_size)
+        except OSError as e:
+            error = e
+        if not _all_ok(error is None, self.env.device):
+            self._fail(name, tmp, error)
         if self.env.is_main:
             try:
                 self._publish(tmp, final)
@@ -462,14 +535,18 @@ class Checkpointer:
 
     def _publish(self, tmp: Path, final: Path) -> None:
         if final.exists():  # left by an earlier timeline (resumed from an older checkpoint): superseded
-            shutil.rmtree(final)
+            remove_checkpoint(final)
         os.replace(tmp, final)
+        fsync_dir(self.root)
+        problem = verify_checkpoint(final, hashes=False)  # the hashes were taken from the disk just before
+        if problem is not None:
+            raise OSError(f"{final} does not verify after the rename: {problem}")
         write_text_atomic(self.root / LATEST_FILE, final.name + "\n")
-        if self.cfg.save_total_limit:
+        if self.cfg.save_total_limit:  # only now, with the new checkpoint verified, do older ones go
             step = checkpoint_step(final)
             older = [p for p in complete_checkpoints(self.root) if checkpoint_step(p) <= step]  # type: ignore
             for stale in older[:-self.cfg.save_total_limit]:
-                shutil.rmtree(stale, ignore_errors=True)
+                remove_checkpoint(stale)
 
     def _fail(self, name: str, tmp: Path, error: BaseException | None) -> None:
         free = shutil.disk_usage(self.root).free

@@ -136,7 +136,7 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
     total_steps = steps_per_epoch * cfg.num_epochs
     if cfg.max_train_step:
         total_steps = min(total_steps, cfg.max_train_step)
-    scheduler, scheduler_unit = build_scheduler(optimizer, cfg, total_steps)
+    scheduler, scheduler_unit = build_scheduler(optimizer, cfg, total_steps, steps_per_epoch)
     shape = model_shape(model)
     peak = PeakMeter(env.device, strategy.compute_dtype, lambda t: all_reduce_sum(t, env.device))
     print0(peak.describe())
@@ -146,6 +146,18 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
 
     result = TrainResult()
     probe = StepProbe(cfg, env, total_steps)
+
+    def run_eval(epoch: float, when: str) -> None:
+        loss, ppl, n = evaluate(model, strategy, eval_batches, env)
+        result.eval_loss, result.eval_ppl = loss, ppl
+        samples = generate_samples(model, strategy, eval_sampler) if eval_sampler else []
+        writer.write({"step": result.steps, "epoch": epoch, "eval_loss": loss, "eval_ppl": ppl,
+                      "eval_num_tokens": n, **mean_rouge(samples)})
+        if samples:
+            writer.write_samples(samples, result.steps)
+        if env.is_main:
+            bar.write(f"{when}: eval loss {loss:.4f}, perplexity {ppl:.2f}")
+
     start = (checkpointer.start(model, optimizer, scheduler, result, steps_per_epoch, total_steps)
              if checkpointer else Position())
     startup.mark("optimizer, eval batches, checkpoint")
@@ -212,6 +224,10 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
             if flop_report and env.is_main:
                 bar.write(flop_report)
             done_in_epoch = step_in_epoch + 1
+            # --eval_steps: inside the epoch (its end, and the run's last step, evaluate anyway)
+            if cfg.run_validation and cfg.eval_steps and result.steps % cfg.eval_steps == 0 \
+                    and done_in_epoch < steps_per_epoch and result.steps < total_steps:
+                run_eval(row["epoch"], f"step {result.steps}")
             if checkpointer:
                 checkpointer.after_step(epoch, done_in_epoch)
                 if result.steps < total_steps:
@@ -222,15 +238,7 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
         if scheduler_unit == "epoch":
             scheduler.step()
         if cfg.run_validation:
-            loss, ppl, n = evaluate(model, strategy, eval_batches, env)
-            result.eval_loss, result.eval_ppl = loss, ppl
-            samples = generate_samples(model, strategy, eval_sampler) if eval_sampler else []
-            writer.write({"step": result.steps, "epoch": epoch + 1, "eval_loss": loss, "eval_ppl": ppl,
-                          "eval_num_tokens": n, **mean_rouge(samples)})
-            if samples:
-                writer.write_samples(samples, result.steps)
-            if env.is_main:
-                bar.write(f"epoch {epoch + 1}: eval loss {loss:.4f}, perplexity {ppl:.2f}")
+            run_eval(epoch + 1, f"epoch {epoch + 1}")
         if checkpointer:
             checkpointer.after_epoch(epoch, done_in_epoch)
     bar.close()
