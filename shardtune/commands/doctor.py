@@ -18,6 +18,10 @@ import socket
 import sys
 import time
 
+from shardtune.config.schema import ConfigError
+
+# Where the workers tell the launcher of their node how many problems they found (a finding, not a crash).
+RESULT_ENV = "SHARDTUNE_DOCTOR_RESULT"
 # The environment that decides how collectives travel (NCCL / gloo / torch's NCCL watchdog) and where.
 COMM_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
 COMM_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT")
@@ -34,7 +38,13 @@ def parse_doctor_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--bandwidth_mb", type=float, default=64.0,
                         help="size of the all-reduce / all-gather test tensor per rank, in MB (default 64)")
     parser.add_argument("--bandwidth_iters", type=int, default=5, help="timed repetitions (after one warm-up)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.bandwidth_iters < 1:
+        raise ConfigError(f"--bandwidth_iters {args.bandwidth_iters} must be >= 1: the bandwidth is timed over that "
+                          "many repetitions")
+    if not args.bandwidth_mb > 0:
+        raise ConfigError(f"--bandwidth_mb {args.bandwidth_mb} must be a positive size in MB, e.g. 64")
+    return args
 
 
 def package_version(name: str) -> str:
@@ -101,6 +111,8 @@ def bandwidth_table(args: argparse.Namespace, env) -> dict[str, dict[str, float]
     import torch.distributed as dist
 
     numel = max(1, int(args.bandwidth_mb * 1e6 / 4))
+    if env.world_size == 1:  # nothing crosses a link: no bandwidth to report
+        return {}
     groups = {"all ranks": None}
     if env.num_nodes > 1:
         # every rank creates every group (new_group is collective); only members measure
@@ -145,7 +157,7 @@ def problems_found(reports: list[dict], env, bandwidth: dict) -> list[str]:
         if r["visible_gpus"] and env.local_world_size != r["visible_gpus"] and r["local_rank"] == 0:
             problems.append(f"node {r['node']} runs {env.local_world_size} processes but sees {r['visible_gpus']} "
                             "GPUs: pass --nproc_per_node equal to the GPU count to use them all")
-        if r["env"].get("NCCL_IB_DISABLE") == "1" and r["local_rank"] == 0:
+        if r["env"].get("NCCL_IB_DISABLE") == "1" and r["local_rank"] == 0 and env.num_nodes > 1:
             problems.append(f"NCCL_IB_DISABLE=1 on node {r['node']}: cross-node traffic goes over TCP sockets, "
                             "unset it if the nodes have InfiniBand / RoCE")
     if env.backend == "nccl":
@@ -171,6 +183,8 @@ def render(reports: list[dict], env, bandwidth: dict, problems: list[str]) -> st
         lines.append("  versions: " + ", ".join(f"{k} {v}" for k, v in first["versions"].items()))
         env_text = ", ".join(f"{k}={v}" for k, v in first["env"].items()) or "(none set)"
         lines.append(f"  communication environment: {env_text}")
+    if not bandwidth:
+        lines.append("bandwidth: not measured (one rank: no collective traffic)")
     for group, ops in bandwidth.items():
         lines.append(f"bandwidth ({group}): " + ", ".join(f"{op} {gb:.2f} GB/s" for op, gb in ops.items())
                      + " (bus bandwidth, as nccl-tests reports it)")
@@ -193,13 +207,26 @@ def run_worker(args: argparse.Namespace) -> int:
         problems = problems_found(reports, env, bandwidth)
         if env.is_main:
             print(render(reports, env, bandwidth, problems), flush=True)
+        if env.local_rank == 0 and os.environ.get(RESULT_ENV):
+            with open(os.environ[RESULT_ENV], "w") as f:
+                f.write(str(len(problems)))
     finally:
         shutdown()
-    return 1 if problems else 0
+    return 0  # problems are findings, not a failure of the workers: the launcher turns them into exit status 1
+
+
+def problems_reported(path: str) -> int:
+    """The number of problems the workers of this node wrote (0 when they wrote nothing)."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shardtune.config.schema import ConfigError
+    import tempfile
+
     from shardtune.runtime.distributed import is_torchrun_worker
     from shardtune.launch.torchrun import launch, resolve_here, split_launcher_args
 
@@ -213,7 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"shardtune: error: {e}", file=sys.stderr)
         return 2
-    return launch(topology, "shardtune.commands.doctor", rest, what="the checks")
+    with tempfile.TemporaryDirectory(prefix="shardtune-doctor-") as tmp:
+        os.environ[RESULT_ENV] = os.path.join(tmp, "problems")
+        status = launch(topology, "shardtune.commands.doctor", rest, what="the checks")
+        found = problems_reported(os.environ.pop(RESULT_ENV))
+    if status == 0 and found:
+        print(f"shardtune doctor: {found} problem(s) found (listed in global rank 0's report)", file=sys.stderr)
+        return 1
+    return status
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """``shardtune eval``: eval loss, perplexity and ROUGE of generated summaries on a samsum-format split.
 
+    shardtune eval --model_name runs/chat --dataset_name chats/          # TRL's formats: loss on the test split
+
     shardtune eval --config recipes/demo.yaml --model_name runs/demo --max_examples 50 --report_path r.json
     shardtune eval --model_name runs/lora --dataset samsum_dataset --samsum_dataset.data_path data/samsum/
 
@@ -9,6 +11,8 @@ eval sees exactly the validation examples training saw. On the first --max_examp
 - ROUGE-1/2/L F-measures (rouge_score, use_stemmer=True) of greedy summaries against the references: the
   prompt is the example's own prompt tokens (bos + prompt), the reference its labelled tokens without eos.
 The JSON report carries every generated text, so the numbers can be recomputed from it.
+Data in TRL's formats (--dataset_name, --synthetic_dialogues.messages) is evaluated on its --dataset_test_split with
+loss and perplexity only (its labelled tokens are not one reference answer).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from shardtune import data
 from shardtune.runtime.files import write_text_atomic
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.config.flags import parse_args
+from shardtune.data.trl_loading import uses_trl_formats
 from shardtune.model.generation import ROUGE_TYPES, SUMMARY_MAX_NEW_TOKENS, generate_for_examples, load_for_inference, rouge_scores
 from shardtune.model.peft import resolve_model_and_adapter
 from shardtune.model.loss import num_label_tokens, token_loss_sum
@@ -47,31 +52,39 @@ def eval_loss(model: nn.Module, examples: list[dict], cfg: TrainConfig, pad_id: 
 
 def evaluate_model(cfg: TrainConfig, adapter: str, max_examples: int, max_new_tokens: int) -> dict:
     model, tokenizer = load_for_inference(cfg.model_name, adapter)
-    examples, data_report = data.load_examples(cfg, tokenizer, "validation")
+    examples, data_report = data.load_examples(cfg, data.apply_tokenizer_options(cfg, tokenizer), "validation")
     examples = examples[:max_examples]
     if not examples:
         raise ConfigError(f"--dataset {cfg.dataset}: the validation split has no usable example "
                           f"({data_report.summary()})")
     loss, ppl, num_tokens = eval_loss(model, examples, cfg, tokenizer.pad_token_id)
+    split = "validation"
+    if uses_trl_formats(cfg):
+        return {"model_name": cfg.model_name, "adapter": adapter, "dataset": cfg.dataset, "data": data_report.source,
+                "split": cfg.trl_dataset.dataset_test_split if cfg.dataset == "trl_dataset" else split,
+                "num_examples": len(examples), "eval_loss": loss, "eval_ppl": ppl, "eval_num_tokens": num_tokens}
     rows = generate_for_examples(model, tokenizer, examples, max_new_tokens)
     scores = rouge_scores([r["reference"] for r in rows], [r["prediction"] for r in rows])
     for row, score in zip(rows, scores):
         row.update(score)
     means = {k: sum(s[k] for s in scores) / len(scores) for k in ROUGE_TYPES}
-    return {"model_name": cfg.model_name, "adapter": adapter, "dataset": cfg.dataset, "split": "validation",
+    return {"model_name": cfg.model_name, "adapter": adapter, "dataset": cfg.dataset, "split": split,
             "num_examples": len(rows), "eval_loss": loss, "eval_ppl": ppl, "eval_num_tokens": num_tokens,
             **means, "rouge": {"use_stemmer": True, "measure": "fmeasure"},
             "generation": {"decoding": "greedy", "max_new_tokens": max_new_tokens}, "examples": rows}
 
 
 def summary(report: dict) -> str:
-    return (f"eval ({report['num_examples']} examples): loss {report['eval_loss']:.4f}, perplexity "
-            f"{report['eval_ppl']:.3f}, ROUGE-1 {100 * report['rouge1']:.2f}, ROUGE-2 {100 * report['rouge2']:.2f}, "
+    loss = (f"eval ({report['num_examples']} examples): loss {report['eval_loss']:.4f}, perplexity "
+            f"{report['eval_ppl']:.3f}")
+    if "rouge1" not in report:
+        return f"{loss} on {report['data']}"
+    return (f"{loss}, ROUGE-1 {100 * report['rouge1']:.2f}, ROUGE-2 {100 * report['rouge2']:.2f}, "
             f"ROUGE-L {100 * report['rougeL']:.2f}")
 
 
 def print_examples(report: dict, num: int) -> None:
-    for i, row in enumerate(report["examples"][:num], start=1):
+    for i, row in enumerate(report.get("examples", [])[:num], start=1):
         prompt = row["prompt"] if len(row["prompt"]) <= 400 else row["prompt"][:400] + " ..."
         print(f"--- example {i}\n{prompt}\n[reference] {row['reference']}\n[generated] {row['prediction']}")
 
@@ -89,6 +102,25 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_flag_names(rest: list[str], own: list[str]) -> None:
+    """An unknown flag is one line whose suggestion also considers eval's own flags (--max_examples ...)."""
+    import difflib
+
+    from shardtune.config.flags import ALIASES, flat_fields, resolve_key
+
+    for arg in rest:
+        if not arg.startswith("--"):
+            continue
+        name = arg[2:].partition("=")[0]
+        try:
+            resolve_key(name)
+        except ConfigError:
+            close = difflib.get_close_matches(name.replace("-", "_"), [*own, *flat_fields(), *ALIASES], n=1,
+                                              cutoff=0.5)
+            hint = f"did you mean --{close[0]}?" if close else "see shardtune eval --help"
+            raise ConfigError(f"unknown flag --{name}: {hint}") from None
+
+
 def main(argv: list[str]) -> int:
     from shardtune.runtime.libraries import quiet_libraries
 
@@ -97,6 +129,7 @@ def main(argv: list[str]) -> int:
     try:
         if args.max_examples <= 0 or args.max_new_tokens <= 0:
             raise ConfigError("--max_examples and --max_new_tokens must be positive")
+        check_flag_names(rest, [a.dest for a in parser()._actions if a.dest != "help"])
         cfg = parse_args(rest)
         cfg.model_name, args.adapter = resolve_model_and_adapter(cfg.model_name, args.adapter)
         data.check_data_config(cfg)

@@ -19,18 +19,29 @@ from shardtune.planner.search import check_split, plan, setup_from_config
 from shardtune.planner.render import render, split_named_flags, without_strategy_flags
 from shardtune.planner.hardware import DEVICES, resolve_device
 
-PLAN_FLAGS = {"gpu": "H100", "gpu_memory": "", "nnodes": "1", "gpus_per_node": "8"}
+PLAN_FLAGS = {"gpu": "H100", "gpu_memory": "", "host_memory": "", "nnodes": "1", "gpus_per_node": "8"}
 
 
 def split_plan_args(argv: list[str]) -> tuple[dict[str, str], list[str], bool]:
+    """sft's topology flags too: --nproc_per_node (--num_processes) N is --gpus_per_node N, --nnodes M as given; the
+    rendezvous flags (where the processes meet) do not change a plan."""
+    from shardtune.config.trl import take_num_processes
+    from shardtune.launch.torchrun import split_launcher_args
+
     as_json = any(a == "--json" for a in argv)
-    values, rest = split_named_flags([a for a in argv if a != "--json"], PLAN_FLAGS)
+    launch, argv = split_launcher_args(take_num_processes([a for a in argv if a != "--json"]))
+    values, rest = split_named_flags(argv, PLAN_FLAGS)
+    topology = {"gpus_per_node": launch.get("nproc_per_node"), "nnodes": launch.get("nnodes")}
+    for name, value in topology.items():
+        if value is not None and values.setdefault(name, value) != value:
+            raise ConfigError(f"--{name} {values[name]} and the launcher's {value} disagree: keep one of them")
     return {**PLAN_FLAGS, **values}, rest, as_json
 
 
 def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
-        print(__doc__.strip() + "\n\nplan flags: --gpu " + "|".join(DEVICES) + "|cpu, --gpu_memory SIZE, --nnodes M, "
+        print(__doc__.strip() + "\n\nplan flags: --gpu " + "|".join(DEVICES) + "|cpu, --gpu_memory SIZE, --host_memory SIZE (per node; "
+              "default: what a server of that GPU ships with, stated in the output), --nnodes M, "
               "--gpus_per_node G, --json; every sft flag (shardtune sft --help)")
         return 0
     try:

@@ -42,10 +42,10 @@ def check_core(cfg: TrainConfig, world_size: int) -> None:
         if typ is float and isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"--{key} {value} is not a finite number: pass a finite value")
     for name in ("batch_size_training", "gradient_accumulation_steps", "num_epochs", "context_length",
-                 "val_batch_size"):
+                 "val_batch_size", "logging_steps"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name} {getattr(cfg, name)} must be positive: pass a value >= 1")
-    for name in ("max_train_step", "max_eval_step", "num_workers_dataloader", "warmup_steps"):
+    for name in ("max_train_step", "max_eval_step", "num_workers_dataloader", "warmup_steps", "eval_steps"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} {getattr(cfg, name)} must be >= 0 (0 means no limit / none)")
     if cfg.lr <= 0:
@@ -120,9 +120,10 @@ def _check_output_dir(output_dir: str) -> None:
 
 
 
-# FSDP settings that only mean something with --enable_fsdp (checkpoint_type belongs to checkpointing).
+# FSDP settings that only mean something with --enable_fsdp (checkpoint_type belongs to checkpointing; activation
+# checkpointing applies under every strategy).
 FSDP_ONLY_SETTINGS = ("hsdp", "sharding_strategy", "sharding_group_size", "replica_group_size", "pure_bf16",
-                      "fsdp_activation_checkpointing", "fsdp_cpu_offload")
+                      "fsdp_cpu_offload")
 
 
 def check_fsdp(cfg: TrainConfig, world_size: int) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -20,11 +21,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 
 from shardtune.model.attention import attention_implementation
 from shardtune.config.schema import ConfigError, TrainConfig
+from shardtune.data.chat import PRESET_CHAT_TEMPLATE
 from shardtune.data.synthetic import corpus_for_tokenizer
 
 PRESET_PREFIX = "preset:"
 DEFAULT_PRESET = "demo"
-PRESET_VERSION = "v1"  # bump when a preset's shape, init or tokenizer changes, so stale caches are not reused
+PRESET_VERSION = "v2"  # bump when a preset's shape, init or tokenizer changes, so stale caches are not reused
 TOKENIZER_VOCAB_SIZE = 1024
 TOKENIZER_SEED = 0  # every preset shares one tokenizer, whatever the model's init seed
 
@@ -58,7 +60,8 @@ def cache_dir() -> Path:
 
 
 def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE, seed: int = TOKENIZER_SEED) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on the synthetic corpus; never adds bos/eos by itself (the data code does)."""
+    """Byte-level BPE trained on the synthetic corpus; never adds bos/eos by itself (the data code does); with a
+    small chat template (plain-text role headers, {% generation %} markers: data.chat.PRESET_CHAT_TEMPLATE)."""
     bpe = Tokenizer(BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -67,7 +70,7 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE, seed: int = TOKENIZE
     bpe.train_from_iterator(corpus_for_tokenizer(seed), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=BOS, eos_token=EOS, pad_token=PAD,
                                    unk_token=UNK, padding_side="right", model_max_length=1_000_000,
-                                   clean_up_tokenization_spaces=False)
+                                   clean_up_tokenization_spaces=False, chat_template=PRESET_CHAT_TEMPLATE)
 
 
 def init_model(preset: str, out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
@@ -80,9 +83,14 @@ def init_model(preset: str, out_dir: str | Path, seed: int = 0, dtype: torch.dty
     _check_preset(preset, "preset")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"init_model: {out_dir} exists and is not empty: pick an empty or new directory")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:  # before building anything: the folder must be writable
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise ValueError(f"init_model: cannot write {out_dir} ({e.strerror}): pick a directory you can write to") \
+            from None
     tokenizer = train_tokenizer()
     model = _random_model(preset, tokenizer, seed, dtype)
     model.save_pretrained(tmp)
@@ -122,13 +130,31 @@ def resolve_model_name(model_name: str) -> str:
     name = model_name.removeprefix(PRESET_PREFIX) or DEFAULT_PRESET
     _check_preset(name, "model_name")
     presets_dir = cache_dir() / "presets"
-    path = presets_dir / f"{name}-{PRESET_VERSION}"
+    path = presets_dir / f"{name}-{PRESET_VERSION}-{preset_fingerprint(name)}"
     presets_dir.mkdir(parents=True, exist_ok=True)
     with open(presets_dir / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait, then find it built
         if not (path / "config.json").is_file():
             init_model(name, path, seed=0, dtype=PRESET_BUILD_DTYPES.get(name, torch.float32))
     return str(path)
+
+
+def preset_fingerprint(name: str) -> str:
+    """What a preset is built from: its shape, seed and dtype, the code that builds it and its tokenizer (this module
+    and the synthetic corpus), and the torch / transformers versions whose initialisers draw its weights. The cached
+    directory is named by it, so a cache built by other code is never taken for this code's preset."""
+    import hashlib
+
+    import transformers
+
+    from shardtune.data import synthetic
+
+    digest = hashlib.sha256(json.dumps({
+        "config": PRESETS[name], "seed": 0, "dtype": str(PRESET_BUILD_DTYPES.get(name, torch.float32)),
+        "torch": torch.__version__, "transformers": transformers.__version__}, sort_keys=True).encode())
+    for source in (__file__, synthetic.__file__):
+        digest.update(Path(source).read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _check_preset(name: str, what: str) -> None:
@@ -245,6 +271,13 @@ def build_model_on_meta(name_or_path: str, dtype: torch.dtype = torch.float32, c
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(total, trainable) parameter counts; tied weights count once."""
+    """(total, trainable) parameter counts; tied weights count once; a quantised weight counts its logical shape,
+    not its packed storage (bitsandbytes packs two 4-bit values per byte, or into bf16 storage under FSDP)."""
     params = list(model.parameters())
-    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    return sum(logical_numel(p) for p in params), sum(logical_numel(p) for p in params if p.requires_grad)
+
+
+def logical_numel(param: torch.Tensor) -> int:
+    quant_state = getattr(param, "quant_state", None)
+    shape = getattr(quant_state, "shape", None)
+    return math.prod(shape) if shape is not None else param.numel()

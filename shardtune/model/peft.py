@@ -44,8 +44,11 @@ def peft_config(cfg: TrainConfig, num_layers: int):
 
     if cfg.peft_method == "lora":
         lc = cfg.lora_config
-        return peft.LoraConfig(r=lc.r, lora_alpha=lc.lora_alpha, target_modules=list(lc.target_modules),
+        # all-linear (TRL's spelling too): peft expands it to every linear layer but the output head
+        targets = "all-linear" if list(lc.target_modules) == ["all-linear"] else list(lc.target_modules)
+        return peft.LoraConfig(r=lc.r, lora_alpha=lc.lora_alpha, target_modules=targets,
                                lora_dropout=lc.lora_dropout, bias=lc.bias, use_dora=lc.use_dora,
+                               use_rslora=lc.use_rslora, modules_to_save=list(lc.modules_to_save) or None,
                                task_type="CAUSAL_LM")
     if cfg.peft_method == "llama_adapter":
         ac = cfg.llama_adapter_config
@@ -128,7 +131,9 @@ def check_peft(cfg: TrainConfig) -> None:
 
     model = build_model_on_meta(cfg.model_name)
     if cfg.peft_method == "lora":
-        _check_target_modules(model, cfg.lora_config.target_modules)
+        if cfg.lora_config.target_modules != ["all-linear"]:
+            _check_target_modules(model, cfg.lora_config.target_modules, "target_modules")
+        _check_target_modules(model, cfg.lora_config.modules_to_save, "modules_to_save")
     elif cfg.peft_method == "llama_adapter":
         _check_adapter_architecture(model)
     if cfg.from_peft_checkpoint:
@@ -175,14 +180,14 @@ def _module_matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
-def _check_target_modules(model: nn.Module, targets: list[str]) -> None:
+def _check_target_modules(model: nn.Module, targets: list[str], setting: str) -> None:
     names = [n for n, _ in model.named_modules() if n]
     linear_leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
     for target in targets:
         if not any(_module_matches(n, target) for n in names):
             close = difflib.get_close_matches(target, linear_leaves, n=1)
             hint = f"did you mean {close[0]}?" if close else "its linear layers are " + ", ".join(linear_leaves)
-            raise ConfigError(f"--lora_config.target_modules {target!r} matches no module of "
+            raise ConfigError(f"--lora_config.{setting} {target!r} matches no module of "
                               f"{type(model).__name__}: {hint}")
 
 

@@ -190,7 +190,8 @@ class Strategy(ABC):
 
     def describe(self) -> str:
         return (f"{self.name}, world size {self.env.world_size}{self.describe_split()}, compute dtype "
-                f"{dtype_name(self.compute_dtype)}")
+                f"{dtype_name(self.compute_dtype)}"
+                + (", activation checkpointing" if self.cfg.fsdp_config.fsdp_activation_checkpointing else ""))
 
     def describe_split(self) -> str:
         """How rows are split (empty when they are not): part of every strategy's start line."""

@@ -100,6 +100,13 @@ def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module]) ->
     return wrapped
 
 
+def checkpoint_activations(model: nn.Module, cfg) -> None:
+    """--fsdp_config.fsdp_activation_checkpointing (TRL: --gradient_checkpointing) under DDP and DeepSpeed: the same
+    wrappers FSDP applies before sharding (their state_dict hook keeps the parameter names)."""
+    if cfg.fsdp_config.fsdp_activation_checkpointing:
+        apply_activation_checkpointing(model, decoder_layers(model))
+
+
 # -- low_cpu_fsdp ----------------------------------------------------------------------------------------------------
 
 def materialize_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | None,

@@ -31,7 +31,7 @@ from shardtune.launch.topology import Topology, resolve_topology
 from shardtune.training.checks import check_before_launch
 
 # shardtune plan's hardware flags, also taken by sft --dry_run (--gpus_per_node is --nproc_per_node)
-HARDWARE_FLAGS = ("gpu", "gpu_memory", "gpus_per_node")
+HARDWARE_FLAGS = ("gpu", "gpu_memory", "host_memory", "gpus_per_node")
 
 
 def split_hardware_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:

@@ -114,6 +114,18 @@ def usable_bytes(device: Device) -> float:
     return device.memory_bytes * 0.95 - 1.5 * GIB
 
 
+def usable_host_bytes(device: Device) -> float:
+    """What the processes of one node may hold in host memory: the OS, page cache and libraries take the rest."""
+    return device.host_memory_bytes * 0.9
+
+
+def host_bytes_per_node(setup: Setup) -> float:
+    """Host memory one node needs: its ranks' offloaded state during training, or loading the weights before it,
+    whichever is larger."""
+    b = estimate(setup)
+    return max(b.host_state * setup.gpus_per_node, b.host_loading)
+
+
 # -- the estimate ----------------------------------------------------------------------------------------------------
 
 # quantised storage per weight: NF4/FP4 half a byte, plus one absmax per block of 64 (fp32, or 8-bit + an fp32 per

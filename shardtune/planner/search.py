@@ -13,7 +13,9 @@ from shardtune.planner.estimate import (
     STRATEGIES,
     Setup,
     estimate,
+    host_bytes_per_node,
     usable_bytes,
+    usable_host_bytes,
 )
 from shardtune.planner.hardware import Device
 from shardtune.planner.render import command_flags, describe_setup
@@ -23,7 +25,8 @@ from shardtune.planner.speed import step_time_s
 # -- alternatives, limits and the recommendation ---------------------------------------------------------------------
 
 def fits(setup: Setup, device: Device) -> bool:
-    return estimate(setup).peak <= usable_bytes(device)
+    """The peak fits a GPU and the node's processes fit its host memory (offloaded state, loading the weights)."""
+    return estimate(setup).peak <= usable_bytes(device) and host_bytes_per_node(setup) <= usable_host_bytes(device)
 
 
 # from this many tokens per micro-batch on, the alternatives include rows split over sequence / context parallel ranks
@@ -154,9 +157,10 @@ def plan(setup: Setup, device: Device, accumulation: int) -> dict:
         seconds, compute_s, comm_s = step_time_s(candidate, device, accumulation)
         tokens = candidate.batch_size * candidate.seq_len * accumulation * candidate.data_parallel
         rows.append({"setup": describe_setup(candidate), "flags": command_flags(candidate),
-                     "peak_bytes": b.peak, "fits": b.peak <= usable_bytes(device), "step_s": seconds,
+                     "peak_bytes": b.peak, "fits": fits(candidate, device), "step_s": seconds,
                      "compute_s": compute_s, "communication_s": comm_s, "tokens_per_s_per_gpu":
                      tokens / seconds / candidate.world_size, "host_state_bytes": b.host_state,
+                     "host_bytes_per_node": host_bytes_per_node(candidate),
                      "_setup": candidate})
     fitting = [r for r in rows if r["fits"]]
     # by tokens/s: a row split over sp x cp ranks trains fewer rows per step, so its step time is not comparable
@@ -165,10 +169,12 @@ def plan(setup: Setup, device: Device, accumulation: int) -> dict:
     given = estimate(setup)
     return {"model": setup.arch.name, "parameters": setup.arch.num_params,
             "trainable_parameters": setup.adapter.trainable_params(setup.arch), "device": device.describe(),
-            "usable_bytes": usable_bytes(device), "world_size": setup.world_size,
+            "usable_bytes": usable_bytes(device), "usable_host_bytes": usable_host_bytes(device),
+            "world_size": setup.world_size, "nnodes": setup.num_nodes, "gpus_per_node": setup.gpus_per_node,
             "given": {"setup": describe_setup(setup), "breakdown": dict(given.rows()), "peak_bytes": given.peak,
                       "fits": fits(setup, device), "host_loading_bytes_per_node": given.host_loading,
-                      "host_state_bytes_per_rank": given.host_state},
+                      "host_state_bytes_per_rank": given.host_state,
+                      "host_bytes_per_node": host_bytes_per_node(setup)},
             "alternatives": rows, "recommended": best, "smallest": None if best else smallest,
             "would_fit": None if best else would_fit(setup, device),
             "largest_micro_batch": largest_batch(best["_setup"] if best else setup, device),

@@ -24,11 +24,14 @@ from shardtune.model.longseq import check_rope_scaling
 from shardtune.model.peft import check_peft
 from shardtune.model.structure import check_model_structure
 from shardtune.parallel.dims import ParallelDims, check_parallel_dims
+from shardtune.parallel.optim import check_adam, check_schedule
 from shardtune.parallel.sequence import check_sequence_split
+from shardtune.runtime.distributed import is_torchrun_worker
 from shardtune.training.checkpoint import check_checkpointing
 
 # Settings alone, in order: the config floor's own, then those owned by the floors above.
-SETTING_CHECKS = (*CONFIG_CHECKS, check_cookbook_flags, check_parallel_dims, check_checkpointing)
+SETTING_CHECKS = (*CONFIG_CHECKS, check_cookbook_flags, check_parallel_dims, check_schedule, check_adam,
+                  check_checkpointing)
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
@@ -70,7 +73,8 @@ def prepare(cfg: TrainConfig, world_size: int) -> None:
     if cfg.tokenizer_name:
         check_model_source(cfg.tokenizer_name, "tokenizer_name")
     data.check_data_config(cfg)
-    tokenizer = load_tokenizer(cfg.tokenizer_name or cfg.model_name)
+    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name))
+    data.drop_absent_validation(cfg, say=not is_torchrun_worker())
     check_tokenizer_fits(cfg.model_name, tokenizer, cfg.tokenizer_name)
     data.check_context_length(cfg, tokenizer)
     dims = ParallelDims.from_config(cfg, world_size)

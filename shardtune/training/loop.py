@@ -23,10 +23,10 @@ from tqdm import tqdm
 from shardtune import data
 from shardtune.training.checkpoint import Checkpointer, Position
 from shardtune.config.schema import TrainConfig
-from shardtune.runtime.distributed import DistEnv, all_reduce_sum
+from shardtune.runtime.distributed import DistEnv, all_reduce_sum, print0
 from shardtune.runtime.errors import TrainingStopped
 from shardtune.model.flops import (
-    ModelShape, measured_peak_flops, micro_batch_flops, model_shape, num_input_tokens, palm_micro_batch_flops,
+    ModelShape, micro_batch_flops, model_shape, num_input_tokens, palm_micro_batch_flops,
 )
 from shardtune.model.generation import mean_rouge
 from shardtune.model.loss import batch_label_tokens, token_loss_sum
@@ -34,7 +34,9 @@ from shardtune.training.metrics import MetricsWriter, perplexity
 from shardtune.runtime.distributed import peak_memory_bytes
 from shardtune.parallel.optim import build_optimizer, build_scheduler  # noqa: F401 (build_optimizer: re-exported for bench/)
 from shardtune.parallel.base import Strategy
+from shardtune.model.peak_flops import PeakMeter
 from shardtune.training.profiling import StepProbe
+from shardtune.runtime import startup
 from shardtune.parallel.sequence import RowSlice
 
 
@@ -134,19 +136,34 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
     total_steps = steps_per_epoch * cfg.num_epochs
     if cfg.max_train_step:
         total_steps = min(total_steps, cfg.max_train_step)
-    scheduler, scheduler_unit = build_scheduler(optimizer, cfg, total_steps)
+    scheduler, scheduler_unit = build_scheduler(optimizer, cfg, total_steps, steps_per_epoch)
     shape = model_shape(model)
-    # every rank measures its own matmul rate at the same moment (so shared cores are shared as in training)
-    peak_flops = float(all_reduce_sum(torch.tensor(measured_peak_flops(str(env.device)), dtype=torch.float64),
-                                      env.device))
+    peak = PeakMeter(env.device, strategy.compute_dtype, lambda t: all_reduce_sum(t, env.device))
+    print0(peak.describe())
     row_slice = RowSlice.of_rank(dims, env.rank)  # eval rows are split like training rows
     eval_batches = (data.eval_batches(eval_examples, cfg, dims.dp_rank(env.rank), dims.dp_size, pad_id, row_slice)
                     if cfg.run_validation else [])
 
     result = TrainResult()
     probe = StepProbe(cfg, env, total_steps)
+
+    def run_eval(epoch: float, when: str) -> None:
+        loss, ppl, n = evaluate(model, strategy, eval_batches, env)
+        result.eval_loss, result.eval_ppl = loss, ppl
+        samples = generate_samples(model, strategy, eval_sampler) if eval_sampler else []
+        writer.write({"step": result.steps, "epoch": epoch, "eval_loss": loss, "eval_ppl": ppl,
+                      "eval_num_tokens": n, **mean_rouge(samples)})
+        if samples:
+            writer.write_samples(samples, result.steps)
+        if env.is_main:
+            bar.write(f"{when}: eval loss {loss:.4f}, perplexity {ppl:.2f}")
+
     start = (checkpointer.start(model, optimizer, scheduler, result, steps_per_epoch, total_steps)
              if checkpointer else Position())
+    startup.mark("optimizer, eval batches, checkpoint")
+    startup_s: float | None = startup.seconds_since_command()  # to this process's first step; in its first row
+    if cfg.debug:  # before the progress bar, so that the line stands alone
+        print0(startup.phase_report())
     bar = tqdm(total=total_steps, initial=result.steps, desc="train", unit="step", disable=not env.is_main,
                dynamic_ncols=True)
     model.train()
@@ -178,6 +195,9 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
             result.num_tokens += stats["num_tokens"]
             result.train_time_s += step_time_s
             result.losses.append(stats["loss"])
+            metered = time.perf_counter()
+            peak_flops = peak.after_step(result.steps, stats["flops"] / step_time_s)
+            tick += time.perf_counter() - metered  # a peak measurement is not part of the next step
             row = {
                 "step": result.steps,
                 "epoch": round(epoch + (step_in_epoch + 1) / steps_per_epoch, 6),
@@ -191,7 +211,10 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
                 "model_flops_per_s": stats["flops"] / step_time_s,
                 "mfu": stats["flops"] / step_time_s / peak_flops,
                 "mfu_palm": stats["palm_flops"] / step_time_s / peak_flops,
+                "peak_flops_per_s": peak_flops,
             }
+            if startup_s is not None:
+                row["startup_s"], startup_s = startup_s, None
             if stats["grad_norm"] is not None:
                 row["grad_norm"] = stats["grad_norm"]
             if stats.get("skipped"):
@@ -201,6 +224,10 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
             if flop_report and env.is_main:
                 bar.write(flop_report)
             done_in_epoch = step_in_epoch + 1
+            # --eval_steps: inside the epoch (its end, and the run's last step, evaluate anyway)
+            if cfg.run_validation and cfg.eval_steps and result.steps % cfg.eval_steps == 0 \
+                    and done_in_epoch < steps_per_epoch and result.steps < total_steps:
+                run_eval(row["epoch"], f"step {result.steps}")
             if checkpointer:
                 checkpointer.after_step(epoch, done_in_epoch)
                 if result.steps < total_steps:
@@ -211,15 +238,7 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
         if scheduler_unit == "epoch":
             scheduler.step()
         if cfg.run_validation:
-            loss, ppl, n = evaluate(model, strategy, eval_batches, env)
-            result.eval_loss, result.eval_ppl = loss, ppl
-            samples = generate_samples(model, strategy, eval_sampler) if eval_sampler else []
-            writer.write({"step": result.steps, "epoch": epoch + 1, "eval_loss": loss, "eval_ppl": ppl,
-                          "eval_num_tokens": n, **mean_rouge(samples)})
-            if samples:
-                writer.write_samples(samples, result.steps)
-            if env.is_main:
-                bar.write(f"epoch {epoch + 1}: eval loss {loss:.4f}, perplexity {ppl:.2f}")
+            run_eval(epoch + 1, f"epoch {epoch + 1}")
         if checkpointer:
             checkpointer.after_epoch(epoch, done_in_epoch)
     bar.close()

@@ -19,9 +19,11 @@ class MetricsWriter:
     """Appends JSON lines and flushes each one, so a crash keeps every step logged so far; the trackers (rank 0's
     --report_to sinks) receive the same rows."""
 
-    def __init__(self, path: Path | None, append: bool = False, trackers: Sequence[Tracker] = ()):
+    def __init__(self, path: Path | None, append: bool = False, trackers: Sequence[Tracker] = (),
+                 tracker_every: int = 1):
         self.path = path
         self.trackers = list(trackers)
+        self.tracker_every = tracker_every  # --logging_steps: step rows sent to the trackers (eval rows: all)
         self._fh = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -33,6 +35,8 @@ class MetricsWriter:
         if self._fh is not None:
             self._fh.write(json.dumps(strict_json_row(row), allow_nan=False) + "\n")
             self._fh.flush()
+        if "loss" in row and row["step"] % self.tracker_every:
+            return
         for tracker in self.trackers:
             tracker.log(tracker_scalars(row), row["step"])
 

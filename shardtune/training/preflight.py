@@ -29,6 +29,7 @@ import shardtune
 from shardtune.config.schema import TrainConfig
 from shardtune.config.flags import flatten_dict, to_dict
 from shardtune.data.cache import cache_key
+from shardtune.data.chat import apply_tokenizer_options
 from shardtune.runtime.distributed import DistEnv, print0
 from shardtune.model.loading import load_tokenizer
 
@@ -142,4 +143,5 @@ def source_digest() -> str:
 
 def data_fingerprint(cfg: TrainConfig) -> str:
     """The tokenised-data cache key of the training split: dataset settings, data files' contents, tokenizer."""
-    return cache_key(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name), "train")
+    tokenizer = apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name))
+    return cache_key(cfg, tokenizer, "train")

@@ -18,6 +18,7 @@ from shardtune import data
 from shardtune.config.flags import to_yaml
 from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
 from shardtune.data.cache import load_examples_cached
+from shardtune.data.chat import mirror_eos_token
 from shardtune.model.cookbook import freeze_first_layers
 from shardtune.model.generation import EvalSampler
 from shardtune.model.loading import (
@@ -49,6 +50,7 @@ from shardtune.runtime.distributed import (
     shutdown,
 )
 from shardtune.runtime.errors import CheckpointError, TrainingStopped, fail
+from shardtune.runtime import startup
 from shardtune.runtime.files import remove_stale_staging, write_text_atomic
 from shardtune.runtime.preemption import (
     EXIT_PREEMPTED,
@@ -61,6 +63,7 @@ from shardtune.training.checkpoint import Checkpointer
 from shardtune.training.checks import data_splits, prepare
 from shardtune.training.loop import TrainResult, train
 from shardtune.training.metrics import MetricsWriter
+from shardtune.training.plots import write_run_plots
 from shardtune.training.preflight import PreflightError, run_preflight
 from shardtune.training.trackers import open_trackers
 
@@ -92,8 +95,9 @@ def build_model(cfg: TrainConfig, env: DistEnv) -> torch.nn.Module:
 def check_finite_weights(state: dict[str, torch.Tensor] | None, env: DistEnv, cfg: TrainConfig,
                          result: TrainResult) -> None:
     """Collective: a model with a NaN / Inf weight is not published (an overflowing last step leaves a finite loss
-    behind it, and --nan_policy skip carries on past non-finite steps)."""
-    finite = all(bool(torch.isfinite(t).all()) for t in (state or {}).values() if t.is_floating_point())
+    behind it, and --nan_policy skip carries on past non-finite steps). ``state`` is the gathered state dict on
+    global rank 0 and None elsewhere (rank 0 judges; every rank joins the all-reduce)."""
+    finite = state is None or all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point())
     if int(all_reduce_sum(torch.tensor([0.0 if finite else 1.0]), env.device)[0]) == 0:
         return
     bad = next((i + 1 for i, loss in enumerate(result.losses) if not math.isfinite(loss)), None)
@@ -122,8 +126,8 @@ def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Modul
 
 
 def hold_output_dir(cfg: TrainConfig, env: DistEnv) -> RunLock | None:
-    """Rank 0 takes output_dir's run lock (shardtune/runtime/run_lock.py) for the run's lifetime; every rank raises RunLocked
-    when another run holds it."""
+    """Rank 0 takes output_dir's run lock (shardtune/runtime/run_lock.py) for the run's lifetime; every rank raises
+    RunLocked when another run holds it."""
     lock, refused = (RunLock(Path(cfg.output_dir)), None) if env.is_main else (None, None)
     if lock is not None:
         try:
@@ -154,11 +158,13 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_staging(out_dir)
         write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
-    tokenizer = load_tokenizer(cfg.tokenizer_name or cfg.model_name)
+    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name))
     strategy = make_strategy(cfg, env)
     units, eval_examples = load_data(cfg, env, strategy.dims, tokenizer)
-
+    startup.mark("tokenizer and data")
     model = build_model(cfg, env)
+    startup.mark("model")
+    mirror_eos_token(cfg, model, tokenizer)
     freeze_first_layers(model, cfg)
     apply_memory_levers(model, cfg, env.device)
     if cfg.use_peft:
@@ -169,6 +175,7 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         print0(f"speed: {use_sequence_attention(hf_model(model), groups)}")
     num_params, num_trainable = count_parameters(model)
     model = strategy.wrap(model)
+    startup.mark("levers, adapters, wrap")
     print0(f"model: {cfg.model_name} ({num_params:,} parameters, {num_trainable:,} trainable)")
     print0(f"strategy: {strategy.describe()}")
     dp_size = strategy.dims.dp_size
@@ -183,7 +190,8 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     checkpointer = Checkpointer(cfg, env, strategy, tokenizer)
     metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.save_metrics else None
     append = metrics_path is not None and checkpointer.keep_metrics_rows(metrics_path)
-    writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else ())
+    writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else (),
+                           tracker_every=cfg.logging_steps)
     try:
         sampler = EvalSampler(eval_examples[:cfg.log_eval_samples], tokenizer) if cfg.log_eval_samples else None
         result = train(model, strategy, cfg, env, units, eval_examples, tokenizer.pad_token_id, writer, checkpointer,
@@ -192,6 +200,8 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         writer.close()
     if cfg.save_model:
         save_outputs(cfg, env, strategy, model, tokenizer, result)
+    if metrics_path is not None and cfg.save_plots:  # rank 0 (the only one with a metrics path)
+        print0(f"charts: {write_run_plots(out_dir)}/ (loss, lr, grad norm, speed, memory)")
     print0(report(result, cfg))
     return result
 
@@ -257,8 +267,10 @@ def run_worker(cfg: TrainConfig, prepared: bool = False) -> int:
             fail(str(e), cfg.debug)
         return 2
     env = init_distributed(timeout_s=cfg.dist_timeout)
+    startup.mark("process group")
     try:
         run_preflight(cfg, env)
+        startup.mark("preflight")
         fine_tune(cfg, env)
     except PreflightError as e:  # found alike on every rank: one line per node
         if env.local_rank == 0:

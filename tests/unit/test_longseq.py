@@ -140,3 +140,14 @@ def test_every_loading_path_builds_the_yarn_scaled_model(tiny_model):
 def test_rope_scaling_bad_flags_are_one_line_errors(flags, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
         validate(TrainConfig(output_dir=str(tmp_path / "out"), **flags), world_size=1)
+
+
+def test_a_4bit_model_counts_its_parameters_as_peft_does(tiny_model):
+    """The start line's count: a 4-bit weight counts its logical shape, not its packed storage (181,056 before)."""
+    from shardtune.model.loading import count_parameters
+    from shardtune.model.peft import apply_peft
+
+    cfg = TrainConfig(model_name=str(tiny_model), use_peft=True, quantization="4bit")
+    model = apply_peft(load_quantized_model(cfg, CPU), cfg)
+    trainable, total = model.get_nb_trainable_parameters()
+    assert count_parameters(model) == (total, trainable)

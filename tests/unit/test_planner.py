@@ -110,7 +110,31 @@ def test_plan_recommends_a_fitting_command_and_reports_limits():
     assert result["recommended"]["fits"] and "--enable_fsdp" in result["recommended"]["flags"] + ["--enable_fsdp"]
     assert result["largest_micro_batch"] >= 1 and result["longest_sequence"] >= 4096
     text = plan_cli("--model_name", "llama3-8b", "--gpus_per_node", "8", "--gpu", "H100").stdout
-    assert "recommended:" in text and "shardtune sft --model_name meta-llama/Llama-3.1-8B-Instruct" in text
+    # the model as the user named it, with the process count; a built-in shape says which weights to give sft
+    assert "recommended:" in text and "shardtune sft --nproc_per_node 8 --model_name llama3-8b " in text
+    assert "(llama3-8b is a shape the planner knows, not weights: give sft a model directory or a hub id, e.g. " \
+           "--model_name meta-llama/Llama-3.1-8B-Instruct)" in text
+
+
+def test_host_memory_is_a_constraint_like_gpu_memory():
+    """405B on one 8 x H100 node with FSDP: offloading fits a GPU but needs ~6 TiB of host memory per node (every
+    rank's AdamW state and master weights): it must not be recommended on a 2 TiB host, every row states its host
+    memory, and a node with enough (--host_memory) makes it fit; more nodes shard the host state too."""
+    args = ("--model_name", "llama3.1-405b", "--gpus_per_node", "8", "--enable_fsdp", "--low_cpu_fsdp", "true")
+    proc = plan_cli(*args, "--json")
+    assert proc.returncode == 1, proc.stdout[-2000:]  # nothing fits
+    result = json.loads(proc.stdout)
+    offload = next(r for r in result["alternatives"] if r["setup"] == "FULL_SHARD +AC +offload")
+    assert offload["peak_bytes"] < result["usable_bytes"] and not offload["fits"]
+    assert offload["host_bytes_per_node"] > 5 * 2**40 and result["usable_host_bytes"] < 2 * 2**40
+    assert result["would_fit"]["gpus"]["nnodes"] > 1
+    text = plan_cli(*args).stdout
+    assert "host memory per node:" in text and "host/node" in text
+    assert "nothing fits the host memory: what fits a GPU needs at least" in text
+    roomy = plan_cli(*args, "--host_memory", "8TiB", "--json")
+    assert roomy.returncode == 0 and json.loads(roomy.stdout)["recommended"]["setup"].endswith("+offload")
+    bad = plan_cli(*args, "--host_memory", "lots")
+    assert bad.returncode == 2 and "--host_memory 'lots' is not a size" in bad.stderr
 
 
 def test_plan_when_nothing_fits_names_the_smallest_and_the_miss():
