@@ -48,10 +48,12 @@ def resolve_model_and_adapter(model_name: str, adapter: str = "") -> tuple[str, 
 def load_for_inference(model_name: str, adapter: str = "", device: torch.device | None = None):
     """(model in eval mode, tokenizer): ``model_name`` + optional ``adapter`` (peft loads it; nothing merged)."""
     from shardtune.models import load_model, load_tokenizer
+    from shardtune.peft import adapter_base_config
 
     model_name, adapter = resolve_model_and_adapter(model_name, adapter)
     device = device or inference_device()
-    model = load_model(model_name, dtype=inference_dtype(device), device=device)
+    model = load_model(model_name, dtype=inference_dtype(device), device=device,
+                       config=adapter_base_config(model_name, adapter))
     tokenizer_dir = adapter if adapter and (Path(adapter) / "tokenizer_config.json").is_file() else model_name
     if adapter:
         import peft

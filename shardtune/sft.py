@@ -160,14 +160,23 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.save_metrics else None
     append = metrics_path is not None and checkpointer.keep_metrics_rows(metrics_path)
     writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else ())
+    published = False
+
+    def publish() -> None:
+        nonlocal published
+        save_outputs(cfg, env, strategy, model, tokenizer)
+        published = True
+
     try:
         sampler = EvalSampler(eval_examples[:cfg.log_eval_samples], tokenizer) if cfg.log_eval_samples else None
         result = train(model, strategy, cfg, env, units, eval_examples, tokenizer.pad_token_id, writer, checkpointer,
-                       sampler)
+                       sampler, publish if cfg.save_model else None)
+    except Exception:
+        if published:
+            print0(f"the trained model was written to {out_dir.resolve()} before this failure")
+        raise
     finally:
         writer.close()
-    if cfg.save_model:
-        save_outputs(cfg, env, strategy, model, tokenizer)
     print0(report(result, cfg))
     return result
 

@@ -117,7 +117,7 @@ def evaluate(model: nn.Module, strategy: Strategy, batches: list[dict[str, torch
 def generate_samples(model: nn.Module, strategy: Strategy, sampler: Callable[[nn.Module], list[dict]]) -> list[dict]:
     """--log_eval_samples: the sampler's generations with the model as it is now (every rank runs them)."""
     model.eval()
-    with strategy.autocast():
+    with strategy.autocast(), strategy.generating(model):
         samples = sampler(strategy.unwrap(model))
     model.train()
     return samples
@@ -126,7 +126,10 @@ def generate_samples(model: nn.Module, strategy: Strategy, sampler: Callable[[nn
 def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
           train_units: list, eval_examples: list[dict], pad_id: int, writer: MetricsWriter,
           checkpointer: Checkpointer | None = None,
-          eval_sampler: Callable[[nn.Module], list[dict]] | None = None) -> TrainResult:
+          eval_sampler: Callable[[nn.Module], list[dict]] | None = None,
+          publish: Callable[[], None] | None = None) -> TrainResult:
+    """Trains to the end; ``publish`` (writing the final model) is called once the last step is done, before the
+    final evaluation: a failure there never costs the trained model."""
     optimizer = strategy.build_optimizer(model)
     dims = strategy.dims  # the sampler sees data-parallel ranks; the ranks of one cp x sp group split each row
     steps_per_epoch = data.steps_per_epoch(len(train_units), cfg, dims.dp_size)
@@ -209,6 +212,9 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
                             mfu=f"{row['mfu']:.1%}", refresh=False)
         if scheduler_unit == "epoch":
             scheduler.step()
+        if publish is not None and result.steps >= total_steps:
+            publish()
+            publish = None
         if cfg.run_validation:
             loss, ppl, n = evaluate(model, strategy, eval_batches, env)
             result.eval_loss, result.eval_ppl = loss, ppl
@@ -223,4 +229,6 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
             checkpointer.after_epoch(epoch, done_in_epoch)
     bar.close()
     probe.close()
+    if publish is not None:  # a resumed run that was already finished, or one stopped early
+        publish()
     return result

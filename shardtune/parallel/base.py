@@ -55,6 +55,11 @@ class Strategy(ABC):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
 
+    def generating(self, model: nn.Module) -> ContextManager:
+        """Context for ``generate`` on ``unwrap(model)``: generation calls the inner model's forward, so a strategy
+        whose wrapper gathers weights in its own forward gathers them here instead."""
+        return contextlib.nullcontext()
+
     @property
     def grad_average_size(self) -> int:
         """How many ranks' gradients the strategy averages; the loss is multiplied by it to undo the mean."""

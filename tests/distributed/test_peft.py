@@ -32,6 +32,7 @@ METHODS = {
 STRATEGIES = {"ddp": [], "fsdp": ["--enable_fsdp"],
               "zero3": ["--enable_deepspeed", "--deepspeed_config.zero_stage", "3"]}
 NUM_STEPS = 8
+NUM_SAMPLES = 1  # --log_eval_samples: every run generates at its evaluation
 
 
 def sft_args(model: Path, out: Path, method: str, strategy: str, *extra) -> list:
@@ -39,7 +40,8 @@ def sft_args(model: Path, out: Path, method: str, strategy: str, *extra) -> list
     return ["sft", "--nproc_per_node", 2, "--model_name", model, "--output_dir", out, "--use_peft", *flags,
             *STRATEGIES[strategy], "--lr", lr, "--batching_strategy", "padding", "--batch_size_training", 4,
             "--context_length", 256, "--synthetic_dialogues.num_train", 64, "--synthetic_dialogues.num_validation", 8,
-            "--max_train_step", NUM_STEPS, "--val_batch_size", 4, "--num_workers_dataloader", 0, *extra]
+            "--max_train_step", NUM_STEPS, "--val_batch_size", 4, "--num_workers_dataloader", 0,
+            "--log_eval_samples", NUM_SAMPLES, *extra]
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +82,28 @@ def test_each_method_trains_and_saves_only_the_adapter(method, strategy, trained
     assert "trainable of" in stdout  # the trainable parameter count is printed at start
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
     assert not (out / "model.safetensors").exists()
+
+
+def eval_samples(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_eval_samples_are_generated_alike_under_ddp_and_fsdp_after_the_adapter_is_published(method, trained):
+    """Generation under FSDP2 goes around the root's forward (PeftModel.generate calls the inner model), which
+    once left the root's weights sharded: the first evaluation crashed and the trained adapter was never written.
+    Now both strategies generate the same greedy text, and the adapter is on disk before the final evaluation runs,
+    so a failure there could not cost it."""
+    texts = {}
+    for strategy in ("fsdp", "ddp"):
+        out, _ = trained(method, strategy)
+        samples = eval_samples(out)
+        assert len(samples) == NUM_SAMPLES and all(s["step"] == NUM_STEPS for s in samples), (method, strategy)
+        texts[strategy] = [s["prediction"] for s in samples]
+        published = (out / "adapter_model.safetensors").stat().st_mtime_ns
+        assert published <= (out / "eval_samples.jsonl").stat().st_mtime_ns, f"{method} {strategy}: published late"
+    print(f"{method}: {texts['ddp']!r}")
+    assert texts["fsdp"] == texts["ddp"], method
 
 
 def test_lora_ddp_and_fsdp_match_step_by_step(trained):
