@@ -22,16 +22,17 @@ from shardtune.loss import full_logits_loss_sum, num_label_tokens
 from shardtune.models import load_model, load_tokenizer
 from tests.helpers import eval_rows, max_relative_difference, step_rows
 
+NUM_STEPS = 8
 # method -> (extra flags, learning rate): llama-adapter's gates start at zero, so it needs a larger step
 METHODS = {
     "lora": (["--peft_method", "lora", "--lora_config.lora_dropout", "0"], 2e-2),
     "llama_adapter": (["--peft_method", "llama_adapter"], 1e-1),
     "prefix": (["--peft_method", "prefix", "--prefix_config.num_virtual_tokens", "8"], 2e-1),
-    "qlora": (["--peft_method", "lora", "--lora_config.lora_dropout", "0", "--quantization", "4bit"], 2e-2),
+    "qlora": (["--peft_method", "lora", "--lora_config.lora_dropout", "0", "--quantization", "4bit", "--save_steps",
+               NUM_STEPS // 2], 2e-2),
 }
 STRATEGIES = {"ddp": [], "fsdp": ["--enable_fsdp"],
               "zero3": ["--enable_deepspeed", "--deepspeed_config.zero_stage", "3"]}
-NUM_STEPS = 8
 NUM_SAMPLES = 1  # --log_eval_samples: every run generates at its evaluation
 
 
@@ -225,3 +226,20 @@ def test_eval_rouge_matches_rouge_score_and_generate_matches_eval(trained, run_c
     dialogue = report["examples"][0]["prompt"].split("Summarize this dialog:\n", 1)[1].rsplit("\n---\n", 1)[0]
     gen = run_cli("generate", "--model_name", out, "--dialogue", "--max_new_tokens", 12, stdin=dialogue)
     assert gen.stdout.strip() == report["examples"][0]["prediction"]
+
+
+def test_a_qlora_checkpoint_written_under_fsdp_resumes_under_ddp_on_one_process(trained, tiny_model, run_cli, tmp_path):
+    """FSDP's 4-bit layers list no quantisation statistics in their state dict, DDP's do (absmax, quant_map...):
+    checkpoints now hold neither (they belong to the frozen base), so the FSDP checkpoint of step 4 resumes on one
+    DDP process (batch 8: the same global batch) and ends where the uninterrupted two-process FSDP run ended."""
+    fsdp, _ = trained("qlora", "fsdp")
+    out = tmp_path / "resumed"
+    run_cli(*sft_args(tiny_model, out, "qlora", "ddp", "--nproc_per_node", 1, "--batch_size_training", 8,
+                      "--resume", fsdp / "checkpoints" / "step-000004", "--log_eval_samples", 0, "--save_steps", 0))
+    resumed = step_rows(out)
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    assert [r["loss"] for r in resumed] == pytest.approx(losses(fsdp)[4:], rel=1e-5)
+    difference = max_relative_difference(load_file(str(fsdp / "adapter_model.safetensors")),
+                                         load_file(str(out / "adapter_model.safetensors")))
+    print(f"qlora fsdp x2 -> ddp x1 resumed: adapter difference {difference:.2e}")
+    assert difference <= 1e-4
