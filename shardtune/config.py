@@ -580,7 +580,12 @@ RUN_FILES = ("metrics.jsonl", "config.yaml", "config.json", "adapter_config.json
 def _check_previous_run(cfg: TrainConfig) -> None:
     """Never overwrite a previous run's outputs by accident (resuming it, or a torchrun restart, is fine)."""
     restarted = worker_group_attempt() > 0
-    if cfg.overwrite_output_dir or cfg.resume or restarted:
+    resuming = bool(cfg.resume)
+    if cfg.resume == "auto":  # resumes only where a checkpoint is: else it is a new run like any other
+        from shardtune.checkpoint import checkpoint_root, latest_checkpoint
+
+        resuming = latest_checkpoint(checkpoint_root(cfg)) is not None
+    if cfg.overwrite_output_dir or resuming or restarted:
         return
     found = [name for name in RUN_FILES if (Path(cfg.output_dir) / name).exists()]
     if found:

@@ -286,6 +286,10 @@ def apply_peft(model: nn.Module, cfg: TrainConfig) -> nn.Module:
         # fp32 norms / embeddings for stable QLoRA; when sharded, every parameter stays in the storage dtype instead
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     model = _attach(model, cfg, num_layers)
+    if cfg.peft_method == "lora":  # masks that do not depend on the rank layout: 1 x 4 trains as 2 x 2
+        from shardtune.lora_dropout import use_example_keyed_dropout
+
+        use_example_keyed_dropout(model)
     trainable, total = model.get_nb_trainable_parameters()
     what = f"from {cfg.from_peft_checkpoint}" if cfg.from_peft_checkpoint else "new"
     print0(f"peft: {cfg.peft_method} ({what}), {trainable:,} trainable of {total:,} parameters "

@@ -14,13 +14,14 @@ import traceback
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from transformers import AutoConfig
 
 from shardtune import data
 from shardtune.accelerate_config import expand_accelerate_config
 from shardtune.cookbook import check_model_flags, clear_accelerate_loading_variables, freeze_first_layers
 from shardtune.checkpoint import (
-    Checkpointer, remove_stale_staging, save_hf_model, write_text_atomic,
+    Checkpointer, check_resume_fits, failure_reason, remove_stale_staging, save_hf_model, write_text_atomic,
 )
 from shardtune.config import ConfigError, TrainConfig, effective_batch_size, parse_args, to_yaml, validate
 from shardtune.data.cache import load_examples_cached
@@ -53,7 +54,7 @@ from shardtune.preemption import Preempted, install_worker_handlers, report_stop
 from shardtune.preflight import PreflightError, run_preflight
 from shardtune.speed import apply_speed_features
 from shardtune.trackers import open_trackers
-from shardtune.train import TrainResult, train
+from shardtune.train import TrainResult, planned_steps, train
 
 
 def prepare(cfg: TrainConfig, world_size: int) -> None:
@@ -67,6 +68,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> None:
     check_model_structure(cfg)
     check_model_flags(cfg)
     check_peft(cfg)
+    check_resume_fits(cfg)
     check_rope_scaling(cfg)
     if cfg.tokenizer_name:
         check_model_source(cfg.tokenizer_name, "tokenizer_name")
@@ -158,7 +160,8 @@ def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         print0(cross_node_traffic(cfg, env, model, strategy, num_params, num_trainable))
     checkpointer = Checkpointer(cfg, env, strategy, tokenizer)
     metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.save_metrics else None
-    append = metrics_path is not None and checkpointer.keep_metrics_rows(metrics_path)
+    append = metrics_path is not None and checkpointer.keep_metrics_rows(
+        metrics_path, planned_steps(cfg, len(units), strategy.dims.dp_size))
     writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else ())
     published = False
 
@@ -218,9 +221,9 @@ KNOWN_FIXES = {"OutOfMemoryError": "lower --batch_size_training or --context_len
                                    "(and --fsdp_config.fsdp_activation_checkpointing true)"}
 
 
-def unexpected_error_line(e: Exception, rank: int) -> str:
+def unexpected_error_line(e: BaseException, rank: int) -> str:
     """Where and what, in one line, with the fix when it is known; the traceback is for --debug."""
-    what = (str(e).strip().splitlines() or [""])[0]
+    what = failure_reason(e) if isinstance(e, CheckpointException) else (str(e).strip().splitlines() or [""])[0]
     fix = KNOWN_FIXES.get(type(e).__name__, "--debug prints the traceback")
     return f"rank {rank}: {type(e).__name__}: {what} ({fix})"
 
@@ -266,7 +269,8 @@ def run_worker(cfg: TrainConfig, prepared: bool = False) -> int:
         if not report_stopped(e):
             print0(f"shardtune: {e}")
         return 0
-    except Exception as e:  # a fault no check foresaw: one line, printed once by whoever launched the workers
+    except (Exception, CheckpointException) as e:  # a fault no check foresaw (torch.distributed.checkpoint's error
+        # is a BaseException): one line, printed once by whoever launched the workers
         if cfg.debug:
             traceback.print_exc()
         record_worker_error(unexpected_error_line(e, env.rank))

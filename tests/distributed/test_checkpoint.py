@@ -96,6 +96,19 @@ def test_resumed_run_equals_uninterrupted_run(strategy, reference, tiny_model, c
     out = tmp_path / "run"
     sft(cache_dir, tiny_model, out, *strategy, "--max_train_step", 5)  # stops mid-epoch 1, checkpoint at step 5
     assert latest_checkpoint(out).name == "step-000005"
+    if strategy == ():  # resuming the finished run trains nothing and keeps every row, its final eval too
+        before = (out / "metrics.jsonl").read_text()
+        assert [r["step"] for r in eval_rows(out)] == [5]
+        sft(cache_dir, tiny_model, out, *strategy, "--max_train_step", 5, "--resume", "latest")
+        assert (out / "metrics.jsonl").read_text() == before
+    # a checkpoint that does not fit the run is refused in one line before config.yaml or metrics.jsonl change
+    written = [(out / name).read_text() for name in ("config.yaml", "metrics.jsonl")]
+    misfit = ("--use_peft",) if strategy == () else () if strategy == ("--use_peft",) else None
+    if misfit is not None:
+        refused = sft(cache_dir, tiny_model, out, *misfit, "--resume", "latest", check=False)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+        assert "--resume latest" in refused.stderr and ("--use_peft" in refused.stderr.strip().splitlines()[-1])
+        assert [(out / name).read_text() for name in ("config.yaml", "metrics.jsonl")] == written
     resumed = sft(cache_dir, tiny_model, out, *strategy, "--resume", "latest")
     assert "data order kept" in resumed.stdout
     exact = strategy == ()
@@ -110,6 +123,15 @@ def test_resumed_run_equals_uninterrupted_run(strategy, reference, tiny_model, c
     # export (one process, no process group) gives what the run wrote at its end: a model, or an adapter
     run_shardtune(cache_dir, "export", out, tmp_path / "exported")
     assert max_relative_difference(final_tensors(out), final_tensors(tmp_path / "exported")) == 0.0
+    if strategy == ():  # never over files by accident: a non-empty directory (the run's own too), or a file
+        (tmp_path / "a-file").write_text("x")
+        for target in (tmp_path / "exported", out, tmp_path / "a-file"):
+            refused = run_shardtune(cache_dir, "export", out, target, check=False)
+            lines = refused.stderr.strip().splitlines()
+            assert refused.returncode == 2 and len(lines) == 1 and str(target) in lines[0], refused.stderr[-2000:]
+        assert "--overwrite" in lines[0] or "is a file" in lines[0]
+        assert (tmp_path / "a-file").read_text() == "x"
+        run_shardtune(cache_dir, "export", out, tmp_path / "exported", "--overwrite")
 
 
 def worker_pids(launcher_pid: int) -> dict[int, int]:

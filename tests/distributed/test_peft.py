@@ -243,3 +243,23 @@ def test_a_qlora_checkpoint_written_under_fsdp_resumes_under_ddp_on_one_process(
                                          load_file(str(out / "adapter_model.safetensors")))
     print(f"qlora fsdp x2 -> ddp x1 resumed: adapter difference {difference:.2e}")
     assert difference <= 1e-4
+
+
+def test_lora_dropout_masks_do_not_depend_on_the_rank_layout(trained, tiny_model, run_cli, tmp_path):
+    """LoRA's default dropout (0.05) on: 1 process x batch 8 (padded rows, DDP) and 2 processes x batch 4 (FSDP2,
+    padding-free rows) draw each example's masks from (seed, step, example), so they train alike; the dropout-free
+    run of the same batches ends elsewhere, so the masks are really applied."""
+    dropout = ("--lora_config.lora_dropout", 0.05, "--log_eval_samples", 0)
+    one = tmp_path / "one-process"
+    run_cli(*sft_args(tiny_model, one, "lora", "ddp", "--nproc_per_node", 1, "--batch_size_training", 8, *dropout))
+    two = tmp_path / "two-processes"
+    run_cli(*sft_args(tiny_model, two, "lora", "fsdp", "--padding_free", "true", *dropout))
+    assert [r["num_tokens"] for r in step_rows(two)] == [r["num_tokens"] for r in step_rows(one)]
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5)
+    adapters = [load_file(str(d / "adapter_model.safetensors")) for d in (one, two)]
+    difference = max_relative_difference(*adapters)
+    without, _ = trained("lora", "ddp")
+    control = max_relative_difference(adapters[0], load_file(str(without / "adapter_model.safetensors")))
+    print(f"lora dropout 0.05: 1 x 8 vs 2 x 4 adapter difference {difference:.2e}; vs no dropout {control:.2e}")
+    assert difference <= 1e-4 < control
+    assert losses(one)[1:] != pytest.approx(losses(without)[1:], rel=1e-4)
