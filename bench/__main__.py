@@ -1,5 +1,5 @@
 """`python -m bench`: every CPU benchmark of issue #6, side by side in one run; writes bench/results/latest.md
-(the table the README quotes) and latest.json (every figure, machine info, versions).
+(the table docs/benchmarks.md quotes) and latest.json (every figure, machine info, versions).
 
     python -m bench                       # embedded dialogues (plain and with chatter), ~15 min on 2 CPU cores
     python -m bench --samsum data/samsum/train.json --num_train 0
@@ -31,7 +31,7 @@ TOOLS = ("shardtune_packing", "shardtune_padding_free", "shardtune_padding", "hf
 
 def shardtune_epoch(model: str, out: Path, tool: str, variant: dict, args) -> dict:
     """One epoch through the real CLI, one process; epoch time = the logged step times (data loading included)."""
-    from shardtune.metrics import read_metrics
+    from shardtune.training.metrics import read_metrics
 
     shape = {"shardtune_packing": ["--batching_strategy", "packing", "--context_length", variant["pack_length"],
                                    "--batch_size_training", args.pack_batch],
@@ -174,8 +174,8 @@ def main() -> None:
     args = ap.parse_args()
     sections = [s for s in args.only.split(",") if s]
 
-    from shardtune.flops import measured_peak_flops
-    from shardtune.models import resolve_model_name
+    from shardtune.model.flops import measured_peak_flops
+    from shardtune.model.loading import resolve_model_name
 
     model = resolve_model_name("preset:demo")
     started = time.perf_counter()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from shardtune.config import TrainConfig
+from shardtune.config.schema import TrainConfig
 from shardtune.data.batching import collate_padding
-from shardtune.loss import num_label_tokens, token_loss_sum
+from shardtune.model.loss import num_label_tokens, token_loss_sum
 
 
 def bench_config(model: str, num_train: int, num_validation: int, samsum: str, context_length: int,
@@ -31,7 +31,7 @@ def dataset_flags(num_train: int, num_validation: int, samsum: str, chatter: boo
 
 def mean_example_length(cfg: TrainConfig) -> float:
     from shardtune import data
-    from shardtune.models import load_tokenizer
+    from shardtune.model.loading import load_tokenizer
 
     examples, _ = data.load_examples(cfg, load_tokenizer(cfg.model_name), "train")
     return sum(len(e["input_ids"]) for e in examples) / len(examples)

@@ -12,7 +12,7 @@ before ``--deadline_s`` (estimated from the FLOPs of the step at the rate the ro
 and reported as such; one that fails (CUDA out of memory, any error) is reported with its error, and the script
 goes on.
 
-MFU = model FLOPs as computed (shardtune/flops.py: output layer on labelled tokens, causal attention) / the measured
+MFU = model FLOPs as computed (shardtune/model/flops.py: output layer on labelled tokens, causal attention) / the measured
 bf16 matmul peak.
 ``--cpu-smoke`` runs the same code on tiny shapes, fp32, gloo, two steps each (one for the long rows, of 256 / 512 /
 1,024 tokens): what the tests exercise.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardtune.config import TrainConfig
+from shardtune.config.schema import TrainConfig
 
 SHAPES = {
     "full": dict(preset="llama-1b-shape", seq_len=2048, batch=8, peft=False),
@@ -48,7 +48,7 @@ SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
 def build(name: str, smoke: bool, device: torch.device) -> tuple[torch.nn.Module, int, int]:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shardtune.models import PRESETS
+    from shardtune.model.loading import PRESETS
 
     spec = SHAPES[name]
     shape = ({k: v for k, v in SMOKE.items() if k not in ("seq_len", "batch")} if smoke
@@ -69,7 +69,8 @@ def planned_peak_bytes(name: str, config: dict, env, seq_len: int, batch: int, l
     """``shardtune plan``'s peak for this configuration (shardtune.planner): FSDP FULL_SHARD over the processes,
     bf16 compute with fp32 master weights (full) or bf16 weights (LoRA) on a GPU, fp32 on the CPU. None for the
     long rows: the planner does not model the tiled MLP or activation offloading they run with."""
-    from shardtune.planner import Adapter, Arch, Setup, estimate
+    from shardtune.planner.shapes import Adapter, Arch
+    from shardtune.planner.estimate import Setup, estimate
 
     if long:
         return None
@@ -134,11 +135,11 @@ def host_available_gib() -> float:
 
 
 def run_config(name: str, args, env, plan: LongRowPlan | None = None) -> dict:
-    from shardtune.flops import measured_peak_flops, model_shape
-    from shardtune.longseq import apply_memory_levers
+    from shardtune.model.flops import measured_peak_flops, model_shape
+    from shardtune.model.longseq import apply_memory_levers
     from shardtune.parallel import make_strategy
-    from shardtune.speed import apply_speed_features
-    from shardtune.train import build_optimizer, train_step
+    from shardtune.model.speed import apply_speed_features
+    from shardtune.training.loop import build_optimizer, train_step
 
     spec = SHAPES[name]
     long = bool(spec.get("long"))
@@ -148,12 +149,12 @@ def run_config(name: str, args, env, plan: LongRowPlan | None = None) -> dict:
     model, seq_len, batch = build(name, args.cpu_smoke, env.device)
     planned = planned_peak_bytes(name, model.config.to_dict(), env, seq_len, batch, long)
     if long:
-        apply_memory_levers(model, cfg, env.device)  # before PEFT, as shardtune.sft does
+        apply_memory_levers(model, cfg, env.device)  # before PEFT, as shardtune.training.worker does
     apply_speed_features(model, cfg, env.device)
     if spec["peft"]:
         import peft
 
-        from shardtune.peft import peft_config
+        from shardtune.model.peft import peft_config
 
         cfg.lora_config.target_modules = ["q_proj", "v_proj"]
         model = peft.get_peft_model(model, peft_config(cfg, model.config.num_hidden_layers))
@@ -190,7 +191,7 @@ def run_config(name: str, args, env, plan: LongRowPlan | None = None) -> dict:
     elapsed = time.perf_counter() - tick
     peak = measured_peak_flops(str(env.device))
     peak_memory = (torch.cuda.max_memory_allocated() if env.device.type == "cuda"
-                   else __import__("shardtune.metrics", fromlist=["peak_memory_bytes"]).peak_memory_bytes(env.device))
+                   else __import__("shardtune.runtime.distributed", fromlist=["peak_memory_bytes"]).peak_memory_bytes(env.device))
     return {"config": name, "model": "smoke" if args.cpu_smoke else spec["preset"], "seq_len": seq_len,
             "batch_per_gpu": batch, "steps": steps, "tokens_per_s_per_gpu": tokens / elapsed / env.world_size,
             "mfu": flops / elapsed / (peak * env.world_size), "peak_flops_per_s": peak,
@@ -231,8 +232,8 @@ def long_row_plan(name: str, args, env, started: float, results: list[dict]) -> 
     """The plan of a long row on CUDA (None in --cpu-smoke: tiny rows always run, with every lever)."""
     if args.cpu_smoke:
         return None
-    from shardtune.flops import measured_peak_flops
-    from shardtune.models import PRESETS
+    from shardtune.model.flops import measured_peak_flops
+    from shardtune.model.loading import PRESETS
 
     rates = [r["mfu"] * r["peak_flops_per_s"] for r in results if SHAPES[r["config"]].get("long") and "mfu" in r]
     rate = rates[-1] if rates else ASSUMED_MFU * measured_peak_flops(str(env.device))
@@ -265,7 +266,7 @@ def main() -> None:
                                                                   "from the start) is skipped")
     args = ap.parse_args()
 
-    from shardtune.distributed import init_distributed, print0, shutdown
+    from shardtune.runtime.distributed import init_distributed, print0, shutdown
 
     env = init_distributed()
     device_name = torch.cuda.get_device_name(0) if env.device.type == "cuda" else "cpu"

@@ -19,7 +19,7 @@ and a check compares the losses of two runs step by step. The pairs and what the
 - the FlashAttention varlen kernel against padded SDPA (bench/varlen_check.py).
 
 --cpu-smoke runs on CPU with the tiny preset and the test-only switch SHARDTUNE_TEST_LOW_PRECISION_ON_CPU
-(shardtune/precision.py), so that the comparison logic itself is tested where no GPU is.
+(shardtune/runtime/precision.py), so that the comparison logic itself is tested where no GPU is.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def main() -> None:
 
     from bench.data import bench_config, eval_loss_of
     from shardtune import data
-    from shardtune.models import load_tokenizer
+    from shardtune.model.loading import load_tokenizer
 
     cfg = bench_config(args.model, args.num_train, args.num_validation, args.samsum, args.context_length,
                        args.chatter)

@@ -68,15 +68,15 @@ def worker(sp: int, cp: int, levers: tuple[str, ...], budget: int, start_per_ran
            grid: list[int]) -> None:
     import torch
 
-    from shardtune.config import TrainConfig
+    from shardtune.config.schema import TrainConfig
     from shardtune.data.batching import collate_flat
-    from shardtune.distributed import all_reduce_sum, init_distributed, shutdown
-    from shardtune.longseq import apply_memory_levers
-    from shardtune.loss import hf_model
+    from shardtune.runtime.distributed import all_reduce_sum, init_distributed, shutdown
+    from shardtune.model.longseq import apply_memory_levers
+    from shardtune.model.loss import hf_model
     from shardtune.parallel import make_strategy
     from shardtune.parallel.sequence import RowSlice, SequenceGroups, split_row, use_sequence_attention
-    from shardtune.speed import apply_speed_features
-    from shardtune.train import train_step
+    from shardtune.model.speed import apply_speed_features
+    from shardtune.training.loop import train_step
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     env = init_distributed()
@@ -89,7 +89,7 @@ def worker(sp: int, cp: int, levers: tuple[str, ...], budget: int, start_per_ran
                          num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                          max_position_embeddings=DOCUMENT_TOKENS, tie_word_embeddings=False)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    apply_memory_levers(model, cfg, env.device)  # the order of shardtune.sft.fine_tune
+    apply_memory_levers(model, cfg, env.device)  # the order of shardtune.training.worker.fine_tune
     apply_speed_features(model, cfg, env.device)
     if strategy.dims.sequence_split:
         use_sequence_attention(hf_model(model), SequenceGroups.from_mesh(strategy.mesh, strategy.dims))

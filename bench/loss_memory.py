@@ -34,7 +34,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shardtune.loss import num_label_tokens, token_loss_sum
+    from shardtune.model.loss import num_label_tokens, token_loss_sum
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=args.hidden, num_hidden_layers=args.layers,
                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=4 * args.hidden,

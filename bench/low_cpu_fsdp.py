@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--preset", default="bench-300mb")
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
-    from shardtune.models import resolve_model_name
+    from shardtune.model.loading import resolve_model_name
 
     model = resolve_model_name(f"preset:{args.preset}")
     model_mib = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) / 2**20

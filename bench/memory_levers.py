@@ -49,10 +49,11 @@ def layer_step(seq_len: int, levers: tuple[str, ...]) -> dict:
     """One forward + backward of a one-decoder-layer model on a row of ``seq_len`` tokens."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shardtune.config import TrainConfig
-    from shardtune.longseq import apply_memory_levers
-    from shardtune.loss import token_loss_sum
-    from shardtune.parallel.fsdp import apply_activation_checkpointing, decoder_layers
+    from shardtune.config.schema import TrainConfig
+    from shardtune.model.longseq import apply_memory_levers
+    from shardtune.model.loss import token_loss_sum
+    from shardtune.model.structure import decoder_layers
+    from shardtune.parallel.fsdp import apply_activation_checkpointing
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=NUM_HEADS,
                          num_key_value_heads=NUM_KV_HEADS, intermediate_size=INTERMEDIATE,

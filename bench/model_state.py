@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from shardtune.config import TrainConfig
+from shardtune.config.schema import TrainConfig
 
 
 def local_bytes(tensors) -> int:
@@ -30,10 +30,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from shardtune.data.batching import collate_padding
-    from shardtune.distributed import all_reduce_sum, init_distributed, shutdown
-    from shardtune.models import load_model
+    from shardtune.runtime.distributed import all_reduce_sum, init_distributed, shutdown
+    from shardtune.model.loading import load_model
     from shardtune.parallel import make_strategy
-    from shardtune.train import build_optimizer, train_step
+    from shardtune.training.loop import build_optimizer, train_step
 
     env = init_distributed()
     cfg = TrainConfig(model_name=args.model, enable_fsdp=args.fsdp)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardtune.attention import varlen_kwargs
+from shardtune.model.attention import varlen_kwargs
 
 
 def bare_step(model, optimizer, batch):
@@ -42,13 +42,13 @@ def main() -> None:
     args = ap.parse_args()
 
     from shardtune import data
-    from shardtune.attention import use_varlen_attention
-    from shardtune.config import TrainConfig
-    from shardtune.distributed import DistEnv
-    from shardtune.flops import model_shape
-    from shardtune.models import load_model, load_tokenizer
+    from shardtune.model.attention import use_varlen_attention
+    from shardtune.config.schema import TrainConfig
+    from shardtune.runtime.distributed import DistEnv
+    from shardtune.model.flops import model_shape
+    from shardtune.model.loading import load_model, load_tokenizer
     from shardtune.parallel import make_strategy
-    from shardtune.train import build_optimizer, train_step
+    from shardtune.training.loop import build_optimizer, train_step
 
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
     cfg = TrainConfig(model_name=args.model, context_length=512, batch_size_training=2, lr=1e-4)

@@ -72,7 +72,7 @@ SHAPES = {"wide-512": dict(hidden_size=512, num_hidden_layers=4, num_attention_h
 
 
 def shape_config(name: str) -> dict:
-    from shardtune.models import PRESETS, TOKENIZER_VOCAB_SIZE
+    from shardtune.model.loading import PRESETS, TOKENIZER_VOCAB_SIZE
 
     base = dict(PRESETS["tiny"]) if name in SHAPES else dict(PRESETS[name])
     base.update(SHAPES.get(name, {}))
@@ -91,7 +91,7 @@ def row_examples(seq_len: int) -> list[dict]:
 
 
 def train_config(args: argparse.Namespace, strategy: str):
-    from shardtune.config import TrainConfig
+    from shardtune.config.schema import TrainConfig
 
     cfg = TrainConfig(enable_fsdp=strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"),
                       enable_deepspeed=strategy.startswith("ZERO"), use_peft=args.lora, peft_method="lora",
@@ -178,7 +178,7 @@ def worker(args: argparse.Namespace) -> None:
     """Measure each of the comma-separated --strategy in turn (one launch); print the largest rank's figures."""
     import torch
 
-    from shardtune.distributed import init_distributed, shutdown
+    from shardtune.runtime.distributed import init_distributed, shutdown
 
     env = init_distributed()
     measured = {}
@@ -199,10 +199,10 @@ def measure_step(args: argparse.Namespace, strategy_name: str, env) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shardtune.attention import use_varlen_attention
+    from shardtune.model.attention import use_varlen_attention
     from shardtune.data.batching import collate_flat
     from shardtune.parallel import make_strategy
-    from shardtune.train import train_step
+    from shardtune.training.loop import train_step
 
     cfg = train_config(args, strategy_name)
     torch.manual_seed(0)
@@ -215,7 +215,7 @@ def measure_step(args: argparse.Namespace, strategy_name: str, env) -> dict:
         model = AutoModelForCausalLM.from_config(config)
         use_varlen_attention(model)
         if args.lora:
-            from shardtune.peft import apply_peft
+            from shardtune.model.peft import apply_peft
 
             model = apply_peft(model, cfg)
         strategy = make_strategy(cfg, env)
@@ -252,7 +252,8 @@ def measure_step(args: argparse.Namespace, strategy_name: str, env) -> dict:
 
 def predict(row: Row):
     """The planner's breakdown of ``row`` (fp32 compute, as on this CPU)."""
-    from shardtune.planner import Adapter, Arch, Setup, estimate
+    from shardtune.planner.shapes import Adapter, Arch
+    from shardtune.planner.estimate import Setup, estimate
 
     arch = Arch.from_config(shape_config(row.shape), row.shape)
     setup = Setup(arch=arch, strategy=row.strategy, gpus_per_node=row.processes, batch_size=1, seq_len=row.seq_len,

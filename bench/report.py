@@ -1,4 +1,4 @@
-"""latest.json -> the markdown table the README quotes."""
+"""latest.json -> the markdown table docs/benchmarks.md quotes."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def markdown(r: dict) -> str:
                   "median over steps): "
                   f"{r['mfu']['shardtune_packing_median']:.1%} of the measured fp32 matmul peak "
                   f"({r['mfu']['model_flops_per_s_median'] / 1e9:.1f} model GFLOP/s; FLOPs as computed: output "
-                  "layer on labelled tokens, causal attention, `shardtune/flops.py`). A 5M-parameter model with hidden size 256 runs small "
+                  "layer on labelled tokens, causal attention, `shardtune/model/flops.py`). A 5M-parameter model with hidden size 256 runs small "
                   "matmuls that do not reach the 2048 x 2048 peak.", ""]
     lines += ["GPU figures (bench/gpu.sh on one H200): pending, no GPU was available; see bench/results/gpu.md.", ""]
     return "\n".join(lines)

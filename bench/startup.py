@@ -32,7 +32,7 @@ PY = [sys.executable]
 CASES = {
     "shardtune --help": (PY + ["-m", "shardtune", "--help"], None),
     "shardtune sft --help (before: through the sft module)":
-        (PY + ["-c", "import sys; from shardtune.sft import main; sys.exit(main(['--help']))"], None),
+        (PY + ["-c", "import sys; from shardtune.commands.sft import main; sys.exit(main(['--help']))"], None),
     "shardtune sft --help (after)": (PY + ["-m", "shardtune", "sft", "--help"], None),
     "1-process run, launch to first step (before: torchrun worker)":
         (PY + ["-m", "shardtune", "sft", *RUN, "--max_restarts", "0"], "run"),

@@ -31,10 +31,10 @@ def main() -> None:
                     "kernel")
     args = ap.parse_args()
 
-    import shardtune.attention as attention
+    import shardtune.model.attention as attention
     from shardtune.data.batching import collate_flat, collate_padding
-    from shardtune.loss import token_loss_sum
-    from shardtune.models import load_model, resolve_model_name
+    from shardtune.model.loss import token_loss_sum
+    from shardtune.model.loading import load_model, resolve_model_name
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     path = resolve_model_name(f"preset:{args.preset}")

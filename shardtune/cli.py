@@ -1,8 +1,11 @@
-"""The ``shardtune`` command: subcommands only, no training logic here."""
+"""The ``shardtune`` command: collects the verbs of shardtune.commands (one module each); no logic here.
+
+The one-line helps are here, not in the command modules, so that ``shardtune --help`` imports no command (and no
+torch)."""
 
 from __future__ import annotations
 
-import argparse
+import importlib
 import sys
 
 SUBCOMMANDS = {
@@ -18,21 +21,9 @@ SUBCOMMANDS = {
 }
 
 
-def init_model_main(argv: list[str]) -> int:
-    from shardtune.models import PRESETS, init_model
-
-    parser = argparse.ArgumentParser(prog="shardtune init-model", description=SUBCOMMANDS["init-model"])
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size preset")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
-    parser.add_argument("out_dir", help="directory to create (must not exist or be empty)")
-    args = parser.parse_args(argv)
-    try:
-        path = init_model(args.preset, args.out_dir, seed=args.seed)
-    except ValueError as e:
-        print(f"shardtune: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote preset {args.preset!r} to {path}")
-    return 0
+# a verb -> the module of shardtune.commands that runs it (``main(argv) -> exit status``)
+MODULES = {"sft": "sft", "init-model": "init_model", "export": "export", "generate": "generate", "plan": "plan",
+           "eval": "eval", "plot": "plot", "doctor": "doctor"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,47 +34,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<12} {text}")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command == "sft":
-        if "-h" in rest or "--help" in rest:  # answered at once: torch and transformers are not imported for it
-            from shardtune.launch import sft_help_text
+    if command not in MODULES:
+        print(f"shardtune: error: unknown command {command!r}: choose one of {', '.join(SUBCOMMANDS)}",
+              file=sys.stderr)
+        return 2
+    if command == "sft" and ("-h" in rest or "--help" in rest):  # at once: torch and transformers not imported
+        from shardtune.launch.torchrun import sft_help_text
 
-            print(sft_help_text())
-            return 0
-        from shardtune.sft import main as sft_main
-
-        return sft_main(rest)
-    if command in ("init-model", "export"):
-        from shardtune.runtime import quiet_libraries
-
-        quiet_libraries()
-    if command == "init-model":
-        return init_model_main(rest)
-    if command == "export":
-        from shardtune.export import main as export_main
-
-        return export_main(rest)
-    if command == "generate":
-        from shardtune.generate import main as generate_main
-
-        return generate_main(rest)
-    if command == "plan":
-        from shardtune.plan import main as plan_main
-
-        return plan_main(rest)
-    if command == "plot":
-        from shardtune.plot import main as plot_main
-
-        return plot_main(rest)
-    if command == "eval":
-        from shardtune.evaluate import main as eval_main
-
-        return eval_main(rest)
-    if command == "doctor":
-        from shardtune.doctor import main as doctor_main
-
-        return doctor_main(rest)
-    print(f"shardtune: error: unknown command {command!r}: choose one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
-    return 2
+        print(sft_help_text())
+        return 0
+    return importlib.import_module(f"shardtune.commands.{MODULES[command]}").main(rest)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def cache_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """The tiny preset written once per session, as a user would with `shardtune init-model`."""
-    from shardtune.models import init_model
+    from shardtune.model.loading import init_model
 
     return init_model("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0)
 

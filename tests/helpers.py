@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardtune.metrics import read_metrics
+from shardtune.training.metrics import read_metrics
 
 
 def step_rows(out_dir: Path) -> list[dict]:

@@ -13,19 +13,23 @@ The training loop uses::
 
 from shardtune.data.batching import (StepDataset, build_units, collate_flat, collate_padding, eval_batches, flattened,
                                      steps_per_epoch, train_loader)
+from shardtune.data.chat import apply_tokenizer_options
 from shardtune.data.report import DataError, DataReport
 from shardtune.data.sources import check_context_length, check_data_config, load_examples
+from shardtune.data.trl_loading import drop_absent_validation
 
 __all__ = [
     "DataError",
     "DataReport",
     "StepDataset",
+    "apply_tokenizer_options",
     "build_units",
     "check_context_length",
     "check_data_config",
     "collate_flat",
     "flattened",
     "collate_padding",
+    "drop_absent_validation",
     "eval_batches",
     "load_examples",
     "steps_per_epoch",

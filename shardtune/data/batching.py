@@ -21,21 +21,32 @@ accumulation) train on exactly the same global batches:
    and padding with --padding_free, put them in one row without pad tokens (:func:`collate_flat`), which
    trains on the same examples with the same loss and computes no padding at all.
 6. Sequence / context parallelism: every rank of a cp x sp group collates the same micro-batch (always a flat
-   row) and keeps its own slice of it (shardtune.parallel.sequence.split_row).
+   row) and keeps its own slice of it (``row_slice``: a RowTransform, shardtune.parallel.sequence.RowSlice).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from shardtune.config import TrainConfig, effective_batch_size
+from shardtune.config.schema import TrainConfig, effective_batch_size
 from shardtune.data.report import DataError
-from shardtune.lora_dropout import EXAMPLE_IDS, EXAMPLE_LENGTHS
-from shardtune.loss import IGNORE_INDEX
-from shardtune.parallel.sequence import RowSlice, split_row
+from shardtune.data.formatting import IGNORE_INDEX
+
+# Per token of a training micro-batch: its example's global index in the units (-1: padding) and the whole example's
+# length, for LoRA dropout masks that do not depend on the rank layout (shardtune.model.lora_dropout)
+EXAMPLE_IDS = "example_ids"
+EXAMPLE_LENGTHS = "example_lengths"
+
+
+class RowTransform(Protocol):
+    """What cuts a collated row to this rank's part of it (sequence / context parallelism: the parallel floor's
+    RowSlice); the loader applies it and knows nothing else about it."""
+
+    def __call__(self, batch: dict[str, torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]: ...
 
 Example = dict[str, list[int]]
 Unit = list[Example]
@@ -130,7 +141,7 @@ def collate_flat(examples: list[Example]) -> MicroBatch:
     """All examples in one row, back to back, without a single pad token (a padding-free micro-batch).
 
     Positions restart at 0 for each example and ``cu_seq_lens`` holds the cumulative lengths, so attention stays
-    inside each example (shardtune.attention); each example's first label is -100 so that no example predicts
+    inside each example (shardtune.model.attention); each example's first label is -100 so that no example predicts
     across a boundary. The model computes on exactly the examples' tokens, whatever their lengths.
     """
     lengths = [len(example["input_ids"]) for example in examples]
@@ -153,7 +164,7 @@ def flattened(cfg: TrainConfig) -> bool:
 
 def collate(units: list[Unit], cfg: TrainConfig, pad_id: int, example_ids: list[int] | None = None) -> MicroBatch:
     """``example_ids`` (the global index of each example, in order): recorded per token, for LoRA dropout masks that
-    depend on the example and not on the rank layout (shardtune.lora_dropout)."""
+    depend on the example and not on the rank layout (shardtune.model.lora_dropout)."""
     examples = [example for unit in units for example in unit]
     batch = collate_flat(examples) if flattened(cfg) else collate_padding(examples, pad_id)
     if example_ids is not None:
@@ -179,7 +190,7 @@ class StepDataset(Dataset):
     (with ``row_slice``: this rank's slice of each, for sequence / context parallelism)."""
 
     def __init__(self, units: list[Unit], cfg: TrainConfig, dp_rank: int, dp_size: int, epoch: int, pad_id: int,
-                 start_step: int = 0, row_slice: RowSlice | None = None) -> None:
+                 start_step: int = 0, row_slice: RowTransform | None = None) -> None:
         self.units = units
         self.cfg = cfg
         self.dp_rank = dp_rank
@@ -210,11 +221,11 @@ class StepDataset(Dataset):
         chosen = self.order[micro_batch_slice(step, micro_step, self.dp_rank, self.cfg, self.dp_size)]
         example_ids = [self.first_example[i] + j for i in chosen for j in range(len(self.units[i]))]
         batch = collate([self.units[i] for i in chosen], self.cfg, self.pad_id, example_ids)
-        return batch if self.row_slice is None else split_row(batch, self.row_slice, self.pad_id)
+        return batch if self.row_slice is None else self.row_slice(batch, self.pad_id)
 
 
 def train_loader(units: list[Unit], cfg: TrainConfig, dp_rank: int, dp_size: int, epoch: int, pad_id: int,
-                 start_step: int = 0, row_slice: RowSlice | None = None) -> DataLoader:
+                 start_step: int = 0, row_slice: RowTransform | None = None) -> DataLoader:
     """Yields one list of micro-batches per optimizer step (collated in workers when num_workers > 0).
 
     The loader gets its own generator: starting it draws no number from the global RNG, whose state (dropout)
@@ -227,7 +238,7 @@ def train_loader(units: list[Unit], cfg: TrainConfig, dp_rank: int, dp_size: int
 
 
 def eval_batches(examples: list[Example], cfg: TrainConfig, dp_rank: int, dp_size: int, pad_id: int,
-                 row_slice: RowSlice | None = None) -> list[MicroBatch]:
+                 row_slice: RowTransform | None = None) -> list[MicroBatch]:
     """This rank's eval micro-batches: the same count on every rank, each example on exactly one data-parallel rank.
 
     Examples keep their order and are cut into chunks of val_batch_size; chunk c goes to data-parallel rank
@@ -248,4 +259,4 @@ def eval_batches(examples: list[Example], cfg: TrainConfig, dp_rank: int, dp_siz
     chunks = mine + [[dummy]] * (num_batches - len(mine))
     if row_slice is None:
         return [collate_padding(chunk, pad_id) for chunk in chunks]
-    return [split_row(collate_flat(chunk), row_slice, pad_id) for chunk in chunks]
+    return [row_slice(collate_flat(chunk), pad_id) for chunk in chunks]

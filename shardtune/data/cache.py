@@ -4,10 +4,11 @@ This also moves data errors before any process group: the launcher loads the dat
 so a bad row under --strict_data is one line from the launcher, not a failed worker.
 
 An entry lives in ``<cache>/tokenized/<key>/`` where the key hashes everything the examples depend on: the
-dataset settings, the data files' contents, context_length, the seed (it
-picks held-out rows), strict_data and the tokenizer. It holds flat int32 ``input_ids`` / ``labels`` arrays
-plus example offsets as .npy files (read without unpickling) and the data report as JSON. Entries are written to a
-temporary folder and renamed, under a file lock, so concurrent processes never see half an entry.
+dataset settings, the data files' contents, context_length, the seed (it picks held-out rows), strict_data, the
+tokenizer (with its chat template) and, for TRL's formats, the loss options (--assistant_only_loss,
+--completion_only_loss, --truncation_mode ...). It holds flat int32 ``input_ids`` / ``labels`` arrays plus example
+offsets as .npy files (read without unpickling) and the data report as JSON. Entries are written to a temporary
+folder and renamed, under a file lock, so concurrent processes never see half an entry.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from shardtune.config import TrainConfig
+from shardtune.config.schema import TrainConfig
 from shardtune.data.report import DataReport
 from shardtune.data.sources import load_examples
+from shardtune.data.trl_loading import uses_trl_formats
 
 FORMAT_VERSION = 1
 HASH_CHUNK_BYTES = 1 << 20
@@ -52,7 +54,9 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     specials = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]
-    return hashlib.sha256((text + json.dumps(specials)).encode()).hexdigest()
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
+        tokenizer.chat_template, sort_keys=True)
+    return hashlib.sha256((text + json.dumps(specials) + template).encode()).hexdigest()
 
 
 def cache_key(cfg: TrainConfig, tokenizer: Any, split: str) -> str:
@@ -61,9 +65,12 @@ def cache_key(cfg: TrainConfig, tokenizer: Any, split: str) -> str:
         "format": FORMAT_VERSION, "dataset": cfg.dataset, "dataset_config": dataset_config, "split": split,
         "context_length": cfg.context_length, "seed": cfg.seed, "strict_data": cfg.strict_data,
         "tokenizer": _tokenizer_fingerprint(tokenizer),
+        "trl_formats": dataclasses.asdict(cfg.trl_dataset) if uses_trl_formats(cfg) else None,
     }, sort_keys=True).encode())
     if dataset_config.get("data_path"):
         _hash_path(Path(dataset_config["data_path"]), digest)
+    if cfg.dataset == "trl_dataset":  # a local file or folder (a hub id hashes its name only, as samsum's hub data)
+        _hash_path(Path(cfg.trl_dataset.dataset_name), digest)
     if cfg.dataset == "grammar_dataset":  # its split names are the paths of its files
         for path in (cfg.grammar_dataset.train_split, cfg.grammar_dataset.test_split):
             _hash_path(Path(path), digest)

@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from shardtune.config import ConfigError
+from shardtune.config.schema import ConfigError
 from shardtune.data.files import Row
 from shardtune.data.report import RowFilter
-from shardtune.loss import IGNORE_INDEX
+
+IGNORE_INDEX = -100  # a label that carries no loss (the value torch's cross_entropy ignores by default)
 
 SAMSUM_PROMPT = "Summarize this dialog:\n{dialog}\n---\nSummary:\n"
 ALPACA_PROMPT = ("Below is a task, together with input that gives it context. Write a response that carries "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardtune.config import ConfigError
+from shardtune.config.schema import ConfigError
 
 
 class DataError(ConfigError):
@@ -25,9 +25,12 @@ class DataReport:
     num_rows: int = 0
     num_examples: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
+    num_truncated: int = 0  # rows cut to --max_length (TRL's formats; the cookbook datasets skip long rows)
 
     def summary(self) -> str:
         line = f"{self.source}: {self.num_examples} of {self.num_rows} rows kept"
+        if self.num_truncated:
+            line += f" ({self.num_truncated} truncated to --max_length)"
         if not self.skipped:
             return line
         reasons = ", ".join(f"{reason} {count}" for reason, count in self.skipped.items())

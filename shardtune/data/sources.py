@@ -1,4 +1,4 @@
-"""Dataset sources (synthetic dialogues, samsum, alpaca, custom file:function) and their early checks.
+"""Dataset sources (synthetic dialogues, samsum, alpaca, custom file:function, --dataset_name) and their early checks.
 
 ``check_data_config`` runs before any process group exists and needs no tokenizer; ``load_examples`` runs on
 every rank at start-up and is deterministic, so every rank holds the same examples in the same order.
@@ -11,11 +11,12 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Callable
 
-from shardtune.config import ConfigError, TrainConfig
+from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.files import DataFiles, Row, hold_out, locate, read_rows
 from shardtune.data.formatting import (ALPACA_PROMPT_NO_INPUT, GRAMMAR_PROMPT, SAMSUM_PROMPT, alpaca_pairs,
                                        grammar_pairs, samsum_pairs, template_length, token_examples, tokenize_pairs)
 from shardtune.data.report import DataError, DataReport, RowFilter
+from shardtune.data.trl_loading import check_trl_config, trl_examples, uses_trl_formats
 
 SPLITS = ("train", "validation")
 DEFAULT_CUSTOM_FUNCTION = "get_custom_dataset"
@@ -26,6 +27,7 @@ GRAMMAR_COLUMNS = ("input", "target")
 
 def check_data_config(cfg: TrainConfig) -> None:
     """Checks that need no tokenizer: paths exist, formats are known, a custom file defines its function."""
+    check_trl_config(cfg)
     if cfg.dataset == "synthetic_dialogues":
         _check_synthetic(cfg)
     elif cfg.dataset == "samsum_dataset" and cfg.samsum_dataset.data_path:
@@ -42,7 +44,7 @@ def check_context_length(cfg: TrainConfig, tokenizer: Any) -> None:
     """ConfigError if no example could fit: the fixed prompt template + bos + eos + one response token."""
     template = {"synthetic_dialogues": SAMSUM_PROMPT, "samsum_dataset": SAMSUM_PROMPT,
                 "alpaca_dataset": ALPACA_PROMPT_NO_INPUT, "grammar_dataset": GRAMMAR_PROMPT}.get(cfg.dataset)
-    if template is None:
+    if template is None or uses_trl_formats(cfg):  # TRL's formats truncate long rows instead
         return
     needed = template_length(tokenizer, template) + 1
     if cfg.context_length < needed:
@@ -57,6 +59,8 @@ def load_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[di
         raise ValueError(f"split {split!r} is not one of {SPLITS}")
     if cfg.dataset == "custom_dataset":
         examples, report = _custom_examples(cfg, tokenizer, split)
+    elif uses_trl_formats(cfg):
+        examples, report = trl_examples(cfg, tokenizer, split)
     else:
         source, rows = _text_rows(cfg, split)
         report = DataReport(source=source, num_rows=len(rows))

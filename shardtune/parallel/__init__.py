@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shardtune.config import TrainConfig
-from shardtune.distributed import DistEnv
+from shardtune.config.schema import TrainConfig
+from shardtune.runtime.distributed import DistEnv
 from shardtune.parallel.base import Strategy
 
 

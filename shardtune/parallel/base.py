@@ -18,10 +18,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_state_dict, set_optimizer_state_dict, set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardtune.config import TrainConfig
-from shardtune.distributed import DistEnv
+from shardtune.config.schema import TrainConfig
+from shardtune.runtime.distributed import DistEnv
 from shardtune.parallel.dims import ParallelDims
-from shardtune.precision import bf16_compute_available
+from shardtune.runtime.precision import bf16_compute_available
 
 
 # Checkpoints hold what training changes: frozen base weights (PEFT) are left out.
@@ -90,7 +90,7 @@ class Strategy(ABC):
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The torch optimizer of the wrapped model (the LR schedulers act on its param_groups)."""
-        from shardtune.optim import build_optimizer
+        from shardtune.parallel.optim import build_optimizer
 
         return build_optimizer(model, self.cfg)
 
@@ -223,7 +223,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def resolve_compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     """fp16 when asked (a CUDA device: checked before launch); bf16 autocast on GPUs that support it; fp32 on CPU,
-    where bf16 matmuls are slow (shardtune.precision has the test-only switch that makes a CPU take the GPU's path)."""
+    where bf16 matmuls are slow (shardtune.runtime.precision has the test-only switch that makes a CPU take the GPU's path)."""
     if cfg.use_fp16:
         return torch.float16
     if cfg.mixed_precision and bf16_compute_available(device):

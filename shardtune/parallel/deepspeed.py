@@ -21,10 +21,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from shardtune.config import DEEPSPEED_OWNED_KEYS, ConfigError, TrainConfig, deepspeed_file_config, effective_batch_size
-from shardtune.distributed import DistEnv
-from shardtune.errors import CheckpointError, TrainingStopped
-from shardtune.optim import build_optimizer
+from shardtune.config.deepspeed_file import DEEPSPEED_OWNED_KEYS, deepspeed_file_config
+from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
+from shardtune.runtime.distributed import DistEnv
+from shardtune.runtime.errors import CheckpointError, TrainingStopped
+from shardtune.parallel.optim import build_optimizer
 from shardtune.parallel.base import Strategy, dtype_name
 
 DEEPSPEED_TAG = "deepspeed"  # the sub-folder of a checkpoint that DeepSpeed's save_checkpoint writes

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardtune.config import ConfigError, TrainConfig, validator
+from shardtune.config.schema import ConfigError, TrainConfig
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "sp")
 FSDP_SHARD_DIM = "dp_shard_cp_sp"  # the flattened dimension FSDP shards over
@@ -124,7 +124,6 @@ def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     return mesh["dp_replicate", shard.mesh_dim_names[0]]
 
 
-@validator
 def check_parallel_dims(cfg: TrainConfig, world_size: int) -> None:
     """Sizes that fit the world, and what cannot run with a split row (one line each, before launch)."""
     dims = ParallelDims.from_config(cfg, world_size)

@@ -19,16 +19,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 
-from shardtune.config import TrainConfig
-from shardtune.distributed import DistEnv, print0
-from shardtune.memory import human_bytes, local_state_bytes
-from shardtune.metrics import peak_memory_bytes
+from shardtune.config.schema import TrainConfig
+from shardtune.model.memory import human_bytes, local_state_bytes
+from shardtune.model.structure import decoder_layers
 from shardtune.parallel.base import Strategy, dtype_name
 from shardtune.parallel.dims import fsdp_mesh
-from shardtune.precision import bf16_compute_available
+from shardtune.runtime.distributed import DistEnv, print0
+from shardtune.runtime.precision import bf16_compute_available
+from shardtune.runtime.distributed import peak_memory_bytes
 
 PURE_BF16_COST = ("pure bf16: weights, gradients and AdamW state in bf16 (8 significant bits): updates smaller "
                   "than ~1/256 of a weight are rounded away, so small learning rates train less well than with "
@@ -75,36 +82,12 @@ def load_dtype(cfg: TrainConfig) -> torch.dtype:
 
 # -- units ---------------------------------------------------------------------------------------------------------
 
-def no_split_class_names(model: nn.Module) -> set[str]:
-    """Class names in ``_no_split_modules`` of every transformers model inside ``model`` (PEFT wrappers too)."""
-    names: set[str] = set()
-    for module in model.modules():
-        names.update(getattr(module, "_no_split_modules", None) or ())
-    return names
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The outermost modules whose class is a no-split block: the units FSDP wraps one by one."""
-    names = no_split_class_names(model)
-    if not names:
-        raise ValueError(f"{type(model).__name__} declares no _no_split_modules: shardtune cannot tell its decoder "
-                         "layer class; use a Hugging Face causal LM that declares it")
-    layers: list[nn.Module] = []
-    inside: set[int] = set()
-    for module in model.modules():
-        if id(module) in inside:
-            continue
-        if type(module).__name__ in names:
-            layers.append(module)
-            inside.update(id(m) for m in module.modules())
-    if not layers:
-        raise ValueError(f"no module of class {sorted(names)} found in {type(model).__name__}")
-    return layers
-
-
 def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
     """Replace each decoder layer by a non-reentrant checkpoint wrapper; returns the wrappers."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
 
     targets = {id(layer) for layer in layers}
     wrapped: list[nn.Module] = []
@@ -124,7 +107,10 @@ def materialize_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor]
     """After sharding a model that is on the meta device on every rank but 0: allocate the local shards, fill them
     with rank 0's weights (broadcast, each rank keeps its shard), and broadcast rank 0's buffers, which covers the
     non-persistent ones no state dict carries (e.g. rotary inv_freq)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+    )
 
     is_rank0 = dist.get_rank() == 0
     rank0_buffers = [b.detach().clone() for b in model.buffers()] if is_rank0 else []
@@ -141,7 +127,7 @@ def materialize_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor]
 def tensor_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters and buffers by state-dict name, as plain tensors: bitsandbytes' 4-bit layers add
     their quantisation statistics to state dicts, which are no tensors of the module (rank 0 sends those itself,
-    shardtune.quantized_loading)."""
+    shardtune.model.quantized)."""
     names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
     return {k: v.as_subclass(torch.Tensor) for k, v in model.state_dict().items() if k in names}
 
@@ -227,7 +213,10 @@ class FSDPStrategy(Strategy):
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """Gathered tensor by tensor onto rank 0's CPU; the other ranks never hold more than their shards."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if self.env.rank == 0 else None
@@ -244,7 +233,7 @@ class FSDPStrategy(Strategy):
 
 
 def per_rank_state_line(model: nn.Module) -> str:
-    """The start log's line: this rank's training state, from the local shards it holds (shardtune.memory)."""
+    """The start log's line: this rank's training state, from the local shards it holds (shardtune.model.memory)."""
     state = local_state_bytes(model)
     return (f"fsdp: per-rank training state (rank 0's local shards): params {human_bytes(state.params)}, "
             f"grads {human_bytes(state.grads)}, AdamW state {human_bytes(state.optimizer)}")

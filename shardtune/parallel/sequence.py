@@ -21,7 +21,7 @@ the row's boundaries (or, with context parallelism, ring attention across the co
 second all-to-all swaps back. When sp exceeds the KV heads, KV heads are repeated first (as ALST does).
 
 The split's layout reaches the attention function as a model keyword (``sequence_layout``, see
-:func:`shardtune.loss.model_inputs`), the process groups are bound when the function is registered: a context set
+:func:`shardtune.model.loss.model_inputs`), the process groups are bound when the function is registered: a context set
 around the forward would be gone when activation checkpointing recomputes a layer in backward.
 """
 
@@ -38,11 +38,10 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from shardtune.lora_dropout import EXAMPLE_IDS, EXAMPLE_LENGTHS
-
-from shardtune.attention import varlen_attention_forward, varlen_mask
-from shardtune.config import ConfigError, TrainConfig
-from shardtune.loss import IGNORE_INDEX, SEQUENCE_LAYOUT, SHIFT_LABELS, shift_labels
+from shardtune.model.attention import varlen_attention_forward, varlen_mask
+from shardtune.config.schema import ConfigError, TrainConfig
+from shardtune.data.batching import EXAMPLE_IDS, EXAMPLE_LENGTHS
+from shardtune.model.loss import IGNORE_INDEX, SEQUENCE_LAYOUT, SHIFT_LABELS, shift_labels
 from shardtune.parallel.dims import ParallelDims
 
 SEQUENCE_ATTENTION = "shardtune_sequence_split"
@@ -76,6 +75,10 @@ class RowSlice:
         from shardtune.parallel.ring import load_balanced_chunk_ids
 
         return load_balanced_chunk_ids(self.cp_rank, self.cp_size)
+
+    def __call__(self, batch: dict[str, torch.Tensor], pad_id: int) -> dict:
+        """This rank's slice of a collated row (the data loader's row transform)."""
+        return split_row(batch, self, pad_id)
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,7 @@ def split_row(batch: dict[str, torch.Tensor], row_slice: RowSlice, pad_id: int) 
 
     split = {"input_ids": mine(input_ids), "position_ids": mine(position_ids), SHIFT_LABELS: mine(targets),
              SEQUENCE_LAYOUT: SequenceLayout(cu_seq_lens, max_length, chunk_ids, chunk_len)}
-    for key, fill in ((EXAMPLE_IDS, -1), (EXAMPLE_LENGTHS, 0)):  # LoRA dropout's keys (shardtune.lora_dropout)
+    for key, fill in ((EXAMPLE_IDS, -1), (EXAMPLE_LENGTHS, 0)):  # LoRA dropout's keys (shardtune.model.lora_dropout)
         if key in batch:
             row = batch[key]
             split[key] = mine(torch.cat([row, row.new_full((1, padded - length), fill)], dim=1))

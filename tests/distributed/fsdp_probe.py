@@ -14,11 +14,12 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
 
-from shardtune.config import TrainConfig
-from shardtune.distributed import init_distributed, shutdown
-from shardtune.models import load_model
-from shardtune.parallel.fsdp import FSDPStrategy, decoder_layers
-from shardtune.sft import build_model
+from shardtune.config.schema import TrainConfig
+from shardtune.runtime.distributed import init_distributed, shutdown
+from shardtune.model.loading import load_model
+from shardtune.model.structure import decoder_layers
+from shardtune.parallel.fsdp import FSDPStrategy
+from shardtune.training.worker import build_model
 
 
 def local_numel(model: torch.nn.Module) -> int:

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from shardtune.attention import use_varlen_attention
+from shardtune.model.attention import use_varlen_attention
 from shardtune.data.batching import collate_flat
-from shardtune.loss import SEQUENCE_LAYOUT, full_logits_loss_sum, model_inputs
+from shardtune.model.loss import SEQUENCE_LAYOUT, full_logits_loss_sum, model_inputs
 from shardtune.parallel.dims import ParallelDims
 from shardtune.parallel.sequence import RowSlice, SequenceGroups, split_row, use_sequence_attention
 

@@ -21,10 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardtune.checkpoint import (
-    checkpoint_step, complete_checkpoints, latest_checkpoint, read_trainer_state, unfinished_saves,
-)
-from shardtune.preemption import EXIT_PREEMPTED
+from shardtune.training.checkpoint import checkpoint_step, complete_checkpoints, latest_checkpoint, read_trainer_state, unfinished_saves
+from shardtune.runtime.preemption import EXIT_PREEMPTED
 from tests.conftest import REPO, cli_env
 from tests.helpers import eval_rows, max_relative_difference, step_rows
 
@@ -256,6 +254,11 @@ def test_export_of_a_sharded_checkpoint_equals_the_final_model(reference, cache_
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    # config.json states the dtype written: from_pretrained then loads bf16 weights as bf16, not fp32
+    run_shardtune(cache_dir, "export", last, tmp_path / "hf16", "--dtype", "bfloat16")
+    assert {t.dtype for t in final_tensors(tmp_path / "hf16").values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "hf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf16").dtype == torch.bfloat16
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from shardtune.launch import DEFAULT_JOIN_TIMEOUT_S
+from shardtune.launch.torchrun import DEFAULT_JOIN_TIMEOUT_S
 from tests.conftest import REPO, cli_env
 from tests.distributed.test_checkpoint import (
     COMMON, finish, free_port, logged_steps, start_two_nodes, wait_for, worker_pids,
@@ -53,7 +53,7 @@ def test_a_dead_rank_on_node_1_ends_node_0_within_seconds(tiny_model, cache_dir,
     assert [p.returncode for p in nodes] == [1, 1]
     # c10d assigns global ranks by arrival: node 1's worker may be rank 0 or 1
     assert re.search(r"shardtune: training failed: rank \d exited with code -9", outputs[1][1]), outputs[1][1][-2000:]
-    # node 0's worker fails in a collective with its peer gone: one line, recorded by the worker (shardtune.sft)
+    # node 0's worker fails in a collective with its peer gone: one line, recorded by the worker (shardtune.training.worker)
     assert re.search(r"shardtune: error: rank \d: RuntimeError: .*(Connection reset|Connection closed|peer)",
                      outputs[0][1]), outputs[0][1][-2000:]
     assert "Traceback" not in outputs[0][1]
@@ -88,4 +88,20 @@ def test_doctor_on_two_nodes_reports_topology_bandwidth_and_what_is_wrong(cache_
     assert any(re.search(r"NCCL_IB_DISABLE=1 on node \d: cross-node traffic goes over TCP sockets", p)
                for p in problems), problems
     assert any("nodes share a host name" in p for p in problems), problems
-    assert all(re.search(r"shardtune: the checks failed: rank \d exited with code 1", err) for _out, err in outputs)
+    # the problems are findings, not a crash of the checks: exit status 1 with a line saying so on every node
+    assert all("shardtune doctor: " in err and "problem(s) found" in err and "exited with code" not in err
+               for _out, err in outputs), [err[-1000:] for _out, err in outputs]
+
+
+def test_doctor_on_one_node_judges_only_what_matters_there(run_cli):
+    """One node, one rank: NCCL_IB_DISABLE is no cross-node problem, no bandwidth of 0.00 GB/s is reported (there is
+    no link), nothing is wrong so the exit status is 0; an impossible --bandwidth_iters is one line before launch."""
+    proc = run_cli("doctor", "--nproc_per_node", 1, "--bandwidth_mb", 1, env={"NCCL_IB_DISABLE": "1"}, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "NCCL_IB_DISABLE=1" in proc.stdout  # reported in the environment, not judged
+    assert "problem:" not in proc.stdout and "no problem found" in proc.stdout
+    assert "bandwidth: not measured (one rank: no collective traffic)" in proc.stdout
+    assert "0.00 GB/s" not in proc.stdout
+    bad = run_cli("doctor", "--bandwidth_iters", 0, check=False)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "shardtune: error: --bandwidth_iters 0 must be >= 1: the bandwidth is timed over that many repetitions"]

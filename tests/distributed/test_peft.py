@@ -17,9 +17,9 @@ import yaml
 from safetensors.torch import load_file
 
 from shardtune import data
-from shardtune.config import from_dict
-from shardtune.loss import full_logits_loss_sum, num_label_tokens
-from shardtune.models import load_model, load_tokenizer
+from shardtune.config.flags import from_dict
+from shardtune.model.loss import full_logits_loss_sum, num_label_tokens
+from shardtune.model.loading import load_model, load_tokenizer
 from tests.helpers import eval_rows, max_relative_difference, step_rows
 
 NUM_STEPS = 8
@@ -125,7 +125,7 @@ def load_base(model_dir: str, quantized: bool) -> torch.nn.Module:
         return load_model(model_dir)
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from shardtune.peft import use_generic_cpu_kernels
+    from shardtune.model.peft import use_generic_cpu_kernels
 
     bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                              bnb_4bit_compute_dtype=torch.float32)

@@ -2,7 +2,7 @@
 tolerance; and DoRA trains under FSDP2 exactly as under DDP.
 
 GPUs compute in bf16 (or fp16); a CPU run computes in fp32. The test-only switch SHARDTUNE_TEST_LOW_PRECISION_ON_CPU
-(shardtune/precision.py) makes the CPU take the GPU's precision decisions, so these runs execute the code a GPU runs
+(shardtune/runtime/precision.py) makes the CPU take the GPU's precision decisions, so these runs execute the code a GPU runs
 after that decision: DDP's autocast (with torch's GradScaler for fp16), FSDP2's MixedPrecisionPolicy (with the sharded
 gradient scaler for fp16), pure bf16 FSDP2, and DeepSpeed ZeRO-3's bf16 engine (DeepSpeed's CPU accelerator has no
 fp16 here: ZeRO with fp16 is checked by bench/gpu_smoke.sh).
@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardtune.precision import LOW_PRECISION_ON_CPU_ENV
+from shardtune.runtime.precision import LOW_PRECISION_ON_CPU_ENV
 from tests.helpers import max_relative_difference, step_rows
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config
 
-from shardtune.models import PRESETS, train_tokenizer
+from shardtune.model.loading import PRESETS, train_tokenizer
 from tests.e2e.test_bad_input import assert_one_line_error
 from tests.helpers import assert_same_training, step_rows
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shardtune.config import flat_fields
+from shardtune.config.flags import flat_fields
 from tests.conftest import REPO, cli_env
 from tests.helpers import eval_rows, step_rows
 

@@ -17,8 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import shardtune.sft  # noqa: F401  (registers every validator, as a run does)
-from shardtune.config import ConfigError, parse_args, validate
+
+from shardtune.config.schema import ConfigError
+from shardtune.config.flags import parse_args
+from shardtune.training.checks import validate
 from tests.conftest import cli_env
 from tests.helpers import step_rows
 
@@ -105,7 +107,7 @@ def test_flags_that_cannot_apply_are_refused_in_one_line(flags, world_size, mess
 
 
 def test_freeze_llm_only_is_refused_for_a_text_only_model(tiny_model):
-    from shardtune.cookbook import check_model_flags
+    from shardtune.model.cookbook import check_model_flags
 
     with pytest.raises(ConfigError, match="--freeze_LLM_only applies to vision models.*is text-only"):
         check_model_flags(parse_args(["--freeze_LLM_only", "--model_name", str(tiny_model)]))
@@ -118,8 +120,8 @@ def test_prefix_tuning_on_a_packed_row_equals_each_example_alone(tiny_model):
     every example run alone with the prefix (peft's padded path). Control: without boundaries they differ."""
     import peft
 
-    from shardtune.attention import use_varlen_attention, varlen_kwargs
-    from shardtune.models import load_model
+    from shardtune.model.attention import use_varlen_attention, varlen_kwargs
+    from shardtune.model.loading import load_model
 
     model = load_model(str(tiny_model))
     use_varlen_attention(model)
@@ -161,7 +163,7 @@ def write_grammar_csvs(folder: Path) -> tuple[Path, Path]:
 
 def test_grammar_dataset_prompts_like_the_cookbook_and_learns_the_target_only(tiny_model, tmp_path):
     from shardtune.data import load_examples
-    from shardtune.models import load_tokenizer
+    from shardtune.model.loading import load_tokenizer
 
     train, validation = write_grammar_csvs(tmp_path)
     cfg = parse_args(["--dataset", "grammar_dataset", "--grammar_dataset.train_split", str(train),
@@ -233,7 +235,7 @@ def attribute(cfg, dotted: str):
 
 @pytest.mark.parametrize("name", list(ACCELERATE_FILES))
 def test_accelerate_config_files_map_onto_shardtune_flags(name, tmp_path):
-    from shardtune.accelerate_config import expand_accelerate_config
+    from shardtune.config.accelerate import expand_accelerate_config
 
     path = write_accelerate_file(tmp_path, name, ACCELERATE_FILES[name])
     launch, train, rest = expand_accelerate_config(["--accelerate_config", str(path), "--lr", "3e-4"])
@@ -244,7 +246,7 @@ def test_accelerate_config_files_map_onto_shardtune_flags(name, tmp_path):
 
 
 def test_accelerate_keys_that_cannot_be_mapped_are_named_in_one_line(tmp_path):
-    from shardtune.accelerate_config import expand_accelerate_config
+    from shardtune.config.accelerate import expand_accelerate_config
 
     for key, value, named in [("mixed_precision", "fp8", "mixed_precision 'fp8'"),
                               ("fsdp_config", {"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"},

@@ -32,7 +32,7 @@ def test_gpu_benchmark_cpu_smoke_mode_reports_throughput_mfu_and_memory(cache_di
 def test_long_rows_of_the_gpu_benchmark_are_planned_to_fit_an_h200_or_skipped_with_the_reason():
     """The plan the GPU run takes for the Llama-3-8B-shaped long rows on one H200 (141 GB, 128 GiB host memory)."""
     from bench.gpu import LONG, plan_long_row
-    from shardtune.models import PRESETS
+    from shardtune.model.loading import PRESETS
 
     config = dict(PRESETS["llama-8b-shape"])
     plans = {name: plan_long_row(config, tokens, 2, device_gib=139.8, host_gib=120, flops_per_s=3e14,

@@ -56,7 +56,7 @@ def tiny_adapter(tiny_model, tmp_path) -> Path:
     """A LoRA adapter of the tiny model, as peft writes it."""
     import peft
 
-    from shardtune.models import load_model
+    from shardtune.model.loading import load_model
 
     model = peft.get_peft_model(load_model(str(tiny_model)), peft.LoraConfig(target_modules=["q_proj", "v_proj"]))
     model.save_pretrained(tmp_path / "adapter")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.metrics import read_metrics
-from shardtune.trackers import tracker_scalars
+from shardtune.training.metrics import read_metrics
+from shardtune.training.trackers import tracker_scalars
 
 RUN = ("--model_name", "preset:tiny", "--nproc_per_node", "1", "--max_train_step", "3", "--context_length", "128",
        "--batch_size_training", "2", "--synthetic_dialogues.num_train", "64",

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.checkpoint import latest_checkpoint
-from shardtune.preemption import EXIT_PREEMPTED
+from shardtune.training.checkpoint import latest_checkpoint
+from shardtune.runtime.preemption import EXIT_PREEMPTED
 from tests.conftest import REPO, cli_env
 from tests.helpers import assert_same_training, step_rows
 from tests.multihost.conftest import RDZV_PORT, assert_succeeded, sft_argvs
@@ -91,7 +91,7 @@ def test_hybrid_shard_with_c10d_flags_resumes_on_every_node_after_a_lost_node(tw
     """The TRL guide's manual commands (c10d rendezvous on host A), HYBRID_SHARD: one shard group per host; and a
     lost node: host B's workers are SIGKILLed after the first checkpoint, with --max_restarts 1. Host B's agent
     restarts them, host A's agent restarts its own for the membership change (without counting a restart of its
-    own), and every worker resumes from the same checkpoint because all agree on the restart (shardtune/elastic.py)."""
+    own), and every worker resumes from the same checkpoint because all agree on the restart (shardtune/runtime/elastic.py)."""
     out = tmp_path / "hsdp"
     argvs = sft_argvs(two_hosts, 2, ["--model_name", tiny_model, "--output_dir", out, *TRAIN_ARGS, "--enable_fsdp",
                                      "--fsdp_config.sharding_strategy", "HYBRID_SHARD", "--save_steps", 1,

@@ -16,11 +16,11 @@ from transformers import (
     Qwen3Config,
 )
 
-from shardtune.attention import (
+from shardtune.model.attention import (
     _per_example, attention_implementation, flash_varlen_arguments, use_varlen_attention, varlen_kwargs,
 )
 from shardtune.data.batching import collate_flat, collate_padding
-from shardtune.loss import IGNORE_INDEX, model_inputs, token_loss_sum
+from shardtune.model.loss import IGNORE_INDEX, model_inputs, token_loss_sum
 
 CPU = torch.device("cpu")
 WINDOW = 4  # shorter than most examples below, so that the window changes what a query sees

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shardtune.attention import VARLEN, use_varlen_attention, varlen_kwargs
+from shardtune.model.attention import VARLEN, use_varlen_attention, varlen_kwargs
 from shardtune.data.batching import collate_flat, collate_padding
-from shardtune.loss import IGNORE_INDEX, token_loss_sum
+from shardtune.model.loss import IGNORE_INDEX, token_loss_sum
 
 CPU = torch.device("cpu")
 

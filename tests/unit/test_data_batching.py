@@ -8,10 +8,10 @@ from collections import Counter
 import pytest
 import torch
 
-from shardtune.config import TrainConfig
+from shardtune.config.schema import TrainConfig
 from shardtune.data import (DataError, StepDataset, build_units, collate_flat, collate_padding, eval_batches,
                             steps_per_epoch, train_loader)
-from shardtune.loss import IGNORE_INDEX
+from shardtune.data.formatting import IGNORE_INDEX
 
 PAD_ID = 0
 FIRST_ID = 1000  # example i starts with token FIRST_ID + i, so every batch can be traced back to its examples

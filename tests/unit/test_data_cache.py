@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from shardtune.config import TrainConfig
+from shardtune.config.schema import TrainConfig
 from shardtune.data import load_examples
 from shardtune.data.cache import cache_key, load_examples_cached
-from shardtune.models import train_tokenizer
+from shardtune.model.loading import train_tokenizer
 
 
 def test_cached_examples_equal_fresh_ones_and_are_reused(tmp_path):

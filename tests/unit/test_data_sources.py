@@ -15,11 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from shardtune.config import ConfigError, TrainConfig
+from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data import DataError, check_context_length, check_data_config, load_examples
 from shardtune.data.formatting import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, SAMSUM_PROMPT
-from shardtune.loss import IGNORE_INDEX
-from shardtune.models import train_tokenizer
+from shardtune.data.formatting import IGNORE_INDEX
+from shardtune.model.loading import train_tokenizer
 
 ROWS = [
     {"id": "a1", "dialogue": "Anna: Cinema at 7?\nTom: Sure!", "summary": "Anna and Tom go to the cinema at 7."},
@@ -226,7 +226,7 @@ def test_parquet_without_the_columns_is_an_error(tmp_path, tokenizer):
 
 def test_unreachable_hub_points_to_data_path(tmp_path):
     script = textwrap.dedent("""
-        from shardtune.config import TrainConfig
+        from shardtune.config.schema import TrainConfig
         from shardtune.data import DataError, load_examples
         cfg = TrainConfig(dataset="samsum_dataset")
         cfg.samsum_dataset.hub_name = "shardtune-tests/no-such-dataset"

@@ -1,4 +1,4 @@
-"""One restart count for the whole job (shardtune/elastic.py) and the NCCL watchdog's settings.
+"""One restart count for the whole job (shardtune/runtime/elastic.py) and the NCCL watchdog's settings.
 
 Real torch stores and torchrun's real c10d rendezvous handler, in this process; the two-host run where a lost
 node is restarted is tests/multihost/test_two_hosts.py.
@@ -15,10 +15,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 from torch.distributed.run import get_args_parser
 
-from shardtune.distributed import nccl_watchdog_env
-from shardtune.elastic import (
-    ATTEMPT_ENV, agree_on_attempt, count_attempts_across_nodes, counting_backend, worker_group_attempt,
-)
+from shardtune.runtime.distributed import nccl_watchdog_env
+from shardtune.runtime.elastic import ATTEMPT_ENV, worker_group_attempt
+from shardtune.launch.rendezvous import agree_on_attempt, count_attempts_across_nodes, counting_backend
 
 
 def test_every_agent_of_a_round_gets_the_same_attempt_and_later_rounds_larger_ones():

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shardtune.flops import model_shape, training_flops_per_token
-from shardtune.models import load_model
+from shardtune.model.flops import model_shape, training_flops_per_token
+from shardtune.model.loading import load_model
 
 
 def test_full_fine_tuning_counts_six_flops_per_matmul_parameter_plus_attention(tiny_model):

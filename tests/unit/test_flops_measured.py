@@ -1,4 +1,4 @@
-"""The analytic FLOPs count (shardtune/flops.py) against torch's own FlopCounterMode on a real training step:
+"""The analytic FLOPs count (shardtune/model/flops.py) against torch's own FlopCounterMode on a real training step:
 forward + backward of the tiny preset with the lean loss, padded and padding-free."""
 
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardtune.attention import use_varlen_attention
+from shardtune.model.attention import use_varlen_attention
 from shardtune.data.batching import collate_flat, collate_padding
-from shardtune.flops import (
+from shardtune.model.flops import (
     causal_attention_flops, flop_counter, matmul_flops_per_token, micro_batch_flops, model_shape, num_input_tokens,
     palm_micro_batch_flops, sequence_lengths,
 )
-from shardtune.loss import IGNORE_INDEX, token_loss_sum
-from shardtune.models import load_model
+from shardtune.model.loss import IGNORE_INDEX, token_loss_sum
+from shardtune.model.loading import load_model
 
 CPU = torch.device("cpu")
 # both sides are exact integer counts of the same matmuls: they must agree to float rounding of the sum

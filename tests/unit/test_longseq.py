@@ -1,4 +1,4 @@
-"""The long-sequence memory levers (shardtune.longseq) keep the numbers: tiled MLP and activation offloading give
+"""The long-sequence memory levers (shardtune.model.longseq) keep the numbers: tiled MLP and activation offloading give
 the plain model's loss and gradients on a row of the tiny preset; YaRN RoPE scaling builds a model with scaled
 positions that trains."""
 
@@ -8,11 +8,12 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from shardtune.config import ConfigError, TrainConfig, validate
-from shardtune.longseq import apply_memory_levers, check_rope_scaling
-from shardtune.loss import hf_model, token_loss_sum
-from shardtune.models import build_model_on_meta, load_model, training_model_config
-from shardtune.peft import load_quantized_model
+from shardtune.config.schema import ConfigError, TrainConfig
+from shardtune.training.checks import validate
+from shardtune.model.longseq import apply_memory_levers, check_rope_scaling
+from shardtune.model.loss import hf_model, token_loss_sum
+from shardtune.model.loading import build_model_on_meta, load_model, training_model_config
+from shardtune.model.peft import load_quantized_model
 
 CPU = torch.device("cpu")
 ROW_TOKENS = 300  # the tiny preset's hidden size is 64: four whole tiles and a partial one
@@ -77,7 +78,8 @@ def test_activation_offloading_same_loss_and_gradients(tiny_model):
 
 
 def test_tiled_mlp_and_offloading_under_activation_checkpointing_same_gradients(tiny_model):
-    from shardtune.parallel.fsdp import apply_activation_checkpointing, decoder_layers
+    from shardtune.model.structure import decoder_layers
+    from shardtune.parallel.fsdp import apply_activation_checkpointing
 
     levers = with_levers(load_model(str(tiny_model)), tiled_mlp=True, activation_offloading=True)
     apply_activation_checkpointing(levers, decoder_layers(levers))
@@ -140,12 +142,23 @@ def test_rope_scaling_bad_flags_are_one_line_errors(flags, message, tmp_path):
         validate(TrainConfig(output_dir=str(tmp_path / "out"), **flags), world_size=1)
 
 
+def test_a_4bit_model_counts_its_parameters_as_peft_does(tiny_model):
+    """The start line's count: a 4-bit weight counts its logical shape, not its packed storage (181,056 before)."""
+    from shardtune.model.loading import count_parameters
+    from shardtune.model.peft import apply_peft
+
+    cfg = TrainConfig(model_name=str(tiny_model), use_peft=True, quantization="4bit")
+    model = apply_peft(load_quantized_model(cfg, CPU), cfg)
+    trainable, total = model.get_nb_trainable_parameters()
+    assert count_parameters(model) == (total, trainable)
+
+
 def test_a_yarn_lora_adapter_records_the_scaling_and_merges_into_the_trained_model(tiny_model, run_cli, tmp_path):
     """A LoRA adapter trained with --rope_scaling yarn says so in its directory, and `shardtune export --merge`
     rebuilds the base with it: the merged model computes what base (YaRN-scaled) + adapter computed in training,
     at positions past the base's original context too."""
-    from shardtune.models import load_tokenizer
-    from shardtune.peft import apply_peft, save_adapter
+    from shardtune.model.loading import load_tokenizer
+    from shardtune.model.peft import apply_peft, save_adapter
 
     cfg = TrainConfig(model_name=str(tiny_model), rope_scaling="yarn", rope_factor=4.0, use_peft=True)
     trained = apply_peft(load_model(str(tiny_model), config=training_model_config(cfg)), cfg).eval()

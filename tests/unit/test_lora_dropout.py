@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from shardtune.config import TrainConfig
-from shardtune.data.batching import collate
-from shardtune.lora_dropout import EXAMPLE_IDS, ExampleKeyedDropout, keyed_masks
+from shardtune.config.schema import TrainConfig
+from shardtune.data.batching import EXAMPLE_IDS, collate
+from shardtune.model.lora_dropout import ExampleKeyedDropout, keyed_masks
 from shardtune.parallel.sequence import RowSlice, split_row
 
 FEATURES = 16

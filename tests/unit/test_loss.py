@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from shardtune.attention import use_varlen_attention
+from shardtune.model.attention import use_varlen_attention
 from shardtune.data.batching import collate_flat, collate_padding
-from shardtune.loss import (IGNORE_INDEX, default_chunk_rows, full_logits_loss_sum, lean_head,
+from shardtune.model.loss import (IGNORE_INDEX, default_chunk_rows, full_logits_loss_sum, lean_head,
                             linear_cross_entropy_sum, token_loss_sum)
-from shardtune.models import load_model
+from shardtune.model.loading import load_model
 
 CPU = torch.device("cpu")
 

@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shardtune.config import ConfigError
+from shardtune.config.schema import ConfigError
 from shardtune.data.synthetic import PROMPT_PREFIX, PROMPT_SUFFIX, generate_dialogues
-from shardtune.models import (PRESETS, build_model_on_meta, cache_dir, check_model_source, count_parameters,
+from shardtune.model.loading import (PRESETS, build_model_on_meta, cache_dir, check_model_source, count_parameters,
                               init_model, load_model, load_tokenizer, resolve_model_name, train_tokenizer)
 
 
@@ -85,7 +85,7 @@ def test_init_model_fills_an_existing_empty_directory(tmp_path):
 
 def test_resolve_model_name_builds_a_preset_once_into_the_cache():
     path = resolve_model_name("preset:tiny")
-    assert path == str(cache_dir() / "presets" / "tiny-v1")
+    assert path == str(cache_dir() / "presets" / "tiny-v2")
     weights = os.stat(os.path.join(path, "model.safetensors"))
     assert resolve_model_name("preset:tiny") == path
     again = os.stat(os.path.join(path, "model.safetensors"))
@@ -94,7 +94,7 @@ def test_resolve_model_name_builds_a_preset_once_into_the_cache():
 
 
 def test_empty_model_name_means_the_demo_preset():
-    assert resolve_model_name("").endswith("demo-v1")
+    assert resolve_model_name("").endswith("demo-v2")
 
 
 def test_load_model_and_tokenizer_from_a_preset_directory(tiny_dir):

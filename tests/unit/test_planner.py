@@ -13,10 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from shardtune.planner import (
-    DEVICES, Adapter, Arch, Setup, Traffic, alternatives, estimate, fits, host_loading_bytes, read_arch,
-    sequence_splits, sequence_traffic_per_step, step_time_s, traffic_per_step,
-)
+from shardtune.planner.shapes import Adapter, Arch, read_arch
+from shardtune.planner.estimate import Setup, estimate, host_loading_bytes
+from shardtune.planner.speed import Traffic, sequence_traffic_per_step, step_time_s, traffic_per_step
+from shardtune.planner.search import alternatives, fits, sequence_splits
+from shardtune.planner.hardware import DEVICES
 from tests.conftest import REPO, cli_env
 
 GIB = 2**30
@@ -47,9 +48,9 @@ def test_builtin_llama3_8b_shape_has_its_published_size():
 
 @pytest.mark.parametrize("method", ["lora", "llama_adapter", "prefix"])
 def test_trainable_counts_equal_peft(method, tiny_model):
-    from shardtune.config import TrainConfig
-    from shardtune.models import load_model
-    from shardtune.peft import apply_peft
+    from shardtune.config.schema import TrainConfig
+    from shardtune.model.loading import load_model
+    from shardtune.model.peft import apply_peft
 
     cfg = TrainConfig(model_name=str(tiny_model), use_peft=True, peft_method=method)
     model = apply_peft(load_model(str(tiny_model)), cfg)
@@ -109,7 +110,31 @@ def test_plan_recommends_a_fitting_command_and_reports_limits():
     assert result["recommended"]["fits"] and "--enable_fsdp" in result["recommended"]["flags"] + ["--enable_fsdp"]
     assert result["largest_micro_batch"] >= 1 and result["longest_sequence"] >= 4096
     text = plan_cli("--model_name", "llama3-8b", "--gpus_per_node", "8", "--gpu", "H100").stdout
-    assert "recommended:" in text and "shardtune sft --model_name meta-llama/Llama-3.1-8B-Instruct" in text
+    # the model as the user named it, with the process count; a built-in shape says which weights to give sft
+    assert "recommended:" in text and "shardtune sft --nproc_per_node 8 --model_name llama3-8b " in text
+    assert "(llama3-8b is a shape the planner knows, not weights: give sft a model directory or a hub id, e.g. " \
+           "--model_name meta-llama/Llama-3.1-8B-Instruct)" in text
+
+
+def test_host_memory_is_a_constraint_like_gpu_memory():
+    """405B on one 8 x H100 node with FSDP: offloading fits a GPU but needs ~6 TiB of host memory per node (every
+    rank's AdamW state and master weights): it must not be recommended on a 2 TiB host, every row states its host
+    memory, and a node with enough (--host_memory) makes it fit; more nodes shard the host state too."""
+    args = ("--model_name", "llama3.1-405b", "--gpus_per_node", "8", "--enable_fsdp", "--low_cpu_fsdp", "true")
+    proc = plan_cli(*args, "--json")
+    assert proc.returncode == 1, proc.stdout[-2000:]  # nothing fits
+    result = json.loads(proc.stdout)
+    offload = next(r for r in result["alternatives"] if r["setup"] == "FULL_SHARD +AC +offload")
+    assert offload["peak_bytes"] < result["usable_bytes"] and not offload["fits"]
+    assert offload["host_bytes_per_node"] > 5 * 2**40 and result["usable_host_bytes"] < 2 * 2**40
+    assert result["would_fit"]["gpus"]["nnodes"] > 1
+    text = plan_cli(*args).stdout
+    assert "host memory per node:" in text and "host/node" in text
+    assert "nothing fits the host memory: what fits a GPU needs at least" in text
+    roomy = plan_cli(*args, "--host_memory", "8TiB", "--json")
+    assert roomy.returncode == 0 and json.loads(roomy.stdout)["recommended"]["setup"].endswith("+offload")
+    bad = plan_cli(*args, "--host_memory", "lots")
+    assert bad.returncode == 2 and "--host_memory 'lots' is not a size" in bad.stderr
 
 
 def test_plan_when_nothing_fits_names_the_smallest_and_the_miss():
@@ -189,7 +214,7 @@ def test_sequence_traffic_counts_ulysses_all_to_all_and_ring_kv_bytes():
 
 
 def test_128k_tokens_on_8_h100_fit_with_a_sequence_split_which_is_recommended():
-    from shardtune.planner import plan
+    from shardtune.planner.search import plan
 
     h100 = DEVICES["H100"]
     setup = Setup(arch=read_arch("llama3-8b"), strategy="FULL_SHARD", gpus_per_node=8, seq_len=131072,
@@ -219,7 +244,8 @@ def test_plan_takes_sft_sequence_flags_and_refuses_an_impossible_mesh_like_sft()
 def test_nothing_fits_names_the_miss_and_the_gpus_that_would_fit():
     """1M tokens of llama3-8b on 8 x 80 GB: no split of 8 fits; the smallest world that fits is named (and it fits
     there), next to the GPU memory the smallest configuration needs."""
-    from shardtune.planner import plan, render
+    from shardtune.planner.search import plan
+    from shardtune.planner.render import render
 
     h100 = DEVICES["H100"]
     setup = Setup(arch=read_arch("llama3-8b"), strategy="FULL_SHARD", gpus_per_node=8, seq_len=1 << 20)

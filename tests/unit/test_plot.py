@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from shardtune.plot import main, read_run, run_names
+from shardtune.commands.plot import main, read_run, run_names
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -6,9 +6,9 @@ import json
 
 import torch
 
-from shardtune.config import TrainConfig
-from shardtune.distributed import DistEnv
-from shardtune.profiling import StepProbe
+from shardtune.config.schema import TrainConfig
+from shardtune.runtime.distributed import DistEnv
+from shardtune.training.profiling import StepProbe
 
 CPU = torch.device("cpu")
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.config import parse_args, validate
+from shardtune.config.flags import parse_args
+from shardtune.training.checks import validate
 
 CLUSTER_SPECS = ("skypilot.yaml",)  # a SkyPilot task, not a training recipe: checked below
 RECIPES = sorted(p for p in (Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml")
@@ -84,8 +85,8 @@ def test_long_context_recipe_splits_a_million_token_row_over_its_eight_gpus():
     with the memory levers; a split the heads cannot take is refused by the same check (control)."""
     from transformers import LlamaConfig
 
-    from shardtune.config import ConfigError
-    from shardtune.models import PRESETS
+    from shardtune.config.schema import ConfigError
+    from shardtune.model.loading import PRESETS
     from shardtune.parallel.dims import ParallelDims
     from shardtune.parallel.sequence import check_sequence_split
 

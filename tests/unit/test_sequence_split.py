@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig
 
-from shardtune.config import ConfigError, TrainConfig
+from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.batching import collate_flat, eval_batches
-from shardtune.loss import IGNORE_INDEX, SEQUENCE_LAYOUT, SHIFT_LABELS, batch_label_tokens
+from shardtune.model.loss import IGNORE_INDEX, SEQUENCE_LAYOUT, SHIFT_LABELS, batch_label_tokens
 from shardtune.parallel.dims import ParallelDims
 from shardtune.parallel.sequence import RowSlice, check_sequence_split, split_row
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shardtune.config import ConfigError
-from shardtune.launch import split_launcher_args
-from shardtune.topology import parse_hostlist, resolve_topology
+from shardtune.config.schema import ConfigError
+from shardtune.launch.torchrun import split_launcher_args
+from shardtune.launch.topology import parse_hostlist, resolve_topology
 
 KUBEFLOW = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "job-node-0-0",
             "PET_MASTER_PORT": "29400"}

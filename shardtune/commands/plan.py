@@ -1,0 +1,51 @@
+"""``shardtune plan``: will this configuration fit, and how fast will it be, before a GPU is rented.
+
+    shardtune plan --model_name llama3-8b --enable_fsdp --gpus_per_node 8 --gpu H100
+    shardtune plan --model_name llama3-70b --use_peft --quantization 4bit --enable_fsdp --gpus_per_node 4 --json
+
+Takes sft's flags (the model is read from its config.json, or a built-in shape; nothing is loaded) plus the
+hardware; prints the per-GPU memory of the configuration, the alternatives that fit, the fastest of them as a
+command line, and the largest micro-batch and longest sequence that fit. Exit status 1 when nothing fits.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from shardtune.config.schema import ConfigError
+from shardtune.config.flags import parse_args
+from shardtune.planner.search import check_split, plan, setup_from_config
+from shardtune.planner.render import render, split_named_flags, without_strategy_flags
+from shardtune.planner.hardware import DEVICES, resolve_device
+
+PLAN_FLAGS = {"gpu": "H100", "gpu_memory": "", "host_memory": "", "nnodes": "1", "gpus_per_node": "8"}
+
+
+def split_plan_args(argv: list[str]) -> tuple[dict[str, str], list[str], bool]:
+    as_json = any(a == "--json" for a in argv)
+    values, rest = split_named_flags([a for a in argv if a != "--json"], PLAN_FLAGS)
+    return {**PLAN_FLAGS, **values}, rest, as_json
+
+
+def main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(__doc__.strip() + "\n\nplan flags: --gpu " + "|".join(DEVICES) + "|cpu, --gpu_memory SIZE, --host_memory SIZE (per node; "
+              "default: what a server of that GPU ships with, stated in the output), --nnodes M, "
+              "--gpus_per_node G, --json; every sft flag (shardtune sft --help)")
+        return 0
+    try:
+        values, sft_argv, as_json = split_plan_args(argv)
+        cfg = parse_args(sft_argv)
+        device = resolve_device(values)
+        setup = setup_from_config(cfg, values, device)
+        check_split(cfg, setup)
+        result = plan(setup, device, cfg.gradient_accumulation_steps)
+    except ConfigError as e:
+        print(f"shardtune: error: {e}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps(result, default=lambda o: None, indent=1))
+    else:
+        print(render(result, without_strategy_flags(sft_argv)))
+    return 0 if result["recommended"] else 1

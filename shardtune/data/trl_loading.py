@@ -1,0 +1,147 @@
+"""``--dataset_name`` (TRL's data flags): load with ``datasets.load_dataset``, recognise the format, tokenise.
+
+A local file (JSON, JSONL, CSV, Parquet, Arrow) is the train split; a local folder or a hub id is loaded as
+``datasets`` lays it out (a folder's splits come from its file names: train.jsonl, test.jsonl ...). The
+evaluation split is ``--dataset_test_split``; when the data has no such split, training runs without evaluation
+(said once, before launch). The embedded synthetic dialogues with ``--synthetic_dialogues.messages true`` go
+through the same formats code as conversational rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from shardtune.config.schema import ConfigError, TrainConfig, TrlDatasetConfig
+from shardtune.data.chat import check_chat_template
+from shardtune.data.files import Row
+from shardtune.data.report import DataError, DataReport, RowFilter
+from shardtune.data.trl_formats import LossOptions, RowFormat, prepare_rows, recognise, with_extras
+
+BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+SYNTHETIC_SYSTEM_PROMPT = "Summarize the dialog."
+
+
+def uses_trl_formats(cfg: TrainConfig) -> bool:
+    """The datasets whose rows go through TRL's formats (and so read the --dataset_name options)."""
+    return cfg.dataset == "trl_dataset" or (cfg.dataset == "synthetic_dialogues" and cfg.synthetic_dialogues.messages)
+
+
+def check_trl_config(cfg: TrainConfig) -> None:
+    """Before launch, without a tokenizer: the data exists and no option is set where it would be ignored."""
+    tc, defaults = cfg.trl_dataset, TrlDatasetConfig()
+    if cfg.dataset != "trl_dataset" and tc.dataset_name:
+        raise ConfigError(f"--dataset_name {tc.dataset_name} and --dataset {cfg.dataset} both name the data: drop "
+                          "one of them")
+    if not uses_trl_formats(cfg):
+        changed = [k for k in vars(defaults) if getattr(tc, k) != getattr(defaults, k)]
+        if changed:
+            raise ConfigError(f"--{changed[0]} {getattr(tc, changed[0])} has no effect with --dataset {cfg.dataset}: "
+                              "use --dataset_name (or --synthetic_dialogues.messages true), or drop the flag")
+        return
+    if cfg.dataset == "trl_dataset":
+        if not tc.dataset_name:
+            raise ConfigError("--dataset trl_dataset needs --dataset_name: a local data file or folder, or a hub id")
+        path = Path(tc.dataset_name).expanduser()
+        if path.is_file() and path.suffix.lower() not in BUILDERS:
+            raise DataError(f"--dataset_name {tc.dataset_name}: unknown format {path.suffix!r}: pass a "
+                            f"{', '.join(BUILDERS)} file or a folder of them")
+        if not path.exists() and (tc.dataset_name.startswith(("/", ".", "~")) or path.suffix.lower() in BUILDERS):
+            raise DataError(f"--dataset_name {tc.dataset_name}: no such file or folder")
+
+
+def loss_options(cfg: TrainConfig) -> LossOptions:
+    tc = cfg.trl_dataset
+    return LossOptions(text_field=tc.dataset_text_field, completion_only_loss=tc.completion_only_loss,
+                       assistant_only_loss=tc.assistant_only_loss, max_length=cfg.context_length,
+                       truncation_mode=tc.truncation_mode)
+
+
+@functools.lru_cache(maxsize=4)
+def _load(name: str, config: str) -> Any:
+    """The DatasetDict of ``name`` (loaded once per process)."""
+    import datasets
+
+    path = Path(name).expanduser()
+    try:
+        if path.is_file():
+            return datasets.load_dataset(BUILDERS[path.suffix.lower()], data_files={"train": str(path)})
+        return datasets.load_dataset(str(path) if path.is_dir() else name, name=config or None)
+    except Exception as e:  # network, authentication, missing dataset, unreadable files: one line with the fix
+        where = "local data" if path.exists() else "the Hugging Face hub (offline? HF_DATASETS_OFFLINE set?)"
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise DataError(f"--dataset_name {name}: could not be loaded from {where} ({type(e).__name__}: {reason}): "
+                        "pass a local JSON / JSONL / CSV / Parquet / Arrow file or folder, or a reachable hub id"
+                        ) from e
+
+
+def _split_name(cfg: TrainConfig, split: str) -> str:
+    tc = cfg.trl_dataset
+    return tc.dataset_train_split if split == "train" else tc.dataset_test_split
+
+
+def validation_available(cfg: TrainConfig) -> bool:
+    """False when the data has no --dataset_test_split (then there is no evaluation)."""
+    if cfg.dataset != "trl_dataset":
+        return True
+    return cfg.trl_dataset.dataset_test_split in _load(cfg.trl_dataset.dataset_name, cfg.trl_dataset.dataset_config)
+
+
+def _dataset_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row], list[str]]:
+    tc = cfg.trl_dataset
+    loaded = _load(tc.dataset_name, tc.dataset_config)
+    name = _split_name(cfg, split)
+    if name not in loaded:
+        flag = "--dataset_train_split" if split == "train" else "--dataset_test_split"
+        raise DataError(f"--dataset_name {tc.dataset_name} has no split {name!r} (it has: {', '.join(loaded)}): "
+                        f"pass {flag}")
+    path = Path(tc.dataset_name).expanduser()
+    origin = str(path) if path.is_file() else f"{tc.dataset_name} split {name}"
+    rows = loaded[name].to_list()
+    return f"{tc.dataset_name} split {name}", [(origin, i, r) for i, r in enumerate(rows, start=1)], \
+        list(loaded[name].column_names)
+
+
+def synthetic_message_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row], list[str]]:
+    from shardtune.data.synthetic import generate_dialogues
+
+    sd = cfg.synthetic_dialogues
+    num = sd.num_train if split == "train" else sd.num_validation
+    source = f"synthetic_dialogues: {num} generated {split} dialogues as messages (seed {sd.seed})"
+    rows = [{"messages": [{"role": "system", "content": SYNTHETIC_SYSTEM_PROMPT},
+                          {"role": "user", "content": row["dialogue"]},
+                          {"role": "assistant", "content": row["summary"]}]}
+            for row in generate_dialogues(num, sd.seed, split, chatter=sd.chatter)]
+    return source, [(source, i, r) for i, r in enumerate(rows, start=1)], ["messages"]
+
+
+def recognise_rows(cfg: TrainConfig, columns: list[str], rows: list[Row]) -> RowFormat:
+    first = rows[0][2] if rows else {}
+    return with_extras(recognise(columns, first, cfg.trl_dataset.dataset_text_field), columns)
+
+
+def trl_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[dict], DataReport]:
+    """Tokenised examples of ``split`` ("train" or "validation") in TRL's formats, with the data report."""
+    loader = _dataset_rows if cfg.dataset == "trl_dataset" else synthetic_message_rows
+    source, rows, columns = loader(cfg, split)
+    if not rows:
+        raise DataError(f"{source}: no rows: fix the data or pass another split")
+    fmt = recognise_rows(cfg, columns, rows)
+    if fmt.conversational:
+        check_chat_template(cfg, tokenizer, f"{source} ({fmt.describe()})")
+    report = DataReport(source=f"{source}: {fmt.describe()}", num_rows=len(rows))
+    filt = RowFilter(report, cfg.strict_data)
+    return prepare_rows(rows, fmt, columns, tokenizer, loss_options(cfg), filt, report), report
+
+
+
+def drop_absent_validation(cfg: TrainConfig, say: bool) -> None:
+    """No --dataset_test_split in the data: train without evaluation (``say``: tell it, in the one process that
+    talks before launch)."""
+    if cfg.run_validation and not validation_available(cfg):
+        cfg.run_validation = False
+        if say:
+            tc = cfg.trl_dataset
+            print(f"shardtune: --dataset_name {tc.dataset_name} has no split {tc.dataset_test_split!r}: training "
+                  "without evaluation (pass --dataset_test_split to evaluate on another split)", flush=True)

@@ -1,0 +1,221 @@
+"""Training FLOPs and the peak the hardware reaches: the one place MFU is computed from.
+
+MFU = achieved model FLOP/s / peak FLOP/s, where the peak is *measured* on this machine (a large matmul in the
+compute dtype: fp32 on CPU, bf16 on GPU) rather than read from a data sheet, so that CPU and GPU figures mean
+the same thing: the fraction of the matmul rate this device actually sustains that training turns into model
+FLOPs.
+
+Two counts are kept. ``mfu`` counts what the step computes (:func:`micro_batch_flops`): the output layer only on
+the positions the lean loss computes it for, and causal attention as the triangle the kernels compute (each token
+attends to itself and the tokens before it), so it cannot exceed 100%. ``mfu_palm`` is the usual published
+convention (:func:`palm_micro_batch_flops`, 6 N + 12 L d T per token), for comparison with other reports.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardtune.model.loss import SEQUENCE_LAYOUT
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    num_matmul_params: int     # every weight a token is multiplied by: all matrices but the input embedding
+    num_trainable_params: int  # the trainable ones among those (all of them in full fine-tuning)
+    attention_size: int = 0    # query heads x head dimension (= hidden_size in Llama); 0: hidden_size
+    num_head_params: int = 0   # the output layer's weight (vocabulary x hidden), part of num_matmul_params
+    head_trainable: bool = False
+    lean_loss: bool = False    # the output layer runs only on labelled positions (shardtune.model.loss lean path)
+
+    @property
+    def num_body_params(self) -> int:
+        return self.num_matmul_params - self.num_head_params
+
+    @property
+    def num_trainable_body_params(self) -> int:
+        return self.num_trainable_params - (self.num_head_params if self.head_trainable else 0)
+
+
+def model_shape(model: nn.Module) -> ModelShape:
+    """Read the shape from the Hugging Face model inside any DDP / FSDP2 / PEFT wrapping."""
+    from shardtune.model.loss import hf_model, lean_head
+
+    inner = hf_model(model)
+    config = inner.config
+    embedding = inner.get_input_embeddings().weight
+    head = inner.get_output_embeddings()
+    tied = head is not None and head.weight is embedding
+    matmul = [p for p in model.parameters() if (tied or p is not embedding) and is_matrix(p)]
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return ModelShape(num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+                      num_matmul_params=sum(numel(p) for p in matmul),
+                      num_trainable_params=sum(numel(p) for p in matmul if p.requires_grad),
+                      attention_size=config.num_attention_heads * head_dim,
+                      num_head_params=numel(head.weight) if head is not None else 0,
+                      head_trainable=head is not None and head.weight.requires_grad,
+                      lean_loss=lean_head(model) is not None)
+
+
+def is_matrix(p: torch.Tensor) -> bool:
+    """A weight tokens are multiplied by; norm scales and biases (1-D) cost one FLOP per token, not counted."""
+    return len(getattr(p, "ds_shape", None) or p.shape) >= 2
+
+
+def numel(p: torch.Tensor) -> int:
+    """Elements of the weight as the model uses it: DeepSpeed ZeRO-3 partitions in place (ds_numel is its size);
+    a bitsandbytes 4-bit weight is stored packed (its quant_state has the real shape)."""
+    quant_state = getattr(p, "quant_state", None)
+    if quant_state is not None and getattr(quant_state, "shape", None) is not None:
+        return math.prod(quant_state.shape)
+    return getattr(p, "ds_numel", None) or p.numel()
+
+
+def matmul_flops_per_token(num_params: int, num_trainable: int) -> int:
+    """Each matmul parameter costs 2 FLOPs forward, 2 backward for the activation gradient, and 2 more for its own
+    gradient when it is trained."""
+    return 4 * num_params + 2 * num_trainable
+
+
+def training_flops_per_token(shape: ModelShape, seq_len: int) -> int:
+    """PaLM-convention model FLOPs of one training token (forward + backward) at sequence length ``seq_len``.
+
+    flops = 6 N + 12 L d T   (all parameters trainable)
+          = 4 N + 2 N_trainable + 12 L d T   (in general)
+
+    N: parameters a token is multiplied by (the input embedding is a lookup, not a matmul; a tied head counts),
+    L: layers, d: hidden size, T: sequence length. Attention scores and their weighted sum cost 4 L d T forward
+    and twice that backward. This is the formula of PaLM (Chowdhery et al. 2022, appendix B: 6N + 12 L H Q T with
+    H Q = d), which counts the output layer on every token and the full T x T attention even under a causal mask,
+    as do the usual MFU reports; frozen weights (PEFT) skip their weight-gradient 2 N.
+    """
+    attention = 12 * shape.num_layers * shape.hidden_size * seq_len
+    return matmul_flops_per_token(shape.num_matmul_params, shape.num_trainable_params) + attention
+
+
+def num_input_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens the model computes on: every token of a padding-free row, the non-pad tokens of a padded batch."""
+    mask = batch.get("attention_mask")
+    if mask is not None and mask.dim() == 2:
+        return int(mask.sum())
+    return int(batch["input_ids"].numel())
+
+
+def sequence_lengths(batch: dict[str, torch.Tensor]) -> list[int]:
+    """Length of each sequence the model attends within: the examples of a padding-free row, or each padded row's
+    non-pad tokens."""
+    if "cu_seq_lens" in batch:
+        return batch["cu_seq_lens"].diff().tolist()
+    mask = batch.get("attention_mask")
+    if mask is not None and mask.dim() == 2:
+        return mask.sum(dim=1).tolist()
+    return [batch["input_ids"].size(1)] * batch["input_ids"].size(0)
+
+
+def causal_attention_flops(shape: ModelShape, lengths: list[int]) -> int:
+    """Attention of a causal model as computed: token t of a sequence attends to t + 1 tokens, so a sequence of n
+    tokens has n (n + 1) / 2 query-key pairs; each costs 4 a FLOPs forward (scores, weighted sum) and 8 a backward
+    per layer (a: query heads x head dimension)."""
+    pairs = sum(n * (n + 1) // 2 for n in lengths)
+    return 12 * shape.num_layers * (shape.attention_size or shape.hidden_size) * pairs
+
+
+def output_layer_tokens(shape: ModelShape, batch: dict[str, torch.Tensor]) -> int:
+    """Positions the output layer computes: the labelled ones under the lean loss, every input token otherwise."""
+    from shardtune.model.loss import batch_label_tokens
+
+    return batch_label_tokens(batch) if shape.lean_loss else num_input_tokens(batch)
+
+
+def micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor]) -> int:
+    """Model FLOPs of training on one micro-batch as computed (the ``mfu`` convention).
+
+    Body matmuls on every input token, the output layer on :func:`output_layer_tokens`, causal attention within
+    each sequence (:func:`causal_attention_flops`). Pad tokens are not counted: it is the work the model needs.
+    """
+    body = matmul_flops_per_token(shape.num_body_params, shape.num_trainable_body_params) * num_input_tokens(batch)
+    head = matmul_flops_per_token(shape.num_head_params, shape.num_head_params if shape.head_trainable else 0)
+    if SEQUENCE_LAYOUT in batch:  # a slice of a row split over ranks: its share of the whole row's attention
+        boundaries = batch[SEQUENCE_LAYOUT].cu_seq_lens
+        whole = causal_attention_flops(shape, boundaries.diff().tolist())
+        attention = whole * batch["input_ids"].size(1) // int(boundaries[-1])
+    else:
+        attention = causal_attention_flops(shape, sequence_lengths(batch))
+    return body + head * output_layer_tokens(shape, batch) + attention
+
+
+def palm_micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor]) -> int:
+    """Model FLOPs of one micro-batch in the PaLM convention (the ``mfu_palm`` column): 6 N + 12 L d T per token.
+
+    A padding-free row counts each example at its own length (its attention never spans the row); a padded
+    batch counts its non-pad tokens at the padded length.
+    """
+    if "cu_seq_lens" in batch:
+        lengths = batch["cu_seq_lens"].diff().tolist()
+        return sum(training_flops_per_token(shape, n) * n for n in lengths)
+    if SEQUENCE_LAYOUT in batch:  # a slice of a row split over ranks: its share of the whole row's FLOPs
+        boundaries = batch[SEQUENCE_LAYOUT].cu_seq_lens
+        whole = sum(training_flops_per_token(shape, n) * n for n in boundaries.diff().tolist())
+        return whole * batch["input_ids"].size(1) // int(boundaries[-1])
+    return training_flops_per_token(shape, batch["input_ids"].size(1)) * num_input_tokens(batch)
+
+
+def flop_counter():
+    """torch's FlopCounterMode (what ``--flop_counter`` and the tests measure with), completed with formulas torch
+    lacks: the in-place ``addmm_`` (the lean loss accumulates the output layer's gradient with it) and the CPU SDPA
+    kernel, counted with torch's own attention formulas (the full n x n square per sequence, as torch counts the
+    CUDA kernels: "we aren't accounting for causal attention"; its backward includes recomputing the scores)."""
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+
+    def accumulate(out, a, b, *args, out_shape=None, **kwargs) -> int:  # out += a @ b
+        return 2 * a[0] * a[1] * b[1]
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs) -> int:
+        return fc.sdpa_flop_count(query, key, value)
+
+    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+        return fc.sdpa_backward_flop_count(grad_out, query, key, value)
+
+    return fc.FlopCounterMode(display=False, custom_mapping={
+        aten.addmm_: accumulate,
+        aten._scaled_dot_product_flash_attention_for_cpu: forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward})
+
+
+PEAK_DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
+
+
+@functools.cache
+def measured_peak_flops(device_str: str, size: int | None = None, seconds: float = 0.15) -> float:
+    """The matmul FLOP/s this process reaches on ``device`` in its compute dtype: best of short timed bursts.
+
+    Measured once per process (cached), in well under a second. CPU: fp32 1024 x 1024 with the threads this
+    process has (the same rate as 2048 x 2048 on the 2-core test machine, 4x sooner); GPU: bf16 8192 x 8192. The
+    best burst is taken, so that a neighbour's load lowers the estimate as little as possible.
+    """
+    device = torch.device(device_str)
+    size = size or (8192 if device.type == "cuda" else 1024)
+    dtype = PEAK_DTYPES.get(device.type, torch.float32)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b  # warm-up
+    sync()
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline or best == 0.0:
+        start = time.perf_counter()
+        for _ in range(2):
+            a @ b
+        sync()
+        best = max(best, 2 * 2 * size ** 3 / (time.perf_counter() - start))
+    return best

@@ -1,0 +1,249 @@
+"""Models and tokenizers: presets built from scratch (with a tokenizer trained here), loading, checks.
+
+A preset is a LlamaConfig shape. ``preset:NAME`` model names are built once into the cache directory and
+are then ordinary Hugging Face directories, so every later code path treats them like a downloaded model.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+from tokenizers.models import BPE
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+
+from shardtune.model.attention import attention_implementation
+from shardtune.config.schema import ConfigError, TrainConfig
+from shardtune.data.chat import PRESET_CHAT_TEMPLATE
+from shardtune.data.synthetic import corpus_for_tokenizer
+
+PRESET_PREFIX = "preset:"
+DEFAULT_PRESET = "demo"
+PRESET_VERSION = "v2"  # bump when a preset's shape, init or tokenizer changes, so stale caches are not reused
+TOKENIZER_VOCAB_SIZE = 1024
+TOKENIZER_SEED = 0  # every preset shares one tokenizer, whatever the model's init seed
+
+BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
+
+_COMMON = dict(max_position_embeddings=2048, tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=500000.0,
+               hidden_act="silu", attention_bias=False, mlp_bias=False)
+PRESETS: dict[str, dict] = {
+    "tiny": dict(_COMMON, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=176),
+    "demo": dict(_COMMON, hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+                 intermediate_size=704),
+    "llama-1b-shape": dict(_COMMON, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                           num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+                           max_position_embeddings=8192, tie_word_embeddings=True),
+    "llama-8b-shape": dict(_COMMON, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                           num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                           max_position_embeddings=8192),
+    # ~76M parameters, ~300 MB in fp32: big enough to see rank-0-only loading in host memory (bench/)
+    "bench-300mb": dict(_COMMON, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                        num_key_value_heads=4, intermediate_size=2048),
+}
+# The benchmark shapes are far too large for float32 on disk; they are built directly in bfloat16.
+PRESET_BUILD_DTYPES: dict[str, torch.dtype] = {"llama-1b-shape": torch.bfloat16, "llama-8b-shape": torch.bfloat16}
+
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SHARDTUNE_CACHE") or Path.home() / ".cache" / "shardtune")
+
+
+def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE, seed: int = TOKENIZER_SEED) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on the synthetic corpus; never adds bos/eos by itself (the data code does); with a
+    small chat template (plain-text role headers, {% generation %} markers: data.chat.PRESET_CHAT_TEMPLATE)."""
+    bpe = Tokenizer(BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[UNK, BOS, EOS, PAD],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(corpus_for_tokenizer(seed), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                   unk_token=UNK, padding_side="right", model_max_length=1_000_000,
+                                   clean_up_tokenization_spaces=False, chat_template=PRESET_CHAT_TEMPLATE)
+
+
+def init_model(preset: str, out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    """Build a randomly initialised preset model (plus tokenizer) into ``out_dir``, atomically.
+
+    Everything is written into a temporary sibling first and renamed onto ``out_dir``, so a reader never
+    sees a half-written model.
+    """
+    out_dir = Path(out_dir).expanduser()
+    _check_preset(preset, "preset")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"init_model: {out_dir} exists and is not empty: pick an empty or new directory")
+    tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}"
+    try:  # before building anything: the folder must be writable
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise ValueError(f"init_model: cannot write {out_dir} ({e.strerror}): pick a directory you can write to") \
+            from None
+    tokenizer = train_tokenizer()
+    model = _random_model(preset, tokenizer, seed, dtype)
+    model.save_pretrained(tmp)
+    _save_tokenizer(tokenizer, tmp)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
+    """save_pretrained, naming the class PreTrainedTokenizerFast (transformers 5 writes its internal
+    TokenizersBackend name, which transformers 4 readers, such as older inference servers, cannot load)."""
+    tokenizer.save_pretrained(out_dir)
+    config_file = out_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _random_model(preset: str, tokenizer: PreTrainedTokenizerFast, seed: int,
+                  dtype: torch.dtype) -> torch.nn.Module:
+    special_ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id)
+    kwargs = {"vocab_size": len(tokenizer), **PRESETS[preset], **special_ids}
+    config = LlamaConfig(**kwargs, attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for name, token_id in special_ids.items():
+        setattr(model.generation_config, name, token_id)
+    return model
+
+
+def resolve_model_name(model_name: str) -> str:
+    """Map ``""`` and ``preset:NAME`` to the cached preset directory (built on first use); else unchanged."""
+    if model_name and not model_name.startswith(PRESET_PREFIX):
+        return model_name
+    name = model_name.removeprefix(PRESET_PREFIX) or DEFAULT_PRESET
+    _check_preset(name, "model_name")
+    presets_dir = cache_dir() / "presets"
+    path = presets_dir / f"{name}-{PRESET_VERSION}"
+    presets_dir.mkdir(parents=True, exist_ok=True)
+    with open(presets_dir / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait, then find it built
+        if not (path / "config.json").is_file():
+            init_model(name, path, seed=0, dtype=PRESET_BUILD_DTYPES.get(name, torch.float32))
+    return str(path)
+
+
+def _check_preset(name: str, what: str) -> None:
+    if name not in PRESETS:
+        raise ConfigError(f"--{what} {PRESET_PREFIX}{name}: unknown preset: choose one of "
+                          + ", ".join(PRESET_PREFIX + p for p in PRESETS))
+
+
+def _looks_like_path(value: str) -> bool:
+    first = value.split("/", 1)[0]
+    return value.startswith(("/", "./", "../", "~")) or Path(value).exists() or (bool(first) and Path(first).is_dir())
+
+
+def check_model_source(model_name: str, what: str = "model_name") -> None:
+    """Fail early, in one line, if ``model_name`` is neither a preset, a model directory nor a loadable hub id."""
+    if not model_name or model_name.startswith(PRESET_PREFIX):
+        _check_preset(model_name.removeprefix(PRESET_PREFIX) or DEFAULT_PRESET, what)
+    elif _looks_like_path(model_name):
+        _check_directory(model_name, what)
+    elif _HUB_ID.match(model_name):
+        _check_hub_id(model_name, what)
+    else:
+        raise ConfigError(f"--{what} {model_name!r} is neither a directory nor a hub id (org/name): "
+                          "pass a local model directory, a hub id or preset:NAME")
+
+
+def _check_directory(model_name: str, what: str) -> None:
+    path = Path(model_name).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"--{what} {model_name}: no such directory: pass a Hugging Face model directory "
+                          f"(with config.json), a hub id or {PRESET_PREFIX}NAME")
+    needed = ("tokenizer_config.json", "tokenizer.json") if what == "tokenizer_name" else ("config.json",)
+    if not any((path / f).is_file() for f in needed):
+        raise ConfigError(f"--{what} {model_name}: the directory has no {' or '.join(needed)}: pass the directory "
+                          "that save_pretrained wrote (or the snapshot folder of a download)")
+
+
+def _check_hub_id(model_name: str, what: str) -> None:
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import; honour it even when it was set later
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+    try:
+        AutoConfig.from_pretrained(model_name, local_files_only=offline)
+    except Exception as e:  # any failure (network, auth, missing repo) means the same fix for the user
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
+        hint = "HF_HUB_OFFLINE is set:" if offline else "offline?"
+        raise ConfigError(f"--{what} {model_name!r} is not a local directory and could not be loaded from the "
+                          f"Hugging Face Hub ({reason}); {hint} download it first "
+                          f"(hf download {model_name} --local-dir DIR) or pass a local path") from None
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerFast:
+    """AutoTokenizer, with a pad token (eos, else unk) when the model has none, as for Llama 3."""
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+    return tokenizer
+
+
+def check_tokenizer_fits(model_name: str, tokenizer: PreTrainedTokenizerFast, tokenizer_name: str) -> None:
+    """A token id without a row in the model's embedding fails mid-step (IndexError on every rank): refuse it here.
+    Typical cause: a tokenizer (class) that adds a pad or chat token, saved without resizing the model."""
+    num_rows = AutoConfig.from_pretrained(model_name).get_text_config().vocab_size
+    if len(tokenizer) > num_rows:
+        source = f"--tokenizer_name {tokenizer_name}" if tokenizer_name else f"the tokenizer of {model_name}"
+        raise ConfigError(f"{source} has {len(tokenizer)} tokens, but the model's embedding has {num_rows} rows "
+                          f"(vocab_size in its config.json), so ids {num_rows} and up cannot be embedded: use the "
+                          "model's own tokenizer, or resize the embedding first (model.resize_token_embeddings("
+                          "len(tokenizer)), then save_pretrained both)")
+
+
+def training_model_config(cfg: TrainConfig):
+    """The config the model is trained with: its config.json, plus --rope_scaling. The one place where training
+    flags change a model's config: every path that builds the model to train (full weights, 4-bit, the meta
+    device of rank-0 loading) builds from it, and checkpoints record it (export rebuilds the same model)."""
+    from shardtune.model.longseq import rope_config_overrides
+
+    config = AutoConfig.from_pretrained(cfg.model_name)
+    for key, value in rope_config_overrides(cfg, config).items():
+        setattr(config, key, value)
+    return config
+
+
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               config=None) -> torch.nn.Module:
+    """The model's weights from ``name_or_path``, built with ``config`` (default: its own config.json)."""
+    config = config or AutoConfig.from_pretrained(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=dtype,
+                                                 attn_implementation=attention_implementation(config))
+    return model.to(device)
+
+
+def build_model_on_meta(name_or_path: str, dtype: torch.dtype = torch.float32, config=None) -> torch.nn.Module:
+    """The model's structure without memory, for sharding first and loading weights (on rank 0) afterwards."""
+    config = config or AutoConfig.from_pretrained(name_or_path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                attn_implementation=attention_implementation(config))
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(total, trainable) parameter counts; tied weights count once; a quantised weight counts its logical shape,
+    not its packed storage (bitsandbytes packs two 4-bit values per byte, or into bf16 storage under FSDP)."""
+    params = list(model.parameters())
+    return sum(logical_numel(p) for p in params), sum(logical_numel(p) for p in params if p.requires_grad)
+
+
+def logical_numel(param: torch.Tensor) -> int:
+    quant_state = getattr(param, "quant_state", None)
+    shape = getattr(quant_state, "shape", None)
+    return math.prod(shape) if shape is not None else param.numel()

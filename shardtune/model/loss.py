@@ -1,0 +1,217 @@
+"""Token-level loss: a SUM over labelled tokens, so the caller can normalise by the global token count.
+
+The default path is lean: the model's own forward runs (so DDP, FSDP2 and PEFT hooks all fire), but its output
+head is asked for the loss instead of the logits. The head then takes only the positions that carry a label and
+computes cross-entropy over chunks of them (:class:`ChunkedLinearCrossEntropy`), so no (sequence x vocabulary)
+logits tensor ever exists: peak memory is O(chunk x vocab). Models whose forward post-processes the logits
+(soft-capping, scaling) are not in LEAN_MODEL_TYPES and take the plain full-logits path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardtune.data.formatting import IGNORE_INDEX
+from shardtune.model.attention import varlen_kwargs
+from shardtune.runtime.distributed import warn0
+
+# HF causal LMs whose forward is `logits = lm_head(hidden); return logits` (nothing applied to the logits after).
+LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# fp32 logits per chunk: 128 MiB on CPU (256 rows at Llama 3's vocabulary of 128,256); 1 GiB on GPU (2,048 rows,
+# matmuls large enough to run at full rate)
+CHUNK_ELEMENTS = {"cpu": 1 << 25, "cuda": 1 << 28}
+
+
+# A sequence-split micro-batch (shardtune.parallel.sequence) holds a slice of a row: its labels are shifted BEFORE
+# the split (the next token of a slice's last position lives on another rank), and stored under this key.
+SHIFT_LABELS = "shift_labels"
+# The model keyword that carries a split micro-batch's layout to the attention function.
+SEQUENCE_LAYOUT = "sequence_layout"
+
+
+def num_label_tokens(labels: torch.Tensor) -> int:
+    """Tokens that carry a loss: labels are aligned with input_ids, so position 0 never predicts anything."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """The target of each position (the next token's label), -100 at the last position: (B, T) like labels."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def next_token_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Target of every position of the micro-batch: pre-shifted labels when it carries them, else shifted here."""
+    return batch[SHIFT_LABELS] if SHIFT_LABELS in batch else shift_labels(batch["labels"])
+
+
+def batch_label_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Labelled tokens of a micro-batch (of a split one: those of its slice, each counted on exactly one rank)."""
+    return int((next_token_targets(batch) != IGNORE_INDEX).sum())
+
+
+def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict:
+    """The model's keywords: tensors on ``device``, plus a padding-free row's boundaries (shardtune.model.attention)."""
+    keys = ("input_ids", "attention_mask", "position_ids")
+    inputs: dict = {k: batch[k].to(device, non_blocking=True) for k in keys if k in batch}
+    for key, value in varlen_kwargs(batch).items():
+        inputs[key] = value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+    if SEQUENCE_LAYOUT in batch:
+        inputs[SEQUENCE_LAYOUT] = batch[SEQUENCE_LAYOUT].to(device)
+    return inputs
+
+
+def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of next-token cross-entropy over labelled tokens of one micro-batch, computed in fp32.
+
+    ``model`` is what the loop calls: a DDP-, FSDP2- or PEFT-wrapped (or bare) Hugging Face causal LM.
+    """
+    targets = next_token_targets(batch).to(device, non_blocking=True)
+    head = lean_head(model)
+    if head is None:
+        return full_logits_loss_sum(model, batch, device)
+    with head_returns_loss(head, targets) as result:
+        model(**model_inputs(batch, device), use_cache=False)
+    return result["loss_sum"]
+
+
+def full_logits_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The plain path: full-sequence logits, then cross-entropy. The reference the lean path is tested against."""
+    out = model(**model_inputs(batch, device), use_cache=False)
+    logits = out.logits
+    targets = next_token_targets(batch).to(device, non_blocking=True)
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def hf_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside the DDP / PEFT wrappers (FSDP2 shards in place, it adds no wrapper)."""
+    while True:
+        if hasattr(model, "get_base_model"):  # peft.PeftModel
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), nn.Module):  # DistributedDataParallel
+            model = model.module
+        else:
+            return model
+
+
+_fallback_noted: set[str] = set()
+
+
+def lean_head(model: nn.Module) -> nn.Linear | None:
+    """The output head the lean path can take over, or None (with a one-time note saying why)."""
+    inner = hf_model(model)
+    model_type = getattr(getattr(inner, "config", None), "model_type", None)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    reason = None
+    if model_type not in LEAN_MODEL_TYPES:
+        reason = f"model type {model_type!r} may transform its logits after the head"
+    elif type(head) is not nn.Linear or head.bias is not None:
+        reason = f"its output head is a {type(head).__name__}, not a bias-free nn.Linear"
+    if reason is None:
+        return head
+    if reason not in _fallback_noted:
+        _fallback_noted.add(reason)
+        warn0(f"full-logits loss (more memory): {reason}")
+    return None
+
+
+@contextlib.contextmanager
+def head_returns_loss(head: nn.Linear, targets: torch.Tensor) -> Iterator[dict[str, torch.Tensor]]:
+    """While active, ``head(hidden)`` returns the cross-entropy sum against ``targets`` instead of logits.
+
+    The head is still *called* by the model's own forward, so wrappers' hooks (FSDP2 unshard, DDP, PEFT prefix
+    injection) run as usual; only the head's computation changes. The loss is also returned as the model's
+    ``logits`` output; it is read from ``result`` so that nothing relies on that. ``result`` holds the head's
+    output as its callers see it, after the other forward hooks (DeepSpeed ZeRO-3 returns a new tensor from its
+    hook, whose backward re-gathers the head's partitioned weight).
+    """
+    result: dict[str, torch.Tensor] = {}
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy_sum(hidden, head.weight, targets)
+
+    def keep_output(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        result["loss_sum"] = output
+
+    head.forward = forward
+    hook = head.register_forward_hook(keep_output)
+    try:
+        yield result
+    finally:
+        hook.remove()
+        del head.forward
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                             chunk_rows: int | None = None) -> torch.Tensor:
+    """sum over labelled positions of cross_entropy(hidden @ weight.T, target), without full logits.
+
+    hidden (B, T, H), targets (B, T) with IGNORE_INDEX where no loss is taken; weight (V, H).
+    """
+    keep = targets != IGNORE_INDEX
+    rows = hidden[keep]
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(hidden.device.type, weight.size(0))
+    return ChunkedLinearCrossEntropy.apply(rows, weight, targets[keep], chunk_rows)
+
+
+def default_chunk_rows(device_type: str, vocab_size: int) -> int:
+    """Rows per chunk: CHUNK_ELEMENTS fp32 logits on this kind of device (at least 16 rows)."""
+    return max(16, CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS["cpu"]) // vocab_size)
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of a linear layer's output, chunk by chunk over rows, gradients computed in forward.
+
+    For each chunk of rows: logits = rows @ W^T (in the rows' dtype, fp32 for the softmax), loss += logsumexp
+    - logit[target], and, when gradients are needed, dlogits = softmax - onehot gives d rows = dlogits @ W
+    and dW += dlogits^T @ rows. The chunk's logits are then freed. Backward only scales the stored
+    gradients by the incoming gradient of the (scalar) loss. Same matmul count as the plain path, and
+    eval (no gradients needed) skips the gradient work.
+    """
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                chunk_rows: int) -> torch.Tensor:
+        need_rows_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        compute_dtype = rows.dtype
+        w = weight.to(compute_dtype)
+        loss = torch.zeros((), dtype=torch.float32, device=rows.device)
+        grad_rows = torch.empty_like(rows) if need_rows_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
+        for start in range(0, rows.size(0), chunk_rows):
+            chunk = rows[start:start + chunk_rows]
+            target = targets[start:start + chunk_rows]
+            logits = (chunk @ w.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            loss += (lse - logits.gather(1, target[:, None]).squeeze(1)).sum()
+            if need_rows_grad or need_weight_grad:
+                dlogits = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                dlogits[torch.arange(chunk.size(0), device=chunk.device), target] -= 1.0
+                if need_rows_grad:
+                    grad_rows[start:start + chunk_rows] = (dlogits.to(compute_dtype) @ w).to(rows.dtype)
+                if need_weight_grad and compute_dtype == torch.float32:
+                    grad_weight.addmm_(dlogits.t(), chunk)
+                elif need_weight_grad:  # bf16 / fp16 matmul, accumulated across chunks in fp32
+                    grad_weight += dlogits.t().to(compute_dtype) @ chunk
+            del logits
+        # kept on ctx, not saved: backward scales them in place (one graph, one backward, no second copy)
+        ctx.grad_rows, ctx.grad_weight, ctx.weight_dtype = grad_rows, grad_weight, weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_rows, grad_weight = ctx.grad_rows, ctx.grad_weight
+        ctx.grad_rows = ctx.grad_weight = None
+        d_rows = grad_rows.mul_(grad_loss.to(grad_rows.dtype)) if grad_rows is not None else None
+        d_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype) if grad_weight is not None else None
+        return d_rows, d_weight, None, None

@@ -1,0 +1,44 @@
+"""A model as a Hugging Face directory (config.json, safetensors, tokenizer), published atomically."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardtune.runtime.files import publish_dir, staging_dir
+
+
+def cast_to_model_dtype(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """Save in the dtype the model was loaded in (config.dtype), not silently in the fp32 of master weights."""
+    dtype = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        return state_dict
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+
+
+def save_hf_model(model: nn.Module, state_dict: dict[str, torch.Tensor], tokenizer, out_dir: Path) -> None:
+    """Rank 0: write a plain Hugging Face directory (config.json, safetensors, tokenizer) into out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = staging_dir(out_dir, "model")
+    state_dict = cast_to_model_dtype(state_dict, model)
+    model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
+    state_config_dtype(staging / "config.json", state_dict)
+    tokenizer.save_pretrained(staging)
+    publish_dir(staging, out_dir)
+
+
+def state_config_dtype(config_path: Path, state_dict: dict[str, torch.Tensor]) -> None:
+    """config.json's ``dtype`` names the dtype of the floating-point weights written, so ``from_pretrained`` loads
+    them as they are (transformers writes the dtype of the model object, fp32 master weights, whatever was saved)."""
+    import json
+
+    written = {t.dtype for t in state_dict.values() if t.is_floating_point()}
+    if len(written) != 1:
+        return
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["dtype"] = str(next(iter(written))).removeprefix("torch.")
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

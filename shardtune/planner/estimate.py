@@ -1,0 +1,288 @@
+"""Memory and speed of a training configuration per GPU, from the model's config.json alone (``shardtune plan``).
+
+Nothing is loaded or downloaded: the parameter counts come from the architecture's shapes (checked against real
+models in tests/unit/test_planner.py), the training state from the formulas of shardtune.model.memory, and the
+activations from the tensors a decoder layer saves for backward, counted tensor by tensor (see
+``layer_activation_bytes``) and validated against the measured peak of live tensor bytes on this machine
+(``python -m bench.plan_check``). What the planner calls *peak* is the peak of live tensor bytes, what
+``torch.cuda.max_memory_allocated`` reports; a GPU also holds its CUDA context and allocator slack, which
+``usable_bytes`` reserves.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from shardtune.model.memory import ADAM_STATES_PER_PARAM, GIB
+from shardtune.planner.hardware import Device
+from shardtune.planner.shapes import Adapter, Arch
+
+# -- the configuration ---------------------------------------------------------------------------------------------------
+
+STRATEGIES = ("DDP", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "ZERO1", "ZERO2", "ZERO3")
+FSDP_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")  # activation checkpointing: FSDP only
+
+
+@dataclass(frozen=True)
+class Setup:
+    arch: Arch
+    strategy: str = "DDP"
+    num_nodes: int = 1
+    gpus_per_node: int = 8
+    sharding_group_size: int = 0          # HYBRID_SHARD: 0 = one node
+    batch_size: int = 1                   # micro-batch, in units (packed blocks or examples)
+    seq_len: int = 4096                   # tokens per unit
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False             # FSDP params+grads+optimizer, or ZeRO optimizer (and params for ZeRO-3)
+    pure_bf16: bool = False
+    compute_bytes: int = 2                # 2: bf16/fp16 compute; 4: fp32 (CPU)
+    adapter: Adapter = field(default_factory=Adapter)
+    quantization: str = ""                # "", 4bit, 8bit
+    sequence_parallel: int = 1
+    context_parallel: int = 1
+    low_cpu_fsdp: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    @property
+    def data_parallel(self) -> int:
+        return self.world_size // (self.sequence_parallel * self.context_parallel)
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens one rank computes per micro-batch (a long sequence is split over sp x cp ranks)."""
+        return math.ceil(self.batch_size * self.seq_len / (self.sequence_parallel * self.context_parallel))
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks one copy of the parameters is sharded over."""
+        if self.strategy in ("DDP", "NO_SHARD"):
+            return 1
+        if self.strategy == "HYBRID_SHARD":
+            return min(self.sharding_group_size or self.gpus_per_node, self.world_size)
+        return self.world_size
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes per trainable parameter of the weights the optimizer updates (fp32 master unless pure_bf16)."""
+        return 2 if self.pure_bf16 else 4
+
+
+@dataclass
+class Breakdown:
+    """Bytes per GPU (the largest rank) by what holds them, and the peak of a step; plus host memory."""
+
+    params: float = 0.0
+    grads: float = 0.0           # gradient tensors: they exist from backward to the optimizer step
+    optimizer: float = 0.0       # AdamW state (and ZeRO's fp32 master copy)
+    buffers: float = 0.0         # communication buffers (DDP's gradient buckets, DeepSpeed's reduce bucket)
+    gathered: float = 0.0        # parameters all-gathered for compute (FSDP / ZeRO-3 units, the root, autocast copies)
+    activations: float = 0.0     # saved for backward at the end of the forward, one micro-batch
+    loss_buffers: float = 0.0    # lean chunked cross-entropy (one chunk of fp32 logits, the head's fp32 gradient)
+    backward: float = 0.0        # what a layer's backward (and its recomputation under checkpointing) adds
+    host_state: float = 0.0      # per rank, CPU memory of offloaded state
+    host_loading: float = 0.0    # per NODE, CPU memory to load the weights (all ranks of the node together)
+
+    @property
+    def state(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> float:
+        """The larger of the end of the forward (activations saved, the loss buffers, no gradients yet) and the
+        backward (gradients formed, the loss buffers freed: the head's backward runs first). Without activation
+        checkpointing backward frees the saved activations as the gradients form; with it, the layers' inputs stay
+        with the gradients and the layer being recomputed (measured: bench/plan_check.py)."""
+        resident = self.params + self.optimizer + self.buffers + self.gathered
+        checkpointed = self.activations if self.backward else 0.0
+        return resident + max(self.activations + self.loss_buffers, checkpointed + self.grads + self.backward)
+
+    def rows(self) -> list[tuple[str, float]]:
+        return [("parameters", self.params), ("gradients", self.grads), ("optimizer state", self.optimizer),
+                ("communication buffers", self.buffers), ("gathered parameters", self.gathered),
+                ("activations", self.activations), ("loss buffers", self.loss_buffers),
+                ("backward working memory", self.backward)]
+
+
+def usable_bytes(device: Device) -> float:
+    """What training may allocate: the CUDA context, NCCL buffers and allocator fragmentation take the rest."""
+    if device.compute_bytes == 4:  # CPU: the process and its libraries
+        return device.memory_bytes - 2 * GIB
+    return device.memory_bytes * 0.95 - 1.5 * GIB
+
+
+def usable_host_bytes(device: Device) -> float:
+    """What the processes of one node may hold in host memory: the OS, page cache and libraries take the rest."""
+    return device.host_memory_bytes * 0.9
+
+
+def host_bytes_per_node(setup: Setup) -> float:
+    """Host memory one node needs: its ranks' offloaded state during training, or loading the weights before it,
+    whichever is larger."""
+    b = estimate(setup)
+    return max(b.host_state * setup.gpus_per_node, b.host_loading)
+
+
+# -- the estimate ----------------------------------------------------------------------------------------------------
+
+# quantised storage per weight: NF4/FP4 half a byte, plus one absmax per block of 64 (fp32, or 8-bit + an fp32 per
+# 256 blocks with double quantisation); LLM.int8: one byte plus an fp32 scale per row (negligible)
+QUANT_BYTES_PER_PARAM = {"4bit": 0.5 + 4 / 64, "4bit-double": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}
+# shardtune.model.loss.CHUNK_ELEMENTS on CUDA: fp32 logits of one chunk of labelled rows
+LOSS_CHUNK_ELEMENTS = 1 << 28
+FSDP_PREFETCH_LAYERS = 2  # the layer computing and the next one being all-gathered
+# DeepSpeed's defaults (shardtune does not change them; a --deepspeed_config.config_file may): the contiguous gradient
+# bucket every ZeRO stage allocates whole, whatever the model's size (stages 1/2 for each backward, stage 3 at init)
+DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
+# ZeRO-3 keeps a gathered parameter whose next use comes within stage3_max_reuse_distance (1e9) elements of fetched
+# parameters: each layer is used again in backward after twice the layers above it, so about half of that stays
+DEEPSPEED_ZERO3_REUSE_ELEMENTS = 1_000_000_000 // 2
+# working memory of backward, in layers' worth of saved activations (measured with bench/plan_check.py)
+BACKWARD_LAYERS = 0.0
+BACKWARD_LAYERS_CHECKPOINTED = 1.0  # the recomputed layer's saved tensors; its backward reuses what it frees
+
+
+def layer_activation_bytes(arch: Arch, compute_bytes: int, adapter: Adapter = Adapter(),
+                           linear_inputs_always_saved: bool = False) -> float:
+    """Bytes a decoder layer saves for backward, per token (no activation checkpointing).
+
+    Counted tensor by tensor on Hugging Face's Llama layer (c = compute dtype bytes, d hidden, q / kv the query /
+    key-value widths, f intermediate, H heads):
+      2 RMSNorms    each keeps its input in fp32 (4 d) and its normalised output (c d), + an fp32 rstd   2 (4 + c) d + 8
+      attention     rotated q (c q), k and v (2 c kv), the attention output and its log-sum-exp (c q + 4 H), the
+                    o_proj input (c q), and the head-major copies the attention kernel works on (2 c q)     5 c q + 2 c kv + 4 H
+      MLP           gate, SiLU(gate), up and their product                                                 4 c f
+      LoRA          per target with dropout: the dropped input (c in) and its mask (in), the rank-r output (c r)
+    A frozen base (PEFT) saves no linear's input for a weight gradient: the norms' outputs (2 c d), the o_proj
+    input (c q) and the down_proj input (c f) go, unless a LoRA target without dropout reads them, or ZeRO-3's linear
+    (``linear_inputs_always_saved``), which saves its input whether the weight trains or not.
+    On this machine's torch (CPU SDPA, padding-free rows) the count matches the profiler's to the byte per token.
+    """
+    d, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    c = compute_bytes
+    norms = 2 * (4 + c) * d + 8
+    attention = 5 * c * q + 2 * c * kv + 4 * arch.num_heads
+    mlp = 4 * c * arch.intermediate_size
+    lora = 0
+    if adapter.method == "lora" and adapter.lora_dropout > 0:
+        shapes = arch.linear_shapes()
+        lora = sum((c + 1) * shapes[t][0] + c * adapter.lora_r for t in adapter.lora_targets if t in shapes)
+    frozen_inputs = 0
+    if adapter.method and not linear_inputs_always_saved:
+        no_dropout = adapter.method == "lora" and not adapter.lora_dropout
+        no_dropout_targets = set(adapter.lora_targets) if no_dropout else set()
+        for size, readers in ((c * d, ("q_proj", "k_proj", "v_proj")), (c * q, ("o_proj",)),
+                              (c * d, ("gate_proj", "up_proj")), (c * arch.intermediate_size, ("down_proj",))):
+            if not no_dropout_targets.intersection(readers):
+                frozen_inputs += size
+    return norms + attention + mlp + lora - frozen_inputs
+
+
+def outside_layers_bytes(arch: Arch, compute_bytes: int) -> float:
+    """Saved per token outside the decoder layers: the final RMSNorm (fp32 input, normalised output), the labelled
+    rows the lean head takes and their gradient (c d each), the rotary tables (fp32 cos and sin)."""
+    return (4 + compute_bytes) * arch.hidden_size + 2 * compute_bytes * arch.hidden_size + 8 * arch.head_dim
+
+
+def loss_buffer_bytes(arch: Arch, num_labels: int) -> float:
+    """The lean loss (shardtune.model.loss.ChunkedLinearCrossEntropy): the head's gradient in fp32 (4 V d), and one chunk
+    of fp32 logits with its softmax (2 x 4 V per row)."""
+    chunk_rows = min(num_labels, max(16, LOSS_CHUNK_ELEMENTS // arch.vocab_size))
+    return 4 * arch.vocab_size * arch.hidden_size + 2 * 4 * arch.vocab_size * chunk_rows
+
+
+def estimate(setup: Setup) -> Breakdown:
+    arch, s = setup.arch, setup
+    c, m = s.compute_bytes, s.master_bytes
+    total, trainable = arch.num_params, s.adapter.trainable_params(arch)
+    frozen = total - trainable if s.adapter.method else 0
+    quantized_linear = arch.num_layers * arch.layer_linear_params if s.quantization else 0
+    # frozen base weights: quantised linears, the rest in the compute dtype (PEFT keeps a frozen base in bf16 on GPU)
+    quant_key = "4bit-double" if s.quantization == "4bit" else s.quantization
+    frozen_bytes = (quantized_linear * QUANT_BYTES_PER_PARAM[quant_key] + (frozen - quantized_linear) * c
+                    if s.quantization else frozen * (c if s.adapter.method and c < 4 else m))
+    out = Breakdown()
+    group = s.shard_group
+    strategy = s.strategy
+    layer_unsharded = arch.layer_params * c
+    if s.quantization:  # a quantised layer is gathered packed
+        layer_unsharded = (arch.layer_linear_params * QUANT_BYTES_PER_PARAM[quant_key]
+                           + (arch.layer_params - arch.layer_linear_params) * c)
+    if strategy.startswith("ZERO"):
+        stage = int(strategy[-1])
+        n = s.world_size
+        out.params = (trainable * c + frozen_bytes) / (n if stage == 3 else 1)
+        out.grads = trainable * c / (n if stage >= 2 else 1)
+        # the fp32 master copy of the partition: stages 1/2 always clone it, stage 3 reuses fp32 weights
+        master = trainable * 4 / n if c < 4 or stage < 3 else 0
+        out.buffers = DEEPSPEED_REDUCE_BUCKET_ELEMENTS * c
+        optimizer = ADAM_STATES_PER_PARAM * trainable * 4 / n + master
+        if s.cpu_offload:
+            out.host_state, optimizer = optimizer, 0.0
+            if stage == 3:
+                out.host_state += out.params
+                out.params = 0.0
+        out.optimizer = optimizer
+        if stage == 3:
+            # small models (under ~0.5 B parameters) stay gathered whole, also between steps
+            out.gathered = min(total * c, DEEPSPEED_ZERO3_REUSE_ELEMENTS * c + FSDP_PREFETCH_LAYERS * layer_unsharded)
+            # the gradient partitions live in one flat buffer allocated at init: resident, counted with the buffers
+            out.buffers += out.grads
+            out.grads = 0.0
+    else:
+        out.params = (trainable * m + frozen_bytes) / group
+        out.grads = trainable * m / group
+        out.optimizer = ADAM_STATES_PER_PARAM * trainable * m / group
+        if strategy == "DDP":
+            out.buffers = trainable * 4  # the reducer's gradient buckets (gradient_as_bucket_view is off)
+            if c < m:
+                out.gathered = trainable * c  # autocast's cached low-precision copy of every weight
+        elif group > 1 or c < m:
+            if strategy == "SHARD_GRAD_OP":
+                out.gathered = total * c
+            else:
+                out.gathered = FSDP_PREFETCH_LAYERS * layer_unsharded + arch.root_params * c
+        if s.cpu_offload and strategy != "DDP":
+            out.host_state = out.state
+            out.params = out.optimizer = 0.0
+            # on the device in backward: a layer's unsharded gradient (and its fp32 copy for the reduction) until its
+            # shard moves to the host
+            out.grads = min(trainable, arch.layer_params) * (c + 4 if c < 4 else 4)
+    tokens = s.tokens_per_rank
+    per_layer = layer_activation_bytes(arch, c, s.adapter, linear_inputs_always_saved=strategy == "ZERO3") * tokens
+    if s.activation_checkpointing:
+        out.activations = arch.num_layers * c * arch.hidden_size * tokens  # each layer's input
+        out.backward = BACKWARD_LAYERS_CHECKPOINTED * per_layer  # the recomputed layer and its backward
+    else:
+        out.activations = arch.num_layers * per_layer
+        out.backward = BACKWARD_LAYERS * per_layer
+    out.activations += outside_layers_bytes(arch, c) * tokens
+    replicated_kv = replicated_kv_bytes(setup)
+    out.activations += replicated_kv * (1 if s.activation_checkpointing else arch.num_layers)
+    out.loss_buffers = loss_buffer_bytes(arch, tokens)
+    out.host_loading = host_loading_bytes(setup)
+    return out
+
+
+def ulysses_kv_heads(arch: Arch, sequence_parallel: int) -> int:
+    """KV heads one rank holds after Ulysses' all-to-all: its share, or one (repeated) when the degree exceeds them."""
+    return max(arch.num_kv_heads, sequence_parallel) // sequence_parallel
+
+
+def replicated_kv_bytes(setup: Setup) -> float:
+    """Per layer: the K and V a rank holds beyond its share when Ulysses repeats KV heads (degree > KV heads)."""
+    s, arch = setup, setup.arch
+    extra_heads = ulysses_kv_heads(arch, s.sequence_parallel) * s.sequence_parallel - arch.num_kv_heads
+    return 2 * s.compute_bytes * arch.head_dim * extra_heads * s.tokens_per_rank
+
+
+def host_loading_bytes(setup: Setup) -> float:
+    """CPU memory per node to load the weights: every local rank reads a full copy, or only global rank 0 with
+    --low_cpu_fsdp (other nodes read nothing)."""
+    weight_bytes = setup.arch.num_params * (2 if setup.pure_bf16 or setup.quantization else 4)
+    if setup.strategy == "DDP" or not setup.low_cpu_fsdp:
+        return setup.gpus_per_node * weight_bytes
+    return weight_bytes

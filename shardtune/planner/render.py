@@ -1,0 +1,154 @@
+"""The plan as text: the table of alternatives and the command line that runs the recommended one.
+"""
+
+from __future__ import annotations
+
+from shardtune.config.schema import ConfigError
+from shardtune.model.memory import GIB
+from shardtune.planner.estimate import Setup
+from shardtune.planner.shapes import HUB_IDS
+
+
+def describe_setup(setup: Setup) -> str:
+    parts = [setup.strategy]
+    if setup.activation_checkpointing:
+        parts.append("+AC")
+    if setup.cpu_offload:
+        parts.append("+offload")
+    if setup.sequence_parallel > 1:
+        parts.append(f"sp {setup.sequence_parallel}")
+    if setup.context_parallel > 1:
+        parts.append(f"cp {setup.context_parallel}")
+    return " ".join(parts)
+
+
+def command_flags(setup: Setup) -> list[str]:
+    """The sft flags that select this setup's strategy and memory levers."""
+    s = setup
+    flags: list[str] = []
+    if s.strategy.startswith("ZERO"):
+        flags += ["--enable_deepspeed", "--deepspeed_config.zero_stage", s.strategy[-1]]
+        if s.cpu_offload:
+            flags += ["--deepspeed_config.offload_optimizer", "true"]
+            if s.strategy == "ZERO3":
+                flags += ["--deepspeed_config.offload_param", "true"]
+    elif s.strategy != "DDP":
+        flags += ["--enable_fsdp", "--fsdp_config.sharding_strategy", s.strategy,  # explicit: a --config may set them
+                  "--fsdp_config.fsdp_activation_checkpointing", str(s.activation_checkpointing).lower(),
+                  "--fsdp_config.fsdp_cpu_offload", str(s.cpu_offload).lower()]
+    if s.sequence_parallel > 1:
+        flags += ["--sp_size", str(s.sequence_parallel)]
+    if s.context_parallel > 1:
+        flags += ["--cp_size", str(s.context_parallel)]
+    return flags
+
+
+def render(result: dict, base_argv: list[str]) -> str:
+    g = lambda b: f"{b / GIB:,.1f} GiB"  # noqa: E731
+    lines = [f"model: {result['model']} ({result['parameters'] / 1e9:.2f} B parameters, "
+             f"{result['trainable_parameters'] / 1e6:,.1f} M trainable); {result['world_size']} GPUs of "
+             f"{result['device']}; usable per GPU: {g(result['usable_bytes'])}", "",
+             f"per GPU, {result['given']['setup']} (as given):"]
+    for name, value in result["given"]["breakdown"].items():
+        lines.append(f"  {name:<26} {g(value):>12}")
+    lines.append(f"  {'peak':<26} {g(result['given']['peak_bytes']):>12}  "
+                 f"{'fits' if result['given']['fits'] else 'DOES NOT FIT'}")
+    lines.append(f"  host memory to load the weights: {g(result['given']['host_loading_bytes_per_node'])} per node")
+    lines.append(f"  host memory per node: {g(result['given']['host_bytes_per_node'])} of "
+                 f"{g(result['usable_host_bytes'])} usable (--host_memory)")
+    lines += ["", "alternatives (peak per GPU, host memory per node, estimated step time at "
+              "40% of the matmul peak, communication overlapped):",
+              f"  {'setup':<30} {'peak':>12} {'host/node':>12}  {'fits':<4} {'step':>9} {'tokens/s/GPU':>13}"]
+    for r in sorted(result["alternatives"], key=lambda r: (not r["fits"], -r["tokens_per_s_per_gpu"])):
+        lines.append(f"  {r['setup']:<30} {g(r['peak_bytes']):>12} {g(r['host_bytes_per_node']):>12}  "
+                     f"{'yes' if r['fits'] else 'no':<4} {r['step_s']:>8.2f}s {r['tokens_per_s_per_gpu']:>13,.0f}")
+    best = result["recommended"]
+    if best:
+        processes = ["--nproc_per_node", str(result["gpus_per_node"])]
+        if result["nnodes"] > 1:
+            processes = ["--nnodes", str(result["nnodes"]), *processes]
+        command = " ".join(["shardtune sft", *processes, *base_argv, *best["flags"]])
+        lines += ["", f"recommended: {best['setup']}", f"  {command}"]
+        shape = builtin_shape_named(base_argv)
+        if shape:
+            lines.append(f"  ({shape} is a shape the planner knows, not weights: give sft a model directory or a hub "
+                         f"id, e.g. --model_name {HUB_IDS[shape]})")
+        lines.append(f"largest micro-batch that fits: {result['largest_micro_batch']}; longest sequence (micro-batch "
+                     f"1): {result['longest_sequence']:,} tokens")
+    else:
+        s, given, usable = result["smallest"], result["given"], result["usable_bytes"]
+        if s["peak_bytes"] > usable:
+            lines += ["", f"nothing fits: {given['setup']} (as given) misses by {g(given['peak_bytes'] - usable)}; "
+                      f"the smallest is {s['setup']} at {g(s['peak_bytes'])} per GPU, {g(s['peak_bytes'] - usable)} "
+                      f"over what a GPU can use ({g(usable)})"]
+        else:
+            host = min((r for r in result["alternatives"] if r["peak_bytes"] <= usable),
+                       key=lambda r: r["host_bytes_per_node"])
+            lines += ["", f"nothing fits the host memory: what fits a GPU needs at least {g(host['host_bytes_per_node'])}"
+                      f" per node ({host['setup']}), over the {g(result['usable_host_bytes'])} a node can use "
+                      "(--host_memory sets a node's memory; --low_cpu_fsdp loads the weights on rank 0 alone)"]
+        grow, where = result["would_fit"], []
+        if grow["gpus"]:
+            gpus = grow["gpus"]
+            where.append(f"{gpus['setup']} on {gpus['nnodes'] * gpus['gpus_per_node']} GPUs (--nnodes "
+                         f"{gpus['nnodes']} --gpus_per_node {gpus['gpus_per_node']})")
+        if s["peak_bytes"] > usable:
+            where.append(f"{s['setup']} on GPUs of {grow['gpu_memory_bytes'] / GIB:,.0f} GiB (--gpu_memory)")
+        if where:
+            lines.append("  would fit: " + ", or ".join(where) + "; else shorten --context_length, lower "
+                         "--batch_size_training, or use --use_peft / --quantization 4bit")
+        else:
+            lines.append("  more GPUs of this kind do not make it fit: use --low_cpu_fsdp true, --use_peft or "
+                         "--quantization 4bit, or give nodes with more host memory (--host_memory)")
+    return "\n".join(lines)
+
+
+STRATEGY_FLAGS = ("enable_fsdp", "enable_deepspeed", "fsdp_config.sharding_strategy", "fsdp_config.fsdp_cpu_offload",
+                  "fsdp_config.fsdp_activation_checkpointing", "deepspeed_config.zero_stage",
+                  "deepspeed_config.offload_optimizer", "deepspeed_config.offload_param", "sequence_parallel_size",
+                  "context_parallel_size", "sp_size", "cp_size")
+
+
+def without_strategy_flags(argv: list[str]) -> list[str]:
+    """The user's sft flags (the model as the user named it) minus those the recommendation replaces."""
+    out, i = [], 0
+    while i < len(argv):
+        name = argv[i][2:].partition("=")[0]
+        takes_value = "=" not in argv[i] and i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        if name in STRATEGY_FLAGS:
+            i += 2 if takes_value else 1
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
+def builtin_shape_named(argv: list[str]) -> str:
+    """The built-in shape the command line names as its model (``--model_name llama3-8b``), or ""."""
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name == "--model_name":
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            return value if value in HUB_IDS else ""
+    return ""
+
+
+def split_named_flags(argv: list[str], names) -> tuple[dict[str, str], list[str]]:
+    """The flags of ``names`` (``--name value`` or ``--name=value``) taken out of ``argv``, and the rest: the hardware
+    flags that `shardtune plan` and `shardtune sft --dry_run` take besides sft's own."""
+    values: dict[str, str] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        name, eq, value = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
+        if name in names:
+            if not eq:
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    raise ConfigError(f"--{name} needs a value")
+                i += 1
+                value = argv[i]
+            values[name] = value
+        else:
+            rest.append(argv[i])
+        i += 1
+    return values, rest

@@ -1,0 +1,533 @@
+"""Training checkpoints that resume exactly: torch.distributed.checkpoint folders written by every rank, published
+whole by rank 0, rotated, found again on resume."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from shardtune.config.checks import check_previous_run
+from shardtune.config.flags import flatten_dict, to_dict, to_yaml
+from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
+from shardtune.model.loading import training_model_config
+from shardtune.model.saving import save_hf_model
+from shardtune.parallel.deepspeed import deepspeed_resume_problem
+from shardtune.runtime.distributed import (
+    DistEnv,
+    all_reduce_sum,
+    barrier,
+    broadcast_from_main,
+    print0,
+    warn0,
+)
+from shardtune.runtime.elastic import worker_group_attempt
+from shardtune.runtime.errors import CheckpointError
+from shardtune.runtime.files import write_text_atomic
+from shardtune.runtime.preemption import Preempted, stop_signal_anywhere
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training checkpoints: output_dir/checkpoints/step-000123/ (torch.distributed.checkpoint + small files)
+#
+#   .metadata, __R_0.distcp   DCP: "model.*" (trainable parameters; adapter only under PEFT) and "optimizer.*",
+#                             every rank writes its own shard (DCP spreads replicated DDP tensors over ranks)
+#   rng/rank-00003.pt         rank 3's RNG states (tensors only; read with torch.load(weights_only=True))
+#   hf_config/                the model's config.json and tokenizer: enough for `shardtune export` to rebuild
+#   hf_model/                 FULL_STATE_DICT only: the gathered model as a Hugging Face directory
+#   config.yaml               the resolved training config
+#   trainer_state.json        step, epoch, position in the data, scheduler, counters; written last
+#
+# All ranks write into step-000123.tmp-<attempt>/; when every rank has finished, rank 0 renames it and then
+# rewrites checkpoints/latest (os.replace). A folder without ".tmp-" is therefore always complete.
+
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"
+STATE_FILE = "trainer_state.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+# Settings that may change between a run and its resumption without changing what is trained.
+RUN_CONTROL_SETTINGS = frozenset({
+    "output_dir", "resume", "save_steps", "save_total_limit", "max_train_step", "debug", "num_workers_dataloader",
+    "save_model", "save_metrics", "max_eval_step", "run_validation", "val_batch_size", "nan_policy",
+    "fsdp_config.checkpoint_type", "batch_size_training", "gradient_accumulation_steps", "dist_timeout",
+    "sequence_parallel_size", "context_parallel_size",  # how rows are split: the training state does not depend on it
+    # memory levers: they change where activations live or when they are computed, not the numbers (tested equal)
+    "tiled_mlp", "activation_offloading", "fsdp_config.fsdp_activation_checkpointing",
+})
+
+
+def checkpoints_dir(where: str | Path) -> Path:
+    """The folder of step-NNNNNN checkpoints: ``where`` itself when it is one (it holds ``latest`` or step
+    folders, as llama-cookbook's checkpoint folder does), else ``where``/checkpoints (an output dir)."""
+    where = Path(where)
+    if (where / LATEST_FILE).is_file() or any(where.glob("step-*")):
+        return where
+    return where / CHECKPOINTS_DIR
+
+
+def checkpoint_root(cfg: TrainConfig) -> Path:
+    """Where this run writes its checkpoints: llama-cookbook's <dist_checkpoint_root_folder>/
+    <dist_checkpoint_folder>-<model_name> when the root folder is given, else output_dir/checkpoints."""
+    if cfg.dist_checkpoint_root_folder:
+        return Path(cfg.dist_checkpoint_root_folder) / f"{cfg.dist_checkpoint_folder}-{cfg.model_name}"
+    return Path(cfg.output_dir) / CHECKPOINTS_DIR
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def checkpoint_step(path: Path) -> int | None:
+    match = _STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def is_complete(path: Path) -> bool:
+    return checkpoint_step(path) is not None and (path / STATE_FILE).is_file()
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first; temporary folders of unfinished saves are never listed."""
+    root = checkpoints_dir(output_dir)
+    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)] if root.is_dir() else []
+    return sorted(found, key=checkpoint_step)
+
+
+def unfinished_saves(output_dir: str | Path) -> list[Path]:
+    root = checkpoints_dir(output_dir)
+    return sorted(p for p in root.glob("step-*.tmp-*") if p.is_dir()) if root.is_dir() else []
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The checkpoint named by ``latest``; the newest complete one when that file is missing or stale."""
+    root = checkpoints_dir(output_dir)
+    try:
+        named = root / (root / LATEST_FILE).read_text(encoding="utf-8").strip()
+    except OSError:
+        named = None
+    if named is not None and is_complete(named):
+        return named
+    found = complete_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def resolve_checkpoint(where: str, output_dir: str | Path) -> Path | None:
+    """``latest`` (of output_dir, or of a checkpoints folder), a checkpoint folder, or an output dir or checkpoints
+    folder (its latest checkpoint); ``auto``: latest if there is a complete checkpoint, else None (a new run; for
+    jobs that requeue or restart themselves)."""
+    if where == "auto":
+        return latest_checkpoint(output_dir)
+    if where == "latest":
+        path = latest_checkpoint(output_dir)
+        if path is None:
+            raise ConfigError(f"--resume latest: no complete checkpoint in {checkpoints_dir(output_dir)}: drop "
+                              "--resume to start a new run, or pass a checkpoint folder")
+        return path
+    path = Path(where)
+    if is_complete(path):
+        return path
+    if checkpoints_dir(path).is_dir() and latest_checkpoint(path) is not None:
+        return latest_checkpoint(path)  # type: ignore[return-value]
+    raise ConfigError(f"{where} is not a complete checkpoint (a step-NNNNNN folder with {STATE_FILE}, or an "
+                      "output dir holding checkpoints/): pass one, or --resume latest")
+
+
+def check_checkpointing(cfg: TrainConfig, world_size: int) -> None:
+    for name in ("save_steps", "save_total_limit"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name} {getattr(cfg, name)} must be >= 0 (0: see shardtune sft --help)")
+    path = resolve_checkpoint(cfg.resume, checkpoint_root(cfg)) if cfg.resume else None
+    if cfg.resume == "auto" and path is None:  # nothing to resume: a new run, refused over a previous one like any
+        check_previous_run(cfg, resuming=False)
+    if path is not None:
+        saved = read_trainer_state(path)
+        if not saved.get("optimizer_saved", True):
+            raise ConfigError(f"--resume {cfg.resume}: {path} was saved with --save_optimizer false and holds no "
+                              "optimizer state: start a new run from its export (shardtune export), or resume from "
+                              "a checkpoint saved with the optimizer")
+        by_deepspeed = saved.get("strategy") == "deepspeed"
+        if by_deepspeed != cfg.enable_deepspeed:
+            how, fix = (("by DeepSpeed ZeRO, whose files only DeepSpeed reads", "add") if by_deepspeed else
+                        ("without DeepSpeed", "drop"))
+            raise ConfigError(f"--resume {cfg.resume}: {path} was saved {how}: {fix} --enable_deepspeed, or start a "
+                              "new run from its export (shardtune export)")
+        problem = by_deepspeed and deepspeed_resume_problem(path, saved, world_size, cfg.deepspeed_config.zero_stage)
+        if problem:
+            raise ConfigError(f"--resume {cfg.resume}: {problem}")
+
+
+def read_trainer_state(path: Path) -> dict:
+    return json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+
+
+def checkpointing_enabled(cfg: TrainConfig) -> bool:
+    """Checkpoints are written when --save_steps N > 0, a --checkpoint_type or a --dist_checkpoint_root_folder is
+    given."""
+    return cfg.save_steps > 0 or bool(cfg.fsdp_config.checkpoint_type) or bool(cfg.dist_checkpoint_root_folder)
+
+
+def checkpoint_bytes_estimate(model: nn.Module, full_model: bool) -> int:
+    """Trainable parameters x 3 (weights + AdamW's two moments), plus the whole model for FULL_STATE_DICT."""
+    params = list(model.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    whole = sum(p.numel() * p.element_size() for p in params) if full_model else 0
+    return 3 * trainable + whole
+
+
+def settings_changed(saved: dict, current: TrainConfig) -> list[str]:
+    """Settings (dotted names) that differ between a checkpoint's config and this run's, run control aside."""
+    now = flatten_dict(to_dict(current))
+    before = flatten_dict(saved)
+    return sorted(k for k in now.keys() | before.keys()
+                  if k not in RUN_CONTROL_SETTINGS and now.get(k) != before.get(k))
+
+
+def config_hash(cfg: TrainConfig) -> str:
+    trained = {k: v for k, v in flatten_dict(to_dict(cfg)).items() if k not in RUN_CONTROL_SETTINGS}
+    return hashlib.sha256(json.dumps(trained, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's random generators as tensors (so that reading them needs no unpickling)."""
+    version, internal, gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "python": torch.tensor([version, *internal], dtype=torch.int64),
+             "python_gauss": torch.tensor([float("nan") if gauss is None else gauss], dtype=torch.float64)}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    version, *internal = state["python"].tolist()
+    gauss = float(state["python_gauss"][0])
+    random.setstate((version, tuple(internal), None if math.isnan(gauss) else gauss))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def rng_file(path: Path, rank: int) -> Path:
+    return path / "rng" / f"rank-{rank:05d}.pt"
+
+
+def failure_reason(error: BaseException) -> str:
+    """The root cause in a few words: 'No space left on device' rather than DCP's multi-rank traceback."""
+    if isinstance(error, CheckpointException):
+        causes = [exc for exc, _trace in error.failures.values()]
+        oserrors = [e for e in causes if isinstance(e, OSError)]
+        error = oserrors[0] if oserrors else (causes[0] if causes else error)
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _all_ok(ok: bool, device: torch.device) -> bool:
+    """True when every rank reports ok (a collective: every rank must call it)."""
+    return int(all_reduce_sum(torch.tensor([0.0 if ok else 1.0]), device)[0]) == 0
+
+
+@dataclass
+class Position:
+    """Where training stands: optimizer steps done in all, the epoch, and the steps done within it."""
+    step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+
+
+class Checkpointer:
+    """Writes checkpoints at the configured times and restores the newest one when resuming.
+
+    When: every --save_steps optimizer steps, at the end of each completed epoch (after its LR step and
+    evaluation), and after the last step, whenever checkpointing is enabled (see checkpointing_enabled).
+    """
+
+    def __init__(self, cfg: TrainConfig, env: DistEnv, strategy, tokenizer):
+        self.cfg, self.env, self.strategy, self.tokenizer = cfg, env, strategy, tokenizer
+        self.enabled = checkpointing_enabled(cfg)
+        self.full_model = cfg.fsdp_config.checkpoint_type == "FULL_STATE_DICT"
+        self.root = checkpoint_root(cfg)
+        self.attempt = worker_group_attempt()  # the same on every node (shardtune/runtime/elastic.py)
+        self.resume_from = self._resume_source()
+        self.resume_state = read_trainer_state(self.resume_from) if self.resume_from else None
+        self.training: tuple | None = None
+        self.bytes_needed = 0
+        self.last_saved: Path | None = self.resume_from
+        if env.is_main:
+            for stale in unfinished_saves(self.root):
+                print0(f"checkpoint: removing {stale.name}, left by a save that did not finish")
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def _resume_source(self) -> Path | None:
+        """The checkpoint to resume from, decided by rank 0 and taken by every rank: all ranks must load the same
+        one, and a shared file system may show a node an older ``latest`` for a moment."""
+        found, error = None, None
+        if self.env.is_main:
+            try:
+                found = self._find_resume_source()
+            except ConfigError as e:
+                error = str(e)
+        found, error = broadcast_from_main((found, error))
+        if error is not None:
+            raise ConfigError(error)
+        return found
+
+    def _find_resume_source(self) -> Path | None:
+        if self.cfg.resume:
+            return resolve_checkpoint(self.cfg.resume, self.root)
+        if self.attempt > 0:  # the worker group was restarted (--max_restarts): after a failure on any node
+            latest = latest_checkpoint(self.root)
+            if latest is not None:
+                print0(f"restart {self.attempt} of the worker group: resuming automatically from {latest}")
+            else:
+                print0(f"restart {self.attempt} of the worker group: no complete checkpoint in {self.root}, "
+                       "training starts over")
+            return latest
+        return None
+
+    # -- metrics.jsonl continues where the checkpoint was taken ------------------------------------------------
+    def keep_metrics_rows(self, metrics_path: Path, total_steps: int) -> bool:
+        """Rank 0: drop rows logged after the checkpoint (a crashed run's last steps, an evaluation that training
+        on will redo); True: append to the file. A run resumed at its end (``total_steps`` reached) trains and
+        evaluates nothing again, so its rows all stay."""
+        if self.resume_state is None or not metrics_path.is_file():
+            return False
+        keep = self.resume_state.get("metrics_rows")
+        same_run = self.resume_from.parent.resolve() == self.root.resolve()  # type: ignore[union-attr]
+        if same_run and keep is not None and self.resume_state["step"] < total_steps:
+            lines = metrics_path.read_text(encoding="utf-8").splitlines(keepends=True)
+            write_text_atomic(metrics_path, "".join(lines[:keep]))
+        return True
+
+    # -- start: space check and restore -------------------------------------------------------------------------
+    def start(self, model: nn.Module, optimizer, scheduler, result, steps_per_epoch: int, total_steps: int
+              ) -> Position:
+        self.training = (model, optimizer, scheduler, result)
+        self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
+        if self.enabled:
+            self._check_space(model)
+        if self.resume_state is None:
+            return Position()
+        return self._restore()
+
+    def _check_space(self, model: nn.Module) -> None:
+        need = self.bytes_needed = checkpoint_bytes_estimate(model, self.full_model)
+        planned = 1 + self.total_steps // self.cfg.save_steps if self.cfg.save_steps else 1
+        planned += self.cfg.num_epochs
+        keep = min(planned, self.cfg.save_total_limit + 1) if self.cfg.save_total_limit else planned
+        ok = True
+        if self.env.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(self.root).free
+            if free < need:
+                ok = False
+            elif free < need * keep:
+                warn0(f"{self.root} has {free / 1e6:,.1f} MB free; {keep} checkpoints of about {need / 1e6:,.1f} MB "
+                      f"each may be on disk at once: free space, or lower --save_total_limit")
+        if not _all_ok(ok, self.env.device):
+            raise CheckpointError(f"{self.root} has {shutil.disk_usage(self.root).free / 1e6:,.1f} MB free, less "
+                                  f"than one checkpoint (about {need / 1e6:,.1f} MB): free space or pass another "
+                                  "--output_dir")
+
+    def _restore(self) -> Position:
+        model, optimizer, scheduler, result = self.training  # type: ignore[misc]
+        state, path = self.resume_state, self.resume_from
+        assert state is not None and path is not None
+        changed = settings_changed(yaml.safe_load((path / "config.yaml").read_text()), self.cfg)
+        if changed:
+            warn0(f"resuming with settings that differ from the checkpoint's ({', '.join(changed)}): the run will "
+                  "not equal an uninterrupted one")
+        planned = state.get("total_steps")
+        if self.cfg.lr_scheduler == "cosine" and planned is not None and planned != self.total_steps:
+            warn0(f"the cosine schedule now spans {self.total_steps} steps instead of the checkpoint's {planned} "
+                  f"(--max_train_step / --num_epochs / batch changed): the learning rate from step {state['step']} "
+                  "on differs from the uninterrupted run's")
+        self.strategy.load_training_state(model, optimizer, path, state)
+        scheduler.load_state_dict(state["scheduler"])
+        own_rng = rng_file(path, self.env.rank)
+        if own_rng.is_file():
+            set_rng_state(torch.load(own_rng, weights_only=True), self.env.device)
+        result.steps, result.num_tokens = state["step"], state["num_tokens"]
+        result.train_time_s = state["train_time_s"]
+        position = Position(state["step"], state["epoch"], state["step_in_epoch"])
+        global_batch = effective_batch_size(self.cfg, self.strategy.dims.dp_size)
+        where = f"epoch {position.epoch + 1}, step {position.step_in_epoch} of {self.steps_per_epoch}"
+        if global_batch == state["global_batch_size"]:
+            order = f"data order kept (global batch {global_batch} unchanged): continuing at {where}"
+        else:
+            order = (f"data order recomputed: global batch {state['global_batch_size']} -> {global_batch}, so "
+                     f"epoch {position.epoch + 1} restarts at its first step")
+            position.step_in_epoch = 0
+        rng_note = "" if own_rng.is_file() else f"; ranks >= {state['world_size']} start their RNG from the seed"
+        print0(f"resumed from {path} (step {position.step}, saved by {state['world_size']} processes, now "
+               f"{self.env.world_size}): {order}{rng_note}")
+        return position
+
+    # -- when to save --------------------------------------------------------------------------------------------
+    def after_step(self, epoch: int, done_in_epoch: int) -> None:
+        """After an optimizer step and its metrics row; the last step of an epoch is saved by after_epoch."""
+        step = self.training[3].steps  # type: ignore[index]
+        if not self.enabled or done_in_epoch == self.steps_per_epoch:
+            return
+        if (self.cfg.save_steps and step % self.cfg.save_steps == 0) or step >= self.total_steps:
+            self.save(Position(step, epoch, done_in_epoch))
+
+    def after_epoch(self, epoch: int, done_in_epoch: int) -> None:
+        """After an epoch's LR step and evaluation; only a completed epoch counts."""
+        if self.enabled and done_in_epoch == self.steps_per_epoch:
+            self.save(Position(self.training[3].steps, epoch + 1, 0))  # type: ignore[index]
+
+    def stop_if_requested(self, epoch: int, done_in_epoch: int) -> None:
+        """Collective, after each optimizer step but the last: when a stop signal reached any rank, save this step
+        (also with checkpointing off) and raise Preempted on every rank (see shardtune/runtime/preemption.py)."""
+        signal_name = stop_signal_anywhere(self.env.device)
+        if signal_name is None:
+            return
+        step = self.training[3].steps  # type: ignore[index]
+        saved = self.last_saved if self.last_saved is not None and checkpoint_step(self.last_saved) == step else (
+            self.save(Position(step, epoch, done_in_epoch)))
+        raise Preempted(signal_name, step, saved)
+
+    # -- writing -------------------------------------------------------------------------------------------------
+    def save(self, position: Position) -> Path:
+        model, optimizer, scheduler, result = self.training  # type: ignore[misc]
+        name = checkpoint_name(position.step)
+        final, tmp = self.root / name, self.root / f"{name}.tmp-{self.attempt}"
+        started = time.perf_counter()
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.root.mkdir(parents=True, exist_ok=True)
+        barrier()
+        error: BaseException | None = None
+        try:
+            self.strategy.save_training_state(model, optimizer, tmp)
+            full_state = self.strategy.full_state_dict(model) if self.full_model else None
+        except (OSError, RuntimeError, CheckpointException) as e:  # DCP raises on every rank when one fails
+            error = e
+        if error is None:
+            try:
+                rng_file(tmp, self.env.rank).parent.mkdir(parents=True, exist_ok=True)
+                torch.save(rng_state(self.env.device), rng_file(tmp, self.env.rank))
+                if self.env.is_main:
+                    self._write_rank0_files(tmp, position, scheduler, result, full_state)
+            except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+                error = e
+        if not _all_ok(error is None, self.env.device):
+            self._fail(name, tmp, error)
+        if self.env.is_main:
+            try:
+                self._publish(tmp, final)
+            except OSError as e:
+                error = e
+        if not _all_ok(error is None, self.env.device):
+            self._fail(name, tmp, error)
+        self.last_saved = final
+        if self.env.is_main:
+            print0(f"checkpoint: {final} ({dir_bytes(final) / 1e6:,.2f} MB, {time.perf_counter() - started:.2f} s)")
+        return final
+
+    def _write_rank0_files(self, tmp: Path, position: Position, scheduler, result, full_state) -> None:
+        model = self.strategy.unwrap(self.training[0])  # type: ignore[index]
+        if full_state is not None:
+            save_hf_model(model, full_state, self.tokenizer, tmp / "hf_model")
+        # the source's dtype (not the fp32 master's), with what training changes (--rope_scaling): export rebuilds it
+        training_model_config(self.cfg).save_pretrained(tmp / "hf_config")
+        self.tokenizer.save_pretrained(tmp / "hf_config")
+        (tmp / "config.yaml").write_text(to_yaml(self.cfg), encoding="utf-8")
+        metrics = Path(self.cfg.output_dir) / "metrics.jsonl"
+        state = {
+            "format_version": FORMAT_VERSION,
+            "step": position.step, "epoch": position.epoch, "step_in_epoch": position.step_in_epoch,
+            "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
+            "global_batch_size": effective_batch_size(self.cfg, self.strategy.dims.dp_size),
+            "world_size": self.env.world_size, "seed": self.cfg.seed, "strategy": self.strategy.name,
+            "model_name": self.cfg.model_name, "adapter_only": bool(self.cfg.use_peft),
+            "checkpoint_type": self.cfg.fsdp_config.checkpoint_type or "SHARDED_STATE_DICT",
+            "optimizer_saved": self.cfg.save_optimizer,
+            "scheduler": scheduler.state_dict(),
+            "num_tokens": result.num_tokens, "train_time_s": result.train_time_s,
+            "metrics_rows": (sum(1 for _ in metrics.open(encoding="utf-8"))
+                             if self.cfg.save_metrics and metrics.is_file() else None),
+            "config_hash": config_hash(self.cfg),
+            **self.strategy.checkpoint_state(),
+        }
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        if final.exists():  # left by an earlier timeline (resumed from an older checkpoint): superseded
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        write_text_atomic(self.root / LATEST_FILE, final.name + "\n")
+        if self.cfg.save_total_limit:
+            step = checkpoint_step(final)
+            older = [p for p in complete_checkpoints(self.root) if checkpoint_step(p) <= step]  # type: ignore
+            for stale in older[:-self.cfg.save_total_limit]:
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def _fail(self, name: str, tmp: Path, error: BaseException | None) -> None:
+        free = shutil.disk_usage(self.root).free
+        reason = failure_reason(error) if error is not None else "another rank failed to write its part"
+        if free < self.bytes_needed:  # whatever layer reported it (DCP, torch.save), the disk is full
+            reason = (f"No space left on device: {free / 1e6:,.1f} MB free, a checkpoint needs about "
+                      f"{self.bytes_needed / 1e6:,.1f} MB")
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        barrier()
+        kept = f"the previous checkpoint {self.last_saved} is kept" if self.last_saved else "no earlier checkpoint"
+        raise CheckpointError(f"checkpoint {name} could not be written ({reason}): {kept}; free space in "
+                              f"{self.root} (or pass another --output_dir) and resume with --resume latest")
+
+    def describe_last(self) -> str:
+        return (f"the last good checkpoint is {self.last_saved} (resume with --resume latest)" if self.last_saved
+                else "no checkpoint was written")
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def check_resume_fits(cfg: TrainConfig) -> None:
+    """Before launch (``cfg.model_name`` resolved): a checkpoint that cannot load into this run's model is one line
+    naming the mismatch, found before config.yaml or metrics.jsonl are touched."""
+    path = resolve_checkpoint(cfg.resume, checkpoint_root(cfg)) if cfg.resume else None
+    if path is None:
+        return
+    saved, flag = read_trainer_state(path), f"--resume {cfg.resume}"
+    if saved.get("adapter_only") and not cfg.use_peft:
+        raise ConfigError(f"{flag}: {path} holds a PEFT adapter's training state: add --use_peft (and the run's "
+                          "--peft_method / --lora_config), or start a new run")
+    if not saved.get("adapter_only", cfg.use_peft) and cfg.use_peft:
+        raise ConfigError(f"{flag}: {path} holds a full model's training state: drop --use_peft, or start a new run")
+    from transformers import AutoConfig
+
+    from shardtune.model.peft import SHAPE_FIELDS
+
+    theirs, ours = AutoConfig.from_pretrained(path / "hf_config").to_dict(), AutoConfig.from_pretrained(
+        cfg.model_name).to_dict()
+    diffs = [f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in SHAPE_FIELDS if theirs.get(k) != ours.get(k)]
+    if diffs:
+        raise ConfigError(f"{flag}: {path} was trained from {saved.get('model_name')}, whose shapes differ from "
+                          f"--model_name {cfg.model_name} ({'; '.join(diffs)}): pass --model_name "
+                          f"{saved.get('model_name')}")
+    if cfg.use_peft:
+        before = flatten_dict(yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")))
+        now = flatten_dict(to_dict(cfg))
+        shaped = ("lora_config.r", "lora_config.target_modules", "lora_config.use_dora", "lora_config.bias")
+        keys = ["peft_method", *(shaped if cfg.peft_method == "lora" else ())]
+        changed = [f"--{k} {before.get(k)} -> {now.get(k)}" for k in keys if before.get(k) != now.get(k)]
+        if changed:
+            raise ConfigError(f"{flag}: {path} holds another adapter ({', '.join(changed)}): pass the checkpoint's "
+                              "values, or start a new run")
+

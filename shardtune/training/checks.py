@@ -1,0 +1,81 @@
+"""The one list of checks that run before launch, in the order they run. Each check lives beside the code that owns
+the setting (config, model, parallel, training) and is listed here; nothing registers itself on import.
+
+- ``validate``: the settings alone (no model, no data): what recipes and flag combinations are checked with.
+- ``check_before_launch``: plus the model's config.json (structure, adapters, RoPE scaling, split rows): what
+  ``shardtune sft --dry_run`` runs.
+- ``prepare``: plus the tokenizer and the data (tokenised into the cache): what ``shardtune sft`` runs before any
+  process group exists, so a bad row is reported before any worker starts.
+"""
+
+from __future__ import annotations
+
+from transformers import AutoConfig
+
+from shardtune import data
+from shardtune.config.checks import CONFIG_CHECKS
+from shardtune.config.schema import TrainConfig
+from shardtune.data.cache import load_examples_cached
+from shardtune.model.cookbook import check_cookbook_flags, check_model_flags
+from shardtune.model.loading import (
+    cache_dir, check_model_source, check_tokenizer_fits, load_tokenizer, resolve_model_name,
+)
+from shardtune.model.longseq import check_rope_scaling
+from shardtune.model.peft import check_peft
+from shardtune.model.structure import check_model_structure
+from shardtune.parallel.dims import ParallelDims, check_parallel_dims
+from shardtune.parallel.sequence import check_sequence_split
+from shardtune.runtime.distributed import is_torchrun_worker
+from shardtune.training.checkpoint import check_checkpointing, check_resume_fits
+
+# Settings alone, in order: the config floor's own, then those owned by the floors above.
+SETTING_CHECKS = (*CONFIG_CHECKS, check_cookbook_flags, check_parallel_dims, check_checkpointing)
+
+
+def validate(cfg: TrainConfig, world_size: int) -> None:
+    """Check every setting (and combination) that can be checked without a model, data or process group."""
+    for check in SETTING_CHECKS:
+        check(cfg, world_size)
+
+
+def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
+    """The settings, then what the model's config.json says about them (needs no tokenizer and no data)."""
+    validate(cfg, world_size)
+    check_with_model(cfg, world_size)
+
+
+def check_with_model(cfg: TrainConfig, world_size: int) -> None:
+    """What the model's config.json says about the settings: structure, cookbook model flags, adapters, RoPE
+    scaling, split rows."""
+    check_model_structure(cfg)
+    check_model_flags(cfg)
+    check_peft(cfg)
+    check_resume_fits(cfg)
+    check_rope_scaling(cfg)
+    if ParallelDims.from_config(cfg, world_size).sequence_split:
+        check_sequence_split(cfg, AutoConfig.from_pretrained(cfg.model_name))
+
+
+def data_splits(cfg: TrainConfig) -> tuple[str, ...]:
+    return ("train", "validation") if cfg.run_validation else ("train",)
+
+
+def prepare(cfg: TrainConfig, world_size: int) -> None:
+    """Everything checkable before a process group exists: settings, model source, data, context length.
+
+    The data is loaded (and tokenised into the cache) here too, so a bad row is reported before any worker.
+    """
+    validate(cfg, world_size)
+    cfg.model_name = resolve_model_name(cfg.model_name)
+    check_model_source(cfg.model_name)
+    check_with_model(cfg, world_size)
+    if cfg.tokenizer_name:
+        check_model_source(cfg.tokenizer_name, "tokenizer_name")
+    data.check_data_config(cfg)
+    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name))
+    data.drop_absent_validation(cfg, say=not is_torchrun_worker())
+    check_tokenizer_fits(cfg.model_name, tokenizer, cfg.tokenizer_name)
+    data.check_context_length(cfg, tokenizer)
+    dims = ParallelDims.from_config(cfg, world_size)
+    loaded = {split: load_examples_cached(cfg, tokenizer, split, cache_dir()) for split in data_splits(cfg)}
+    data.steps_per_epoch(len(data.build_units(loaded["train"][0], cfg)), cfg, dims.dp_size)

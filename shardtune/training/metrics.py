@@ -1,0 +1,63 @@
+"""Metrics: one JSON object per optimizer step / evaluation in metrics.jsonl, written by rank 0.
+
+Imports no torch at module level: `shardtune plot` reads metrics with it and starts at once."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from shardtune.training.trackers import Tracker, tracker_scalars
+
+EVAL_SAMPLES_FILE = "eval_samples.jsonl"
+
+
+class MetricsWriter:
+    """Appends JSON lines and flushes each one, so a crash keeps every step logged so far; the trackers (rank 0's
+    --report_to sinks) receive the same rows."""
+
+    def __init__(self, path: Path | None, append: bool = False, trackers: Sequence[Tracker] = ()):
+        self.path = path
+        self.trackers = list(trackers)
+        self._fh = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(path, "a" if append else "w", encoding="utf-8")
+            if not append:
+                (path.parent / EVAL_SAMPLES_FILE).unlink(missing_ok=True)
+
+    def write(self, row: dict[str, Any]) -> None:
+        if self._fh is not None:
+            self._fh.write(json.dumps(row, allow_nan=True) + "\n")
+            self._fh.flush()
+        for tracker in self.trackers:
+            tracker.log(tracker_scalars(row), row["step"])
+
+    def write_samples(self, samples: list[dict[str, str]], step: int) -> None:
+        """Generated answers of one evaluation: appended to eval_samples.jsonl next to metrics.jsonl, and sent to
+        the trackers as a table."""
+        if self.path is not None:
+            with open(self.path.parent / EVAL_SAMPLES_FILE, "a", encoding="utf-8") as fh:
+                fh.writelines(json.dumps({"step": step, **sample}) + "\n" for sample in samples)
+        for tracker in self.trackers:
+            tracker.log_samples(samples, step)
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else float("inf")

@@ -1,0 +1,250 @@
+"""The torchrun worker of ``shardtune sft``: one process of the run. It joins the process group, checks the
+nodes, loads data and model, wraps them in the strategy, trains, and writes the outputs; any failure becomes one
+line (the launcher prints the first failing rank's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from shardtune import data
+from shardtune.config.flags import to_yaml
+from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
+from shardtune.data.cache import load_examples_cached
+from shardtune.data.chat import mirror_eos_token
+from shardtune.model.cookbook import freeze_first_layers
+from shardtune.model.generation import EvalSampler
+from shardtune.model.loading import (
+    build_model_on_meta,
+    cache_dir,
+    count_parameters,
+    load_model,
+    load_tokenizer,
+    training_model_config,
+)
+from shardtune.model.longseq import apply_memory_levers
+from shardtune.model.loss import hf_model
+from shardtune.model.memory import cross_node_summary
+from shardtune.model.peft import apply_peft, load_quantized_model, save_adapter
+from shardtune.model.quantized import load_quantized_on_rank0
+from shardtune.model.saving import save_hf_model
+from shardtune.model.speed import apply_speed_features
+from shardtune.parallel import make_strategy
+from shardtune.parallel.dims import ParallelDims
+from shardtune.parallel.sequence import SequenceGroups, use_sequence_attention
+from shardtune.runtime.distributed import (
+    DistEnv,
+    barrier,
+    init_distributed,
+    print0,
+    seed_everything,
+    shutdown,
+)
+from shardtune.runtime.errors import CheckpointError, TrainingStopped, fail
+from shardtune.runtime.files import remove_stale_staging, write_text_atomic
+from shardtune.runtime.preemption import (
+    Preempted,
+    install_worker_handlers,
+    report_stopped,
+)
+from shardtune.training.checkpoint import Checkpointer, failure_reason
+from shardtune.training.checks import data_splits, prepare
+from shardtune.training.loop import TrainResult, planned_steps, train
+from shardtune.training.metrics import MetricsWriter
+from shardtune.training.preflight import PreflightError, run_preflight
+from shardtune.training.trackers import open_trackers
+
+
+def load_data(cfg: TrainConfig, env: DistEnv, dims: ParallelDims, tokenizer) -> tuple[list, list[dict]]:
+    """Training units and validation examples; every rank reads the same (from the tokenised-data cache)."""
+    loaded = {split: load_examples_cached(cfg, tokenizer, split, cache_dir()) for split in data_splits(cfg)}
+    for split, (_, report) in loaded.items():
+        print0(f"data ({split}): {report.summary()}")
+    units = data.build_units(loaded["train"][0], cfg)
+    data.steps_per_epoch(len(units), cfg, dims.dp_size)  # fails early if the data is too small
+    return units, loaded["validation"][0] if cfg.run_validation else []
+
+
+def build_model(cfg: TrainConfig, env: DistEnv) -> torch.nn.Module:
+    """The model to train, before wrapping: fp32 master weights (bf16 with pure_bf16). With low_cpu_fsdp only
+    global rank 0 reads the weights; the others build on the meta device and receive theirs after sharding."""
+    dtype = torch.bfloat16 if cfg.enable_fsdp and cfg.fsdp_config.pure_bf16 else torch.float32
+    if cfg.quantization and cfg.low_cpu_fsdp:
+        return load_quantized_on_rank0(cfg, env)
+    if cfg.quantization:
+        return load_quantized_model(cfg, env.device)
+    config = training_model_config(cfg)  # with --rope_scaling; the 4-bit paths build from it too
+    if cfg.low_cpu_fsdp and env.rank != 0:
+        return build_model_on_meta(cfg.model_name, dtype=dtype, config=config)
+    return load_model(cfg.model_name, dtype=dtype, config=config)
+
+
+def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, tokenizer) -> None:
+    """Rank 0 writes the final model; the state is gathered by the strategy (nobody else materialises it)."""
+    if cfg.use_peft:  # the adapter only: frozen base weights are neither gathered nor written
+        adapter_state = strategy.trainable_state_dict(model)
+        if env.is_main:
+            save_adapter(strategy.unwrap(model), adapter_state, cfg.model_name, tokenizer, Path(cfg.output_dir))
+        barrier()
+        return
+    state_dict = strategy.full_state_dict(model)
+    if env.is_main:
+        save_hf_model(strategy.unwrap(model), state_dict, tokenizer, Path(cfg.output_dir))
+    barrier()
+
+
+def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
+    seed_everything(cfg.seed)
+    out_dir = Path(cfg.output_dir)
+    if env.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(out_dir)
+        write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
+    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name))
+    strategy = make_strategy(cfg, env)
+    units, eval_examples = load_data(cfg, env, strategy.dims, tokenizer)
+
+    model = build_model(cfg, env)
+    mirror_eos_token(cfg, model, tokenizer)
+    freeze_first_layers(model, cfg)
+    apply_memory_levers(model, cfg, env.device)
+    if cfg.use_peft:
+        model = apply_peft(model, cfg)
+    apply_speed_features(model, cfg, env.device)
+    if strategy.dims.sequence_split:
+        groups = SequenceGroups.from_mesh(strategy.mesh, strategy.dims)
+        print0(f"speed: {use_sequence_attention(hf_model(model), groups)}")
+    num_params, num_trainable = count_parameters(model)
+    model = strategy.wrap(model)
+    print0(f"model: {cfg.model_name} ({num_params:,} parameters, {num_trainable:,} trainable)")
+    print0(f"strategy: {strategy.describe()}")
+    dp_size = strategy.dims.dp_size
+    split = (f" ({env.world_size} processes / {env.world_size // dp_size} that split each row)"
+             if strategy.dims.sequence_split else "")
+    print0(f"effective batch: {cfg.batch_size_training} per device x {dp_size} data-parallel devices{split} x "
+           f"{cfg.gradient_accumulation_steps} accumulation = {effective_batch_size(cfg, dp_size)} "
+           f"{'packed blocks' if cfg.batching_strategy == 'packing' else 'examples'} per step")
+
+    if env.num_nodes > 1 and not cfg.enable_deepspeed:
+        print0(cross_node_traffic(cfg, env, model, strategy, num_params, num_trainable))
+    checkpointer = Checkpointer(cfg, env, strategy, tokenizer)
+    metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.save_metrics else None
+    append = metrics_path is not None and checkpointer.keep_metrics_rows(
+        metrics_path, planned_steps(cfg, len(units), strategy.dims.dp_size))
+    writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else ())
+    published = False
+
+    def publish() -> None:
+        nonlocal published
+        save_outputs(cfg, env, strategy, model, tokenizer)
+        published = True
+
+    try:
+        sampler = EvalSampler(eval_examples[:cfg.log_eval_samples], tokenizer) if cfg.log_eval_samples else None
+        result = train(model, strategy, cfg, env, units, eval_examples, tokenizer.pad_token_id, writer, checkpointer,
+                       sampler, publish if cfg.save_model else None)
+    except Exception:
+        if published:
+            print0(f"the trained model was written to {out_dir.resolve()} before this failure")
+        raise
+    finally:
+        writer.close()
+    print0(report(result, cfg))
+    return result
+
+
+def cross_node_traffic(cfg: TrainConfig, env: DistEnv, model: torch.nn.Module, strategy, num_params: int,
+                       num_trainable: int) -> str:
+    """The formula of shardtune/model/memory.py with this run's sizes: all parameters are gathered in the compute dtype,
+    trainable ones reduced in the dtype of the master weights."""
+    master = next(p for p in model.parameters() if p.requires_grad)
+    chosen = cfg.fsdp_config.sharding_strategy if cfg.enable_fsdp else "DDP"
+    dims = ParallelDims.from_config(cfg, env.world_size, env.local_world_size)
+    shard_group_size = dims.dp_shard * dims.cp * dims.sp if cfg.enable_fsdp else 0
+    return cross_node_summary(chosen, env.num_nodes, env.local_world_size, num_params=num_params,
+                              num_trainable=num_trainable, micro_batches=cfg.gradient_accumulation_steps,
+                              shard_group_size=shard_group_size, compute_bytes=strategy.compute_dtype.itemsize,
+                              grad_bytes=master.element_size())
+
+
+def report(result: TrainResult, cfg: TrainConfig) -> str:
+    lines = [f"done: {result.steps} steps, {result.num_tokens:,} label tokens in {result.train_time_s:.1f} s "
+             f"({result.tokens_per_s:,.0f} tokens/s)"]
+    if result.losses:
+        lines.append(f"  loss: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}")
+    if result.eval_loss is not None:
+        lines.append(f"  eval: loss {result.eval_loss:.4f}, perplexity {result.eval_ppl:.3f}")
+    if cfg.save_model:
+        lines.append(f"  model written to {Path(cfg.output_dir).resolve()}")
+    return "\n".join(lines)
+
+
+# Faults with a known fix, by exception class name.
+KNOWN_FIXES = {"OutOfMemoryError": "lower --batch_size_training or --context_length, or shard with --enable_fsdp "
+                                   "(and --fsdp_config.fsdp_activation_checkpointing true)"}
+
+
+def unexpected_error_line(e: BaseException, rank: int) -> str:
+    """Where and what, in one line, with the fix when it is known; the traceback is for --debug."""
+    what = failure_reason(e) if isinstance(e, CheckpointException) else (str(e).strip().splitlines() or [""])[0]
+    fix = KNOWN_FIXES.get(type(e).__name__, "--debug prints the traceback")
+    return f"rank {rank}: {type(e).__name__}: {what} ({fix})"
+
+
+def record_worker_error(line: str) -> None:
+    """Hand the line to torchrun's agent through its per-worker error file: shardtune's launcher prints the first
+    failure's line once (launch.py), plain torchrun shows it in its failure summary. Without an agent (no error
+    file), the line goes to stderr."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        print(f"shardtune: error: {line}", file=sys.stderr, flush=True)
+        return
+    with open(path, "w") as f:
+        json.dump({"message": line, "timestamp": int(time.time())}, f)
+
+
+def run_worker(cfg: TrainConfig, prepared: bool = False) -> int:
+    install_worker_handlers()
+    rank = int(os.environ["RANK"])
+    try:
+        if not prepared:  # the in-place run (one process) prepared it already
+            prepare(cfg, int(os.environ["WORLD_SIZE"]))
+    except ConfigError as e:
+        if rank == 0:  # every rank finds the same problem; one line is enough
+            fail(str(e), cfg.debug)
+        return 2
+    env = init_distributed(timeout_s=cfg.dist_timeout)
+    try:
+        run_preflight(cfg, env)
+        fine_tune(cfg, env)
+    except PreflightError as e:  # found alike on every rank: one line per node
+        if env.local_rank == 0:
+            fail(str(e), cfg.debug)
+        return 1
+    except ConfigError as e:  # data errors found while loading
+        fail(f"{e}" if env.world_size == 1 else f"(rank {env.rank}) {e}", cfg.debug)
+        return 1
+    except (CheckpointError, TrainingStopped) as e:  # raised on every rank alike
+        if env.is_main:
+            fail(str(e), cfg.debug)
+        return 1
+    except Preempted as e:  # every rank alike, after the checkpoint; 0 so that no agent restarts the workers
+        if not report_stopped(e):
+            print0(f"shardtune: {e}")
+        return 0
+    except (Exception, CheckpointException) as e:  # a fault no check foresaw (torch.distributed.checkpoint's error
+        # is a BaseException): one line, printed once by whoever launched the workers
+        if cfg.debug:
+            traceback.print_exc()
+        record_worker_error(unexpected_error_line(e, env.rank))
+        return 1
+    finally:
+        shutdown()
+    return 0
