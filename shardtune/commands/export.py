@@ -85,6 +85,14 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     return path
 
 
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """Never write over files by accident: OUT_DIR must be new or empty, unless --overwrite."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{out_dir} is a file, not a directory: pass a directory to write the model into")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise ConfigError(f"{out_dir} is not empty: pass a new or empty directory, or --overwrite to write into it")
+
+
 def _deepspeed_reader(path: Path):
     """DeepSpeed ZeRO partitions consolidated into fp32 tensors (DeepSpeed's zero_to_fp32, one CPU process).
     Returns read(): with no argument the consolidated state dict, with a dict the same tensors copied into it."""
@@ -115,9 +123,12 @@ def main(argv: list[str]) -> int:
                                                              "base + adapter merged (merge_and_unload)")
     parser.add_argument("--base", default="", help="with --merge: the base model (default: the adapter's "
                                                    "base_model_name_or_path)")
+    parser.add_argument("--overwrite", action="store_true", help="write into OUT_DIR even when it already holds "
+                                                                 "files (a model there is replaced)")
     args = parser.parse_args(argv)
     hf_logging.disable_progress_bar()
     try:
+        check_out_dir(Path(args.out_dir), args.overwrite)
         if args.base and not args.merge:
             raise ConfigError("--base only applies with --merge ADAPTER_DIR OUT_DIR: add --merge, or drop --base")
         if args.merge:

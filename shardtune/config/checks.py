@@ -74,22 +74,24 @@ def check_core(cfg: TrainConfig, world_size: int) -> None:
         if not 0 <= frac < 1:
             raise ConfigError(f"--{frac_key} {frac} must be in [0, 1)")
     _check_output_dir(cfg.output_dir)
-    _check_previous_run(cfg)
+    check_previous_run(cfg)
 
 
 # Files whose presence means output_dir already holds a run.
 RUN_FILES = ("metrics.jsonl", "config.yaml", "config.json", "adapter_config.json")
 
 
-def _check_previous_run(cfg: TrainConfig) -> None:
+def check_previous_run(cfg: TrainConfig, resuming: bool | None = None) -> None:
     """Never overwrite a previous run's outputs by accident (resuming it, or a torchrun restart, is fine), and never
-    share output_dir with a run that is still going (not even with --resume auto or --overwrite_output_dir)."""
+    share output_dir with a run that is still going (not even with --resume auto or --overwrite_output_dir).
+    ``resuming``: whether a checkpoint is resumed (default: any --resume; --resume auto that finds no checkpoint is
+    a new run, decided by shardtune.training.checkpoint.check_checkpointing)."""
     try:
         check_not_locked(Path(cfg.output_dir))
     except RunLocked as e:
         raise ConfigError(str(e)) from None
     restarted = worker_group_attempt() > 0
-    if cfg.overwrite_output_dir or cfg.resume or restarted:
+    if cfg.overwrite_output_dir or (bool(cfg.resume) if resuming is None else resuming) or restarted:
         return
     found = [name for name in RUN_FILES if (Path(cfg.output_dir) / name).exists()]
     if found:

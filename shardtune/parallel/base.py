@@ -55,6 +55,11 @@ class Strategy(ABC):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
 
+    def generating(self, model: nn.Module) -> ContextManager:
+        """Context for ``generate`` on ``unwrap(model)``: generation calls the inner model's forward, so a strategy
+        whose wrapper gathers weights in its own forward gathers them here instead."""
+        return contextlib.nullcontext()
+
     @property
     def grad_average_size(self) -> int:
         """How many ranks' gradients the strategy averages; the loss is multiplied by it to undo the mean."""
@@ -143,7 +148,7 @@ class Strategy(ABC):
             return {"model": model_state, "optimizer": get_optimizer_state_dict(model, optimizer,
                                                                                 options=TRAINABLE_ONLY)}
         model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
-        return {"model": model_state, "optimizer": optimizer_state}
+        return {"model": without_quantization_state(model_state), "optimizer": optimizer_state}
 
     def load_training_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Put a state filled by torch.distributed.checkpoint.load back into the model and optimizer.
@@ -199,6 +204,22 @@ class Strategy(ABC):
             return ""
         return (f", rows split over context parallel {self.dims.cp} x sequence parallel {self.dims.sp} "
                 f"(data parallel {self.dims.dp_size})")
+
+
+def without_quantization_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop bitsandbytes' 4-bit statistics (``...weight.absmax``, ``.quant_map``, ``.quant_state.*``): they belong to
+    the frozen base, come back with it when it is loaded, and only unsharded (DDP) layers list them, so a checkpoint
+    that held them could not be read under FSDP, nor an FSDP one under DDP."""
+    def is_quantization_state(key: str) -> bool:
+        _, found, rest = key.rpartition(".weight.")
+        return bool(found) and (rest in QUANT_STATE_KEYS or rest.startswith("quant_state."))
+
+    return {k: v for k, v in state.items() if not is_quantization_state(k)}
+
+
+# the entries bitsandbytes' QuantState.as_dict adds after "weight." (bitsandbytes.functional.QuantState.valid_qs_keys)
+QUANT_STATE_KEYS = frozenset({"absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state", "quant_type",
+                              "blocksize", "dtype", "shape", "nested_blocksize", "nested_dtype", "nested_offset"})
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -19,6 +19,7 @@ import yaml
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from shardtune.config.checks import check_previous_run
 from shardtune.config.flags import flatten_dict, to_dict, to_yaml
 from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
 from shardtune.model.loading import training_model_config
@@ -203,6 +204,8 @@ def check_checkpointing(cfg: TrainConfig, world_size: int) -> None:
             raise ConfigError(f"--{name} {getattr(cfg, name)} must be >= 0 (0: see shardtune sft --help)")
     # sizes only: the worker's rank 0 checks the hashes (and says which checkpoints it skipped) before loading
     path = resolve_checkpoint(cfg.resume, checkpoint_root(cfg), hashes=False) if cfg.resume else None
+    if cfg.resume == "auto" and path is None:  # nothing to resume: a new run, refused over a previous one like any
+        check_previous_run(cfg, resuming=False)
     if path is not None:
         saved = read_trainer_state(path)
         if not saved.get("optimizer_saved", True):
@@ -358,13 +361,15 @@ class Checkpointer:
         return None
 
     # -- metrics.jsonl continues where the checkpoint was taken ------------------------------------------------
-    def keep_metrics_rows(self, metrics_path: Path) -> bool:
-        """Rank 0: drop rows logged after the checkpoint (a crashed run's last steps); True: append to the file."""
+    def keep_metrics_rows(self, metrics_path: Path, total_steps: int) -> bool:
+        """Rank 0: drop rows logged after the checkpoint (a crashed run's last steps, an evaluation that training
+        on will redo); True: append to the file. A run resumed at its end (``total_steps`` reached) trains and
+        evaluates nothing again, so its rows all stay."""
         if self.resume_state is None or not metrics_path.is_file():
             return False
         keep = self.resume_state.get("metrics_rows")
         same_run = self.resume_from.parent.resolve() == self.root.resolve()  # type: ignore[union-attr]
-        if same_run and keep is not None:
+        if same_run and keep is not None and self.resume_state["step"] < total_steps:
             lines = metrics_path.read_text(encoding="utf-8").splitlines(keepends=True)
             write_text_atomic(metrics_path, "".join(lines[:keep]))
         return True
@@ -568,3 +573,38 @@ class Checkpointer:
 
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def check_resume_fits(cfg: TrainConfig) -> None:
+    """Before launch (``cfg.model_name`` resolved): a checkpoint that cannot load into this run's model is one line
+    naming the mismatch, found before config.yaml or metrics.jsonl are touched."""
+    path = resolve_checkpoint(cfg.resume, checkpoint_root(cfg)) if cfg.resume else None
+    if path is None:
+        return
+    saved, flag = read_trainer_state(path), f"--resume {cfg.resume}"
+    if saved.get("adapter_only") and not cfg.use_peft:
+        raise ConfigError(f"{flag}: {path} holds a PEFT adapter's training state: add --use_peft (and the run's "
+                          "--peft_method / --lora_config), or start a new run")
+    if not saved.get("adapter_only", cfg.use_peft) and cfg.use_peft:
+        raise ConfigError(f"{flag}: {path} holds a full model's training state: drop --use_peft, or start a new run")
+    from transformers import AutoConfig
+
+    from shardtune.model.peft import SHAPE_FIELDS
+
+    theirs, ours = AutoConfig.from_pretrained(path / "hf_config").to_dict(), AutoConfig.from_pretrained(
+        cfg.model_name).to_dict()
+    diffs = [f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in SHAPE_FIELDS if theirs.get(k) != ours.get(k)]
+    if diffs:
+        raise ConfigError(f"{flag}: {path} was trained from {saved.get('model_name')}, whose shapes differ from "
+                          f"--model_name {cfg.model_name} ({'; '.join(diffs)}): pass --model_name "
+                          f"{saved.get('model_name')}")
+    if cfg.use_peft:
+        before = flatten_dict(yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")))
+        now = flatten_dict(to_dict(cfg))
+        shaped = ("lora_config.r", "lora_config.target_modules", "lora_config.use_dora", "lora_config.bias")
+        keys = ["peft_method", *(shaped if cfg.peft_method == "lora" else ())]
+        changed = [f"--{k} {before.get(k)} -> {now.get(k)}" for k in keys if before.get(k) != now.get(k)]
+        if changed:
+            raise ConfigError(f"{flag}: {path} holds another adapter ({', '.join(changed)}): pass the checkpoint's "
+                              "values, or start a new run")
+

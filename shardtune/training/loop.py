@@ -29,6 +29,7 @@ from shardtune.model.flops import (
     ModelShape, micro_batch_flops, model_shape, num_input_tokens, palm_micro_batch_flops,
 )
 from shardtune.model.generation import mean_rouge
+from shardtune.model.lora_dropout import keyed_masks
 from shardtune.model.loss import batch_label_tokens, token_loss_sum
 from shardtune.training.metrics import MetricsWriter, perplexity
 from shardtune.runtime.distributed import peak_memory_bytes
@@ -56,9 +57,10 @@ class TrainResult:
 
 def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer,
                micro_batches: list[dict[str, torch.Tensor]], cfg: TrainConfig, env: DistEnv,
-               shape: ModelShape | None = None) -> dict:
-    """One optimizer step over this rank's micro-batches; returns the global loss and counts (and the step's
-    model FLOPs on all ranks when ``shape`` is given)."""
+               shape: ModelShape | None = None, step: int = 0) -> dict:
+    """One optimizer step (number ``step``) over this rank's micro-batches; returns the global loss and counts (and
+    the step's model FLOPs on all ranks when ``shape`` is given). LoRA dropout masks are keyed by the step and each
+    example's global index (shardtune.model.lora_dropout), so they do not depend on which rank holds the example."""
     local_counts = torch.tensor([sum(batch_label_tokens(mb) for mb in micro_batches),
                                  sum(num_input_tokens(mb) for mb in micro_batches),
                                  sum(micro_batch_flops(shape, mb) for mb in micro_batches) if shape is not None
@@ -71,7 +73,7 @@ def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Opti
     last = len(micro_batches) - 1
     for i, mb in enumerate(micro_batches):
         sync = strategy.accumulating(model) if i < last else contextlib.nullcontext()
-        with sync:
+        with sync, keyed_masks(mb, cfg.seed, step):  # backward too: activation checkpointing recomputes the masks
             with strategy.autocast():
                 loss_sum = token_loss_sum(model, mb, env.device)
             strategy.backward(loss_sum * scale)
@@ -120,22 +122,29 @@ def evaluate(model: nn.Module, strategy: Strategy, batches: list[dict[str, torch
 def generate_samples(model: nn.Module, strategy: Strategy, sampler: Callable[[nn.Module], list[dict]]) -> list[dict]:
     """--log_eval_samples: the sampler's generations with the model as it is now (every rank runs them)."""
     model.eval()
-    with strategy.autocast():
+    with strategy.autocast(), strategy.generating(model):
         samples = sampler(strategy.unwrap(model))
     model.train()
     return samples
 
 
+def planned_steps(cfg: TrainConfig, num_units: int, dp_size: int) -> int:
+    """Optimizer steps the run trains to: all epochs, or --max_train_step when it is fewer."""
+    total = data.steps_per_epoch(num_units, cfg, dp_size) * cfg.num_epochs
+    return min(total, cfg.max_train_step) if cfg.max_train_step else total
+
+
 def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
           train_units: list, eval_examples: list[dict], pad_id: int, writer: MetricsWriter,
           checkpointer: Checkpointer | None = None,
-          eval_sampler: Callable[[nn.Module], list[dict]] | None = None) -> TrainResult:
+          eval_sampler: Callable[[nn.Module], list[dict]] | None = None,
+          publish: Callable[[TrainResult], None] | None = None) -> TrainResult:
+    """Trains to the end; ``publish`` (writing the final model) is called once the last step is done, before the
+    final evaluation: a failure there never costs the trained model."""
     optimizer = strategy.build_optimizer(model)
     dims = strategy.dims  # the sampler sees data-parallel ranks; the ranks of one cp x sp group split each row
     steps_per_epoch = data.steps_per_epoch(len(train_units), cfg, dims.dp_size)
-    total_steps = steps_per_epoch * cfg.num_epochs
-    if cfg.max_train_step:
-        total_steps = min(total_steps, cfg.max_train_step)
+    total_steps = planned_steps(cfg, len(train_units), dims.dp_size)
     scheduler, scheduler_unit = build_scheduler(optimizer, cfg, total_steps, steps_per_epoch)
     shape = model_shape(model)
     peak = PeakMeter(env.device, strategy.compute_dtype, lambda t: all_reduce_sum(t, env.device))
@@ -181,7 +190,7 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
             lr = optimizer.param_groups[0]["lr"]
             try:
                 with probe.step(result.steps + 1):
-                    stats = train_step(model, strategy, optimizer, micro_batches, cfg, env, shape)
+                    stats = train_step(model, strategy, optimizer, micro_batches, cfg, env, shape, result.steps + 1)
             except NonFiniteLossError as e:
                 raise TrainingStopped(f"non-finite {e} at step {result.steps + 1} (epoch {epoch + 1}), found before "
                                       "the optimizer step, so the weights were not touched; "
@@ -237,10 +246,15 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
                             mfu=f"{row['mfu']:.1%}", refresh=False)
         if scheduler_unit == "epoch":
             scheduler.step()
-        if cfg.run_validation:
-            run_eval(epoch + 1, f"epoch {epoch + 1}")
+        if publish is not None and result.steps >= total_steps:
+            publish(result)
+            publish = None
+        if cfg.run_validation:  # the epoch as training rows count it (fractional when a run stops inside one)
+            run_eval(round(epoch + done_in_epoch / steps_per_epoch, 6), f"epoch {epoch + 1}")
         if checkpointer:
             checkpointer.after_epoch(epoch, done_in_epoch)
     bar.close()
     probe.close()
+    if publish is not None:  # a resumed run that was already finished, or one stopped early
+        publish(result)
     return result

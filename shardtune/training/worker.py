@@ -13,6 +13,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from shardtune import data
 from shardtune.config.flags import to_yaml
@@ -59,9 +60,9 @@ from shardtune.runtime.preemption import (
     report_stopped,
 )
 from shardtune.runtime.run_lock import RunLock, RunLocked
-from shardtune.training.checkpoint import Checkpointer
+from shardtune.training.checkpoint import Checkpointer, failure_reason
 from shardtune.training.checks import data_splits, prepare
-from shardtune.training.loop import TrainResult, train
+from shardtune.training.loop import TrainResult, planned_steps, train
 from shardtune.training.metrics import MetricsWriter
 from shardtune.training.plots import write_run_plots
 from shardtune.training.preflight import PreflightError, run_preflight
@@ -189,17 +190,27 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         print0(cross_node_traffic(cfg, env, model, strategy, num_params, num_trainable))
     checkpointer = Checkpointer(cfg, env, strategy, tokenizer)
     metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.save_metrics else None
-    append = metrics_path is not None and checkpointer.keep_metrics_rows(metrics_path)
+    append = metrics_path is not None and checkpointer.keep_metrics_rows(
+        metrics_path, planned_steps(cfg, len(units), strategy.dims.dp_size))
     writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else (),
                            tracker_every=cfg.logging_steps)
+    published = False
+
+    def publish(result: TrainResult) -> None:
+        nonlocal published
+        save_outputs(cfg, env, strategy, model, tokenizer, result)
+        published = True
+
     try:
         sampler = EvalSampler(eval_examples[:cfg.log_eval_samples], tokenizer) if cfg.log_eval_samples else None
         result = train(model, strategy, cfg, env, units, eval_examples, tokenizer.pad_token_id, writer, checkpointer,
-                       sampler)
+                       sampler, publish if cfg.save_model else None)
+    except Exception:
+        if published:
+            print0(f"the trained model was written to {out_dir.resolve()} before this failure")
+        raise
     finally:
         writer.close()
-    if cfg.save_model:
-        save_outputs(cfg, env, strategy, model, tokenizer, result)
     if metrics_path is not None and cfg.save_plots:  # rank 0 (the only one with a metrics path)
         print0(f"charts: {write_run_plots(out_dir)}/ (loss, lr, grad norm, speed, memory)")
     print0(report(result, cfg))
@@ -237,9 +248,9 @@ KNOWN_FIXES = {"OutOfMemoryError": "lower --batch_size_training or --context_len
                                    "(and --fsdp_config.fsdp_activation_checkpointing true)"}
 
 
-def unexpected_error_line(e: Exception, rank: int) -> str:
+def unexpected_error_line(e: BaseException, rank: int) -> str:
     """Where and what, in one line, with the fix when it is known; the traceback is for --debug."""
-    what = (str(e).strip().splitlines() or [""])[0]
+    what = failure_reason(e) if isinstance(e, CheckpointException) else (str(e).strip().splitlines() or [""])[0]
     fix = KNOWN_FIXES.get(type(e).__name__, "--debug prints the traceback")
     return f"rank {rank}: {type(e).__name__}: {what} ({fix})"
 
@@ -289,7 +300,8 @@ def run_worker(cfg: TrainConfig, prepared: bool = False) -> int:
         print0(f"shardtune: {e}")
         # in place (no torchrun) this process is the job: its status is what SLURM requeues on
         return 0 if "TORCHELASTIC_RUN_ID" in os.environ else EXIT_PREEMPTED
-    except Exception as e:  # a fault no check foresaw: one line, printed once by whoever launched the workers
+    except (Exception, CheckpointException) as e:  # a fault no check foresaw (torch.distributed.checkpoint's error
+        # is a BaseException): one line, printed once by whoever launched the workers
         if cfg.debug:
             traceback.print_exc()
         record_worker_error(unexpected_error_line(e, env.rank))

@@ -95,6 +95,10 @@ def test_a_previous_run_is_never_overwritten_by_accident(tiny_model, run_cli, tm
     proc = run_cli(*args, check=False)
     assert_one_line_error(proc, "already holds a run", "--overwrite_output_dir true")
     assert (out / "metrics.jsonl").read_text() == before
+    # --resume auto finds no checkpoint to resume: a new run, refused like the plain rerun
+    proc = run_cli(*args, "--resume", "auto", check=False)
+    assert_one_line_error(proc, "already holds a run", "--overwrite_output_dir true")
+    assert (out / "metrics.jsonl").read_text() == before
     run_cli(*args, "--overwrite_output_dir", "true")
 
 
