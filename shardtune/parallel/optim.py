@@ -91,3 +91,22 @@ def check_adam(cfg: TrainConfig, world_size: int) -> None:
             raise ConfigError(f"--{name} {getattr(cfg, name)} must be in [0, 1)")
     if cfg.adam_epsilon <= 0:
         raise ConfigError(f"--adam_epsilon {cfg.adam_epsilon} must be positive")
+
+
+def apply_settings_on_resume(optimizer: torch.optim.Optimizer, scheduler, cfg: TrainConfig) -> None:
+    """After a checkpoint's optimizer and scheduler state are loaded: this run's --lr, weight decay, betas and epsilon
+    replace the checkpoint's (the moments are kept), and the schedule continues at its position with the new peak
+    lr (each group's lr keeps its ratio to the schedule's peak). Without this the restored state silently puts the
+    checkpoint's hyperparameters back while config.yaml records the new ones."""
+    bases = list(getattr(scheduler, "base_lrs", [])) or [g.get("initial_lr", cfg.lr) for g in optimizer.param_groups]
+    for group, base in zip(optimizer.param_groups, bases):
+        group["lr"] = cfg.lr * (group["lr"] / base) if base else cfg.lr
+        group["initial_lr"] = cfg.lr
+        if group.get("weight_decay"):  # groups without decay (biases, norms) stay without
+            group["weight_decay"] = cfg.weight_decay
+        group["betas"] = (cfg.adam_beta1, cfg.adam_beta2)
+        group["eps"] = cfg.adam_epsilon
+    if hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    if hasattr(scheduler, "_last_lr"):
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

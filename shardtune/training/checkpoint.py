@@ -25,6 +25,7 @@ from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_si
 from shardtune.model.loading import training_model_config
 from shardtune.model.saving import save_hf_model
 from shardtune.parallel.deepspeed import deepspeed_resume_problem
+from shardtune.parallel.optim import apply_settings_on_resume
 from shardtune.runtime.distributed import (
     DistEnv,
     all_reduce_sum,
@@ -67,6 +68,8 @@ STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 2  # 2: manifest.json
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # Settings that may change between a run and its resumption without changing what is trained.
+# Optimizer hyperparameters a resume applies to the restored optimizer (parallel/optim.apply_settings_on_resume).
+OPTIMIZER_SETTINGS = ("lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
 RUN_CONTROL_SETTINGS = frozenset({
     "output_dir", "resume", "save_steps", "save_total_limit", "max_train_step", "debug", "num_workers_dataloader",
     "save_model", "save_metrics", "max_eval_step", "run_validation", "val_batch_size", "nan_policy",
@@ -74,6 +77,10 @@ RUN_CONTROL_SETTINGS = frozenset({
     "sequence_parallel_size", "context_parallel_size",  # how rows are split: the training state does not depend on it
     # memory levers: they change where activations live or when they are computed, not the numbers (tested equal)
     "tiled_mlp", "activation_offloading", "fsdp_config.fsdp_activation_checkpointing",
+    # how the state is sharded: DDP, FSDP and HSDP train the same numbers (the equivalence tests), and a checkpoint
+    # of one resumes under another
+    "enable_fsdp", "fsdp_config.sharding_strategy", "fsdp_config.hsdp", "fsdp_config.sharding_group_size",
+    "fsdp_config.replica_group_size", "fsdp_config.fsdp_cpu_offload", "low_cpu_fsdp",
 })
 
 
@@ -408,10 +415,16 @@ class Checkpointer:
         model, optimizer, scheduler, result = self.training  # type: ignore[misc]
         state, path = self.resume_state, self.resume_from
         assert state is not None and path is not None
-        changed = settings_changed(yaml.safe_load((path / "config.yaml").read_text()), self.cfg)
+        saved_cfg = yaml.safe_load((path / "config.yaml").read_text())
+        changed = settings_changed(saved_cfg, self.cfg)
         if changed:
+            applied = [k for k in changed if k in OPTIMIZER_SETTINGS]
+            then = flatten_dict(saved_cfg)
+            how = (f"; applied from step {state['step'] + 1} on: " + ", ".join(
+                f"{k} {then.get(k)} -> {flatten_dict(to_dict(self.cfg))[k]}" for k in applied)
+                + " (the optimizer's moments and the schedule's position are kept)") if applied else ""
             warn0(f"resuming with settings that differ from the checkpoint's ({', '.join(changed)}): the run will "
-                  "not equal an uninterrupted one")
+                  f"not equal an uninterrupted one{how}")
         planned = state.get("total_steps")
         if self.cfg.lr_scheduler == "cosine" and planned is not None and planned != self.total_steps:
             warn0(f"the cosine schedule now spans {self.total_steps} steps instead of the checkpoint's {planned} "
@@ -423,6 +436,7 @@ class Checkpointer:
             raise CheckpointError(f"{path} could not be loaded ({failure_reason(e)}): resume from another checkpoint "
                                   "(--resume CHECKPOINT_FOLDER), or start a new run") from e
         scheduler.load_state_dict(state["scheduler"])
+        apply_settings_on_resume(optimizer, scheduler, self.cfg)  # this run's lr & co., not the checkpoint's
         own_rng = rng_file(path, self.env.rank)
         if own_rng.is_file():
             set_rng_state(torch.load(own_rng, weights_only=True), self.env.device)

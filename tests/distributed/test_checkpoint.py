@@ -263,6 +263,25 @@ def test_export_of_a_sharded_checkpoint_equals_the_final_model(reference, cache_
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf16").dtype == torch.bfloat16
 
 
+def test_resume_with_another_lr_trains_with_it_and_says_so(reference, tiny_model, cache_dir, tmp_path):
+    """--lr 6e-3 on a checkpoint trained at 3e-3: the restored optimizer and schedule take the new peak (the rows
+    show twice the uninterrupted run's lr at the same steps), the warning says what was applied from which step, and
+    config.yaml records it. A checkpoint resumed under FSDP (written by DDP) is not reported as a change."""
+    ref = reference(())
+    checkpoint = ref / "checkpoints" / "step-000014"
+    out = tmp_path / "faster"
+    proc = sft(cache_dir, tiny_model, out, "--resume", checkpoint, "--lr", 6e-3, "--enable_fsdp")
+    rows, ref_rows = step_rows(out), {r["step"]: r for r in step_rows(ref)}
+    assert [r["step"] for r in rows] == [15, 16]
+    assert all(r["lr"] == pytest.approx(2 * ref_rows[r["step"]]["lr"], rel=1e-12) for r in rows), rows
+    import yaml
+
+    assert yaml.safe_load((out / "config.yaml").read_text())["lr"] == 6e-3
+    warning = next(line for line in proc.stderr.splitlines() if "resuming with settings that differ" in line)
+    assert "(lr)" in warning and "applied from step 15 on: lr 0.003 -> 0.006" in warning, warning
+    assert "enable_fsdp" not in warning
+
+
 def error_lines(stderr: str) -> list[str]:
     """shardtune's one-line errors (a progress bar may precede one on its line: it writes no newline)."""
     return [line[line.index("shardtune: error:"):] for line in stderr.splitlines() if "shardtune: error:" in line]
