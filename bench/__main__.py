@@ -5,7 +5,8 @@
     python -m bench --samsum data/samsum/train.json --num_train 0
     python -m bench --only trainer,overhead
 
-Sections: trainer (shardtune packing / padding-free / padding vs transformers.Trainer, one epoch), overhead
+Sections: trainer (shardtune packing / padding-free / padding vs transformers.Trainer and TRL's SFTTrainer, one
+epoch; the peers timed in ``train()`` only, shardtune as a whole process as well), overhead
 (train_step vs a bare PyTorch loop), loss_memory (lean loss vs the model's own loss at vocabulary 128,256), model_state (DDP /
 FSDP per-rank bytes at 1, 2, 4 processes), mfu (from the shardtune packing runs). Never part of the tests.
 """
@@ -26,7 +27,14 @@ from bench.report import markdown
 SECTIONS = ("trainer", "overhead", "loss_memory", "model_state")
 
 
-TOOLS = ("shardtune_packing", "shardtune_padding_free", "shardtune_padding", "hf_trainer")
+TOOLS = ("shardtune_packing", "shardtune_padding_free", "shardtune_padding", "hf_trainer", "trl_sft")
+PEERS = ("hf_trainer", "trl_sft")
+
+
+def trl_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("trl") is not None
 
 
 def shardtune_epoch(model: str, out: Path, tool: str, variant: dict, args) -> dict:
@@ -54,9 +62,33 @@ def shardtune_epoch(model: str, out: Path, tool: str, variant: dict, args) -> di
             "model_flops_per_s_median": median([r["model_flops_per_s"] for r in steps[1:]] or [0.0])}
 
 
+def peer_device(args) -> str:
+    """The device the peers train on: shardtune takes the GPU when there is one, so they do too."""
+    if args.device != "auto":
+        return args.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def trainer_epoch(model: str, out: Path, variant: dict, args) -> dict:
     argv = [python(), "-m", "bench.hf_trainer", "--model", model, "--num_train", args.num_train, "--num_validation",
-            args.num_validation, "--batch", args.batch, "--lr", args.lr, "--out", out]
+            args.num_validation, "--batch", args.batch, "--lr", args.lr, "--out", out, "--device", peer_device(args)]
+    if args.samsum:
+        argv += ["--samsum", args.samsum]
+    if variant["chatter"]:
+        argv += ["--chatter"]
+    tick = time.perf_counter()
+    result = run_json(argv)
+    result["process_s"] = time.perf_counter() - tick
+    return result
+
+
+def trl_epoch(model: str, out: Path, variant: dict, args) -> dict:
+    """TRL's SFTTrainer at its fastest CPU setting, on the blocks shardtune packing uses (bench/trl_trainer.py)."""
+    argv = [python(), "-m", "bench.trl_trainer", "--model", model, "--num_train", args.num_train, "--num_validation",
+            args.num_validation, "--pack_batch", args.pack_batch, "--pack_length", variant["pack_length"],
+            "--lr", args.lr, "--out", out, "--device", peer_device(args)]
     if args.samsum:
         argv += ["--samsum", args.samsum]
     if variant["chatter"]:
@@ -83,7 +115,8 @@ def dataset_variants(model: str, args) -> list[dict]:
 
 
 def bench_trainer(model: str, variant: dict, args) -> dict:
-    runs: dict[str, list[dict]] = {name: [] for name in TOOLS}
+    tools = [t for t in args.tools.split(",") if t and (t != "trl_sft" or trl_available())]
+    runs: dict[str, list[dict]] = {name: [] for name in tools}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
             names = list(runs)
@@ -93,21 +126,22 @@ def bench_trainer(model: str, variant: dict, args) -> dict:
                 print(f"  trainer [{variant['name']}]: {name} (repeat {rep + 1}/{args.repeats})", flush=True)
                 if name == "hf_trainer":
                     runs[name].append(trainer_epoch(model, out, variant, args))
+                elif name == "trl_sft":
+                    runs[name].append(trl_epoch(model, out, variant, args))
                 else:
                     runs[name].append(shardtune_epoch(model, out, name, variant, args))
     summary: dict = {}
     for name, results in runs.items():
         epoch = [r["epoch_s"] for r in results]
         summary[name] = {"epoch_s": median(epoch), "epoch_s_spread": spread(epoch), "steps": results[0]["steps"],
+                         "process_s": median([r["process_s"] for r in results]),
                          "label_tokens": results[0]["label_tokens"],
                          "label_tokens_per_s": results[0]["label_tokens"] / median(epoch),
                          "eval_loss": median([r["eval_loss"] for r in results]), "runs": results}
-    base = summary["hf_trainer"]["epoch_s"]
-    for name in TOOLS[:-1]:
-        summary[name]["speedup_vs_trainer"] = base / summary[name]["epoch_s"]
-    trainer_run = runs["hf_trainer"][0]
+    compare_with_peers(summary)
+    trainer_run = runs["hf_trainer"][0] if "hf_trainer" in runs else {"computed_tokens": 0, "real_tokens": 1}
     dataset = args.samsum or ("synthetic_dialogues" + (" --synthetic_dialogues.chatter" if variant["chatter"] else ""))
-    summary["setup"] = {"preset": "demo", "dataset": dataset, "variant": variant["name"],
+    summary["setup"] = {"preset": args.preset, "dataset": dataset, "variant": variant["name"],
                         "mean_example_tokens": variant["mean_example_tokens"],
                         "trainer_padding_ratio": trainer_run["computed_tokens"] / trainer_run["real_tokens"],
                         "num_train": args.num_train, "num_validation": args.num_validation, "lr": args.lr,
@@ -115,8 +149,26 @@ def bench_trainer(model: str, variant: dict, args) -> dict:
                         "schedule": "constant lr (shardtune StepLR steps after the epoch; Trainer 'constant')",
                         "clipping": "global grad norm 1.0", "padding_batch_examples": args.batch,
                         "packing": f"{args.pack_batch} blocks of {variant['pack_length']} tokens",
-                        "repeats": args.repeats}
+                        "repeats": args.repeats, "tools": list(runs)}
     return summary
+
+
+def compare_with_peers(summary: dict) -> None:
+    """Each shardtune tool against the faster peer: the peer's ``train()`` time over shardtune's step time
+    (``speedup_vs_fastest_peer``) and over shardtune's whole process, start-up and evaluation included
+    (``process_speedup_vs_fastest_peer``: this favours the peer)."""
+    peers = [name for name in PEERS if name in summary]
+    if not peers:
+        return
+    fastest = min(peers, key=lambda name: summary[name]["epoch_s"])
+    summary["fastest_peer"] = fastest
+    base = summary[fastest]["epoch_s"]
+    for name, x in summary.items():
+        if name.startswith("shardtune_"):
+            x["speedup_vs_fastest_peer"] = base / x["epoch_s"]
+            x["process_speedup_vs_fastest_peer"] = base / x["process_s"]
+            if "hf_trainer" in summary:
+                x["speedup_vs_trainer"] = summary["hf_trainer"]["epoch_s"] / x["epoch_s"]
 
 
 def bench_loss_memory(args) -> dict:
@@ -150,8 +202,9 @@ def bench_model_state(model: str) -> dict:
 
 def save(result: dict) -> None:
     """Written after every section, so an interrupted run keeps what it measured."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "latest.json").write_text(json.dumps(result, indent=2) + "\n")
+    results = Path(result["args"]["results_dir"])
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{result['args']['name']}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 def main() -> None:
@@ -168,6 +221,14 @@ def main() -> None:
     ap.add_argument("--pack_batch", type=int, default=2, help="packed blocks per step (2 x 512 ~ 8 examples)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--repeats", type=int, default=2, help="epochs per tool (medians reported)")
+    ap.add_argument("--tools", default=",".join(TOOLS),
+                    help="comma-separated tools of the trainer section: " + ", ".join(TOOLS)
+                    + " (trl_sft is left out when trl is not installed: pip install shardtune[bench])")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                    help="where the peers train (auto: the GPU when there is one, as shardtune)")
+    ap.add_argument("--preset", default="demo", help="the model of the trainer section (tiny: a functional check)")
+    ap.add_argument("--name", default="latest", help="RESULTS_DIR/NAME.md and NAME.json")
+    ap.add_argument("--results_dir", default=str(RESULTS))
     ap.add_argument("--overhead_steps", type=int, default=12)
     ap.add_argument("--memory_seq_len", type=int, default=4096)
     ap.add_argument("--memory_repeats", type=int, default=1)
@@ -177,7 +238,7 @@ def main() -> None:
     from shardtune.model.flops import measured_peak_flops
     from shardtune.model.loading import resolve_model_name
 
-    model = resolve_model_name("preset:demo")
+    model = resolve_model_name(f"preset:{args.preset}")
     started = time.perf_counter()
     result: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine_info(),
                     "peak_fp32_flops_per_s": measured_peak_flops("cpu"), "args": vars(args)}
@@ -189,7 +250,8 @@ def main() -> None:
             result["trainer"][variant["name"]] = bench_trainer(model, variant, args)
             save(result)
         first = next(iter(result["trainer"].values()))
-        packing = first["shardtune_packing"]["runs"]
+        packing = first.get("shardtune_packing", {}).get("runs") or [{"mfu_median": 0.0,
+                                                                      "model_flops_per_s_median": 0.0}]
         result["mfu"] = {"shardtune_packing_median": median([r["mfu_median"] for r in packing]),
                          "model_flops_per_s_median": median([r["model_flops_per_s_median"] for r in packing]),
                          "dataset": first["setup"]["dataset"]}
@@ -210,7 +272,7 @@ def main() -> None:
     result["machine"]["load_average_at_end"] = __import__("os").getloadavg()
     save(result)
     table = markdown(result)
-    (RESULTS / "latest.md").write_text(table)
+    (Path(args.results_dir) / f"{args.name}.md").write_text(table)
     print(table)
 
 

@@ -12,8 +12,9 @@ before ``--deadline_s`` (estimated from the FLOPs of the step at the rate the ro
 and reported as such; one that fails (CUDA out of memory, any error) is reported with its error, and the script
 goes on.
 
-MFU = model FLOPs as computed (shardtune/model/flops.py: output layer on labelled tokens, causal attention) / the measured
-bf16 matmul peak.
+MFU = model FLOPs as computed (shardtune/model/flops.py: output layer on labelled tokens, causal attention) / the GPU's
+data-sheet dense bf16 peak (shardtune/model/peak_flops.py; a GPU missing from its table: the measured bf16 matmul peak,
+labelled so in the row's ``peak_source``), as torchtitan and Megatron-LM report it.
 ``--cpu-smoke`` runs the same code on tiny shapes, fp32, gloo, two steps each (one for the long rows, of 256 / 512 /
 1,024 tokens): what the tests exercise.
 On CUDA the figures are appended to bench/results/gpu.md and written to bench/results/gpu-DATE.json.
@@ -135,10 +136,11 @@ def host_available_gib() -> float:
 
 
 def run_config(name: str, args, env, plan: LongRowPlan | None = None) -> dict:
-    from shardtune.model.flops import measured_peak_flops, model_shape
+    from shardtune.model.flops import model_shape
     from shardtune.model.longseq import apply_memory_levers
-    from shardtune.parallel import make_strategy
+    from shardtune.model.peak_flops import device_peak
     from shardtune.model.speed import apply_speed_features
+    from shardtune.parallel import make_strategy
     from shardtune.training.loop import build_optimizer, train_step
 
     spec = SHAPES[name]
@@ -189,12 +191,12 @@ def run_config(name: str, args, env, plan: LongRowPlan | None = None) -> dict:
         losses.append(stats["loss"])
     sync()
     elapsed = time.perf_counter() - tick
-    peak = measured_peak_flops(str(env.device))
+    peak, peak_source = device_peak(env.device, strategy.compute_dtype)
     peak_memory = (torch.cuda.max_memory_allocated() if env.device.type == "cuda"
                    else __import__("shardtune.runtime.distributed", fromlist=["peak_memory_bytes"]).peak_memory_bytes(env.device))
     return {"config": name, "model": "smoke" if args.cpu_smoke else spec["preset"], "seq_len": seq_len,
             "batch_per_gpu": batch, "steps": steps, "tokens_per_s_per_gpu": tokens / elapsed / env.world_size,
-            "mfu": flops / elapsed / (peak * env.world_size), "peak_flops_per_s": peak,
+            "mfu": flops / elapsed / (peak * env.world_size), "peak_flops_per_s": peak, "peak_source": peak_source,
             "peak_memory_gib": peak_memory / 2**30, "planned_peak_gib": planned / 2**30 if planned else None,
             # the planner's error against torch.cuda.max_memory_allocated (live tensor bytes); None on the CPU,
             # where peak_memory is the process's resident size, and where the plan does not model a lever
@@ -232,11 +234,11 @@ def long_row_plan(name: str, args, env, started: float, results: list[dict]) -> 
     """The plan of a long row on CUDA (None in --cpu-smoke: tiny rows always run, with every lever)."""
     if args.cpu_smoke:
         return None
-    from shardtune.model.flops import measured_peak_flops
     from shardtune.model.loading import PRESETS
+    from shardtune.model.peak_flops import device_peak
 
     rates = [r["mfu"] * r["peak_flops_per_s"] for r in results if SHAPES[r["config"]].get("long") and "mfu" in r]
-    rate = rates[-1] if rates else ASSUMED_MFU * measured_peak_flops(str(env.device))
+    rate = rates[-1] if rates else ASSUMED_MFU * device_peak(env.device, torch.bfloat16)[0]
     device_gib = torch.cuda.get_device_properties(env.device).total_memory / 2**30
     return plan_long_row(dict(PRESETS[SHAPES[name]["preset"]]), SHAPES[name]["seq_len"], 2, device_gib,
                          host_available_gib(), rate, args.deadline_s - (time.monotonic() - started))

@@ -1,11 +1,42 @@
 #!/usr/bin/env bash
-# GPU benchmark on one H200 (about 8 minutes; at most 9.5): 1B-shaped full fine-tune with FSDP at sequence 2048,
+# GPU benchmark on one H200 (about 10 minutes; at most 12): first shardtune beside transformers.Trainer and TRL's
+# SFTTrainer on the GPU (python -m bench's trainer section: the demo model, 400 dialogues, one epoch each, the peers
+# in bf16 as shardtune; bench/results/gpu_peers.md), then the 1B-shaped full fine-tune with FSDP at sequence 2048,
 # 8B-shaped LoRA, then the long-sequence rows (8B-shaped LoRA on one sequence of 128k, 512k, 1M tokens with the
 # memory levers; a row that cannot fit the memory or the time left is skipped, one that fails is reported, and the
-# next row runs); prints tokens/s/GPU, MFU, peak memory and records each row in bench/results/gpu.md as it ends.
-#   bash bench/gpu.sh               # on a GPU machine
-#   bash bench/gpu.sh --cpu-smoke   # tiny shapes on CPU: what the tests run
+# next row runs); prints tokens/s/GPU, MFU against the GPU's data-sheet peak, peak memory and records each row in
+# bench/results/gpu.md as it ends.
+#   bash bench/gpu.sh                            # on a GPU machine
+#   bash bench/gpu.sh --cpu-smoke                # tiny shapes on CPU, without the peers: what the tests run
+#   bash bench/gpu.sh --peers-only [--cpu-smoke] # the peers alone (--cpu-smoke: tiny model, 16 dialogues, CPU)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec timeout 570 python -m torch.distributed.run --standalone --nproc_per_node 1 -m bench.gpu "$@"
+peers=auto smoke=0 args=()
+for a in "$@"; do
+    case "$a" in
+        --peers-only) peers=only ;;
+        --cpu-smoke) smoke=1; args+=("$a") ;;
+        *) args+=("$a") ;;
+    esac
+done
+[[ $peers == auto && $smoke == 1 ]] && peers=no
+if [[ $peers != no ]]; then
+    if [[ $smoke == 1 ]]; then
+        size=(--preset tiny --num_train 16 --num_validation 8 --device cpu --name peers_smoke
+              --tools shardtune_packing,hf_trainer,trl_sft --results_dir "${PEERS_RESULTS_DIR:-$(mktemp -d)}")
+        limit=900  # a shared 2-core machine can be slow: this is a functional check, not a timing
+    else
+        size=(--preset demo --num_train 400 --num_validation 50 --name gpu_peers)
+        limit=170
+    fi
+    # a failure here is reported and the GPU rows still run (--peers-only: the exit status)
+    timeout "$limit" python -m bench --only trainer --datasets plain --repeats 1 "${size[@]}" \
+        || { status=$?; echo "peers comparison failed (exit $status)"; [[ $peers == only ]] && exit "$status"; }
+fi
+[[ $peers == only ]] && exit 0
+# with the peers first, the GPU rows plan their long rows against a shorter deadline
+deadline=()
+[[ $peers == auto ]] && deadline=(--deadline_s 400)
+exec timeout 570 python -m torch.distributed.run --standalone --nproc_per_node 1 -m bench.gpu "${args[@]}" \
+    "${deadline[@]}"

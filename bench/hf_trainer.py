@@ -24,6 +24,8 @@ def main() -> None:
     ap.add_argument("--samsum", default="")
     ap.add_argument("--chatter", action="store_true")
     ap.add_argument("--context_length", type=int, default=1024)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: bf16 mixed precision")
+    ap.add_argument("--max_steps", type=int, default=-1, help="stop after N steps (-1: one epoch)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     start = time.perf_counter()
@@ -45,8 +47,9 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
     training_args = TrainingArguments(
         output_dir=args.out, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
-        num_train_epochs=1, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        optim="adamw_torch", max_grad_norm=1.0, seed=42, use_cpu=True, dataloader_num_workers=0,
+        num_train_epochs=1, max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        optim="adamw_torch", max_grad_norm=1.0, seed=42, use_cpu=args.device == "cpu",
+        bf16=args.device == "cuda", dataloader_num_workers=0,
         dataloader_drop_last=True, save_strategy="no", eval_strategy="no", logging_steps=10**9, report_to=[],
         disable_tqdm=True)
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
@@ -66,7 +69,7 @@ def main() -> None:
     num_label_tokens = sum(sum(1 for x in e["labels"][1:] if x != -100) for e in train_examples)
     steps = output.global_step
     used = steps * args.batch  # drop_last: the examples the epoch trained on
-    loss = eval_loss_of(model, eval_examples, tokenizer.pad_token_id)
+    loss = eval_loss_of(model.cpu(), eval_examples, tokenizer.pad_token_id)
     print(json.dumps({"epoch_s": epoch_s, "steps": steps, "examples": used,
                       "label_tokens": round(num_label_tokens * used / len(train_examples)),
                       "eval_loss": loss, "eval_ppl": math.exp(loss), "process_s": time.perf_counter() - start,

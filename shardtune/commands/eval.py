@@ -102,6 +102,25 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_flag_names(rest: list[str], own: list[str]) -> None:
+    """An unknown flag is one line whose suggestion also considers eval's own flags (--max_examples ...)."""
+    import difflib
+
+    from shardtune.config.flags import ALIASES, flat_fields, resolve_key
+
+    for arg in rest:
+        if not arg.startswith("--"):
+            continue
+        name = arg[2:].partition("=")[0]
+        try:
+            resolve_key(name)
+        except ConfigError:
+            close = difflib.get_close_matches(name.replace("-", "_"), [*own, *flat_fields(), *ALIASES], n=1,
+                                              cutoff=0.5)
+            hint = f"did you mean --{close[0]}?" if close else "see shardtune eval --help"
+            raise ConfigError(f"unknown flag --{name}: {hint}") from None
+
+
 def main(argv: list[str]) -> int:
     from shardtune.runtime.libraries import quiet_libraries
 
@@ -110,6 +129,7 @@ def main(argv: list[str]) -> int:
     try:
         if args.max_examples <= 0 or args.max_new_tokens <= 0:
             raise ConfigError("--max_examples and --max_new_tokens must be positive")
+        check_flag_names(rest, [a.dest for a in parser()._actions if a.dest != "help"])
         cfg = parse_args(rest)
         cfg.model_name, args.adapter = resolve_model_and_adapter(cfg.model_name, args.adapter)
         data.check_data_config(cfg)

@@ -20,12 +20,16 @@ import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from shardtune.model.attention import attention_implementation
-from shardtune.training.checkpoint import read_trainer_state, resolve_checkpoint
-from shardtune.model.saving import save_hf_model
-from shardtune.config.schema import ConfigError
 from shardtune.config.flags import from_dict
+from shardtune.config.schema import ConfigError
+from shardtune.model.attention import attention_implementation
 from shardtune.model.loading import load_model
+from shardtune.model.saving import save_hf_model
+from shardtune.runtime.checkpoint_reader import (
+    SafeFileSystemReader,
+    UnsafeCheckpointError,
+)
+from shardtune.training.checkpoint import read_trainer_state, resolve_checkpoint
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,7 +43,10 @@ def source_dtype(config) -> torch.dtype:
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = "auto") -> Path:
     """Write the model held by ``checkpoint`` (a step folder, or an output dir: its latest) to ``out_dir``."""
-    path = resolve_checkpoint(str(checkpoint), Path(checkpoint).parent.parent)
+    notes: list[str] = []
+    path = resolve_checkpoint(str(checkpoint), Path(checkpoint).parent.parent, notes=notes)
+    for note in notes:
+        print(f"shardtune: warning: {note}", file=sys.stderr)
     state = read_trainer_state(path)
     cfg = from_dict(yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")))
     config = AutoConfig.from_pretrained(path / "hf_config")
@@ -51,10 +58,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
         read = _deepspeed_reader(path)
         stored = {f"model.{k}" for k in read()}
     else:
-        stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        stored = set(SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
-        def read(into: dict[str, torch.Tensor]) -> None:
-            dcp.load({"model": into}, checkpoint_id=path, no_dist=True)  # this one process reads every shard
+        def read(into: dict[str, torch.Tensor]) -> None:  # this one process reads every shard
+            dcp.load({"model": into}, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
     if state.get("adapter_only"):  # the base weights do not matter: only the adapter is read and written
         from shardtune.model.peft import apply_peft, save_adapter
 
@@ -76,6 +83,14 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     model.config.dtype = target
     save_hf_model(model, model.state_dict(), tokenizer, Path(out_dir))
     return path
+
+
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """Never write over files by accident: OUT_DIR must be new or empty, unless --overwrite."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{out_dir} is a file, not a directory: pass a directory to write the model into")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise ConfigError(f"{out_dir} is not empty: pass a new or empty directory, or --overwrite to write into it")
 
 
 def _deepspeed_reader(path: Path):
@@ -108,9 +123,12 @@ def main(argv: list[str]) -> int:
                                                              "base + adapter merged (merge_and_unload)")
     parser.add_argument("--base", default="", help="with --merge: the base model (default: the adapter's "
                                                    "base_model_name_or_path)")
+    parser.add_argument("--overwrite", action="store_true", help="write into OUT_DIR even when it already holds "
+                                                                 "files (a model there is replaced)")
     args = parser.parse_args(argv)
     hf_logging.disable_progress_bar()
     try:
+        check_out_dir(Path(args.out_dir), args.overwrite)
         if args.base and not args.merge:
             raise ConfigError("--base only applies with --merge ADAPTER_DIR OUT_DIR: add --merge, or drop --base")
         if args.merge:
@@ -123,5 +141,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"shardtune: error: {e}", file=sys.stderr)
         return 2
+    except UnsafeCheckpointError as e:
+        print(f"shardtune: error: {args.checkpoint}: {e}", file=sys.stderr)
+        return 1
     print(f"exported {path} to {Path(args.out_dir).resolve()}")
     return 0

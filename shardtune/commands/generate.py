@@ -106,6 +106,11 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"--max_new_tokens {args.max_new_tokens} must be positive")
         if not args.do_sample and (args.temperature != 1.0 or args.top_p != 1.0):
             raise ConfigError("--temperature / --top_p only apply with --do_sample: add it, or drop them")
+        if args.do_sample and not args.temperature > 0:
+            raise ConfigError(f"--temperature {args.temperature} with --do_sample: sampling needs a positive "
+                              "temperature (e.g. 0.7); for greedy decoding drop --do_sample")
+        if not 0 < args.top_p <= 1:
+            raise ConfigError(f"--top_p {args.top_p} must be in (0, 1]: the probability mass sampled from")
         prompt = read_prompt(args)
         if args.dialogue:
             prompt = SAMSUM_PROMPT.format(dialog=prompt)

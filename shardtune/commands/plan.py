@@ -23,8 +23,18 @@ PLAN_FLAGS = {"gpu": "H100", "gpu_memory": "", "host_memory": "", "nnodes": "1",
 
 
 def split_plan_args(argv: list[str]) -> tuple[dict[str, str], list[str], bool]:
+    """sft's topology flags too: --nproc_per_node (--num_processes) N is --gpus_per_node N, --nnodes M as given; the
+    rendezvous flags (where the processes meet) do not change a plan."""
+    from shardtune.config.trl import take_num_processes
+    from shardtune.launch.torchrun import split_launcher_args
+
     as_json = any(a == "--json" for a in argv)
-    values, rest = split_named_flags([a for a in argv if a != "--json"], PLAN_FLAGS)
+    launch, argv = split_launcher_args(take_num_processes([a for a in argv if a != "--json"]))
+    values, rest = split_named_flags(argv, PLAN_FLAGS)
+    topology = {"gpus_per_node": launch.get("nproc_per_node"), "nnodes": launch.get("nnodes")}
+    for name, value in topology.items():
+        if value is not None and values.setdefault(name, value) != value:
+            raise ConfigError(f"--{name} {values[name]} and the launcher's {value} disagree: keep one of them")
     return {**PLAN_FLAGS, **values}, rest, as_json
 
 

@@ -2,10 +2,7 @@
 
     shardtune plot runs/ddp runs/fsdp --out_dir plots/      # one line per run, labelled by its directory name
 
-Reads what training wrote: ``metrics.jsonl`` (shardtune), or llama-cookbook's ``metrics_data_*.json`` (its
-train_step_loss / val_epoch_loss lists). Writes loss.png (raw and smoothed loss per optimizer step, eval loss as
-markers on top), lr.png, tokens_per_s.png, mfu.png, memory.png, grad_norm.png (each when some run has the
-numbers) and overview.png with all of them. Uses matplotlib's Agg backend: no display needed.
+The charts are drawn by shardtune.training.plots (every run also writes its own into output_dir/plots).
 """
 
 from __future__ import annotations
@@ -13,155 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardtune.training.metrics import read_metrics
-
-GIB = 1 << 30
-LINE_STYLES = ("-", "--", "-.", ":")  # run i's style: runs that coincide (equivalent layouts) stay visible
-COOKBOOK_PATTERN = "metrics_data_*.json"
-
-
-@dataclass
-class Run:
-    name: str
-    steps: list[dict] = field(default_factory=list)  # metrics.jsonl step rows (step, loss, lr, ...)
-    evals: list[dict] = field(default_factory=list)  # rows with eval_loss
-
-
-@dataclass(frozen=True)
-class Panel:
-    file: str
-    title: str
-    key: str
-    ylabel: str
-    scale: float = 1.0
-
-
-PANELS = (Panel("lr.png", "learning rate", "lr", "lr"),
-          Panel("tokens_per_s.png", "throughput", "tokens_per_s", "labelled tokens / s"),
-          Panel("mfu.png", "model FLOPs utilisation (as computed)", "mfu", "MFU %", 100.0),
-          Panel("memory.png", "peak memory (rank 0)", "peak_memory_bytes", "GiB", 1 / GIB),
-          Panel("grad_norm.png", "gradient norm", "grad_norm", "global grad norm"))
-
-
-def read_run(path: Path, name: str) -> Run:
-    """A shardtune run directory (or metrics.jsonl), or a llama-cookbook metrics_data_*.json (or its folder)."""
-    if path.is_dir():
-        if (path / "metrics.jsonl").is_file():
-            path = path / "metrics.jsonl"
-        else:
-            found = sorted(path.glob(COOKBOOK_PATTERN))
-            if not found:
-                raise ValueError(f"{path}: no metrics.jsonl or {COOKBOOK_PATTERN} in it: pass a run's output_dir")
-            path = found[-1]
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file or directory")
-    if path.suffix == ".jsonl":
-        rows = read_metrics(path)
-        return Run(name, [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r])
-    return cookbook_run(json.loads(path.read_text(encoding="utf-8")), name, path)
-
-
-def cookbook_run(data: dict, name: str, path: Path) -> Run:
-    """llama-cookbook's save_to_json lists: a loss per training step; the eval loss at each epoch's end."""
-    if not isinstance(data, dict) or "train_step_loss" not in data:
-        raise ValueError(f"{path}: not a llama-cookbook metrics file (no train_step_loss): pass a metrics_data_*.json")
-    losses = data["train_step_loss"]
-    steps = [{"step": i + 1, "loss": loss} for i, loss in enumerate(losses)]
-    eval_losses = data.get("val_epoch_loss") or []
-    epochs = max(len(data.get("train_epoch_loss") or []), len(eval_losses), 1)
-    per_epoch = len(losses) / epochs
-    evals = [{"step": round(per_epoch * (i + 1)), "eval_loss": loss} for i, loss in enumerate(eval_losses)]
-    return Run(name, steps, evals)
-
-
-def run_names(paths: list[Path]) -> list[str]:
-    """Each run's directory name; parent/name where two runs share a name."""
-    names = [(p if p.is_dir() else p.parent).resolve().name or str(p) for p in paths]
-    return [f"{(p if p.is_dir() else p.parent).resolve().parent.name}/{n}" if names.count(n) > 1 else n
-            for p, n in zip(paths, names)]
-
-
-def smoothed(values: list[float], weight: float) -> list[float]:
-    """Exponential moving average with bias correction (TensorBoard's smoothing), so the first points are not
-    pulled towards zero."""
-    out, average = [], 0.0
-    for i, value in enumerate(values, start=1):
-        average = weight * average + (1 - weight) * value
-        out.append(average / (1 - weight ** i) if weight < 1 else value)
-    return out
-
-
-def draw_loss(ax, runs: list[Run], smoothing: float) -> bool:
-    for i, run in enumerate(runs):
-        color = f"C{i}"
-        steps = [r["step"] for r in run.steps]
-        losses = [r["loss"] for r in run.steps]
-        ax.plot(steps, losses, color=color, alpha=0.25, linewidth=0.8)
-        ax.plot(steps, smoothed(losses, smoothing), color=color, linewidth=1.6, label=f"{run.name} (train)",
-                linestyle=LINE_STYLES[i % len(LINE_STYLES)])
-        if run.evals:
-            ax.plot([r["step"] for r in run.evals], [r["eval_loss"] for r in run.evals], color=color, marker="o",
-                    linestyle="none", markersize=7 - 2 * (i % 2), markeredgecolor="black", label=f"{run.name} (eval)")
-    ax.set(title=f"loss (faint: raw; bold: smoothed {smoothing}; dots: eval)", xlabel="optimizer step",
-           ylabel="loss")
-    return any(run.steps for run in runs)
-
-
-def draw_panel(ax, runs: list[Run], panel: Panel) -> bool:
-    drawn = False
-    for i, run in enumerate(runs):
-        points = [(r["step"], r[panel.key] * panel.scale) for r in run.steps if r.get(panel.key) is not None]
-        if points:
-            ax.plot(*zip(*points), color=f"C{i}", linewidth=1.4, marker="." if len(points) < 50 else None,
-                    linestyle=LINE_STYLES[i % len(LINE_STYLES)], label=run.name)
-            drawn = True
-    ax.set(title=panel.title, xlabel="optimizer step", ylabel=panel.ylabel)
-    return drawn
-
-
-def finish(ax, many: bool) -> None:
-    from matplotlib.ticker import MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.grid(True, alpha=0.3)
-    if many or ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize="small")
-
-
-def write_plots(runs: list[Run], out_dir: Path, smoothing: float = 0.6) -> list[Path]:
-    """One PNG per chart with data, plus overview.png with all charts; returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    charts = [("loss.png", lambda ax: draw_loss(ax, runs, smoothing))]
-    charts += [(p.file, lambda ax, p=p: draw_panel(ax, runs, p)) for p in PANELS]
-    for file, draw in charts:
-        fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
-        if draw(ax):
-            finish(ax, len(runs) > 1)
-            fig.tight_layout()
-            fig.savefig(out_dir / file)
-            written.append(out_dir / file)
-        plt.close(fig)
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.4), dpi=80)
-    for ax, (_, draw) in zip(axes.flat, charts):
-        if draw(ax):
-            finish(ax, len(runs) > 1)
-        else:
-            ax.set_axis_off()
-            ax.set_title(ax.get_title() + ": not logged")
-    fig.suptitle(" vs ".join(run.name for run in runs))
-    fig.tight_layout()
-    fig.savefig(out_dir / "overview.png")
-    plt.close(fig)
-    return [*written, out_dir / "overview.png"]
+from shardtune.training.plots import read_run, run_names, write_plots
 
 
 def parser() -> argparse.ArgumentParser:

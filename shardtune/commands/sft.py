@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 import sys
 
-from shardtune.config.accelerate import expand_accelerate_config
-from shardtune.config.flags import parse_args
+from shardtune.config.accelerate import accelerate_config_path, expand_accelerate_config
+from shardtune.config.flags import parse_args, recipe_launch_settings, recipe_path
 from shardtune.config.schema import ConfigError
+from shardtune.config.trl import take_num_processes
 from shardtune.launch.torchrun import (
     in_place_worker_env,
     launch,
@@ -30,6 +31,7 @@ from shardtune.runtime.distributed import (
     nccl_watchdog_env,
 )
 from shardtune.runtime.errors import fail
+from shardtune.runtime import startup
 from shardtune.runtime.libraries import quiet_libraries
 from shardtune.training.checks import prepare
 from shardtune.training.worker import run_worker
@@ -37,6 +39,8 @@ from shardtune.training.worker import run_worker
 
 def main(argv: list[str] | None = None, objective: str = "sft") -> int:
     argv = sys.argv[1:] if argv is None else argv
+    startup.command_start()  # launched workers inherit it
+    startup.mark("python and imports")
     quiet_libraries()
     clear_accelerate_loading_variables()
     if "-h" in argv or "--help" in argv:
@@ -44,11 +48,22 @@ def main(argv: list[str] | None = None, objective: str = "sft") -> int:
         return 0
     debug = "--debug" in argv
     try:
-        file_launch_args, file_train_argv, argv = expand_accelerate_config(argv)
-        launch_args, train_argv = split_launcher_args(argv)
+        recipe_env, recipe_accelerate = recipe_launch_settings(argv)
+        os.environ.update(recipe_env)  # the recipe's env: before anything reads the environment
+        accelerate_path, _ = accelerate_config_path(argv)
+        accelerate_path = accelerate_path or recipe_accelerate
+        file_launch_args, file_train_argv, argv = expand_accelerate_config(argv, recipe_accelerate)
+        launch_args, train_argv = split_launcher_args(take_num_processes(argv))
         hardware, train_argv = split_hardware_flags(train_argv)
-        train_argv = file_train_argv + train_argv  # flags typed on the command line come last and win
-        cfg = parse_args(train_argv)
+        notes: list[str] = []  # command line > recipe > Accelerate file; a disagreement of the last two is said
+        cfg = parse_args(train_argv, file_train_argv, notes)
+        if not is_torchrun_worker():
+            sources = [f"recipe {recipe_path(train_argv)}"] if recipe_path(train_argv) else []
+            sources += [f"Accelerate file {accelerate_path}"] if accelerate_path else []
+            if sources:  # the start log states the precedence
+                print(f"shardtune: settings from the command line > {' > '.join(sources)}", file=sys.stderr)
+            for note in notes:
+                print(f"shardtune: {note}", file=sys.stderr, flush=True)
         if hardware and not cfg.dry_run:
             raise ConfigError(f"--{next(iter(hardware))} describes the hardware of a plan: add --dry_run (or use "
                               "shardtune plan), or drop the flag")
@@ -64,16 +79,20 @@ def main(argv: list[str] | None = None, objective: str = "sft") -> int:
         if cfg.one_gpu:
             launch_args.setdefault("nproc_per_node", "1")
         if cfg.dry_run:
-            return dry_run(cfg, dry_run_topology(launch_args, hardware), hardware, train_argv)
+            return dry_run(cfg, dry_run_topology(launch_args, hardware), hardware, file_train_argv + train_argv)
         topology = resolve_here(launch_args)
         prepare(cfg, topology.world_size, objective)
+        startup.mark("checks, model source, data cache")
     except ConfigError as e:
         fail(str(e), debug)
         return 2
     if runs_in_place(launch_args, topology):
+        print(topology.describe(), flush=True)  # the start log's first line, as when torchrun launches
         os.environ.update(in_place_worker_env())
         return run_worker(cfg, prepared=True, objective=objective)
     if local_gpu_count():  # before torchrun's agent starts: it would set TORCH_NCCL_ASYNC_ERROR_HANDLING=1
         os.environ.update(nccl_watchdog_env(cfg.dist_timeout, os.environ))
-    # workers receive the resolved model path, so a preset is built once, here
-    return launch(topology, f"shardtune.{objective}", [*train_argv, "--model_name", cfg.model_name])
+    accelerate = ["--accelerate_config", accelerate_path] if accelerate_path else []  # the workers read it alike
+    # the workers read the resolved model path (a preset is built once, here) and the run's directory as resolved
+    return launch(topology, f"shardtune.{objective}", [*accelerate, *train_argv, "--model_name", cfg.model_name,
+                                              "--output_dir", cfg.output_dir])

@@ -18,6 +18,7 @@ import yaml
 
 from shardtune.config.schema import ConfigError
 from shardtune.config.flags import flatten_dict
+from shardtune.config.trl import PROFILES
 
 FLAG = "accelerate_config"
 
@@ -30,6 +31,14 @@ NO_EFFECT_KEYS = frozenset({
     "fsdp_config.fsdp_forward_prefetch", "fsdp_config.fsdp_backward_prefetch",
     "deepspeed_config.deepspeed_multinode_launcher", "deepspeed_config.zero3_init_flag",
     "deepspeed_config.zero3_save_16bit_model",
+    # how Accelerate's context / sequence parallelism is implemented; shardtune's ring and Ulysses compute the same
+    "deepspeed_config.seq_parallel_communication_data_type",
+    "parallelism_config.parallelism_config_cp_comm_strategy", "parallelism_config.parallelism_config_cp_handler",
+    "parallelism_config.parallelism_config_cp_seq_length_is_variable",
+    "parallelism_config.parallelism_config_cp_attn_implementation",
+    "parallelism_config.parallelism_config_sp_seq_length", "parallelism_config.parallelism_config_sp_handler",
+    "parallelism_config.parallelism_config_sp_seq_length_is_variable",
+    "parallelism_config.parallelism_config_sp_attn_implementation",
 })
 # Keys accepted only with the value that means what shardtune does anyway.
 EXPECTED_VALUES: dict[str, tuple[Any, ...]] = {
@@ -96,14 +105,24 @@ TRAIN_KEYS: dict[str, Callable[[Any], list[str] | None]] = {
     "deepspeed_config.deepspeed_config_file": _same("--deepspeed_config.config_file"),
 }
 LAUNCH_KEYS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port")
+PARALLELISM = "parallelism_config.parallelism_config_"
+# TRL's packaged profiles (`trl sft --accelerate_config zero2`): shardtune ships files of the same names and meaning.
+PROFILES_DIR = Path(__file__).resolve().parent / "accelerate_profiles"
+
+
+def profile_path(path: str) -> str:
+    """A file, or the packaged profile of that name."""
+    if not Path(path).expanduser().is_file() and path in PROFILES:
+        return str(PROFILES_DIR / f"{path}.yaml")
+    return path
 
 
 def read_accelerate_config(path: str) -> dict[str, Any]:
     """The file's keys, nested sections flattened to dotted names (fsdp_config.fsdp_offload_params)."""
-    file = Path(path).expanduser()
+    file = Path(profile_path(path)).expanduser()
     if not file.is_file():
         raise ConfigError(f"--{FLAG} {path}: no such file: pass an Accelerate config file (accelerate config "
-                          "writes one; TRL's are in examples/accelerate_configs/)")
+                          f"writes one; TRL's are in examples/accelerate_configs/) or a profile: {', '.join(PROFILES)}")
     try:
         data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
@@ -117,7 +136,9 @@ def launch_flags(path: str, keys: dict[str, Any]) -> dict[str, str]:
     """torchrun flags: Accelerate's num_processes counts the processes of ALL machines."""
     machines = int(keys.get("num_machines", 1) or 1)
     flags: dict[str, str] = {}
-    if "num_processes" in keys:
+    if keys.get("distributed_type") == "NO":  # as Accelerate: one process, whatever num_processes says
+        flags["nproc_per_node"] = "1"
+    elif "num_processes" in keys:
         total = int(keys["num_processes"])
         if total % machines:
             raise ConfigError(f"--{FLAG} {path}: num_processes {total} is not a multiple of num_machines {machines}: "
@@ -134,11 +155,60 @@ def launch_flags(path: str, keys: dict[str, Any]) -> dict[str, str]:
     return flags
 
 
+def _size(path: str, keys: dict[str, Any], name: str) -> int:
+    value = keys.get(PARALLELISM + name, 1)
+    if isinstance(value, bool) or not str(value).isdigit() or int(value) < 1:
+        raise ConfigError(f"--{FLAG} {path}: parallelism_config_{name} {value!r} must be a whole number >= 1")
+    return int(value)
+
+
+def parallelism_flags(path: str, keys: dict[str, Any]) -> list[str]:
+    """Accelerate's parallelism_config on shardtune's mesh: cp (torch backend) is ring attention (--cp_size); sp, and
+    cp with the deepspeed backend (ALST), are Ulysses (--sp_size); dp_replicate > 1 under FSDP is HYBRID_SHARD."""
+    if not any(k.startswith(PARALLELISM) for k in keys):
+        return []
+    tp, cp, sp = (_size(path, keys, n) for n in ("tp_size", "cp_size", "sp_size"))
+    replicate, shard = _size(path, keys, "dp_replicate_size"), _size(path, keys, "dp_shard_size")
+    if tp > 1:
+        raise ConfigError(f"--{FLAG} {path}: parallelism_config_tp_size {tp}: tensor parallelism is not built: use "
+                          "FSDP (distributed_type: FSDP) to fit the model, and set tp_size to 1")
+    backends = {"cp_backend": keys.get(PARALLELISM + "cp_backend", "torch"),
+                "sp_backend": keys.get(PARALLELISM + "sp_backend", "deepspeed")}
+    if backends["cp_backend"] not in ("torch", "deepspeed") or backends["sp_backend"] != "deepspeed":
+        raise ConfigError(f"--{FLAG} {path}: parallelism_config cp_backend {backends['cp_backend']!r} / sp_backend "
+                          f"{backends['sp_backend']!r}: shardtune has torch's (ring) context parallelism and "
+                          "DeepSpeed's (Ulysses) sequence parallelism")
+    if backends["cp_backend"] == "deepspeed":  # ALST: Ulysses under the name cp
+        cp, sp = 1, sp * cp
+    distributed = keys.get("distributed_type", "NO")
+    if replicate > 1 and distributed == "DEEPSPEED":
+        raise ConfigError(f"--{FLAG} {path}: parallelism_config_dp_replicate_size {replicate}: ZeRO partitions over "
+                          "all processes (no replica groups): set it to 1, or use distributed_type: FSDP (HSDP)")
+    if shard > 1 and distributed not in ("FSDP", "DEEPSPEED"):
+        raise ConfigError(f"--{FLAG} {path}: parallelism_config_dp_shard_size {shard} needs distributed_type FSDP or "
+                          f"DEEPSPEED (not {distributed}): set one, or dp_shard_size 1")
+    total = replicate * shard * cp * sp
+    if "num_processes" in keys and int(keys["num_processes"]) != total and distributed != "NO":
+        raise ConfigError(f"--{FLAG} {path}: parallelism_config dp_replicate {replicate} x dp_shard {shard} x cp {cp} "
+                          f"x sp {sp} = {total}, but num_processes is {keys['num_processes']}: make them agree")
+    flags: list[str] = []
+    for name, size in (("cp_size", cp), ("sp_size", sp)):
+        if size > 1:
+            flags += [f"--{name}", str(size)]
+    if replicate > 1 and distributed == "FSDP":
+        flags += ["--fsdp_config.sharding_strategy", "HYBRID_SHARD", "--fsdp_config.replica_group_size",
+                  str(replicate)]
+    return flags
+
+
 def train_flags(path: str, keys: dict[str, Any]) -> list[str]:
     flags: list[str] = []
     for key, value in keys.items():
         if key in LAUNCH_KEYS or key in NO_EFFECT_KEYS:
             continue
+        if key.startswith(PARALLELISM) and key.removeprefix(PARALLELISM) in (
+                "tp_size", "cp_size", "sp_size", "dp_replicate_size", "dp_shard_size", "cp_backend", "sp_backend"):
+            continue  # parallelism_flags
         if key in EXPECTED_VALUES:
             if value not in EXPECTED_VALUES[key]:
                 raise ConfigError(f"--{FLAG} {path}: {key} {value!r} cannot be mapped onto shardtune (it runs with "
@@ -149,11 +219,23 @@ def train_flags(path: str, keys: dict[str, Any]) -> list[str]:
             raise ConfigError(f"--{FLAG} {path}: {key} {value!r} cannot be mapped onto a shardtune flag: remove it "
                               "from the file (see shardtune sft --help for what shardtune offers)")
         flags += mapped
-    return flags
+    return flags + parallelism_flags(path, keys)  # after fsdp_config's strategy: HSDP wins over it
 
 
-def expand_accelerate_config(argv: list[str]) -> tuple[dict[str, str], list[str], list[str]]:
-    """(launcher flags from the file, training flags from the file, argv without --accelerate_config FILE)."""
+def expand_accelerate_config(argv: list[str], default: str | None = None
+                             ) -> tuple[dict[str, str], list[str], list[str]]:
+    """(launcher flags from the file, training flags from the file, argv without --accelerate_config FILE).
+    ``default``: the file a recipe names (its ``accelerate_config:`` key), used when argv names none."""
+    path, rest = accelerate_config_path(argv)
+    path = path or default
+    if path is None:
+        return {}, [], rest
+    keys = read_accelerate_config(path)
+    return launch_flags(path, keys), train_flags(path, keys), rest
+
+
+def accelerate_config_path(argv: list[str]) -> tuple[str | None, list[str]]:
+    """The path given with --accelerate_config (None: none), and argv without it."""
     rest: list[str] = []
     path = None
     i = 0
@@ -169,7 +251,4 @@ def expand_accelerate_config(argv: list[str]) -> tuple[dict[str, str], list[str]
         else:
             rest.append(argv[i])
         i += 1
-    if path is None:
-        return {}, [], rest
-    keys = read_accelerate_config(path)
-    return launch_flags(path, keys), train_flags(path, keys), rest
+    return path, rest

@@ -6,6 +6,7 @@ parallel and training floors, is shardtune.training.checks.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import tempfile
 from dataclasses import fields
@@ -25,14 +26,26 @@ from shardtune.config.schema import (
     trackers,
 )
 from shardtune.runtime.elastic import worker_group_attempt
+from shardtune.runtime.run_lock import RunLocked, check_not_locked
+
+
+def _setting(cfg: TrainConfig, key: str) -> Any:
+    target: Any = cfg
+    for part in key.split("."):
+        target = getattr(target, part)
+    return target
 
 
 def check_core(cfg: TrainConfig, world_size: int) -> None:
+    for key, (typ, _f) in flat_fields().items():  # inf / nan pass every comparison below as if they were fine
+        value = _setting(cfg, key)
+        if typ is float and isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--{key} {value} is not a finite number: pass a finite value")
     for name in ("batch_size_training", "gradient_accumulation_steps", "num_epochs", "context_length",
-                 "val_batch_size"):
+                 "val_batch_size", "logging_steps"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name} {getattr(cfg, name)} must be positive: pass a value >= 1")
-    for name in ("max_train_step", "max_eval_step", "num_workers_dataloader", "warmup_steps"):
+    for name in ("max_train_step", "max_eval_step", "num_workers_dataloader", "warmup_steps", "eval_steps"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} {getattr(cfg, name)} must be >= 0 (0 means no limit / none)")
     if cfg.lr <= 0:
@@ -61,17 +74,24 @@ def check_core(cfg: TrainConfig, world_size: int) -> None:
         if not 0 <= frac < 1:
             raise ConfigError(f"--{frac_key} {frac} must be in [0, 1)")
     _check_output_dir(cfg.output_dir)
-    _check_previous_run(cfg)
+    check_previous_run(cfg)
 
 
 # Files whose presence means output_dir already holds a run.
 RUN_FILES = ("metrics.jsonl", "config.yaml", "config.json", "adapter_config.json")
 
 
-def _check_previous_run(cfg: TrainConfig) -> None:
-    """Never overwrite a previous run's outputs by accident (resuming it, or a torchrun restart, is fine)."""
+def check_previous_run(cfg: TrainConfig, resuming: bool | None = None) -> None:
+    """Never overwrite a previous run's outputs by accident (resuming it, or a torchrun restart, is fine), and never
+    share output_dir with a run that is still going (not even with --resume auto or --overwrite_output_dir).
+    ``resuming``: whether a checkpoint is resumed (default: any --resume; --resume auto that finds no checkpoint is
+    a new run, decided by shardtune.training.checkpoint.check_checkpointing)."""
+    try:
+        check_not_locked(Path(cfg.output_dir))
+    except RunLocked as e:
+        raise ConfigError(str(e)) from None
     restarted = worker_group_attempt() > 0
-    if cfg.overwrite_output_dir or cfg.resume or restarted:
+    if cfg.overwrite_output_dir or (bool(cfg.resume) if resuming is None else resuming) or restarted:
         return
     found = [name for name in RUN_FILES if (Path(cfg.output_dir) / name).exists()]
     if found:
@@ -102,9 +122,10 @@ def _check_output_dir(output_dir: str) -> None:
 
 
 
-# FSDP settings that only mean something with --enable_fsdp (checkpoint_type belongs to checkpointing).
+# FSDP settings that only mean something with --enable_fsdp (checkpoint_type belongs to checkpointing; activation
+# checkpointing applies under every strategy).
 FSDP_ONLY_SETTINGS = ("hsdp", "sharding_strategy", "sharding_group_size", "replica_group_size", "pure_bf16",
-                      "fsdp_activation_checkpointing", "fsdp_cpu_offload")
+                      "fsdp_cpu_offload")
 
 
 def check_fsdp(cfg: TrainConfig, world_size: int) -> None:

@@ -14,14 +14,8 @@ import yaml
 
 from shardtune.config.schema import ConfigError, TrainConfig
 
-# TRL / HF Trainer spellings accepted as aliases of ours.
+# Other spellings accepted as aliases of ours (TRL's names, with their meaning: shardtune/config/trl.py).
 ALIASES = {
-    "per_device_train_batch_size": "batch_size_training",
-    "per_device_eval_batch_size": "val_batch_size",
-    "learning_rate": "lr",
-    "num_train_epochs": "num_epochs",
-    "max_steps": "max_train_step",
-    "max_grad_norm": "gradient_clipping_threshold",
     "max_seq_length": "context_length",
     "max_length": "context_length",
     "sp_size": "sequence_parallel_size",
@@ -102,7 +96,9 @@ def resolve_key(key: str) -> str:
     for owner in SHORT_SPELLING_OWNERS:
         if f"{owner}.{key}" in known:
             return f"{owner}.{key}"
-    candidates = list(known) + list(ALIASES)
+    from shardtune.config.trl import TRL_FLAGS
+
+    candidates = list(known) + list(ALIASES) + list(TRL_FLAGS)
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
     hint = f"did you mean --{close[0]}?" if close else "see shardtune sft --help"
     raise ConfigError(f"unknown flag --{key}: {hint}")
@@ -150,8 +146,8 @@ def load_yaml(path: str) -> dict[str, Any]:
     return flatten_dict(data)
 
 
-def parse_args(argv: list[str]) -> TrainConfig:
-    """Parse ``--config FILE`` plus ``--key value`` / ``--key=value`` / bare ``--flag`` (true) overrides."""
+def _flag_pairs(argv: list[str]) -> tuple[list[tuple[str, Any]], str | None]:
+    """``--key value`` / ``--key=value`` / bare ``--flag`` (value None) pairs, and the path of ``--config``."""
     pairs: list[tuple[str, Any]] = []
     i = 0
     config_path = None
@@ -174,22 +170,117 @@ def parse_args(argv: list[str]) -> TrainConfig:
             config_path = value
             continue
         pairs.append((name, value))
-    cfg = TrainConfig()
-    if config_path:
-        for key, value in load_yaml(config_path).items():
-            set_value(cfg, key, value)
-    for name, value in pairs:
-        key = resolve_key(name)
-        typ, _ = flat_fields()[key]
-        if value is None:
-            if typ is not bool:
+    return pairs, config_path
+
+
+# Keys of a recipe that are not settings: read before launch by the command (config.trl.recipe_launch_settings).
+RECIPE_LAUNCH_KEYS = ("env", "accelerate_config")
+
+
+def _apply(cfg: TrainConfig, name: str, value: Any, given: dict[str, Any], bare_is_true: bool) -> dict[str, Any]:
+    """Set one flag (maybe a TRL name that sets several of ours); returns {our key: the value it now has}."""
+    from shardtune.config.trl import TRL_FLAGS, translate
+
+    if name.replace("-", "_") in TRL_FLAGS:
+        given[name.replace("-", "_")] = value
+    changed = {}
+    for key, raw in translate(name, value):
+        key = resolve_key(key)
+        if raw is None and bare_is_true:
+            if flat_fields()[key][0] is not bool:
                 raise ConfigError(f"--{name} needs a value")
-            value = "true"
-        set_value(cfg, key, value)
+            raw = "true"
+        set_value(cfg, key, raw)
+        changed[key] = get_value(cfg, key)
+    return changed
+
+
+def get_value(cfg: TrainConfig, key: str) -> Any:
+    target: Any = cfg
+    for part in key.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def _recipe_pairs(path: str) -> list[tuple[str, Any]]:
+    """The recipe's settings; every unknown key is named at once, in one line."""
+    pairs = [(k, v) for k, v in load_yaml(path).items() if k.split(".")[0] not in RECIPE_LAUNCH_KEYS]
+    unknown = []
+    for name, value in pairs:
+        try:
+            from shardtune.config.trl import translate
+
+            for key, _ in translate(name, value):
+                resolve_key(key)
+        except ConfigError as e:
+            if str(e).startswith("unknown flag"):
+                unknown.append(str(e).removeprefix("unknown flag --").replace(": did you mean", " (did you mean")
+                               .replace("?", "?)").replace(": see shardtune sft --help", ""))
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown keys: {'; '.join(unknown)}: fix or remove them (shardtune sft "
+                          "--help lists the names, docs/flags.md TRL's)")
+    return pairs
+
+
+def recipe_path(argv: list[str]) -> str | None:
+    """The path of --config in argv (None: none)."""
+    path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), None)
+    return path or next((a.partition("=")[2] for a in argv if a.startswith("--config=")), None)
+
+
+def recipe_launch_settings(argv: list[str]) -> tuple[dict[str, str], str | None]:
+    """A ``trl sft --config`` recipe's ``env:`` (variables to export before launch) and ``accelerate_config:`` (a file
+    or a packaged profile name), read before anything else."""
+    path = recipe_path(argv)
+    if path is None:
+        return {}, None
+    flat = load_yaml(path)
+    env = {k.removeprefix("env."): "" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+           for k, v in flat.items() if k.startswith("env.")}
+    accelerate = flat.get("accelerate_config")
+    if accelerate is not None and not isinstance(accelerate, str):
+        raise ConfigError(f"--config {path}: accelerate_config must be a file path or a profile name")
+    return env, accelerate
+
+
+def parse_args(argv: list[str], accelerate_argv: list[str] = (), notes: list[str] | None = None) -> TrainConfig:
+    """Parse ``--config FILE`` plus ``--key value`` / ``--key=value`` / bare ``--flag`` (true) overrides.
+
+    Precedence: the command line > the recipe (--config) > ``accelerate_argv`` (an Accelerate file's settings,
+    shardtune.config.accelerate). Where the recipe and the Accelerate file set one setting to different values, a
+    line naming both is appended to ``notes`` (the recipe's value is kept)."""
+    from shardtune.config.trl import finish
+
+    pairs, config_path = _flag_pairs(argv)
+    cfg = TrainConfig()
+    given: dict[str, Any] = {}
+    from_accelerate: dict[str, Any] = {}
+    for name, value in _flag_pairs(list(accelerate_argv))[0]:
+        from_accelerate.update(_apply(cfg, name, value, given, bare_is_true=True))
+    set_keys = set(from_accelerate)
+    if config_path:
+        for name, value in _recipe_pairs(config_path):
+            for key, now in _apply(cfg, name, value, given, bare_is_true=False).items():
+                set_keys.add(key)
+                if key in from_accelerate and from_accelerate[key] != now and notes is not None:
+                    notes.append(f"{key}: the recipe {config_path} says {now!r} ({name}), the Accelerate file says "
+                                 f"{from_accelerate[key]!r}: using the recipe's (command line > recipe > Accelerate "
+                                 "file)")
+    for name, value in pairs:
+        set_keys.update(_apply(cfg, name, value, given, bare_is_true=True))
+    finish(cfg, given)
     select_hybrid_sharding(cfg)
     if cfg.trl_dataset.dataset_name and cfg.dataset == field_default(flat_fields()["dataset"][1]):
         cfg.dataset = "trl_dataset"  # TRL's --dataset_name alone names the data
+    if cfg.dist_checkpoint_root_folder and "output_dir" not in set_keys:
+        cfg.output_dir = cookbook_run_dir(cfg)
     return cfg
+
+
+def cookbook_run_dir(cfg: TrainConfig) -> str:
+    """llama-cookbook's run folder, <dist_checkpoint_root_folder>/<dist_checkpoint_folder>-<model_name>: the run's
+    directory when those are given and --output_dir is not (the lesson's commands, run one after another)."""
+    return str(Path(cfg.dist_checkpoint_root_folder) / f"{cfg.dist_checkpoint_folder}-{cfg.model_name}")
 
 
 def select_hybrid_sharding(cfg: TrainConfig) -> None:
@@ -219,15 +310,24 @@ def field_default(f: dataclasses.Field) -> Any:
 
 
 def help_text() -> str:
-    lines = ["usage: shardtune sft [--config recipe.yaml] [--accelerate_config accelerate.yaml] [--flag value ...] "
-             "[torchrun flags]", "", "training flags:"]
+    from shardtune.config.trl import TRL_FLAGS, trl_names_of
+
+    lines = ["usage: shardtune sft [--config recipe.yaml] [--accelerate_config accelerate.yaml|PROFILE] [--flag value "
+             "...] [torchrun flags]", "",
+             "precedence: command line > recipe (--config; TRL's `trl sft --config` YAML too) > Accelerate file; a "
+             "setting the recipe and the Accelerate file give different values is named in one line", "",
+             "training flags:"]
     for key, (typ, f) in flat_fields().items():
         default = field_default(f)
         tname = getattr(typ, "__name__", str(typ))
         owner, _, name = key.rpartition(".")
-        short = f" (or --{name})" if owner == "trl_dataset" else ""  # TRL's names, as TRL users type them
-        lines.append(f"  --{key} {tname.upper()}  (default: {default!r}){short}")
+        trl = trl_names_of(key) or ([name] if owner == "trl_dataset" else [])  # TRL's names, as TRL users type them
+        lines.append(f"  --{key} {tname.upper()}  (default: {default!r})"
+                     + (f"  (TRL: {', '.join('--' + n for n in trl)})" if trl else ""))
         lines.append(f"      {f.metadata.get('help', '')}")
     lines.append("")
     lines.append("aliases: " + ", ".join(f"--{a} = --{c}" for a, c in ALIASES.items()))
+    refused = [n for n, flag in TRL_FLAGS.items() if flag.refuse]
+    lines.append("TRL flags refused (with the fix, in one line): " + ", ".join(f"--{n}" for n in refused)
+                 + " (docs/flags.md: the whole table)")
     return "\n".join(lines)

@@ -6,6 +6,7 @@ facts derived from them (effective batch size, trackers). Every field has a ``he
 from __future__ import annotations
 
 import copy
+import difflib
 from dataclasses import dataclass, field, is_dataclass
 from typing import Any
 
@@ -23,7 +24,8 @@ def _f(default: Any, help: str, **kwargs: Any) -> Any:
 DATASETS = ("synthetic_dialogues", "samsum_dataset", "alpaca_dataset", "custom_dataset", "grammar_dataset",
             "trl_dataset")
 BATCHING_STRATEGIES = ("packing", "padding")
-LR_SCHEDULERS = ("step", "cosine")
+LR_SCHEDULERS = ("step", "cosine", "linear", "cosine_with_min_lr", "constant", "constant_with_warmup")
+OPTIMS = ("adamw_torch", "adamw_torch_fused")
 
 
 @dataclass
@@ -125,7 +127,8 @@ class FsdpConfig:
     sharding_group_size: int = _f(0, "ranks that shard one replica; 0: the processes of one node")
     replica_group_size: int = _f(0, "number of replicas; 0: world size / sharding_group_size")
     pure_bf16: bool = _f(False, "parameters, gradients and optimizer state in bf16 (less memory, less accuracy)")
-    fsdp_activation_checkpointing: bool = _f(False, "recompute each decoder layer's activations in backward")
+    fsdp_activation_checkpointing: bool = _f(False, "recompute each decoder layer's activations in backward (under "
+                                                     "DDP and DeepSpeed too; TRL: --gradient_checkpointing)")
     fsdp_cpu_offload: bool = _f(False, "keep sharded parameters, gradients and optimizer state in CPU memory")
     checkpoint_type: str = _f("", "SHARDED_STATE_DICT (each rank writes its shard) or FULL_STATE_DICT (also a "
                                   "gathered HF model in the checkpoint); setting it turns checkpoints on (at epoch "
@@ -151,6 +154,8 @@ class LoraConfig:
     lora_dropout: float = _f(0.05, "dropout on the LoRA input")
     bias: str = _f("none", "none, all or lora_only")
     use_dora: bool = _f(False, "weight-decomposed LoRA (DoRA)")
+    use_rslora: bool = _f(False, "rank-stabilised LoRA: scale lora_alpha / sqrt(r) instead of lora_alpha / r")
+    modules_to_save: list[str] = _f([], "modules trained in full and saved with the adapter (e.g. lm_head)")
 
 
 @dataclass
@@ -210,9 +215,23 @@ class TrainConfig:
     lr: float = _f(1e-4, "peak learning rate (AdamW)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     gamma: float = _f(0.85, "StepLR decay applied once per epoch (lr_scheduler=step)")
-    lr_scheduler: str = _f("step", "step (llama-cookbook: x gamma per epoch) or cosine (with warmup_steps)",
-                           choices=LR_SCHEDULERS)
-    warmup_steps: int = _f(0, "linear warm-up optimizer steps (lr_scheduler=cosine)")
+    lr_scheduler: str = _f("step", "step (llama-cookbook: x gamma per epoch), linear (to 0), cosine (to 0), "
+                                   "cosine_with_min_lr (to --min_lr_rate x lr), constant, constant_with_warmup; "
+                                   "each after --warmup_steps (constant: none)", choices=LR_SCHEDULERS)
+    warmup_steps: int = _f(0, "linear warm-up optimizer steps, under every scheduler but constant")
+    # TRL's training settings (issue 21; shardtune/config/trl.py maps TRL's names onto them)
+    warmup_ratio: float = _f(0.0, "warm-up as a fraction of the run's optimizer steps (rounded up); not with "
+                                  "--warmup_steps")
+    min_lr_rate: float = _f(0.0, "cosine_with_min_lr: the lr decays to this fraction of --lr")
+    min_lr: float = _f(0.0, "cosine_with_min_lr: the lr decays to this value (instead of --min_lr_rate)")
+    optim: str = _f("adamw_torch", "adamw_torch or adamw_torch_fused (torch's fused AdamW kernel); weight decay "
+                                   "skips biases and norm weights", choices=OPTIMS)
+    adam_beta1: float = _f(0.9, "AdamW beta1")
+    adam_beta2: float = _f(0.999, "AdamW beta2")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon")
+    logging_steps: int = _f(1, "the trackers (--report_to) receive every Nth step row (eval rows: all); metrics.jsonl "
+                               "keeps every step")
+    eval_steps: int = _f(0, "also evaluate every N optimizer steps (with run_validation); 0: at epoch ends only")
     seed: int = _f(42, "seed of model init, data order and dropout")
     context_length: int = _f(1024, "tokens per packed block / longest example kept")
     batching_strategy: str = _f("packing", "packing (blocks of up to context_length tokens of whole examples, "
@@ -227,6 +246,8 @@ class TrainConfig:
     overwrite_output_dir: bool = _f(False, "allow a new run to replace the outputs of a previous run in output_dir")
     save_model: bool = _f(True, "write the final model (or adapter) to output_dir")
     save_metrics: bool = _f(True, "write metrics.jsonl to output_dir")
+    save_plots: bool = _f(True, "at the end of the run, write PNG charts of metrics.jsonl to output_dir/plots (what "
+                                "shardtune plot draws)")
     use_fp16: bool = _f(False, "fp16 compute with a gradient scaler, for CUDA GPUs without bf16 (refused on CPU, "
                                      "which computes in fp32)")
     mixed_precision: bool = _f(True, "bf16 compute where the device supports it fast (CUDA); fp32 on CPU")
@@ -310,7 +331,7 @@ class TrainConfig:
     # What a person sees (issue 13): trackers, profiles, FLOP counts, eval samples
     report_to: str = _f("none", "where rank 0 also sends the metrics.jsonl rows: none, tensorboard (event files in "
                                 "output_dir/tensorboard), wandb, trackio, or all (TRL's name; each is an optional "
-                                "extra: pip install 'shardtune[tensorboard]')", choices=REPORT_TO)
+                                "extra: pip install 'shardtune[tensorboard]'); several: comma-separated")
     use_wandb: bool = _f(False, "log to Weights & Biases (llama-cookbook's spelling of --report_to wandb)")
     wandb_config: WandbConfig = _f(WandbConfig(), "Weights & Biases settings")
     use_profiler: bool = _f(False, "torch.profiler traces per rank in profiler_dir: steps 4-6 after 1 wait and 2 "
@@ -358,7 +379,13 @@ PROFILER_SCHEDULE = {"wait": 1, "warmup": 2, "active": 3}  # llama-cookbook's to
 
 def trackers(cfg: TrainConfig) -> list[str]:
     """The trackers a run reports to: --report_to (all: every one) plus --use_wandb."""
-    names = list(TRACKER_PACKAGES) if cfg.report_to == "all" else [] if cfg.report_to == "none" else [cfg.report_to]
+    given = [n.strip() for n in cfg.report_to.split(",") if n.strip()]
+    for name in given:
+        if name not in REPORT_TO:
+            close = difflib.get_close_matches(name, REPORT_TO, n=1)
+            raise ConfigError(f"--report_to {name!r} is not valid: " + (f"did you mean {close[0]}?" if close else
+                                                                        "choose from " + ", ".join(REPORT_TO)))
+    names = list(TRACKER_PACKAGES) if "all" in given else [n for n in given if n != "none"]
     if cfg.use_wandb and "wandb" not in names:
         names.append("wandb")
     return names

@@ -36,6 +36,11 @@ from shardtune.config.schema import TrainConfig, effective_batch_size
 from shardtune.data.report import DataError
 from shardtune.data.formatting import IGNORE_INDEX
 
+# Per token of a training micro-batch: its example's global index in the units (-1: padding) and the whole example's
+# length, for LoRA dropout masks that do not depend on the rank layout (shardtune.model.lora_dropout)
+EXAMPLE_IDS = "example_ids"
+EXAMPLE_LENGTHS = "example_lengths"
+
 
 class RowTransform(Protocol):
     """What cuts a collated row to this rank's part of it (sequence / context parallelism: the parallel floor's
@@ -159,9 +164,27 @@ def flattened(cfg: TrainConfig) -> bool:
             or cfg.sequence_parallel_size * cfg.context_parallel_size > 1)
 
 
-def collate(units: list[Unit], cfg: TrainConfig, pad_id: int) -> MicroBatch:
+def collate(units: list[Unit], cfg: TrainConfig, pad_id: int, example_ids: list[int] | None = None) -> MicroBatch:
+    """``example_ids`` (the global index of each example, in order): recorded per token, for LoRA dropout masks that
+    depend on the example and not on the rank layout (shardtune.model.lora_dropout)."""
     examples = [example for unit in units for example in unit]
-    return collate_flat(examples) if flattened(cfg) else collate_padding(examples, pad_id)
+    batch = collate_flat(examples) if flattened(cfg) else collate_padding(examples, pad_id)
+    if example_ids is not None:
+        batch.update(per_token_example_ids(examples, example_ids, batch["input_ids"].shape, flattened(cfg)))
+    return batch
+
+
+def per_token_example_ids(examples: list[Example], example_ids: list[int], shape: torch.Size,
+                          flat: bool) -> MicroBatch:
+    """Per token: the global index of its example and the example's length (-1 and 0 on padding)."""
+    ids, lengths = torch.full(shape, -1, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
+    start = 0
+    for row, (example, example_id) in enumerate(zip(examples, example_ids)):
+        n = len(example["input_ids"])
+        where = (0, slice(start, start + n)) if flat else (row, slice(0, n))
+        ids[where], lengths[where] = example_id, n
+        start += n
+    return {EXAMPLE_IDS: ids, EXAMPLE_LENGTHS: lengths}
 
 
 class StepDataset(Dataset):
@@ -172,7 +195,7 @@ class StepDataset(Dataset):
                  start_step: int = 0, row_slice: RowTransform | None = None,
                  collate_fn: Callable[[list[Unit], TrainConfig, int], MicroBatch] | None = None) -> None:
         self.units = units
-        self.collate_fn = collate_fn or collate
+        self.collate_fn = collate_fn
         self.cfg = cfg
         self.dp_rank = dp_rank
         self.dp_size = dp_size
@@ -184,6 +207,10 @@ class StepDataset(Dataset):
             raise ValueError(f"start_step {start_step} is outside the epoch's {num_steps} steps")
         self.start_step = start_step
         self.num_steps = num_steps
+        # global index of each unit's first example: the same whatever the world size and batch
+        self.first_example = [0]
+        for unit in units:
+            self.first_example.append(self.first_example[-1] + len(unit))
 
     def __len__(self) -> int:
         return self.num_steps - self.start_step
@@ -196,7 +223,10 @@ class StepDataset(Dataset):
 
     def _micro_batch(self, step: int, micro_step: int) -> MicroBatch:
         chosen = self.order[micro_batch_slice(step, micro_step, self.dp_rank, self.cfg, self.dp_size)]
-        batch = self.collate_fn([self.units[i] for i in chosen], self.cfg, self.pad_id)
+        example_ids = [self.first_example[i] + j for i in chosen for j in range(len(self.units[i]))]
+        units = [self.units[i] for i in chosen]
+        batch = (collate(units, self.cfg, self.pad_id, example_ids) if self.collate_fn is None
+                 else self.collate_fn(units, self.cfg, self.pad_id))
         return batch if self.row_slice is None else self.row_slice(batch, self.pad_id)
 
 

@@ -13,12 +13,14 @@ folder and renamed, under a file lock, so concurrent processes never see half an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from shardtune.config.schema import TrainConfig
 from shardtune.data.report import DataReport
 from shardtune.data.sources import load_examples
 from shardtune.data.trl_loading import uses_trl_formats
+from shardtune.runtime.files import fsync_dir, fsync_tree
 
 FORMAT_VERSION = 1
 HASH_CHUNK_BYTES = 1 << 20
@@ -89,7 +92,9 @@ def _write(entry: Path, examples: list[dict], report: DataReport) -> None:
                                              count=int(offsets[-1])))
     np.save(tmp / "offsets.npy", offsets)
     (tmp / "report.json").write_text(json.dumps(dataclasses.asdict(report)))
+    fsync_tree(tmp)
     os.replace(tmp, entry)
+    fsync_dir(entry.parent)
 
 
 def _read(entry: Path) -> tuple[list[dict], DataReport]:
@@ -101,6 +106,17 @@ def _read(entry: Path) -> tuple[list[dict], DataReport]:
     return examples, report
 
 
+class DamagedEntry(Exception):
+    """A cache entry that cannot be read (an emptied or cut file, what a power cut or a full disk leaves)."""
+
+
+def _read_checked(entry: Path) -> tuple[list[dict], DataReport]:
+    try:
+        return _read(entry)
+    except (OSError, EOFError, ValueError, TypeError, KeyError) as e:
+        raise DamagedEntry(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from None
+
+
 def load_examples_cached(cfg: TrainConfig, tokenizer: Any, split: str, root: Path) -> tuple[list[dict], DataReport]:
     """``load_examples`` through the on-disk cache under ``root`` (same result, tokenised once).
 
@@ -110,12 +126,18 @@ def load_examples_cached(cfg: TrainConfig, tokenizer: Any, split: str, root: Pat
         return load_examples(cfg, tokenizer, split)
     entry = root / "tokenized" / cache_key(cfg, tokenizer, split)
     if entry.is_dir():
-        return _read(entry)
+        with contextlib.suppress(DamagedEntry):
+            return _read_checked(entry)
     entry.parent.mkdir(parents=True, exist_ok=True)
     with open(entry.parent / f".{entry.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if entry.is_dir():
-            return _read(entry)
+            try:
+                return _read_checked(entry)
+            except DamagedEntry as e:  # under the lock: one process removes it and tokenises again
+                print(f"shardtune: note: the tokenised-data cache entry {entry} is damaged ({e}): removed, "
+                      "tokenising again", file=sys.stderr, flush=True)
+                shutil.rmtree(entry, ignore_errors=True)
         examples, report = load_examples(cfg, tokenizer, split)
         _write(entry, examples, report)
     return examples, report

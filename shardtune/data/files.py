@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from shardtune.data.report import DataError
@@ -103,6 +101,9 @@ def _read_csv(path: Path, columns: tuple[str, ...]) -> list[Row]:
 
 
 def _read_parquet(path: Path, columns: tuple[str, ...]) -> list[Row]:
+    import pyarrow as pa  # here: a run without Parquet files does not pay for importing it
+    import pyarrow.parquet as pq
+
     try:
         found = pq.read_schema(path).names
         missing = [c for c in columns if c not in found]

@@ -116,6 +116,10 @@ def counting_backend(backend: str) -> str:
         def create(params: RendezvousParameters):
             inner = RendezvousParameters(backend, params.endpoint, params.run_id, params.min_nodes,
                                          params.max_nodes, params.local_addr, **params.config)
+            if backend == "c10d" and params.max_nodes == 1:  # nobody else to meet: loopback only
+                from shardtune.launch.rendezvous_loopback import loopback_c10d_handler
+
+                return handler_class(loopback_c10d_handler(inner), name)
             return handler_class(rendezvous_handler_registry.create_handler(inner), name)
 
         rendezvous_handler_registry.register(name, create)

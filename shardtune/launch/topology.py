@@ -64,7 +64,8 @@ class Topology:
             where = (f"{self.node_args.get('nnodes', self.num_nodes)} nodes"
                      + (f", this is node {rank}" if rank is not None else "")
                      + f", {backend} rendezvous at {endpoint}")
-        return f"topology: {where}, {self.nproc_per_node} processes per node, from {self.source}"
+        processes = "1 process" if self.nproc_per_node == 1 else f"{self.nproc_per_node} processes"
+        return f"topology: {where}, {processes} per node, from {self.source}"
 
 
 def resolve_topology(flags: Mapping[str, str | None], environ: Mapping[str, str], num_gpus: int) -> Topology:

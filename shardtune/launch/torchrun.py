@@ -78,7 +78,8 @@ def in_place_worker_env() -> dict[str, str]:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     return {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": os.environ.get(
+                "GLOO_SOCKET_IFNAME") or "lo"}
 
 
 # torchrun's default --rdzv_conf join_timeout
@@ -122,6 +123,8 @@ def launch(topology: Topology, module: str, module_args: list[str], what: str = 
     if "signals_to_handle" not in topology.other_args:
         torchrun_args.append(f"--signals_to_handle={TORCHRUN_SIGNALS}")  # SIGTERM / SIGUSR1: shardtune/runtime/preemption.py
     args = get_args_parser().parse_args([*torchrun_args, "-m", module, *module_args])
+    if topology.num_nodes == 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # one node: gloo's connections between the workers stay on loopback
     if "OMP_NUM_THREADS" not in os.environ:
         # share the cores between the local processes (torchrun would set 1 and warn about it)
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // topology.nproc_per_node))

@@ -1,9 +1,7 @@
-"""Training FLOPs and the peak the hardware reaches: the one place MFU is computed from.
+"""Training FLOPs: the one place the numerator of MFU is computed from.
 
-MFU = achieved model FLOP/s / peak FLOP/s, where the peak is *measured* on this machine (a large matmul in the
-compute dtype: fp32 on CPU, bf16 on GPU) rather than read from a data sheet, so that CPU and GPU figures mean
-the same thing: the fraction of the matmul rate this device actually sustains that training turns into model
-FLOPs.
+MFU = achieved model FLOP/s / peak FLOP/s; the peak is shardtune.model.peak_flops's: the data-sheet dense peak of a
+known GPU in the compute dtype (as published MFU figures use), a measured matmul rate on CPU and unknown GPUs.
 
 Two counts are kept. ``mfu`` counts what the step computes (:func:`micro_batch_flops`): the output layer only on
 the positions the lean loss computes it for, and causal attention as the triangle the kernels compute (each token
@@ -15,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -196,26 +193,11 @@ PEAK_DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
 
 
 @functools.cache
-def measured_peak_flops(device_str: str, size: int | None = None, seconds: float = 0.15) -> float:
-    """The matmul FLOP/s this process reaches on ``device`` in its compute dtype: best of short timed bursts.
+def measured_peak_flops(device_str: str) -> float:
+    """The matmul FLOP/s this process reaches on ``device`` in its usual compute dtype (fp32 on CPU, bf16 on GPU),
+    measured once per process: what the planner assumes of this machine. MFU divides by
+    shardtune.model.peak_flops instead (the data sheet of a known GPU)."""
+    from shardtune.model.peak_flops import measure_matmul_flops
 
-    Measured once per process (cached), in well under a second. CPU: fp32 1024 x 1024 with the threads this
-    process has (the same rate as 2048 x 2048 on the 2-core test machine, 4x sooner); GPU: bf16 8192 x 8192. The
-    best burst is taken, so that a neighbour's load lowers the estimate as little as possible.
-    """
     device = torch.device(device_str)
-    size = size or (8192 if device.type == "cuda" else 1024)
-    dtype = PEAK_DTYPES.get(device.type, torch.float32)
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    a @ b  # warm-up
-    sync()
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline or best == 0.0:
-        start = time.perf_counter()
-        for _ in range(2):
-            a @ b
-        sync()
-        best = max(best, 2 * 2 * size ** 3 / (time.perf_counter() - start))
-    return best
+    return measure_matmul_flops(device, PEAK_DTYPES.get(device.type, torch.float32), num_bursts=8)

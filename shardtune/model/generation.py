@@ -31,10 +31,12 @@ def inference_dtype(device: torch.device) -> torch.dtype:
 def load_for_inference(model_name: str, adapter: str = "", device: torch.device | None = None):
     """(model in eval mode, tokenizer): ``model_name`` + optional ``adapter`` (peft loads it; nothing merged)."""
     from shardtune.model.loading import load_model, load_tokenizer
+    from shardtune.model.peft import adapter_base_config
 
     model_name, adapter = resolve_model_and_adapter(model_name, adapter)
     device = device or inference_device()
-    model = load_model(model_name, dtype=inference_dtype(device), device=device)
+    model = load_model(model_name, dtype=inference_dtype(device), device=device,
+                       config=adapter_base_config(model_name, adapter))
     tokenizer_dir = adapter if adapter and (Path(adapter) / "tokenizer_config.json").is_file() else model_name
     if adapter:
         import peft

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -129,13 +130,31 @@ def resolve_model_name(model_name: str) -> str:
     name = model_name.removeprefix(PRESET_PREFIX) or DEFAULT_PRESET
     _check_preset(name, "model_name")
     presets_dir = cache_dir() / "presets"
-    path = presets_dir / f"{name}-{PRESET_VERSION}"
+    path = presets_dir / f"{name}-{PRESET_VERSION}-{preset_fingerprint(name)}"
     presets_dir.mkdir(parents=True, exist_ok=True)
     with open(presets_dir / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait, then find it built
         if not (path / "config.json").is_file():
             init_model(name, path, seed=0, dtype=PRESET_BUILD_DTYPES.get(name, torch.float32))
     return str(path)
+
+
+def preset_fingerprint(name: str) -> str:
+    """What a preset is built from: its shape, seed and dtype, the code that builds it and its tokenizer (this module
+    and the synthetic corpus), and the torch / transformers versions whose initialisers draw its weights. The cached
+    directory is named by it, so a cache built by other code is never taken for this code's preset."""
+    import hashlib
+
+    import transformers
+
+    from shardtune.data import synthetic
+
+    digest = hashlib.sha256(json.dumps({
+        "config": PRESETS[name], "seed": 0, "dtype": str(PRESET_BUILD_DTYPES.get(name, torch.float32)),
+        "torch": torch.__version__, "transformers": transformers.__version__}, sort_keys=True).encode())
+    for source in (__file__, synthetic.__file__):
+        digest.update(Path(source).read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _check_preset(name: str, what: str) -> None:
@@ -171,6 +190,22 @@ def _check_directory(model_name: str, what: str) -> None:
     if not any((path / f).is_file() for f in needed):
         raise ConfigError(f"--{what} {model_name}: the directory has no {' or '.join(needed)}: pass the directory "
                           "that save_pretrained wrote (or the snapshot folder of a download)")
+    if what != "tokenizer_name":
+        _check_config_file(path / "config.json")
+
+
+def _check_config_file(config_file: Path) -> None:
+    """A config.json that is not JSON, or names a model_type transformers does not know: one line naming it."""
+    try:
+        json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{config_file} is not valid JSON ({e}): restore it from the model's source") from None
+    try:
+        AutoConfig.from_pretrained(config_file.parent)
+    except (ValueError, KeyError, OSError, TypeError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"{config_file} cannot be read as a model config ({reason}): fix its model_type, or "
+                          "update transformers if the architecture is newer than it") from None
 
 
 def _check_hub_id(model_name: str, what: str) -> None:
@@ -236,6 +271,13 @@ def build_model_on_meta(name_or_path: str, dtype: torch.dtype = torch.float32, c
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(total, trainable) parameter counts; tied weights count once."""
+    """(total, trainable) parameter counts; tied weights count once; a quantised weight counts its logical shape,
+    not its packed storage (bitsandbytes packs two 4-bit values per byte, or into bf16 storage under FSDP)."""
     params = list(model.parameters())
-    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    return sum(logical_numel(p) for p in params), sum(logical_numel(p) for p in params if p.requires_grad)
+
+
+def logical_numel(param: torch.Tensor) -> int:
+    quant_state = getattr(param, "quant_state", None)
+    shape = getattr(quant_state, "shape", None)
+    return math.prod(shape) if shape is not None else param.numel()

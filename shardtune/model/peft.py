@@ -26,6 +26,10 @@ from shardtune.config.schema import ConfigError, TrainConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# config.json fields of the base that training changed (--rope_scaling), written beside the adapter: loading the
+# adapter on the plain base would otherwise give another model than the one trained (shardtune applies them when it
+# loads or merges the adapter; with plain peft, set them on the base's config)
+BASE_OVERRIDES = "base_config_overrides.json"
 QLORA_INSTALL = "pip install 'shardtune[qlora]'"
 # peft_type names as written in adapter_config.json, per --peft_method
 PEFT_TYPES = {"lora": "LORA", "llama_adapter": "ADAPTION_PROMPT", "prefix": "PREFIX_TUNING"}
@@ -44,8 +48,11 @@ def peft_config(cfg: TrainConfig, num_layers: int):
 
     if cfg.peft_method == "lora":
         lc = cfg.lora_config
-        return peft.LoraConfig(r=lc.r, lora_alpha=lc.lora_alpha, target_modules=list(lc.target_modules),
+        # all-linear (TRL's spelling too): peft expands it to every linear layer but the output head
+        targets = "all-linear" if list(lc.target_modules) == ["all-linear"] else list(lc.target_modules)
+        return peft.LoraConfig(r=lc.r, lora_alpha=lc.lora_alpha, target_modules=targets,
                                lora_dropout=lc.lora_dropout, bias=lc.bias, use_dora=lc.use_dora,
+                               use_rslora=lc.use_rslora, modules_to_save=list(lc.modules_to_save) or None,
                                task_type="CAUSAL_LM")
     if cfg.peft_method == "llama_adapter":
         ac = cfg.llama_adapter_config
@@ -128,7 +135,9 @@ def check_peft(cfg: TrainConfig) -> None:
 
     model = build_model_on_meta(cfg.model_name)
     if cfg.peft_method == "lora":
-        _check_target_modules(model, cfg.lora_config.target_modules)
+        if cfg.lora_config.target_modules != ["all-linear"]:
+            _check_target_modules(model, cfg.lora_config.target_modules, "target_modules")
+        _check_target_modules(model, cfg.lora_config.modules_to_save, "modules_to_save")
     elif cfg.peft_method == "llama_adapter":
         _check_adapter_architecture(model)
     if cfg.from_peft_checkpoint:
@@ -175,14 +184,14 @@ def _module_matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
-def _check_target_modules(model: nn.Module, targets: list[str]) -> None:
+def _check_target_modules(model: nn.Module, targets: list[str], setting: str) -> None:
     names = [n for n, _ in model.named_modules() if n]
     linear_leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
     for target in targets:
         if not any(_module_matches(n, target) for n in names):
             close = difflib.get_close_matches(target, linear_leaves, n=1)
             hint = f"did you mean {close[0]}?" if close else "its linear layers are " + ", ".join(linear_leaves)
-            raise ConfigError(f"--lora_config.target_modules {target!r} matches no module of "
+            raise ConfigError(f"--lora_config.{setting} {target!r} matches no module of "
                               f"{type(model).__name__}: {hint}")
 
 
@@ -282,6 +291,10 @@ def apply_peft(model: nn.Module, cfg: TrainConfig) -> nn.Module:
         # fp32 norms / embeddings for stable QLoRA; when sharded, every parameter stays in the storage dtype instead
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     model = _attach(model, cfg, num_layers)
+    if cfg.peft_method == "lora":  # masks that do not depend on the rank layout: 1 x 4 trains as 2 x 2
+        from shardtune.model.lora_dropout import use_example_keyed_dropout
+
+        use_example_keyed_dropout(model)
     trainable, total = model.get_nb_trainable_parameters()
     what = f"from {cfg.from_peft_checkpoint}" if cfg.from_peft_checkpoint else "new"
     print0(f"peft: {cfg.peft_method} ({what}), {trainable:,} trainable of {total:,} parameters "
@@ -322,7 +335,30 @@ def save_adapter(model: nn.Module, trainable_state: dict[str, torch.Tensor], bas
     finally:
         config.inference_mode, config.base_model_name_or_path = inference_mode, base
     tokenizer.save_pretrained(staging)
+    overrides = trained_base_overrides(model.get_base_model().config)
+    if overrides:
+        (staging / BASE_OVERRIDES).write_text(json.dumps(overrides, indent=1) + "\n", encoding="utf-8")
     publish_dir(staging, out_dir)
+
+
+def trained_base_overrides(config) -> dict[str, Any]:
+    """The fields of the trained base's config that a plain load of the base would lose: RoPE scaling."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") == "default":
+        return {}
+    return {"rope_parameters": dict(rope), "max_position_embeddings": config.max_position_embeddings}
+
+
+def adapter_base_config(base: str, adapter_dir: str | Path = ""):
+    """The config of ``base`` as the adapter was trained on it: config.json plus the adapter's BASE_OVERRIDES."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(base)
+    path = Path(adapter_dir) / BASE_OVERRIDES if adapter_dir else None
+    if path is not None and path.is_file():
+        for key, value in json.loads(path.read_text(encoding="utf-8")).items():
+            setattr(config, key, value)
+    return config
 
 
 # -- merging -------------------------------------------------------------------------------------------------------
@@ -345,7 +381,8 @@ def merge_adapter(adapter_dir: str, out_dir: str | Path, base: str = "",
     dtype = dtype or AutoConfig.from_pretrained(base).dtype or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    model = peft.PeftModel.from_pretrained(load_model(base, dtype=torch.float32), adapter).merge_and_unload()
+    trained_base = load_model(base, dtype=torch.float32, config=adapter_base_config(base, adapter))
+    model = peft.PeftModel.from_pretrained(trained_base, adapter).merge_and_unload()
     model.config.dtype = dtype
     tokenizer_dir = adapter if (Path(adapter) / "tokenizer_config.json").is_file() else base
     save_hf_model(model, model.state_dict(), load_tokenizer(tokenizer_dir), Path(out_dir))

@@ -55,6 +55,11 @@ class Strategy(ABC):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
 
+    def generating(self, model: nn.Module) -> ContextManager:
+        """Context for ``generate`` on ``unwrap(model)``: generation calls the inner model's forward, so a strategy
+        whose wrapper gathers weights in its own forward gathers them here instead."""
+        return contextlib.nullcontext()
+
     @property
     def grad_average_size(self) -> int:
         """How many ranks' gradients the strategy averages; the loss is multiplied by it to undo the mean."""
@@ -143,7 +148,7 @@ class Strategy(ABC):
             return {"model": model_state, "optimizer": get_optimizer_state_dict(model, optimizer,
                                                                                 options=TRAINABLE_ONLY)}
         model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
-        return {"model": model_state, "optimizer": optimizer_state}
+        return {"model": without_quantization_state(model_state), "optimizer": optimizer_state}
 
     def load_training_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Put a state filled by torch.distributed.checkpoint.load back into the model and optimizer.
@@ -176,8 +181,12 @@ class Strategy(ABC):
         DeepSpeed checkpoint never gets here, --resume refuses it before launch)."""
         import torch.distributed.checkpoint as dcp
 
+        from shardtune.runtime.checkpoint_reader import SafeFileSystemReader
+
         state = self.training_state_dict(model, optimizer)
-        dcp.load(state, checkpoint_id=directory)
+        reader = SafeFileSystemReader(str(directory))  # its .metadata unpickles no code
+        reader.read_metadata()  # first alone: dcp.load would log a refusal as a warning and try other files
+        dcp.load(state, storage_reader=reader)
         self.load_training_state_dict(model, optimizer, state)
 
     def checkpoint_state(self) -> dict:
@@ -186,7 +195,8 @@ class Strategy(ABC):
 
     def describe(self) -> str:
         return (f"{self.name}, world size {self.env.world_size}{self.describe_split()}, compute dtype "
-                f"{dtype_name(self.compute_dtype)}")
+                f"{dtype_name(self.compute_dtype)}"
+                + (", activation checkpointing" if self.cfg.fsdp_config.fsdp_activation_checkpointing else ""))
 
     def describe_split(self) -> str:
         """How rows are split (empty when they are not): part of every strategy's start line."""
@@ -194,6 +204,22 @@ class Strategy(ABC):
             return ""
         return (f", rows split over context parallel {self.dims.cp} x sequence parallel {self.dims.sp} "
                 f"(data parallel {self.dims.dp_size})")
+
+
+def without_quantization_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop bitsandbytes' 4-bit statistics (``...weight.absmax``, ``.quant_map``, ``.quant_state.*``): they belong to
+    the frozen base, come back with it when it is loaded, and only unsharded (DDP) layers list them, so a checkpoint
+    that held them could not be read under FSDP, nor an FSDP one under DDP."""
+    def is_quantization_state(key: str) -> bool:
+        _, found, rest = key.rpartition(".weight.")
+        return bool(found) and (rest in QUANT_STATE_KEYS or rest.startswith("quant_state."))
+
+    return {k: v for k, v in state.items() if not is_quantization_state(k)}
+
+
+# the entries bitsandbytes' QuantState.as_dict adds after "weight." (bitsandbytes.functional.QuantState.valid_qs_keys)
+QUANT_STATE_KEYS = frozenset({"absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state", "quant_type",
+                              "blocksize", "dtype", "shape", "nested_blocksize", "nested_dtype", "nested_offset"})
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardtune.parallel.base import Strategy
+from shardtune.parallel.fsdp import checkpoint_activations
 
 
 class DDPStrategy(Strategy):
@@ -17,6 +18,7 @@ class DDPStrategy(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         model.to(self.env.device)
+        checkpoint_activations(model, self.cfg)
         if self.compute_dtype == torch.float16:
             self.scaler = torch.amp.GradScaler(self.env.device.type)
         device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None

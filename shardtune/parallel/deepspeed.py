@@ -27,6 +27,7 @@ from shardtune.runtime.distributed import DistEnv
 from shardtune.runtime.errors import CheckpointError, TrainingStopped
 from shardtune.parallel.optim import build_optimizer
 from shardtune.parallel.base import Strategy, dtype_name
+from shardtune.parallel.fsdp import checkpoint_activations
 
 DEEPSPEED_TAG = "deepspeed"  # the sub-folder of a checkpoint that DeepSpeed's save_checkpoint writes
 
@@ -102,6 +103,7 @@ class DeepSpeedStrategy(Strategy):
             deepspeed.init_distributed(dist_backend=self.env.backend)
         if not getattr(model, "is_quantized", False):  # a bitsandbytes model is loaded onto its device already
             model.to(self.env.device)
+        checkpoint_activations(model, self.cfg)
         self.optimizer = build_optimizer(model, self.cfg)
         config = deepspeed_config(self.cfg, self.env.world_size, self.compute_dtype)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=config,
@@ -204,7 +206,8 @@ class DeepSpeedStrategy(Strategy):
         offload = [what for what, on in (("optimizer", dc.offload_optimizer), ("parameters", dc.offload_param)) if on]
         text = (f"deepspeed ZeRO-{self.zero_stage}, world size {self.env.world_size}{self.describe_split()}, "
                 f"compute dtype {dtype_name(self.compute_dtype)}")
-        return text + (f", {' and '.join(offload)} offloaded to CPU" if offload else "")
+        text += f", {' and '.join(offload)} offloaded to CPU" if offload else ""
+        return text + (", activation checkpointing" if self.cfg.fsdp_config.fsdp_activation_checkpointing else "")
 
 
 def deepspeed_resume_problem(path: Path, saved: dict, world_size: int, zero_stage: int) -> str | None:

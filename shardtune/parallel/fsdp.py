@@ -100,6 +100,13 @@ def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module]) ->
     return wrapped
 
 
+def checkpoint_activations(model: nn.Module, cfg) -> None:
+    """--fsdp_config.fsdp_activation_checkpointing (TRL: --gradient_checkpointing) under DDP and DeepSpeed: the same
+    wrappers FSDP applies before sharding (their state_dict hook keeps the parameter names)."""
+    if cfg.fsdp_config.fsdp_activation_checkpointing:
+        apply_activation_checkpointing(model, decoder_layers(model))
+
+
 # -- low_cpu_fsdp ----------------------------------------------------------------------------------------------------
 
 def materialize_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | None,
@@ -195,6 +202,9 @@ class FSDPStrategy(Strategy):
     def accumulating(self, model: nn.Module) -> ContextManager:
         return _no_gradient_sync(model)
 
+    def generating(self, model: nn.Module) -> ContextManager:
+        return _root_unsharded(model)
+
     def autocast(self) -> ContextManager:
         return contextlib.nullcontext()  # MixedPrecisionPolicy casts parameters and inputs itself
 
@@ -234,6 +244,19 @@ def per_rank_state_line(model: nn.Module) -> str:
     state = local_state_bytes(model)
     return (f"fsdp: per-rank training state (rank 0's local shards): params {human_bytes(state.params)}, "
             f"grads {human_bytes(state.grads)}, AdamW state {human_bytes(state.optimizer)}")
+
+
+@contextlib.contextmanager
+def _root_unsharded(model: nn.Module):
+    """The root's own parameters (embeddings, final norm, output layer) gathered for the duration: ``generate``
+    (a PeftModel's too) calls the inner model's forward, never the root's, whose hook would gather them; each
+    decoder layer still gathers its own in its forward."""
+    assert isinstance(model, FSDPModule), "generating() needs the wrapped root"
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
 
 
 @contextlib.contextmanager

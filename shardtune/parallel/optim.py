@@ -7,24 +7,106 @@ import math
 import torch
 from torch import nn
 
-from shardtune.config.schema import TrainConfig
+from shardtune.config.schema import ConfigError, TrainConfig
+
+
+def no_decay(name: str, param: nn.Parameter) -> bool:
+    """Biases and norm weights (every parameter of fewer than 2 dims) get no weight decay, as in HF's Trainer."""
+    return name.endswith("bias") or param.ndim < 2
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if cfg.weight_decay:
+        params: list = [{"params": [p for n, p in named if not no_decay(n, p)], "weight_decay": cfg.weight_decay},
+                        {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0}]
+    else:  # one group, as checkpoints written before weight decay was split hold
+        params = [p for _, p in named]
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+                             weight_decay=cfg.weight_decay, fused=cfg.optim == "adamw_torch_fused" or None)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
-    """Returns (scheduler, steps_per_call): llama-cookbook's StepLR steps once per epoch; cosine once per step."""
-    if cfg.lr_scheduler == "cosine":
-        warmup = cfg.warmup_steps
+def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
+    return cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
 
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            progress = (step - warmup) / max(1, total_steps - warmup)
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor), "step"
-    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.gamma), "epoch"
+def lr_factor(cfg: TrainConfig, step: int, total_steps: int, steps_per_epoch: int) -> float:
+    """The lr of optimizer step ``step`` (0-based) as a fraction of --lr: a linear warm-up ((s + 1) / (w + 1), so no
+    step trains at lr 0), then the schedule over the remaining steps."""
+    warmup = warmup_steps(cfg, total_steps)
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    name = cfg.lr_scheduler
+    if name == "step":  # llama-cookbook: x gamma once per epoch
+        return cfg.gamma ** (step // max(1, steps_per_epoch))
+    if name == "linear":
+        return 1.0 - progress
+    if name in ("constant", "constant_with_warmup"):
+        return 1.0
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    if name == "cosine_with_min_lr":
+        floor = cfg.min_lr / cfg.lr if cfg.min_lr else cfg.min_lr_rate
+        return floor + (1.0 - floor) * cosine
+    return cosine
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int, steps_per_epoch: int = 0):
+    """Returns (scheduler, steps_per_call): llama-cookbook's step schedule without warm-up is a StepLR stepped once
+    per epoch (as its checkpoints hold it); every other schedule a LambdaLR stepped once per optimizer step."""
+    if cfg.lr_scheduler == "step" and not warmup_steps(cfg, total_steps):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.gamma), "epoch"
+    steps_per_epoch = steps_per_epoch or total_steps
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(cfg, step, total_steps, steps_per_epoch)), "step"
+
+
+def check_schedule(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.warmup_steps and cfg.warmup_ratio:
+        raise ConfigError(f"--warmup_steps {cfg.warmup_steps} and --warmup_ratio {cfg.warmup_ratio} are both set: "
+                          "keep one of them")
+    if not 0 <= cfg.warmup_ratio < 1:
+        raise ConfigError(f"--warmup_ratio {cfg.warmup_ratio} must be in [0, 1)")
+    if cfg.lr_scheduler == "constant" and (cfg.warmup_steps or cfg.warmup_ratio):
+        raise ConfigError("--lr_scheduler constant has no warm-up, but a warm-up is set: use --lr_scheduler "
+                          "constant_with_warmup, or drop --warmup_steps / --warmup_ratio")
+    floors = {"min_lr_rate": cfg.min_lr_rate, "min_lr": cfg.min_lr}
+    if cfg.lr_scheduler != "cosine_with_min_lr":
+        for name, value in floors.items():
+            if value:
+                raise ConfigError(f"--{name} {value} has no effect with --lr_scheduler {cfg.lr_scheduler}: use "
+                                  "--lr_scheduler cosine_with_min_lr, or drop it")
+        return
+    if bool(cfg.min_lr_rate) == bool(cfg.min_lr):
+        raise ConfigError("--lr_scheduler cosine_with_min_lr needs exactly one of --min_lr_rate and --min_lr "
+                          "(TRL: --lr_scheduler_kwargs '{\"min_lr_rate\": 0.1}')")
+    if not 0 <= cfg.min_lr_rate < 1 or not 0 <= cfg.min_lr < cfg.lr:
+        raise ConfigError(f"--min_lr_rate {cfg.min_lr_rate} must be in [0, 1) and --min_lr {cfg.min_lr} below --lr "
+                          f"{cfg.lr}")
+
+
+def check_adam(cfg: TrainConfig, world_size: int) -> None:
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name} {getattr(cfg, name)} must be in [0, 1)")
+    if cfg.adam_epsilon <= 0:
+        raise ConfigError(f"--adam_epsilon {cfg.adam_epsilon} must be positive")
+
+
+def apply_settings_on_resume(optimizer: torch.optim.Optimizer, scheduler, cfg: TrainConfig) -> None:
+    """After a checkpoint's optimizer and scheduler state are loaded: this run's --lr, weight decay, betas and epsilon
+    replace the checkpoint's (the moments are kept), and the schedule continues at its position with the new peak
+    lr (each group's lr keeps its ratio to the schedule's peak). Without this the restored state silently puts the
+    checkpoint's hyperparameters back while config.yaml records the new ones."""
+    bases = list(getattr(scheduler, "base_lrs", [])) or [g.get("initial_lr", cfg.lr) for g in optimizer.param_groups]
+    for group, base in zip(optimizer.param_groups, bases):
+        group["lr"] = cfg.lr * (group["lr"] / base) if base else cfg.lr
+        group["initial_lr"] = cfg.lr
+        if group.get("weight_decay"):  # groups without decay (biases, norms) stay without
+            group["weight_decay"] = cfg.weight_decay
+        group["betas"] = (cfg.adam_beta1, cfg.adam_beta2)
+        group["eps"] = cfg.adam_epsilon
+    if hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    if hasattr(scheduler, "_last_lr"):
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -40,6 +40,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from shardtune.model.attention import varlen_attention_forward, varlen_mask
 from shardtune.config.schema import ConfigError, TrainConfig
+from shardtune.data.batching import EXAMPLE_IDS, EXAMPLE_LENGTHS
 from shardtune.model.loss import IGNORE_INDEX, SEQUENCE_LAYOUT, SHIFT_LABELS, shift_labels
 from shardtune.parallel.dims import ParallelDims
 
@@ -118,8 +119,13 @@ def split_row(batch: dict[str, torch.Tensor], row_slice: RowSlice, pad_id: int) 
         shard = torch.cat([row[:, c * chunk_len:(c + 1) * chunk_len] for c in chunk_ids], dim=1)
         return shard[:, start:start + slice_len].contiguous()
 
-    return {"input_ids": mine(input_ids), "position_ids": mine(position_ids), SHIFT_LABELS: mine(targets),
-            SEQUENCE_LAYOUT: SequenceLayout(cu_seq_lens, max_length, chunk_ids, chunk_len)}
+    split = {"input_ids": mine(input_ids), "position_ids": mine(position_ids), SHIFT_LABELS: mine(targets),
+             SEQUENCE_LAYOUT: SequenceLayout(cu_seq_lens, max_length, chunk_ids, chunk_len)}
+    for key, fill in ((EXAMPLE_IDS, -1), (EXAMPLE_LENGTHS, 0)):  # LoRA dropout's keys (shardtune.model.lora_dropout)
+        if key in batch:
+            row = batch[key]
+            split[key] = mine(torch.cat([row, row.new_full((1, padded - length), fill)], dim=1))
+    return split
 
 
 # -- attention side --------------------------------------------------------------------------------------------------

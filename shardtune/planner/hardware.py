@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 from shardtune.config.schema import ConfigError
 from shardtune.model.memory import GIB
+from shardtune.model.peak_flops import data_sheet_peak
 
 # -- hardware --------------------------------------------------------------------------------------------------------
 
@@ -32,14 +33,22 @@ class Device:
 
 
 GB = 1e9
+
+
+def bf16_peak(name: str) -> float:
+    """The data-sheet dense bf16 peak (shardtune.model.peak_flops: the one table MFU divides by too)."""
+    return data_sheet_peak(name, "bf16").flops_per_s
+
+
 DEVICES: dict[str, Device] = {
     # NVLink 4 (900 GB/s bidirectional) reaches ~360 GB/s of NCCL bus bandwidth; 400 Gb/s InfiniBand per GPU = 50 GB/s
     # host memory per node: what an 8-GPU server of the kind ships with (DGX H100 / H200 / A100 80GB: 2 TB; an
     # L40S server: 1 TB); --host_memory sets the real figure
-    "H100": Device("H100 80GB SXM", 80 * GIB, 989e12, 360 * GB, 50 * GB, host_memory_bytes=2048 * GIB),
-    "H200": Device("H200 141GB SXM", 141 * GIB, 989e12, 360 * GB, 50 * GB, host_memory_bytes=2048 * GIB),
-    "A100": Device("A100 80GB SXM", 80 * GIB, 312e12, 230 * GB, 25 * GB, host_memory_bytes=2048 * GIB),
-    "L40S": Device("L40S 48GB (PCIe)", 48 * GIB, 362e12, 20 * GB, 12.5 * GB, host_memory_bytes=1024 * GIB),
+    "H100": Device("H100 80GB SXM", 80 * GIB, bf16_peak("H100 SXM"), 360 * GB, 50 * GB, host_memory_bytes=2048 * GIB),
+    "H200": Device("H200 141GB SXM", 141 * GIB, bf16_peak("H200"), 360 * GB, 50 * GB, host_memory_bytes=2048 * GIB),
+    "A100": Device("A100 80GB SXM", 80 * GIB, bf16_peak("A100"), 230 * GB, 25 * GB, host_memory_bytes=2048 * GIB),
+    "L40S": Device("L40S 48GB (PCIe)", 48 * GIB, bf16_peak("L40S"), 20 * GB, 12.5 * GB,
+                   host_memory_bytes=1024 * GIB),
 }
 ASSUMED_MFU = 0.40
 HOST_LINK_BYTES_S = 25 * GB   # PCIe gen4/5 x16, achievable: what offloaded state crosses each step

@@ -68,6 +68,8 @@ def init_distributed(timeout_s: float = 1800.0) -> DistEnv:
         kwargs = {"device_id": device} if backend == "nccl" else {}
         timeout = timedelta(seconds=timeout_s)
         store = attempt_store(world_size, timeout)
+        if store is None and world_size == 1:  # nothing to meet: no TCP store, so no port open to anyone
+            store = dist.HashStore()
         if store is not None:
             kwargs.update(store=store, rank=rank, world_size=world_size)
         dist.init_process_group(backend=backend, timeout=timeout, **kwargs)

@@ -19,11 +19,13 @@ import yaml
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from shardtune.config.checks import check_previous_run
 from shardtune.config.flags import flatten_dict, to_dict, to_yaml
 from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
 from shardtune.model.loading import training_model_config
 from shardtune.model.saving import save_hf_model
 from shardtune.parallel.deepspeed import deepspeed_resume_problem
+from shardtune.parallel.optim import apply_settings_on_resume
 from shardtune.runtime.distributed import (
     DistEnv,
     all_reduce_sum,
@@ -34,8 +36,14 @@ from shardtune.runtime.distributed import (
 )
 from shardtune.runtime.elastic import worker_group_attempt
 from shardtune.runtime.errors import CheckpointError
-from shardtune.runtime.files import write_text_atomic
+from shardtune.runtime.files import fsync_dir, write_text_atomic
 from shardtune.runtime.preemption import Preempted, stop_signal_anywhere
+from shardtune.training.checkpoint_files import (
+    MANIFEST_FILE,
+    remove_checkpoint,
+    verify_checkpoint,
+    write_manifest,
+)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Training checkpoints: output_dir/checkpoints/step-000123/ (torch.distributed.checkpoint + small files)
@@ -48,15 +56,20 @@ from shardtune.runtime.preemption import Preempted, stop_signal_anywhere
 #   config.yaml               the resolved training config
 #   trainer_state.json        step, epoch, position in the data, scheduler, counters; written last
 #
-# All ranks write into step-000123.tmp-<attempt>/; when every rank has finished, rank 0 renames it and then
-# rewrites checkpoints/latest (os.replace). A folder without ".tmp-" is therefore always complete.
+#   manifest.json             every other file's size and SHA-256 (shardtune/training/checkpoint_files.py); written last
+#
+# All ranks write into step-000123.tmp-<attempt>/; when every rank has finished, each fsyncs and hashes a share of
+# the files, rank 0 writes the manifest, renames the folder and then rewrites checkpoints/latest (os.replace), each
+# step fsynced. A step folder is complete when it has a manifest; resuming takes the newest one whose files match it.
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 STATE_FILE = "trainer_state.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest.json
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # Settings that may change between a run and its resumption without changing what is trained.
+# Optimizer hyperparameters a resume applies to the restored optimizer (parallel/optim.apply_settings_on_resume).
+OPTIMIZER_SETTINGS = ("lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
 RUN_CONTROL_SETTINGS = frozenset({
     "output_dir", "resume", "save_steps", "save_total_limit", "max_train_step", "debug", "num_workers_dataloader",
     "save_model", "save_metrics", "max_eval_step", "run_validation", "val_batch_size", "nan_policy",
@@ -64,6 +77,10 @@ RUN_CONTROL_SETTINGS = frozenset({
     "sequence_parallel_size", "context_parallel_size",  # how rows are split: the training state does not depend on it
     # memory levers: they change where activations live or when they are computed, not the numbers (tested equal)
     "tiled_mlp", "activation_offloading", "fsdp_config.fsdp_activation_checkpointing",
+    # how the state is sharded: DDP, FSDP and HSDP train the same numbers (the equivalence tests), and a checkpoint
+    # of one resumes under another
+    "enable_fsdp", "fsdp_config.sharding_strategy", "fsdp_config.hsdp", "fsdp_config.sharding_group_size",
+    "fsdp_config.replica_group_size", "fsdp_config.fsdp_cpu_offload", "low_cpu_fsdp",
 })
 
 
@@ -94,14 +111,19 @@ def checkpoint_step(path: Path) -> int | None:
 
 
 def is_complete(path: Path) -> bool:
-    return checkpoint_step(path) is not None and (path / STATE_FILE).is_file()
+    """A step folder with its manifest (written last, deleted first): not whether its files are intact."""
+    return checkpoint_step(path) is not None and (path / MANIFEST_FILE).is_file()
+
+
+def step_folders(root: Path) -> list[Path]:
+    """Every step-NNNNNN folder of a checkpoints folder, complete or not, oldest first."""
+    found = [p for p in root.iterdir() if p.is_dir() and checkpoint_step(p) is not None] if root.is_dir() else []
+    return sorted(found, key=checkpoint_step)
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     """Complete checkpoints, oldest first; temporary folders of unfinished saves are never listed."""
-    root = checkpoints_dir(output_dir)
-    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)] if root.is_dir() else []
-    return sorted(found, key=checkpoint_step)
+    return [p for p in step_folders(checkpoints_dir(output_dir)) if is_complete(p)]
 
 
 def unfinished_saves(output_dir: str | Path) -> list[Path]:
@@ -109,37 +131,77 @@ def unfinished_saves(output_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.glob("step-*.tmp-*") if p.is_dir()) if root.is_dir() else []
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The checkpoint named by ``latest``; the newest complete one when that file is missing or stale."""
-    root = checkpoints_dir(output_dir)
+def checkpoint_problem(path: Path, hashes: bool = True) -> str | None:
+    """Why the checkpoint ``path`` cannot be resumed from (None: it verifies): its manifest, then its state file."""
+    problem = verify_checkpoint(path, hashes)
+    if problem is None:
+        try:
+            read_trainer_state(path)
+        except (OSError, ValueError) as e:
+            problem = f"{STATE_FILE} cannot be read ({type(e).__name__})"
+    return problem
+
+
+def _named_by_latest(root: Path, notes: list[str]) -> Path | None:
+    """The folder ``latest`` names; only a step-NNNNNN folder of ``root`` itself is taken (never ../elsewhere)."""
     try:
-        named = root / (root / LATEST_FILE).read_text(encoding="utf-8").strip()
+        name = (root / LATEST_FILE).read_text(encoding="utf-8").strip()
     except OSError:
-        named = None
-    if named is not None and is_complete(named):
-        return named
-    found = complete_checkpoints(output_dir)
-    return found[-1] if found else None
+        return None
+    if not _STEP_DIR.match(name):
+        notes.append(f"checkpoint: {root / LATEST_FILE} names {name[:80]!r}, not a step-NNNNNN folder of {root}: "
+                     "ignored")
+        return None
+    return root / name
 
 
-def resolve_checkpoint(where: str, output_dir: str | Path) -> Path | None:
+def newest_verified_checkpoint(output_dir: str | Path, hashes: bool = True,
+                               notes: list[str] | None = None) -> Path | None:
+    """The checkpoint ``latest`` names if it verifies, else the newest one that does; ``notes`` receives one line
+    per checkpoint skipped, with the reason."""
+    notes = [] if notes is None else notes
+    root = checkpoints_dir(output_dir)
+    named = _named_by_latest(root, notes)
+    candidates = [named] if named is not None and named.is_dir() else []
+    candidates += [p for p in reversed(step_folders(root)) if p != named]
+    for path in candidates:
+        problem = checkpoint_problem(path, hashes)
+        if problem is None:
+            return path
+        notes.append(f"checkpoint: skipped {path}: {problem}")
+    return None
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The checkpoint named by ``latest``; the newest complete one when that file is missing or stale (sizes
+    checked against the manifests, not hashes)."""
+    return newest_verified_checkpoint(output_dir, hashes=False)
+
+
+def resolve_checkpoint(where: str, output_dir: str | Path, hashes: bool = True,
+                       notes: list[str] | None = None) -> Path | None:
     """``latest`` (of output_dir, or of a checkpoints folder), a checkpoint folder, or an output dir or checkpoints
     folder (its latest checkpoint); ``auto``: latest if there is a complete checkpoint, else None (a new run; for
-    jobs that requeue or restart themselves)."""
-    if where == "auto":
-        return latest_checkpoint(output_dir)
-    if where == "latest":
-        path = latest_checkpoint(output_dir)
-        if path is None:
+    jobs that requeue or restart themselves). Only a checkpoint that verifies (checkpoint_problem) is returned;
+    ``notes`` receives a line for each newer one that was skipped."""
+    if where in ("auto", "latest"):
+        path = newest_verified_checkpoint(output_dir, hashes, notes)
+        if path is None and where == "latest":
             raise ConfigError(f"--resume latest: no complete checkpoint in {checkpoints_dir(output_dir)}: drop "
                               "--resume to start a new run, or pass a checkpoint folder")
         return path
     path = Path(where)
-    if is_complete(path):
+    if checkpoint_step(path) is not None and path.is_dir():
+        problem = checkpoint_problem(path, hashes)
+        if problem is not None:
+            raise ConfigError(f"--resume {where}: the checkpoint does not verify ({problem}): pass another "
+                              "checkpoint, or --resume latest (the newest one that verifies)")
         return path
-    if checkpoints_dir(path).is_dir() and latest_checkpoint(path) is not None:
-        return latest_checkpoint(path)  # type: ignore[return-value]
-    raise ConfigError(f"{where} is not a complete checkpoint (a step-NNNNNN folder with {STATE_FILE}, or an "
+    if checkpoints_dir(path).is_dir():
+        found = newest_verified_checkpoint(path, hashes, notes)
+        if found is not None:
+            return found
+    raise ConfigError(f"{where} is not a complete checkpoint (a step-NNNNNN folder with {MANIFEST_FILE}, or an "
                       "output dir holding checkpoints/): pass one, or --resume latest")
 
 
@@ -147,7 +209,10 @@ def check_checkpointing(cfg: TrainConfig, world_size: int) -> None:
     for name in ("save_steps", "save_total_limit"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} {getattr(cfg, name)} must be >= 0 (0: see shardtune sft --help)")
-    path = resolve_checkpoint(cfg.resume, checkpoint_root(cfg)) if cfg.resume else None
+    # sizes only: the worker's rank 0 checks the hashes (and says which checkpoints it skipped) before loading
+    path = resolve_checkpoint(cfg.resume, checkpoint_root(cfg), hashes=False) if cfg.resume else None
+    if cfg.resume == "auto" and path is None:  # nothing to resume: a new run, refused over a previous one like any
+        check_previous_run(cfg, resuming=False)
     if path is not None:
         saved = read_trainer_state(path)
         if not saved.get("optimizer_saved", True):
@@ -282,10 +347,18 @@ class Checkpointer:
         return found
 
     def _find_resume_source(self) -> Path | None:
+        notes: list[str] = []
+        try:
+            return self._choose_resume_source(notes)
+        finally:
+            for note in notes:
+                warn0(note)
+
+    def _choose_resume_source(self, notes: list[str]) -> Path | None:
         if self.cfg.resume:
-            return resolve_checkpoint(self.cfg.resume, self.root)
+            return resolve_checkpoint(self.cfg.resume, self.root, notes=notes)
         if self.attempt > 0:  # the worker group was restarted (--max_restarts): after a failure on any node
-            latest = latest_checkpoint(self.root)
+            latest = newest_verified_checkpoint(self.root, notes=notes)
             if latest is not None:
                 print0(f"restart {self.attempt} of the worker group: resuming automatically from {latest}")
             else:
@@ -295,13 +368,15 @@ class Checkpointer:
         return None
 
     # -- metrics.jsonl continues where the checkpoint was taken ------------------------------------------------
-    def keep_metrics_rows(self, metrics_path: Path) -> bool:
-        """Rank 0: drop rows logged after the checkpoint (a crashed run's last steps); True: append to the file."""
+    def keep_metrics_rows(self, metrics_path: Path, total_steps: int) -> bool:
+        """Rank 0: drop rows logged after the checkpoint (a crashed run's last steps, an evaluation that training
+        on will redo); True: append to the file. A run resumed at its end (``total_steps`` reached) trains and
+        evaluates nothing again, so its rows all stay."""
         if self.resume_state is None or not metrics_path.is_file():
             return False
         keep = self.resume_state.get("metrics_rows")
         same_run = self.resume_from.parent.resolve() == self.root.resolve()  # type: ignore[union-attr]
-        if same_run and keep is not None:
+        if same_run and keep is not None and self.resume_state["step"] < total_steps:
             lines = metrics_path.read_text(encoding="utf-8").splitlines(keepends=True)
             write_text_atomic(metrics_path, "".join(lines[:keep]))
         return True
@@ -340,17 +415,28 @@ class Checkpointer:
         model, optimizer, scheduler, result = self.training  # type: ignore[misc]
         state, path = self.resume_state, self.resume_from
         assert state is not None and path is not None
-        changed = settings_changed(yaml.safe_load((path / "config.yaml").read_text()), self.cfg)
+        saved_cfg = yaml.safe_load((path / "config.yaml").read_text())
+        changed = settings_changed(saved_cfg, self.cfg)
         if changed:
+            applied = [k for k in changed if k in OPTIMIZER_SETTINGS]
+            then = flatten_dict(saved_cfg)
+            how = (f"; applied from step {state['step'] + 1} on: " + ", ".join(
+                f"{k} {then.get(k)} -> {flatten_dict(to_dict(self.cfg))[k]}" for k in applied)
+                + " (the optimizer's moments and the schedule's position are kept)") if applied else ""
             warn0(f"resuming with settings that differ from the checkpoint's ({', '.join(changed)}): the run will "
-                  "not equal an uninterrupted one")
+                  f"not equal an uninterrupted one{how}")
         planned = state.get("total_steps")
         if self.cfg.lr_scheduler == "cosine" and planned is not None and planned != self.total_steps:
             warn0(f"the cosine schedule now spans {self.total_steps} steps instead of the checkpoint's {planned} "
                   f"(--max_train_step / --num_epochs / batch changed): the learning rate from step {state['step']} "
                   "on differs from the uninterrupted run's")
-        self.strategy.load_training_state(model, optimizer, path, state)
+        try:  # torch's CheckpointException is a BaseException: caught here by name, so that it is one line
+            self.strategy.load_training_state(model, optimizer, path, state)
+        except (Exception, CheckpointException) as e:
+            raise CheckpointError(f"{path} could not be loaded ({failure_reason(e)}): resume from another checkpoint "
+                                  "(--resume CHECKPOINT_FOLDER), or start a new run") from e
         scheduler.load_state_dict(state["scheduler"])
+        apply_settings_on_resume(optimizer, scheduler, self.cfg)  # this run's lr & co., not the checkpoint's
         own_rng = rng_file(path, self.env.rank)
         if own_rng.is_file():
             set_rng_state(torch.load(own_rng, weights_only=True), self.env.device)
@@ -421,6 +507,12 @@ class Checkpointer:
                 error = e
         if not _all_ok(error is None, self.env.device):
             self._fail(name, tmp, error)
+        try:  # collective: every rank fsyncs and hashes a share of the files, rank 0 writes the manifest
+            write_manifest(tmp, self.env.rank, self.env.world_size)
+        except OSError as e:
+            error = e
+        if not _all_ok(error is None, self.env.device):
+            self._fail(name, tmp, error)
         if self.env.is_main:
             try:
                 self._publish(tmp, final)
@@ -462,14 +554,18 @@ class Checkpointer:
 
     def _publish(self, tmp: Path, final: Path) -> None:
         if final.exists():  # left by an earlier timeline (resumed from an older checkpoint): superseded
-            shutil.rmtree(final)
+            remove_checkpoint(final)
         os.replace(tmp, final)
+        fsync_dir(self.root)
+        problem = verify_checkpoint(final, hashes=False)  # the hashes were taken from the disk just before
+        if problem is not None:
+            raise OSError(f"{final} does not verify after the rename: {problem}")
         write_text_atomic(self.root / LATEST_FILE, final.name + "\n")
-        if self.cfg.save_total_limit:
+        if self.cfg.save_total_limit:  # only now, with the new checkpoint verified, do older ones go
             step = checkpoint_step(final)
             older = [p for p in complete_checkpoints(self.root) if checkpoint_step(p) <= step]  # type: ignore
             for stale in older[:-self.cfg.save_total_limit]:
-                shutil.rmtree(stale, ignore_errors=True)
+                remove_checkpoint(stale)
 
     def _fail(self, name: str, tmp: Path, error: BaseException | None) -> None:
         free = shutil.disk_usage(self.root).free
@@ -491,3 +587,38 @@ class Checkpointer:
 
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def check_resume_fits(cfg: TrainConfig) -> None:
+    """Before launch (``cfg.model_name`` resolved): a checkpoint that cannot load into this run's model is one line
+    naming the mismatch, found before config.yaml or metrics.jsonl are touched."""
+    path = resolve_checkpoint(cfg.resume, checkpoint_root(cfg)) if cfg.resume else None
+    if path is None:
+        return
+    saved, flag = read_trainer_state(path), f"--resume {cfg.resume}"
+    if saved.get("adapter_only") and not cfg.use_peft:
+        raise ConfigError(f"{flag}: {path} holds a PEFT adapter's training state: add --use_peft (and the run's "
+                          "--peft_method / --lora_config), or start a new run")
+    if not saved.get("adapter_only", cfg.use_peft) and cfg.use_peft:
+        raise ConfigError(f"{flag}: {path} holds a full model's training state: drop --use_peft, or start a new run")
+    from transformers import AutoConfig
+
+    from shardtune.model.peft import SHAPE_FIELDS
+
+    theirs, ours = AutoConfig.from_pretrained(path / "hf_config").to_dict(), AutoConfig.from_pretrained(
+        cfg.model_name).to_dict()
+    diffs = [f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in SHAPE_FIELDS if theirs.get(k) != ours.get(k)]
+    if diffs:
+        raise ConfigError(f"{flag}: {path} was trained from {saved.get('model_name')}, whose shapes differ from "
+                          f"--model_name {cfg.model_name} ({'; '.join(diffs)}): pass --model_name "
+                          f"{saved.get('model_name')}")
+    if cfg.use_peft:
+        before = flatten_dict(yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")))
+        now = flatten_dict(to_dict(cfg))
+        shaped = ("lora_config.r", "lora_config.target_modules", "lora_config.use_dora", "lora_config.bias")
+        keys = ["peft_method", *(shaped if cfg.peft_method == "lora" else ())]
+        changed = [f"--{k} {before.get(k)} -> {now.get(k)}" for k in keys if before.get(k) != now.get(k)]
+        if changed:
+            raise ConfigError(f"{flag}: {path} holds another adapter ({', '.join(changed)}): pass the checkpoint's "
+                              "values, or start a new run")
+

@@ -25,13 +25,15 @@ from shardtune.model.longseq import check_rope_scaling
 from shardtune.model.peft import check_peft
 from shardtune.model.structure import check_model_structure
 from shardtune.parallel.dims import ParallelDims, check_parallel_dims
+from shardtune.parallel.optim import check_adam, check_schedule
 from shardtune.parallel.sequence import check_sequence_split
 from shardtune.runtime.distributed import is_torchrun_worker
-from shardtune.training.checkpoint import check_checkpointing
+from shardtune.training.checkpoint import check_checkpointing, check_resume_fits
 from shardtune.training.dpo import check_dpo_config
 
 # Settings alone, in order: the config floor's own, then those owned by the floors above.
-SETTING_CHECKS = (*CONFIG_CHECKS, check_cookbook_flags, check_parallel_dims, check_checkpointing)
+SETTING_CHECKS = (*CONFIG_CHECKS, check_cookbook_flags, check_parallel_dims, check_schedule, check_adam,
+                  check_checkpointing)
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
@@ -52,6 +54,7 @@ def check_with_model(cfg: TrainConfig, world_size: int) -> None:
     check_model_structure(cfg)
     check_model_flags(cfg)
     check_peft(cfg)
+    check_resume_fits(cfg)
     check_rope_scaling(cfg)
     if ParallelDims.from_config(cfg, world_size).sequence_split:
         check_sequence_split(cfg, AutoConfig.from_pretrained(cfg.model_name))

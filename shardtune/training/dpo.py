@@ -134,7 +134,7 @@ def check_loss_options(dpo: DpoConfig) -> None:
 
 
 def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
-                   micro_batches: list[dict[str, torch.Tensor]], cfg, env, shape=None, *,
+                   micro_batches: list[dict[str, torch.Tensor]], cfg, env, shape=None, step: int | None = None, *,
                    ref_model: nn.Module | None = None, peft_model: nn.Module | None = None) -> dict:
     """One optimizer step over this rank's micro-batches of pairs (the loop's ``step_fn``): the loss and metrics are
     means over the step's global pairs (all micro-batches, all ranks). ``num_tokens`` counts completion tokens

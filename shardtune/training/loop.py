@@ -23,18 +23,21 @@ from tqdm import tqdm
 from shardtune import data
 from shardtune.training.checkpoint import Checkpointer, Position
 from shardtune.config.schema import TrainConfig
-from shardtune.runtime.distributed import DistEnv, all_reduce_sum
+from shardtune.runtime.distributed import DistEnv, all_reduce_sum, print0
 from shardtune.runtime.errors import TrainingStopped
 from shardtune.model.flops import (
-    ModelShape, measured_peak_flops, micro_batch_flops, model_shape, num_input_tokens, palm_micro_batch_flops,
+    ModelShape, micro_batch_flops, model_shape, num_input_tokens, palm_micro_batch_flops,
 )
 from shardtune.model.generation import mean_rouge
+from shardtune.model.lora_dropout import keyed_masks
 from shardtune.model.loss import batch_label_tokens, token_loss_sum
 from shardtune.training.metrics import MetricsWriter, perplexity
 from shardtune.runtime.distributed import peak_memory_bytes
 from shardtune.parallel.optim import build_optimizer, build_scheduler  # noqa: F401 (build_optimizer: re-exported for bench/)
 from shardtune.parallel.base import Strategy
+from shardtune.model.peak_flops import PeakMeter
 from shardtune.training.profiling import StepProbe
+from shardtune.runtime import startup
 from shardtune.parallel.sequence import RowSlice
 
 
@@ -54,9 +57,10 @@ class TrainResult:
 
 def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer,
                micro_batches: list[dict[str, torch.Tensor]], cfg: TrainConfig, env: DistEnv,
-               shape: ModelShape | None = None) -> dict:
-    """One optimizer step over this rank's micro-batches; returns the global loss and counts (and the step's
-    model FLOPs on all ranks when ``shape`` is given)."""
+               shape: ModelShape | None = None, step: int = 0) -> dict:
+    """One optimizer step (number ``step``) over this rank's micro-batches; returns the global loss and counts (and
+    the step's model FLOPs on all ranks when ``shape`` is given). LoRA dropout masks are keyed by the step and each
+    example's global index (shardtune.model.lora_dropout), so they do not depend on which rank holds the example."""
     local_counts = torch.tensor([sum(batch_label_tokens(mb) for mb in micro_batches),
                                  sum(num_input_tokens(mb) for mb in micro_batches),
                                  sum(micro_batch_flops(shape, mb) for mb in micro_batches) if shape is not None
@@ -69,7 +73,7 @@ def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Opti
     last = len(micro_batches) - 1
     for i, mb in enumerate(micro_batches):
         sync = strategy.accumulating(model) if i < last else contextlib.nullcontext()
-        with sync:
+        with sync, keyed_masks(mb, cfg.seed, step):  # backward too: activation checkpointing recomputes the masks
             with strategy.autocast():
                 loss_sum = token_loss_sum(model, mb, env.device)
             strategy.backward(loss_sum * scale)
@@ -118,38 +122,60 @@ def evaluate(model: nn.Module, strategy: Strategy, batches: list[dict[str, torch
 def generate_samples(model: nn.Module, strategy: Strategy, sampler: Callable[[nn.Module], list[dict]]) -> list[dict]:
     """--log_eval_samples: the sampler's generations with the model as it is now (every rank runs them)."""
     model.eval()
-    with strategy.autocast():
+    with strategy.autocast(), strategy.generating(model):
         samples = sampler(strategy.unwrap(model))
     model.train()
     return samples
+
+
+def planned_steps(cfg: TrainConfig, num_units: int, dp_size: int) -> int:
+    """Optimizer steps the run trains to: all epochs, or --max_train_step when it is fewer."""
+    total = data.steps_per_epoch(num_units, cfg, dp_size) * cfg.num_epochs
+    return min(total, cfg.max_train_step) if cfg.max_train_step else total
 
 
 def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
           train_units: list, eval_examples: list[dict], pad_id: int, writer: MetricsWriter,
           checkpointer: Checkpointer | None = None,
           eval_sampler: Callable[[nn.Module], list[dict]] | None = None,
+          publish: Callable[[TrainResult], None] | None = None,
           step_fn: Callable[..., dict] = train_step, collate_fn: Callable | None = None) -> TrainResult:
-    """``step_fn`` (as :func:`train_step`) and ``collate_fn`` (as ``data.collate``) give another objective (DPO:
-    shardtune.training.dpo); the extra keys of its stats listed in ``stats["metrics"]`` go into the metrics rows."""
+    """Trains to the end; ``publish`` (writing the final model) is called once the last step is done, before the
+    final evaluation: a failure there never costs the trained model. ``step_fn`` (as :func:`train_step`) and
+    ``collate_fn`` (as ``data.collate``) give another objective (DPO: shardtune.training.dpo); the keys of its stats
+    listed in ``stats["metrics"]`` go into the metrics rows."""
     optimizer = strategy.build_optimizer(model)
     dims = strategy.dims  # the sampler sees data-parallel ranks; the ranks of one cp x sp group split each row
     steps_per_epoch = data.steps_per_epoch(len(train_units), cfg, dims.dp_size)
-    total_steps = steps_per_epoch * cfg.num_epochs
-    if cfg.max_train_step:
-        total_steps = min(total_steps, cfg.max_train_step)
-    scheduler, scheduler_unit = build_scheduler(optimizer, cfg, total_steps)
+    total_steps = planned_steps(cfg, len(train_units), dims.dp_size)
+    scheduler, scheduler_unit = build_scheduler(optimizer, cfg, total_steps, steps_per_epoch)
     shape = model_shape(model)
-    # every rank measures its own matmul rate at the same moment (so shared cores are shared as in training)
-    peak_flops = float(all_reduce_sum(torch.tensor(measured_peak_flops(str(env.device)), dtype=torch.float64),
-                                      env.device))
+    peak = PeakMeter(env.device, strategy.compute_dtype, lambda t: all_reduce_sum(t, env.device))
+    print0(peak.describe())
     row_slice = RowSlice.of_rank(dims, env.rank)  # eval rows are split like training rows
     eval_batches = (data.eval_batches(eval_examples, cfg, dims.dp_rank(env.rank), dims.dp_size, pad_id, row_slice)
                     if cfg.run_validation else [])
 
     result = TrainResult()
     probe = StepProbe(cfg, env, total_steps)
+
+    def run_eval(epoch: float, when: str) -> None:
+        loss, ppl, n = evaluate(model, strategy, eval_batches, env)
+        result.eval_loss, result.eval_ppl = loss, ppl
+        samples = generate_samples(model, strategy, eval_sampler) if eval_sampler else []
+        writer.write({"step": result.steps, "epoch": epoch, "eval_loss": loss, "eval_ppl": ppl,
+                      "eval_num_tokens": n, **mean_rouge(samples)})
+        if samples:
+            writer.write_samples(samples, result.steps)
+        if env.is_main:
+            bar.write(f"{when}: eval loss {loss:.4f}, perplexity {ppl:.2f}")
+
     start = (checkpointer.start(model, optimizer, scheduler, result, steps_per_epoch, total_steps)
              if checkpointer else Position())
+    startup.mark("optimizer, eval batches, checkpoint")
+    startup_s: float | None = startup.seconds_since_command()  # to this process's first step; in its first row
+    if cfg.debug:  # before the progress bar, so that the line stands alone
+        print0(startup.phase_report())
     bar = tqdm(total=total_steps, initial=result.steps, desc="train", unit="step", disable=not env.is_main,
                dynamic_ncols=True)
     model.train()
@@ -167,7 +193,7 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
             lr = optimizer.param_groups[0]["lr"]
             try:
                 with probe.step(result.steps + 1):
-                    stats = step_fn(model, strategy, optimizer, micro_batches, cfg, env, shape)
+                    stats = step_fn(model, strategy, optimizer, micro_batches, cfg, env, shape, result.steps + 1)
             except NonFiniteLossError as e:
                 raise TrainingStopped(f"non-finite {e} at step {result.steps + 1} (epoch {epoch + 1}), found before "
                                       "the optimizer step, so the weights were not touched; "
@@ -181,6 +207,9 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
             result.num_tokens += stats["num_tokens"]
             result.train_time_s += step_time_s
             result.losses.append(stats["loss"])
+            metered = time.perf_counter()
+            peak_flops = peak.after_step(result.steps, stats["flops"] / step_time_s)
+            tick += time.perf_counter() - metered  # a peak measurement is not part of the next step
             row = {
                 "step": result.steps,
                 "epoch": round(epoch + (step_in_epoch + 1) / steps_per_epoch, 6),
@@ -194,8 +223,11 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
                 "model_flops_per_s": stats["flops"] / step_time_s,
                 "mfu": stats["flops"] / step_time_s / peak_flops,
                 "mfu_palm": stats["palm_flops"] / step_time_s / peak_flops,
+                "peak_flops_per_s": peak_flops,
             }
             row.update({name: stats[name] for name in stats.get("metrics", ())})
+            if startup_s is not None:
+                row["startup_s"], startup_s = startup_s, None
             if stats["grad_norm"] is not None:
                 row["grad_norm"] = stats["grad_norm"]
             if stats.get("skipped"):
@@ -205,6 +237,10 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
             if flop_report and env.is_main:
                 bar.write(flop_report)
             done_in_epoch = step_in_epoch + 1
+            # --eval_steps: inside the epoch (its end, and the run's last step, evaluate anyway)
+            if cfg.run_validation and cfg.eval_steps and result.steps % cfg.eval_steps == 0 \
+                    and done_in_epoch < steps_per_epoch and result.steps < total_steps:
+                run_eval(row["epoch"], f"step {result.steps}")
             if checkpointer:
                 checkpointer.after_step(epoch, done_in_epoch)
                 if result.steps < total_steps:
@@ -214,18 +250,15 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
                             mfu=f"{row['mfu']:.1%}", refresh=False)
         if scheduler_unit == "epoch":
             scheduler.step()
-        if cfg.run_validation:
-            loss, ppl, n = evaluate(model, strategy, eval_batches, env)
-            result.eval_loss, result.eval_ppl = loss, ppl
-            samples = generate_samples(model, strategy, eval_sampler) if eval_sampler else []
-            writer.write({"step": result.steps, "epoch": epoch + 1, "eval_loss": loss, "eval_ppl": ppl,
-                          "eval_num_tokens": n, **mean_rouge(samples)})
-            if samples:
-                writer.write_samples(samples, result.steps)
-            if env.is_main:
-                bar.write(f"epoch {epoch + 1}: eval loss {loss:.4f}, perplexity {ppl:.2f}")
+        if publish is not None and result.steps >= total_steps:
+            publish(result)
+            publish = None
+        if cfg.run_validation:  # the epoch as training rows count it (fractional when a run stops inside one)
+            run_eval(round(epoch + done_in_epoch / steps_per_epoch, 6), f"epoch {epoch + 1}")
         if checkpointer:
             checkpointer.after_epoch(epoch, done_in_epoch)
     bar.close()
     probe.close()
+    if publish is not None:  # a resumed run that was already finished, or one stopped early
+        publish(result)
     return result

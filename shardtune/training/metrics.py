@@ -19,9 +19,11 @@ class MetricsWriter:
     """Appends JSON lines and flushes each one, so a crash keeps every step logged so far; the trackers (rank 0's
     --report_to sinks) receive the same rows."""
 
-    def __init__(self, path: Path | None, append: bool = False, trackers: Sequence[Tracker] = ()):
+    def __init__(self, path: Path | None, append: bool = False, trackers: Sequence[Tracker] = (),
+                 tracker_every: int = 1):
         self.path = path
         self.trackers = list(trackers)
+        self.tracker_every = tracker_every  # --logging_steps: step rows sent to the trackers (eval rows: all)
         self._fh = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -31,8 +33,10 @@ class MetricsWriter:
 
     def write(self, row: dict[str, Any]) -> None:
         if self._fh is not None:
-            self._fh.write(json.dumps(row, allow_nan=True) + "\n")
+            self._fh.write(json.dumps(strict_json_row(row), allow_nan=False) + "\n")
             self._fh.flush()
+        if "loss" in row and row["step"] % self.tracker_every:
+            return
         for tracker in self.trackers:
             tracker.log(tracker_scalars(row), row["step"])
 
@@ -54,9 +58,23 @@ class MetricsWriter:
         self.trackers = []
 
 
+# metrics.jsonl is strict JSON (RFC 8259 has no NaN / Infinity): a non-finite number is written as one of these
+# strings, the spellings of JavaScript and of Python's float(); read_metrics turns them back into floats.
+NON_FINITE_STRINGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def strict_json_row(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: (("NaN" if math.isnan(v) else "Infinity" if v > 0 else "-Infinity")
+                if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
+def _float_back(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: NON_FINITE_STRINGS.get(v, v) if isinstance(v, str) else v for k, v in row.items()}
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+        return [_float_back(json.loads(line)) for line in fh if line.strip()]
 
 
 def perplexity(loss: float) -> float:

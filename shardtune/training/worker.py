@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -13,6 +14,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from shardtune import data
 from shardtune.config.flags import to_yaml
@@ -42,24 +44,30 @@ from shardtune.parallel.dims import ParallelDims
 from shardtune.parallel.sequence import SequenceGroups, use_sequence_attention
 from shardtune.runtime.distributed import (
     DistEnv,
+    all_reduce_sum,
     barrier,
+    broadcast_from_main,
     init_distributed,
     print0,
     seed_everything,
     shutdown,
 )
 from shardtune.runtime.errors import CheckpointError, TrainingStopped, fail
+from shardtune.runtime import startup
 from shardtune.runtime.files import remove_stale_staging, write_text_atomic
 from shardtune.runtime.preemption import (
+    EXIT_PREEMPTED,
     Preempted,
     install_worker_handlers,
     report_stopped,
 )
-from shardtune.training.checkpoint import Checkpointer
+from shardtune.runtime.run_lock import RunLock, RunLocked
+from shardtune.training.checkpoint import Checkpointer, failure_reason
 from shardtune.training.checks import data_splits, prepare
 from shardtune.training.dpo import dpo_train_step
-from shardtune.training.loop import TrainResult, train
+from shardtune.training.loop import TrainResult, planned_steps, train
 from shardtune.training.metrics import MetricsWriter
+from shardtune.training.plots import write_run_plots
 from shardtune.training.preflight import PreflightError, run_preflight
 from shardtune.training.trackers import open_trackers
 
@@ -95,15 +103,34 @@ def build_model(cfg: TrainConfig, env: DistEnv) -> torch.nn.Module:
     return load_model(cfg.model_name, dtype=dtype, config=config)
 
 
-def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, tokenizer) -> None:
+def check_finite_weights(state: dict[str, torch.Tensor] | None, env: DistEnv, cfg: TrainConfig,
+                         result: TrainResult) -> None:
+    """Collective: a model with a NaN / Inf weight is not published (an overflowing last step leaves a finite loss
+    behind it, and --nan_policy skip carries on past non-finite steps). ``state`` is the gathered state dict on
+    global rank 0 and None elsewhere (rank 0 judges; every rank joins the all-reduce)."""
+    finite = state is None or all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point())
+    if int(all_reduce_sum(torch.tensor([0.0 if finite else 1.0]), env.device)[0]) == 0:
+        return
+    bad = next((i + 1 for i, loss in enumerate(result.losses) if not math.isfinite(loss)), None)
+    when = (f"the loss became non-finite at step {bad}" if bad is not None else
+            f"the loss was finite at every step (1-{result.steps}): an update overflowed, or a weight the data "
+            "never reaches was not finite in the base model already")
+    raise TrainingStopped(f"the trained weights are not all finite, so no model was written to {cfg.output_dir}: "
+                          f"{when}; lower --lr (now {cfg.lr}) or enable --gradient_clipping")
+
+
+def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, tokenizer,
+                 result: TrainResult) -> None:
     """Rank 0 writes the final model; the state is gathered by the strategy (nobody else materialises it)."""
     if cfg.use_peft:  # the adapter only: frozen base weights are neither gathered nor written
         adapter_state = strategy.trainable_state_dict(model)
+        check_finite_weights(adapter_state, env, cfg, result)
         if env.is_main:
             save_adapter(strategy.unwrap(model), adapter_state, cfg.model_name, tokenizer, Path(cfg.output_dir))
         barrier()
         return
     state_dict = strategy.full_state_dict(model)
+    check_finite_weights(state_dict, env, cfg, result)
     if env.is_main:
         save_hf_model(strategy.unwrap(model), state_dict, tokenizer, Path(cfg.output_dir))
     barrier()
@@ -121,18 +148,45 @@ def dpo_objective(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Modu
     return {"step_fn": functools.partial(dpo_train_step, **reference), "collate_fn": collate_pair_units}
 
 
+def hold_output_dir(cfg: TrainConfig, env: DistEnv) -> RunLock | None:
+    """Rank 0 takes output_dir's run lock (shardtune/runtime/run_lock.py) for the run's lifetime; every rank raises
+    RunLocked when another run holds it."""
+    lock, refused = (RunLock(Path(cfg.output_dir)), None) if env.is_main else (None, None)
+    if lock is not None:
+        try:
+            note = lock.acquire()
+            if note:
+                print0(f"shardtune: {note}")
+        except RunLocked as e:
+            refused = str(e)
+    refused = broadcast_from_main(refused)
+    if refused:
+        raise RunLocked(refused)
+    return lock
+
+
 def fine_tune(cfg: TrainConfig, env: DistEnv, objective: str = "sft") -> TrainResult:
+    lock = hold_output_dir(cfg, env)
+    try:
+        return _fine_tune(cfg, env, objective)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _fine_tune(cfg: TrainConfig, env: DistEnv, objective: str = "sft") -> TrainResult:
     seed_everything(cfg.seed)
     out_dir = Path(cfg.output_dir)
-    if env.is_main:
+    if env.is_main:  # under the run lock: staging folders left here are a dead run's
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_staging(out_dir)
         write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
     tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name))
     strategy = make_strategy(cfg, env)
     units, eval_examples = load_data(cfg, env, strategy.dims, tokenizer, objective)
-
+    startup.mark("tokenizer and data")
     model = build_model(cfg, env)
+    startup.mark("model")
     mirror_eos_token(cfg, model, tokenizer)
     freeze_first_layers(model, cfg)
     apply_memory_levers(model, cfg, env.device)
@@ -144,6 +198,7 @@ def fine_tune(cfg: TrainConfig, env: DistEnv, objective: str = "sft") -> TrainRe
         print0(f"speed: {use_sequence_attention(hf_model(model), groups)}")
     num_params, num_trainable = count_parameters(model)
     model = strategy.wrap(model)
+    startup.mark("levers, adapters, wrap")
     print0(f"model: {cfg.model_name} ({num_params:,} parameters, {num_trainable:,} trainable)")
     print0(f"strategy: {strategy.describe()}")
     dp_size = strategy.dims.dp_size
@@ -157,17 +212,30 @@ def fine_tune(cfg: TrainConfig, env: DistEnv, objective: str = "sft") -> TrainRe
         print0(cross_node_traffic(cfg, env, model, strategy, num_params, num_trainable))
     checkpointer = Checkpointer(cfg, env, strategy, tokenizer)
     metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.save_metrics else None
-    append = metrics_path is not None and checkpointer.keep_metrics_rows(metrics_path)
-    writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else ())
+    append = metrics_path is not None and checkpointer.keep_metrics_rows(
+        metrics_path, planned_steps(cfg, len(units), strategy.dims.dp_size))
+    writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else (),
+                           tracker_every=cfg.logging_steps)
+    published = False
+
+    def publish(result: TrainResult) -> None:
+        nonlocal published
+        save_outputs(cfg, env, strategy, model, tokenizer, result)
+        published = True
+
     try:
         sampler = EvalSampler(eval_examples[:cfg.log_eval_samples], tokenizer) if cfg.log_eval_samples else None
         extra = dpo_objective(cfg, env, strategy, model) if objective == "dpo" else {}
         result = train(model, strategy, cfg, env, units, eval_examples, tokenizer.pad_token_id, writer, checkpointer,
-                       sampler, **extra)
+                       sampler, publish if cfg.save_model else None, **extra)
+    except Exception:
+        if published:
+            print0(f"the trained model was written to {out_dir.resolve()} before this failure")
+        raise
     finally:
         writer.close()
-    if cfg.save_model:
-        save_outputs(cfg, env, strategy, model, tokenizer)
+    if metrics_path is not None and cfg.save_plots:  # rank 0 (the only one with a metrics path)
+        print0(f"charts: {write_run_plots(out_dir)}/ (loss, lr, grad norm, speed, memory)")
     print0(report(result, cfg))
     return result
 
@@ -203,9 +271,9 @@ KNOWN_FIXES = {"OutOfMemoryError": "lower --batch_size_training or --context_len
                                    "(and --fsdp_config.fsdp_activation_checkpointing true)"}
 
 
-def unexpected_error_line(e: Exception, rank: int) -> str:
+def unexpected_error_line(e: BaseException, rank: int) -> str:
     """Where and what, in one line, with the fix when it is known; the traceback is for --debug."""
-    what = (str(e).strip().splitlines() or [""])[0]
+    what = failure_reason(e) if isinstance(e, CheckpointException) else (str(e).strip().splitlines() or [""])[0]
     fix = KNOWN_FIXES.get(type(e).__name__, "--debug prints the traceback")
     return f"rank {rank}: {type(e).__name__}: {what} ({fix})"
 
@@ -233,8 +301,10 @@ def run_worker(cfg: TrainConfig, prepared: bool = False, objective: str = "sft")
             fail(str(e), cfg.debug)
         return 2
     env = init_distributed(timeout_s=cfg.dist_timeout)
+    startup.mark("process group")
     try:
         run_preflight(cfg, env)
+        startup.mark("preflight")
         fine_tune(cfg, env, objective)
     except PreflightError as e:  # found alike on every rank: one line per node
         if env.local_rank == 0:
@@ -243,15 +313,18 @@ def run_worker(cfg: TrainConfig, prepared: bool = False, objective: str = "sft")
     except ConfigError as e:  # data errors found while loading
         fail(f"{e}" if env.world_size == 1 else f"(rank {env.rank}) {e}", cfg.debug)
         return 1
-    except (CheckpointError, TrainingStopped) as e:  # raised on every rank alike
+    except (CheckpointError, TrainingStopped, RunLocked) as e:  # raised on every rank alike
         if env.is_main:
             fail(str(e), cfg.debug)
         return 1
     except Preempted as e:  # every rank alike, after the checkpoint; 0 so that no agent restarts the workers
-        if not report_stopped(e):
-            print0(f"shardtune: {e}")
-        return 0
-    except Exception as e:  # a fault no check foresaw: one line, printed once by whoever launched the workers
+        if report_stopped(e):
+            return 0
+        print0(f"shardtune: {e}")
+        # in place (no torchrun) this process is the job: its status is what SLURM requeues on
+        return 0 if "TORCHELASTIC_RUN_ID" in os.environ else EXIT_PREEMPTED
+    except (Exception, CheckpointException) as e:  # a fault no check foresaw (torch.distributed.checkpoint's error
+        # is a BaseException): one line, printed once by whoever launched the workers
         if cfg.debug:
             traceback.print_exc()
         record_worker_error(unexpected_error_line(e, env.rank))

@@ -89,11 +89,24 @@ def assert_same_rows(ref: Path, other: Path, rel: float = 0.0) -> None:
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_resumed_run_equals_uninterrupted_run(strategy, reference, tiny_model, cache_dir, tmp_path):
+def test_resumed_run_equals_uninterrupted_run(strategy, reference, tiny_model, cache_dir, tmp_path, capsys):
     ref = reference(strategy)
     out = tmp_path / "run"
     sft(cache_dir, tiny_model, out, *strategy, "--max_train_step", 5)  # stops mid-epoch 1, checkpoint at step 5
     assert latest_checkpoint(out).name == "step-000005"
+    if strategy == ():  # resuming the finished run trains nothing and keeps every row, its final eval too
+        before = (out / "metrics.jsonl").read_text()
+        assert [r["step"] for r in eval_rows(out)] == [5]
+        sft(cache_dir, tiny_model, out, *strategy, "--max_train_step", 5, "--resume", "latest")
+        assert (out / "metrics.jsonl").read_text() == before
+    # a checkpoint that does not fit the run is refused in one line before config.yaml or metrics.jsonl change
+    written = [(out / name).read_text() for name in ("config.yaml", "metrics.jsonl")]
+    misfit = ("--use_peft",) if strategy == () else () if strategy == ("--use_peft",) else None
+    if misfit is not None:
+        refused = sft(cache_dir, tiny_model, out, *misfit, "--resume", "latest", check=False)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+        assert "--resume latest" in refused.stderr and ("--use_peft" in refused.stderr.strip().splitlines()[-1])
+        assert [(out / name).read_text() for name in ("config.yaml", "metrics.jsonl")] == written
     resumed = sft(cache_dir, tiny_model, out, *strategy, "--resume", "latest")
     assert "data order kept" in resumed.stdout
     exact = strategy == ()
@@ -108,6 +121,17 @@ def test_resumed_run_equals_uninterrupted_run(strategy, reference, tiny_model, c
     # export (one process, no process group) gives what the run wrote at its end: a model, or an adapter
     run_shardtune(cache_dir, "export", out, tmp_path / "exported")
     assert max_relative_difference(final_tensors(out), final_tensors(tmp_path / "exported")) == 0.0
+    if strategy == ():  # never over files by accident: a non-empty directory (the run's own too), or a file
+        from shardtune.commands.export import main as export_main
+
+        (tmp_path / "a-file").write_text("x")
+        for target, why in ((tmp_path / "exported", "--overwrite"), (out, "--overwrite"), (tmp_path / "a-file",
+                                                                                          "is a file")):
+            assert export_main([str(out), str(target)]) == 2
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert len(lines) == 1 and str(target) in lines[0] and why in lines[0], lines
+        assert (tmp_path / "a-file").read_text() == "x"
+        assert export_main([str(out), str(tmp_path / "exported"), "--overwrite"]) == 0
 
 
 def worker_pids(launcher_pid: int) -> dict[int, int]:
@@ -237,6 +261,25 @@ def test_export_of_a_sharded_checkpoint_equals_the_final_model(reference, cache_
     assert {t.dtype for t in final_tensors(tmp_path / "hf16").values()} == {torch.bfloat16}
     assert json.loads((tmp_path / "hf16" / "config.json").read_text())["dtype"] == "bfloat16"
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf16").dtype == torch.bfloat16
+
+
+def test_resume_with_another_lr_trains_with_it_and_says_so(reference, tiny_model, cache_dir, tmp_path):
+    """--lr 6e-3 on a checkpoint trained at 3e-3: the restored optimizer and schedule take the new peak (the rows
+    show twice the uninterrupted run's lr at the same steps), the warning says what was applied from which step, and
+    config.yaml records it. A checkpoint resumed under FSDP (written by DDP) is not reported as a change."""
+    ref = reference(())
+    checkpoint = ref / "checkpoints" / "step-000014"
+    out = tmp_path / "faster"
+    proc = sft(cache_dir, tiny_model, out, "--resume", checkpoint, "--lr", 6e-3, "--enable_fsdp")
+    rows, ref_rows = step_rows(out), {r["step"]: r for r in step_rows(ref)}
+    assert [r["step"] for r in rows] == [15, 16]
+    assert all(r["lr"] == pytest.approx(2 * ref_rows[r["step"]]["lr"], rel=1e-12) for r in rows), rows
+    import yaml
+
+    assert yaml.safe_load((out / "config.yaml").read_text())["lr"] == 6e-3
+    warning = next(line for line in proc.stderr.splitlines() if "resuming with settings that differ" in line)
+    assert "(lr)" in warning and "applied from step 15 on: lr 0.003 -> 0.006" in warning, warning
+    assert "enable_fsdp" not in warning
 
 
 def error_lines(stderr: str) -> list[str]:

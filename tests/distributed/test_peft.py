@@ -22,16 +22,18 @@ from shardtune.model.loss import full_logits_loss_sum, num_label_tokens
 from shardtune.model.loading import load_model, load_tokenizer
 from tests.helpers import eval_rows, max_relative_difference, step_rows
 
+NUM_STEPS = 8
 # method -> (extra flags, learning rate): llama-adapter's gates start at zero, so it needs a larger step
 METHODS = {
     "lora": (["--peft_method", "lora", "--lora_config.lora_dropout", "0"], 2e-2),
     "llama_adapter": (["--peft_method", "llama_adapter"], 1e-1),
     "prefix": (["--peft_method", "prefix", "--prefix_config.num_virtual_tokens", "8"], 2e-1),
-    "qlora": (["--peft_method", "lora", "--lora_config.lora_dropout", "0", "--quantization", "4bit"], 2e-2),
+    "qlora": (["--peft_method", "lora", "--lora_config.lora_dropout", "0", "--quantization", "4bit", "--save_steps",
+               NUM_STEPS // 2], 2e-2),
 }
 STRATEGIES = {"ddp": [], "fsdp": ["--enable_fsdp"],
               "zero3": ["--enable_deepspeed", "--deepspeed_config.zero_stage", "3"]}
-NUM_STEPS = 8
+NUM_SAMPLES = 1  # --log_eval_samples: every run generates at its evaluation
 
 
 def sft_args(model: Path, out: Path, method: str, strategy: str, *extra) -> list:
@@ -39,7 +41,8 @@ def sft_args(model: Path, out: Path, method: str, strategy: str, *extra) -> list
     return ["sft", "--nproc_per_node", 2, "--model_name", model, "--output_dir", out, "--use_peft", *flags,
             *STRATEGIES[strategy], "--lr", lr, "--batching_strategy", "padding", "--batch_size_training", 4,
             "--context_length", 256, "--synthetic_dialogues.num_train", 64, "--synthetic_dialogues.num_validation", 8,
-            "--max_train_step", NUM_STEPS, "--val_batch_size", 4, "--num_workers_dataloader", 0, *extra]
+            "--max_train_step", NUM_STEPS, "--val_batch_size", 4, "--num_workers_dataloader", 0,
+            "--log_eval_samples", NUM_SAMPLES, *extra]
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +83,28 @@ def test_each_method_trains_and_saves_only_the_adapter(method, strategy, trained
     assert "trainable of" in stdout  # the trainable parameter count is printed at start
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
     assert not (out / "model.safetensors").exists()
+
+
+def eval_samples(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_eval_samples_are_generated_alike_under_ddp_and_fsdp_after_the_adapter_is_published(method, trained):
+    """Generation under FSDP2 goes around the root's forward (PeftModel.generate calls the inner model), which
+    once left the root's weights sharded: the first evaluation crashed and the trained adapter was never written.
+    Now both strategies generate the same greedy text, and the adapter is on disk before the final evaluation runs,
+    so a failure there could not cost it."""
+    texts = {}
+    for strategy in ("fsdp", "ddp"):
+        out, _ = trained(method, strategy)
+        samples = eval_samples(out)
+        assert len(samples) == NUM_SAMPLES and all(s["step"] == NUM_STEPS for s in samples), (method, strategy)
+        texts[strategy] = [s["prediction"] for s in samples]
+        published = (out / "adapter_model.safetensors").stat().st_mtime_ns
+        assert published <= (out / "eval_samples.jsonl").stat().st_mtime_ns, f"{method} {strategy}: published late"
+    print(f"{method}: {texts['ddp']!r}")
+    assert texts["fsdp"] == texts["ddp"], method
 
 
 def test_lora_ddp_and_fsdp_match_step_by_step(trained):
@@ -201,3 +226,40 @@ def test_eval_rouge_matches_rouge_score_and_generate_matches_eval(trained, run_c
     dialogue = report["examples"][0]["prompt"].split("Summarize this dialog:\n", 1)[1].rsplit("\n---\n", 1)[0]
     gen = run_cli("generate", "--model_name", out, "--dialogue", "--max_new_tokens", 12, stdin=dialogue)
     assert gen.stdout.strip() == report["examples"][0]["prediction"]
+
+
+def test_a_qlora_checkpoint_written_under_fsdp_resumes_under_ddp_on_one_process(trained, tiny_model, run_cli, tmp_path):
+    """FSDP's 4-bit layers list no quantisation statistics in their state dict, DDP's do (absmax, quant_map...):
+    checkpoints now hold neither (they belong to the frozen base), so the FSDP checkpoint of step 4 resumes on one
+    DDP process (batch 8: the same global batch) and ends where the uninterrupted two-process FSDP run ended."""
+    fsdp, _ = trained("qlora", "fsdp")
+    out = tmp_path / "resumed"
+    run_cli(*sft_args(tiny_model, out, "qlora", "ddp", "--nproc_per_node", 1, "--batch_size_training", 8,
+                      "--resume", fsdp / "checkpoints" / "step-000004", "--log_eval_samples", 0, "--save_steps", 0))
+    resumed = step_rows(out)
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    assert [r["loss"] for r in resumed] == pytest.approx(losses(fsdp)[4:], rel=1e-5)
+    difference = max_relative_difference(load_file(str(fsdp / "adapter_model.safetensors")),
+                                         load_file(str(out / "adapter_model.safetensors")))
+    print(f"qlora fsdp x2 -> ddp x1 resumed: adapter difference {difference:.2e}")
+    assert difference <= 1e-4
+
+
+def test_lora_dropout_masks_do_not_depend_on_the_rank_layout(trained, tiny_model, run_cli, tmp_path):
+    """LoRA's default dropout (0.05) on: 1 process x batch 8 (padded rows, DDP) and 2 processes x batch 4 (FSDP2,
+    padding-free rows) draw each example's masks from (seed, step, example), so they train alike; the dropout-free
+    run of the same batches ends elsewhere, so the masks are really applied."""
+    dropout = ("--lora_config.lora_dropout", 0.05, "--log_eval_samples", 0)
+    one = tmp_path / "one-process"
+    run_cli(*sft_args(tiny_model, one, "lora", "ddp", "--nproc_per_node", 1, "--batch_size_training", 8, *dropout))
+    two = tmp_path / "two-processes"
+    run_cli(*sft_args(tiny_model, two, "lora", "fsdp", "--padding_free", "true", *dropout))
+    assert [r["num_tokens"] for r in step_rows(two)] == [r["num_tokens"] for r in step_rows(one)]
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5)
+    adapters = [load_file(str(d / "adapter_model.safetensors")) for d in (one, two)]
+    difference = max_relative_difference(*adapters)
+    without, _ = trained("lora", "ddp")
+    control = max_relative_difference(adapters[0], load_file(str(without / "adapter_model.safetensors")))
+    print(f"lora dropout 0.05: 1 x 8 vs 2 x 4 adapter difference {difference:.2e}; vs no dropout {control:.2e}")
+    assert difference <= 1e-4 < control
+    assert losses(one)[1:] != pytest.approx(losses(without)[1:], rel=1e-4)

@@ -22,6 +22,9 @@ def assert_one_line_error(proc, *needles):
     (["--batch_size_training", "0"], ["--batch_size_training 0", "positive"]),
     (["--gradient_accumulation_steps", "-1"], ["--gradient_accumulation_steps -1"]),
     (["--lr", "fast"], ["--lr 'fast'", "number"]),
+    (["--lr", "inf"], ["--lr inf is not a finite number"]),
+    (["--gradient_clipping", "--gradient_clipping_threshold", "nan"],
+     ["--gradient_clipping_threshold nan is not a finite number"]),
     (["--batching_strategy", "packed"], ["packed", "did you mean packing"]),
     (["--dataset", "samsum"], ["samsum", "samsum_dataset"]),
     (["--nproc_per_node", "0"], ["--nproc_per_node 0"]),
@@ -90,6 +93,10 @@ def test_a_previous_run_is_never_overwritten_by_accident(tiny_model, run_cli, tm
     run_cli(*args)
     before = (out / "metrics.jsonl").read_text()
     proc = run_cli(*args, check=False)
+    assert_one_line_error(proc, "already holds a run", "--overwrite_output_dir true")
+    assert (out / "metrics.jsonl").read_text() == before
+    # --resume auto finds no checkpoint to resume: a new run, refused like the plain rerun
+    proc = run_cli(*args, "--resume", "auto", check=False)
     assert_one_line_error(proc, "already holds a run", "--overwrite_output_dir true")
     assert (out / "metrics.jsonl").read_text() == before
     run_cli(*args, "--overwrite_output_dir", "true")
@@ -163,3 +170,17 @@ def test_init_model_into_an_unwritable_place_is_one_line(run_cli, tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"shardtune: error: init_model: cannot write {target} ("), lines
         assert lines[0].endswith("): pick a directory you can write to")
+
+
+def test_generate_refuses_sampling_at_temperature_zero_in_one_line(tiny_model, run_cli):
+    for flags, needle in ((("--do_sample", "--temperature", "0"), "--temperature 0.0 with --do_sample: sampling needs"),
+                          (("--do_sample", "--top_p", "0"), "--top_p 0.0 must be in (0, 1]")):
+        proc = run_cli("generate", "--model_name", tiny_model, *flags, "Hello", check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, proc.stderr
+
+
+def test_eval_suggests_its_own_flags_for_a_typo(run_cli):
+    proc = run_cli("eval", "--max_exampels", "5", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "shardtune: error: unknown flag --max_exampels: did you mean --max_examples?"], proc.stderr

@@ -54,8 +54,10 @@ def test_yaml_recipe_with_flag_override(tiny_model, run_cli, tmp_path):
                       "warmup_steps:\nsynthetic_dialogues:\n  num_train: 16\n  num_validation: 4\n"
                       "samsum_dataset:\n  data_path:\n")
     out = tmp_path / "run"
-    run_cli("sft", "--config", recipe, "--lr", "0.001", "--output_dir", out, "--max_train_step", 2,
-            "--num_workers_dataloader", 0, "--run_validation", "false", "--save_model", "false")
+    proc = run_cli("sft", "--config", recipe, "--lr", "0.001", "--output_dir", out, "--max_train_step", 2,
+                   "--num_workers_dataloader", 0, "--run_validation", "false", "--save_model", "false")
+    # one process runs in place (no torchrun), and its start log still begins with where the topology came from
+    assert proc.stdout.startswith("topology: 1 node (standalone), 1 process per node"), proc.stdout[:300]
     import yaml
 
     resolved = yaml.safe_load((out / "config.yaml").read_text())

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO, cli_env
 
 
@@ -79,3 +81,22 @@ def test_gpu_smoke_comparison_fails_beyond_its_tolerance_and_on_missing_steps():
     assert compare(check, inside, reference).status == "PASS"
     assert compare(check, outside, reference).status == "FAIL"
     assert compare(check, inside[:1], reference).status == "FAIL"
+
+
+def test_gpu_benchmark_runs_the_peers_side_by_side_in_its_cpu_mode(cache_dir, tmp_path):
+    """bench/gpu.sh --peers-only --cpu-smoke: shardtune, transformers.Trainer and TRL's SFTTrainer on the same rows
+    (tiny model, 16 dialogues, CPU), the table with the ratios against the faster peer and the eval losses."""
+    pytest.importorskip("trl")
+    env = {**cli_env(cache_dir), "PEERS_RESULTS_DIR": str(tmp_path)}
+    proc = subprocess.run(["bash", "bench/gpu.sh", "--peers-only", "--cpu-smoke"], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=960)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trainer = json.loads((tmp_path / "peers_smoke.json").read_text())["trainer"]["plain"]
+    assert trainer["fastest_peer"] in ("hf_trainer", "trl_sft")
+    assert trainer["trl_sft"]["steps"] > 0 and trainer["hf_trainer"]["steps"] > 0
+    assert trainer["trl_sft"]["label_tokens"] > 0  # completion-only: the summaries' tokens, not the prompts'
+    x = trainer["shardtune_packing"]
+    assert x["speedup_vs_fastest_peer"] > 0 and x["process_speedup_vs_fastest_peer"] > 0 and x["eval_loss"] > 0
+    table = (tmp_path / "peers_smoke.md").read_text()
+    assert "| TRL SFTTrainer, packing bfd (padding-free), completion-only loss |" in table
+    assert "vs " in table and "whole process" in table

@@ -67,7 +67,7 @@ def test_a_run_reports_to_tensorboard_and_wandb_writes_eval_samples_counts_flops
     out = tmp_path / "run"
     proc = run_cli("sft", *RUN, "--output_dir", out, "--report_to", "tensorboard", "--use_wandb",
                    "--wandb_config.mode", "offline", "--wandb_config.tags", "a,b", "--log_eval_samples", "2",
-                   "--flop_counter", "--flop_counter_start", "1")
+                   "--flop_counter", "--flop_counter_start", "1", "--debug")
     rows = read_metrics(out / "metrics.jsonl")
     steps, evals = [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r]
     assert len(steps) == 3 and len(evals) == 1
@@ -110,6 +110,14 @@ def test_a_run_reports_to_tensorboard_and_wandb_writes_eval_samples_counts_flops
     analytic = measured["model_flops_per_s"] * measured["step_time_s"]
     assert 1.0 < measured["measured_flops"] / analytic < 1.5
     assert all(0 < r["mfu"] < r["mfu_palm"] for r in steps)
+    # the start log names the peak MFU divides by; each row carries it (measured on CPU, never falling)
+    assert "mfu against the measured fp32 matmul peak of this CPU" in proc.stdout + proc.stderr
+    peaks = [r["peak_flops_per_s"] for r in steps]
+    assert peaks == sorted(peaks) and all(r["mfu"] <= 1 for r in steps)
+    # --debug: where the time before the first step went, by phase; the first row carries the total
+    log = proc.stdout + proc.stderr
+    assert "start-up: first step at" in log and "python and imports" in log and "model " in log
+    assert steps[0]["startup_s"] > 0 and all("startup_s" not in r for r in steps[1:])
 
     # shardtune plot: the pictures of this run
     plots = tmp_path / "plots"

@@ -140,3 +140,41 @@ def test_every_loading_path_builds_the_yarn_scaled_model(tiny_model):
 def test_rope_scaling_bad_flags_are_one_line_errors(flags, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
         validate(TrainConfig(output_dir=str(tmp_path / "out"), **flags), world_size=1)
+
+
+def test_a_4bit_model_counts_its_parameters_as_peft_does(tiny_model):
+    """The start line's count: a 4-bit weight counts its logical shape, not its packed storage (181,056 before)."""
+    from shardtune.model.loading import count_parameters
+    from shardtune.model.peft import apply_peft
+
+    cfg = TrainConfig(model_name=str(tiny_model), use_peft=True, quantization="4bit")
+    model = apply_peft(load_quantized_model(cfg, CPU), cfg)
+    trainable, total = model.get_nb_trainable_parameters()
+    assert count_parameters(model) == (total, trainable)
+
+
+def test_a_yarn_lora_adapter_records_the_scaling_and_merges_into_the_trained_model(tiny_model, run_cli, tmp_path):
+    """A LoRA adapter trained with --rope_scaling yarn says so in its directory, and `shardtune export --merge`
+    rebuilds the base with it: the merged model computes what base (YaRN-scaled) + adapter computed in training,
+    at positions past the base's original context too."""
+    from shardtune.model.loading import load_tokenizer
+    from shardtune.model.peft import apply_peft, save_adapter
+
+    cfg = TrainConfig(model_name=str(tiny_model), rope_scaling="yarn", rope_factor=4.0, use_peft=True)
+    trained = apply_peft(load_model(str(tiny_model), config=training_model_config(cfg)), cfg).eval()
+    with torch.no_grad():  # a trained adapter: B is no longer zero
+        for name, p in trained.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+    adapter_dir = tmp_path / "adapter"
+    state = {k: p.detach() for k, p in trained.named_parameters() if p.requires_grad}
+    save_adapter(trained, state, str(tiny_model), load_tokenizer(str(tiny_model)), adapter_dir)
+    run_cli("export", "--merge", adapter_dir, tmp_path / "merged")
+    merged = load_model(str(tmp_path / "merged")).eval()
+    rope = merged.config.rope_parameters
+    assert (rope["rope_type"], rope["factor"], merged.config.max_position_embeddings) == ("yarn", 4.0, 8192)
+    ids = torch.randint(4, 1000, (1, 2100), generator=torch.Generator().manual_seed(1))  # > 2048 positions
+    with torch.no_grad():
+        difference = (merged(input_ids=ids).logits - trained(input_ids=ids).logits).abs().max().item()
+    print(f"yarn LoRA: merged vs trained, max logit difference {difference:.2e}")
+    assert difference <= 1e-4

@@ -10,8 +10,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shardtune.config.schema import ConfigError
 from shardtune.data.synthetic import PROMPT_PREFIX, PROMPT_SUFFIX, generate_dialogues
-from shardtune.model.loading import (PRESETS, build_model_on_meta, cache_dir, check_model_source, count_parameters,
-                              init_model, load_model, load_tokenizer, resolve_model_name, train_tokenizer)
+from shardtune.model.loading import (PRESET_VERSION, PRESETS, build_model_on_meta, cache_dir, check_model_source,
+                                     count_parameters, init_model, load_model, load_tokenizer, preset_fingerprint,
+                                     resolve_model_name, train_tokenizer)
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +86,7 @@ def test_init_model_fills_an_existing_empty_directory(tmp_path):
 
 def test_resolve_model_name_builds_a_preset_once_into_the_cache():
     path = resolve_model_name("preset:tiny")
-    assert path == str(cache_dir() / "presets" / "tiny-v2")
+    assert path == str(cache_dir() / "presets" / f"tiny-{PRESET_VERSION}-{preset_fingerprint('tiny')}")
     weights = os.stat(os.path.join(path, "model.safetensors"))
     assert resolve_model_name("preset:tiny") == path
     again = os.stat(os.path.join(path, "model.safetensors"))
@@ -94,7 +95,22 @@ def test_resolve_model_name_builds_a_preset_once_into_the_cache():
 
 
 def test_empty_model_name_means_the_demo_preset():
-    assert resolve_model_name("").endswith("demo-v2")
+    assert resolve_model_name("").endswith(f"demo-{PRESET_VERSION}-{preset_fingerprint('demo')}")
+
+
+def test_a_preset_is_the_same_bytes_in_any_fresh_cache_and_a_cache_left_by_other_code_is_not_reused(
+        tmp_path, monkeypatch):
+    """What a fresh clone builds is what a warm cache holds: the demo's figures cannot depend on the cache."""
+    stale = cache_dir() / "presets" / f"tiny-{PRESET_VERSION}"  # its name before it carried the fingerprint
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")
+    first = resolve_model_name("preset:tiny")
+    assert first != str(stale)
+    monkeypatch.setenv("SHARDTUNE_CACHE", str(tmp_path / "another-cache"))
+    second = resolve_model_name("preset:tiny")
+    assert second != first
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert open(os.path.join(first, name), "rb").read() == open(os.path.join(second, name), "rb").read(), name
 
 
 def test_load_model_and_tokenizer_from_a_preset_directory(tiny_dir):

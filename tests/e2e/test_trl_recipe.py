@@ -1,0 +1,58 @@
+"""A TRL user's recipe runs as written: a `trl sft --config` YAML with TRL's keys, its env: and accelerate_config:
+(2 processes, LoRA on all-linear, the tiny model, a few steps), checked for what each key did. One launch; the
+parsing of every flag without a launch is in tests/unit/test_trl_flags.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from shardtune.training.metrics import read_metrics
+
+WARMUP, STEPS, PEAK = 2, 6, 1e-3
+
+
+def test_a_trl_recipe_with_its_accelerate_file_does_what_each_key_says(tiny_model, run_cli, tmp_path):
+    accelerate = tmp_path / "multi_gpu.yaml"  # TRL's keys (examples/accelerate_configs/multi_gpu.yaml), 2 processes
+    accelerate.write_text(yaml.safe_dump({
+        "compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": "MULTI_GPU",
+        "downcast_bf16": "no", "gpu_ids": "all", "machine_rank": 0, "main_training_function": "main",
+        "mixed_precision": "no", "num_machines": 1, "num_processes": 2, "rdzv_backend": "static",
+        "same_network": True, "tpu_env": [], "tpu_use_cluster": False, "tpu_use_sudo": False, "use_cpu": False}))
+    out = tmp_path / "run"
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model_name_or_path": str(tiny_model), "use_peft": True, "lora_r": 4, "lora_alpha": 8,
+        "lora_target_modules": "all-linear", "lora_dropout": 0.0, "learning_rate": PEAK,
+        "lr_scheduler_type": "cosine", "warmup_steps": WARMUP, "max_steps": STEPS, "num_train_epochs": 1,
+        "max_grad_norm": 0.01, "gradient_checkpointing": True, "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 1, "bf16": True, "weight_decay": 0.01, "packing": True,
+        "eval_strategy": "steps", "eval_steps": 3, "save_strategy": "steps", "save_steps": 3, "save_total_limit": 1,
+        "logging_steps": 1, "report_to": "none", "dataloader_num_workers": 0, "output_dir": str(out),
+        "env": {"TOKENIZERS_PARALLELISM": "false"}, "accelerate_config": str(accelerate),
+        "context_length": 256, "synthetic_dialogues": {"num_train": 48, "num_validation": 4}}))
+    proc = run_cli("sft", "--config", recipe, cwd=tmp_path)
+
+    assert "ddp, world size 2" in proc.stdout and "activation checkpointing" in proc.stdout  # 2 processes, checkpointing
+    # bf16 (recipe) vs mixed_precision: no (Accelerate file): the recipe wins, and one line says so
+    notes = [line for line in proc.stderr.splitlines() if "the Accelerate file says" in line]
+    assert len(notes) == 1 and "mixed_precision" in notes[0] and str(recipe) in notes[0]
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    lrs = [r["lr"] for r in rows]
+    assert len(rows) == STEPS
+    assert lrs[:WARMUP + 1] == pytest.approx([PEAK / 3, 2 * PEAK / 3, PEAK])  # warm-up, then the peak
+    assert all(a > b for a, b in zip(lrs[WARMUP:], lrs[WARMUP + 1:]))  # cosine decay
+    assert all(r["grad_norm"] > 0.01 for r in rows)  # clipping on: the norm before clipping is reported
+    evals = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "eval_loss" in r]
+    assert evals == [3, STEPS]  # --eval_steps 3 inside the epoch, and the epoch's end
+    assert [p.name for p in (out / "checkpoints").glob("step-*")] == [f"step-{STEPS:06d}"]  # save_total_limit 1
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and adapter["lora_alpha"] == 8
+    assert {m.rsplit(".", 1)[-1] for m in adapter["target_modules"]} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                              "down_proj"}  # all-linear: every linear layer but the head
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["gradient_clipping"] and resolved["gradient_clipping_threshold"] == 0.01
+    assert resolved["weight_decay"] == 0.01 and resolved["fsdp_config"]["fsdp_activation_checkpointing"]
+    assert (out / "plots" / "loss.png").is_file() and (out / "plots" / "lr.png").is_file()  # charts at the end

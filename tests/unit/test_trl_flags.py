@@ -1,0 +1,273 @@
+"""A TRL user's flags, recipes and Accelerate files mean here what they mean in TRL, or are refused in one line.
+
+Nothing here launches: the parser, the schedules, the Accelerate mapping and activation checkpointing are checked
+in this process (the one TRL-style launch is tests/e2e/test_trl_recipe.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from shardtune.config.accelerate import PROFILES, expand_accelerate_config
+from shardtune.config.flags import parse_args, recipe_launch_settings
+from shardtune.config.schema import ConfigError, TrainConfig
+from shardtune.config.trl import TRL_FLAGS, flag_table
+from shardtune.parallel.optim import build_optimizer, build_scheduler
+from shardtune.training.checks import validate
+
+REPO = Path(__file__).resolve().parents[2]
+# TRL's accelerate keys (examples/accelerate_configs/*.yaml), written here for the tests
+COMMON = {"compute_environment": "LOCAL_MACHINE", "debug": False, "downcast_bf16": "no", "machine_rank": 0,
+          "main_training_function": "main", "num_machines": 1, "rdzv_backend": "static", "same_network": True,
+          "tpu_env": [], "tpu_use_cluster": False, "tpu_use_sudo": False, "use_cpu": False}
+
+
+def write(folder: Path, name: str, content: dict) -> str:
+    path = folder / name
+    path.write_text(yaml.safe_dump(content))
+    return str(path)
+
+
+def settings(tmp_path: Path, accelerate: dict, argv: list[str] = ()):
+    launch, train, rest = expand_accelerate_config(["--accelerate_config", write(tmp_path, "acc.yaml", accelerate),
+                                                    *argv])
+    notes: list[str] = []
+    return launch, parse_args(rest, train, notes), notes
+
+
+def test_max_grad_norm_given_turns_clipping_on_at_that_norm():
+    cfg = parse_args(["--max_grad_norm", "0.3"])
+    assert cfg.gradient_clipping and cfg.gradient_clipping_threshold == 0.3
+    assert not parse_args(["--max_grad_norm", "0"]).gradient_clipping  # HF: 0 means no clipping
+    assert not parse_args([]).gradient_clipping
+
+
+@pytest.mark.parametrize("scheduler", ["step", "linear", "cosine", "cosine_with_min_lr", "constant_with_warmup"])
+def test_warmup_is_honoured_under_every_scheduler(scheduler):
+    extra = ["--min_lr_rate", "0.1"] if scheduler == "cosine_with_min_lr" else []
+    for warmup in (["--warmup_steps", "4"], ["--warmup_ratio", "0.2"]):  # 0.2 x 20 steps = 4
+        cfg = parse_args(["--lr_scheduler_type", scheduler, "--learning_rate", "1.0", *warmup, *extra])
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+        scheduler_obj, unit = build_scheduler(optimizer, cfg, total_steps=20, steps_per_epoch=10)
+        assert unit == "step"
+        lrs = []
+        for _ in range(20):
+            lrs.append(optimizer.param_groups[0]["lr"])
+            scheduler_obj.step()
+        assert lrs[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0]), scheduler  # (s + 1) / (w + 1), then the peak
+        if scheduler == "constant_with_warmup":
+            assert lrs[5:] == pytest.approx([1.0] * 15)
+        elif scheduler == "step":
+            assert lrs[10] == pytest.approx(0.85)  # x gamma once per epoch
+        else:
+            assert lrs[-1] < lrs[5] and all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+    assert TRL_FLAGS["warmup_steps"].to("0.1") == [("warmup_ratio", "0.1")]  # transformers 5: a float is a ratio
+
+
+def test_warmup_that_would_be_ignored_is_refused_in_one_line(tmp_path):
+    for argv, named in [(["--lr_scheduler_type", "constant", "--warmup_steps", "3"], "constant_with_warmup"),
+                        (["--warmup_steps", "3", "--warmup_ratio", "0.1"], "both set"),
+                        (["--lr_scheduler_type", "cosine_with_min_lr"], "min_lr_rate"),
+                        (["--lr_scheduler_type", "polynomial"], "not built"),
+                        (["--min_lr_rate", "0.1"], "no effect")]:
+        with pytest.raises(ConfigError, match=named) as error:
+            validate(parse_args([*argv, "--output_dir", str(tmp_path / "o")]), 1)
+        assert "\n" not in str(error.value)
+
+
+def test_cosine_with_min_lr_ends_at_the_floor():
+    cfg = parse_args(["--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}',
+                      "--learning_rate", "1.0"])
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler, _ = build_scheduler(optimizer, cfg, total_steps=10)
+    for _ in range(10):
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+def test_weight_decay_skips_biases_and_norm_weights_and_adam_settings_are_honoured():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    cfg = parse_args(["--weight_decay", "0.1", "--adam_beta1", "0.8", "--adam_epsilon", "1e-6", "--optim",
+                      "adamw_torch_fused"])
+    optimizer = build_optimizer(model, cfg)
+    decayed, plain = optimizer.param_groups
+    assert [p.shape for p in decayed["params"]] == [torch.Size([4, 4])] and decayed["weight_decay"] == 0.1
+    assert len(plain["params"]) == 3 and plain["weight_decay"] == 0.0  # bias, norm weight, norm bias
+    assert decayed["betas"] == (0.8, 0.999) and decayed["eps"] == 1e-6 and decayed["fused"]
+
+
+def test_recipe_wins_over_the_accelerate_file_and_a_disagreement_is_said_in_one_line(tmp_path):
+    recipe = write(tmp_path, "recipe.yaml", {"gradient_accumulation_steps": 8, "learning_rate": 3e-4})
+    zero1 = {**COMMON, "distributed_type": "DEEPSPEED", "mixed_precision": "bf16", "num_processes": 2,
+             "deepspeed_config": {"gradient_accumulation_steps": 1, "zero_stage": 1}}
+    launch, cfg, notes = settings(tmp_path, zero1, ["--config", recipe])
+    assert cfg.gradient_accumulation_steps == 8 and cfg.enable_deepspeed and cfg.lr == 3e-4
+    assert len(notes) == 1 and recipe in notes[0] and "8" in notes[0] and "1" in notes[0] and "\n" not in notes[0]
+    _, cfg, _ = settings(tmp_path, zero1, ["--config", recipe, "--gradient_accumulation_steps", "2"])
+    assert cfg.gradient_accumulation_steps == 2  # the command line wins over both
+
+
+def test_single_gpu_file_starts_one_process_whatever_num_processes_says(tmp_path):
+    launch, cfg, _ = settings(tmp_path, {**COMMON, "distributed_type": "NO", "mixed_precision": "bf16",
+                                         "num_processes": 8})
+    assert launch == {"nproc_per_node": "1"} and not cfg.enable_fsdp and not cfg.enable_deepspeed
+
+
+def test_parallelism_config_maps_onto_the_mesh(tmp_path):
+    sizes = {"parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 1,
+             "parallelism_config_tp_size": 1, "parallelism_config_cp_size": 2}
+    fsdp = {**COMMON, "distributed_type": "FSDP", "mixed_precision": "bf16", "num_processes": 2,
+            "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": True}}
+    launch, cfg, _ = settings(tmp_path, {**fsdp, "parallelism_config": sizes})  # context_parallel_2gpu
+    assert launch == {"nproc_per_node": "2"} and cfg.context_parallel_size == 2 and cfg.enable_fsdp
+    ulysses = {**COMMON, "distributed_type": "DEEPSPEED", "mixed_precision": "bf16", "num_processes": 4,
+               "deepspeed_config": {"zero_stage": 3, "seq_parallel_communication_data_type": "bf16"},
+               "parallelism_config": {**sizes, "parallelism_config_dp_shard_size": 2,
+                                      "parallelism_config_cp_backend": "deepspeed",
+                                      "parallelism_config_cp_seq_length_is_variable": True,
+                                      "parallelism_config_cp_attn_implementation": "flash_attention_2"}}
+    launch, cfg, _ = settings(tmp_path, ulysses)  # alst_ulysses_4gpu: ALST's cp is Ulysses
+    assert launch == {"nproc_per_node": "4"} and cfg.sequence_parallel_size == 2 and cfg.context_parallel_size == 1
+    sp = {**ulysses, "parallelism_config": {"parallelism_config_sp_size": 4, "parallelism_config_sp_backend":
+                                            "deepspeed", "parallelism_config_dp_replicate_size": 1}}
+    assert settings(tmp_path, sp)[1].sequence_parallel_size == 4
+    hsdp = {**fsdp, "num_processes": 4, "parallelism_config": {"parallelism_config_dp_replicate_size": 2,
+                                                               "parallelism_config_dp_shard_size": 2}}
+    cfg = settings(tmp_path, hsdp)[1]
+    assert cfg.fsdp_config.sharding_strategy == "HYBRID_SHARD" and cfg.fsdp_config.replica_group_size == 2
+    for bad, named in [({**sizes, "parallelism_config_tp_size": 2}, "tensor parallelism"),
+                       ({**sizes, "parallelism_config_cp_size": 4}, "num_processes is 2")]:
+        with pytest.raises(ConfigError, match=named) as error:
+            settings(tmp_path, {**fsdp, "parallelism_config": bad})
+        assert "\n" not in str(error.value)
+
+
+def test_packaged_profiles_are_accepted_by_name():
+    for name in PROFILES:
+        launch, train, _ = expand_accelerate_config(["--accelerate_config", name])
+        cfg = parse_args([], train)
+        assert cfg.enable_deepspeed == name.startswith("zero") and cfg.enable_fsdp == name.startswith("fsdp")
+        assert launch == ({"nproc_per_node": "1"} if name == "single_gpu" else {})
+    assert parse_args([], expand_accelerate_config(["--accelerate_config", "zero3"])[1]).deepspeed_config.zero_stage == 3
+
+
+def test_trl_names_have_trls_meaning():
+    cfg = parse_args(["--model_name_or_path", "m", "--use_peft", "--lora_r", "4", "--lora_alpha", "8",
+                      "--lora_target_modules", "all-linear", "--lora_modules_to_save", "lm_head", "--use_rslora",
+                      "--load_in_4bit", "--bnb_4bit_quant_type", "fp4", "--packing", "false", "--bf16",
+                      "--gradient_checkpointing", "--num_train_epochs", "2.0", "--max_steps", "-1",
+                      "--per_device_train_batch_size", "3", "--resume_from_checkpoint", "--report_to",
+                      "tensorboard,wandb", "--eval_strategy", "steps", "--eval_steps", "5", "--save_strategy", "steps",
+                      "--save_steps", "10", "--dtype", "bfloat16", "--packing_strategy", "bfd"])
+    lc = cfg.lora_config
+    assert (cfg.model_name, cfg.use_peft, lc.r, lc.lora_alpha, lc.target_modules, lc.modules_to_save,
+            lc.use_rslora) == ("m", True, 4, 8, ["all-linear"], ["lm_head"], True)
+    assert cfg.quantization == "4bit" and cfg.quantization_config.quant_type == "fp4"
+    assert not cfg.quantization_config.use_double_quant  # TRL's default for --use_bnb_nested_quant
+    assert cfg.batching_strategy == "padding" and cfg.mixed_precision
+    assert cfg.fsdp_config.fsdp_activation_checkpointing and not cfg.enable_fsdp  # under DDP too
+    assert (cfg.num_epochs, cfg.max_train_step, cfg.batch_size_training, cfg.resume) == (2, 0, 3, "latest")
+    assert cfg.report_to == "tensorboard,wandb" and cfg.eval_steps == 5 and cfg.save_steps == 10
+    assert parse_args(["--packing"]).batching_strategy == "packing"
+    assert parse_args(["--resume_from_checkpoint", "out/step-000002"]).resume == "out/step-000002"
+
+
+def test_flags_that_cannot_be_honoured_are_refused_in_one_line():
+    for argv, named in [(["--num_train_epochs", "1.5"], "--max_steps"), (["--optim", "adamw_8bit"], "adamw_torch"),
+                        (["--push_to_hub"], "hf upload"), (["--load_best_model_at_end"], "not built"),
+                        (["--packing_strategy", "wrapped"], "bfd"), (["--eval_strategy", "steps"], "--eval_steps"),
+                        (["--model_revision", "v2"], "--model_name DIR"), (["--trust_remote_code"], "drop the flag"),
+                        (["--attn_implementation", "eager"], "drop the flag"),
+                        (["--save_strategy", "steps"], "--save_steps N")]:
+        with pytest.raises(ConfigError, match=named) as error:
+            parse_args(argv)
+        assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("typo,suggested", [("packng", "packing"), ("bf61", "bf16"),
+                                            ("gradient_checkpointng", "gradient_checkpointing"),
+                                            ("resume_from_checkpont", "resume_from_checkpoint")])
+def test_a_mistyped_trl_flag_gets_the_right_suggestion(typo, suggested):
+    with pytest.raises(ConfigError, match=f"did you mean --{suggested}\\?"):
+        parse_args([f"--{typo}", "1"])
+
+
+def test_a_trl_recipe_names_every_unknown_key_at_once_and_reads_env_and_accelerate_config(tmp_path):
+    bad = write(tmp_path, "bad.yaml", {"learning_rate": 1e-4, "lernin_rate": 1, "packng": True, "zzz_qqq": 3})
+    with pytest.raises(ConfigError) as error:
+        parse_args(["--config", bad])
+    message = str(error.value)
+    assert all(k in message for k in ("lernin_rate", "packng", "zzz_qqq")) and "\n" not in message
+    good = write(tmp_path, "good.yaml", {"learning_rate": 1e-4, "env": {"WANDB_MODE": "offline"},
+                                         "accelerate_config": "zero2"})
+    assert recipe_launch_settings(["--config", good]) == ({"WANDB_MODE": "offline"}, "zero2")
+    assert parse_args(["--config", good]).lr == 1e-4
+
+
+def test_activation_checkpointing_under_ddp_gives_the_same_gradients(tiny_model):
+    """The wrappers DDP and DeepSpeed apply (as FSDP does) recompute each layer: same loss and gradients."""
+    from shardtune.model.loading import load_model
+    from shardtune.parallel.fsdp import checkpoint_activations
+
+    batch = torch.tensor([[1, 5, 9, 14, 3, 7, 2, 8]])
+    grads = []
+    for on in (False, True):
+        model = load_model(str(tiny_model), dtype=torch.float32)
+        cfg = TrainConfig()
+        cfg.fsdp_config.fsdp_activation_checkpointing = on
+        checkpoint_activations(model, cfg)
+        model(input_ids=batch, labels=batch).loss.backward()
+        grads.append({n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()})
+        assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters()) == on
+        assert "_checkpoint_wrapped_module" not in "".join(model.state_dict())  # saved names stay HF's
+    assert grads[0].keys() == grads[1].keys()
+    assert all(torch.allclose(grads[0][k], grads[1][k], rtol=1e-5, atol=1e-7) for k in grads[0])
+
+
+def test_docs_flag_table_is_current():
+    assert (REPO / "docs" / "flags.md").read_text() == flag_table(), \
+        "docs/flags.md is stale: python -m shardtune.config.trl > docs/flags.md"
+
+
+def test_help_lists_the_trl_names_beside_ours():
+    from shardtune.config.flags import help_text
+
+    text = help_text()
+    assert "TRL: --max_grad_norm" in text and "TRL: --learning_rate" in text and "TRL: --gradient_checkpointing" in text
+
+
+def test_plan_takes_sfts_topology_flags():
+    from shardtune.commands.plan import split_plan_args
+
+    values, rest, _ = split_plan_args(["--nproc_per_node", "8", "--nnodes", "2", "--master_addr", "10.0.0.1",
+                                       "--enable_fsdp"])
+    assert (values["gpus_per_node"], values["nnodes"], rest) == ("8", "2", ["--enable_fsdp"])
+    assert split_plan_args(["--num_processes", "4"])[0]["gpus_per_node"] == "4"
+    with pytest.raises(ConfigError, match="disagree"):
+        split_plan_args(["--nproc_per_node", "8", "--gpus_per_node", "4"])
+
+
+def test_cookbook_checkpoint_folders_without_output_dir_are_the_runs_directory():
+    cookbook = ["--dist_checkpoint_root_folder", "model_checkpoints", "--dist_checkpoint_folder", "fine-tuned",
+                "--model_name", "meta-llama/Llama-3.2-1B"]
+    assert parse_args(cookbook).output_dir == "model_checkpoints/fine-tuned-meta-llama/Llama-3.2-1B"
+    assert parse_args([*cookbook, "--output_dir", "mine"]).output_dir == "mine"
+
+
+def test_plot_works_after_the_default_install():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert any(d.startswith("matplotlib") for d in project["dependencies"])
+
+
+def test_more_trl_training_names():
+    cfg = parse_args(["--use_liger_kernel", "--save_only_model", "--gradient_checkpointing_kwargs",
+                      '{"use_reentrant": false}'])
+    assert cfg.use_fast_kernels and not cfg.save_optimizer and not cfg.activation_checkpointing_use_reentrant
+    with pytest.raises(ConfigError, match="use_reentrant"):
+        parse_args(["--gradient_checkpointing_kwargs", '{"preserve_rng_state": true}'])
