@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardtune.training.checkpoint import checkpoint_step, complete_checkpoints, latest_checkpoint, read_trainer_state, unfinished_saves
+from shardtune.training.checkpoint_layout import checkpoint_step, complete_checkpoints, latest_checkpoint, read_trainer_state, unfinished_saves
 from shardtune.runtime.preemption import EXIT_PREEMPTED
 from tests.conftest import REPO, cli_env
 from tests.helpers import eval_rows, max_relative_difference, step_rows

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.training.checkpoint import latest_checkpoint
+from shardtune.training.checkpoint_layout import latest_checkpoint
 from shardtune.runtime.preemption import EXIT_PREEMPTED
 from tests.conftest import REPO, cli_env
 from tests.helpers import assert_same_training, step_rows
