@@ -25,18 +25,18 @@ def save_hf_model(model: nn.Module, state_dict: dict[str, torch.Tensor], tokeniz
     out_dir.mkdir(parents=True, exist_ok=True)
     staging = staging_dir(out_dir, "model")
     state_dict = cast_to_model_dtype(state_dict, model)
+    written = {t.dtype for t in state_dict.values() if t.is_floating_point()}  # save_pretrained empties the dict
     model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
-    state_config_dtype(staging / "config.json", state_dict)
+    state_config_dtype(staging / "config.json", written)
     tokenizer.save_pretrained(staging)
     publish_dir(staging, out_dir)
 
 
-def state_config_dtype(config_path: Path, state_dict: dict[str, torch.Tensor]) -> None:
+def state_config_dtype(config_path: Path, written: set[torch.dtype]) -> None:
     """config.json's ``dtype`` names the dtype of the floating-point weights written, so ``from_pretrained`` loads
     them as they are (transformers writes the dtype of the model object, fp32 master weights, whatever was saved)."""
     import json
 
-    written = {t.dtype for t in state_dict.values() if t.is_floating_point()}
     if len(written) != 1:
         return
     config = json.loads(config_path.read_text(encoding="utf-8"))
