@@ -181,6 +181,8 @@ def _apply(cfg: TrainConfig, name: str, value: Any, given: dict[str, Any], bare_
     """Set one flag (maybe a TRL name that sets several of ours); returns {our key: the value it now has}."""
     from shardtune.config.trl import TRL_FLAGS, translate
 
+    if value is None and not bare_is_true and name.replace("-", "_") in TRL_FLAGS:
+        return {}  # a recipe key left empty means the default (TRL's translations take no empty value)
     if name.replace("-", "_") in TRL_FLAGS:
         given[name.replace("-", "_")] = value
     changed = {}
