@@ -50,3 +50,29 @@ def run_cli(cache_dir):
         return proc
 
     return run
+
+
+@pytest.fixture
+def cli_in_process(cache_dir, capsys, monkeypatch):
+    """Run ``shardtune ARGS`` inside this test process (the same ``shardtune.cli.main`` a shell runs, without a
+    second interpreter importing torch again): for commands that must stop before any process starts. The
+    environment and working directory are those of ``run_cli``; both are restored afterwards."""
+
+    def run(*args) -> subprocess.CompletedProcess:
+        from shardtune.cli import main
+
+        saved = dict(os.environ)
+        os.environ.update({k: v for k, v in cli_env(cache_dir).items() if k != "PYTHONPATH"})
+        monkeypatch.chdir(REPO)
+        capsys.readouterr()
+        try:
+            status = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's own errors
+            status = e.code if isinstance(e.code, int) else 1
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["shardtune", *map(str, args)], status, out, err)
+
+    return run

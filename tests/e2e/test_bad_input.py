@@ -60,10 +60,12 @@ def assert_one_line_error(proc, *needles):
      ["--context_parallel_size 2", "--peft_method prefix"]),
     (["--gpus_per_node", "8"], ["--gpus_per_node", "add --dry_run"]),  # a plan's flag, without --dry_run
 ])
-def test_bad_values_fail_early_with_one_line(args, needles, tiny_model, run_cli, tmp_path):
+def test_bad_values_fail_early_with_one_line(args, needles, tiny_model, cli_in_process, tmp_path):
+    """In this process (each would otherwise start an interpreter that imports torch, ~5 s); the tests below run the
+    real command line in its own process."""
     out = tmp_path / "never-created"
     base = ["--model_name", str(tiny_model)] if "--model_name" not in args else []
-    proc = run_cli("sft", *base, "--output_dir", out, *args, check=False)
+    proc = cli_in_process("sft", *base, "--output_dir", out, *args)
     assert_one_line_error(proc, *needles)
     assert not out.exists(), "a failed validation must not create the output dir"
 

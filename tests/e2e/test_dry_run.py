@@ -41,8 +41,9 @@ def test_dry_run_of_llama3_8b_on_8_gpus_shards_it_and_fsdp_fits_where_ddp_does_n
     (["--gpus_per_node", "8", "--sequence_parallel_size", "8"],
      ["--sequence_parallel_size 8 must divide the model's 4 attention heads (2 KV heads"]),
 ])
-def test_dry_run_refuses_an_impossible_mesh_with_the_line_of_a_real_run(args, needles, run_cli, tiny_model, tmp_path):
+def test_dry_run_refuses_an_impossible_mesh_with_the_line_of_a_real_run(args, needles, cli_in_process, tiny_model,
+                                                                        tmp_path):
     out = tmp_path / "never-created"
-    proc = run_cli("sft", "--dry_run", "--model_name", tiny_model, "--output_dir", out, *args, check=False)
+    proc = cli_in_process("sft", "--dry_run", "--model_name", tiny_model, "--output_dir", out, *args)
     assert_one_line_error(proc, *needles)
     assert proc.stdout == "" and not out.exists()
