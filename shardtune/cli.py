@@ -44,9 +44,13 @@ def main(argv: list[str] | None = None) -> int:
 
         print(sft_help_text())
         return 0
-    if command == "dpo":  # sft's command with the DPO objective (a command imports no other)
-        return importlib.import_module("shardtune.commands.sft").main(rest, objective="dpo")
-    return importlib.import_module(f"shardtune.commands.{MODULES[command]}").main(rest)
+    try:
+        if command == "dpo":  # sft's command with the DPO objective (a command imports no other)
+            return importlib.import_module("shardtune.commands.sft").main(rest, objective="dpo")
+        return importlib.import_module(f"shardtune.commands.{MODULES[command]}").main(rest)
+    except KeyboardInterrupt:  # Ctrl-C before (or without) a run's own stop handling: one line, a shell's status
+        print("shardtune: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

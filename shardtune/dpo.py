@@ -1,9 +1,15 @@
 """``python -m shardtune.dpo``: what torchrun runs for ``shardtune dpo``; the command is shardtune.commands.sft with
 the DPO objective."""
 
+import signal
 import sys
 
-from shardtune.commands.sft import main
+if __name__ == "__main__":
+    # Ctrl-C reaches the launcher and every worker at once: while a worker imports, the launcher alone answers it
+    # (the worker's own handlers, installed before training, see its stop request; shardtune/runtime/preemption.py)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+from shardtune.commands.sft import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:], objective="dpo"))

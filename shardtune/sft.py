@@ -1,9 +1,15 @@
 """``python -m shardtune.sft``: what torchrun runs (``torchrun ... -m shardtune.sft --flag value``); the command
 itself is shardtune.commands.sft."""
 
+import signal
 import sys
 
-from shardtune.commands.sft import main
+if __name__ == "__main__":
+    # Ctrl-C reaches the launcher and every worker at once: while a worker imports, the launcher alone answers it
+    # (the worker's own handlers, installed before training, see its stop request; shardtune/runtime/preemption.py)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+from shardtune.commands.sft import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

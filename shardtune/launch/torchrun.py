@@ -116,7 +116,7 @@ def launch(topology: Topology, module: str, module_args: list[str], what: str = 
     """Run ``torchrun <topology's flags> -m <module> <module_args>`` in this process; return an exit status."""
     from torch.distributed.run import get_args_parser
 
-    from shardtune.runtime.preemption import EXIT_PREEMPTED, TORCHRUN_SIGNALS, stop_signals_forwarded, workers_stopped
+    from shardtune.runtime.preemption import TORCHRUN_SIGNALS, stop_signals_forwarded, workers_stopped
 
     print(topology.describe(), flush=True)
     torchrun_args = topology.torchrun_argv()
@@ -132,8 +132,8 @@ def launch(topology: Topology, module: str, module_args: list[str], what: str = 
         status = run_torchrun(args, what)
         stopped = workers_stopped(control_dir)
     if stopped and status == 0:
-        print(f"shardtune: {stopped}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        print(f"shardtune: {stopped[1]}", file=sys.stderr)
+        return stopped[0]
     return status
 
 

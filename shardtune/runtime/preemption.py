@@ -13,6 +13,11 @@ the launcher (Kubernetes signals the container's first process) or only one node
   after the same step and writes the same checkpoint;
 - workers then exit 0 (so no agent restarts them and every node's agent passes torchrun's exit barrier), and
   local rank 0 of each node leaves a "stopped" file for its launcher, which exits with EXIT_PREEMPTED.
+
+SIGINT (Ctrl-C, which the terminal sends to the launcher and every worker at once) is the same stop, ending with
+EXIT_INTERRUPTED (130, what a shell reports for Ctrl-C) instead of a traceback per rank. A second signal
+terminates at once: the launcher leaves a "terminate" file and lets torchrun's agent send SIGTERM to the workers,
+and a worker that receives a signal after a first one, or with that file present, dies of it at once.
 """
 
 from __future__ import annotations
@@ -32,12 +37,19 @@ import torch.distributed as dist
 # sysexits.h EX_TEMPFAIL, "temporary failure; the user is invited to retry": a checkpoint was written after a stop
 # signal and the run is not finished. recipes/multinode.slurm requeues the job on it.
 EXIT_PREEMPTED = 75
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: the same stop after Ctrl-C
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 CONTROL_DIR_ENV = "SHARDTUNE_CONTROL_DIR"
 STOP_REQUESTED_FILE = "stop-requested"
+TERMINATE_FILE = "terminate"
 STOPPED_FILE = "stopped"
 # torchrun's default --signals_to_handle without the stop signals, which the launcher handles itself
-TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
+TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
+
+
+def exit_status(signal_name: str) -> int:
+    """The status a run stopped by ``signal_name`` (with its checkpoint written) exits with."""
+    return EXIT_INTERRUPTED if signal_name == "SIGINT" else EXIT_PREEMPTED
 
 _received: list[int] = []  # signals this worker process received (set by the handler)
 
@@ -46,16 +58,30 @@ class Preempted(Exception):
     """Raised on every rank after the checkpoint of a stop was written."""
 
     def __init__(self, signal_name: str, step: int, checkpoint: Path):
+        self.status = exit_status(signal_name)
         super().__init__(f"stopped by {signal_name} after step {step}: checkpoint {checkpoint} written; the run "
-                         f"continues with --resume latest (or --resume auto), exit status {EXIT_PREEMPTED}")
+                         f"continues with --resume latest (or --resume auto), exit status {self.status}")
         self.checkpoint = checkpoint
 
 
 # -- worker side ----------------------------------------------------------------------------------------------------
+def _terminate_requested() -> bool:
+    control_dir = os.environ.get(CONTROL_DIR_ENV)
+    return bool(control_dir) and (Path(control_dir) / TERMINATE_FILE).exists()
+
+
+def _on_stop_signal(signum: int, _frame) -> None:
+    if _received or _terminate_requested():  # a second signal, or the launcher's second: die of it now
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    _received.append(signum)
+
+
 def install_worker_handlers() -> None:
-    """Record SIGTERM / SIGUSR1 instead of dying; training looks at the record after each optimizer step."""
+    """Record SIGTERM / SIGUSR1 / SIGINT instead of dying; training looks at the record after each optimizer step."""
     for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda signum, _frame: _received.append(signum))
+        signal.signal(sig, _on_stop_signal)
 
 
 def _local_stop_signal() -> int:
@@ -83,15 +109,16 @@ def report_stopped(error: Preempted) -> bool:
     False when there is no shardtune launcher (plain torchrun)."""
     control_dir = os.environ.get(CONTROL_DIR_ENV)
     if control_dir and os.environ.get("LOCAL_RANK", "0") == "0":
-        (Path(control_dir) / STOPPED_FILE).write_text(f"{error}\n", encoding="utf-8")
+        (Path(control_dir) / STOPPED_FILE).write_text(f"{error.status}\t{error}\n", encoding="utf-8")
     return bool(control_dir)
 
 
 # -- launcher side --------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def stop_signals_forwarded() -> Iterator[Path]:
-    """While torchrun runs in this process: the first SIGTERM / SIGUSR1 asks the workers to stop after their step;
-    a second one raises torchrun's SignalException (its agent then terminates the workers)."""
+    """While torchrun runs in this process: the first SIGTERM / SIGUSR1 / SIGINT asks the workers to stop after their
+    step; a second one leaves the "terminate" file and raises torchrun's SignalException (its agent then sends the
+    workers SIGTERM, which they die of at once)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     control_dir = Path(tempfile.mkdtemp(prefix="shardtune-control-"))
@@ -100,10 +127,12 @@ def stop_signals_forwarded() -> Iterator[Path]:
         request = control_dir / STOP_REQUESTED_FILE
         name = signal.Signals(signum).name
         if request.exists():
+            (control_dir / TERMINATE_FILE).write_text(str(signum), encoding="utf-8")
             raise SignalException(f"second {name}: terminating the workers", sigval=signal.Signals(signum))
         request.write_text(str(signum), encoding="utf-8")
+        again = "press Ctrl-C again" if signum == signal.SIGINT else "send it again"
         print(f"shardtune: {name} received: every rank finishes its optimizer step and writes a checkpoint, then "
-              f"the job exits with status {EXIT_PREEMPTED} (send it again to terminate now)", file=sys.stderr,
+              f"the job exits with status {exit_status(name)} ({again} to terminate now)", file=sys.stderr,
               flush=True)
 
     previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
@@ -117,7 +146,11 @@ def stop_signals_forwarded() -> Iterator[Path]:
         shutil.rmtree(control_dir, ignore_errors=True)
 
 
-def workers_stopped(control_dir: Path) -> str | None:
-    """What the workers reported when they stopped for a signal (None: they ran to the end)."""
+def workers_stopped(control_dir: Path) -> tuple[int, str] | None:
+    """The exit status and the line the workers reported when they stopped for a signal (None: they ran to the
+    end)."""
     stopped = control_dir / STOPPED_FILE
-    return stopped.read_text(encoding="utf-8").strip() if stopped.is_file() else None
+    if not stopped.is_file():
+        return None
+    status, _, line = stopped.read_text(encoding="utf-8").strip().partition("\t")
+    return int(status), line

@@ -56,7 +56,6 @@ from shardtune.runtime.errors import CheckpointError, TrainingStopped, fail
 from shardtune.runtime import startup
 from shardtune.runtime.files import remove_stale_staging, write_text_atomic
 from shardtune.runtime.preemption import (
-    EXIT_PREEMPTED,
     Preempted,
     install_worker_handlers,
     report_stopped,
@@ -322,7 +321,7 @@ def run_worker(cfg: TrainConfig, prepared: bool = False, objective: str = "sft")
             return 0
         print0(f"shardtune: {e}")
         # in place (no torchrun) this process is the job: its status is what SLURM requeues on
-        return 0 if "TORCHELASTIC_RUN_ID" in os.environ else EXIT_PREEMPTED
+        return 0 if "TORCHELASTIC_RUN_ID" in os.environ else e.status
     except (Exception, CheckpointException) as e:  # a fault no check foresaw (torch.distributed.checkpoint's error
         # is a BaseException): one line, printed once by whoever launched the workers
         if cfg.debug:

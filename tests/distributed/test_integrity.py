@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -245,7 +246,10 @@ def test_one_run_per_output_dir_loopback_only_and_a_stopped_lone_process_exits_7
     AutoModelForCausalLM.from_pretrained(out)
 
 
-def test_a_one_node_run_of_two_processes_listens_on_loopback_only(tiny_model, cache_dir, tmp_path):
+def test_a_one_node_run_of_two_processes_listens_on_loopback_only_and_ctrl_c_stops_it_like_sigterm(
+        tiny_model, cache_dir, tmp_path):
+    """Ctrl-C (SIGINT to the launcher and both workers at once, as a terminal sends it): the same stop as SIGTERM,
+    a checkpoint after the step, one line and status 130, no KeyboardInterrupt traceback from any rank."""
     out = tmp_path / "run"
     proc = start(cache_dir, tiny_model, out, "--num_epochs", 1000, "--save_steps", 0, "--standalone", nproc=2)
     try:
@@ -254,14 +258,48 @@ def test_a_one_node_run_of_two_processes_listens_on_loopback_only(tiny_model, ca
         assert len(launcher) >= 2 and all(is_loopback(a) for a in launcher), launcher
         workers = listening_addresses(list(worker_pids(proc.pid).values()))  # gloo's own connections
         assert all(is_loopback(a) for a in workers), workers
-        proc.send_signal(signal.SIGUSR1)
-        _stdout, stderr = proc.communicate(timeout=300)
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             for pid in worker_pids(proc.pid).values():
                 os.kill(pid, signal.SIGKILL)
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert "SIGINT received: every rank finishes its optimizer step" in stderr and "Ctrl-C again" in stderr
+    stopped = [line for line in stderr.splitlines() if "stopped by SIGINT after step" in line]
+    assert len(stopped) == 1 and stopped[0].endswith("exit status 130"), stderr[-3000:]
+    step = logged_steps(out)
+    assert (out / "checkpoints" / f"step-{step:06d}").is_dir()
+
+
+def test_a_second_signal_terminates_at_once_without_a_checkpoint(tiny_model, cache_dir, tmp_path):
+    """The workers are held (SIGSTOP) while the launcher gets SIGTERM twice, then let go: they must die of the
+    SIGTERM torchrun's agent sends them rather than finish their step and write the checkpoint of a stop."""
+    out = tmp_path / "run"
+    proc = start(cache_dir, tiny_model, out, "--num_epochs", 1000, "--save_steps", 0, nproc=2)
+    try:
+        wait_for(lambda: True if logged_steps(out) >= 1 else None, proc, "step 1")
+        workers = list(worker_pids(proc.pid).values())
+        assert len(workers) == 2
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(2)  # the agent sends the (held) workers SIGTERM
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            for pid in worker_pids(proc.pid).values():
+                os.kill(pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "workers terminated by SIGTERM" in stderr and "stopped by" not in stderr, stderr[-3000:]
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
 
 
 def test_weights_that_are_not_finite_are_not_published(tiny_model, cache_dir, tmp_path):
