@@ -44,7 +44,7 @@ def source_dtype(config) -> torch.dtype:
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = "auto") -> Path:
     """Write the model held by ``checkpoint`` (a step folder, or an output dir: its latest) to ``out_dir``."""
     notes: list[str] = []
-    path = resolve_checkpoint(str(checkpoint), Path(checkpoint).parent.parent, notes=notes)
+    path = resolve_checkpoint(str(checkpoint), Path(checkpoint).parent.parent, notes=notes, resume=False)
     for note in notes:
         print(f"shardtune: warning: {note}", file=sys.stderr)
     state = read_trainer_state(path)

@@ -95,8 +95,12 @@ def check_previous_run(cfg: TrainConfig, resuming: bool | None = None) -> None:
         return
     found = [name for name in RUN_FILES if (Path(cfg.output_dir) / name).exists()]
     if found:
+        # --resume latest only where there is something to resume (output_dir/checkpoints/step-NNNNNN, the layout of
+        # shardtune.training.checkpoint_layout; whether one verifies is that floor's business)
+        resumable = any((Path(cfg.output_dir) / "checkpoints").glob("step-*"))
+        continue_it = "--resume latest to continue it, " if resumable else ""
         raise ConfigError(f"--output_dir {cfg.output_dir} already holds a run ({found[0]}): pass another directory, "
-                          "--resume latest to continue it, or --overwrite_output_dir true to replace it")
+                          f"{continue_it}or --overwrite_output_dir true to replace it")
 
 
 def _check_output_dir(output_dir: str) -> None:

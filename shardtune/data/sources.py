@@ -126,8 +126,12 @@ def _samsum_files(cfg: TrainConfig) -> DataFiles:
                         f"{sc.data_path} has a validation file ({files.validation[0].name}): set it to 0 "
                         "or remove the file")
     if not files.validation and sc.validation_fraction == 0 and cfg.run_validation:
-        raise DataError(f"--samsum_dataset.data_path {sc.data_path}: no validation file: add one (a file whose "
-                        f"name contains {sc.test_split!r}, 'val', 'dev' or 'test') or set "
+        naming = f"a file whose name contains {sc.test_split!r}, 'val', 'dev' or 'test'"
+        if Path(sc.data_path).expanduser().is_file():  # one file is the train data, whatever its name says
+            raise DataError(f"--samsum_dataset.data_path {sc.data_path} is one file, the train data: pass a folder "
+                            f"holding a train file and a validation file ({naming}), or set "
+                            "--samsum_dataset.validation_fraction (e.g. 0.05), or --run_validation false")
+        raise DataError(f"--samsum_dataset.data_path {sc.data_path}: no validation file: add one ({naming}) or set "
                         "--samsum_dataset.validation_fraction (e.g. 0.05)")
     return files
 

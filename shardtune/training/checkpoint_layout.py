@@ -128,30 +128,34 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def resolve_checkpoint(where: str, output_dir: str | Path, hashes: bool = True,
-                       notes: list[str] | None = None) -> Path | None:
+                       notes: list[str] | None = None, resume: bool = True) -> Path | None:
     """``latest`` (of output_dir, or of a checkpoints folder), a checkpoint folder, or an output dir or checkpoints
     folder (its latest checkpoint); ``auto``: latest if there is a complete checkpoint, else None (a new run; for
     jobs that requeue or restart themselves). Only a checkpoint that verifies (checkpoint_problem) is returned;
-    ``notes`` receives a line for each newer one that was skipped."""
+    ``notes`` receives a line for each newer one that was skipped. ``resume``: ``where`` is --resume's value (the
+    errors name the flag and offer ``--resume latest``); else a command's argument (``shardtune export``)."""
     if where in ("auto", "latest"):
         path = newest_verified_checkpoint(output_dir, hashes, notes)
         if path is None and where == "latest":
-            raise ConfigError(f"--resume latest: no complete checkpoint in {checkpoints_dir(output_dir)}: drop "
-                              "--resume to start a new run, or pass a checkpoint folder")
+            # an output dir named "checkpoints" is not the checkpoints folder itself: name the folder it is
+            looked_in = output_dir if Path(output_dir).name == CHECKPOINTS_DIR else checkpoints_dir(output_dir)
+            raise ConfigError(f"--resume latest: no complete checkpoint in {looked_in}: drop --resume to start a "
+                              "new run, or pass a checkpoint folder")
         return path
     path = Path(where)
     if checkpoint_step(path) is not None and path.is_dir():
         problem = checkpoint_problem(path, hashes)
         if problem is not None:
-            raise ConfigError(f"--resume {where}: the checkpoint does not verify ({problem}): pass another "
-                              "checkpoint, or --resume latest (the newest one that verifies)")
+            newest = "--resume latest" if resume else "the run's output dir"
+            raise ConfigError(f"{'--resume ' if resume else ''}{where}: the checkpoint does not verify ({problem}): "
+                              f"pass another checkpoint, or {newest} (the newest one that verifies)")
         return path
     if checkpoints_dir(path).is_dir():
         found = newest_verified_checkpoint(path, hashes, notes)
         if found is not None:
             return found
     raise ConfigError(f"{where} is not a complete checkpoint (a step-NNNNNN folder with {MANIFEST_FILE}, or an "
-                      "output dir holding checkpoints/): pass one, or --resume latest")
+                      f"output dir holding checkpoints/): pass one{', or --resume latest' if resume else ''}")
 
 
 def read_trainer_state(path: Path) -> dict:

@@ -104,6 +104,20 @@ def test_a_previous_run_is_never_overwritten_by_accident(tiny_model, run_cli, tm
     run_cli(*args, "--overwrite_output_dir", "true")
 
 
+def test_the_hint_for_a_previous_run_offers_resume_only_where_a_checkpoint_is(tmp_path):
+    from shardtune.config.checks import check_previous_run
+    from shardtune.config.schema import ConfigError, TrainConfig
+
+    (tmp_path / "metrics.jsonl").write_text("")
+    cfg = TrainConfig(output_dir=str(tmp_path))
+    with pytest.raises(ConfigError) as caught:
+        check_previous_run(cfg)
+    assert "already holds a run (metrics.jsonl)" in str(caught.value) and "--resume" not in str(caught.value)
+    (tmp_path / "checkpoints" / "step-000004").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="--resume latest to continue it, or --overwrite_output_dir true"):
+        check_previous_run(cfg)
+
+
 def test_deepspeed_config_file_cannot_change_our_batch_sizes(tiny_model, run_cli, tmp_path):
     """A TRL-style ds_config.json may say "auto" or repeat our value; anything else is refused, not overridden."""
     pytest.importorskip("deepspeed")

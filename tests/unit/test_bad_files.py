@@ -52,3 +52,20 @@ def test_a_broken_config_json_is_one_line_naming_the_file(tmp_path, text, needle
         check_model_source(str(tmp_path))
     assert str(tmp_path / "config.json") in str(e.value) and needle in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_checkpoint_hints_name_the_right_folder_and_flag(tmp_path):
+    """--resume latest on a run without checkpoints names output_dir/checkpoints (not .../checkpoints/checkpoints);
+    export's errors offer no --resume, which export does not take."""
+    from shardtune.training.checkpoint_layout import checkpoint_root, resolve_checkpoint
+
+    root = checkpoint_root(TrainConfig(output_dir=str(tmp_path / "run")))
+    root.mkdir(parents=True)
+    with pytest.raises(ConfigError) as caught:
+        resolve_checkpoint("latest", root)
+    assert str(caught.value).startswith(f"--resume latest: no complete checkpoint in {root}: drop --resume")
+    with pytest.raises(ConfigError) as caught:
+        resolve_checkpoint(str(tmp_path / "run"), tmp_path, resume=False)
+    assert "is not a complete checkpoint" in str(caught.value) and "--resume" not in str(caught.value)
+    with pytest.raises(ConfigError, match="pass one, or --resume latest$"):
+        resolve_checkpoint(str(tmp_path / "run"), tmp_path)

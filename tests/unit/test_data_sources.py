@@ -130,6 +130,17 @@ def test_missing_validation_data_is_a_check_time_error(tmp_path):
         check_data_config(samsum_cfg(path, run_validation=False))
 
 
+def test_one_file_named_validation_is_still_the_train_data_and_the_hint_says_so(tmp_path):
+    """A file given alone is the train data whatever its name: the hint cannot be 'add a validation file'."""
+    path = write_rows(tmp_path / "samsum_validation.json", ROWS)
+    with pytest.raises(DataError) as caught:
+        check_data_config(samsum_cfg(path, run_validation=True))
+    assert str(caught.value) == (
+        f"--samsum_dataset.data_path {path} is one file, the train data: pass a folder holding a train file and a "
+        "validation file (a file whose name contains 'validation', 'val', 'dev' or 'test'), or set "
+        "--samsum_dataset.validation_fraction (e.g. 0.05), or --run_validation false")
+
+
 def test_validation_fraction_next_to_a_validation_file_is_refused(tmp_path):
     write_rows(tmp_path / "train.jsonl", ROWS)
     write_rows(tmp_path / "validation.jsonl", ROWS)
