@@ -39,10 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardtune: error: unknown command {command!r}: choose one of {', '.join(SUBCOMMANDS)}",
               file=sys.stderr)
         return 2
-    if command == "sft" and ("-h" in rest or "--help" in rest):  # at once: torch and transformers not imported
+    if command in ("sft", "dpo") and ("-h" in rest or "--help" in rest):  # at once: no torch, no transformers
         from shardtune.launch.torchrun import sft_help_text
 
-        print(sft_help_text())
+        print(sft_help_text(command))
         return 0
     try:
         if command == "dpo":  # sft's command with the DPO objective (a command imports no other)

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None, objective: str = "sft") -> int:
     quiet_libraries()
     clear_accelerate_loading_variables()
     if "-h" in argv or "--help" in argv:
-        print(sft_help_text())
+        print(sft_help_text(objective))
         return 0
     debug = "--debug" in argv
     try:

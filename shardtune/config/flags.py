@@ -311,10 +311,10 @@ def field_default(f: dataclasses.Field) -> Any:
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
 
 
-def help_text() -> str:
+def help_text(command: str = "sft") -> str:
     from shardtune.config.trl import TRL_FLAGS, trl_names_of
 
-    lines = ["usage: shardtune sft [--config recipe.yaml] [--accelerate_config accelerate.yaml|PROFILE] [--flag value "
+    lines = [f"usage: shardtune {command} [--config recipe.yaml] [--accelerate_config accelerate.yaml|PROFILE] [--flag value "
              "...] [torchrun flags]", "",
              "precedence: command line > recipe (--config; TRL's `trl sft --config` YAML too) > Accelerate file; a "
              "setting the recipe and the Accelerate file give different values is named in one line", "",
@@ -332,4 +332,7 @@ def help_text() -> str:
     refused = [n for n, flag in TRL_FLAGS.items() if flag.refuse]
     lines.append("TRL flags refused (with the fix, in one line): " + ", ".join(f"--{n}" for n in refused)
                  + " (docs/flags.md: the whole table)")
+    if command == "dpo":
+        lines.append("dpo: the training flags of sft, on preference pairs (prompt / chosen / rejected, TRL's formats), "
+                     "with --beta, --loss_type and --label_smoothing (docs/dpo.md)")
     return "\n".join(lines)

@@ -24,10 +24,11 @@ TORCHRUN_VALUE_FLAGS = (
 TORCHRUN_SWITCHES = ("standalone",)
 
 
-def sft_help_text() -> str:
-    """``shardtune sft --help``, answered without importing torch: the training flags and the torchrun flags."""
+def sft_help_text(command: str = "sft") -> str:
+    """``shardtune sft --help`` (or ``dpo``), answered without importing torch: the training flags and the torchrun
+    flags."""
     return "\n".join([
-        help_text(), "",
+        help_text(command), "",
         "torchrun flags, passed to torch.distributed.run unchanged (see torchrun --help):",
         "  " + " ".join(f"--{name} VALUE" for name in TORCHRUN_VALUE_FLAGS),
         "  " + " ".join(f"--{name}" for name in TORCHRUN_SWITCHES),

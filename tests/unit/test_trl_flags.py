@@ -6,6 +6,8 @@ in this process (the one TRL-style launch is tests/e2e/test_trl_recipe.py).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -238,6 +240,10 @@ def test_help_lists_the_trl_names_beside_ours():
 
     text = help_text()
     assert "TRL: --max_grad_norm" in text and "TRL: --learning_rate" in text and "TRL: --gradient_checkpointing" in text
+    assert text.startswith("usage: shardtune sft ")
+    dpo = subprocess.run([sys.executable, "-m", "shardtune", "dpo", "--help"], capture_output=True, text=True,
+                         cwd=REPO, check=True).stdout
+    assert dpo.startswith("usage: shardtune dpo ") and "--beta, --loss_type and --label_smoothing" in dpo
 
 
 def test_plan_takes_sfts_topology_flags():
