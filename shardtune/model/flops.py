@@ -11,6 +11,8 @@ convention (:func:`palm_micro_batch_flops`, 6 N + 12 L d T per token), for compa
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import math
 from dataclasses import dataclass
@@ -163,6 +165,21 @@ def palm_micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor]) ->
         whole = sum(training_flops_per_token(shape, n) * n for n in boundaries.diff().tolist())
         return whole * batch["input_ids"].size(1) // int(boundaries[-1])
     return training_flops_per_token(shape, batch["input_ids"].size(1)) * num_input_tokens(batch)
+
+
+def preference_micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """Model FLOPs (``mfu``, PaLM) of one DPO micro-batch: the policy trains on every row (chosen and rejected, full
+    logits: the output layer on every input token), and the reference model runs forward only (a third of the
+    training FLOPs of a frozen weight: 2 per parameter per token, and attention's forward third). The reference
+    is the policy's own shape (the same model, or the base with the adapter off)."""
+    full_logits = dataclasses.replace(shape, lean_loss=False)
+    tokens = num_input_tokens(batch)
+    forward = 2 * shape.num_matmul_params * tokens
+    attention_forward = causal_attention_flops(shape, sequence_lengths(batch)) // 3
+    palm_forward = 2 * shape.num_matmul_params * tokens + 4 * shape.num_layers * shape.hidden_size * \
+        batch["input_ids"].size(1) * tokens
+    return (micro_batch_flops(full_logits, batch) + forward + attention_forward,
+            palm_micro_batch_flops(full_logits, batch) + palm_forward)
 
 
 def flop_counter():

@@ -138,13 +138,18 @@ def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
                    ref_model: nn.Module | None = None, peft_model: nn.Module | None = None) -> dict:
     """One optimizer step over this rank's micro-batches of pairs (the loop's ``step_fn``): the loss and metrics are
     means over the step's global pairs (all micro-batches, all ranks). ``num_tokens`` counts completion tokens
-    (policy forward only); model FLOPs are not counted yet (0: no MFU for DPO)."""
+    (policy forward only); model FLOPs: the policy's training and the reference's forward
+    (shardtune.model.flops.preference_micro_batch_flops)."""
     from shardtune.runtime.distributed import all_reduce_sum
 
+    from shardtune.model.flops import preference_micro_batch_flops
+
+    counted = [preference_micro_batch_flops(shape, mb) for mb in micro_batches] if shape is not None else [(0, 0)]
     local = torch.tensor([sum(num_pairs(mb) for mb in micro_batches),
                           sum(int(mb["completion_mask"][:, 1:].sum()) for mb in micro_batches),
-                          sum(int(mb["attention_mask"].sum()) for mb in micro_batches)])
-    pairs, num_tokens, input_tokens = (int(x) for x in all_reduce_sum(local, env.device))
+                          sum(int(mb["attention_mask"].sum()) for mb in micro_batches),
+                          sum(f for f, _ in counted), sum(p for _, p in counted)], dtype=torch.float64)
+    pairs, num_tokens, input_tokens, flops, palm_flops = (int(x) for x in all_reduce_sum(local, env.device))
     scale = strategy.grad_average_size / max(pairs, 1)  # the strategy's average over W ranks, undone
     stats = PairStats.zero()
     last = len(micro_batches) - 1
@@ -158,8 +163,8 @@ def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
     max_norm = cfg.gradient_clipping_threshold if cfg.gradient_clipping else None
     grad_norm, stepped = strategy.clip_and_step(model, optimizer, max_norm,
                                                 lambda norm: math.isfinite(row["loss"]))
-    return {**row, "num_pairs": pairs, "num_tokens": num_tokens, "input_tokens": input_tokens, "flops": 0,
-            "palm_flops": 0, "grad_norm": grad_norm, "metrics": ("num_pairs", *METRICS),
+    return {**row, "num_pairs": pairs, "num_tokens": num_tokens, "input_tokens": input_tokens, "flops": flops,
+            "palm_flops": palm_flops, "grad_norm": grad_norm, "metrics": ("num_pairs", *METRICS),
             **({} if stepped else {"skipped": True})}
 
 

@@ -30,6 +30,7 @@ def test_dpo_one_by_four_equals_two_by_two(tiny_model, run_cli, tmp_path):
     assert [r["step"] for r in one] == [1, 2, 3] == [r["step"] for r in two]
     assert one[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert one[0]["rewards/margins"] == pytest.approx(0, abs=1e-6) and one[0]["num_pairs"] == 4
+    assert all(r["mfu"] > 0 and r["model_flops_per_s"] > 0 for r in one + two), "DPO's model FLOPs are counted"
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
         for name in REWARDS:

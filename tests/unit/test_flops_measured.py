@@ -74,3 +74,32 @@ def test_analytic_flops_equal_torch_flop_counter_on_a_lean_loss_step(tiny_model,
     assert attention == 14 * shape.num_layers * shape.attention_size * attention_squares(batch)
     assert 0 < analytic_attention < attention
     assert analytic < total < palm_micro_batch_flops(shape, batch)  # PaLM: the output layer on every token too
+
+
+def test_dpo_flops_count_the_policy_step_on_full_logits_and_the_reference_forward(tiny_model):
+    """A DPO micro-batch (padded rows, chosen and rejected alike): the policy trains with logits on every token, the
+    reference runs forward only; the analytic count equals torch's to rounding, less the pad tokens and the
+    attention squares the kernels compute beyond the causal triangle."""
+    from shardtune.model.flops import preference_micro_batch_flops
+
+    policy, reference = load_model(str(tiny_model)), load_model(str(tiny_model))
+    reference.requires_grad_(False)
+    batch = collate_padding(examples(4, 3), pad_id=3)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    shape = model_shape(policy)
+    with flop_counter() as counter:
+        policy(**inputs, use_cache=False).logits.float().sum().backward()
+        with torch.no_grad():
+            reference(**inputs, use_cache=False)
+    counts = counter.get_flop_counts()["Global"]
+    attention = sum(n for op, n in counts.items() if "scaled_dot_product" in str(op))
+    total = counter.get_total_flops()
+    flops, palm = preference_micro_batch_flops(shape, batch)
+    causal = causal_attention_flops(shape, sequence_lengths(batch))
+    pad = batch["input_ids"].numel() - num_input_tokens(batch)
+    wasted = pad * (matmul_flops_per_token(shape.num_matmul_params, shape.num_trainable_params)
+                    + 2 * shape.num_matmul_params)
+    assert pad > 0 and abs((flops - causal - causal // 3 + wasted) - (total - attention)) <= TOLERANCE * total
+    # torch: 14 per pair and feature for the policy (forward, recomputed scores, backward), 4 for the reference
+    assert attention == 18 * shape.num_layers * shape.attention_size * attention_squares(batch)
+    assert 0 < flops < total and flops < palm
