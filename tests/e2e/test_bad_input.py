@@ -88,17 +88,17 @@ def test_unknown_subcommand(run_cli):
     assert proc.returncode == 2 and "unknown command 'sfft'" in proc.stderr
 
 
-def test_a_previous_run_is_never_overwritten_by_accident(tiny_model, run_cli, tmp_path):
+def test_a_previous_run_is_never_overwritten_by_accident(tiny_model, run_cli, cli_in_process, tmp_path):
     out = tmp_path / "run"
     args = ("sft", "--model_name", tiny_model, "--output_dir", out, "--max_train_step", 1, "--run_validation", "false",
             "--synthetic_dialogues.num_train", 16, "--batch_size_training", 1, "--num_workers_dataloader", 0)
     run_cli(*args)
     before = (out / "metrics.jsonl").read_text()
-    proc = run_cli(*args, check=False)
+    proc = cli_in_process(*args)
     assert_one_line_error(proc, "already holds a run", "--overwrite_output_dir true")
     assert (out / "metrics.jsonl").read_text() == before
     # --resume auto finds no checkpoint to resume: a new run, refused like the plain rerun
-    proc = run_cli(*args, "--resume", "auto", check=False)
+    proc = cli_in_process(*args, "--resume", "auto")
     assert_one_line_error(proc, "already holds a run", "--overwrite_output_dir true")
     assert (out / "metrics.jsonl").read_text() == before
     run_cli(*args, "--overwrite_output_dir", "true")
@@ -176,27 +176,27 @@ def test_a_fault_inside_the_workers_is_one_line_without_traceback(tiny_model, ru
     assert "Traceback" not in proc.stderr
 
 
-def test_init_model_into_an_unwritable_place_is_one_line(run_cli, tmp_path):
+def test_init_model_into_an_unwritable_place_is_one_line(cli_in_process, tmp_path):
     """A path under a file (and a read-only filesystem): one line before anything is built, no traceback."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     for target in (blocker / "model", Path("/proc/sys/kernel/shardtune-model")):
-        proc = run_cli("init-model", "--preset", "tiny", target, check=False)
+        proc = cli_in_process("init-model", "--preset", "tiny", target)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"shardtune: error: init_model: cannot write {target} ("), lines
         assert lines[0].endswith("): pick a directory you can write to")
 
 
-def test_generate_refuses_sampling_at_temperature_zero_in_one_line(tiny_model, run_cli):
+def test_generate_refuses_sampling_at_temperature_zero_in_one_line(tiny_model, cli_in_process):
     for flags, needle in ((("--do_sample", "--temperature", "0"), "--temperature 0.0 with --do_sample: sampling needs"),
                           (("--do_sample", "--top_p", "0"), "--top_p 0.0 must be in (0, 1]")):
-        proc = run_cli("generate", "--model_name", tiny_model, *flags, "Hello", check=False)
+        proc = cli_in_process("generate", "--model_name", tiny_model, *flags, "Hello")
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, proc.stderr
 
 
-def test_eval_suggests_its_own_flags_for_a_typo(run_cli):
-    proc = run_cli("eval", "--max_exampels", "5", check=False)
+def test_eval_suggests_its_own_flags_for_a_typo(cli_in_process):
+    proc = cli_in_process("eval", "--max_exampels", "5")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "shardtune: error: unknown flag --max_exampels: did you mean --max_examples?"], proc.stderr
