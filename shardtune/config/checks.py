@@ -48,6 +48,10 @@ def check_core(cfg: TrainConfig, world_size: int) -> None:
     for name in ("max_train_step", "max_eval_step", "num_workers_dataloader", "warmup_steps", "eval_steps"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} {getattr(cfg, name)} must be >= 0 (0 means no limit / none)")
+    if cfg.fractional_epochs and (cfg.fractional_epochs < 0 or math.ceil(cfg.fractional_epochs) != cfg.num_epochs):
+        raise ConfigError(f"--fractional_epochs {cfg.fractional_epochs} needs --num_epochs "
+                          f"{max(1, math.ceil(cfg.fractional_epochs))} (the epochs it reaches into), not "
+                          f"{cfg.num_epochs}: pass TRL's --num_train_epochs {cfg.fractional_epochs} alone")
     if cfg.lr <= 0:
         raise ConfigError(f"--lr {cfg.lr} must be positive: pass e.g. 1e-4")
     if cfg.weight_decay < 0:

@@ -210,6 +210,9 @@ class TrainConfig:
                                              "(sequence_parallel_size x context_parallel_size)) x "
                                              "gradient_accumulation_steps")
     num_epochs: int = _f(1, "passes over the training data")
+    fractional_epochs: float = _f(0.0, "a fraction of epochs (TRL: --num_train_epochs 2.5): train ceil(N x optimizer "
+                                       "steps per epoch) steps over --num_epochs = ceil(N) epochs' data order, the "
+                                       "schedule ending there (as Trainer does); 0: whole --num_epochs")
     max_train_step: int = _f(0, "stop after this many OPTIMIZER steps (llama-cookbook counts micro-batches); 0: no limit")
     max_eval_step: int = _f(0, "evaluate on at most this many eval batches per rank; 0: all")
     lr: float = _f(1e-4, "peak learning rate (AdamW)")

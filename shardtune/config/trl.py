@@ -11,6 +11,7 @@ what to use instead. Nothing is accepted and ignored. The table also feeds ``--h
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
@@ -72,9 +73,10 @@ def _warmup_steps(value: Any) -> Pairs:
 
 def _num_train_epochs(value: Any) -> Pairs:
     epochs = _number("num_train_epochs", value)
-    if epochs != int(epochs):
-        raise TrlFlagError(f"--num_train_epochs {value}: a fraction of an epoch is not built: pass whole epochs, "
-                           "or --max_steps N to stop inside an epoch")
+    if epochs <= 0:
+        raise TrlFlagError(f"--num_train_epochs {value} must be positive")
+    if epochs != int(epochs):  # Trainer: max_steps = ceil(epochs x steps per epoch), over ceil(epochs) epochs
+        return [("num_epochs", str(math.ceil(epochs))), ("fractional_epochs", repr(epochs))]
     return [("num_epochs", str(int(epochs)))]
 
 
@@ -266,7 +268,8 @@ TRL_FLAGS: dict[str, TrlFlag] = {
     "per_device_train_batch_size": T("batch_size_training", "micro-batch size per device"),
     "per_device_eval_batch_size": T("val_batch_size", "eval micro-batch size per device"),
     "learning_rate": T("lr", "peak learning rate"),
-    "num_train_epochs": T("num_epochs", "passes over the data (whole epochs)", _num_train_epochs),
+    "num_train_epochs": T("num_epochs", "passes over the data; a fraction (2.5) stops at ceil(2.5 x steps per "
+                                          "epoch), the schedule ending there", _num_train_epochs),
     "max_steps": T("max_train_step", "stop after N optimizer steps; -1: unset", _max_steps),
     "max_grad_norm": T("gradient_clipping + gradient_clipping_threshold", "given: clip the global gradient norm at "
                                                                           "it (0: no clipping)", _max_grad_norm),

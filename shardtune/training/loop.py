@@ -129,8 +129,10 @@ def generate_samples(model: nn.Module, strategy: Strategy, sampler: Callable[[nn
 
 
 def planned_steps(cfg: TrainConfig, num_units: int, dp_size: int) -> int:
-    """Optimizer steps the run trains to: all epochs, or --max_train_step when it is fewer."""
-    total = data.steps_per_epoch(num_units, cfg, dp_size) * cfg.num_epochs
+    """Optimizer steps the run trains to: all epochs (or ceil(--fractional_epochs x steps per epoch), as Trainer
+    counts a fractional --num_train_epochs), or --max_train_step when it is fewer."""
+    per_epoch = data.steps_per_epoch(num_units, cfg, dp_size)
+    total = math.ceil(cfg.fractional_epochs * per_epoch) if cfg.fractional_epochs else per_epoch * cfg.num_epochs
     return min(total, cfg.max_train_step) if cfg.max_train_step else total
 
 

@@ -6,6 +6,7 @@ in this process (the one TRL-style launch is tests/e2e/test_trl_recipe.py).
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -178,8 +179,24 @@ def test_trl_names_have_trls_meaning():
     assert parse_args(["--resume_from_checkpoint", "out/step-000002"]).resume == "out/step-000002"
 
 
+def test_a_fractional_num_train_epochs_stops_where_trainer_stops_and_the_schedule_ends_there():
+    """Trainer: max_steps = ceil(epochs x update steps per epoch), over ceil(epochs) epochs of data order."""
+    from shardtune.training.loop import planned_steps
+
+    cfg = parse_args(["--num_train_epochs", "2.5", "--lr_scheduler_type", "linear", "--batch_size_training", "2"])
+    assert (cfg.num_epochs, cfg.fractional_epochs) == (3, 2.5)
+    validate(cfg, 2)
+    assert planned_steps(cfg, num_units=30, dp_size=2) == math.ceil(2.5 * 7)  # 30 units // (2 x 2): 7 per epoch
+    assert planned_steps(parse_args(["--num_train_epochs", "0.25"]), num_units=30, dp_size=1) == 2  # ceil(7 / 4)
+    cfg.max_train_step = 5
+    assert planned_steps(cfg, num_units=30, dp_size=2) == 5
+    assert parse_args(["--num_train_epochs", "2.0"]).fractional_epochs == 0
+    with pytest.raises(ConfigError, match="--fractional_epochs 2.5 needs --num_epochs 3"):
+        validate(parse_args(["--fractional_epochs", "2.5", "--num_epochs", "2"]), 1)
+
+
 def test_flags_that_cannot_be_honoured_are_refused_in_one_line():
-    for argv, named in [(["--num_train_epochs", "1.5"], "--max_steps"), (["--optim", "adamw_8bit"], "adamw_torch"),
+    for argv, named in [(["--num_train_epochs", "-1"], "must be positive"), (["--optim", "adamw_8bit"], "adamw_torch"),
                         (["--push_to_hub"], "hf upload"), (["--load_best_model_at_end"], "not built"),
                         (["--packing_strategy", "wrapped"], "bfd"), (["--eval_strategy", "steps"], "--eval_steps"),
                         (["--model_revision", "v2"], "--model_name DIR"), (["--trust_remote_code"], "drop the flag"),
