@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from shardtune.config.schema import TrainConfig
@@ -48,3 +50,48 @@ def eval_loss_of(model: torch.nn.Module, examples: list[dict], pad_id: int, batc
         count += num_label_tokens(batch["labels"])
     model.train()
     return total / count
+
+
+# -- what the peers' scripts (bench/hf_trainer.py, bench/trl_trainer.py) share --------------------------------------
+def peer_parser(description: str) -> argparse.ArgumentParser:
+    """The flags of a peer's one-epoch script; the script adds its batch flags."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--num_train", type=int, required=True)
+    ap.add_argument("--num_validation", type=int, required=True)
+    ap.add_argument("--lr", type=float, required=True)
+    ap.add_argument("--samsum", default="")
+    ap.add_argument("--chatter", action="store_true")
+    ap.add_argument("--context_length", type=int, default=1024)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: bf16 mixed precision")
+    ap.add_argument("--max_steps", type=int, default=-1, help="stop after N steps (-1: one epoch)")
+    ap.add_argument("--out", required=True)
+    return ap
+
+
+def peer_inputs(args: argparse.Namespace):
+    """(tokenizer, train examples, eval examples, model): shardtune's rows, tokenised once, and the model in fp32
+    with SDPA attention, as each peer gets them."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune import data
+    from shardtune.model.loading import load_tokenizer
+
+    cfg = bench_config(args.model, args.num_train, args.num_validation, args.samsum, args.context_length,
+                       args.chatter)
+    tokenizer = load_tokenizer(args.model)
+    train_examples, _ = data.load_examples(cfg, tokenizer, "train")
+    eval_examples, _ = data.load_examples(cfg, tokenizer, "validation")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
+    return tokenizer, train_examples, eval_examples, model
+
+
+def peer_training_arguments(args: argparse.Namespace, batch: int) -> dict:
+    """The TrainingArguments both peers run with: one epoch (or --max_steps), constant lr, clipping at 1, no saving,
+    no evaluation, no logging; bf16 mixed precision on cuda."""
+    return dict(output_dir=args.out, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+                num_train_epochs=1, max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="constant",
+                warmup_steps=0, weight_decay=0.0, optim="adamw_torch", max_grad_norm=1.0, seed=42,
+                use_cpu=args.device == "cpu", bf16=args.device == "cuda", dataloader_num_workers=0,
+                dataloader_drop_last=True, save_strategy="no", eval_strategy="no", logging_steps=10**9, report_to=[],
+                disable_tqdm=True)

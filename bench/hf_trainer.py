@@ -6,52 +6,28 @@ Hugging Face / TRL user gets by default. Single process, single device (CPU). Pr
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
 
-import torch
+from bench.data import peer_inputs, peer_parser, peer_training_arguments
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--num_train", type=int, required=True)
-    ap.add_argument("--num_validation", type=int, required=True)
+    ap = peer_parser(__doc__)
     ap.add_argument("--batch", type=int, required=True)
-    ap.add_argument("--lr", type=float, required=True)
-    ap.add_argument("--samsum", default="")
-    ap.add_argument("--chatter", action="store_true")
-    ap.add_argument("--context_length", type=int, default=1024)
-    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: bf16 mixed precision")
-    ap.add_argument("--max_steps", type=int, default=-1, help="stop after N steps (-1: one epoch)")
-    ap.add_argument("--out", required=True)
     args = ap.parse_args()
     start = time.perf_counter()
 
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainingArguments
+    from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
-    from bench.data import bench_config, eval_loss_of
-    from shardtune import data
-    from shardtune.model.loading import load_tokenizer
+    from bench.data import eval_loss_of
 
-    cfg = bench_config(args.model, args.num_train, args.num_validation, args.samsum, args.context_length,
-                       args.chatter)
-    tokenizer = load_tokenizer(args.model)
-    train_examples, _ = data.load_examples(cfg, tokenizer, "train")
-    eval_examples, _ = data.load_examples(cfg, tokenizer, "validation")
+    tokenizer, train_examples, eval_examples, model = peer_inputs(args)
     rows = [{"input_ids": e["input_ids"], "attention_mask": [1] * len(e["input_ids"]), "labels": e["labels"]}
             for e in train_examples]
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
-    training_args = TrainingArguments(
-        output_dir=args.out, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
-        num_train_epochs=1, max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        optim="adamw_torch", max_grad_norm=1.0, seed=42, use_cpu=args.device == "cpu",
-        bf16=args.device == "cuda", dataloader_num_workers=0,
-        dataloader_drop_last=True, save_strategy="no", eval_strategy="no", logging_steps=10**9, report_to=[],
-        disable_tqdm=True)
+    training_args = TrainingArguments(**peer_training_arguments(args, args.batch))
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     computed = {"tokens": 0, "real_tokens": 0}
 
