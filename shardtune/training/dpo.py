@@ -169,14 +169,18 @@ def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
 
 
 def check_dpo_config(cfg, world_size: int) -> None:
-    """What this first slice of ``shardtune dpo`` supports (before launch; run by ``prepare``): DDP (with or without
-    PEFT), pairs padded per micro-batch (no packing), no evaluation yet (said once)."""
+    """What ``shardtune dpo`` supports (before launch; run by ``prepare``): DDP and FSDP (with or without PEFT),
+    pairs padded per micro-batch (no packing), no evaluation yet (said once)."""
     from shardtune.config.schema import ConfigError
 
     check_loss_options(cfg.dpo)
-    if cfg.enable_fsdp or cfg.enable_deepspeed:
-        raise ConfigError("shardtune dpo runs under DDP for now (FSDP / ZeRO not yet): drop --enable_fsdp / "
-                          "--enable_deepspeed (see docs/dpo.md)")
+    if cfg.enable_deepspeed:
+        raise ConfigError("shardtune dpo runs under DDP or FSDP (DeepSpeed ZeRO not yet): drop --enable_deepspeed, "
+                          "or use --enable_fsdp (see docs/dpo.md)")
+    if cfg.enable_fsdp and cfg.low_cpu_fsdp and not cfg.use_peft:
+        raise ConfigError("shardtune dpo with --low_cpu_fsdp needs --use_peft (the reference is then the base with "
+                          "the adapter off; a second full model is not loaded on rank 0 only yet): add --use_peft, "
+                          "or drop --low_cpu_fsdp")
     if cfg.sequence_parallel_size * cfg.context_parallel_size > 1 or cfg.padding_free:
         raise ConfigError("shardtune dpo does not split or flatten rows yet: drop --sp_size / --cp_size / "
                           "--padding_free")

@@ -137,12 +137,19 @@ def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Modul
 
 def dpo_objective(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module) -> dict:
     """The loop's step and collate for DPO. The reference: with PEFT the policy's base with its adapter switched
-    off (no second copy); for full fine-tuning a frozen copy of the starting weights on this rank's device (DDP:
-    each rank holds the whole model anyway)."""
+    off (no second copy); for full fine-tuning a frozen copy of the starting weights, whole on each rank under DDP
+    (which holds the whole model anyway), sharded like the policy under FSDP (same mesh and precision, so that the
+    first step's policy and reference agree)."""
     if cfg.use_peft:
         reference = {"peft_model": strategy.unwrap(model)}
     else:
-        ref_model = build_model(cfg, env).to(env.device).eval().requires_grad_(False)
+        ref_model = build_model(cfg, env).eval().requires_grad_(False)
+        if cfg.enable_fsdp:
+            if not strategy.offload:
+                ref_model.to(env.device)
+            strategy.shard(ref_model)
+        else:
+            ref_model.to(env.device)
         reference = {"ref_model": ref_model}
     return {"step_fn": functools.partial(dpo_train_step, **reference), "collate_fn": collate_pair_units}
 

@@ -17,16 +17,29 @@ REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/rejected")
 
 
-def test_dpo_one_by_four_equals_two_by_two(tiny_model, run_cli, tmp_path):
+def test_dpo_one_by_four_equals_two_by_two_under_ddp_and_fsdp(tiny_model, run_cli, tmp_path):
+    """1 x 4 (DDP) == 2 x 2 (DDP) == 2 x 2 (FSDP, the reference sharded like the policy); LoRA under FSDP starts
+    at ln 2 too (its reference: the base with the adapter off) and trains the adapter."""
     rows, weights = [], []
-    for nproc, batch in ((1, 4), (2, 2)):
-        out = tmp_path / f"run{nproc}"
+    for name, nproc, batch, extra in (("one", 1, 4, ()), ("ddp", 2, 2, ()), ("fsdp", 2, 2, ("--enable_fsdp",))):
+        out = tmp_path / name
         proc = run_cli("dpo", "--nproc_per_node", nproc, "--batch_size_training", batch, "--model_name", tiny_model,
-                       "--output_dir", out, *RUN)
+                       "--output_dir", out, *RUN, *extra)
         assert "preference pairs" in proc.stdout and "done:" in proc.stdout
         rows.append(step_rows(out))
         weights.append(load_file(out / "model.safetensors"))
-    one, two = rows
+    for a, b in zip(rows[1], rows[2]):  # DDP and FSDP on the same 2 x 2
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+        assert b["rewards/margins"] == pytest.approx(a["rewards/margins"], rel=1e-4, abs=1e-6)
+    for key, value in weights[1].items():
+        assert (weights[2][key] - value).abs().max() < 1e-5, key
+    out = tmp_path / "fsdp-lora"
+    run_cli("dpo", "--nproc_per_node", 2, "--batch_size_training", 2, "--model_name", tiny_model, "--output_dir", out,
+            *RUN, "--enable_fsdp", "--use_peft", "--lr", 1e-2)
+    lora = step_rows(out)
+    assert lora[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) and abs(lora[-1]["rewards/margins"]) > 1e-4
+    assert (out / "adapter_model.safetensors").is_file()
+    one, two = rows[:2]
     assert [r["step"] for r in one] == [1, 2, 3] == [r["step"] for r in two]
     assert one[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert one[0]["rewards/margins"] == pytest.approx(0, abs=1e-6) and one[0]["num_pairs"] == 4
