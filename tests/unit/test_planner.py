@@ -4,6 +4,9 @@ row of it here)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import json
 import subprocess
 import sys
@@ -18,7 +21,7 @@ from shardtune.planner.estimate import Setup, estimate, host_loading_bytes
 from shardtune.planner.speed import Traffic, sequence_traffic_per_step, step_time_s, traffic_per_step
 from shardtune.planner.search import alternatives, fits, sequence_splits
 from shardtune.planner.hardware import DEVICES
-from tests.conftest import REPO, cli_env
+
 
 GIB = 2**30
 
@@ -99,8 +102,17 @@ def test_hybrid_shard_keeps_parameter_traffic_inside_the_node():
 
 
 def plan_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardtune", "plan", *args], capture_output=True, text=True,
-                          env=cli_env(REPO / ".no-cache"), cwd=REPO, timeout=120)
+    """``shardtune plan ARGS`` through ``shardtune.cli.main`` in this process (an interpreter of its own would
+    import torch again for each call); its exit status, stdout and stderr."""
+    from shardtune.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(["plan", *map(str, args)])
+        except SystemExit as e:  # argparse's own errors
+            status = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(["shardtune", "plan", *args], status, out.getvalue(), err.getvalue())
 
 
 def test_plan_recommends_a_fitting_command_and_reports_limits():
