@@ -77,9 +77,9 @@ def test_output_dir_under_a_file_is_rejected(tiny_model, run_cli, tmp_path):
     assert_one_line_error(proc, "--output_dir", "not a directory")
 
 
-def test_unwritable_output_dir_is_rejected(tiny_model, run_cli, tmp_path):
+def test_unwritable_output_dir_is_rejected(tiny_model, cli_in_process, tmp_path):
     """A read-only filesystem refuses even root; /proc/sys/kernel is one on every Linux."""
-    proc = run_cli("sft", "--model_name", tiny_model, "--output_dir", "/proc/sys/kernel/shardtune-run", check=False)
+    proc = cli_in_process("sft", "--model_name", tiny_model, "--output_dir", "/proc/sys/kernel/shardtune-run")
     assert_one_line_error(proc, "--output_dir", "not writable")
 
 
@@ -118,13 +118,13 @@ def test_the_hint_for_a_previous_run_offers_resume_only_where_a_checkpoint_is(tm
         check_previous_run(cfg)
 
 
-def test_deepspeed_config_file_cannot_change_our_batch_sizes(tiny_model, run_cli, tmp_path):
+def test_deepspeed_config_file_cannot_change_our_batch_sizes(tiny_model, cli_in_process, tmp_path):
     """A TRL-style ds_config.json may say "auto" or repeat our value; anything else is refused, not overridden."""
     pytest.importorskip("deepspeed")
     path = tmp_path / "ds_config.json"
     path.write_text('{"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": "auto"}')
-    proc = run_cli("sft", "--model_name", tiny_model, "--output_dir", tmp_path / "out", "--enable_deepspeed",
-                   "--batch_size_training", "2", "--deepspeed_config.config_file", path, check=False)
+    proc = cli_in_process("sft", "--model_name", tiny_model, "--output_dir", tmp_path / "out", "--enable_deepspeed",
+                          "--batch_size_training", "2", "--deepspeed_config.config_file", path)
     assert_one_line_error(proc, str(path), "train_micro_batch_size_per_gpu", "is 8", "shardtune's is 2")
 
 
@@ -143,7 +143,8 @@ def model_dir_with_config(config, tiny_model, path):
     ("--enable_fsdp", ["--enable_fsdp: BioGptForCausalLM declares no _no_split_modules", "DDP"]),
     ("--compile", ["--compile: BioGptForCausalLM has no model.layers", "drop --compile"]),
 ])
-def test_a_model_fsdp_or_compile_cannot_wrap_is_refused_before_launch(flag, needles, tiny_model, run_cli, tmp_path):
+def test_a_model_fsdp_or_compile_cannot_wrap_is_refused_before_launch(flag, needles, tiny_model, cli_in_process,
+                                                                      tmp_path):
     """BioGPT (a causal LM of transformers) declares no decoder layer class and keeps its layers in model.biogpt:
     found on the meta device before any worker starts."""
     from transformers import BioGptConfig
@@ -151,7 +152,7 @@ def test_a_model_fsdp_or_compile_cannot_wrap_is_refused_before_launch(flag, need
     config = BioGptConfig(vocab_size=1024, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                           intermediate_size=64)
     model = model_dir_with_config(config, tiny_model, tmp_path / "biogpt")
-    proc = run_cli("sft", "--model_name", model, "--output_dir", tmp_path / "out", flag, check=False)
+    proc = cli_in_process("sft", "--model_name", model, "--output_dir", tmp_path / "out", flag)
     assert_one_line_error(proc, *needles)
 
 
