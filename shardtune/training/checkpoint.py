@@ -61,7 +61,7 @@ from shardtune.training.checkpoint_layout import (
 OPTIMIZER_SETTINGS = ("lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
 RUN_CONTROL_SETTINGS = frozenset({
     "output_dir", "resume", "save_steps", "save_total_limit", "max_train_step", "debug", "num_workers_dataloader",
-    "save_model", "save_metrics", "max_eval_step", "run_validation", "val_batch_size", "nan_policy",
+    "save_model", "save_metrics", "save_plots", "max_eval_step", "run_validation", "val_batch_size", "nan_policy",
     "fsdp_config.checkpoint_type", "batch_size_training", "gradient_accumulation_steps", "dist_timeout",
     "sequence_parallel_size", "context_parallel_size",  # how rows are split: the training state does not depend on it
     # memory levers: they change where activations live or when they are computed, not the numbers (tested equal)

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from shardtune.training.checkpoint_layout import checkpoint_step, complete_checkpoints, latest_checkpoint, read_trainer_state, unfinished_saves
 from shardtune.runtime.preemption import EXIT_PREEMPTED
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, shardtune_argv
 from tests.helpers import eval_rows, max_relative_difference, step_rows
 
 # 48 dialogues pack into ~34 blocks: 8 steps per epoch at global batch 4, 16 steps in all.
@@ -48,7 +48,7 @@ def final_tensors(out_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def run_shardtune(cache_dir: Path, *args, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "shardtune", *map(str, args)], capture_output=True, text=True,
+    proc = subprocess.run(shardtune_argv(*args), capture_output=True, text=True,
                           timeout=600, env=cli_env(cache_dir), cwd=REPO)
     if check and proc.returncode != 0:
         raise AssertionError(f"shardtune {' '.join(map(str, args))} exited {proc.returncode}\n"
@@ -160,7 +160,7 @@ def worker_pids(launcher_pid: int) -> dict[int, int]:
 
 def start_sft(cache_dir, model, out, *extra) -> subprocess.Popen:
     args = ["sft", "--nproc_per_node", 2, "--model_name", model, "--output_dir", out, *COMMON, *extra]
-    return subprocess.Popen([sys.executable, "-m", "shardtune", *map(str, args)], stdout=subprocess.PIPE,
+    return subprocess.Popen(shardtune_argv(*args), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=cli_env(cache_dir), cwd=REPO,
                             start_new_session=True)
 
@@ -375,7 +375,7 @@ def start_two_nodes(cache_dir, model, out, *extra) -> list[subprocess.Popen]:
         args = ["sft", "--nnodes", 2, "--node_rank", node_rank, "--nproc_per_node", 1, "--rdzv_backend", "c10d",
                 "--rdzv_endpoint", endpoint, "--rdzv_id", "two-nodes", "--rdzv_conf", f"is_host={int(node_rank == 0)}",
                 "--model_name", model, "--output_dir", out, *COMMON, *extra]
-        nodes.append(subprocess.Popen([sys.executable, "-m", "shardtune", *map(str, args)], stdout=subprocess.PIPE,
+        nodes.append(subprocess.Popen(shardtune_argv(*args), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
                                       env={**cli_env(cache_dir), "OMP_NUM_THREADS": "1"}))  # 2 processes, 2 cores
     return nodes

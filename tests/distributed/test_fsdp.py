@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, shardtune_argv
 from tests.helpers import (
     assert_plain_hf_directory, assert_same_training, step_rows, train_once, weights,
 )
@@ -106,7 +106,7 @@ def test_hybrid_shard_across_two_nodes_matches_one_node(runs, run_cli, cache_dir
                 "--model_name", str(tiny_model), "--output_dir", str(tmp_path / "two-nodes"),
                 "--batch_size_training", "2", *map(str, TRAIN_ARGS), "--enable_fsdp",
                 "--fsdp_config.sharding_strategy", "HYBRID_SHARD"]
-        procs.append(subprocess.Popen([sys.executable, "-m", "shardtune", *args], stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen(shardtune_argv(*args), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, env=cli_env(cache_dir), cwd=REPO))
     outputs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outputs):

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from shardtune.runtime.preemption import EXIT_PREEMPTED
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, shardtune_argv
 from tests.distributed.test_checkpoint import (
     error_lines,
     logged_steps,
@@ -47,7 +47,7 @@ def three_checkpoints(tiny_model, cache_dir, tmp_path_factory):
             "--num_workers_dataloader", 0, *SHORT]
     prefix = (["strace", "-f", "-qq", "-y", "-e", "trace=fsync,rename,renameat,renameat2", "-o", str(trace)]
               if shutil.which("strace") else [])
-    proc = subprocess.run([*prefix, sys.executable, "-m", "shardtune", *map(str, args)], capture_output=True,
+    proc = subprocess.run([*prefix, *shardtune_argv(*args)], capture_output=True,
                           text=True, timeout=600, env=cli_env(cache_dir), cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, trace if prefix else None
@@ -191,7 +191,7 @@ def start(cache_dir, model, out, *extra, nproc: int) -> subprocess.Popen:
     args = ["sft", "--nproc_per_node", nproc, "--model_name", model, "--output_dir", out, "--batch_size_training", 2,
             "--context_length", 256, "--synthetic_dialogues.num_train", 48, "--num_workers_dataloader", 0,
             "--run_validation", "false", *extra]
-    return subprocess.Popen([sys.executable, "-m", "shardtune", *map(str, args)], stdout=subprocess.PIPE,
+    return subprocess.Popen(shardtune_argv(*args), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=cli_env(cache_dir), cwd=REPO,
                             start_new_session=True)
 

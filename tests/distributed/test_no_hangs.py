@@ -13,7 +13,7 @@ import sys
 import time
 
 from shardtune.launch.torchrun import DEFAULT_JOIN_TIMEOUT_S
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, shardtune_argv
 from tests.distributed.test_checkpoint import (
     COMMON, finish, free_port, logged_steps, start_two_nodes, wait_for, worker_pids,
 )
@@ -26,7 +26,7 @@ def test_a_node_that_never_joins_is_named_within_the_join_timeout(tiny_model, ca
             "--model_name", tiny_model, "--output_dir", tmp_path / "run", *COMMON]
     started = time.monotonic()
     # no hang until torchrun's default join timeout: past half of it the run's own timeout fails the test
-    proc = subprocess.run([sys.executable, "-m", "shardtune", *map(str, args)], capture_output=True, text=True,
+    proc = subprocess.run(shardtune_argv(*args), capture_output=True, text=True,
                           timeout=DEFAULT_JOIN_TIMEOUT_S / 2, env=cli_env(cache_dir), cwd=REPO)
     elapsed_s = time.monotonic() - started
     errors = [line for line in proc.stderr.splitlines() if line.startswith("shardtune: error:")]
@@ -71,7 +71,7 @@ def test_doctor_on_two_nodes_reports_topology_bandwidth_and_what_is_wrong(cache_
                 "--rdzv_endpoint", endpoint, "--rdzv_id", "doctor", "--rdzv_conf", f"is_host={int(node_rank == 0)}",
                 "--bandwidth_mb", 1]
         env = {**cli_env(cache_dir), "OMP_NUM_THREADS": "1", **({"NCCL_IB_DISABLE": "1"} if node_rank else {})}
-        nodes.append(subprocess.Popen([sys.executable, "-m", "shardtune", *map(str, args)], stdout=subprocess.PIPE,
+        nodes.append(subprocess.Popen(shardtune_argv(*args), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True))
     outputs = finish(nodes)
     report = outputs[0][0] + outputs[1][0]  # global rank 0 (which prints) is on either launcher

@@ -20,6 +20,7 @@ from shardtune import data
 from shardtune.config.flags import from_dict
 from shardtune.model.loss import full_logits_loss_sum, num_label_tokens
 from shardtune.model.loading import load_model, load_tokenizer
+from tests.conftest import shardtune_argv
 from tests.helpers import eval_rows, max_relative_difference, step_rows
 
 NUM_STEPS = 8
@@ -58,7 +59,7 @@ def trained(tiny_model, tmp_path_factory, cache_dir):
     def run(method: str, strategy: str) -> tuple[Path, str]:
         if (method, strategy) not in runs:
             out = root / f"{method}-{strategy}"
-            args = [sys.executable, "-m", "shardtune", *map(str, sft_args(tiny_model, out, method, strategy))]
+            args = shardtune_argv(*sft_args(tiny_model, out, method, strategy))
             proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env=cli_env(cache_dir), cwd=REPO)
             assert proc.returncode == 0, f"{method} {strategy}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
             runs[method, strategy] = out, proc.stdout

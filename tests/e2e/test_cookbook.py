@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from shardtune.config.schema import ConfigError
 from shardtune.config.flags import parse_args
 from shardtune.training.checks import validate
-from tests.conftest import cli_env
+from tests.conftest import cli_env, shardtune_argv
 from tests.helpers import step_rows
 
 # llama-cookbook's train_config and fsdp_config fields (src/llama_cookbook/configs/training.py and fsdp.py), each
@@ -267,7 +267,7 @@ def test_accelerate_keys_that_cannot_be_mapped_are_named_in_one_line(tmp_path):
 # -- the lesson's commands ------------------------------------------------------------------------------------------
 
 def shardtune(cache_dir: Path, cwd: Path, *args, env: dict | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "shardtune", *map(str, args)], capture_output=True, text=True,
+    proc = subprocess.run(shardtune_argv(*args), capture_output=True, text=True,
                           env={**cli_env(cache_dir), **(env or {})}, cwd=cwd, timeout=600)
     assert proc.returncode == 0, f"{' '.join(map(str, args))}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc

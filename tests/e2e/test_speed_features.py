@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, shardtune_argv
 from tests.helpers import eval_rows, step_rows
 
 ARGS = ("--context_length", 256, "--batch_size_training", 4, "--synthetic_dialogues.num_train", 64,
@@ -22,7 +22,7 @@ ARGS = ("--context_length", 256, "--batch_size_training", 4, "--synthetic_dialog
 
 def sft(cache_dir, model, out, *extra):
     argv = ["sft", "--model_name", model, "--output_dir", out, *ARGS, *extra]
-    proc = subprocess.run([sys.executable, "-m", "shardtune", *map(str, argv)], capture_output=True, text=True,
+    proc = subprocess.run(shardtune_argv(*argv), capture_output=True, text=True,
                           env=cli_env(cache_dir), cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (out / "stdout.log").write_text(proc.stdout)
