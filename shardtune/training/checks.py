@@ -87,8 +87,8 @@ def prepare(cfg: TrainConfig, world_size: int, objective: str = "sft") -> None:
     data.check_context_length(cfg, tokenizer)
     dims = ParallelDims.from_config(cfg, world_size)
     if objective == "dpo":
-        pairs, _ = load_pairs(cfg, tokenizer, "train")
-        data.steps_per_epoch(len(pairs), cfg, dims.dp_size)
+        loaded = {split: load_pairs(cfg, tokenizer, split)[0] for split in data_splits(cfg)}
+        data.steps_per_epoch(len(loaded["train"]), cfg, dims.dp_size)
         return
     loaded = {split: load_examples_cached(cfg, tokenizer, split, cache_dir()) for split in data_splits(cfg)}
     data.steps_per_epoch(len(data.build_units(loaded["train"][0], cfg)), cfg, dims.dp_size)

@@ -168,9 +168,40 @@ def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
             **({} if stepped else {"skipped": True})}
 
 
+@torch.no_grad()
+def dpo_evaluate(model: nn.Module, strategy, cfg, env, eval_pairs: list[dict], pad_id: int, *,
+                 ref_model: nn.Module | None = None, peft_model: nn.Module | None = None) -> dict[str, float]:
+    """The test split's loss and TRL's reward metrics, each the mean over all its pairs (all ranks), with TRL's
+    ``eval_`` prefix (``eval_loss``, ``eval_rewards/margins``, ...). Chunks of --val_batch_size pairs go to the
+    data-parallel ranks in turn (at most --max_eval_step per rank); a rank with fewer chunks runs a pair it does not
+    count, because FSDP's forward is a collective every rank joins."""
+    from shardtune.data.preference import collate_pair_units
+    from shardtune.runtime.distributed import all_reduce_sum
+
+    dp_rank, dp_size = strategy.dims.dp_rank(env.rank), strategy.dims.dp_size
+    chunks = [eval_pairs[i:i + cfg.val_batch_size] for i in range(0, len(eval_pairs), cfg.val_batch_size)]
+    num_batches = math.ceil(len(chunks) / dp_size)
+    if cfg.max_eval_step > 0:
+        num_batches = min(num_batches, cfg.max_eval_step)
+    mine = chunks[dp_rank::dp_size][:num_batches]
+    stats, counted = PairStats.zero(), 0
+    model.eval()
+    for i in range(num_batches):
+        chunk = mine[i] if i < len(mine) else eval_pairs[:1]
+        batch = collate_pair_units([[pair] for pair in chunk], cfg, pad_id)
+        with strategy.autocast():
+            micro_batch_loss(model, ref_model, peft_model, batch, cfg.dpo, env.device,
+                             stats if i < len(mine) else PairStats.zero())
+        counted += num_pairs(batch) if i < len(mine) else 0
+    model.train()
+    total = int(all_reduce_sum(torch.tensor([counted], dtype=torch.float64), env.device)[0])
+    row = stats.means(all_reduce_sum(stats.sums, env.device), total)
+    return {f"eval_{name}": value for name, value in row.items()} | {"eval_num_pairs": total}
+
+
 def check_dpo_config(cfg, world_size: int) -> None:
     """What ``shardtune dpo`` supports (before launch; run by ``prepare``): DDP and FSDP (with or without PEFT),
-    pairs padded per micro-batch (no packing), no evaluation yet (said once)."""
+    pairs padded per micro-batch (no packing), evaluation on the test split's pairs."""
     from shardtune.config.schema import ConfigError
 
     check_loss_options(cfg.dpo)
@@ -185,7 +216,6 @@ def check_dpo_config(cfg, world_size: int) -> None:
         raise ConfigError("shardtune dpo does not split or flatten rows yet: drop --sp_size / --cp_size / "
                           "--padding_free")
     cfg.batching_strategy = "padding"  # pairs are collated chosen-then-rejected, never packed
-    if cfg.run_validation:
-        cfg.run_validation = False
-        print("shardtune dpo: no evaluation yet (rewards on the test split: not yet): training without it",
-              flush=True)
+    if cfg.log_eval_samples:
+        raise ConfigError("--log_eval_samples generates summaries, an SFT evaluation: shardtune dpo evaluates the "
+                          "test split's pairs (eval_loss, eval_rewards/*); drop the flag")

@@ -141,11 +141,13 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
           checkpointer: Checkpointer | None = None,
           eval_sampler: Callable[[nn.Module], list[dict]] | None = None,
           publish: Callable[[TrainResult], None] | None = None,
-          step_fn: Callable[..., dict] = train_step, collate_fn: Callable | None = None) -> TrainResult:
+          step_fn: Callable[..., dict] = train_step, collate_fn: Callable | None = None,
+          eval_fn: Callable[[nn.Module, list], dict] | None = None) -> TrainResult:
     """Trains to the end; ``publish`` (writing the final model) is called once the last step is done, before the
     final evaluation: a failure there never costs the trained model. ``step_fn`` (as :func:`train_step`) and
     ``collate_fn`` (as ``data.collate``) give another objective (DPO: shardtune.training.dpo); the keys of its stats
-    listed in ``stats["metrics"]`` go into the metrics rows."""
+    listed in ``stats["metrics"]`` go into the metrics rows. ``eval_fn(model, eval_examples)`` evaluates for such an
+    objective: a row of metrics with ``eval_loss`` among them (default: the token-weighted loss and perplexity)."""
     optimizer = strategy.build_optimizer(model)
     dims = strategy.dims  # the sampler sees data-parallel ranks; the ranks of one cp x sp group split each row
     steps_per_epoch = data.steps_per_epoch(len(train_units), cfg, dims.dp_size)
@@ -156,12 +158,19 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
     print0(peak.describe())
     row_slice = RowSlice.of_rank(dims, env.rank)  # eval rows are split like training rows
     eval_batches = (data.eval_batches(eval_examples, cfg, dims.dp_rank(env.rank), dims.dp_size, pad_id, row_slice)
-                    if cfg.run_validation else [])
+                    if cfg.run_validation and eval_fn is None else [])
 
     result = TrainResult()
     probe = StepProbe(cfg, env, total_steps)
 
     def run_eval(epoch: float, when: str) -> None:
+        if eval_fn is not None:
+            metrics = eval_fn(model, eval_examples)
+            result.eval_loss = metrics["eval_loss"]
+            writer.write({"step": result.steps, "epoch": epoch, **metrics})
+            if env.is_main:
+                bar.write(f"{when}: eval loss {result.eval_loss:.4f}")
+            return
         loss, ppl, n = evaluate(model, strategy, eval_batches, env)
         result.eval_loss, result.eval_ppl = loss, ppl
         samples = generate_samples(model, strategy, eval_sampler) if eval_sampler else []

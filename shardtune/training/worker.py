@@ -63,7 +63,7 @@ from shardtune.runtime.preemption import (
 from shardtune.runtime.run_lock import RunLock, RunLocked
 from shardtune.training.checkpoint import Checkpointer, failure_reason
 from shardtune.training.checks import data_splits, prepare
-from shardtune.training.dpo import dpo_train_step
+from shardtune.training.dpo import dpo_evaluate, dpo_train_step
 from shardtune.training.loop import TrainResult, planned_steps, train
 from shardtune.training.metrics import MetricsWriter
 from shardtune.training.plots import write_run_plots
@@ -74,12 +74,14 @@ from shardtune.training.trackers import open_trackers
 def load_data(cfg: TrainConfig, env: DistEnv, dims: ParallelDims, tokenizer, objective: str = "sft"
               ) -> tuple[list, list[dict]]:
     """Training units and validation examples; every rank reads the same (from the tokenised-data cache).
-    ``objective`` "dpo": one preference pair per unit, no validation examples."""
+    ``objective`` "dpo": one preference pair per unit, and the validation split's pairs."""
     if objective == "dpo":
-        pairs, pair_report = load_pairs(cfg, tokenizer, "train")
-        print0(f"data (train): {pair_report.summary()}")
+        loaded = {split: load_pairs(cfg, tokenizer, split) for split in data_splits(cfg)}
+        for split, (_, pair_report) in loaded.items():
+            print0(f"data ({split}): {pair_report.summary()}")
+        pairs = loaded["train"][0]
         data.steps_per_epoch(len(pairs), cfg, dims.dp_size)
-        return [[pair] for pair in pairs], []
+        return [[pair] for pair in pairs], loaded["validation"][0] if cfg.run_validation else []
     loaded = {split: load_examples_cached(cfg, tokenizer, split, cache_dir()) for split in data_splits(cfg)}
     for split, (_, report) in loaded.items():
         print0(f"data ({split}): {report.summary()}")
@@ -135,7 +137,7 @@ def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Modul
     barrier()
 
 
-def dpo_objective(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module) -> dict:
+def dpo_objective(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, pad_id: int) -> dict:
     """The loop's step and collate for DPO. The reference: with PEFT the policy's base with its adapter switched
     off (no second copy); for full fine-tuning a frozen copy of the starting weights, whole on each rank under DDP
     (which holds the whole model anyway), sharded like the policy under FSDP (same mesh and precision, so that the
@@ -151,7 +153,8 @@ def dpo_objective(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Modu
         else:
             ref_model.to(env.device)
         reference = {"ref_model": ref_model}
-    return {"step_fn": functools.partial(dpo_train_step, **reference), "collate_fn": collate_pair_units}
+    return {"step_fn": functools.partial(dpo_train_step, **reference), "collate_fn": collate_pair_units,
+            "eval_fn": lambda policy, pairs: dpo_evaluate(policy, strategy, cfg, env, pairs, pad_id, **reference)}
 
 
 def hold_output_dir(cfg: TrainConfig, env: DistEnv) -> RunLock | None:
@@ -231,7 +234,7 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv, objective: str = "sft") -> TrainR
 
     try:
         sampler = EvalSampler(eval_examples[:cfg.log_eval_samples], tokenizer) if cfg.log_eval_samples else None
-        extra = dpo_objective(cfg, env, strategy, model) if objective == "dpo" else {}
+        extra = dpo_objective(cfg, env, strategy, model, tokenizer.pad_token_id) if objective == "dpo" else {}
         result = train(model, strategy, cfg, env, units, eval_examples, tokenizer.pad_token_id, writer, checkpointer,
                        sampler, publish if cfg.save_model else None, **extra)
     except Exception:
@@ -266,7 +269,8 @@ def report(result: TrainResult, cfg: TrainConfig) -> str:
     if result.losses:
         lines.append(f"  loss: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}")
     if result.eval_loss is not None:
-        lines.append(f"  eval: loss {result.eval_loss:.4f}, perplexity {result.eval_ppl:.3f}")
+        ppl = f", perplexity {result.eval_ppl:.3f}" if result.eval_ppl is not None else ""
+        lines.append(f"  eval: loss {result.eval_loss:.4f}{ppl}")
     if cfg.save_model:
         lines.append(f"  model written to {Path(cfg.output_dir).resolve()}")
     return "\n".join(lines)

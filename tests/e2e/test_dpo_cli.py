@@ -9,9 +9,10 @@ import math
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers import step_rows
+from tests.helpers import eval_rows, step_rows
 
-RUN = ("--context_length", 256, "--synthetic_dialogues.num_train", 12, "--num_workers_dataloader", 0,
+RUN = ("--context_length", 256, "--synthetic_dialogues.num_train", 12, "--synthetic_dialogues.num_validation", 6,
+       "--val_batch_size", 2, "--num_workers_dataloader", 0,
        "--max_train_step", 3, "--lr", 1e-3, "--beta", 0.5, "--seed", 7)
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -28,6 +29,11 @@ def test_dpo_one_by_four_equals_two_by_two_under_ddp_and_fsdp(tiny_model, run_cl
         assert "preference pairs" in proc.stdout and "done:" in proc.stdout
         rows.append(step_rows(out))
         weights.append(load_file(out / "model.safetensors"))
+    evals = [eval_rows(tmp_path / name) for name in ("one", "ddp", "fsdp")]  # the test split's 6 pairs, at the end
+    assert [[r["step"] for r in e] for e in evals] == [[3]] * 3 and evals[0][0]["eval_num_pairs"] == 6
+    for e in evals[1:]:
+        for name in ("eval_loss", *(f"eval_{m}" for m in REWARDS)):
+            assert e[0][name] == pytest.approx(evals[0][0][name], rel=1e-4, abs=1e-6), name
     for a, b in zip(rows[1], rows[2]):  # DDP and FSDP on the same 2 x 2
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
         assert b["rewards/margins"] == pytest.approx(a["rewards/margins"], rel=1e-4, abs=1e-6)

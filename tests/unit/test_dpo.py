@@ -20,7 +20,7 @@ from datasets import load_dataset
 from shardtune.config.schema import ConfigError, DpoConfig, TrainConfig
 from shardtune.data.preference import collate_pairs, extract_prompt, load_pairs
 from shardtune.model.loading import init_model, load_model, load_tokenizer
-from shardtune.training.dpo import PairStats, check_loss_options, micro_batch_loss, pair_logps
+from shardtune.training.dpo import METRICS, PairStats, check_loss_options, micro_batch_loss, pair_logps
 
 SYSTEM = {"role": "system", "content": "Summarize the dialog."}
 DIALOGUES = [("Anna: cinema at 7? Tom: sure!", "Anna and Tom go to the cinema.", "Ben can't have lunch."),
@@ -220,6 +220,22 @@ def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(process_gro
             torch.testing.assert_close(other[key], value, rtol=1e-5, atol=1e-6, msg=key)
     moved = load_model(str(tiny)).state_dict()
     assert any(not torch.equal(moved[k], v) for k, v in weights.items()), "the step changed no weight"
+    # evaluation in chunks of --val_batch_size 3 (3 + 1 pairs) gives the means over all pairs at once, TRL's names
+    from shardtune.training.dpo import dpo_evaluate
+
+    cfg.val_batch_size = 3
+    policy, reference = load_model(str(tiny)), load_model(str(tiny))
+    policy.load_state_dict(weights)
+    evaluated = dpo_evaluate(strategy.wrap(policy), strategy, cfg, env, pairs, tokenizer.pad_token_id,
+                             ref_model=reference)
+    direct = PairStats.zero()
+    micro_batch_loss(policy, reference, None, collate_pairs(pairs, tokenizer.pad_token_id, 1024), cfg.dpo,
+                     torch.device("cpu"), direct)
+    assert evaluated["eval_num_pairs"] == 4 and set(evaluated) == {"eval_num_pairs", "eval_loss",
+                                                                  *(f"eval_{m}" for m in METRICS)}
+    for name, value in direct.means(direct.sums, 4).items():
+        assert evaluated[f"eval_{name}"] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    assert evaluated["eval_loss"] != pytest.approx(math.log(2), abs=1e-4), "the trained policy is not the reference"
 
 
 def test_with_peft_the_reference_is_the_base_with_the_adapter_off(tiny, tokenizer, tmp_path):
