@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None, objective: str = "sft") -> int:
         if cfg.one_gpu:
             launch_args.setdefault("nproc_per_node", "1")
         if cfg.dry_run:
-            return dry_run(cfg, dry_run_topology(launch_args, hardware), hardware, file_train_argv + train_argv)
+            return dry_run(cfg, dry_run_topology(launch_args, hardware), hardware, file_train_argv + train_argv,
+                           objective)
         topology = resolve_here(launch_args)
         prepare(cfg, topology.world_size, objective)
         startup.mark("checks, model source, data cache")

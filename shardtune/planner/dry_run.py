@@ -132,9 +132,11 @@ def shard_lines(cfg: TrainConfig, topology: Topology, arch_name: str, setup) -> 
     return lines
 
 
-def dry_run(cfg: TrainConfig, topology: Topology, hardware: dict[str, str], train_argv: list[str]) -> int:
+def dry_run(cfg: TrainConfig, topology: Topology, hardware: dict[str, str], train_argv: list[str],
+            objective: str = "sft") -> int:
     """Check, shard on the meta device, print the shards and the plan; 0 when the plan finds a configuration that
-    fits, 1 when nothing does (as shardtune plan)."""
+    fits, 1 when nothing does (as shardtune plan). ``objective`` "dpo": pairs, full logits and the reference
+    model's memory (``shardtune dpo --dry_run``)."""
     from shardtune.planner.search import check_split, plan, setup_from_config
     from shardtune.planner.render import render, without_strategy_flags
     from shardtune.planner.hardware import resolve_device
@@ -142,16 +144,21 @@ def dry_run(cfg: TrainConfig, topology: Topology, hardware: dict[str, str], trai
     given_name = cfg.model_name
     with tempfile.TemporaryDirectory(prefix="shardtune-dry-run-") as tmp:
         cfg.model_name = model_directory(given_name, Path(tmp))
+        if objective == "dpo":
+            from shardtune.training.dpo import check_dpo_config
+
+            check_dpo_config(cfg, topology.world_size)
         check_before_launch(cfg, topology.world_size)
         values = {"gpu": hardware.get("gpu", "H100"), "gpu_memory": hardware.get("gpu_memory", ""),
                   "nnodes": str(topology.num_nodes), "gpus_per_node": str(topology.nproc_per_node)}
         device = resolve_device(values)
-        setup = setup_from_config(cfg, values, device)
+        setup = setup_from_config(cfg, values, device, objective)
         check_split(cfg, setup)
         lines = ["dry run: no process started, no weights or data read, nothing written", topology.describe(),
                  *shard_lines(cfg, topology, given_name or "preset:demo", setup)]
         result = plan(setup, device, cfg.gradient_accumulation_steps)
     result["model"] = given_name or "preset:demo"
+    result["command"] = f"shardtune {objective}"
     argv = without_dry_run(without_strategy_flags(train_argv))
     print("\n".join(lines) + "\n\n" + render(result, argv), flush=True)
     return 0 if result["recommended"] else 1

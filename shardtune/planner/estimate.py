@@ -42,6 +42,12 @@ class Setup:
     sequence_parallel: int = 1
     context_parallel: int = 1
     low_cpu_fsdp: bool = False
+    objective: str = "sft"                # "dpo": a pair is two rows, full logits, and a reference model
+
+    @property
+    def rows_per_unit(self) -> int:
+        """Rows the model computes per unit of batch_size: DPO's chosen and rejected of a pair."""
+        return 2 if self.objective == "dpo" else 1
 
     @property
     def world_size(self) -> int:
@@ -54,7 +60,8 @@ class Setup:
     @property
     def tokens_per_rank(self) -> int:
         """Tokens one rank computes per micro-batch (a long sequence is split over sp x cp ranks)."""
-        return math.ceil(self.batch_size * self.seq_len / (self.sequence_parallel * self.context_parallel))
+        return math.ceil(self.rows_per_unit * self.batch_size * self.seq_len
+                         / (self.sequence_parallel * self.context_parallel))
 
     @property
     def shard_group(self) -> int:
@@ -263,6 +270,14 @@ def estimate(setup: Setup) -> Breakdown:
     replicated_kv = replicated_kv_bytes(setup)
     out.activations += replicated_kv * (1 if s.activation_checkpointing else arch.num_layers)
     out.loss_buffers = loss_buffer_bytes(arch, tokens)
+    if s.objective == "dpo":
+        # log-probabilities need the logits of every token (no lean loss): the logits, their fp32 copy and its
+        # log-softmax, with their gradients in backward
+        out.loss_buffers = tokens * arch.vocab_size * (c + 8)
+        if not s.adapter.method:  # the reference: a frozen copy of the weights, sharded like the policy's params
+            reference = total * m / (s.world_size if strategy == "ZERO3" else 1 if strategy.startswith("ZERO")
+                                     else group)
+            out.params += reference
     out.host_loading = host_loading_bytes(setup)
     return out
 

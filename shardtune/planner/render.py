@@ -67,7 +67,7 @@ def render(result: dict, base_argv: list[str]) -> str:
         processes = ["--nproc_per_node", str(result["gpus_per_node"])]
         if result["nnodes"] > 1:
             processes = ["--nnodes", str(result["nnodes"]), *processes]
-        command = " ".join(["shardtune sft", *processes, *base_argv, *best["flags"]])
+        command = " ".join([result.get("command", "shardtune sft"), *processes, *base_argv, *best["flags"]])
         lines += ["", f"recommended: {best['setup']}", f"  {command}"]
         shape = builtin_shape_named(base_argv)
         if shape:

@@ -60,6 +60,8 @@ def alternatives(setup: Setup) -> list[Setup]:
             continue
         if split and strategy.startswith("ZERO"):  # DeepSpeed counts every rank as data parallel (config.py)
             continue
+        if setup.objective == "dpo" and strategy.startswith("ZERO"):  # shardtune dpo: DDP or FSDP
+            continue
         for ac in ((False, True) if strategy in FSDP_STRATEGIES else (False,)):
             offloads = (False, True) if strategy in ("FULL_SHARD", "ZERO2", "ZERO3") else (False,)
             for offload in offloads:
@@ -101,7 +103,7 @@ def longest_sequence(setup: Setup, device: Device, limit: int = 1 << 24) -> int:
     return best
 
 
-def setup_from_config(cfg: TrainConfig, values: dict[str, str], device: Device) -> Setup:
+def setup_from_config(cfg: TrainConfig, values: dict[str, str], device: Device, objective: str = "sft") -> Setup:
     try:
         nnodes, per_node = int(values["nnodes"]), int(values["gpus_per_node"])
     except ValueError:
@@ -131,7 +133,7 @@ def setup_from_config(cfg: TrainConfig, values: dict[str, str], device: Device) 
                  cpu_offload=fc.fsdp_cpu_offload or dc.offload_optimizer, pure_bf16=fc.pure_bf16,
                  compute_bytes=device.compute_bytes, adapter=adapter, quantization=quantization,
                  sequence_parallel=cfg.sequence_parallel_size, context_parallel=cfg.context_parallel_size,
-                 low_cpu_fsdp=cfg.low_cpu_fsdp)
+                 low_cpu_fsdp=cfg.low_cpu_fsdp, objective=objective)
 
 
 def check_split(cfg: TrainConfig, setup: Setup) -> None:

@@ -275,3 +275,26 @@ def test_nothing_fits_names_the_miss_and_the_gpus_that_would_fit():
     miss = (result["given"]["peak_bytes"] - result["usable_bytes"]) / GIB
     assert f"nothing fits: FULL_SHARD (as given) misses by {miss:,.1f} GiB" in text
     assert f"on {grow['nnodes'] * 8} GPUs (--nnodes {grow['nnodes']} --gpus_per_node 8)" in text
+
+
+def test_dpo_plans_two_rows_a_pair_full_logits_and_the_reference_sharded_like_the_policy(tiny_model):
+    """``shardtune dpo --dry_run``: a pair computes two rows with the logits of every token; full fine-tuning holds a
+    frozen reference sharded like the policy's parameters (LoRA: none, the base with the adapter off); no ZeRO."""
+    arch = read_arch("llama3-8b")
+    for strategy, group in (("DDP", 1), ("FULL_SHARD", 8)):
+        sft = estimate(Setup(arch=arch, strategy=strategy, batch_size=2, seq_len=1024))
+        dpo = estimate(Setup(arch=arch, strategy=strategy, batch_size=2, seq_len=1024, objective="dpo"))
+        assert dpo.params - sft.params == pytest.approx(arch.num_params * 4 / group)
+        assert dpo.activations == pytest.approx(2 * sft.activations)
+        assert dpo.loss_buffers == 2 * 1024 * 2 * arch.vocab_size * (2 + 8) > sft.loss_buffers
+    lora = Adapter(method="lora", lora_r=8, lora_targets=("q_proj", "v_proj"))
+    assert estimate(Setup(arch=arch, adapter=lora, objective="dpo")).params == \
+        estimate(Setup(arch=arch, adapter=lora)).params
+    assert not any(s.strategy.startswith("ZERO") for s in alternatives(Setup(arch=arch, objective="dpo")))
+    from shardtune.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(["dpo", "--dry_run", "--model_name", str(tiny_model), "--gpus_per_node", "2", "--enable_fsdp"])
+    assert status == 0, err.getvalue()
+    assert "\n  shardtune dpo --nproc_per_node 2 " in out.getvalue()
