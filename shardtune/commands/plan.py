@@ -47,6 +47,10 @@ def main(argv: list[str]) -> int:
     try:
         values, sft_argv, as_json = split_plan_args(argv)
         cfg = parse_args(sft_argv)
+        if cfg.model_revision:
+            raise ConfigError(f"--model_revision {cfg.model_revision}: the plan reads the hub id's main config.json; "
+                              "drop --model_revision, or download the revision and pass its directory as "
+                              "--model_name")
         device = resolve_device(values)
         setup = setup_from_config(cfg, values, device)
         check_split(cfg, setup)

@@ -78,6 +78,10 @@ def main(argv: list[str] | None = None, objective: str = "sft") -> int:
         launch_args = {**file_launch_args, **launch_args}
         if cfg.one_gpu:
             launch_args.setdefault("nproc_per_node", "1")
+        if cfg.dry_run and cfg.model_revision:
+            raise ConfigError(f"--model_revision {cfg.model_revision} with --dry_run: the plan reads the hub id's "
+                              "main config.json; drop --model_revision, or download the revision and pass its "
+                              "directory as --model_name")
         if cfg.dry_run:
             return dry_run(cfg, dry_run_topology(launch_args, hardware), hardware, file_train_argv + train_argv,
                            objective)
@@ -95,5 +99,7 @@ def main(argv: list[str] | None = None, objective: str = "sft") -> int:
         os.environ.update(nccl_watchdog_env(cfg.dist_timeout, os.environ))
     accelerate = ["--accelerate_config", accelerate_path] if accelerate_path else []  # the workers read it alike
     # the workers read the resolved model path (a preset is built once, here) and the run's directory as resolved
+    # (and --model_revision resolved into that path: emptied)
     return launch(topology, f"shardtune.{objective}", [*accelerate, *train_argv, "--model_name", cfg.model_name,
-                                              "--output_dir", cfg.output_dir])
+                                                       "--model_revision", cfg.model_revision,
+                                                       "--output_dir", cfg.output_dir])

@@ -202,6 +202,9 @@ class WandbConfig:
 class TrainConfig:
     model_name: str = _f("", "local Hugging Face directory, hub id, or preset:NAME (tiny, demo); empty: the demo "
                              "preset, built once and cached")
+    model_revision: str = _f("", "a revision (branch, tag or commit) of the hub id --model_name: its snapshot is "
+                                 "fetched before launch (from the Hugging Face cache when offline) and every rank "
+                                 "reads it; empty: the hub's main")
     tokenizer_name: str = _f("", "tokenizer directory or hub id; empty: same as model_name")
     dataset: str = _f("synthetic_dialogues", "one of: " + ", ".join(DATASETS), choices=DATASETS)
     batch_size_training: int = _f(4, "micro-batch size per device (TRL: per_device_train_batch_size)")

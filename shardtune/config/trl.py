@@ -206,10 +206,7 @@ def _num_processes(value: Any) -> Pairs:
 
 
 def _model_revision(value: Any) -> Pairs:
-    if _text(value) == "main":
-        return []
-    raise TrlFlagError(f"--model_revision {value}: shardtune loads a model directory or hub id as it is: download the "
-                       f"revision (hf download ID --revision {value} --local-dir DIR) and pass --model_name DIR")
+    return [] if _text(value) == "main" else [("model_revision", _text(value))]  # main: the hub id as it is
 
 
 def _attn_implementation(value: Any) -> Pairs:
@@ -242,7 +239,7 @@ T = TrlFlag
 TRL_FLAGS: dict[str, TrlFlag] = {
     # model (ModelConfig, ScriptArguments)
     "model_name_or_path": T("model_name", "model directory, hub id or preset:NAME"),
-    "model_revision": T("model_name", "main only; another revision: download it and pass its directory",
+    "model_revision": T("model_revision", "a revision of the hub id --model_name, fetched before launch",
                         _model_revision),
     "dtype": T("mixed_precision / use_fp16", "bfloat16: bf16 compute (fp32 master weights); float16: fp16 with a "
                                              "scaler; auto / float32: fp32", _dtype("dtype")),

@@ -168,6 +168,36 @@ def _looks_like_path(value: str) -> bool:
     return value.startswith(("/", "./", "../", "~")) or Path(value).exists() or (bool(first) and Path(first).is_dir())
 
 
+# what a training run never reads from a model repository (other formats of the same weights)
+REVISION_IGNORED_FILES = ("original/*", "*.pth", "*.pt", "*.gguf", "*.msgpack", "*.h5", "*.onnx", "*.ot")
+
+
+def resolve_revision(model_name: str, revision: str) -> str:
+    """--model_revision: the local snapshot folder of that revision of the hub id ``model_name`` (downloaded when
+    online; from the Hugging Face cache when HF_HUB_OFFLINE is set), which every rank then reads. ``model_name`` as
+    it is when no revision is given."""
+    if not revision:
+        return model_name
+    if not model_name or model_name.startswith(PRESET_PREFIX) or _looks_like_path(model_name):
+        raise ConfigError(f"--model_revision {revision} names a revision of a hub id, but --model_name "
+                          f"{model_name or '(empty: the demo preset)'} is local: drop --model_revision")
+    from huggingface_hub import snapshot_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+    # huggingface_hub reads its cache location once, at import: honour HF_HUB_CACHE / HF_HOME set later too
+    hub_cache = os.environ.get("HF_HUB_CACHE") or (
+        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None)
+    try:
+        return snapshot_download(model_name, revision=revision, local_files_only=offline, cache_dir=hub_cache,
+                                 ignore_patterns=list(REVISION_IGNORED_FILES))
+    except Exception as e:  # any failure (network, auth, unknown revision, not cached) means the same fix
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
+        hint = "HF_HUB_OFFLINE is set and the Hugging Face cache does not hold it" if offline else "offline?"
+        raise ConfigError(f"--model_name {model_name} --model_revision {revision} could not be fetched ({reason}); "
+                          f"{hint}: download it first (hf download {model_name} --revision {revision} --local-dir "
+                          "DIR) and pass --model_name DIR") from None
+
+
 def check_model_source(model_name: str, what: str = "model_name") -> None:
     """Fail early, in one line, if ``model_name`` is neither a preset, a model directory nor a loadable hub id."""
     if not model_name or model_name.startswith(PRESET_PREFIX):

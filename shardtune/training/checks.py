@@ -19,7 +19,7 @@ from shardtune.data.cache import load_examples_cached
 from shardtune.data.preference import load_pairs
 from shardtune.model.cookbook import check_cookbook_flags, check_model_flags
 from shardtune.model.loading import (
-    cache_dir, check_model_source, check_tokenizer_fits, load_tokenizer, resolve_model_name,
+    cache_dir, check_model_source, check_tokenizer_fits, load_tokenizer, resolve_model_name, resolve_revision,
 )
 from shardtune.model.longseq import check_rope_scaling
 from shardtune.model.peft import check_peft
@@ -75,7 +75,8 @@ def prepare(cfg: TrainConfig, world_size: int, objective: str = "sft") -> None:
     elif cfg.dpo != DpoConfig():
         raise ConfigError("--beta / --loss_type / --label_smoothing are DPO flags: run shardtune dpo, or drop them")
     validate(cfg, world_size)
-    cfg.model_name = resolve_model_name(cfg.model_name)
+    cfg.model_name = resolve_revision(resolve_model_name(cfg.model_name), cfg.model_revision)
+    cfg.model_revision = ""  # resolved: model_name is the revision's snapshot (the workers and config.yaml read it)
     check_model_source(cfg.model_name)
     check_with_model(cfg, world_size)
     if cfg.tokenizer_name:

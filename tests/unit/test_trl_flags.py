@@ -6,6 +6,8 @@ in this process (the one TRL-style launch is tests/e2e/test_trl_recipe.py).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import subprocess
 import sys
@@ -199,7 +201,7 @@ def test_flags_that_cannot_be_honoured_are_refused_in_one_line():
     for argv, named in [(["--num_train_epochs", "-1"], "must be positive"), (["--optim", "adamw_8bit"], "adamw_torch"),
                         (["--push_to_hub"], "hf upload"), (["--load_best_model_at_end"], "not built"),
                         (["--packing_strategy", "wrapped"], "bfd"), (["--eval_strategy", "steps"], "--eval_steps"),
-                        (["--model_revision", "v2"], "--model_name DIR"), (["--trust_remote_code"], "drop the flag"),
+                        (["--trust_remote_code"], "drop the flag"),
                         (["--attn_implementation", "eager"], "drop the flag"),
                         (["--save_strategy", "steps"], "--save_steps N")]:
         with pytest.raises(ConfigError, match=named) as error:
@@ -294,3 +296,37 @@ def test_more_trl_training_names():
     assert cfg.use_fast_kernels and not cfg.save_optimizer and not cfg.activation_checkpointing_use_reentrant
     with pytest.raises(ConfigError, match="use_reentrant"):
         parse_args(["--gradient_checkpointing_kwargs", '{"preserve_rng_state": true}'])
+
+
+def test_model_revision_reads_that_snapshot_from_the_hugging_face_cache_offline(tiny_model, tmp_path, monkeypatch):
+    """--model_revision (TRL's name too) resolves the hub id's revision to its snapshot folder before launch (here
+    from a Hugging Face cache laid out as huggingface_hub writes it, offline), and the run reads that folder; a
+    local --model_name, a revision the cache lacks and --dry_run / plan are one line each."""
+    import shutil
+
+    from shardtune.cli import main
+    from shardtune.training.checks import prepare
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--shardtune-tests--tiny"
+    shutil.copytree(tiny_model, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "v2").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("SHARDTUNE_CACHE", str(tmp_path / "cache"))
+    cfg = parse_args(["--model_name", "shardtune-tests/tiny", "--model_revision", "v2", "--output_dir",
+                      str(tmp_path / "run"), "--synthetic_dialogues.num_train", "64",
+                      "--synthetic_dialogues.num_validation", "4"])
+    prepare(cfg, 1)
+    assert Path(cfg.model_name) == repo / "snapshots" / commit and cfg.model_revision == ""
+    assert parse_args(["--model_revision", "main"]).model_revision == ""  # TRL's default: the hub id as it is
+    for argv, needle in ((["--model_name", str(tiny_model), "--model_revision", "v2"], "is local: drop"),
+                         (["--model_name", "shardtune-tests/tiny", "--model_revision", "v3"],
+                          "--model_revision v3 could not be fetched")):
+        with pytest.raises(ConfigError, match=needle):
+            prepare(parse_args([*argv, "--output_dir", str(tmp_path / "other")]), 1)
+    for command in (["sft", "--dry_run"], ["plan"]):
+        with contextlib.redirect_stderr(io.StringIO()) as err, contextlib.redirect_stdout(io.StringIO()):
+            status = main([*command, "--model_name", "shardtune-tests/tiny", "--model_revision", "v2"])
+        assert status == 2 and "the plan reads the hub id's main config.json" in err.getvalue(), err.getvalue()
