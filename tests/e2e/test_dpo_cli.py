@@ -19,21 +19,29 @@ REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 
 
 def test_dpo_one_by_four_equals_two_by_two_under_ddp_and_fsdp(tiny_model, run_cli, tmp_path):
-    """1 x 4 (DDP) == 2 x 2 (DDP) == 2 x 2 (FSDP, the reference sharded like the policy); LoRA under FSDP starts
-    at ln 2 too (its reference: the base with the adapter off) and trains the adapter."""
+    """1 x 4 (DDP) == 2 x 2 (DDP) == 2 x 2 (FSDP, the reference sharded like the policy, stopped after step 2 and
+    resumed from its checkpoint); LoRA under FSDP starts at ln 2 too (its reference: the base with the adapter off)
+    and trains the adapter."""
     rows, weights = [], []
-    for name, nproc, batch, extra in (("one", 1, 4, ()), ("ddp", 2, 2, ()), ("fsdp", 2, 2, ("--enable_fsdp",))):
+    for name, nproc, batch, extra in (("one", 1, 4, ()), ("ddp", 2, 2, ()),
+                                      ("fsdp", 2, 2, ("--enable_fsdp", "--save_steps", 1, "--max_train_step", 2))):
         out = tmp_path / name
         proc = run_cli("dpo", "--nproc_per_node", nproc, "--batch_size_training", batch, "--model_name", tiny_model,
                        "--output_dir", out, *RUN, *extra)
         assert "preference pairs" in proc.stdout and "done:" in proc.stdout
+        if name == "fsdp":
+            proc = run_cli("dpo", "--nproc_per_node", nproc, "--batch_size_training", batch, "--model_name",
+                           tiny_model, "--output_dir", out, *RUN, "--enable_fsdp", "--save_steps", 1, "--resume",
+                           "latest")
+            assert "data order kept" in proc.stdout
         rows.append(step_rows(out))
         weights.append(load_file(out / "model.safetensors"))
-    evals = [eval_rows(tmp_path / name) for name in ("one", "ddp", "fsdp")]  # the test split's 6 pairs, at the end
-    assert [[r["step"] for r in e] for e in evals] == [[3]] * 3 and evals[0][0]["eval_num_pairs"] == 6
+    evals = [eval_rows(tmp_path / name)[-1] for name in ("one", "ddp", "fsdp")]  # the test split's 6 pairs
+    assert [e["step"] for e in evals] == [3] * 3 and evals[0]["eval_num_pairs"] == 6
     for e in evals[1:]:
         for name in ("eval_loss", *(f"eval_{m}" for m in REWARDS)):
-            assert e[0][name] == pytest.approx(evals[0][0][name], rel=1e-4, abs=1e-6), name
+            assert e[name] == pytest.approx(evals[0][name], rel=1e-4, abs=1e-6), name
+    assert [r["step"] for r in rows[2]] == [1, 2, 3]
     for a, b in zip(rows[1], rows[2]):  # DDP and FSDP on the same 2 x 2
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
         assert b["rewards/margins"] == pytest.approx(a["rewards/margins"], rel=1e-4, abs=1e-6)
