@@ -105,6 +105,9 @@ class DpoConfig:
                           "regularisation parameter tau")
     loss_type: str = _f("sigmoid", "the preference loss: sigmoid (DPO), ipo, hinge, robust", choices=DPO_LOSS_TYPES)
     label_smoothing: float = _f(0.0, "robust: the probability that a preference label is flipped, in [0, 0.5)")
+    precompute_ref_log_probs: bool = _f(False, "one reference pass over the train and test pairs before training, "
+                                               "kept with each pair; the reference model is then freed (full "
+                                               "fine-tuning: no second copy in memory while training)")
 
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")

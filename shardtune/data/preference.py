@@ -130,7 +130,8 @@ def pair_sequences(pair: Mapping, max_length: int | None, truncation_mode: str =
 def collate_pairs(pairs: list[Mapping], pad_id: int, max_length: int | None, truncation_mode: str = "keep_start"
                   ) -> dict[str, torch.Tensor]:
     """A micro-batch of ``n`` pairs: rows 0..n-1 the chosen sequences, n..2n-1 the rejected, right-padded:
-    ``input_ids``, ``attention_mask``, ``completion_mask`` (B = 2n, T = the longest)."""
+    ``input_ids``, ``attention_mask``, ``completion_mask`` (B = 2n, T = the longest); and ``ref_logps`` (n, 2) when
+    the pairs carry their precomputed reference log-probabilities (--precompute_ref_log_probs)."""
     seqs = [pair_sequences(p, max_length, truncation_mode) for p in pairs]
     rows = [(s[0], s[1]) for s in seqs] + [(s[2], s[3]) for s in seqs]
     width = max(len(ids) for ids, _ in rows)
@@ -141,7 +142,10 @@ def collate_pairs(pairs: list[Mapping], pad_id: int, max_length: int | None, tru
         input_ids[i, :len(ids)] = torch.tensor(ids)
         attention[i, :len(ids)] = 1
         completion[i, :len(ids)] = torch.tensor(mask)
-    return {"input_ids": input_ids, "attention_mask": attention, "completion_mask": completion}
+    batch = {"input_ids": input_ids, "attention_mask": attention, "completion_mask": completion}
+    if pairs and all("ref_logps" in p for p in pairs):
+        batch["ref_logps"] = torch.tensor([p["ref_logps"] for p in pairs], dtype=torch.float32)
+    return batch
 
 
 def synthetic_pair_rows(cfg: Any, split: str) -> tuple[str, list[Row], list[str]]:

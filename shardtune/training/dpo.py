@@ -52,8 +52,12 @@ def adapter_disabled(model: nn.Module) -> contextlib.AbstractContextManager:
 @torch.no_grad()
 def reference_logps(policy: nn.Module, ref_model: nn.Module | None, peft_model: nn.Module | None,
                     batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference's (chosen, rejected) log-probabilities: ``ref_model`` when given, else the policy with the
-    adapter of ``peft_model`` (the unwrapped PEFT model) switched off."""
+    """The reference's (chosen, rejected) log-probabilities: those the batch carries (--precompute_ref_log_probs),
+    else ``ref_model``'s when given, else the policy's with the adapter of ``peft_model`` (the unwrapped PEFT model)
+    switched off."""
+    if "ref_logps" in batch:
+        ref = batch["ref_logps"].to(device)
+        return ref[:, 0], ref[:, 1]
     if ref_model is not None:
         return pair_logps(ref_model, batch, device)
     if peft_model is None:
@@ -166,6 +170,33 @@ def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
     return {**row, "num_pairs": pairs, "num_tokens": num_tokens, "input_tokens": input_tokens, "flops": flops,
             "palm_flops": palm_flops, "grad_norm": grad_norm, "metrics": ("num_pairs", *METRICS),
             **({} if stepped else {"skipped": True})}
+
+
+@torch.no_grad()
+def precompute_reference(pairs: list[dict], policy: nn.Module, strategy, cfg, env, pad_id: int, *,
+                         ref_model: nn.Module | None = None, peft_model: nn.Module | None = None) -> None:
+    """--precompute_ref_log_probs: every pair's reference (chosen, rejected) log-probabilities, computed once before
+    training and stored in the pair (``ref_logps``), which :func:`collate_pairs` carries into each batch. Rank r
+    takes pairs r, r + W, ... in chunks of --batch_size_training; every rank runs the same number of forwards (a
+    rank short of pairs repeats the first, not kept), as FSDP's collectives need; one all-reduce shares them."""
+    from shardtune.data.preference import collate_pair_units
+    from shardtune.runtime.distributed import all_reduce_sum
+
+    mine = list(range(env.rank, len(pairs), env.world_size))
+    size = cfg.batch_size_training
+    num_chunks = math.ceil(math.ceil(len(pairs) / env.world_size) / size)
+    values = torch.zeros(len(pairs), 2, dtype=torch.float64)
+    policy.eval()
+    for c in range(num_chunks):
+        chunk = mine[c * size:(c + 1) * size]
+        batch = collate_pair_units([[pairs[i]] for i in chunk or [0]], cfg, pad_id)
+        with strategy.autocast():
+            chosen, rejected = reference_logps(policy, ref_model, peft_model, batch, env.device)
+        if chunk:
+            values[chunk] = torch.stack([chosen, rejected], dim=1).double().cpu()
+    policy.train()
+    for pair, logps in zip(pairs, all_reduce_sum(values, env.device).tolist()):
+        pair["ref_logps"] = tuple(logps)
 
 
 @torch.no_grad()

@@ -63,7 +63,7 @@ from shardtune.runtime.preemption import (
 from shardtune.runtime.run_lock import RunLock, RunLocked
 from shardtune.training.checkpoint import Checkpointer, failure_reason
 from shardtune.training.checks import data_splits, prepare
-from shardtune.training.dpo import dpo_evaluate, dpo_train_step
+from shardtune.training.dpo import dpo_evaluate, dpo_train_step, precompute_reference
 from shardtune.training.loop import TrainResult, planned_steps, train
 from shardtune.training.metrics import MetricsWriter
 from shardtune.training.plots import write_run_plots
@@ -137,11 +137,13 @@ def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Modul
     barrier()
 
 
-def dpo_objective(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, pad_id: int) -> dict:
+def dpo_objective(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, pad_id: int,
+                  train_pairs: list[dict], eval_pairs: list[dict]) -> dict:
     """The loop's step and collate for DPO. The reference: with PEFT the policy's base with its adapter switched
     off (no second copy); for full fine-tuning a frozen copy of the starting weights, whole on each rank under DDP
     (which holds the whole model anyway), sharded like the policy under FSDP (same mesh and precision, so that the
-    first step's policy and reference agree)."""
+    first step's policy and reference agree). --precompute_ref_log_probs: one reference pass over the pairs before
+    training, kept with each pair; the reference model is then dropped."""
     if cfg.use_peft:
         reference = {"peft_model": strategy.unwrap(model)}
     else:
@@ -153,6 +155,13 @@ def dpo_objective(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Modu
         else:
             ref_model.to(env.device)
         reference = {"ref_model": ref_model}
+    if cfg.dpo.precompute_ref_log_probs:  # one pass now; the reference model is not needed (nor kept) after it
+        for pairs in (train_pairs, eval_pairs):
+            if pairs:  # the same on every rank
+                precompute_reference(pairs, model, strategy, cfg, env, pad_id, **reference)
+        print0(f"reference: log-probabilities of {len(train_pairs):,} train and {len(eval_pairs):,} test pairs "
+               "computed before training (--precompute_ref_log_probs); the reference model is freed")
+        reference = {}
     return {"step_fn": functools.partial(dpo_train_step, **reference), "collate_fn": collate_pair_units,
             "eval_fn": lambda policy, pairs: dpo_evaluate(policy, strategy, cfg, env, pairs, pad_id, **reference)}
 
@@ -234,7 +243,8 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv, objective: str = "sft") -> TrainR
 
     try:
         sampler = EvalSampler(eval_examples[:cfg.log_eval_samples], tokenizer) if cfg.log_eval_samples else None
-        extra = dpo_objective(cfg, env, strategy, model, tokenizer.pad_token_id) if objective == "dpo" else {}
+        extra = (dpo_objective(cfg, env, strategy, model, tokenizer.pad_token_id, [u[0] for u in units],
+                               eval_examples) if objective == "dpo" else {})
         result = train(model, strategy, cfg, env, units, eval_examples, tokenizer.pad_token_id, writer, checkpointer,
                        sampler, publish if cfg.save_model else None, **extra)
     except Exception:

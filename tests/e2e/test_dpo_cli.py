@@ -19,16 +19,17 @@ REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 
 
 def test_dpo_one_by_four_equals_two_by_two_under_ddp_and_fsdp(tiny_model, run_cli, tmp_path):
-    """1 x 4 (DDP) == 2 x 2 (DDP) == 2 x 2 (FSDP, the reference sharded like the policy, stopped after step 2 and
-    resumed from its checkpoint); LoRA under FSDP starts at ln 2 too (its reference: the base with the adapter off)
+    """1 x 4 (DDP, the reference's log-probabilities precomputed) == 2 x 2 (DDP) == 2 x 2 (FSDP, the reference
+    sharded like the policy, stopped after step 2 and resumed from its checkpoint); LoRA under FSDP starts at ln 2 too (its reference: the base with the adapter off)
     and trains the adapter."""
     rows, weights = [], []
-    for name, nproc, batch, extra in (("one", 1, 4, ()), ("ddp", 2, 2, ()),
+    for name, nproc, batch, extra in (("one", 1, 4, ("--precompute_ref_log_probs",)), ("ddp", 2, 2, ()),
                                       ("fsdp", 2, 2, ("--enable_fsdp", "--save_steps", 1, "--max_train_step", 2))):
         out = tmp_path / name
         proc = run_cli("dpo", "--nproc_per_node", nproc, "--batch_size_training", batch, "--model_name", tiny_model,
                        "--output_dir", out, *RUN, *extra)
         assert "preference pairs" in proc.stdout and "done:" in proc.stdout
+        assert ("computed before training (--precompute_ref_log_probs)" in proc.stdout) == (name == "one")
         if name == "fsdp":
             proc = run_cli("dpo", "--nproc_per_node", nproc, "--batch_size_training", batch, "--model_name",
                            tiny_model, "--output_dir", out, *RUN, "--enable_fsdp", "--save_steps", 1, "--resume",

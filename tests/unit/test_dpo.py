@@ -238,6 +238,36 @@ def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(process_gro
     assert evaluated["eval_loss"] != pytest.approx(math.log(2), abs=1e-4), "the trained policy is not the reference"
 
 
+def test_precomputed_reference_log_probabilities_give_the_live_references_loss(process_group, tiny, tokenizer,
+                                                                                 tmp_path):
+    """--precompute_ref_log_probs: one pass stores each pair's reference log-probabilities; a batch of such pairs
+    needs no reference model and gives the loss and metrics of the live reference (batch composition aside)."""
+    from shardtune.parallel import make_strategy
+    from shardtune.runtime.distributed import DistEnv
+    from shardtune.training.dpo import precompute_reference
+
+    cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["chat"]))
+    cfg.batch_size_training = 2  # chunks of 2 + 1 pairs
+    pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
+    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend="gloo")
+    policy, reference = load_model(str(tiny)), load_model(str(tiny))
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    precompute_reference(pairs, policy, make_strategy(cfg, env), cfg, env, tokenizer.pad_token_id,
+                         ref_model=reference)
+    assert all(len(p["ref_logps"]) == 2 for p in pairs)
+    batch = collate_pairs(pairs, tokenizer.pad_token_id, cfg.context_length)
+    assert batch["ref_logps"].shape == (3, 2)
+    live, stored = PairStats.zero(), PairStats.zero()
+    live_loss = micro_batch_loss(policy, reference, None, {k: v for k, v in batch.items() if k != "ref_logps"},
+                                 cfg.dpo, torch.device("cpu"), live)
+    stored_loss = micro_batch_loss(policy, None, None, batch, cfg.dpo, torch.device("cpu"), stored)
+    assert float(stored_loss) == pytest.approx(float(live_loss), rel=1e-5)
+    torch.testing.assert_close(stored.sums, live.sums, rtol=1e-5, atol=1e-5)
+    assert abs(float(live_loss) / 3 - math.log(2)) > 0.01, "the policy must differ from the reference"
+
+
 def test_with_peft_the_reference_is_the_base_with_the_adapter_off(tiny, tokenizer, tmp_path):
     from peft import LoraConfig, get_peft_model
 
