@@ -43,6 +43,7 @@ class Setup:
     context_parallel: int = 1
     low_cpu_fsdp: bool = False
     objective: str = "sft"                # "dpo": a pair is two rows, full logits, and a reference model
+    precomputed_reference: bool = False   # dpo --precompute_ref_log_probs: no reference while training
 
     @property
     def rows_per_unit(self) -> int:
@@ -274,7 +275,7 @@ def estimate(setup: Setup) -> Breakdown:
         # log-probabilities need the logits of every token (no lean loss): the logits, their fp32 copy and its
         # log-softmax, with their gradients in backward
         out.loss_buffers = tokens * arch.vocab_size * (c + 8)
-        if not s.adapter.method:  # the reference: a frozen copy of the weights, sharded like the policy's params
+        if not s.adapter.method and not s.precomputed_reference:  # the reference: a frozen copy, sharded alike
             reference = total * m / (s.world_size if strategy == "ZERO3" else 1 if strategy.startswith("ZERO")
                                      else group)
             out.params += reference

@@ -133,7 +133,8 @@ def setup_from_config(cfg: TrainConfig, values: dict[str, str], device: Device, 
                  cpu_offload=fc.fsdp_cpu_offload or dc.offload_optimizer, pure_bf16=fc.pure_bf16,
                  compute_bytes=device.compute_bytes, adapter=adapter, quantization=quantization,
                  sequence_parallel=cfg.sequence_parallel_size, context_parallel=cfg.context_parallel_size,
-                 low_cpu_fsdp=cfg.low_cpu_fsdp, objective=objective)
+                 low_cpu_fsdp=cfg.low_cpu_fsdp, objective=objective,
+                 precomputed_reference=cfg.dpo.precompute_ref_log_probs)
 
 
 def check_split(cfg: TrainConfig, setup: Setup) -> None:

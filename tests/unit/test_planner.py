@@ -291,6 +291,8 @@ def test_dpo_plans_two_rows_a_pair_full_logits_and_the_reference_sharded_like_th
     assert estimate(Setup(arch=arch, adapter=lora, objective="dpo")).params == \
         estimate(Setup(arch=arch, adapter=lora)).params
     assert not any(s.strategy.startswith("ZERO") for s in alternatives(Setup(arch=arch, objective="dpo")))
+    assert estimate(Setup(arch=arch, objective="dpo", precomputed_reference=True)).params == estimate(
+        Setup(arch=arch)).params  # --precompute_ref_log_probs: the reference is gone before training
     from shardtune.cli import main
 
     out, err = io.StringIO(), io.StringIO()
