@@ -89,7 +89,8 @@ def assert_same_rows(ref: Path, other: Path, rel: float = 0.0) -> None:
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_resumed_run_equals_uninterrupted_run(strategy, reference, tiny_model, cache_dir, tmp_path, capsys):
+def test_resumed_run_equals_uninterrupted_run(strategy, reference, tiny_model, cache_dir, tmp_path, capsys,
+                                              cli_in_process):
     ref = reference(strategy)
     out = tmp_path / "run"
     sft(cache_dir, tiny_model, out, *strategy, "--max_train_step", 5)  # stops mid-epoch 1, checkpoint at step 5
@@ -103,7 +104,8 @@ def test_resumed_run_equals_uninterrupted_run(strategy, reference, tiny_model, c
     written = [(out / name).read_text() for name in ("config.yaml", "metrics.jsonl")]
     misfit = ("--use_peft",) if strategy == () else () if strategy == ("--use_peft",) else None
     if misfit is not None:
-        refused = sft(cache_dir, tiny_model, out, *misfit, "--resume", "latest", check=False)
+        refused = cli_in_process("sft", "--nproc_per_node", 2, "--model_name", tiny_model, "--output_dir", out,
+                                 *COMMON, *misfit, "--resume", "latest")  # refused before launch: in this process
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
         assert "--resume latest" in refused.stderr and ("--use_peft" in refused.stderr.strip().splitlines()[-1])
         assert [(out / name).read_text() for name in ("config.yaml", "metrics.jsonl")] == written

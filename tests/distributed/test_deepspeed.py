@@ -123,7 +123,8 @@ RESUME_ARGS = ("--save_steps", 2, "--save_total_limit", 2, "--max_train_step", 0
 
 
 @pytest.mark.parametrize("variant", ["zero2", "lora_zero3"])
-def test_a_resumed_deepspeed_run_equals_the_uninterrupted_one_and_exports(variant, run_cli, tiny_model, tmp_path):
+def test_a_resumed_deepspeed_run_equals_the_uninterrupted_one_and_exports(variant, run_cli, cli_in_process, tiny_model,
+                                                                        tmp_path):
     """DeepSpeed writes its own partitions into our checkpoint folder; resume continues the same data order,
     schedule and optimizer state; export consolidates the partitions into the same model (or adapter)."""
     from safetensors.torch import load_file
@@ -136,8 +137,8 @@ def test_a_resumed_deepspeed_run_equals_the_uninterrupted_one_and_exports(varian
     run_cli("sft", "--model_name", tiny_model, "--output_dir", out, *flags, "--max_train_step", 4)
     state = read_trainer_state(latest_checkpoint(out))
     assert (state["step"], state["strategy"], state["zero_stage"]) == (4, "deepspeed", int(variant[-1]))
-    wrong = run_cli("sft", "--model_name", tiny_model, "--output_dir", out, *flags, "--resume", "latest",
-                    "--nproc_per_node", 1, "--gradient_accumulation_steps", 4, check=False)
+    wrong = cli_in_process("sft", "--model_name", tiny_model, "--output_dir", out, *flags, "--resume", "latest",
+                           "--nproc_per_node", 1, "--gradient_accumulation_steps", 4)  # refused before launch
     assert wrong.returncode != 0 and "partitions of 2 processes" in wrong.stderr and "--nproc_per_node 2" in \
         wrong.stderr, wrong.stderr[-2000:]
     resumed = run_cli("sft", "--model_name", tiny_model, "--output_dir", out, *flags, "--resume", "latest")

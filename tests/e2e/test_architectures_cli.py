@@ -47,13 +47,13 @@ def test_gemma2_trains_the_same_on_padded_and_padding_free_batches(tiny_gemma2, 
     assert step_rows(flat)[-1]["loss"] < step_rows(flat)[0]["loss"]
 
 
-def test_a_tokenizer_larger_than_the_embedding_is_refused_before_launch(tiny_model, run_cli, tmp_path):
+def test_a_tokenizer_larger_than_the_embedding_is_refused_before_launch(tiny_model, cli_in_process, tmp_path):
     tokenizer = train_tokenizer()
     tokenizer.add_special_tokens({"pad_token": "<|pad|>"})  # a new pad token, one id past the embedding
     tokenizer.save_pretrained(tmp_path / "tokenizer")
-    proc = run_cli("sft", "--model_name", tiny_model, "--tokenizer_name", tmp_path / "tokenizer", "--output_dir",
-                   tmp_path / "never", "--batching_strategy", "padding", "--max_train_step", 1,
-                   "--synthetic_dialogues.num_train", 16, "--run_validation", "false", "--num_workers_dataloader", 0,
-                   check=False)
+    proc = cli_in_process("sft", "--model_name", tiny_model, "--tokenizer_name", tmp_path / "tokenizer",
+                          "--output_dir", tmp_path / "never", "--batching_strategy", "padding", "--max_train_step", 1,
+                          "--synthetic_dialogues.num_train", 16, "--run_validation", "false",
+                          "--num_workers_dataloader", 0)
     assert_one_line_error(proc, f"--tokenizer_name {tmp_path / 'tokenizer'}", "1025 tokens", "1024 rows",
                           "resize_token_embeddings")

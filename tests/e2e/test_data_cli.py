@@ -32,10 +32,10 @@ def test_samsum_folder_trains_and_reports_skipped_rows(tiny_model, run_cli, tmp_
     assert len(step_rows(out)) == 3
 
 
-def test_strict_data_names_file_and_row_before_any_worker(tiny_model, run_cli, tmp_path):
+def test_strict_data_names_file_and_row_before_any_worker(tiny_model, cli_in_process, tmp_path):
     data = write_samsum(tmp_path / "samsum", bad_row=7)
-    proc = run_cli("sft", "--model_name", tiny_model, "--dataset", "samsum_dataset", "--samsum_dataset.data_path", data,
-                   "--output_dir", tmp_path / "run", "--strict_data", check=False)
+    proc = cli_in_process("sft", "--model_name", tiny_model, "--dataset", "samsum_dataset", "--samsum_dataset.data_path",
+                          data, "--output_dir", tmp_path / "run", "--strict_data")
     assert_one_line_error(proc, f"{data / 'train.jsonl'} row 8", "summary", "--strict_data")
     assert not (tmp_path / "run").exists()
 

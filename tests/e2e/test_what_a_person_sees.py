@@ -126,11 +126,11 @@ def test_a_run_reports_to_tensorboard_and_wandb_writes_eval_samples_counts_flops
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
-def test_a_tracker_that_is_not_installed_is_named_with_its_install_line_before_launch(run_cli, tmp_path):
+def test_a_tracker_that_is_not_installed_is_named_with_its_install_line_before_launch(cli_in_process, tmp_path):
     missing = [name for name in ("trackio", "wandb", "tensorboard") if importlib.util.find_spec(name) is None]
     if not missing:
         pytest.skip("every tracker is installed here")
-    proc = run_cli("sft", *RUN, "--output_dir", tmp_path / "run", "--report_to", missing[0], check=False)
+    proc = cli_in_process("sft", *RUN, "--output_dir", tmp_path / "run", "--report_to", missing[0])
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"shardtune: error: --report_to {missing[0]} needs {missing[0]}, which is not installed: "
