@@ -7,4 +7,13 @@ bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # Two pytest workers (PYTEST_WORKERS to change), each taking whole files: a launch leaves a core idle about a third
 # of its time (one process importing, rank 0 writing), and a module's fixtures (a reference run) stay computed once.
-exec python -m pytest tests -q -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
+workers=(-n "${PYTEST_WORKERS:-2}" --dist loadfile)
+if [ $# -gt 0 ]; then
+  exec python -m pytest -q "${workers[@]}" "$@"
+fi
+# The two-host tests (network namespaces, a SLURM cluster on them) run alone afterwards: each is two machines' worth
+# of processes on this one, and beside another test's launches a SLURM job waited past the 10-minute test limit.
+status=0
+python -m pytest tests -q "${workers[@]}" --ignore=tests/multihost || status=$?
+python -m pytest tests/multihost -q || status=$?
+exit $status
