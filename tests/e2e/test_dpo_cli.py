@@ -57,12 +57,13 @@ def test_dpo_one_by_four_equals_two_by_two_under_ddp_and_fsdp(tiny_model, run_cl
     one, two = rows[:2]
     assert [r["step"] for r in one] == [1, 2, 3] == [r["step"] for r in two]
     assert one[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
-    assert one[0]["rewards/margins"] == pytest.approx(0, abs=1e-6) and one[0]["num_pairs"] == 4
+    # the precomputed reference came from a no-grad forward: float32 rounding apart (sums of ~160 nats), no margin
+    assert one[0]["rewards/margins"] == pytest.approx(0, abs=1e-5) and one[0]["num_pairs"] == 4
     assert all(r["mfu"] > 0 and r["model_flops_per_s"] > 0 for r in one + two), "DPO's model FLOPs are counted"
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
-        for name in REWARDS:
-            assert b[name] == pytest.approx(a[name], rel=1e-4, abs=1e-6), name
+        for name in REWARDS:  # abs: the precomputed reference's rounding (above)
+            assert b[name] == pytest.approx(a[name], rel=1e-4, abs=1e-5), name
     assert all(abs(r["rewards/margins"]) > 1e-3 for r in one[1:]), "after a step the policy is not the reference"
     for key, value in weights[0].items():
         assert (weights[1][key] - value).abs().max() < 1e-5, key
