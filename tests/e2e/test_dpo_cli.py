@@ -62,7 +62,9 @@ def test_dpo_one_by_four_equals_two_by_two_under_ddp_and_fsdp(tiny_model, run_cl
     assert all(r["mfu"] > 0 and r["model_flops_per_s"] > 0 for r in one + two), "DPO's model FLOPs are counted"
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
-        for name in REWARDS:  # abs: the precomputed reference's rounding (above)
+        for name in REWARDS:  # abs: the precomputed reference's rounding (above), which at step 1 (rewards of
+            if name == "rewards/accuracies" and a["step"] == 1:  # ~1e-6) is all that decides the "accuracy"
+                continue
             assert b[name] == pytest.approx(a[name], rel=1e-4, abs=1e-5), name
     assert all(abs(r["rewards/margins"]) > 1e-3 for r in one[1:]), "after a step the policy is not the reference"
     for key, value in weights[0].items():
