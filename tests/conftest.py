@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -63,27 +65,33 @@ def run_cli(cache_dir):
     return run
 
 
-@pytest.fixture
-def cli_in_process(cache_dir, capsys, monkeypatch):
-    """Run ``shardtune ARGS`` inside this test process (the same ``shardtune.cli.main`` a shell runs, without a
-    second interpreter importing torch again): for commands that must stop before any process starts. The
-    environment and working directory are those of ``run_cli``; both are restored afterwards."""
+def main_in_process(*args) -> subprocess.CompletedProcess:
+    """``shardtune ARGS`` through ``shardtune.cli.main`` inside this test process (the same code a shell runs,
+    without a second interpreter importing torch again): its exit status, stdout and stderr."""
+    from shardtune.cli import main
 
-    def run(*args) -> subprocess.CompletedProcess:
-        from shardtune.cli import main
-
-        saved = dict(os.environ)
-        os.environ.update({k: v for k, v in cli_env(cache_dir).items() if k != "PYTHONPATH"})
-        monkeypatch.chdir(REPO)
-        capsys.readouterr()
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             status = main([str(a) for a in args])
         except SystemExit as e:  # argparse's own errors
             status = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(["shardtune", *map(str, args)], status, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture
+def cli_in_process(cache_dir, monkeypatch):
+    """:func:`main_in_process` with ``run_cli``'s environment and working directory (both restored afterwards): for
+    commands that must stop before any process starts."""
+
+    def run(*args) -> subprocess.CompletedProcess:
+        saved = dict(os.environ)
+        os.environ.update({k: v for k, v in cli_env(cache_dir).items() if k != "PYTHONPATH"})
+        monkeypatch.chdir(REPO)
+        try:
+            return main_in_process(*args)
         finally:
             os.environ.clear()
             os.environ.update(saved)
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(["shardtune", *map(str, args)], status, out, err)
 
     return run

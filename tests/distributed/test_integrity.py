@@ -196,6 +196,14 @@ def start(cache_dir, model, out, *extra, nproc: int) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def kill_if_running(proc: subprocess.Popen) -> None:
+    """A failed test's leftover run: its workers (which may sit in their own groups) and its process group."""
+    if proc.poll() is None:
+        for pid in worker_pids(proc.pid).values():
+            os.kill(pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def lock_record(out: Path) -> str:
     try:
         return (out / ".shardtune.lock").read_text()
@@ -261,10 +269,7 @@ def test_a_one_node_run_of_two_processes_listens_on_loopback_only_and_ctrl_c_sto
         os.killpg(proc.pid, signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=300)
     finally:
-        if proc.poll() is None:
-            for pid in worker_pids(proc.pid).values():
-                os.kill(pid, signal.SIGKILL)
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_if_running(proc)
     assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
     assert "SIGINT received: every rank finishes its optimizer step" in stderr and "Ctrl-C again" in stderr
@@ -293,10 +298,7 @@ def test_a_second_signal_terminates_at_once_without_a_checkpoint(tiny_model, cac
             os.kill(pid, signal.SIGCONT)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            for pid in worker_pids(proc.pid).values():
-                os.kill(pid, signal.SIGKILL)
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_if_running(proc)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "workers terminated by SIGTERM" in stderr and "stopped by" not in stderr, stderr[-3000:]
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())

@@ -4,8 +4,6 @@ row of it here)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 
 import json
 import subprocess
@@ -21,6 +19,7 @@ from shardtune.planner.estimate import Setup, estimate, host_loading_bytes
 from shardtune.planner.speed import Traffic, sequence_traffic_per_step, step_time_s, traffic_per_step
 from shardtune.planner.search import alternatives, fits, sequence_splits
 from shardtune.planner.hardware import DEVICES
+from tests.conftest import main_in_process
 
 
 GIB = 2**30
@@ -102,17 +101,7 @@ def test_hybrid_shard_keeps_parameter_traffic_inside_the_node():
 
 
 def plan_cli(*args: str) -> subprocess.CompletedProcess:
-    """``shardtune plan ARGS`` through ``shardtune.cli.main`` in this process (an interpreter of its own would
-    import torch again for each call); its exit status, stdout and stderr."""
-    from shardtune.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            status = main(["plan", *map(str, args)])
-        except SystemExit as e:  # argparse's own errors
-            status = e.code if isinstance(e.code, int) else 1
-    return subprocess.CompletedProcess(["shardtune", "plan", *args], status, out.getvalue(), err.getvalue())
+    return main_in_process("plan", *args)
 
 
 def test_plan_recommends_a_fitting_command_and_reports_limits():
@@ -293,10 +282,6 @@ def test_dpo_plans_two_rows_a_pair_full_logits_and_the_reference_sharded_like_th
     assert not any(s.strategy.startswith("ZERO") for s in alternatives(Setup(arch=arch, objective="dpo")))
     assert estimate(Setup(arch=arch, objective="dpo", precomputed_reference=True)).params == estimate(
         Setup(arch=arch)).params  # --precompute_ref_log_probs: the reference is gone before training
-    from shardtune.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = main(["dpo", "--dry_run", "--model_name", str(tiny_model), "--gpus_per_node", "2", "--enable_fsdp"])
-    assert status == 0, err.getvalue()
-    assert "\n  shardtune dpo --nproc_per_node 2 " in out.getvalue()
+    proc = main_in_process("dpo", "--dry_run", "--model_name", tiny_model, "--gpus_per_node", 2, "--enable_fsdp")
+    assert proc.returncode == 0, proc.stderr
+    assert "\n  shardtune dpo --nproc_per_node 2 " in proc.stdout

@@ -5,6 +5,7 @@ host's run is its record, as that host would have written it."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 
@@ -36,10 +37,9 @@ def test_an_expired_lease_is_taken_over_with_a_line_and_the_holder_keeps_beating
     try:
         assert note is not None and "which did not end cleanly (its heartbeat stopped" in note
         first = json.loads((tmp_path / LOCK_FILE).read_text())
-        assert first["host"] == socket.gethostname() and first["heartbeat"] == pytest.approx(time.time(), abs=5)
-        deadline = time.time() + 10
+        assert first["host"] == socket.gethostname() and first["pid"] == os.getpid()
+        # the holder keeps renewing it (a stuck heartbeat ends at the suite's per-test limit)
         while json.loads((tmp_path / LOCK_FILE).read_text() or "{}").get("heartbeat", 0) <= first["heartbeat"]:
-            assert time.time() < deadline, "the heartbeat was not renewed"
             time.sleep(0.02)
     finally:
         lock.release()

@@ -6,8 +6,6 @@ in this process (the one TRL-style launch is tests/e2e/test_trl_recipe.py).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import math
 import subprocess
 import sys
@@ -304,8 +302,8 @@ def test_model_revision_reads_that_snapshot_from_the_hugging_face_cache_offline(
     local --model_name, a revision the cache lacks and --dry_run / plan are one line each."""
     import shutil
 
-    from shardtune.cli import main
     from shardtune.training.checks import prepare
+    from tests.conftest import main_in_process
 
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo = tmp_path / "hub" / "models--shardtune-tests--tiny"
@@ -327,6 +325,5 @@ def test_model_revision_reads_that_snapshot_from_the_hugging_face_cache_offline(
         with pytest.raises(ConfigError, match=needle):
             prepare(parse_args([*argv, "--output_dir", str(tmp_path / "other")]), 1)
     for command in (["sft", "--dry_run"], ["plan"]):
-        with contextlib.redirect_stderr(io.StringIO()) as err, contextlib.redirect_stdout(io.StringIO()):
-            status = main([*command, "--model_name", "shardtune-tests/tiny", "--model_revision", "v2"])
-        assert status == 2 and "the plan reads the hub id's main config.json" in err.getvalue(), err.getvalue()
+        proc = main_in_process(*command, "--model_name", "shardtune-tests/tiny", "--model_revision", "v2")
+        assert proc.returncode == 2 and "the plan reads the hub id's main config.json" in proc.stderr, proc.stderr
