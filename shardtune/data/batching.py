@@ -246,6 +246,18 @@ def train_loader(units: list[Unit], cfg: TrainConfig, dp_rank: int, dp_size: int
                       persistent_workers=False, generator=torch.Generator().manual_seed(cfg.seed + epoch))
 
 
+def eval_shares(items: list, cfg: TrainConfig, dp_rank: int, dp_size: int) -> tuple[list[list], int]:
+    """This rank's eval chunks (--val_batch_size items each; chunk c goes to data-parallel rank c % dp_size) and the
+    number of eval batches every rank runs (the same on all; at most --max_eval_step): a rank with fewer chunks
+    makes up the difference with batches it does not count, because FSDP's forward is a collective."""
+    size = cfg.val_batch_size
+    chunks = [items[start:start + size] for start in range(0, len(items), size)]
+    num_batches = math.ceil(len(chunks) / dp_size)
+    if cfg.max_eval_step > 0:
+        num_batches = min(num_batches, cfg.max_eval_step)
+    return chunks[dp_rank::dp_size][:num_batches], num_batches
+
+
 def eval_batches(examples: list[Example], cfg: TrainConfig, dp_rank: int, dp_size: int, pad_id: int,
                  row_slice: RowTransform | None = None) -> list[MicroBatch]:
     """This rank's eval micro-batches: the same count on every rank, each example on exactly one data-parallel rank.
@@ -258,12 +270,7 @@ def eval_batches(examples: list[Example], cfg: TrainConfig, dp_rank: int, dp_siz
     label -100) because FSDP's forward is a collective every rank must join. max_eval_step > 0 keeps at most that
     many batches per rank.
     """
-    size = cfg.val_batch_size
-    chunks = [examples[start:start + size] for start in range(0, len(examples), size)]
-    num_batches = math.ceil(len(chunks) / dp_size)
-    if cfg.max_eval_step > 0:
-        num_batches = min(num_batches, cfg.max_eval_step)
-    mine = chunks[dp_rank::dp_size][:num_batches]
+    mine, num_batches = eval_shares(examples, cfg, dp_rank, dp_size)
     dummy: Example = {"input_ids": [pad_id], "labels": [IGNORE_INDEX]}
     chunks = mine + [[dummy]] * (num_batches - len(mine))
     if row_slice is None:

@@ -183,7 +183,7 @@ def resolve_revision(model_name: str, revision: str) -> str:
                           f"{model_name or '(empty: the demo preset)'} is local: drop --model_revision")
     from huggingface_hub import snapshot_download
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+    offline = _hub_offline()
     # huggingface_hub reads its cache location once, at import: honour HF_HUB_CACHE / HF_HOME set later too
     hub_cache = os.environ.get("HF_HUB_CACHE") or (
         os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None)
@@ -238,9 +238,13 @@ def _check_config_file(config_file: Path) -> None:
                           "update transformers if the architecture is newer than it") from None
 
 
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE as it is now: huggingface_hub reads it once, at import; honour it even when set later."""
+    return os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+
+
 def _check_hub_id(model_name: str, what: str) -> None:
-    # huggingface_hub reads HF_HUB_OFFLINE once, at import; honour it even when it was set later
-    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+    offline = _hub_offline()
     try:
         AutoConfig.from_pretrained(model_name, local_files_only=offline)
     except Exception as e:  # any failure (network, auth, missing repo) means the same fix for the user

@@ -203,18 +203,13 @@ def precompute_reference(pairs: list[dict], policy: nn.Module, strategy, cfg, en
 def dpo_evaluate(model: nn.Module, strategy, cfg, env, eval_pairs: list[dict], pad_id: int, *,
                  ref_model: nn.Module | None = None, peft_model: nn.Module | None = None) -> dict[str, float]:
     """The test split's loss and TRL's reward metrics, each the mean over all its pairs (all ranks), with TRL's
-    ``eval_`` prefix (``eval_loss``, ``eval_rewards/margins``, ...). Chunks of --val_batch_size pairs go to the
-    data-parallel ranks in turn (at most --max_eval_step per rank); a rank with fewer chunks runs a pair it does not
-    count, because FSDP's forward is a collective every rank joins."""
+    ``eval_`` prefix (``eval_loss``, ``eval_rewards/margins``, ...); the pairs shared out as SFT's eval examples are
+    (shardtune.data.batching.eval_shares), a rank short of chunks running a pair it does not count."""
+    from shardtune.data.batching import eval_shares
     from shardtune.data.preference import collate_pair_units
     from shardtune.runtime.distributed import all_reduce_sum
 
-    dp_rank, dp_size = strategy.dims.dp_rank(env.rank), strategy.dims.dp_size
-    chunks = [eval_pairs[i:i + cfg.val_batch_size] for i in range(0, len(eval_pairs), cfg.val_batch_size)]
-    num_batches = math.ceil(len(chunks) / dp_size)
-    if cfg.max_eval_step > 0:
-        num_batches = min(num_batches, cfg.max_eval_step)
-    mine = chunks[dp_rank::dp_size][:num_batches]
+    mine, num_batches = eval_shares(eval_pairs, cfg, strategy.dims.dp_rank(env.rank), strategy.dims.dp_size)
     stats, counted = PairStats.zero(), 0
     model.eval()
     for i in range(num_batches):
