@@ -65,6 +65,10 @@ class Strategy(ABC):
         """How many ranks' gradients the strategy averages; the loss is multiplied by it to undo the mean."""
         return self.env.world_size
 
+    def place_frozen(self, model: nn.Module) -> nn.Module:
+        """A frozen model that runs beside the trained one (DPO's reference): whole, on this rank's device."""
+        return model.to(self.env.device)
+
     def accumulating(self, model: nn.Module) -> ContextManager:
         """Context for non-final micro-batches of an optimizer step: skip the gradient reduction."""
         return contextlib.nullcontext()

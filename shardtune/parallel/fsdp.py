@@ -199,6 +199,12 @@ class FSDPStrategy(Strategy):
         print0(per_rank_state_line(model))
         return model
 
+    def place_frozen(self, model: nn.Module) -> nn.Module:
+        """Sharded like the trained model (same mesh and precision; left on the host under CPU offload)."""
+        if not self.offload:
+            model.to(self.env.device)
+        return self.shard(model)
+
     def accumulating(self, model: nn.Module) -> ContextManager:
         return _no_gradient_sync(model)
 

@@ -147,14 +147,7 @@ def dpo_objective(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Modu
     if cfg.use_peft:
         reference = {"peft_model": strategy.unwrap(model)}
     else:
-        ref_model = build_model(cfg, env).eval().requires_grad_(False)
-        if cfg.enable_fsdp:
-            if not strategy.offload:
-                ref_model.to(env.device)
-            strategy.shard(ref_model)
-        else:
-            ref_model.to(env.device)
-        reference = {"ref_model": ref_model}
+        reference = {"ref_model": strategy.place_frozen(build_model(cfg, env).eval().requires_grad_(False))}
     if cfg.dpo.precompute_ref_log_probs:  # one pass now; the reference model is not needed (nor kept) after it
         for pairs in (train_pairs, eval_pairs):
             if pairs:  # the same on every rank
