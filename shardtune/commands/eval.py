@@ -112,6 +112,8 @@ def check_flag_names(rest: list[str], own: list[str]) -> None:
         if not arg.startswith("--"):
             continue
         name = arg[2:].partition("=")[0]
+        if name == "config":  # the recipe: parse_args reads it (sft's --config)
+            continue
         try:
             resolve_key(name)
         except ConfigError:

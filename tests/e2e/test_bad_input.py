@@ -197,6 +197,13 @@ def test_generate_refuses_sampling_at_temperature_zero_in_one_line(tiny_model, c
         assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, proc.stderr
 
 
+def test_eval_takes_a_recipe_as_sft_does():
+    """scripts/demo.sh runs `shardtune eval --config recipes/demo.yaml ...` (the flag check refused it)."""
+    from shardtune.commands.eval import check_flag_names
+
+    check_flag_names(["--config", "recipes/demo.yaml", "--context_length", "512"], ["max_examples"])  # what sft takes
+
+
 def test_eval_suggests_its_own_flags_for_a_typo(cli_in_process):
     proc = cli_in_process("eval", "--max_exampels", "5")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
