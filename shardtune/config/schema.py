@@ -25,7 +25,7 @@ DATASETS = ("synthetic_dialogues", "samsum_dataset", "alpaca_dataset", "custom_d
             "trl_dataset")
 BATCHING_STRATEGIES = ("packing", "padding")
 LR_SCHEDULERS = ("step", "cosine", "linear", "cosine_with_min_lr", "constant", "constant_with_warmup")
-OPTIMS = ("adamw_torch", "adamw_torch_fused")
+OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit")
 
 
 @dataclass
@@ -233,14 +233,18 @@ class TrainConfig:
                                   "--warmup_steps")
     min_lr_rate: float = _f(0.0, "cosine_with_min_lr: the lr decays to this fraction of --lr")
     min_lr: float = _f(0.0, "cosine_with_min_lr: the lr decays to this value (instead of --min_lr_rate)")
-    optim: str = _f("adamw_torch", "adamw_torch or adamw_torch_fused (torch's fused AdamW kernel); weight decay "
-                                   "skips biases and norm weights", choices=OPTIMS)
+    optim: str = _f("adamw_torch", "adamw_torch, adamw_torch_fused (torch's fused AdamW kernel), adamw_8bit or "
+                                   "paged_adamw_8bit (bitsandbytes: moments in 8 bits, 1/4 of the state; DDP only; "
+                                   "paged pages the state to CPU memory on CUDA); weight decay skips biases and "
+                                   "norm weights", choices=OPTIMS)
     adam_beta1: float = _f(0.9, "AdamW beta1")
     adam_beta2: float = _f(0.999, "AdamW beta2")
     adam_epsilon: float = _f(1e-8, "AdamW epsilon")
     logging_steps: int = _f(1, "the trackers (--report_to) receive every Nth step row (eval rows: all); metrics.jsonl "
                                "keeps every step")
     eval_steps: int = _f(0, "also evaluate every N optimizer steps (with run_validation); 0: at epoch ends only")
+    eval_fraction: float = _f(0.0, "evaluate every ceil(F x the run's optimizer steps) steps (TRL: --eval_steps 0.25); "
+                                   "not with --eval_steps")
     seed: int = _f(42, "seed of model init, data order and dropout")
     context_length: int = _f(1024, "tokens per packed block / longest example kept")
     batching_strategy: str = _f("packing", "packing (blocks of up to context_length tokens of whole examples, "
@@ -286,7 +290,20 @@ class TrainConfig:
     save_steps: int = _f(0, "write a sharded checkpoint to output_dir/checkpoints/ every N optimizer steps, at each "
                             "epoch end and after the last step; 0: none, unless --checkpoint_type is set (then at "
                             "epoch ends and after the last step)")
-    save_total_limit: int = _f(0, "keep the last K checkpoints; 0: keep all")
+    save_fraction: float = _f(0.0, "checkpoint every ceil(F x the run's optimizer steps) steps (TRL: --save_steps "
+                                   "0.25); not with --save_steps")
+    save_total_limit: int = _f(0, "keep the last K checkpoints (and, with --load_best_model_at_end, the best); 0: "
+                                  "keep all")
+    load_best_model_at_end: bool = _f(False, "publish the model of the checkpoint with the best evaluation "
+                                             "(--metric_for_best_model) instead of the last step's; needs "
+                                             "evaluation at every checkpoint (checkpoint steps a multiple of "
+                                             "--eval_steps, or epoch ends)")
+    metric_for_best_model: str = _f("eval_loss", "the eval row's metric that --load_best_model_at_end compares "
+                                                 "(eval_loss, eval_ppl, eval_rouge1, ...; the eval_ prefix may be "
+                                                 "left out)")
+    greater_is_better: str = _f("auto", "true / false: whether a higher --metric_for_best_model is better; auto: "
+                                        "lower for a name ending in loss or ppl, else higher (as Trainer)",
+                                choices=("auto", "true", "false"))
     resume: str = _f("", "latest (newest complete checkpoint of output_dir), a checkpoint folder, or another run's "
                          "output dir: continue exactly where it stopped (any number of processes); auto: latest if "
                          "output_dir has a checkpoint, else start (for jobs that requeue themselves); a worker group "

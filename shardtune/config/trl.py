@@ -117,12 +117,16 @@ def _lr_scheduler_kwargs(value: Any) -> Pairs:
     return pairs
 
 
+TRL_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit")
+
+
 def _optim(value: Any) -> Pairs:
     name = _text(value)
-    if name in ("adamw_torch", "adamw_torch_fused"):
+    if name in TRL_OPTIMS:
         return [("optim", name)]
-    raise TrlFlagError(f"--optim {name} is not built: use adamw_torch or adamw_torch_fused (8-bit optimizer state: "
-                       "not yet; shard it with --enable_fsdp or --enable_deepspeed instead)")
+    if name == "adamw_bnb_8bit":  # Trainer's other name of adamw_8bit
+        return [("optim", "adamw_8bit")]
+    raise TrlFlagError(f"--optim {name} is not built: use {', '.join(TRL_OPTIMS)}")
 
 
 def _dtype(name: str) -> Callable[[Any], Pairs]:
@@ -173,12 +177,16 @@ def _save_strategy(value: Any) -> Pairs:
     raise TrlFlagError(f"--save_strategy {strategy} is not built: use no, steps (with --save_steps N) or epoch")
 
 
-def _save_steps(value: Any) -> Pairs:
-    steps = _number("save_steps", value)
-    if steps != int(steps):
-        raise TrlFlagError(f"--save_steps {value}: a fraction of the run is not built: pass a whole number of "
-                           "optimizer steps")
-    return [("save_steps", str(int(steps)))]
+def _interval(name: str) -> Callable[[Any], Pairs]:
+    """--save_steps / --eval_steps: an integer is steps, a float in (0, 1) a fraction of the run's steps (Trainer)."""
+    def to(value: Any) -> Pairs:
+        steps = _number(f"{name}_steps", value)
+        if 0 < steps < 1:
+            return [(f"{name}_fraction", repr(steps))]
+        if steps != int(steps) or steps < 0:
+            raise TrlFlagError(f"--{name}_steps {value} is neither a whole number of steps nor a fraction in (0, 1)")
+        return [(f"{name}_steps", str(int(steps)))]
+    return to
 
 
 def _resume(value: Any) -> Pairs:
@@ -275,7 +283,8 @@ TRL_FLAGS: dict[str, TrlFlag] = {
     "lr_scheduler_type": T("lr_scheduler", "linear, cosine, cosine_with_min_lr, constant, constant_with_warmup (or "
                                            "step)", _lr_scheduler_type),
     "lr_scheduler_kwargs": T("min_lr_rate / min_lr", "cosine_with_min_lr's floor", _lr_scheduler_kwargs),
-    "optim": T("optim", "adamw_torch or adamw_torch_fused", _optim),
+    "optim": T("optim", "adamw_torch, adamw_torch_fused, adamw_8bit (adamw_bnb_8bit) or paged_adamw_8bit "
+                        "(bitsandbytes; DDP)", _optim),
     "bf16": T("mixed_precision", "bf16 compute where the device has it (CUDA); fp32 master weights"),
     "fp16": T("use_fp16", "fp16 compute with a gradient scaler (CUDA)"),
     "gradient_checkpointing": T("fsdp_config.fsdp_activation_checkpointing", "recompute each decoder layer in "
@@ -297,7 +306,9 @@ TRL_FLAGS: dict[str, TrlFlag] = {
     "save_strategy": T("save_steps / fsdp_config.checkpoint_type", "no, epoch, or steps (with --save_steps N)",
                        _save_strategy),
     "logging_steps": T("logging_steps", "trackers receive every Nth step row; metrics.jsonl keeps every step"),
-    "eval_steps": T("eval_steps", "evaluate every N optimizer steps (with --eval_strategy steps)"),
+    "eval_steps": T("eval_steps / eval_fraction", "evaluate every N optimizer steps (with --eval_strategy steps); a "
+                                                  "float in (0, 1): every ceil(F x the run's steps)",
+                    _interval("eval")),
     "save_total_limit": T("save_total_limit", "keep the last K checkpoints"),
     "adam_beta1": T("adam_beta1", "AdamW beta1"),
     "adam_beta2": T("adam_beta2", "AdamW beta2"),
@@ -308,13 +319,19 @@ TRL_FLAGS: dict[str, TrlFlag] = {
     "seed": T("seed", "seed of init, data order and dropout"),
     "output_dir": T("output_dir", "where the model, config.yaml and metrics.jsonl go"),
     "overwrite_output_dir": T("overwrite_output_dir", "replace a previous run's outputs"),
-    "save_steps": T("save_steps", "checkpoint every N optimizer steps", _save_steps),
+    "save_steps": T("save_steps / save_fraction", "checkpoint every N optimizer steps; a float in (0, 1): every "
+                                                  "ceil(F x the run's steps)", _interval("save")),
     "resume_from_checkpoint": T("resume", "bare: the newest checkpoint of output_dir; a path: that checkpoint",
                                 _resume),
     "report_to": T("report_to", "trackers, comma-separated", _report_to),
-    "load_best_model_at_end": T("-", "refused", refuse="not built: shardtune saves the last model; pick a checkpoint "
-                                                       "by its eval_loss in metrics.jsonl and shardtune export it"),
-    "metric_for_best_model": T("-", "refused", refuse="not built (see --load_best_model_at_end): drop the flag"),
+    "load_best_model_at_end": T("load_best_model_at_end", "publish the best checkpoint's model (evaluated at its "
+                                                          "step) instead of the last; the best is never rotated out"),
+    "metric_for_best_model": T("metric_for_best_model", "eval_loss (default), eval_ppl, eval_rouge1, ...: what "
+                                                        "--load_best_model_at_end compares"),
+    "greater_is_better": T("greater_is_better", "whether a higher metric is better; unset: not for names ending in "
+                                                "loss (Trainer's rule)",
+                           lambda value: [("greater_is_better", "true" if _bool("greater_is_better", value)
+                                               else "false")]),
     "push_to_hub": T("-", "refused", refuse="not built: upload output_dir after the run (hf upload ID output_dir)"),
     "hub_model_id": T("-", "refused", refuse="not built (see --push_to_hub): drop the flag"),
     # launcher (Accelerate)
@@ -359,12 +376,13 @@ def finish(cfg, given: dict[str, Any]) -> None:
     if "load_in_4bit" in given and "use_bnb_nested_quant" not in given:
         cfg.quantization_config.use_double_quant = False  # TRL's default
     eval_strategy = _text(given["eval_strategy"]) if "eval_strategy" in given else ""
-    if eval_strategy == "steps" and not cfg.eval_steps:
+    if eval_strategy == "steps" and not (cfg.eval_steps or cfg.eval_fraction):
         raise ConfigError("--eval_strategy steps needs --eval_steps N: say every how many optimizer steps to evaluate")
-    if eval_strategy in ("epoch", "no") and cfg.eval_steps:
-        raise ConfigError(f"--eval_steps {cfg.eval_steps} has no effect with --eval_strategy {eval_strategy}: pass "
+    if eval_strategy in ("epoch", "no") and (cfg.eval_steps or cfg.eval_fraction):
+        raise ConfigError(f"--eval_steps {cfg.eval_steps or cfg.eval_fraction} has no effect with --eval_strategy {eval_strategy}: pass "
                           "--eval_strategy steps, or drop --eval_steps")
-    if "save_strategy" in given and _text(given["save_strategy"]) == "steps" and not cfg.save_steps:
+    if "save_strategy" in given and _text(given["save_strategy"]) == "steps" and not (cfg.save_steps or
+                                                                                      cfg.save_fraction):
         raise ConfigError("--save_strategy steps needs --save_steps N: say every how many optimizer steps to save")
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shardtune.config.schema import ConfigError, TrainConfig
+from shardtune.model.structure import unwrapped_name
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -313,7 +314,12 @@ def adapter_state_dict(model: nn.Module, trainable_state: dict[str, torch.Tensor
         # prefix tuning without projection: the saved prompt embeddings are the embedding table itself
         key = f"prompt_encoder.{model.active_adapter}.embedding.weight"
         return {"prompt_embeddings": trainable_state[key]}
-    return get_peft_model_state_dict(model, state_dict=trainable_state)
+    # peft finds the adapter's tensors by the modules' names, which carry activation checkpointing's wrappers (the
+    # state dict's names do not): keyed as the modules are for peft, and back to the state dict's names after
+    modules_name = {unwrapped_name(name): name for name, _ in model.named_parameters()}
+    selected = get_peft_model_state_dict(model, state_dict={modules_name.get(k, k): v
+                                                             for k, v in trainable_state.items()})
+    return {unwrapped_name(k): v for k, v in selected.items()}
 
 
 def save_adapter(model: nn.Module, trainable_state: dict[str, torch.Tensor], base_name: str, tokenizer,

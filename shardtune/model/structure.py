@@ -65,3 +65,12 @@ def check_model_structure(cfg: TrainConfig) -> None:
             layer_list(model)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper, in module and parameter names
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter's name as state dicts give it: activation checkpointing's wrappers show in named_parameters()
+    and named_modules() but not in state dicts (their hook strips them)."""
+    return name.replace(CHECKPOINT_WRAPPER_PREFIX, "")

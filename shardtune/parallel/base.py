@@ -22,6 +22,7 @@ from shardtune.config.schema import TrainConfig
 from shardtune.runtime.distributed import DistEnv
 from shardtune.parallel.dims import ParallelDims
 from shardtune.runtime.precision import bf16_compute_available
+from shardtune.model.structure import unwrapped_name
 
 
 # Checkpoints hold what training changes: frozen base weights (PEFT) are left out.
@@ -131,8 +132,9 @@ class Strategy(ABC):
         else:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
             state = get_model_state_dict(inner, options=options)
-        trainable = {name for name, p in inner.named_parameters() if p.requires_grad}
-        return {k: v for k, v in state.items() if k in trainable} if self.env.rank == 0 else None
+        trainable = {unwrapped_name(name) for name, p in inner.named_parameters() if p.requires_grad}
+        return {unwrapped_name(k): v for k, v in state.items() if unwrapped_name(k) in trainable} \
+            if self.env.rank == 0 else None
 
     def _state_from_parameters(self) -> bool:
         """bitsandbytes' 8-bit layers add state-dict entries that are not attributes (SCB, weight_format), which

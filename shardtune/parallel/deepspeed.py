@@ -26,6 +26,7 @@ from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_si
 from shardtune.runtime.distributed import DistEnv
 from shardtune.runtime.errors import CheckpointError, TrainingStopped
 from shardtune.parallel.optim import build_optimizer
+from shardtune.model.structure import unwrapped_name
 from shardtune.parallel.base import Strategy, dtype_name
 from shardtune.parallel.fsdp import checkpoint_activations
 
@@ -185,7 +186,7 @@ class DeepSpeedStrategy(Strategy):
                 return None
             state = {k: v.detach().cpu().clone() for k, v in inner.state_dict().items()}
             if trainable_only:
-                trainable = {name for name, p in inner.named_parameters() if p.requires_grad}
+                trainable = {unwrapped_name(name) for name, p in inner.named_parameters() if p.requires_grad}
                 state = {k: v for k, v in state.items() if k in trainable}
             return state
         deepspeed = import_deepspeed()
@@ -195,7 +196,7 @@ class DeepSpeedStrategy(Strategy):
                 continue
             with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
                 if main:
-                    state[name] = param.detach().cpu().clone()
+                    state[unwrapped_name(name)] = param.detach().cpu().clone()
         if not trainable_only and main:
             keys = set(inner.state_dict())  # persistent buffers only
             state.update({name: b.detach().cpu().clone() for name, b in inner.named_buffers() if name in keys})

@@ -22,8 +22,33 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
                         {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0}]
     else:  # one group, as checkpoints written before weight decay was split hold
         params = [p for _, p in named]
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
-                             weight_decay=cfg.weight_decay, fused=cfg.optim == "adamw_torch_fused" or None)
+    hyper = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+                 weight_decay=cfg.weight_decay)
+    if cfg.optim in EIGHT_BIT:  # bitsandbytes' blockwise 8-bit moments (tensors under 4096 values keep 32-bit ones)
+        import bitsandbytes as bnb
+
+        eight_bit = bnb.optim.PagedAdamW8bit if cfg.optim == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+        return eight_bit(params, **hyper)
+    return torch.optim.AdamW(params, **hyper, fused=cfg.optim == "adamw_torch_fused" or None)
+
+
+EIGHT_BIT = ("adamw_8bit", "paged_adamw_8bit")
+
+
+def check_optim(cfg: TrainConfig, world_size: int) -> None:
+    """8-bit AdamW quantises each whole tensor in blocks: under DDP every rank holds the same tensors and steps them
+    alike; FSDP's shards are DTensors its kernels do not take, and ZeRO keeps its own optimizer partitions."""
+    if cfg.optim not in EIGHT_BIT:
+        return
+    if cfg.enable_fsdp or cfg.enable_deepspeed:
+        raise ConfigError(f"--optim {cfg.optim} runs under DDP (bitsandbytes steps whole tensors, not FSDP's or "
+                          "ZeRO's shards): drop --enable_fsdp / --enable_deepspeed, or use --optim adamw_torch "
+                          "(its state is sharded there)")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"--optim {cfg.optim} needs bitsandbytes: pip install 'shardtune[qlora]' (or "
+                          "bitsandbytes), or use --optim adamw_torch") from None
 
 
 def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:

@@ -37,6 +37,7 @@ from shardtune.runtime.elastic import worker_group_attempt
 from shardtune.runtime.errors import CheckpointError
 from shardtune.runtime.files import fsync_dir, write_text_atomic
 from shardtune.runtime.preemption import Preempted, stop_signal_anywhere
+from shardtune.training.best_model import BestModel, every
 from shardtune.training.checkpoint_files import (
     remove_checkpoint,
     verify_checkpoint,
@@ -61,7 +62,8 @@ from shardtune.training.checkpoint_layout import (
 OPTIMIZER_SETTINGS = ("lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
 RUN_CONTROL_SETTINGS = frozenset({
     "output_dir", "resume", "save_steps", "save_total_limit", "max_train_step", "debug", "num_workers_dataloader",
-    "save_model", "save_metrics", "save_plots", "max_eval_step", "run_validation", "val_batch_size", "nan_policy",
+    "save_model", "save_metrics", "save_plots", "save_fraction", "eval_steps", "eval_fraction",
+    "load_best_model_at_end", "metric_for_best_model", "greater_is_better", "max_eval_step", "run_validation", "val_batch_size", "nan_policy",
     "fsdp_config.checkpoint_type", "batch_size_training", "gradient_accumulation_steps", "dist_timeout",
     "sequence_parallel_size", "context_parallel_size",  # how rows are split: the training state does not depend on it
     # memory levers: they change where activations live or when they are computed, not the numbers (tested equal)
@@ -101,7 +103,8 @@ def check_checkpointing(cfg: TrainConfig, world_size: int) -> None:
 def checkpointing_enabled(cfg: TrainConfig) -> bool:
     """Checkpoints are written when --save_steps N > 0, a --checkpoint_type or a --dist_checkpoint_root_folder is
     given."""
-    return cfg.save_steps > 0 or bool(cfg.fsdp_config.checkpoint_type) or bool(cfg.dist_checkpoint_root_folder)
+    return (cfg.save_steps > 0 or cfg.save_fraction > 0 or bool(cfg.fsdp_config.checkpoint_type)
+            or bool(cfg.dist_checkpoint_root_folder))
 
 
 def checkpoint_bytes_estimate(model: nn.Module, full_model: bool) -> int:
@@ -191,6 +194,8 @@ class Checkpointer:
         self.training: tuple | None = None
         self.bytes_needed = 0
         self.last_saved: Path | None = self.resume_from
+        self.best: BestModel | None = None  # --load_best_model_at_end: the scores (set by the loop with the run's steps)
+        self.save_every = cfg.save_steps
         if env.is_main:
             for stale in unfinished_saves(self.root):
                 print0(f"checkpoint: removing {stale.name}, left by a save that did not finish")
@@ -250,6 +255,7 @@ class Checkpointer:
               ) -> Position:
         self.training = (model, optimizer, scheduler, result)
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
+        self.save_every = every(self.cfg.save_steps, self.cfg.save_fraction, total_steps)
         if self.enabled:
             self._check_space(model)
         if self.resume_state is None:
@@ -258,7 +264,7 @@ class Checkpointer:
 
     def _check_space(self, model: nn.Module) -> None:
         need = self.bytes_needed = checkpoint_bytes_estimate(model, self.full_model)
-        planned = 1 + self.total_steps // self.cfg.save_steps if self.cfg.save_steps else 1
+        planned = 1 + self.total_steps // self.save_every if self.save_every else 1
         planned += self.cfg.num_epochs
         keep = min(planned, self.cfg.save_total_limit + 1) if self.cfg.save_total_limit else planned
         ok = True
@@ -306,6 +312,8 @@ class Checkpointer:
             set_rng_state(torch.load(own_rng, weights_only=True), self.env.device)
         result.steps, result.num_tokens = state["step"], state["num_tokens"]
         result.train_time_s = state["train_time_s"]
+        if self.best is not None:
+            self.best.restore(state.get("best_model"))
         position = Position(state["step"], state["epoch"], state["step_in_epoch"])
         global_batch = effective_batch_size(self.cfg, self.strategy.dims.dp_size)
         where = f"epoch {position.epoch + 1}, step {position.step_in_epoch} of {self.steps_per_epoch}"
@@ -326,7 +334,7 @@ class Checkpointer:
         step = self.training[3].steps  # type: ignore[index]
         if not self.enabled or done_in_epoch == self.steps_per_epoch:
             return
-        if (self.cfg.save_steps and step % self.cfg.save_steps == 0) or step >= self.total_steps:
+        if (self.save_every and step % self.save_every == 0) or step >= self.total_steps:
             self.save(Position(step, epoch, done_in_epoch))
 
     def after_epoch(self, epoch: int, done_in_epoch: int) -> None:
@@ -412,6 +420,7 @@ class Checkpointer:
             "metrics_rows": (sum(1 for _ in metrics.open(encoding="utf-8"))
                              if self.cfg.save_metrics and metrics.is_file() else None),
             "config_hash": config_hash(self.cfg),
+            **({"best_model": self.best.state()} if self.best is not None else {}),
             **self.strategy.checkpoint_state(),
         }
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
@@ -428,8 +437,10 @@ class Checkpointer:
         if self.cfg.save_total_limit:  # only now, with the new checkpoint verified, do older ones go
             step = checkpoint_step(final)
             older = [p for p in complete_checkpoints(self.root) if checkpoint_step(p) <= step]  # type: ignore
+            best = self.best.choose(older) if self.best is not None else None
             for stale in older[:-self.cfg.save_total_limit]:
-                remove_checkpoint(stale)
+                if best is None or stale != best[0]:  # --load_best_model_at_end: the best one stays
+                    remove_checkpoint(stale)
 
     def _fail(self, name: str, tmp: Path, error: BaseException | None) -> None:
         free = shutil.disk_usage(self.root).free

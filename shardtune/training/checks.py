@@ -25,15 +25,16 @@ from shardtune.model.longseq import check_rope_scaling
 from shardtune.model.peft import check_peft
 from shardtune.model.structure import check_model_structure
 from shardtune.parallel.dims import ParallelDims, check_parallel_dims
-from shardtune.parallel.optim import check_adam, check_schedule
+from shardtune.parallel.optim import check_adam, check_optim, check_schedule
 from shardtune.parallel.sequence import check_sequence_split
 from shardtune.runtime.distributed import is_torchrun_worker
+from shardtune.training.best_model import check_intervals
 from shardtune.training.checkpoint import check_checkpointing, check_resume_fits
 from shardtune.training.dpo import check_dpo_config
 
 # Settings alone, in order: the config floor's own, then those owned by the floors above.
 SETTING_CHECKS = (*CONFIG_CHECKS, check_cookbook_flags, check_parallel_dims, check_schedule, check_adam,
-                  check_checkpointing)
+                  check_optim, check_checkpointing, check_intervals)
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 from tqdm import tqdm
 
 from shardtune import data
+from shardtune.training.best_model import BestModel, every, load_best
 from shardtune.training.checkpoint import Checkpointer, Position
 from shardtune.config.schema import TrainConfig
 from shardtune.runtime.distributed import DistEnv, all_reduce_sum, print0
@@ -162,11 +163,17 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
 
     result = TrainResult()
     probe = StepProbe(cfg, env, total_steps)
+    eval_every = every(cfg.eval_steps, cfg.eval_fraction, total_steps)
+    best = BestModel(cfg, total_steps) if cfg.load_best_model_at_end and checkpointer else None
+    if checkpointer:
+        checkpointer.best = best
 
     def run_eval(epoch: float, when: str) -> None:
         if eval_fn is not None:
             metrics = eval_fn(model, eval_examples)
             result.eval_loss = metrics["eval_loss"]
+            if best:
+                best.record(result.steps, metrics)
             writer.write({"step": result.steps, "epoch": epoch, **metrics})
             if env.is_main:
                 bar.write(f"{when}: eval loss {result.eval_loss:.4f}")
@@ -174,8 +181,10 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
         loss, ppl, n = evaluate(model, strategy, eval_batches, env)
         result.eval_loss, result.eval_ppl = loss, ppl
         samples = generate_samples(model, strategy, eval_sampler) if eval_sampler else []
-        writer.write({"step": result.steps, "epoch": epoch, "eval_loss": loss, "eval_ppl": ppl,
-                      "eval_num_tokens": n, **mean_rouge(samples)})
+        row = {"eval_loss": loss, "eval_ppl": ppl, "eval_num_tokens": n, **mean_rouge(samples)}
+        if best:
+            best.record(result.steps, row)
+        writer.write({"step": result.steps, "epoch": epoch, **row})
         if samples:
             writer.write_samples(samples, result.steps)
         if env.is_main:
@@ -249,7 +258,7 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
                 bar.write(flop_report)
             done_in_epoch = step_in_epoch + 1
             # --eval_steps: inside the epoch (its end, and the run's last step, evaluate anyway)
-            if cfg.run_validation and cfg.eval_steps and result.steps % cfg.eval_steps == 0 \
+            if cfg.run_validation and eval_every and result.steps % eval_every == 0 \
                     and done_in_epoch < steps_per_epoch and result.steps < total_steps:
                 run_eval(row["epoch"], f"step {result.steps}")
             if checkpointer:
@@ -261,7 +270,7 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
                             mfu=f"{row['mfu']:.1%}", refresh=False)
         if scheduler_unit == "epoch":
             scheduler.step()
-        if publish is not None and result.steps >= total_steps:
+        if publish is not None and result.steps >= total_steps and not best:  # best: after the last evaluation
             publish(result)
             publish = None
         if cfg.run_validation:  # the epoch as training rows count it (fractional when a run stops inside one)
@@ -270,6 +279,8 @@ def train(model: nn.Module, strategy: Strategy, cfg: TrainConfig, env: DistEnv,
             checkpointer.after_epoch(epoch, done_in_epoch)
     bar.close()
     probe.close()
+    if best and publish is not None and checkpointer:
+        load_best(model, strategy, optimizer, checkpointer, best, result)
     if publish is not None:  # a resumed run that was already finished, or one stopped early
         publish(result)
     return result

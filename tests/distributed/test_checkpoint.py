@@ -420,3 +420,21 @@ def test_sigusr1_to_one_node_stops_every_node_with_a_checkpoint_and_the_rerun_en
     assert_same_rows(ref, out, rel=1e-6)
     assert max_relative_difference(final_tensors(ref), final_tensors(out)) <= 1e-6
 
+
+
+def test_eight_bit_adamw_checkpoints_its_8_bit_moments_and_resumes_exactly(tiny_model, cache_dir, tmp_path):
+    """--optim adamw_8bit (bitsandbytes, TRL's name too) under DDP: the checkpoint holds the uint8 moments and their
+    scales, and a run resumed from it (another output_dir) ends bit for bit where the uninterrupted one ends."""
+    import torch.distributed.checkpoint as dcp
+
+    eight_bit = ("--optim", "adamw_8bit", "--max_train_step", 6)  # checkpoints at 2, 4, 6 (COMMON: --save_steps 2)
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    sft(cache_dir, tiny_model, whole, *eight_bit)
+    saved = dcp.FileSystemReader(str(whole / "checkpoints" / "step-000004")).read_metadata().state_dict_metadata
+    moments = {k: v.properties.dtype for k, v in saved.items() if k.endswith((".state1", ".state2"))}
+    assert moments and torch.uint8 in moments.values(), sorted(saved)[:20]
+    assert any(k.endswith(".absmax1") for k in saved)
+    resumed = sft(cache_dir, tiny_model, part, *eight_bit, "--resume", whole / "checkpoints" / "step-000004")
+    assert "resumed from" in resumed.stdout
+    assert [r["loss"] for r in step_rows(part)][-2:] == [r["loss"] for r in step_rows(whole)][-2:]
+    assert max_relative_difference(final_tensors(whole), final_tensors(part)) == 0.0

@@ -7,7 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
+
+from shardtune.commands.export import export_checkpoint
 
 from shardtune.training.metrics import read_metrics
 
@@ -29,7 +33,10 @@ def test_a_trl_recipe_with_its_accelerate_file_does_what_each_key_says(tiny_mode
         "lr_scheduler_type": "cosine", "warmup_steps": WARMUP, "max_steps": STEPS, "num_train_epochs": 1,
         "max_grad_norm": 0.01, "gradient_checkpointing": True, "per_device_train_batch_size": 2,
         "gradient_accumulation_steps": 1, "bf16": True, "weight_decay": 0.01, "packing": True,
-        "eval_strategy": "steps", "eval_steps": 3, "save_strategy": "steps", "save_steps": 3, "save_total_limit": 1,
+        # fractions of the run's 6 steps (Trainer's rule: ceil(0.5 x 6) = 3); the best checkpoint published, judged
+        # "higher eval loss is better" so that the earlier one (the loss falls) is chosen over the last
+        "eval_strategy": "steps", "eval_steps": 0.5, "save_strategy": "steps", "save_steps": 0.5, "save_total_limit": 1,
+        "load_best_model_at_end": True, "metric_for_best_model": "loss", "greater_is_better": True,
         "logging_steps": 1, "report_to": "none", "dataloader_num_workers": 0, "output_dir": str(out),
         "env": {"TOKENIZERS_PARALLELISM": "false"}, "accelerate_config": str(accelerate),
         "context_length": 256, "synthetic_dialogues": {"num_train": 48, "num_validation": 4}}))
@@ -45,9 +52,18 @@ def test_a_trl_recipe_with_its_accelerate_file_does_what_each_key_says(tiny_mode
     assert lrs[:WARMUP + 1] == pytest.approx([PEAK / 3, 2 * PEAK / 3, PEAK])  # warm-up, then the peak
     assert all(a > b for a, b in zip(lrs[WARMUP:], lrs[WARMUP + 1:]))  # cosine decay
     assert all(r["grad_norm"] > 0.01 for r in rows)  # clipping on: the norm before clipping is reported
-    evals = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "eval_loss" in r]
-    assert evals == [3, STEPS]  # --eval_steps 3 inside the epoch, and the epoch's end
-    assert [p.name for p in (out / "checkpoints").glob("step-*")] == [f"step-{STEPS:06d}"]  # save_total_limit 1
+    evals = {r["step"]: r["eval_loss"] for r in read_metrics(out / "metrics.jsonl") if "eval_loss" in r}
+    assert list(evals) == [3, STEPS]  # --eval_steps 0.5 inside the epoch, and the run's end
+    assert evals[3] > evals[STEPS]
+    # save_total_limit 1 keeps the newest, and the best besides; the best's model is the one published
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000003", f"step-{STEPS:06d}"]
+    assert "load_best_model_at_end: publishing the model of" in proc.stdout and "step-000003" in proc.stdout
+    export_checkpoint(out / "checkpoints" / "step-000003", tmp_path / "best")
+    published, best = (load_file(str(d / "adapter_model.safetensors")) for d in (out, tmp_path / "best"))
+    assert published.keys() == best.keys() and all(torch.equal(published[k], best[k]) for k in best)
+    export_checkpoint(out / "checkpoints" / f"step-{STEPS:06d}", tmp_path / "last")
+    last = load_file(str(tmp_path / "last" / "adapter_model.safetensors"))
+    assert any(not torch.equal(published[k], last[k]) for k in last)
     adapter = json.loads((out / "adapter_config.json").read_text())
     assert adapter["r"] == 4 and adapter["lora_alpha"] == 8
     assert {m.rsplit(".", 1)[-1] for m in adapter["target_modules"]} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
