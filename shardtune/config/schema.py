@@ -25,6 +25,7 @@ DATASETS = ("synthetic_dialogues", "samsum_dataset", "alpaca_dataset", "custom_d
             "trl_dataset")
 BATCHING_STRATEGIES = ("packing", "padding")
 LR_SCHEDULERS = ("step", "cosine", "linear", "cosine_with_min_lr", "constant", "constant_with_warmup")
+ATTN_IMPLEMENTATIONS = ("", "sdpa", "eager", "flash_attention_2")
 OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit")
 
 
@@ -286,6 +287,10 @@ class TrainConfig:
     use_fast_kernels: bool = _f(False, "fastest attention / fused kernels the install supports: flash-attention 2 "
                                        "(if installed, CUDA), else SDPA; liger-kernel fused RMSNorm / SwiGLU / "
                                        "RoPE on CUDA (pip install 'shardtune[fast]')")
+    attn_implementation: str = _f("", "attention kernel (TRL's name): sdpa, eager (the eager formula, softmax(q k^T) "
+                                      "v, on every path, packed rows too), flash_attention_2 (CUDA with flash-attn "
+                                      "installed); empty: shardtune's choice (SDPA; FlashAttention varlen for packed "
+                                      "rows on CUDA; eager where the model needs it)", choices=ATTN_IMPLEMENTATIONS)
     compile: bool = _f(False, "torch.compile each decoder layer (first steps are slower while it compiles)")
     save_steps: int = _f(0, "write a sharded checkpoint to output_dir/checkpoints/ every N optimizer steps, at each "
                             "epoch end and after the last step; 0: none, unless --checkpoint_type is set (then at "

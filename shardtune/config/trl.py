@@ -218,10 +218,10 @@ def _model_revision(value: Any) -> Pairs:
 
 
 def _attn_implementation(value: Any) -> Pairs:
-    if _text(value) == "sdpa":
-        return []  # what shardtune loads with (eager only where a model cannot use SDPA)
-    raise TrlFlagError(f"--attn_implementation {value}: shardtune picks the attention itself (SDPA; its varlen kernel "
-                       "for packed rows; flash-attention 2 with --use_fast_kernels where installed): drop the flag")
+    if _text(value) in ("sdpa", "eager", "flash_attention_2"):
+        return [("attn_implementation", _text(value))]
+    raise TrlFlagError(f"--attn_implementation {value} is not built: use sdpa, eager or flash_attention_2 (CUDA, "
+                       "flash-attn installed), or drop the flag (shardtune's choice: SDPA, varlen for packed rows)")
 
 
 def _gradient_checkpointing_kwargs(value: Any) -> Pairs:
@@ -253,8 +253,8 @@ TRL_FLAGS: dict[str, TrlFlag] = {
                                              "scaler; auto / float32: fp32", _dtype("dtype")),
     "torch_dtype": T("mixed_precision / use_fp16", "as --dtype (its older name)", _dtype("torch_dtype")),
     "trust_remote_code": T("-", "false only: no code from the hub is run", _trust_remote_code),
-    "attn_implementation": T("-", "sdpa only (shardtune's own choice; packed rows attend per example with its "
-                                  "varlen kernel)", _attn_implementation),
+    "attn_implementation": T("attn_implementation", "sdpa, eager or flash_attention_2 (CUDA); packed rows attend "
+                                                    "within each example with it", _attn_implementation),
     # PEFT (ModelConfig)
     "lora_r": T("lora_config.r", "LoRA rank"),
     "lora_alpha": T("lora_config.lora_alpha", "LoRA scaling numerator"),

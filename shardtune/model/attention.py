@@ -36,6 +36,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 VARLEN = "shardtune_varlen"
+VARLEN_EAGER = "shardtune_varlen_eager"  # the same, each example's attention by the eager formula (--attn_implementation eager)
 NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3")  # transformers runs these varlen from the same keywords
 
 
@@ -56,13 +57,16 @@ def attention_implementation(config: PretrainedConfig) -> str:
     return "eager" if model_class is not None and not model_class._supports_sdpa else "sdpa"
 
 
-def use_varlen_attention(model: nn.Module) -> str:
-    """Make ``model`` (a bare Hugging Face model) attend within examples of a flattened row; returns a note."""
+def use_varlen_attention(model: nn.Module, eager: bool = False) -> str:
+    """Make ``model`` (a bare Hugging Face model) attend within examples of a flattened row; returns a note.
+    ``eager``: each example's attention by the eager formula (softmax(q k^T) v), as --attn_implementation eager asks."""
     current = model.config._attn_implementation
     if current in NATIVE_VARLEN:
         return f"padding-free batches: attention stays {current} (varlen from cu_seq_lens)"
     register()
-    model.set_attn_implementation(VARLEN)
+    model.set_attn_implementation(VARLEN_EAGER if eager else VARLEN)
+    if eager:
+        return "padding-free batches: attention within each example, by the eager formula (--attn_implementation eager)"
     return "padding-free batches: attention within each example (FlashAttention varlen on CUDA, SDPA per example " \
            "otherwise)"
 
@@ -71,6 +75,8 @@ def use_varlen_attention(model: nn.Module) -> str:
 def register() -> None:
     AttentionInterface.register(VARLEN, varlen_attention_forward)
     AttentionMaskInterface.register(VARLEN, varlen_mask)
+    AttentionInterface.register(VARLEN_EAGER, functools.partial(varlen_attention_forward, eager=True))
+    AttentionMaskInterface.register(VARLEN_EAGER, varlen_mask)
 
 
 def varlen_mask(*args, **kwargs):
@@ -83,7 +89,7 @@ def varlen_mask(*args, **kwargs):
 
 def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                             is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                             is_causal: bool | None = None, eager: bool = False, **kwargs) -> tuple[torch.Tensor, None]:
     """Transformers' attention-function contract: q (B, H, T, D), k / v (B, H_kv, S, D) -> (B, T, H, D).
 
     The layer's ``sliding_window`` (Mistral, Qwen2, Gemma 2/3 sliding layers: a query sees itself and the
@@ -97,7 +103,7 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         if query.shape[0] > 1 and bool((positions[:, 1:] == 0).any()):  # several packed rows: one at a time
             others = {k: v for k, v in kwargs.items() if k != "position_ids"}
             rows = [varlen_attention_forward(module, query[b:b + 1], key[b:b + 1], value[b:b + 1], None, dropout,
-                                             scaling, is_causal, position_ids=positions[b:b + 1], **others)[0]
+                                             scaling, is_causal, eager, position_ids=positions[b:b + 1], **others)[0]
                     for b in range(query.shape[0])]
             return torch.cat(rows), None
         cu = _boundaries_from_positions(positions)
@@ -107,12 +113,13 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     # prefix tuning on a flattened row: the mask transformers builds for keys outnumbering queries is one causal mask
     # over the whole row, which would let examples see each other; the row's boundaries decide instead
     if kwargs.get("cu_seq_lens_q") is not None and num_prefix > 0 and query.shape[0] == 1:
-        return _per_example_after_prefix(query, key, value, cu, num_prefix, dropout, scaling), None
+        return _per_example_after_prefix(query, key, value, cu, num_prefix, dropout, scaling, eager), None
     if attention_mask is not None or query.shape[2] != key.shape[2]:  # padded batches: the mask holds the window
-        if softcap is None:
+        if softcap is None and not eager:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, is_causal=is_causal, **kwargs)
-        return _attend(query, key, value, attention_mask, dropout, scaling, window, softcap).transpose(1, 2), None
+        return _attend(query, key, value, attention_mask, dropout, scaling, window, softcap,
+                       eager).transpose(1, 2), None
     if cu is None:  # plain sequences (one per row): each row is one example
         cu = torch.tensor([0, query.shape[2]], dtype=torch.int32)
     elif query.shape[0] != 1:  # cu_seq_lens index one row: batches of several rows are flattened first
@@ -122,13 +129,13 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     if max_length is None:
         max_length = int(cu.diff().max())
     dtype = _compute_dtype(query)
-    if query.shape[0] == 1 and softcap is None and _kernel_applies(query.device, dtype, dropout):
+    if query.shape[0] == 1 and softcap is None and not eager and _kernel_applies(query.device, dtype, dropout):
         cast = [t.to(dtype) for t in (query, key, value)]  # what SDPA's autocast would do
         arguments = flash_varlen_arguments(*cast, cu, int(max_length), scaling, window)
         if arguments is not None:  # else this torch's kernel cannot express the window: per example below
             args, options = arguments
             return _torch_varlen()(*args, **options).unsqueeze(0), None  # (1, T, H, D)
-    return _per_example(query, key, value, cu, dropout, scaling, window, softcap), None
+    return _per_example(query, key, value, cu, dropout, scaling, window, softcap, eager), None
 
 
 def _boundaries_from_positions(positions: torch.Tensor) -> torch.Tensor | None:
@@ -209,22 +216,24 @@ def _window_bites(sliding_window: int | None, length: int) -> bool:
 
 @torch.compiler.disable  # a loop over data-dependent boundaries: run eagerly inside a compiled layer
 def _per_example(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, dropout: float,
-                 scaling: float | None, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+                 scaling: float | None, sliding_window: int | None, softcap: float | None,
+                 eager: bool = False) -> torch.Tensor:
     """Causal attention within each example of the rows (boundaries ``cu``), on views: (B, T, H, D)."""
     bounds = cu.tolist()
     outputs = [_attend(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, dropout, scaling, sliding_window,
-                       softcap) for s, e in zip(bounds[:-1], bounds[1:])]
+                       softcap, eager) for s, e in zip(bounds[:-1], bounds[1:])]
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
 
 
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, dropout: float,
-            scaling: float | None, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+            scaling: float | None, sliding_window: int | None, softcap: float | None,
+            eager: bool = False) -> torch.Tensor:
     """Attention of one sequence (or rows of one length): (B, H, T, D) -> (B, H, T, D). Without ``mask``, causal
     within ``sliding_window``; a boolean mask is True where a query sees a key, a float one is added."""
-    if softcap is not None:
+    if softcap is not None or eager:
         if mask is None:
             mask = causal_window_mask(query.shape[2], key.shape[2], sliding_window, query.device)
-        return _soft_capped_attention(query, key, value, mask, dropout, scaling, softcap)
+        return _eager_attention(query, key, value, mask, dropout, scaling, softcap)
     # SDPA's is_causal aligns the first query with the first key: only right when queries and keys are one sequence
     causal = mask is None and query.shape[2] == key.shape[2] and not _window_bites(sliding_window, key.shape[2])
     if mask is None and not causal:
@@ -239,14 +248,16 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
                                           scale=scaling, **gqa)
 
 
-def _soft_capped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                           dropout: float, scaling: float | None, softcap: float) -> torch.Tensor:
-    """The eager formula of models that soft-cap their attention logits (Gemma 2), which SDPA cannot compute:
-    softmax(softcap * tanh(q k^T * scaling / softcap) + mask) v, the softmax in fp32."""
+def _eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     dropout: float, scaling: float | None, softcap: float | None = None) -> torch.Tensor:
+    """The eager formula, softmax(q k^T * scaling + mask) v with the softmax in fp32, as transformers' eager
+    attention computes it; with ``softcap`` (Gemma 2, which SDPA cannot compute) the logits are soft-capped first:
+    softcap * tanh(q k^T * scaling / softcap)."""
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     scores = query @ key.transpose(2, 3) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     else:
@@ -269,7 +280,8 @@ def causal_window_mask(num_queries: int, num_keys: int, sliding_window: int | No
 
 @torch.compiler.disable
 def _per_example_after_prefix(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
-                              num_prefix: int, dropout: float, scaling: float | None) -> torch.Tensor:
+                              num_prefix: int, dropout: float, scaling: float | None,
+                              eager: bool = False) -> torch.Tensor:
     """Prefix tuning on a flattened row: peft puts the learned prefix in the cache, so the first ``num_prefix``
     keys / values are the prefix and the rest is the row. Each example's queries attend to the whole prefix and
     causally to their own example (keys: num_prefix + n), as that example alone with its prefix does."""
@@ -282,7 +294,8 @@ def _per_example_after_prefix(query: torch.Tensor, key: torch.Tensor, value: tor
         own = slice(num_prefix + start, num_prefix + end)
         allowed = torch.ones(end - start, num_prefix + end - start, dtype=torch.bool, device=query.device)
         allowed[:, num_prefix:].tril_()
-        outputs.append(F.scaled_dot_product_attention(
-            query[:, :, start:end], torch.cat([prefix_key, key[:, :, own]], dim=2),
-            torch.cat([prefix_value, value[:, :, own]], dim=2), attn_mask=allowed, dropout_p=dropout, scale=scaling))
+        keys, values = torch.cat([prefix_key, key[:, :, own]], dim=2), torch.cat([prefix_value, value[:, :, own]], dim=2)
+        outputs.append(_eager_attention(query[:, :, start:end], keys, values, allowed, dropout, scaling) if eager
+                       else F.scaled_dot_product_attention(query[:, :, start:end], keys, values, attn_mask=allowed,
+                                                           dropout_p=dropout, scale=scaling))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()

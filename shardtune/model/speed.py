@@ -21,7 +21,7 @@ import inspect
 import torch
 from torch import nn
 
-from shardtune.config.schema import TrainConfig
+from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.batching import flattened
 from shardtune.model.attention import use_varlen_attention
 from shardtune.model.loss import hf_model
@@ -34,13 +34,43 @@ def apply_speed_features(model: nn.Module, cfg: TrainConfig, device: torch.devic
     applied: list[str] = []
     if cfg.use_fast_kernels:
         applied += apply_fast_kernels(model, device)
+    if cfg.attn_implementation:
+        applied.append(apply_attention_choice(hf_model(model), cfg.attn_implementation, device))
     if flattened(cfg):
-        applied.append(use_varlen_attention(hf_model(model)))
+        applied.append(use_varlen_attention(hf_model(model), eager=cfg.attn_implementation == "eager"))
     if cfg.compile:
         applied.append(compile_decoder_layers(model))
     for line in applied:
         print0(f"speed: {line}")
     return applied
+
+
+def apply_attention_choice(model: nn.Module, choice: str, device: torch.device) -> str:
+    """--attn_implementation (TRL's flag): the model's attention function as asked (checked before launch)."""
+    if choice == "flash_attention_2" and device.type != "cuda":
+        raise ConfigError("--attn_implementation flash_attention_2 needs a CUDA device: drop it (SDPA), or run on GPUs")
+    model.set_attn_implementation(choice)
+    return f"attention: {choice} (--attn_implementation)"
+
+
+def check_attention_fits(cfg: TrainConfig, config) -> None:
+    """Before launch, with the model's config: a kernel that cannot compute the model's attention is one line."""
+    if cfg.attn_implementation in ("", "eager"):
+        return
+    if getattr(config.get_text_config(), "attn_logit_softcapping", None) is not None:
+        raise ConfigError(f"--attn_implementation {cfg.attn_implementation} cannot compute {config.model_type}'s "
+                          "soft-capped attention logits: pass --attn_implementation eager, or drop the flag")
+
+
+def check_attn_implementation(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.attn_implementation != "flash_attention_2":
+        return
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError("--attn_implementation flash_attention_2 needs the flash-attn package (pip install "
+                          "flash-attn, CUDA): install it, or drop the flag (SDPA)")
+    if not torch.cuda.is_available():
+        raise ConfigError("--attn_implementation flash_attention_2 needs CUDA GPUs, and this machine has none: drop "
+                          "the flag (SDPA)")
 
 
 def apply_fast_kernels(model: nn.Module, device: torch.device) -> list[str]:

@@ -22,6 +22,7 @@ from shardtune.model.loading import (
     cache_dir, check_model_source, check_tokenizer_fits, load_tokenizer, resolve_model_name, resolve_revision,
 )
 from shardtune.model.longseq import check_rope_scaling
+from shardtune.model.speed import check_attention_fits, check_attn_implementation
 from shardtune.model.peft import check_peft
 from shardtune.model.structure import check_model_structure
 from shardtune.parallel.dims import ParallelDims, check_parallel_dims
@@ -34,7 +35,7 @@ from shardtune.training.dpo import check_dpo_config
 
 # Settings alone, in order: the config floor's own, then those owned by the floors above.
 SETTING_CHECKS = (*CONFIG_CHECKS, check_cookbook_flags, check_parallel_dims, check_schedule, check_adam,
-                  check_optim, check_checkpointing, check_intervals)
+                  check_optim, check_checkpointing, check_intervals, check_attn_implementation)
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
@@ -57,6 +58,8 @@ def check_with_model(cfg: TrainConfig, world_size: int) -> None:
     check_peft(cfg)
     check_resume_fits(cfg)
     check_rope_scaling(cfg)
+    if cfg.attn_implementation:
+        check_attention_fits(cfg, AutoConfig.from_pretrained(cfg.model_name))
     if ParallelDims.from_config(cfg, world_size).sequence_split:
         check_sequence_split(cfg, AutoConfig.from_pretrained(cfg.model_name))
 

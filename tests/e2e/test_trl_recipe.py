@@ -31,7 +31,7 @@ def test_a_trl_recipe_with_its_accelerate_file_does_what_each_key_says(tiny_mode
         "model_name_or_path": str(tiny_model), "use_peft": True, "lora_r": 4, "lora_alpha": 8,
         "lora_target_modules": "all-linear", "lora_dropout": 0.0, "learning_rate": PEAK,
         "lr_scheduler_type": "cosine", "warmup_steps": WARMUP, "max_steps": STEPS, "num_train_epochs": 1,
-        "max_grad_norm": 0.01, "gradient_checkpointing": True, "per_device_train_batch_size": 2,
+        "max_grad_norm": 0.01, "gradient_checkpointing": True, "attn_implementation": "eager", "per_device_train_batch_size": 2,
         "gradient_accumulation_steps": 1, "bf16": True, "weight_decay": 0.01, "packing": True,
         # fractions of the run's 6 steps (Trainer's rule: ceil(0.5 x 6) = 3); the best checkpoint published, judged
         # "higher eval loss is better" so that the earlier one (the loss falls) is chosen over the last
@@ -43,6 +43,7 @@ def test_a_trl_recipe_with_its_accelerate_file_does_what_each_key_says(tiny_mode
     proc = run_cli("sft", "--config", recipe, cwd=tmp_path)
 
     assert "ddp, world size 2" in proc.stdout and "activation checkpointing" in proc.stdout  # 2 processes, checkpointing
+    assert "attention: eager (--attn_implementation)" in proc.stdout and "by the eager formula" in proc.stdout
     # bf16 (recipe) vs mixed_precision: no (Accelerate file): the recipe wins, and one line says so
     notes = [line for line in proc.stderr.splitlines() if "the Accelerate file says" in line]
     assert len(notes) == 1 and "mixed_precision" in notes[0] and str(recipe) in notes[0]

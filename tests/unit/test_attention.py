@@ -127,3 +127,55 @@ def test_llama_adapter_on_padding_free_rows_equals_padding():
     flat_loss, flat_grads = loss_and_grads(collate_flat(examples))
     assert flat_loss == pytest.approx(padded_loss, rel=1e-6)
     assert float((flat_grads - padded_grads).norm() / padded_grads.norm()) <= 1e-5
+
+
+@torch.no_grad()
+def test_attn_implementation_eager_computes_every_path_by_the_eager_formula(monkeypatch):
+    """--attn_implementation eager (TRL's flag): packed rows, padded batches and plain sequences go through the eager
+    formula (softmax(q k^T) v, never SDPA), and give what transformers' own eager attention gives each example."""
+    from shardtune.config.flags import parse_args
+    from shardtune.model import attention
+    from shardtune.model.speed import apply_speed_features
+
+    hf_eager = tiny_llama(varlen=False)
+    hf_eager.set_attn_implementation("eager")
+    model = tiny_llama(varlen=False)
+    cfg = parse_args(["--attn_implementation", "eager", "--batching_strategy", "packing"])
+    assert cfg.attn_implementation == "eager"
+    apply_speed_features(model, cfg, CPU)
+    assert model.config._attn_implementation == attention.VARLEN_EAGER
+    calls = []
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1))  # never SDPA
+    examples = block()
+    batch = collate_flat(examples)
+    flat = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **varlen_kwargs(batch)).logits[0]
+    bounds = batch["cu_seq_lens"].tolist()
+    for example, start, end in zip(examples, bounds, bounds[1:]):
+        torch.testing.assert_close(flat[start:end], alone(hf_eager, example), atol=1e-5, rtol=0)
+    padded = collate_padding(examples, pad_id=0)
+    inputs = {k: padded[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    mask = padded["attention_mask"].bool()
+    torch.testing.assert_close(model(**inputs).logits[mask], hf_eager(**inputs).logits[mask], atol=1e-5, rtol=0)
+    assert calls == []
+    # padding without padding-free rows: the model's own eager attention
+    plain = tiny_llama(varlen=False)
+    apply_speed_features(plain, parse_args(["--attn_implementation", "eager", "--batching_strategy", "padding"]), CPU)
+    assert plain.config._attn_implementation == "eager"
+
+
+def test_an_attention_kernel_this_machine_or_model_cannot_run_is_refused_before_launch(tmp_path):
+    from transformers import Gemma2Config
+
+    from shardtune.config.flags import parse_args
+    from shardtune.config.schema import ConfigError
+    from shardtune.model.speed import check_attention_fits
+    from shardtune.training.checks import validate
+
+    with pytest.raises(ConfigError, match="flash_attention_2 needs") as error:  # no flash-attn, no CUDA here
+        validate(parse_args(["--attn_implementation", "flash_attention_2", "--output_dir", str(tmp_path)]), 1)
+    assert "\n" not in str(error.value)
+    gemma2 = Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    with pytest.raises(ConfigError, match="soft-capped attention logits: pass --attn_implementation eager"):
+        check_attention_fits(parse_args(["--attn_implementation", "sdpa"]), gemma2)
+    check_attention_fits(parse_args(["--attn_implementation", "eager"]), gemma2)

@@ -200,7 +200,7 @@ def test_flags_that_cannot_be_honoured_are_refused_in_one_line():
                         (["--push_to_hub"], "hf upload"),
                         (["--packing_strategy", "wrapped"], "bfd"), (["--eval_strategy", "steps"], "--eval_steps"),
                         (["--trust_remote_code"], "drop the flag"),
-                        (["--attn_implementation", "eager"], "drop the flag"),
+                        (["--attn_implementation", "flash_attention_3"], "not built"),
                         (["--save_strategy", "steps"], "--save_steps N")]:
         with pytest.raises(ConfigError, match=named) as error:
             parse_args(argv)
