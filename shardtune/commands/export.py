@@ -49,11 +49,12 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
         print(f"shardtune: warning: {note}", file=sys.stderr)
     state = read_trainer_state(path)
     cfg = from_dict(yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")))
-    config = AutoConfig.from_pretrained(path / "hf_config")
+    trust = {"trust_remote_code": cfg.trust_remote_code}  # as the run did: recorded in its config.yaml
+    config = AutoConfig.from_pretrained(path / "hf_config", **trust)
     target = DTYPES[dtype] or source_dtype(config)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                             attn_implementation=attention_implementation(config))
-    tokenizer = AutoTokenizer.from_pretrained(path / "hf_config")
+                                             attn_implementation=attention_implementation(config), **trust)
+    tokenizer = AutoTokenizer.from_pretrained(path / "hf_config", **trust)
     if state.get("strategy") == "deepspeed":
         read = _deepspeed_reader(path)
         stored = {f"model.{k}" for k in read()}
@@ -78,7 +79,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
         if not Path(cfg.model_name).is_dir():
             raise ConfigError(f"{path} does not hold {missing[0]} (and {len(missing) - 1} more frozen tensors), and "
                               f"the base model {cfg.model_name} is not here: export on a machine that has it")
-        model.load_state_dict(load_model(cfg.model_name).state_dict())
+        model.load_state_dict(load_model(cfg.model_name, **trust).state_dict())
     read(wanted)
     model.config.dtype = target
     save_hf_model(model, model.state_dict(), tokenizer, Path(out_dir))

@@ -100,7 +100,8 @@ def load_quantized_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
     model = AutoModelForCausalLM.from_pretrained(cfg.model_name, config=config,
                                                  quantization_config=quantization_config(cfg, device),
                                                  dtype=compute_dtype(cfg, device), device_map={"": device},
-                                                 attn_implementation=attention_implementation(config))
+                                                 attn_implementation=attention_implementation(config),
+                                                 trust_remote_code=cfg.trust_remote_code)
     if device.type == "cpu":
         use_generic_cpu_kernels(model)
     return model
@@ -133,7 +134,7 @@ def check_peft(cfg: TrainConfig) -> None:
     _check_method_settings(cfg)
     from shardtune.model.loading import build_model_on_meta
 
-    model = build_model_on_meta(cfg.model_name)
+    model = build_model_on_meta(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
     if cfg.peft_method == "lora":
         if cfg.lora_config.target_modules != ["all-linear"]:
             _check_target_modules(model, cfg.lora_config.target_modules, "target_modules")

@@ -105,7 +105,7 @@ def shard_lines(cfg: TrainConfig, topology: Topology, arch_name: str, setup) -> 
                      + (f", offloaded to the host {human_bytes(state.host_state)}" if state.host_state else ""))
         return lines
     dtype = torch.bfloat16 if cfg.enable_fsdp and cfg.fsdp_config.pure_bf16 else torch.float32
-    model = build_model_on_meta(cfg.model_name, dtype=dtype)
+    model = build_model_on_meta(cfg.model_name, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     freeze_first_layers(model, cfg)
     if cfg.use_peft:
         model = apply_peft(model, cfg)

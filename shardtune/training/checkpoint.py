@@ -70,6 +70,8 @@ RUN_CONTROL_SETTINGS = frozenset({
     # of one resumes under another
     "enable_fsdp", "fsdp_config.sharding_strategy", "fsdp_config.hsdp", "fsdp_config.sharding_group_size",
     "fsdp_config.replica_group_size", "fsdp_config.fsdp_cpu_offload", "low_cpu_fsdp",
+    # where the final model is uploaded, after training
+    "push_to_hub", "hub_model_id", "hub_private_repo", "hub_token",
 })
 
 
@@ -469,8 +471,9 @@ def check_resume_fits(cfg: TrainConfig) -> None:
 
     from shardtune.model.peft import SHAPE_FIELDS
 
-    theirs, ours = AutoConfig.from_pretrained(path / "hf_config").to_dict(), AutoConfig.from_pretrained(
-        cfg.model_name).to_dict()
+    trust = {"trust_remote_code": cfg.trust_remote_code}
+    theirs, ours = (AutoConfig.from_pretrained(path / "hf_config", **trust).to_dict(),
+                    AutoConfig.from_pretrained(cfg.model_name, **trust).to_dict())
     diffs = [f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in SHAPE_FIELDS if theirs.get(k) != ours.get(k)]
     if diffs:
         raise ConfigError(f"{flag}: {path} was trained from {saved.get('model_name')}, whose shapes differ from "

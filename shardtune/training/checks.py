@@ -10,8 +10,6 @@ the setting (config, model, parallel, training) and is listed here; nothing regi
 
 from __future__ import annotations
 
-from transformers import AutoConfig
-
 from shardtune import data
 from shardtune.config.checks import CONFIG_CHECKS
 from shardtune.config.schema import ConfigError, DpoConfig, TrainConfig
@@ -19,7 +17,7 @@ from shardtune.data.cache import load_examples_cached
 from shardtune.data.preference import load_pairs
 from shardtune.model.cookbook import check_cookbook_flags, check_model_flags
 from shardtune.model.loading import (
-    cache_dir, check_model_source, check_tokenizer_fits, load_tokenizer, resolve_model_name, resolve_revision,
+    auto_config, cache_dir, check_model_source, check_tokenizer_fits, load_tokenizer, resolve_model_name, resolve_revision,
 )
 from shardtune.model.longseq import check_rope_scaling
 from shardtune.model.peft import check_peft
@@ -57,7 +55,7 @@ def check_with_model(cfg: TrainConfig, world_size: int) -> None:
     check_resume_fits(cfg)
     check_rope_scaling(cfg)
     if ParallelDims.from_config(cfg, world_size).sequence_split:
-        check_sequence_split(cfg, AutoConfig.from_pretrained(cfg.model_name))
+        check_sequence_split(cfg, auto_config(cfg.model_name, cfg.trust_remote_code))
 
 
 def data_splits(cfg: TrainConfig) -> tuple[str, ...]:
@@ -77,14 +75,14 @@ def prepare(cfg: TrainConfig, world_size: int, objective: str = "sft") -> None:
     validate(cfg, world_size)
     cfg.model_name = resolve_revision(resolve_model_name(cfg.model_name), cfg.model_revision)
     cfg.model_revision = ""  # resolved: model_name is the revision's snapshot (the workers and config.yaml read it)
-    check_model_source(cfg.model_name)
+    check_model_source(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
     check_with_model(cfg, world_size)
     if cfg.tokenizer_name:
-        check_model_source(cfg.tokenizer_name, "tokenizer_name")
+        check_model_source(cfg.tokenizer_name, "tokenizer_name", cfg.trust_remote_code)
     data.check_data_config(cfg)
-    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name))
+    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name, cfg.trust_remote_code))
     data.drop_absent_validation(cfg, say=not is_torchrun_worker())
-    check_tokenizer_fits(cfg.model_name, tokenizer, cfg.tokenizer_name)
+    check_tokenizer_fits(cfg.model_name, tokenizer, cfg.tokenizer_name, cfg.trust_remote_code)
     data.check_context_length(cfg, tokenizer)
     dims = ParallelDims.from_config(cfg, world_size)
     if objective == "dpo":

@@ -100,8 +100,8 @@ def build_model(cfg: TrainConfig, env: DistEnv) -> torch.nn.Module:
         return load_quantized_model(cfg, env.device)
     config = training_model_config(cfg)  # with --rope_scaling; the 4-bit paths build from it too
     if cfg.low_cpu_fsdp and env.rank != 0:
-        return build_model_on_meta(cfg.model_name, dtype=dtype, config=config)
-    return load_model(cfg.model_name, dtype=dtype, config=config)
+        return build_model_on_meta(cfg.model_name, dtype=dtype, config=config, trust_remote_code=cfg.trust_remote_code)
+    return load_model(cfg.model_name, dtype=dtype, config=config, trust_remote_code=cfg.trust_remote_code)
 
 
 def check_finite_weights(state: dict[str, torch.Tensor] | None, env: DistEnv, cfg: TrainConfig,
@@ -192,7 +192,10 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv, objective: str = "sft") -> TrainR
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_staging(out_dir)
         write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
-    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name))
+    if cfg.trust_remote_code:
+        print0(f"trust_remote_code: running the model's own code from {cfg.model_name}")
+    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name,
+                                                                 cfg.trust_remote_code))
     strategy = make_strategy(cfg, env)
     units, eval_examples = load_data(cfg, env, strategy.dims, tokenizer, objective)
     startup.mark("tokenizer and data")
