@@ -318,8 +318,9 @@ def adapter_state_dict(model: nn.Module, trainable_state: dict[str, torch.Tensor
 
 
 def save_adapter(model: nn.Module, trainable_state: dict[str, torch.Tensor], base_name: str, tokenizer,
-                 out_dir: Path) -> None:
-    """Rank 0: write a PEFT directory (adapter_config.json last, atomically) that PeftModel.from_pretrained loads."""
+                 out_dir: Path) -> list[str]:
+    """Rank 0: write a PEFT directory (adapter_config.json last, atomically) that PeftModel.from_pretrained loads;
+    returns the names of the files written."""
     from safetensors.torch import save_file
 
     from shardtune.runtime.files import publish_dir, staging_dir
@@ -339,7 +340,7 @@ def save_adapter(model: nn.Module, trainable_state: dict[str, torch.Tensor], bas
     overrides = trained_base_overrides(model.get_base_model().config)
     if overrides:
         (staging / BASE_OVERRIDES).write_text(json.dumps(overrides, indent=1) + "\n", encoding="utf-8")
-    publish_dir(staging, out_dir)
+    return publish_dir(staging, out_dir)
 
 
 def trained_base_overrides(config) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from shardtune.model.cookbook import check_cookbook_flags, check_model_flags
 from shardtune.model.loading import (
     auto_config, cache_dir, check_model_source, check_tokenizer_fits, load_tokenizer, resolve_model_name, resolve_revision,
 )
+from shardtune.model.hub import check_push_to_hub
 from shardtune.model.longseq import check_rope_scaling
 from shardtune.model.peft import check_peft
 from shardtune.model.structure import check_model_structure
@@ -31,7 +32,7 @@ from shardtune.training.dpo import check_dpo_config
 
 # Settings alone, in order: the config floor's own, then those owned by the floors above.
 SETTING_CHECKS = (*CONFIG_CHECKS, check_cookbook_flags, check_parallel_dims, check_schedule, check_adam,
-                  check_checkpointing)
+                  check_checkpointing, check_push_to_hub)
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
