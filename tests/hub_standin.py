@@ -53,7 +53,7 @@ class HubStandIn:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 path = self.path.split("?")[0]
                 if path == "/api/repos/create":
@@ -81,7 +81,7 @@ class HubStandIn:
                 hub.unexpected.append(f"POST {self.path}")
                 self._reply(404, {"error": "not in the stand-in"})
 
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 hub.unexpected.append(f"GET {self.path}")
                 self._reply(404, {"error": "not in the stand-in"})
 

@@ -51,7 +51,7 @@ def eval_loss(model: nn.Module, examples: list[dict], cfg: TrainConfig, pad_id: 
 
 
 def evaluate_model(cfg: TrainConfig, adapter: str, max_examples: int, max_new_tokens: int) -> dict:
-    model, tokenizer = load_for_inference(cfg.model_name, adapter)
+    model, tokenizer = load_for_inference(cfg.model_name, adapter, trust_remote_code=cfg.trust_remote_code)
     examples, data_report = data.load_examples(cfg, data.apply_tokenizer_options(cfg, tokenizer), "validation")
     examples = examples[:max_examples]
     if not examples:

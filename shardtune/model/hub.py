@@ -3,6 +3,7 @@ uploaded to a Hugging Face Hub repo through huggingface_hub, by rank 0, after ev
 
     check_push_to_hub(cfg, world_size)   # before launch: offline, or no token, is refused in one line
     push_model(cfg, files)               # after the run: create_repo(exist_ok) + upload_folder of those files
+    check_can_upload / push_folder       # the same for any folder (shardtune export --push_to_hub ID)
 
 An upload that fails after training leaves the run as it is (the model stays in output_dir) and says how to upload it
 by hand.
@@ -35,29 +36,38 @@ def check_push_to_hub(cfg: TrainConfig, world_size: int = 0) -> None:
     if not cfg.save_model:
         raise ConfigError("--push_to_hub uploads the final model, but --save_model false writes none: drop one of "
                           "them")
-    by_hand = f"or drop --push_to_hub and upload after the run (hf upload {hub_repo_id(cfg)} {cfg.output_dir})"
+    check_can_upload(hub_repo_id(cfg), cfg.output_dir, cfg.hub_token)
+
+
+def check_can_upload(repo_id: str, folder: str | Path, token: str = "", after: str = "after training") -> None:
+    """Offline, or no token: the upload could not happen; one line, with how to upload by hand later."""
+    by_hand = f"or drop --push_to_hub and upload later (hf upload {repo_id} {folder})"
     if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
-        raise ConfigError(f"--push_to_hub: HF_HUB_OFFLINE is set, so the upload after training could not happen: "
+        raise ConfigError(f"--push_to_hub: HF_HUB_OFFLINE is set, so the upload {after} could not happen: "
                           f"unset HF_HUB_OFFLINE, {by_hand}")
     from huggingface_hub import get_token
 
-    if not cfg.hub_token and get_token() is None:
+    if not token and get_token() is None:
         raise ConfigError(f"--push_to_hub: no Hugging Face token (none in HF_TOKEN, none saved by hf auth login): "
                           f"log in with hf auth login, set HF_TOKEN or pass --hub_token, {by_hand}")
 
 
 def push_model(cfg: TrainConfig, files: list[str]) -> str:
     """Upload ``files`` (names in output_dir: the published model) to the hub repo; returns the commit's URL."""
+    return push_folder(Path(cfg.output_dir), hub_repo_id(cfg), files, cfg.hub_private_repo, cfg.hub_token)
+
+
+def push_folder(folder: Path, repo_id: str, files: list[str], private: bool = False, token: str = "") -> str:
+    """create_repo (exist_ok) + upload_folder of ``files`` (names in ``folder``); returns the commit's URL."""
     from huggingface_hub import HfApi
 
-    out_dir = Path(cfg.output_dir).resolve()
-    repo_id = hub_repo_id(cfg)
+    out_dir = folder.resolve()
     try:
-        api = HfApi(token=cfg.hub_token or None)
-        repo_id = api.create_repo(repo_id, private=True if cfg.hub_private_repo else None, exist_ok=True).repo_id
+        api = HfApi(token=token or None)
+        repo_id = api.create_repo(repo_id, private=True if private else None, exist_ok=True).repo_id
         commit = api.upload_folder(repo_id=repo_id, folder_path=out_dir, allow_patterns=sorted(files),
                                    commit_message="Upload model trained with shardtune")
-    except Exception as e:  # network, auth, permissions, quota: the same way out for the user
+    except Exception as e:  # noqa: BLE001 - network, auth, permissions, quota: the same way out for the user
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
         raise HubUploadError(f"--push_to_hub: uploading to {repo_id} failed ({reason}); the trained model is "
                              f"unharmed in {out_dir}: upload it by hand with hf upload {repo_id} {out_dir}") from None

@@ -351,11 +351,11 @@ def trained_base_overrides(config) -> dict[str, Any]:
     return {"rope_parameters": dict(rope), "max_position_embeddings": config.max_position_embeddings}
 
 
-def adapter_base_config(base: str, adapter_dir: str | Path = ""):
+def adapter_base_config(base: str, adapter_dir: str | Path = "", trust_remote_code: bool = False):
     """The config of ``base`` as the adapter was trained on it: config.json plus the adapter's BASE_OVERRIDES."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(base)
+    config = AutoConfig.from_pretrained(base, trust_remote_code=trust_remote_code)
     path = Path(adapter_dir) / BASE_OVERRIDES if adapter_dir else None
     if path is not None and path.is_file():
         for key, value in json.loads(path.read_text(encoding="utf-8")).items():
@@ -365,10 +365,11 @@ def adapter_base_config(base: str, adapter_dir: str | Path = ""):
 
 # -- merging -------------------------------------------------------------------------------------------------------
 
-def merge_adapter(adapter_dir: str, out_dir: str | Path, base: str = "",
-                  dtype: torch.dtype | None = None) -> tuple[str, Path]:
+def merge_adapter(adapter_dir: str, out_dir: str | Path, base: str = "", dtype: torch.dtype | None = None,
+                  trust_remote_code: bool = False) -> tuple[str, list[str]]:
     """Write base + LoRA adapter, merged, as a plain Hugging Face directory in ``dtype`` (default: the base
-    model's, from its config.json), with the tokenizer. Returns (the base used, out_dir). Merged in fp32."""
+    model's, from its config.json), with the tokenizer. Returns (the base used, the files written). Merged in
+    fp32."""
     import peft
     from transformers import AutoConfig
 
@@ -380,15 +381,15 @@ def merge_adapter(adapter_dir: str, out_dir: str | Path, base: str = "",
         raise ConfigError(f"--merge {adapter_dir}: a {peft_type} adapter has no weights to merge (only LoRA adapters "
                           "do): load it on its base instead, e.g. shardtune generate --adapter " + str(adapter_dir))
     base, adapter = resolve_model_and_adapter(base, adapter_dir)
-    dtype = dtype or AutoConfig.from_pretrained(base).dtype or torch.float32
+    trust = {"trust_remote_code": trust_remote_code}
+    dtype = dtype or AutoConfig.from_pretrained(base, **trust).dtype or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    trained_base = load_model(base, dtype=torch.float32, config=adapter_base_config(base, adapter))
+    trained_base = load_model(base, dtype=torch.float32, config=adapter_base_config(base, adapter, **trust), **trust)
     model = peft.PeftModel.from_pretrained(trained_base, adapter).merge_and_unload()
     model.config.dtype = dtype
     tokenizer_dir = adapter if (Path(adapter) / "tokenizer_config.json").is_file() else base
-    save_hf_model(model, model.state_dict(), load_tokenizer(tokenizer_dir), Path(out_dir))
-    return base, Path(out_dir)
+    return base, save_hf_model(model, model.state_dict(), load_tokenizer(tokenizer_dir, **trust), Path(out_dir))
 
 
 def resolve_model_and_adapter(model_name: str, adapter: str = "") -> tuple[str, str]:

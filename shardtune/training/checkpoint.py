@@ -397,6 +397,12 @@ class Checkpointer:
             save_hf_model(model, full_state, self.tokenizer, tmp / "hf_model")
         # the source's dtype (not the fp32 master's), with what training changes (--rope_scaling): export rebuilds it
         training_model_config(self.cfg).save_pretrained(tmp / "hf_config")
+        if self.cfg.trust_remote_code:  # the model's own modeling code (the config's is saved with it): export runs it
+            from transformers.dynamic_module_utils import custom_object_save
+
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            if getattr(base, "_auto_class", None) is not None:
+                custom_object_save(base, tmp / "hf_config")
         self.tokenizer.save_pretrained(tmp / "hf_config")
         (tmp / "config.yaml").write_text(to_yaml(self.cfg), encoding="utf-8")
         metrics = Path(self.cfg.output_dir) / "metrics.jsonl"

@@ -17,7 +17,8 @@ from shardtune.data.cache import load_examples_cached
 from shardtune.data.preference import load_pairs
 from shardtune.model.cookbook import check_cookbook_flags, check_model_flags
 from shardtune.model.loading import (
-    auto_config, cache_dir, check_model_source, check_tokenizer_fits, load_tokenizer, resolve_model_name, resolve_revision,
+    auto_config, cache_dir, check_model_source, check_tokenizer_fits, load_tokenizer, resolve_model_name,
+    resolve_revision,
 )
 from shardtune.model.hub import check_push_to_hub
 from shardtune.model.longseq import check_rope_scaling
@@ -81,7 +82,8 @@ def prepare(cfg: TrainConfig, world_size: int, objective: str = "sft") -> None:
     if cfg.tokenizer_name:
         check_model_source(cfg.tokenizer_name, "tokenizer_name", cfg.trust_remote_code)
     data.check_data_config(cfg)
-    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name, cfg.trust_remote_code))
+    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name,
+                                                                 cfg.trust_remote_code))
     data.drop_absent_validation(cfg, say=not is_torchrun_worker())
     check_tokenizer_fits(cfg.model_name, tokenizer, cfg.tokenizer_name, cfg.trust_remote_code)
     data.check_context_length(cfg, tokenizer)

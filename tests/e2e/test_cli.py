@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shardtune.config.flags import flat_fields
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, main_in_process
 from tests.helpers import eval_rows, step_rows, write_remote_code_model
 from tests.hub_standin import HubStandIn
 
@@ -68,7 +68,8 @@ def test_yaml_recipe_with_flag_override(tiny_model, run_cli, tmp_path):
                       "samsum_dataset:\n  data_path:\n")
     out = tmp_path / "run"
     proc = run_cli("sft", "--config", recipe, "--lr", "0.001", "--output_dir", out, "--max_train_step", 2,
-                   "--num_workers_dataloader", 0, "--run_validation", "false", "--save_model", "false")
+                   "--num_workers_dataloader", 0, "--run_validation", "false", "--save_model", "false",
+                   "--save_steps", 2)
     # one process runs in place (no torchrun), and its start log still begins with where the topology came from
     assert proc.stdout.startswith("topology: 1 node (standalone), 1 process per node"), proc.stdout[:300]
     import yaml
@@ -82,6 +83,13 @@ def test_yaml_recipe_with_flag_override(tiny_model, run_cli, tmp_path):
     assert resolved["trust_remote_code"] is True
     assert f"trust_remote_code: running the model's own code from {model}" in proc.stdout
     assert not (out / "model.safetensors").exists()
+    # its checkpoint keeps the model's code, and export runs it as the run did (config.yaml says trust_remote_code)
+    exported = main_in_process("export", out, tmp_path / "exported")
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert (tmp_path / "exported" / "modeling_remote_llama.py").read_text() == (model / "modeling_remote_llama.py"
+                                                                                ).read_text()
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "exported", trust_remote_code=True)).__name__ == \
+        "RemoteLlamaForCausalLM"
 
 
 def test_torchrun_module_path_runs_in_place(tiny_model, cache_dir, tmp_path):

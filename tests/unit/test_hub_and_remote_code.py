@@ -74,3 +74,12 @@ def test_a_model_with_its_own_code_is_refused_without_trust_remote_code(tiny_mod
     line = _one_line_error(cli_in_process("sft", "--model_name", model, "--output_dir", tmp_path / "run"))
     assert f"--model_name {model}" in line and "(remote_llama)" in line and "pass --trust_remote_code" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_export_push_to_hub_is_refused_before_writing_when_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "exported"
+    proc = main_in_process("export", tmp_path / "run", out, "--push_to_hub", "me/model")
+    line = _one_line_error(proc)
+    assert "HF_HUB_OFFLINE is set" in line and f"hf upload me/model {out}" in line
+    assert not out.exists()
