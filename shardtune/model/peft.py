@@ -218,12 +218,13 @@ def _same_path(a: str, b: str) -> bool:
     return a == b or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
 
 
-def base_config_dict(name_or_path: str) -> dict[str, Any] | None:
+def base_config_dict(name_or_path: str, trust_remote_code: bool = False) -> dict[str, Any] | None:
     """config.json of a model directory or hub id (local cache only), or None when it cannot be read."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(name_or_path, local_files_only=True).to_dict()
+        return AutoConfig.from_pretrained(name_or_path, local_files_only=True,
+                                          trust_remote_code=trust_remote_code).to_dict()
     except Exception:  # noqa: BLE001 - unreadable base: the shape check below decides
         return None
 
@@ -241,7 +242,7 @@ def _check_adapter_base(cfg: TrainConfig, model: nn.Module) -> None:
     if base and _same_path(base, cfg.model_name):
         return
     ours = model.config.to_dict()
-    theirs = base_config_dict(base) if base else None
+    theirs = base_config_dict(base, cfg.trust_remote_code) if base else None
     if theirs is not None:
         diffs = [f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in SHAPE_FIELDS if theirs.get(k) != ours.get(k)]
         if diffs:
