@@ -23,6 +23,7 @@ class HubStandIn:
         self.files: dict[str, bytes] = {}      # "repo_id/path" -> content
         self.created: list[dict] = []           # create_repo payloads
         self.unexpected: list[str] = []         # requests the stand-in does not implement
+        self.tokens: set[str] = set()           # the bearer tokens the requests carried
         self.refuse_commits = refuse_commits    # answer commits 403, as the hub does without write access
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -48,6 +49,8 @@ class HubStandIn:
             def _reply(self, status: int, body: dict) -> None:
                 data = json.dumps(body).encode()
                 self.send_response(status)
+                if "error" in body:  # where the hub puts the reason huggingface_hub shows
+                    self.send_header("X-Error-Message", body["error"])
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -55,6 +58,7 @@ class HubStandIn:
 
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                hub.tokens.add(self.headers.get("Authorization", "").removeprefix("Bearer "))
                 path = self.path.split("?")[0]
                 if path == "/api/repos/create":
                     payload = json.loads(body)

@@ -339,8 +339,10 @@ def run_worker(cfg: TrainConfig, prepared: bool = False, objective: str = "sft")
     except ConfigError as e:  # data errors found while loading
         fail(f"{e}" if env.world_size == 1 else f"(rank {env.rank}) {e}", cfg.debug)
         return 1
-    except HubUploadError as e:  # rank 0's upload after the run; the model is written
-        fail(str(e), cfg.debug)
+    except HubUploadError as e:  # rank 0's upload after the run, the model written: the launcher prints the line
+        if cfg.debug:
+            traceback.print_exc()
+        record_worker_error(str(e))
         return 1
     except (CheckpointError, TrainingStopped, RunLocked) as e:  # raised on every rank alike
         if env.is_main:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shutil
 
-import huggingface_hub
+from huggingface_hub import constants as hub_constants
 import pytest
 
 from shardtune.config.flags import parse_args, to_yaml
@@ -36,7 +36,7 @@ def test_push_to_hub_is_refused_before_launch_when_it_cannot_work(tiny_model, ca
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.delenv("HF_TOKEN")
     monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.setattr(hub_constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
     line = _one_line_error(main_in_process(*run))
     assert "no Hugging Face token" in line and "--hub_token" in line
     assert not out.exists()  # refused before anything ran
@@ -57,8 +57,8 @@ def test_a_failed_upload_keeps_the_model_and_says_how_to_upload_it(tiny_model, t
     cfg = parse_args(["--output_dir", str(out), "--push_to_hub", "--hub_private_repo"])
     with HubStandIn(refuse_commits=True) as hub:
         # huggingface_hub read HF_HUB_OFFLINE (set for the test session) and HF_ENDPOINT once, at import
-        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(hub_constants, "ENDPOINT", hub.url)
         monkeypatch.setenv("HF_TOKEN", "hf_standin")
         with pytest.raises(HubUploadError) as error:
             push_model(cfg, sorted(before))
