@@ -133,7 +133,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError("--max_examples and --max_new_tokens must be positive")
         check_flag_names(rest, [a.dest for a in parser()._actions if a.dest != "help"])
         cfg = parse_args(rest)
-        cfg.model_name, args.adapter = resolve_model_and_adapter(cfg.model_name, args.adapter)
+        cfg.model_name, args.adapter = resolve_model_and_adapter(cfg.model_name, args.adapter, cfg.trust_remote_code)
         data.check_data_config(cfg)
         report = evaluate_model(cfg, args.adapter, args.max_examples, args.max_new_tokens)
     except ConfigError as e:

@@ -35,7 +35,7 @@ def load_for_inference(model_name: str, adapter: str = "", device: torch.device 
     from shardtune.model.loading import load_model, load_tokenizer
     from shardtune.model.peft import adapter_base_config
 
-    model_name, adapter = resolve_model_and_adapter(model_name, adapter)
+    model_name, adapter = resolve_model_and_adapter(model_name, adapter, trust_remote_code)
     device = device or inference_device()
     model = load_model(model_name, dtype=inference_dtype(device), device=device,
                        config=adapter_base_config(model_name, adapter, trust_remote_code),

@@ -381,7 +381,7 @@ def merge_adapter(adapter_dir: str, out_dir: str | Path, base: str = "", dtype: 
     if peft_type != PEFT_TYPES["lora"]:
         raise ConfigError(f"--merge {adapter_dir}: a {peft_type} adapter has no weights to merge (only LoRA adapters "
                           "do): load it on its base instead, e.g. shardtune generate --adapter " + str(adapter_dir))
-    base, adapter = resolve_model_and_adapter(base, adapter_dir)
+    base, adapter = resolve_model_and_adapter(base, adapter_dir, trust_remote_code)
     trust = {"trust_remote_code": trust_remote_code}
     dtype = dtype or AutoConfig.from_pretrained(base, **trust).dtype or torch.float32
     if isinstance(dtype, str):
@@ -393,7 +393,7 @@ def merge_adapter(adapter_dir: str, out_dir: str | Path, base: str = "", dtype: 
     return base, save_hf_model(model, model.state_dict(), load_tokenizer(tokenizer_dir, **trust), Path(out_dir))
 
 
-def resolve_model_and_adapter(model_name: str, adapter: str = "") -> tuple[str, str]:
+def resolve_model_and_adapter(model_name: str, adapter: str = "", trust_remote_code: bool = False) -> tuple[str, str]:
     """(base model, adapter dir or ""): a PEFT directory given as the model brings its base from its config."""
     from shardtune.model.loading import check_model_source, resolve_model_name
 
@@ -405,5 +405,5 @@ def resolve_model_and_adapter(model_name: str, adapter: str = "") -> tuple[str, 
         if not model_name:
             raise ConfigError(f"--adapter {adapter}: its adapter_config.json names no base model: pass --model_name")
     model_name = resolve_model_name(model_name)
-    check_model_source(model_name)
+    check_model_source(model_name, trust_remote_code=trust_remote_code)
     return model_name, adapter
