@@ -1,13 +1,14 @@
 """--push_to_hub and --trust_remote_code, in-process: what is refused before launch, and an upload that fails after
-training. (The upload of a real run: tests/e2e/test_cli.py::test_sft_writes_model_config_and_metrics; a step of a
-model with its own code: tests/e2e/test_cli.py::test_yaml_recipe_with_flag_override.)"""
+training. (Launched: the upload of a 2-process run, tests/e2e/test_cli.py::test_sft_writes_model_config_and_metrics;
+a failed upload after a TRL recipe's run, tests/e2e/test_trl_recipe.py; steps and the export of a model with its own
+code, tests/e2e/test_cli.py::test_yaml_recipe_with_flag_override.)"""
 
 from __future__ import annotations
 
 import shutil
 
-from huggingface_hub import constants as hub_constants
 import pytest
+from huggingface_hub import constants as hub_constants
 
 from shardtune.config.flags import parse_args, to_yaml
 from shardtune.model.hub import HubUploadError, push_model
