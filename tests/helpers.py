@@ -78,3 +78,36 @@ def assert_plain_hf_directory(out_dir: Path):
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=torch.tensor([[1, 5, 9, 14]])).logits).all()
     return model
+
+
+REMOTE_CONFIG_CODE = '''from transformers import LlamaConfig
+
+
+class RemoteLlamaConfig(LlamaConfig):
+    model_type = "remote_llama"
+'''
+REMOTE_MODELING_CODE = '''from transformers import LlamaForCausalLM
+
+from .configuration_remote_llama import RemoteLlamaConfig
+
+
+class RemoteLlamaForCausalLM(LlamaForCausalLM):
+    config_class = RemoteLlamaConfig
+'''
+
+
+def write_remote_code_model(base: Path, out_dir: Path) -> Path:
+    """``base`` (a Llama directory) as a model whose architecture is its own code: a model_type transformers does not
+    ship, with configuration / modeling files named by auto_map (what --trust_remote_code is for)."""
+    import json
+    import shutil
+
+    shutil.copytree(base, out_dir)
+    config = json.loads((out_dir / "config.json").read_text())
+    config.update(model_type="remote_llama", architectures=["RemoteLlamaForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_remote_llama.RemoteLlamaConfig",
+                            "AutoModelForCausalLM": "modeling_remote_llama.RemoteLlamaForCausalLM"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    (out_dir / "configuration_remote_llama.py").write_text(REMOTE_CONFIG_CODE)
+    (out_dir / "modeling_remote_llama.py").write_text(REMOTE_MODELING_CODE)
+    return out_dir

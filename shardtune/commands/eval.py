@@ -51,7 +51,7 @@ def eval_loss(model: nn.Module, examples: list[dict], cfg: TrainConfig, pad_id: 
 
 
 def evaluate_model(cfg: TrainConfig, adapter: str, max_examples: int, max_new_tokens: int) -> dict:
-    model, tokenizer = load_for_inference(cfg.model_name, adapter)
+    model, tokenizer = load_for_inference(cfg.model_name, adapter, trust_remote_code=cfg.trust_remote_code)
     examples, data_report = data.load_examples(cfg, data.apply_tokenizer_options(cfg, tokenizer), "validation")
     examples = examples[:max_examples]
     if not examples:
@@ -133,7 +133,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError("--max_examples and --max_new_tokens must be positive")
         check_flag_names(rest, [a.dest for a in parser()._actions if a.dest != "help"])
         cfg = parse_args(rest)
-        cfg.model_name, args.adapter = resolve_model_and_adapter(cfg.model_name, args.adapter)
+        cfg.model_name, args.adapter = resolve_model_and_adapter(cfg.model_name, args.adapter, cfg.trust_remote_code)
         data.check_data_config(cfg)
         report = evaluate_model(cfg, args.adapter, args.max_examples, args.max_new_tokens)
     except ConfigError as e:

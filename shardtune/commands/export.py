@@ -23,6 +23,7 @@ from transformers.utils import logging as hf_logging
 from shardtune.config.flags import from_dict
 from shardtune.config.schema import ConfigError
 from shardtune.model.attention import attention_implementation
+from shardtune.model.hub import HubUploadError, check_can_upload, push_folder
 from shardtune.model.loading import load_model
 from shardtune.model.saving import save_hf_model
 from shardtune.runtime.checkpoint_reader import (
@@ -41,19 +42,21 @@ def source_dtype(config) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = "auto") -> Path:
-    """Write the model held by ``checkpoint`` (a step folder, or an output dir: its latest) to ``out_dir``."""
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = "auto") -> tuple[Path, list[str]]:
+    """Write the model held by ``checkpoint`` (a step folder, or an output dir: its latest) to ``out_dir``. Returns
+    (the checkpoint read, the files written)."""
     notes: list[str] = []
     path = resolve_checkpoint(str(checkpoint), Path(checkpoint).parent.parent, notes=notes, resume=False)
     for note in notes:
         print(f"shardtune: warning: {note}", file=sys.stderr)
     state = read_trainer_state(path)
     cfg = from_dict(yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")))
-    config = AutoConfig.from_pretrained(path / "hf_config")
+    trust = {"trust_remote_code": cfg.trust_remote_code}  # as the run did: recorded in its config.yaml
+    config = AutoConfig.from_pretrained(path / "hf_config", **trust)
     target = DTYPES[dtype] or source_dtype(config)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                             attn_implementation=attention_implementation(config))
-    tokenizer = AutoTokenizer.from_pretrained(path / "hf_config")
+                                             attn_implementation=attention_implementation(config), **trust)
+    tokenizer = AutoTokenizer.from_pretrained(path / "hf_config", **trust)
     if state.get("strategy") == "deepspeed":
         read = _deepspeed_reader(path)
         stored = {f"model.{k}" for k in read()}
@@ -70,19 +73,17 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
         adapter = {k: v for k, v in model.state_dict().items() if f"model.{k}" in stored}
         read(adapter)
         trainable = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
-        save_adapter(model, trainable, cfg.model_name, tokenizer, Path(out_dir))
-        return path
+        return path, save_adapter(model, trainable, cfg.model_name, tokenizer, Path(out_dir))
     wanted = {k: v for k, v in model.state_dict().items() if f"model.{k}" in stored}
     missing = sorted(k for k, _ in model.named_parameters() if k not in wanted)
     if missing:  # frozen parameters are not in checkpoints: they come from the base model
         if not Path(cfg.model_name).is_dir():
             raise ConfigError(f"{path} does not hold {missing[0]} (and {len(missing) - 1} more frozen tensors), and "
                               f"the base model {cfg.model_name} is not here: export on a machine that has it")
-        model.load_state_dict(load_model(cfg.model_name).state_dict())
+        model.load_state_dict(load_model(cfg.model_name, **trust).state_dict())
     read(wanted)
     model.config.dtype = target
-    save_hf_model(model, model.state_dict(), tokenizer, Path(out_dir))
-    return path
+    return path, save_hf_model(model, model.state_dict(), tokenizer, Path(out_dir))
 
 
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
@@ -125,24 +126,44 @@ def main(argv: list[str]) -> int:
                                                    "base_model_name_or_path)")
     parser.add_argument("--overwrite", action="store_true", help="write into OUT_DIR even when it already holds "
                                                                  "files (a model there is replaced)")
+    parser.add_argument("--push_to_hub", default="", metavar="ID", help="then upload the model written to the hub "
+                                                                        "repo ID (user/name), through huggingface_hub")
+    parser.add_argument("--hub_private_repo", action="store_true", help="create the --push_to_hub repo private")
+    parser.add_argument("--trust_remote_code", action="store_true", help="with --merge: run the base model's own "
+                                                                         "code (auto_map): docs/security.md")
     args = parser.parse_args(argv)
     hf_logging.disable_progress_bar()
     try:
         check_out_dir(Path(args.out_dir), args.overwrite)
         if args.base and not args.merge:
             raise ConfigError("--base only applies with --merge ADAPTER_DIR OUT_DIR: add --merge, or drop --base")
+        if args.hub_private_repo and not args.push_to_hub:
+            raise ConfigError("--hub_private_repo only applies with --push_to_hub ID: add it, or drop the flag")
+        if args.push_to_hub:  # before anything is written: an upload that cannot happen is refused now
+            check_can_upload(args.push_to_hub, args.out_dir, after="after the export")
         if args.merge:
             from shardtune.model.peft import merge_adapter
 
-            base, out = merge_adapter(args.checkpoint, args.out_dir, args.base, DTYPES[args.dtype])
-            print(f"merged {args.checkpoint} into {base}, written to {out.resolve()}")
-            return 0
-        path = export_checkpoint(args.checkpoint, args.out_dir, args.dtype)
+            base, files = merge_adapter(args.checkpoint, args.out_dir, args.base, DTYPES[args.dtype],
+                                        args.trust_remote_code)
+            print(f"merged {args.checkpoint} into {base}, written to {Path(args.out_dir).resolve()}")
+        else:
+            if args.trust_remote_code:
+                raise ConfigError("--trust_remote_code applies with --merge; a checkpoint's export runs the model's "
+                                  "own code when its run did (its config.yaml says so): drop the flag")
+            path, files = export_checkpoint(args.checkpoint, args.out_dir, args.dtype)
+            print(f"exported {path} to {Path(args.out_dir).resolve()}")
     except ConfigError as e:
         print(f"shardtune: error: {e}", file=sys.stderr)
         return 2
     except UnsafeCheckpointError as e:
         print(f"shardtune: error: {args.checkpoint}: {e}", file=sys.stderr)
         return 1
-    print(f"exported {path} to {Path(args.out_dir).resolve()}")
+    if args.push_to_hub:
+        try:
+            url = push_folder(Path(args.out_dir), args.push_to_hub, files, args.hub_private_repo)
+            print(f"pushed to the hub: {url}")
+        except HubUploadError as e:
+            print(f"shardtune: error: {e}", file=sys.stderr)
+            return 1
     return 0

@@ -93,6 +93,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --do_sample)")
     p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (with --do_sample)")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling")
+    p.add_argument("--trust_remote_code", action="store_true", help="run the model's own Python code (its "
+                                                                    "config.json's auto_map): docs/security.md")
     return p
 
 
@@ -115,7 +117,7 @@ def main(argv: list[str]) -> int:
         if args.dialogue:
             prompt = SAMSUM_PROMPT.format(dialog=prompt)
         prompt = [{"role": "user", "content": prompt}] if args.chat else prompt_messages(prompt) or prompt
-        model, tokenizer = load_for_inference(args.model_name, args.adapter)
+        model, tokenizer = load_for_inference(args.model_name, args.adapter, trust_remote_code=args.trust_remote_code)
     except ConfigError as e:
         print(f"shardtune: error: {e}", file=sys.stderr)
         return 2

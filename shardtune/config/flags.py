@@ -297,7 +297,16 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def to_yaml(cfg: TrainConfig) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    """config.yaml's text; a secret (--hub_token) is written empty."""
+    data = to_dict(cfg)
+    for key, (_, f) in flat_fields().items():
+        if f.metadata.get("secret"):
+            *owners, name = key.split(".")
+            section = data
+            for owner in owners:
+                section = section[owner]
+            section[name] = field_default(f)
+    return yaml.safe_dump(data, sort_keys=False)
 
 
 def from_dict(data: dict[str, Any]) -> TrainConfig:

@@ -210,6 +210,9 @@ class TrainConfig:
                                  "fetched before launch (from the Hugging Face cache when offline) and every rank "
                                  "reads it; empty: the hub's main")
     tokenizer_name: str = _f("", "tokenizer directory or hub id; empty: same as model_name")
+    trust_remote_code: bool = _f(False, "run the model's own Python code (the files its config.json's auto_map "
+                                        "names) to load its config, tokenizer and model: it runs with your rights "
+                                        "(docs/security.md); off: only architectures transformers ships")
     dataset: str = _f("synthetic_dialogues", "one of: " + ", ".join(DATASETS), choices=DATASETS)
     batch_size_training: int = _f(4, "micro-batch size per device (TRL: per_device_train_batch_size)")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step; effective batch = "
@@ -260,6 +263,14 @@ class TrainConfig:
     overwrite_output_dir: bool = _f(False, "allow a new run to replace the outputs of a previous run in output_dir")
     save_model: bool = _f(True, "write the final model (or adapter) to output_dir")
     save_metrics: bool = _f(True, "write metrics.jsonl to output_dir")
+    push_to_hub: bool = _f(False, "after the run, upload the published model (or adapter) folder to the Hugging "
+                                  "Face Hub repo --hub_model_id (rank 0, through huggingface_hub); refused before "
+                                  "launch when offline or without a token")
+    hub_model_id: str = _f("", "the hub repo of --push_to_hub (user/name or name); empty: output_dir's folder name, "
+                               "in your namespace (as Trainer)")
+    hub_private_repo: bool = _f(False, "create the --push_to_hub repo private (an existing repo keeps its visibility)")
+    hub_token: str = _f("", "the token of --push_to_hub; empty: huggingface_hub's (HF_TOKEN or hf auth login); "
+                            "never written to config.yaml", secret=True)
     save_plots: bool = _f(True, "at the end of the run, write PNG charts of metrics.jsonl to output_dir/plots (what "
                                 "shardtune plot draws)")
     use_fp16: bool = _f(False, "fp16 compute with a gradient scaler, for CUDA GPUs without bf16 (refused on CPU, "

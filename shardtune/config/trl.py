@@ -236,11 +236,11 @@ def _gradient_checkpointing_kwargs(value: Any) -> Pairs:
     return [("activation_checkpointing_use_reentrant", _text(value.get("use_reentrant", False)))]
 
 
-def _trust_remote_code(value: Any) -> Pairs:
-    if not _bool("trust_remote_code", value):
-        return []
-    raise TrlFlagError("--trust_remote_code: shardtune trains the architectures transformers ships (no code from the "
-                       "hub is run): drop the flag, or convert the model to a transformers architecture")
+def _hub_strategy(value: Any) -> Pairs:
+    if _text(value) == "end":
+        return []  # the one upload, after the final model is published
+    raise TrlFlagError(f"--hub_strategy {value} is not built: use end (one upload of the final model after the run; "
+                       "checkpoints are not pushed)")
 
 
 T = TrlFlag
@@ -252,7 +252,8 @@ TRL_FLAGS: dict[str, TrlFlag] = {
     "dtype": T("mixed_precision / use_fp16", "bfloat16: bf16 compute (fp32 master weights); float16: fp16 with a "
                                              "scaler; auto / float32: fp32", _dtype("dtype")),
     "torch_dtype": T("mixed_precision / use_fp16", "as --dtype (its older name)", _dtype("torch_dtype")),
-    "trust_remote_code": T("-", "false only: no code from the hub is run", _trust_remote_code),
+    "trust_remote_code": T("trust_remote_code", "run the model's own Python code (its auto_map); off by default "
+                                                "(docs/security.md)"),
     "attn_implementation": T("attn_implementation", "sdpa, eager or flash_attention_2 (CUDA); packed rows attend "
                                                     "within each example with it", _attn_implementation),
     # PEFT (ModelConfig)
@@ -332,8 +333,12 @@ TRL_FLAGS: dict[str, TrlFlag] = {
                                                 "loss (Trainer's rule)",
                            lambda value: [("greater_is_better", "true" if _bool("greater_is_better", value)
                                                else "false")]),
-    "push_to_hub": T("-", "refused", refuse="not built: upload output_dir after the run (hf upload ID output_dir)"),
-    "hub_model_id": T("-", "refused", refuse="not built (see --push_to_hub): drop the flag"),
+    "push_to_hub": T("push_to_hub", "after the run, upload the published model folder to the hub (refused before "
+                                    "launch when offline or without a token)"),
+    "hub_model_id": T("hub_model_id", "the --push_to_hub repo; empty: output_dir's folder name"),
+    "hub_private_repo": T("hub_private_repo", "create the --push_to_hub repo private"),
+    "hub_token": T("hub_token", "the --push_to_hub token (not written to config.yaml); empty: huggingface_hub's"),
+    "hub_strategy": T("-", "end only: one upload after the run", _hub_strategy),
     # launcher (Accelerate)
     "num_processes": T("nproc_per_node", "processes on this machine (Accelerate's name; a launcher flag: the command "
                                          "line or the Accelerate file, not a recipe)", _num_processes),

@@ -50,7 +50,7 @@ def check_model_flags(cfg: TrainConfig) -> None:
 
     if not (cfg.freeze_layers or cfg.freeze_LLM_only):
         return
-    config = AutoConfig.from_pretrained(cfg.model_name)
+    config = AutoConfig.from_pretrained(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
     if cfg.freeze_LLM_only:
         if getattr(config, "vision_config", None) is None:
             raise ConfigError(f"--freeze_LLM_only applies to vision models (llama-cookbook's mllama recipe); "

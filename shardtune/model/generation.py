@@ -28,21 +28,24 @@ def inference_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if bf16_compute_available(device) else torch.float32
 
 
-def load_for_inference(model_name: str, adapter: str = "", device: torch.device | None = None):
-    """(model in eval mode, tokenizer): ``model_name`` + optional ``adapter`` (peft loads it; nothing merged)."""
+def load_for_inference(model_name: str, adapter: str = "", device: torch.device | None = None,
+                       trust_remote_code: bool = False):
+    """(model in eval mode, tokenizer): ``model_name`` + optional ``adapter`` (peft loads it; nothing merged).
+    ``trust_remote_code``: the model's own code (auto_map) may run."""
     from shardtune.model.loading import load_model, load_tokenizer
     from shardtune.model.peft import adapter_base_config
 
-    model_name, adapter = resolve_model_and_adapter(model_name, adapter)
+    model_name, adapter = resolve_model_and_adapter(model_name, adapter, trust_remote_code)
     device = device or inference_device()
     model = load_model(model_name, dtype=inference_dtype(device), device=device,
-                       config=adapter_base_config(model_name, adapter))
+                       config=adapter_base_config(model_name, adapter, trust_remote_code),
+                       trust_remote_code=trust_remote_code)
     tokenizer_dir = adapter if adapter and (Path(adapter) / "tokenizer_config.json").is_file() else model_name
     if adapter:
         import peft
 
         model = peft.PeftModel.from_pretrained(model, adapter)
-    return model.eval(), load_tokenizer(tokenizer_dir)
+    return model.eval(), load_tokenizer(tokenizer_dir, trust_remote_code)
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:

@@ -198,20 +198,26 @@ def resolve_revision(model_name: str, revision: str) -> str:
                           "DIR) and pass --model_name DIR") from None
 
 
-def check_model_source(model_name: str, what: str = "model_name") -> None:
+def auto_config(name_or_path: str | Path, trust_remote_code: bool = False, **kwargs):
+    """AutoConfig.from_pretrained of the user's model: its own code (auto_map) runs only with --trust_remote_code.
+    Every loader of the user's model, config or tokenizer below takes the setting the same way."""
+    return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs)
+
+
+def check_model_source(model_name: str, what: str = "model_name", trust_remote_code: bool = False) -> None:
     """Fail early, in one line, if ``model_name`` is neither a preset, a model directory nor a loadable hub id."""
     if not model_name or model_name.startswith(PRESET_PREFIX):
         _check_preset(model_name.removeprefix(PRESET_PREFIX) or DEFAULT_PRESET, what)
     elif _looks_like_path(model_name):
-        _check_directory(model_name, what)
+        _check_directory(model_name, what, trust_remote_code)
     elif _HUB_ID.match(model_name):
-        _check_hub_id(model_name, what)
+        _check_hub_id(model_name, what, trust_remote_code)
     else:
         raise ConfigError(f"--{what} {model_name!r} is neither a directory nor a hub id (org/name): "
                           "pass a local model directory, a hub id or preset:NAME")
 
 
-def _check_directory(model_name: str, what: str) -> None:
+def _check_directory(model_name: str, what: str, trust_remote_code: bool) -> None:
     path = Path(model_name).expanduser()
     if not path.is_dir():
         raise ConfigError(f"--{what} {model_name}: no such directory: pass a Hugging Face model directory "
@@ -221,17 +227,24 @@ def _check_directory(model_name: str, what: str) -> None:
         raise ConfigError(f"--{what} {model_name}: the directory has no {' or '.join(needed)}: pass the directory "
                           "that save_pretrained wrote (or the snapshot folder of a download)")
     if what != "tokenizer_name":
-        _check_config_file(path / "config.json")
+        _check_config_file(path / "config.json", what, trust_remote_code)
 
 
-def _check_config_file(config_file: Path) -> None:
-    """A config.json that is not JSON, or names a model_type transformers does not know: one line naming it."""
+def _check_config_file(config_file: Path, what: str = "model_name", trust_remote_code: bool = False) -> None:
+    """A config.json that is not JSON, or names a model_type transformers does not know: one line naming it. One
+    whose architecture is the model's own code (auto_map, a model_type transformers does not ship) needs
+    --trust_remote_code."""
     try:
-        json.loads(config_file.read_text(encoding="utf-8"))
+        config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ConfigError(f"{config_file} is not valid JSON ({e}): restore it from the model's source") from None
+    if not trust_remote_code and _needs_remote_code(config):
+        raise ConfigError(f"--{what} {config_file.parent}: its architecture ({config.get('model_type')}) is the "
+                          "model's own Python code (auto_map in config.json), which shardtune runs only when asked: "
+                          "pass --trust_remote_code if you trust that code (it runs as you: docs/security.md), or "
+                          "use a model of an architecture transformers ships")
     try:
-        AutoConfig.from_pretrained(config_file.parent)
+        auto_config(config_file.parent, trust_remote_code)
     except (ValueError, KeyError, OSError, TypeError) as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"{config_file} cannot be read as a model config ({reason}): fix its model_type, or "
@@ -243,30 +256,42 @@ def _hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
 
 
-def _check_hub_id(model_name: str, what: str) -> None:
+def _needs_remote_code(config: dict) -> bool:
+    from transformers import CONFIG_MAPPING
+
+    return bool(config.get("auto_map")) and config.get("model_type") not in CONFIG_MAPPING
+
+
+def _check_hub_id(model_name: str, what: str, trust_remote_code: bool = False) -> None:
     offline = _hub_offline()
     try:
-        AutoConfig.from_pretrained(model_name, local_files_only=offline)
+        auto_config(model_name, trust_remote_code, local_files_only=offline)
     except Exception as e:  # any failure (network, auth, missing repo) means the same fix for the user
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
+        if "trust_remote_code" in reason and not trust_remote_code:
+            raise ConfigError(f"--{what} {model_name}: its architecture is the model's own Python code, which "
+                              "shardtune runs only when asked: pass --trust_remote_code if you trust that code (it "
+                              "runs as you: docs/security.md), or use a model of an architecture transformers "
+                              "ships") from None
         hint = "HF_HUB_OFFLINE is set:" if offline else "offline?"
         raise ConfigError(f"--{what} {model_name!r} is not a local directory and could not be loaded from the "
                           f"Hugging Face Hub ({reason}); {hint} download it first "
                           f"(hf download {model_name} --local-dir DIR) or pass a local path") from None
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerFast:
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerFast:
     """AutoTokenizer, with a pad token (eos, else unk) when the model has none, as for Llama 3."""
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
     return tokenizer
 
 
-def check_tokenizer_fits(model_name: str, tokenizer: PreTrainedTokenizerFast, tokenizer_name: str) -> None:
+def check_tokenizer_fits(model_name: str, tokenizer: PreTrainedTokenizerFast, tokenizer_name: str,
+                         trust_remote_code: bool = False) -> None:
     """A token id without a row in the model's embedding fails mid-step (IndexError on every rank): refuse it here.
     Typical cause: a tokenizer (class) that adds a pad or chat token, saved without resizing the model."""
-    num_rows = AutoConfig.from_pretrained(model_name).get_text_config().vocab_size
+    num_rows = auto_config(model_name, trust_remote_code).get_text_config().vocab_size
     if len(tokenizer) > num_rows:
         source = f"--tokenizer_name {tokenizer_name}" if tokenizer_name else f"the tokenizer of {model_name}"
         raise ConfigError(f"{source} has {len(tokenizer)} tokens, but the model's embedding has {num_rows} rows "
@@ -281,27 +306,30 @@ def training_model_config(cfg: TrainConfig):
     device of rank-0 loading) builds from it, and checkpoints record it (export rebuilds the same model)."""
     from shardtune.model.longseq import rope_config_overrides
 
-    config = AutoConfig.from_pretrained(cfg.model_name)
+    config = auto_config(cfg.model_name, cfg.trust_remote_code)
     for key, value in rope_config_overrides(cfg, config).items():
         setattr(config, key, value)
     return config
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               config=None) -> torch.nn.Module:
+               config=None, trust_remote_code: bool = False) -> torch.nn.Module:
     """The model's weights from ``name_or_path``, built with ``config`` (default: its own config.json)."""
-    config = config or AutoConfig.from_pretrained(name_or_path)
+    config = config or auto_config(name_or_path, trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=dtype,
-                                                 attn_implementation=attention_implementation(config))
+                                                 attn_implementation=attention_implementation(config),
+                                                 trust_remote_code=trust_remote_code)
     return model.to(device)
 
 
-def build_model_on_meta(name_or_path: str, dtype: torch.dtype = torch.float32, config=None) -> torch.nn.Module:
+def build_model_on_meta(name_or_path: str, dtype: torch.dtype = torch.float32, config=None,
+                        trust_remote_code: bool = False) -> torch.nn.Module:
     """The model's structure without memory, for sharding first and loading weights (on rank 0) afterwards."""
-    config = config or AutoConfig.from_pretrained(name_or_path)
+    config = config or auto_config(name_or_path, trust_remote_code)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                attn_implementation=attention_implementation(config))
+                                                attn_implementation=attention_implementation(config),
+                                                trust_remote_code=trust_remote_code)
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

@@ -30,7 +30,7 @@ def rope_config_overrides(cfg: TrainConfig, model_config=None) -> dict:
     model's config.json) by :func:`shardtune.model.loading.training_model_config`, which every loading path builds from."""
     if not cfg.rope_scaling:
         return {}
-    model_config = model_config or AutoConfig.from_pretrained(cfg.model_name)
+    model_config = model_config or AutoConfig.from_pretrained(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
     original = model_config.max_position_embeddings
     rope = dict(model_config.rope_parameters, rope_type=cfg.rope_scaling, factor=float(cfg.rope_factor),
                 original_max_position_embeddings=original)
@@ -42,7 +42,7 @@ def check_rope_scaling(cfg: TrainConfig) -> None:
     what the pretrained positions mean)."""
     if not cfg.rope_scaling:
         return
-    rope = AutoConfig.from_pretrained(cfg.model_name).rope_parameters or {}
+    rope = AutoConfig.from_pretrained(cfg.model_name, trust_remote_code=cfg.trust_remote_code).rope_parameters or {}
     if rope.get("rope_type", "default") != "default":
         raise ConfigError(f"--rope_scaling {cfg.rope_scaling}: {cfg.model_name} already uses RoPE scaling "
                           f"{rope.get('rope_type')!r} (factor {rope.get('factor')}): drop --rope_scaling, or start "

@@ -101,7 +101,8 @@ def load_quantized_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
     model = AutoModelForCausalLM.from_pretrained(cfg.model_name, config=config,
                                                  quantization_config=quantization_config(cfg, device),
                                                  dtype=compute_dtype(cfg, device), device_map={"": device},
-                                                 attn_implementation=attention_implementation(config))
+                                                 attn_implementation=attention_implementation(config),
+                                                 trust_remote_code=cfg.trust_remote_code)
     if device.type == "cpu":
         use_generic_cpu_kernels(model)
     return model
@@ -134,7 +135,7 @@ def check_peft(cfg: TrainConfig) -> None:
     _check_method_settings(cfg)
     from shardtune.model.loading import build_model_on_meta
 
-    model = build_model_on_meta(cfg.model_name)
+    model = build_model_on_meta(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
     if cfg.peft_method == "lora":
         if cfg.lora_config.target_modules != ["all-linear"]:
             _check_target_modules(model, cfg.lora_config.target_modules, "target_modules")
@@ -218,12 +219,13 @@ def _same_path(a: str, b: str) -> bool:
     return a == b or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
 
 
-def base_config_dict(name_or_path: str) -> dict[str, Any] | None:
+def base_config_dict(name_or_path: str, trust_remote_code: bool = False) -> dict[str, Any] | None:
     """config.json of a model directory or hub id (local cache only), or None when it cannot be read."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(name_or_path, local_files_only=True).to_dict()
+        return AutoConfig.from_pretrained(name_or_path, local_files_only=True,
+                                          trust_remote_code=trust_remote_code).to_dict()
     except Exception:  # noqa: BLE001 - unreadable base: the shape check below decides
         return None
 
@@ -241,7 +243,7 @@ def _check_adapter_base(cfg: TrainConfig, model: nn.Module) -> None:
     if base and _same_path(base, cfg.model_name):
         return
     ours = model.config.to_dict()
-    theirs = base_config_dict(base) if base else None
+    theirs = base_config_dict(base, cfg.trust_remote_code) if base else None
     if theirs is not None:
         diffs = [f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in SHAPE_FIELDS if theirs.get(k) != ours.get(k)]
         if diffs:
@@ -323,8 +325,9 @@ def adapter_state_dict(model: nn.Module, trainable_state: dict[str, torch.Tensor
 
 
 def save_adapter(model: nn.Module, trainable_state: dict[str, torch.Tensor], base_name: str, tokenizer,
-                 out_dir: Path) -> None:
-    """Rank 0: write a PEFT directory (adapter_config.json last, atomically) that PeftModel.from_pretrained loads."""
+                 out_dir: Path) -> list[str]:
+    """Rank 0: write a PEFT directory (adapter_config.json last, atomically) that PeftModel.from_pretrained loads;
+    returns the names of the files written."""
     from safetensors.torch import save_file
 
     from shardtune.runtime.files import publish_dir, staging_dir
@@ -344,7 +347,7 @@ def save_adapter(model: nn.Module, trainable_state: dict[str, torch.Tensor], bas
     overrides = trained_base_overrides(model.get_base_model().config)
     if overrides:
         (staging / BASE_OVERRIDES).write_text(json.dumps(overrides, indent=1) + "\n", encoding="utf-8")
-    publish_dir(staging, out_dir)
+    return publish_dir(staging, out_dir)
 
 
 def trained_base_overrides(config) -> dict[str, Any]:
@@ -355,11 +358,11 @@ def trained_base_overrides(config) -> dict[str, Any]:
     return {"rope_parameters": dict(rope), "max_position_embeddings": config.max_position_embeddings}
 
 
-def adapter_base_config(base: str, adapter_dir: str | Path = ""):
+def adapter_base_config(base: str, adapter_dir: str | Path = "", trust_remote_code: bool = False):
     """The config of ``base`` as the adapter was trained on it: config.json plus the adapter's BASE_OVERRIDES."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(base)
+    config = AutoConfig.from_pretrained(base, trust_remote_code=trust_remote_code)
     path = Path(adapter_dir) / BASE_OVERRIDES if adapter_dir else None
     if path is not None and path.is_file():
         for key, value in json.loads(path.read_text(encoding="utf-8")).items():
@@ -369,10 +372,11 @@ def adapter_base_config(base: str, adapter_dir: str | Path = ""):
 
 # -- merging -------------------------------------------------------------------------------------------------------
 
-def merge_adapter(adapter_dir: str, out_dir: str | Path, base: str = "",
-                  dtype: torch.dtype | None = None) -> tuple[str, Path]:
+def merge_adapter(adapter_dir: str, out_dir: str | Path, base: str = "", dtype: torch.dtype | None = None,
+                  trust_remote_code: bool = False) -> tuple[str, list[str]]:
     """Write base + LoRA adapter, merged, as a plain Hugging Face directory in ``dtype`` (default: the base
-    model's, from its config.json), with the tokenizer. Returns (the base used, out_dir). Merged in fp32."""
+    model's, from its config.json), with the tokenizer. Returns (the base used, the files written). Merged in
+    fp32."""
     import peft
     from transformers import AutoConfig
 
@@ -383,19 +387,19 @@ def merge_adapter(adapter_dir: str, out_dir: str | Path, base: str = "",
     if peft_type != PEFT_TYPES["lora"]:
         raise ConfigError(f"--merge {adapter_dir}: a {peft_type} adapter has no weights to merge (only LoRA adapters "
                           "do): load it on its base instead, e.g. shardtune generate --adapter " + str(adapter_dir))
-    base, adapter = resolve_model_and_adapter(base, adapter_dir)
-    dtype = dtype or AutoConfig.from_pretrained(base).dtype or torch.float32
+    base, adapter = resolve_model_and_adapter(base, adapter_dir, trust_remote_code)
+    trust = {"trust_remote_code": trust_remote_code}
+    dtype = dtype or AutoConfig.from_pretrained(base, **trust).dtype or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    trained_base = load_model(base, dtype=torch.float32, config=adapter_base_config(base, adapter))
+    trained_base = load_model(base, dtype=torch.float32, config=adapter_base_config(base, adapter, **trust), **trust)
     model = peft.PeftModel.from_pretrained(trained_base, adapter).merge_and_unload()
     model.config.dtype = dtype
     tokenizer_dir = adapter if (Path(adapter) / "tokenizer_config.json").is_file() else base
-    save_hf_model(model, model.state_dict(), load_tokenizer(tokenizer_dir), Path(out_dir))
-    return base, Path(out_dir)
+    return base, save_hf_model(model, model.state_dict(), load_tokenizer(tokenizer_dir, **trust), Path(out_dir))
 
 
-def resolve_model_and_adapter(model_name: str, adapter: str = "") -> tuple[str, str]:
+def resolve_model_and_adapter(model_name: str, adapter: str = "", trust_remote_code: bool = False) -> tuple[str, str]:
     """(base model, adapter dir or ""): a PEFT directory given as the model brings its base from its config."""
     from shardtune.model.loading import check_model_source, resolve_model_name
 
@@ -407,5 +411,5 @@ def resolve_model_and_adapter(model_name: str, adapter: str = "") -> tuple[str, 
         if not model_name:
             raise ConfigError(f"--adapter {adapter}: its adapter_config.json names no base model: pass --model_name")
     model_name = resolve_model_name(model_name)
-    check_model_source(model_name)
+    check_model_source(model_name, trust_remote_code=trust_remote_code)
     return model_name, adapter

@@ -20,8 +20,9 @@ def cast_to_model_dtype(state_dict: dict[str, torch.Tensor], model: nn.Module) -
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
 
 
-def save_hf_model(model: nn.Module, state_dict: dict[str, torch.Tensor], tokenizer, out_dir: Path) -> None:
-    """Rank 0: write a plain Hugging Face directory (config.json, safetensors, tokenizer) into out_dir."""
+def save_hf_model(model: nn.Module, state_dict: dict[str, torch.Tensor], tokenizer, out_dir: Path) -> list[str]:
+    """Rank 0: write a plain Hugging Face directory (config.json, safetensors, tokenizer) into out_dir; returns the
+    names of the files written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     staging = staging_dir(out_dir, "model")
     state_dict = cast_to_model_dtype(state_dict, model)
@@ -29,7 +30,7 @@ def save_hf_model(model: nn.Module, state_dict: dict[str, torch.Tensor], tokeniz
     model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
     state_config_dtype(staging / "config.json", written)
     tokenizer.save_pretrained(staging)
-    publish_dir(staging, out_dir)
+    return publish_dir(staging, out_dir)
 
 
 def state_config_dtype(config_path: Path, written: set[torch.dtype]) -> None:

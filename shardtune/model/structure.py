@@ -53,7 +53,7 @@ def check_model_structure(cfg: TrainConfig) -> None:
         return
     from shardtune.model.loading import build_model_on_meta
 
-    model = build_model_on_meta(cfg.model_name)
+    model = build_model_on_meta(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
     if cfg.enable_fsdp:
         try:
             decoder_layers(model)

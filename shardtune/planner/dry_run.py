@@ -52,7 +52,7 @@ def dry_run_topology(launch_args: dict[str, str | None], hardware: dict[str, str
     return resolve_topology(flags, os.environ, 0 if "nproc_per_node" in flags else local_gpu_count())
 
 
-def model_directory(model_name: str, into: Path) -> str:
+def model_directory(model_name: str, into: Path, trust_remote_code: bool = False) -> str:
     """A model directory for ``model_name``: a built-in shape or a preset as a config.json in ``into``; a directory
     or hub id as it is (checked as a real run checks it)."""
     from shardtune.model.loading import PRESET_PREFIX, PRESETS, TOKENIZER_VOCAB_SIZE, check_model_source
@@ -66,7 +66,7 @@ def model_directory(model_name: str, into: Path) -> str:
         config = dict(PRESETS[name], model_type="llama", vocab_size=TOKENIZER_VOCAB_SIZE,
                       architectures=["LlamaForCausalLM"])
     else:
-        check_model_source(model_name)
+        check_model_source(model_name, trust_remote_code=trust_remote_code)
         return model_name
     (into / "config.json").write_text(json.dumps(config, indent=1))
     return str(into)
@@ -105,7 +105,7 @@ def shard_lines(cfg: TrainConfig, topology: Topology, arch_name: str, setup) -> 
                      + (f", offloaded to the host {human_bytes(state.host_state)}" if state.host_state else ""))
         return lines
     dtype = torch.bfloat16 if cfg.enable_fsdp and cfg.fsdp_config.pure_bf16 else torch.float32
-    model = build_model_on_meta(cfg.model_name, dtype=dtype)
+    model = build_model_on_meta(cfg.model_name, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     freeze_first_layers(model, cfg)
     if cfg.use_peft:
         model = apply_peft(model, cfg)
@@ -143,7 +143,7 @@ def dry_run(cfg: TrainConfig, topology: Topology, hardware: dict[str, str], trai
 
     given_name = cfg.model_name
     with tempfile.TemporaryDirectory(prefix="shardtune-dry-run-") as tmp:
-        cfg.model_name = model_directory(given_name, Path(tmp))
+        cfg.model_name = model_directory(given_name, Path(tmp), cfg.trust_remote_code)
         if objective == "dpo":
             from shardtune.training.dpo import check_dpo_config
 

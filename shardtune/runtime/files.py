@@ -31,10 +31,11 @@ def remove_stale_staging(out_dir: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def publish_dir(staging: Path, out_dir: Path) -> None:
+def publish_dir(staging: Path, out_dir: Path) -> list[str]:
     """Move every file of ``staging`` into ``out_dir`` by atomic renames, durably, the loadability-defining files
     last. An earlier model's loader-visible files that the new one does not replace go first (its config.json /
-    adapter_config.json before its weights), so at no moment does the directory load as a mix of the two."""
+    adapter_config.json before its weights), so at no moment does the directory load as a mix of the two. Returns the
+    names published (what a loader of the directory reads, what --push_to_hub uploads)."""
     fsync_tree(staging)
     names = sorted(os.listdir(staging), key=lambda n: (n in LAST_FILES, n))
     stale = {p.name for pattern in MODEL_FILE_PATTERNS for p in out_dir.glob(pattern) if p.is_file()} - set(names)
@@ -49,6 +50,7 @@ def publish_dir(staging: Path, out_dir: Path) -> None:
         os.replace(src, dst)
     staging.rmdir()
     fsync_dir(out_dir)
+    return names
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -72,6 +72,8 @@ RUN_CONTROL_SETTINGS = frozenset({
     # of one resumes under another
     "enable_fsdp", "fsdp_config.sharding_strategy", "fsdp_config.hsdp", "fsdp_config.sharding_group_size",
     "fsdp_config.replica_group_size", "fsdp_config.fsdp_cpu_offload", "low_cpu_fsdp",
+    # where the final model is uploaded, after training
+    "push_to_hub", "hub_model_id", "hub_private_repo", "hub_token",
 })
 
 
@@ -403,6 +405,12 @@ class Checkpointer:
             save_hf_model(model, full_state, self.tokenizer, tmp / "hf_model")
         # the source's dtype (not the fp32 master's), with what training changes (--rope_scaling): export rebuilds it
         training_model_config(self.cfg).save_pretrained(tmp / "hf_config")
+        if self.cfg.trust_remote_code:  # the model's own modeling code (the config's is saved with it): export runs it
+            from transformers.dynamic_module_utils import custom_object_save
+
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            if getattr(base, "_auto_class", None) is not None:
+                custom_object_save(base, tmp / "hf_config")
         self.tokenizer.save_pretrained(tmp / "hf_config")
         (tmp / "config.yaml").write_text(to_yaml(self.cfg), encoding="utf-8")
         metrics = Path(self.cfg.output_dir) / "metrics.jsonl"
@@ -480,8 +488,9 @@ def check_resume_fits(cfg: TrainConfig) -> None:
 
     from shardtune.model.peft import SHAPE_FIELDS
 
-    theirs, ours = AutoConfig.from_pretrained(path / "hf_config").to_dict(), AutoConfig.from_pretrained(
-        cfg.model_name).to_dict()
+    trust = {"trust_remote_code": cfg.trust_remote_code}
+    theirs, ours = (AutoConfig.from_pretrained(path / "hf_config", **trust).to_dict(),
+                    AutoConfig.from_pretrained(cfg.model_name, **trust).to_dict())
     diffs = [f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in SHAPE_FIELDS if theirs.get(k) != ours.get(k)]
     if diffs:
         raise ConfigError(f"{flag}: {path} was trained from {saved.get('model_name')}, whose shapes differ from "

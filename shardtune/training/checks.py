@@ -10,8 +10,6 @@ the setting (config, model, parallel, training) and is listed here; nothing regi
 
 from __future__ import annotations
 
-from transformers import AutoConfig
-
 from shardtune import data
 from shardtune.config.checks import CONFIG_CHECKS
 from shardtune.config.schema import ConfigError, DpoConfig, TrainConfig
@@ -19,8 +17,10 @@ from shardtune.data.cache import load_examples_cached
 from shardtune.data.preference import load_pairs
 from shardtune.model.cookbook import check_cookbook_flags, check_model_flags
 from shardtune.model.loading import (
-    cache_dir, check_model_source, check_tokenizer_fits, load_tokenizer, resolve_model_name, resolve_revision,
+    auto_config, cache_dir, check_model_source, check_tokenizer_fits, load_tokenizer, resolve_model_name,
+    resolve_revision,
 )
+from shardtune.model.hub import check_push_to_hub
 from shardtune.model.longseq import check_rope_scaling
 from shardtune.model.speed import check_attention_fits, check_attn_implementation
 from shardtune.model.peft import check_peft
@@ -35,7 +35,8 @@ from shardtune.training.dpo import check_dpo_config
 
 # Settings alone, in order: the config floor's own, then those owned by the floors above.
 SETTING_CHECKS = (*CONFIG_CHECKS, check_cookbook_flags, check_parallel_dims, check_schedule, check_adam,
-                  check_optim, check_checkpointing, check_intervals, check_attn_implementation)
+                  check_optim, check_checkpointing, check_intervals, check_attn_implementation,
+                  check_push_to_hub)
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
@@ -59,9 +60,9 @@ def check_with_model(cfg: TrainConfig, world_size: int) -> None:
     check_resume_fits(cfg)
     check_rope_scaling(cfg)
     if cfg.attn_implementation:
-        check_attention_fits(cfg, AutoConfig.from_pretrained(cfg.model_name))
+        check_attention_fits(cfg, auto_config(cfg.model_name, cfg.trust_remote_code))
     if ParallelDims.from_config(cfg, world_size).sequence_split:
-        check_sequence_split(cfg, AutoConfig.from_pretrained(cfg.model_name))
+        check_sequence_split(cfg, auto_config(cfg.model_name, cfg.trust_remote_code))
 
 
 def data_splits(cfg: TrainConfig) -> tuple[str, ...]:
@@ -81,14 +82,15 @@ def prepare(cfg: TrainConfig, world_size: int, objective: str = "sft") -> None:
     validate(cfg, world_size)
     cfg.model_name = resolve_revision(resolve_model_name(cfg.model_name), cfg.model_revision)
     cfg.model_revision = ""  # resolved: model_name is the revision's snapshot (the workers and config.yaml read it)
-    check_model_source(cfg.model_name)
+    check_model_source(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
     check_with_model(cfg, world_size)
     if cfg.tokenizer_name:
-        check_model_source(cfg.tokenizer_name, "tokenizer_name")
+        check_model_source(cfg.tokenizer_name, "tokenizer_name", cfg.trust_remote_code)
     data.check_data_config(cfg)
-    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name))
+    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name,
+                                                                 cfg.trust_remote_code))
     data.drop_absent_validation(cfg, say=not is_torchrun_worker())
-    check_tokenizer_fits(cfg.model_name, tokenizer, cfg.tokenizer_name)
+    check_tokenizer_fits(cfg.model_name, tokenizer, cfg.tokenizer_name, cfg.trust_remote_code)
     data.check_context_length(cfg, tokenizer)
     dims = ParallelDims.from_config(cfg, world_size)
     if objective == "dpo":

@@ -143,5 +143,6 @@ def source_digest() -> str:
 
 def data_fingerprint(cfg: TrainConfig) -> str:
     """The tokenised-data cache key of the training split: dataset settings, data files' contents, tokenizer."""
-    tokenizer = apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name))
+    tokenizer = apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name,
+                                                            cfg.trust_remote_code))
     return cache_key(cfg, tokenizer, "train")

@@ -32,6 +32,7 @@ from shardtune.model.loading import (
     load_tokenizer,
     training_model_config,
 )
+from shardtune.model.hub import HubUploadError, hub_repo_id, push_model
 from shardtune.model.longseq import apply_memory_levers
 from shardtune.model.loss import hf_model
 from shardtune.model.memory import cross_node_summary
@@ -100,8 +101,8 @@ def build_model(cfg: TrainConfig, env: DistEnv) -> torch.nn.Module:
         return load_quantized_model(cfg, env.device)
     config = training_model_config(cfg)  # with --rope_scaling; the 4-bit paths build from it too
     if cfg.low_cpu_fsdp and env.rank != 0:
-        return build_model_on_meta(cfg.model_name, dtype=dtype, config=config)
-    return load_model(cfg.model_name, dtype=dtype, config=config)
+        return build_model_on_meta(cfg.model_name, dtype=dtype, config=config, trust_remote_code=cfg.trust_remote_code)
+    return load_model(cfg.model_name, dtype=dtype, config=config, trust_remote_code=cfg.trust_remote_code)
 
 
 def check_finite_weights(state: dict[str, torch.Tensor] | None, env: DistEnv, cfg: TrainConfig,
@@ -121,20 +122,24 @@ def check_finite_weights(state: dict[str, torch.Tensor] | None, env: DistEnv, cf
 
 
 def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, tokenizer,
-                 result: TrainResult) -> None:
-    """Rank 0 writes the final model; the state is gathered by the strategy (nobody else materialises it)."""
+                 result: TrainResult) -> list[str]:
+    """Rank 0 writes the final model; the state is gathered by the strategy (nobody else materialises it). Returns
+    the names of the model's files (on rank 0; [] elsewhere)."""
+    written: list[str] = []
     if cfg.use_peft:  # the adapter only: frozen base weights are neither gathered nor written
         adapter_state = strategy.trainable_state_dict(model)
         check_finite_weights(adapter_state, env, cfg, result)
         if env.is_main:
-            save_adapter(strategy.unwrap(model), adapter_state, cfg.model_name, tokenizer, Path(cfg.output_dir))
+            written = save_adapter(strategy.unwrap(model), adapter_state, cfg.model_name, tokenizer,
+                                   Path(cfg.output_dir))
         barrier()
-        return
+        return written
     state_dict = strategy.full_state_dict(model)
     check_finite_weights(state_dict, env, cfg, result)
     if env.is_main:
-        save_hf_model(strategy.unwrap(model), state_dict, tokenizer, Path(cfg.output_dir))
+        written = save_hf_model(strategy.unwrap(model), state_dict, tokenizer, Path(cfg.output_dir))
     barrier()
+    return written
 
 
 def dpo_objective(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, pad_id: int,
@@ -192,7 +197,12 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv, objective: str = "sft") -> TrainR
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_staging(out_dir)
         write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
-    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name))
+    if cfg.trust_remote_code:
+        print0(f"trust_remote_code: running the model's own code from {cfg.model_name}")
+    if cfg.push_to_hub:
+        print0(f"push_to_hub: after the run, the model goes to the hub repo {hub_repo_id(cfg)}")
+    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name,
+                                                                 cfg.trust_remote_code))
     strategy = make_strategy(cfg, env)
     units, eval_examples = load_data(cfg, env, strategy.dims, tokenizer, objective)
     startup.mark("tokenizer and data")
@@ -228,10 +238,11 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv, objective: str = "sft") -> TrainR
     writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else (),
                            tracker_every=cfg.logging_steps)
     published = False
+    model_files: list[str] = []  # the published model's files (rank 0): what --push_to_hub uploads
 
     def publish(result: TrainResult) -> None:
         nonlocal published
-        save_outputs(cfg, env, strategy, model, tokenizer, result)
+        model_files.extend(save_outputs(cfg, env, strategy, model, tokenizer, result))
         published = True
 
     try:
@@ -249,6 +260,8 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv, objective: str = "sft") -> TrainR
     if metrics_path is not None and cfg.save_plots:  # rank 0 (the only one with a metrics path)
         print0(f"charts: {write_run_plots(out_dir)}/ (loss, lr, grad norm, speed, memory)")
     print0(report(result, cfg))
+    if cfg.push_to_hub and env.is_main and model_files:  # last: everything of the run is written
+        print0(f"pushed to the hub: {push_model(cfg, model_files)}")
     return result
 
 
@@ -325,6 +338,11 @@ def run_worker(cfg: TrainConfig, prepared: bool = False, objective: str = "sft")
         return 1
     except ConfigError as e:  # data errors found while loading
         fail(f"{e}" if env.world_size == 1 else f"(rank {env.rank}) {e}", cfg.debug)
+        return 1
+    except HubUploadError as e:  # rank 0's upload after the run, the model written: the launcher prints the line
+        if cfg.debug:
+            traceback.print_exc()
+        record_worker_error(str(e))
         return 1
     except (CheckpointError, TrainingStopped, RunLocked) as e:  # raised on every rank alike
         if env.is_main:

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from shardtune.commands.export import export_checkpoint
 
 from shardtune.training.metrics import read_metrics
+from tests.hub_standin import HubStandIn
 
 WARMUP, STEPS, PEAK = 2, 6, 1e-3
 
@@ -39,8 +40,19 @@ def test_a_trl_recipe_with_its_accelerate_file_does_what_each_key_says(tiny_mode
         "load_best_model_at_end": True, "metric_for_best_model": "loss", "greater_is_better": True,
         "logging_steps": 1, "report_to": "none", "dataloader_num_workers": 0, "output_dir": str(out),
         "env": {"TOKENIZERS_PARALLELISM": "false"}, "accelerate_config": str(accelerate),
-        "context_length": 256, "synthetic_dialogues": {"num_train": 48, "num_validation": 4}}))
-    proc = run_cli("sft", "--config", recipe, cwd=tmp_path)
+        "context_length": 256, "synthetic_dialogues": {"num_train": 48, "num_validation": 4},
+        "push_to_hub": True, "hub_model_id": "me/tiny-lora", "hub_private_repo": True, "hub_strategy": "end",
+        "hub_token": "hf_recipe_token"}))
+    with HubStandIn(refuse_commits=True) as hub:  # the upload after the run fails: a hub that refuses the commit
+        proc = run_cli("sft", "--config", recipe, cwd=tmp_path, check=False,
+                       env={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url})
+    # everything of the run is written before the upload; its failure is one line saying how to upload by hand
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert hub.created == [{"name": "tiny-lora", "organization": "me", "visibility": "private"}]
+    assert hub.tokens == {"hf_recipe_token"} and "hf_recipe_token" not in (out / "config.yaml").read_text()
+    (error,) = [line for line in proc.stderr.splitlines() if line.startswith("shardtune: error:")]
+    assert "uploading to me/tiny-lora failed (403 Forbidden: You don't have the rights to create a commit)" in error
+    assert error.endswith(f"the trained model is unharmed in {out}: upload it by hand with hf upload me/tiny-lora {out}")
 
     assert "ddp, world size 2" in proc.stdout and "activation checkpointing" in proc.stdout  # 2 processes, checkpointing
     assert "attention: eager (--attn_implementation)" in proc.stdout and "by the eager formula" in proc.stdout
