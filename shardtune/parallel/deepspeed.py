@@ -113,6 +113,19 @@ class DeepSpeedStrategy(Strategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return getattr(model, "module", model)
 
+    def place_frozen(self, model: nn.Module) -> nn.Module:
+        """ZeRO-1 / 2: whole on the device, in the dtype the engine computes in. ZeRO-3: partitioned like the trained
+        model, by an engine of its own without an optimizer (as TRL places DPO's reference): its forward gathers
+        each layer's weights and frees them after, as the policy's does."""
+        model.to(self.env.device)
+        if self.zero_stage < 3:
+            return model.to(self.compute_dtype)
+        config = deepspeed_config(self.cfg, self.env.world_size, self.compute_dtype)
+        config["zero_optimization"].pop("offload_optimizer", None)  # nothing to optimise
+        engine, _, _, _ = import_deepspeed().initialize(model=model, config=config, dist_init_required=False)
+        engine.eval()  # DeepSpeedEngine.eval returns None
+        return engine
+
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The client AdamW handed to DeepSpeed in wrap: its param_groups carry the lr the ZeRO optimizer uses."""
         assert self.optimizer is not None, "wrap() builds the optimizer"

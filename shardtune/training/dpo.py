@@ -231,9 +231,6 @@ def check_dpo_config(cfg, world_size: int) -> None:
     from shardtune.config.schema import ConfigError
 
     check_loss_options(cfg.dpo)
-    if cfg.enable_deepspeed:
-        raise ConfigError("shardtune dpo runs under DDP or FSDP (DeepSpeed ZeRO not yet): drop --enable_deepspeed, "
-                          "or use --enable_fsdp (see docs/dpo.md)")
     if cfg.enable_fsdp and cfg.low_cpu_fsdp and not cfg.use_peft:
         raise ConfigError("shardtune dpo with --low_cpu_fsdp needs --use_peft (the reference is then the base with "
                           "the adapter off; a second full model is not loaded on rank 0 only yet): add --use_peft, "
