@@ -1,6 +1,7 @@
 """``shardtune dpo`` as a user runs it: the embedded dialogues as pairs (own summary vs the next dialogue's), the real
-launcher, DDP on gloo. 1 process x 4 pairs and 2 processes x 2 pairs give the same losses and weights; the first
-loss is ln 2 (the policy starts as the reference); TRL's reward metrics are in metrics.jsonl."""
+launcher, gloo. 1 process x 4 pairs and 2 processes x 2 pairs (DDP, FSDP, DeepSpeed ZeRO-2 and ZeRO-3) give the same
+losses and weights; the first loss is ln 2 (the policy starts as the reference); TRL's reward metrics are in
+metrics.jsonl."""
 
 from __future__ import annotations
 
