@@ -148,6 +148,26 @@ def collate_pairs(pairs: list[Mapping], pad_id: int, max_length: int | None, tru
     return batch
 
 
+def collate_pairs_flat(pairs: list[Mapping], max_length: int | None, truncation_mode: str = "keep_start"
+                       ) -> dict[str, torch.Tensor]:
+    """A padding-free micro-batch of ``n`` pairs: ONE row holding the chosen sequences then the rejected ones back to
+    back, no pad token, positions restarting at each sequence and ``cu_seq_lens`` marking where each starts (the
+    layout of shardtune.data.batching.collate_flat, which the varlen attention keeps within each sequence)."""
+    seqs = [pair_sequences(p, max_length, truncation_mode) for p in pairs]
+    rows = [(s[0], s[1]) for s in seqs] + [(s[2], s[3]) for s in seqs]
+    lengths = [len(ids) for ids, _ in rows]
+    input_ids = torch.tensor([token for ids, _ in rows for token in ids], dtype=torch.long)
+    completion = torch.tensor([m for _, mask in rows for m in mask], dtype=torch.long)
+    cu_seq_lens = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    cu_seq_lens[1:] = torch.tensor(lengths).cumsum(0)
+    batch = {"input_ids": input_ids[None], "completion_mask": completion[None],
+             "position_ids": torch.cat([torch.arange(n) for n in lengths])[None], "cu_seq_lens": cu_seq_lens,
+             "max_length": torch.tensor(max(lengths))}
+    if pairs and all("ref_logps" in p for p in pairs):
+        batch["ref_logps"] = torch.tensor([p["ref_logps"] for p in pairs], dtype=torch.float32)
+    return batch
+
+
 def synthetic_pair_rows(cfg: Any, split: str) -> tuple[str, list[Row], list[str]]:
     """The embedded dialogues as conversational preference rows: chosen is the dialogue's own summary, rejected
     the next dialogue's (the last one takes the first's)."""
@@ -197,6 +217,8 @@ def load_pairs(cfg: Any, tokenizer: Any, split: str) -> tuple[list[dict], DataRe
 
 def collate_pair_units(units: list[list[Mapping]], cfg: Any, pad_id: int) -> dict[str, torch.Tensor]:
     """The training loader's collate for pairs (one pair per unit): :func:`collate_pairs` with the run's
-    --max_length and truncation mode."""
-    return collate_pairs([pair for unit in units for pair in unit], pad_id, cfg.context_length,
-                         cfg.trl_dataset.truncation_mode)
+    --max_length and truncation mode, or :func:`collate_pairs_flat` with --padding_free."""
+    pairs = [pair for unit in units for pair in unit]
+    if cfg.padding_free:
+        return collate_pairs_flat(pairs, cfg.context_length, cfg.trl_dataset.truncation_mode)
+    return collate_pairs(pairs, pad_id, cfg.context_length, cfg.trl_dataset.truncation_mode)

@@ -114,6 +114,21 @@ class DeepSpeedStrategy(Strategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return getattr(model, "module", model)
 
+    def place_frozen(self, model: nn.Module) -> nn.Module:
+        """A frozen model beside the trained one (DPO's reference), in an engine of its own without an optimizer (as
+        TRL's prepare_deepspeed): ZeRO-1 / 2 whole on the device (stage 0), ZeRO-3 partitioned like the trained
+        model (its forward gathers each layer's weights and frees them after, as the policy's does). The engine
+        casts it as the policy's engine casts the policy (bf16 / fp16 parameters, buffers kept as DeepSpeed keeps
+        them), so the first step's policy and reference agree."""
+        config = deepspeed_config(self.cfg, self.env.world_size, self.compute_dtype)
+        config["zero_optimization"].pop("offload_optimizer", None)  # nothing to optimise
+        if self.zero_stage < 3:
+            config["zero_optimization"] = {"stage": 0}
+        model.to(self.env.device)
+        engine, _, _, _ = import_deepspeed().initialize(model=model, config=config, dist_init_required=False)
+        engine.eval()  # DeepSpeedEngine.eval returns None
+        return engine
+
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The client AdamW handed to DeepSpeed in wrap: its param_groups carry the lr the ZeRO optimizer uses."""
         assert self.optimizer is not None, "wrap() builds the optimizer"

@@ -275,12 +275,29 @@ def estimate(setup: Setup) -> Breakdown:
         # log-probabilities need the logits of every token (no lean loss): the logits, their fp32 copy and its
         # log-softmax, with their gradients in backward
         out.loss_buffers = tokens * arch.vocab_size * (c + 8)
-        if not s.adapter.method and not s.precomputed_reference:  # the reference: a frozen copy, sharded alike
-            reference = total * m / (s.world_size if strategy == "ZERO3" else 1 if strategy.startswith("ZERO")
-                                     else group)
-            out.params += reference
+        if not s.adapter.method and not s.precomputed_reference:
+            add_reference(out, s)
     out.host_loading = host_loading_bytes(setup)
     return out
+
+
+def add_reference(out: Breakdown, setup: Setup) -> None:
+    """DPO's reference for full fine-tuning, a frozen copy placed by the strategy (Strategy.place_frozen): under DDP
+    and FSDP in the policy's parameter dtype, sharded like it (left on the host under FSDP's CPU offload); under ZeRO
+    in the engine's compute dtype, whole (ZeRO-1 / 2) or partitioned over all ranks (ZeRO-3, offloaded with the
+    policy's parameters)."""
+    s, total = setup, setup.arch.num_params
+    if s.strategy.startswith("ZERO"):
+        stage3 = s.strategy == "ZERO3"
+        reference = total * s.compute_bytes / (s.world_size if stage3 else 1)
+        offloaded = stage3 and s.cpu_offload
+    else:
+        reference = total * s.master_bytes / s.shard_group
+        offloaded = s.cpu_offload and s.strategy != "DDP"
+    if offloaded:
+        out.host_state += reference
+    else:
+        out.params += reference
 
 
 def ulysses_kv_heads(arch: Arch, sequence_parallel: int) -> int:

@@ -67,12 +67,13 @@ def render(result: dict, base_argv: list[str]) -> str:
         processes = ["--nproc_per_node", str(result["gpus_per_node"])]
         if result["nnodes"] > 1:
             processes = ["--nnodes", str(result["nnodes"]), *processes]
-        command = " ".join([result.get("command", "shardtune sft"), *processes, *base_argv, *best["flags"]])
+        verb = result.get("command", "shardtune sft")
+        command = " ".join([verb, *processes, *base_argv, *best["flags"]])
         lines += ["", f"recommended: {best['setup']}", f"  {command}"]
         shape = builtin_shape_named(base_argv)
         if shape:
-            lines.append(f"  ({shape} is a shape the planner knows, not weights: give sft a model directory or a hub "
-                         f"id, e.g. --model_name {HUB_IDS[shape]})")
+            lines.append(f"  ({shape} is a shape the planner knows, not weights: give {verb.split()[-1]} a model "
+                         f"directory or a hub id, e.g. --model_name {HUB_IDS[shape]})")
         lines.append(f"largest micro-batch that fits: {result['largest_micro_batch']}; longest sequence (micro-batch "
                      f"1): {result['longest_sequence']:,} tokens")
     else:

@@ -60,8 +60,6 @@ def alternatives(setup: Setup) -> list[Setup]:
             continue
         if split and strategy.startswith("ZERO"):  # DeepSpeed counts every rank as data parallel (config.py)
             continue
-        if setup.objective == "dpo" and strategy.startswith("ZERO"):  # shardtune dpo: DDP or FSDP
-            continue
         for ac in ((False, True) if strategy in FSDP_STRATEGIES else (False,)):
             offloads = (False, True) if strategy in ("FULL_SHARD", "ZERO2", "ZERO3") else (False,)
             for offload in offloads:

@@ -32,16 +32,43 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/rejected")
 
 
+def predicted_completion(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Which targets (positions 1..T-1, the next token of each position) are completion tokens: (rows, T - 1). In a
+    padding-free row (``cu_seq_lens``) a sequence's first token is nobody's target, as a padded row's position 0."""
+    mask = batch["completion_mask"][:, 1:].clone()
+    if "cu_seq_lens" in batch:
+        mask[0, batch["cu_seq_lens"][1:-1].long() - 1] = 0
+    return mask
+
+
+def sequence_sums(per_target: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per sequence (2n,): the sum over its targets of (rows, T - 1) values, rows padded or one padding-free row."""
+    if "cu_seq_lens" not in batch:
+        return per_target.sum(dim=1)
+    lengths = batch["cu_seq_lens"].diff().long().to(per_target.device)
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=per_target.device), lengths)[1:]
+    return torch.zeros(len(lengths), dtype=per_target.dtype, device=per_target.device).index_add(
+        0, sequence, per_target[0])
+
+
 def pair_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) log-probabilities of the micro-batch's pairs, each (n,) in fp32, from one forward."""
+    """(chosen, rejected) log-probabilities of the micro-batch's pairs, each (n,) in fp32, from one forward (of
+    2n padded rows, or of one padding-free row)."""
     inputs = model_inputs(batch, device)
     logits = model(**inputs, use_cache=False).logits[:, :-1].float()
     targets = inputs["input_ids"][:, 1:]
-    mask = batch["completion_mask"][:, 1:].to(device)
+    mask = predicted_completion(batch).to(device)
     per_token = torch.gather(logits.log_softmax(-1), 2, targets.unsqueeze(-1)).squeeze(-1)
-    logps = (per_token * mask).sum(dim=1)
-    return logps.chunk(2, dim=0)
+    return sequence_sums(per_token * mask, batch).chunk(2, dim=0)
+
+
+def completion_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Completion tokens of each sequence (2n,), as TRL counts them for ipo (the unshifted completion mask)."""
+    mask = batch["completion_mask"].float()
+    if "cu_seq_lens" not in batch:
+        return mask.sum(dim=1)
+    return torch.stack([part.sum() for part in mask[0].split(batch["cu_seq_lens"].diff().tolist())])
 
 
 def adapter_disabled(model: nn.Module) -> contextlib.AbstractContextManager:
@@ -67,9 +94,9 @@ def reference_logps(policy: nn.Module, ref_model: nn.Module | None, peft_model: 
 
 
 def preference_losses(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
-                      ref_rejected: torch.Tensor, completion_mask: torch.Tensor, dpo: DpoConfig) -> torch.Tensor:
-    """Per-pair losses (n,), as TRL 1.16 (reverse KL, no length weighting). ``completion_mask`` is the micro-batch's
-    (2n, T), for ipo's per-token normalisation."""
+                      ref_rejected: torch.Tensor, lengths: torch.Tensor, dpo: DpoConfig) -> torch.Tensor:
+    """Per-pair losses (n,), as TRL 1.16 (reverse KL, no length weighting). ``lengths``: the micro-batch's completion
+    lengths (2n,) (:func:`completion_lengths`), for ipo's per-token normalisation."""
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     delta = chosen_ratio - rejected_ratio
     if dpo.loss_type == "sigmoid":
@@ -77,7 +104,7 @@ def preference_losses(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: 
     if dpo.loss_type == "hinge":
         return torch.relu(1 - dpo.beta * delta)
     if dpo.loss_type == "ipo":
-        chosen_len, rejected_len = completion_mask.to(chosen.device).sum(dim=1).clamp(min=1.0).chunk(2, dim=0)
+        chosen_len, rejected_len = lengths.to(chosen.device).clamp(min=1.0).chunk(2, dim=0)
         return (chosen_ratio / chosen_len - rejected_ratio / rejected_len - 1 / (2 * dpo.beta)) ** 2
     if dpo.loss_type == "robust":
         eps = dpo.label_smoothing
@@ -115,13 +142,14 @@ def micro_batch_loss(policy: nn.Module, ref_model: nn.Module | None, peft_model:
     """The SUM of the micro-batch's pair losses (with its graph); the metrics' sums go into ``stats``."""
     ref_chosen, ref_rejected = reference_logps(policy, ref_model, peft_model, batch, device)
     chosen, rejected = pair_logps(policy, batch, device)
-    losses = preference_losses(chosen, rejected, ref_chosen, ref_rejected, batch["completion_mask"], dpo)
+    losses = preference_losses(chosen, rejected, ref_chosen, ref_rejected, completion_lengths(batch), dpo)
     stats.add(losses, chosen, rejected, ref_chosen, ref_rejected, dpo.beta)
     return losses.sum()
 
 
 def num_pairs(batch: dict[str, torch.Tensor]) -> int:
-    return batch["input_ids"].shape[0] // 2
+    sequences = len(batch["cu_seq_lens"]) - 1 if "cu_seq_lens" in batch else batch["input_ids"].shape[0]
+    return sequences // 2
 
 
 def check_loss_options(dpo: DpoConfig) -> None:
@@ -146,12 +174,12 @@ def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
     (shardtune.model.flops.preference_micro_batch_flops)."""
     from shardtune.runtime.distributed import all_reduce_sum
 
-    from shardtune.model.flops import preference_micro_batch_flops
+    from shardtune.model.flops import num_input_tokens, preference_micro_batch_flops
 
     counted = [preference_micro_batch_flops(shape, mb) for mb in micro_batches] if shape is not None else [(0, 0)]
     local = torch.tensor([sum(num_pairs(mb) for mb in micro_batches),
-                          sum(int(mb["completion_mask"][:, 1:].sum()) for mb in micro_batches),
-                          sum(int(mb["attention_mask"].sum()) for mb in micro_batches),
+                          sum(int(predicted_completion(mb).sum()) for mb in micro_batches),
+                          sum(num_input_tokens(mb) for mb in micro_batches),
                           sum(f for f, _ in counted), sum(p for _, p in counted)], dtype=torch.float64)
     pairs, num_tokens, input_tokens, flops, palm_flops = (int(x) for x in all_reduce_sum(local, env.device))
     scale = strategy.grad_average_size / max(pairs, 1)  # the strategy's average over W ranks, undone
@@ -226,22 +254,21 @@ def dpo_evaluate(model: nn.Module, strategy, cfg, env, eval_pairs: list[dict], p
 
 
 def check_dpo_config(cfg, world_size: int) -> None:
-    """What ``shardtune dpo`` supports (before launch; run by ``prepare``): DDP and FSDP (with or without PEFT),
-    pairs padded per micro-batch (no packing), evaluation on the test split's pairs."""
+    """What ``shardtune dpo`` supports (before launch; run by ``prepare``): DDP, FSDP and DeepSpeed ZeRO (with or
+    without PEFT), pairs padded per micro-batch or padding-free (--padding_free; not packed into blocks), evaluation
+    on the test split's pairs."""
     from shardtune.config.schema import ConfigError
 
     check_loss_options(cfg.dpo)
-    if cfg.enable_deepspeed:
-        raise ConfigError("shardtune dpo runs under DDP or FSDP (DeepSpeed ZeRO not yet): drop --enable_deepspeed, "
-                          "or use --enable_fsdp (see docs/dpo.md)")
     if cfg.enable_fsdp and cfg.low_cpu_fsdp and not cfg.use_peft:
         raise ConfigError("shardtune dpo with --low_cpu_fsdp needs --use_peft (the reference is then the base with "
                           "the adapter off; a second full model is not loaded on rank 0 only yet): add --use_peft, "
                           "or drop --low_cpu_fsdp")
-    if cfg.sequence_parallel_size * cfg.context_parallel_size > 1 or cfg.padding_free:
-        raise ConfigError("shardtune dpo does not split or flatten rows yet: drop --sp_size / --cp_size / "
-                          "--padding_free")
-    cfg.batching_strategy = "padding"  # pairs are collated chosen-then-rejected, never packed
+    if cfg.sequence_parallel_size * cfg.context_parallel_size > 1:
+        raise ConfigError("shardtune dpo does not split rows over ranks yet: drop --sp_size / --cp_size")
+    # a micro-batch's pairs are collated chosen-then-rejected, never packed into blocks: padded rows, or one
+    # padding-free row with --padding_free
+    cfg.batching_strategy = "padding"
     if cfg.log_eval_samples:
         raise ConfigError("--log_eval_samples generates summaries, an SFT evaluation: shardtune dpo evaluates the "
                           "test split's pairs (eval_loss, eval_rewards/*); drop the flag")

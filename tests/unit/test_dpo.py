@@ -285,3 +285,45 @@ def test_with_peft_the_reference_is_the_base_with_the_adapter_off(tiny, tokenize
     base = torch.cat(pair_logps(load_model(str(tiny)), batch, cpu))
     assert torch.allclose(torch.cat(reference_logps(policy, None, policy, batch, cpu)), base, atol=1e-4)
     assert not torch.allclose(torch.cat(pair_logps(policy, batch, cpu)), base, atol=1e-2), "the adapter is on again"
+
+
+@pytest.mark.parametrize("rows", ["chat", "implicit_text"])
+def test_padding_free_pairs_give_the_padded_losses_and_gradients(rows, tiny, tokenizer, tmp_path):
+    """--padding_free: the micro-batch's chosen then rejected sequences in ONE row, no pad token, attention kept in
+    each sequence (shardtune_varlen): the same log-probabilities, losses (every loss type, ipo's per-token lengths
+    too), metrics and policy gradients as the padded rows; the same pair and completion-token counts."""
+    from shardtune.data.preference import collate_pairs_flat
+    from shardtune.model.attention import use_varlen_attention
+    from shardtune.model.flops import model_shape, preference_micro_batch_flops
+    from shardtune.training.dpo import num_pairs, predicted_completion
+
+    cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS[rows]))
+    pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
+    padded = collate_pairs(pairs, tokenizer.pad_token_id, cfg.context_length)
+    flat = collate_pairs_flat(pairs, cfg.context_length)
+    assert flat["input_ids"].shape == (1, int(padded["attention_mask"].sum())) < padded["input_ids"].shape
+    assert num_pairs(flat) == num_pairs(padded) == len(pairs)
+    assert int(predicted_completion(flat).sum()) == int(predicted_completion(padded).sum())
+    policy, reference = load_model(str(tiny)), load_model(str(tiny))
+    shape = model_shape(policy)  # the model FLOPs (mfu) count the same tokens and attention
+    assert preference_micro_batch_flops(shape, flat)[0] == preference_micro_batch_flops(shape, padded)[0]
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    for model in (policy, reference):
+        use_varlen_attention(model)  # as shardtune.model.speed does for --padding_free; padded rows keep SDPA
+    cpu = torch.device("cpu")
+    for a, b in zip(pair_logps(policy, padded, cpu), pair_logps(policy, flat, cpu)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    for dpo in LOSSES:
+        grads, means = [], []
+        for batch in (padded, flat):
+            policy.zero_grad()
+            stats = PairStats.zero()
+            micro_batch_loss(policy, reference, None, batch, dpo, cpu, stats).backward()
+            grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
+            means.append(stats.means(stats.sums, len(pairs)))
+        for name, value in means[0].items():
+            assert means[1][name] == pytest.approx(value, rel=1e-5, abs=1e-6), (dpo.loss_type, name)
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5 * float(grads[0].abs().max()))
+    assert abs(means[0]["rewards/margins"]) > 0.01, "the policy must differ from the reference"

@@ -268,20 +268,55 @@ def test_nothing_fits_names_the_miss_and_the_gpus_that_would_fit():
 
 def test_dpo_plans_two_rows_a_pair_full_logits_and_the_reference_sharded_like_the_policy(tiny_model):
     """``shardtune dpo --dry_run``: a pair computes two rows with the logits of every token; full fine-tuning holds a
-    frozen reference sharded like the policy's parameters (LoRA: none, the base with the adapter off); no ZeRO."""
+    frozen reference placed like the policy (DDP whole and FSDP sharded, in the master dtype; ZeRO in the engine's
+    compute dtype, whole for ZeRO-1 / 2, partitioned for ZeRO-3). LoRA: none (the base with the adapter off)."""
     arch = read_arch("llama3-8b")
-    for strategy, group in (("DDP", 1), ("FULL_SHARD", 8)):
+    for strategy, reference_bytes in (("DDP", 4), ("FULL_SHARD", 4 / 8), ("ZERO2", 2), ("ZERO3", 2 / 8)):
         sft = estimate(Setup(arch=arch, strategy=strategy, batch_size=2, seq_len=1024))
         dpo = estimate(Setup(arch=arch, strategy=strategy, batch_size=2, seq_len=1024, objective="dpo"))
-        assert dpo.params - sft.params == pytest.approx(arch.num_params * 4 / group)
+        assert dpo.params - sft.params == pytest.approx(arch.num_params * reference_bytes), strategy
         assert dpo.activations == pytest.approx(2 * sft.activations)
         assert dpo.loss_buffers == 2 * 1024 * 2 * arch.vocab_size * (2 + 8) > sft.loss_buffers
+    offloaded = estimate(Setup(arch=arch, strategy="ZERO3", cpu_offload=True, objective="dpo"))
+    assert offloaded.params == 0 and offloaded.host_state == pytest.approx(
+        estimate(Setup(arch=arch, strategy="ZERO3", cpu_offload=True)).host_state + arch.num_params * 2 / 8)
     lora = Adapter(method="lora", lora_r=8, lora_targets=("q_proj", "v_proj"))
     assert estimate(Setup(arch=arch, adapter=lora, objective="dpo")).params == \
         estimate(Setup(arch=arch, adapter=lora)).params
-    assert not any(s.strategy.startswith("ZERO") for s in alternatives(Setup(arch=arch, objective="dpo")))
+    assert {"ZERO1", "ZERO2", "ZERO3"} <= {s.strategy for s in alternatives(Setup(arch=arch, objective="dpo"))}
     assert estimate(Setup(arch=arch, objective="dpo", precomputed_reference=True)).params == estimate(
         Setup(arch=arch)).params  # --precompute_ref_log_probs: the reference is gone before training
     proc = main_in_process("dpo", "--dry_run", "--model_name", tiny_model, "--gpus_per_node", 2, "--enable_fsdp")
     assert proc.returncode == 0, proc.stderr
     assert "\n  shardtune dpo --nproc_per_node 2 " in proc.stdout
+
+
+def plan_json(*flags) -> dict:
+    proc = main_in_process("plan", "--model_name", "llama3-8b", "--gpus_per_node", 8, "--json", *flags)
+    assert proc.returncode in (0, 1), proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("strategy", [("--enable_fsdp",), ("--enable_deepspeed", "--deepspeed_config.zero_stage", 3)],
+                         ids=["fsdp", "zero3"])
+def test_plan_objective_dpo_adds_the_reference_weights_per_shard_for_full_fine_tuning_only(strategy):
+    """``shardtune plan --objective dpo``: the full fine-tuning plan's per-GPU parameters exceed SFT's by the frozen
+    reference's bytes per shard (8 shards; fp32 master under FSDP, the bf16 engine's under ZeRO-3); LoRA and
+    --precompute_ref_log_probs add none; its recommended command is a shardtune dpo command."""
+    num_params = plan_json(*strategy)["parameters"]
+    reference_bytes = num_params * (4 if "--enable_fsdp" in strategy else 2) / 8
+
+    def given(*flags) -> dict:
+        return plan_json(*strategy, *flags)["given"]
+
+    sft, dpo = given(), given("--objective", "dpo")
+    assert dpo["breakdown"]["parameters"] - sft["breakdown"]["parameters"] == pytest.approx(reference_bytes)
+    assert dpo["peak_bytes"] > sft["peak_bytes"] + reference_bytes  # and two rows per pair, full logits
+    precomputed = given("--objective", "dpo", "--precompute_ref_log_probs")
+    assert precomputed["breakdown"]["parameters"] == sft["breakdown"]["parameters"]
+    lora = ("--use_peft", "--peft_method", "lora")
+    assert given(*lora, "--objective", "dpo")["breakdown"]["parameters"] == given(*lora)["breakdown"]["parameters"]
+    proc = main_in_process("plan", "--model_name", "llama3-8b", "--gpus_per_node", 8, "--objective", "dpo", *strategy)
+    assert "\n  shardtune dpo --nproc_per_node 8 --model_name llama3-8b " in proc.stdout
+    assert "shardtune dpo's flags: add --objective dpo" in main_in_process(
+        "plan", "--model_name", "llama3-8b", "--precompute_ref_log_probs").stderr
