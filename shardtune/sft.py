@@ -12,4 +12,7 @@ if __name__ == "__main__":
 from shardtune.commands.sft import main  # noqa: E402
 
 if __name__ == "__main__":
+    from shardtune.cli import freeze_imported_objects
+
+    freeze_imported_objects()  # the imports above are the process's for good
     sys.exit(main())

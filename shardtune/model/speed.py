@@ -29,8 +29,8 @@ from shardtune.model.structure import layer_list
 from shardtune.runtime.distributed import print0
 
 
-def apply_speed_features(model: nn.Module, cfg: TrainConfig, device: torch.device) -> list[str]:
-    """Apply what the config asks for; returns (and rank 0 prints) one line per feature applied."""
+def apply_speed_features(model: nn.Module, cfg: TrainConfig, device: torch.device, say: bool = True) -> list[str]:
+    """Apply what the config asks for; returns (and rank 0 prints, with ``say``) one line per feature applied."""
     applied: list[str] = []
     if cfg.use_fast_kernels:
         applied += apply_fast_kernels(model, device)
@@ -40,7 +40,7 @@ def apply_speed_features(model: nn.Module, cfg: TrainConfig, device: torch.devic
         applied.append(use_varlen_attention(hf_model(model), eager=cfg.attn_implementation == "eager"))
     if cfg.compile:
         applied.append(compile_decoder_layers(model))
-    for line in applied:
+    for line in applied if say else ():
         print0(f"speed: {line}")
     return applied
 

@@ -128,6 +128,9 @@ def finish(ax, many: bool) -> None:
         ax.legend(fontsize="small")
 
 
+MARGINS = dict(left=0.14, right=0.97, top=0.91, bottom=0.12)  # room for tick labels like 1.0e-03, axis labels, title
+
+
 def write_plots(runs: list[Run], out_dir: Path, smoothing: float = 0.6) -> list[Path]:
     """One PNG per chart with data, plus overview.png with all charts; returns the files written."""
     import matplotlib
@@ -143,7 +146,7 @@ def write_plots(runs: list[Run], out_dir: Path, smoothing: float = 0.6) -> list[
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
         if draw(ax):
             finish(ax, len(runs) > 1)
-            fig.tight_layout()
+            fig.subplots_adjust(**MARGINS)  # fixed: tight_layout draws each figure once more to measure it
             fig.savefig(out_dir / file)
             written.append(out_dir / file)
         plt.close(fig)
@@ -155,7 +158,7 @@ def write_plots(runs: list[Run], out_dir: Path, smoothing: float = 0.6) -> list[
             ax.set_axis_off()
             ax.set_title(ax.get_title() + ": not logged")
     fig.suptitle(" vs ".join(run.name for run in runs))
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.05, right=0.985, top=0.9, bottom=0.07, hspace=0.38, wspace=0.24)
     fig.savefig(out_dir / "overview.png")
     plt.close(fig)
     return [*written, out_dir / "overview.png"]

@@ -152,7 +152,9 @@ def dpo_objective(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Modu
     if cfg.use_peft:
         reference = {"peft_model": strategy.unwrap(model)}
     else:
-        reference = {"ref_model": strategy.place_frozen(build_model(cfg, env).eval().requires_grad_(False))}
+        frozen = build_model(cfg, env).eval().requires_grad_(False)
+        apply_speed_features(frozen, cfg, env.device, say=False)  # the policy's kernels: at step 1 the two agree
+        reference = {"ref_model": strategy.place_frozen(frozen)}
     if cfg.dpo.precompute_ref_log_probs:  # one pass now; the reference model is not needed (nor kept) after it
         for pairs in (train_pairs, eval_pairs):
             if pairs:  # the same on every rank
