@@ -246,6 +246,8 @@ class TrainConfig:
     adam_epsilon: float = _f(1e-8, "AdamW epsilon")
     logging_steps: int = _f(1, "the trackers (--report_to) receive every Nth step row (eval rows: all); metrics.jsonl "
                                "keeps every step")
+    logging_fraction: float = _f(0.0, "the trackers receive every ceil(F x the run's optimizer steps)th step row "
+                                      "(TRL: --logging_steps 0.1); instead of --logging_steps")
     eval_steps: int = _f(0, "also evaluate every N optimizer steps (with run_validation); 0: at epoch ends only")
     eval_fraction: float = _f(0.0, "evaluate every ceil(F x the run's optimizer steps) steps (TRL: --eval_steps 0.25); "
                                    "not with --eval_steps")

@@ -306,7 +306,9 @@ TRL_FLAGS: dict[str, TrlFlag] = {
     "eval_strategy": T("run_validation / eval_steps", "no, epoch, or steps (with --eval_steps N)", _eval_strategy),
     "save_strategy": T("save_steps / fsdp_config.checkpoint_type", "no, epoch, or steps (with --save_steps N)",
                        _save_strategy),
-    "logging_steps": T("logging_steps", "trackers receive every Nth step row; metrics.jsonl keeps every step"),
+    "logging_steps": T("logging_steps / logging_fraction", "trackers receive every Nth step row (a float in (0, 1): "
+                                                           "every ceil(F x the run's steps)th); metrics.jsonl keeps "
+                                                           "every step", _interval("logging")),
     "eval_steps": T("eval_steps / eval_fraction", "evaluate every N optimizer steps (with --eval_strategy steps); a "
                                                   "float in (0, 1): every ceil(F x the run's steps)",
                     _interval("eval")),

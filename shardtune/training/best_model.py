@@ -44,6 +44,11 @@ def check_intervals(cfg: TrainConfig, world_size: int) -> None:
             raise ConfigError(f"--{fraction} {value} must be in (0, 1): a fraction of the run's optimizer steps")
         if value and getattr(cfg, steps):
             raise ConfigError(f"--{steps} {getattr(cfg, steps)} and --{fraction} {value} are both set: keep one")
+    if cfg.logging_fraction and not 0 < cfg.logging_fraction < 1:
+        raise ConfigError(f"--logging_fraction {cfg.logging_fraction} must be in (0, 1): a fraction of the run's steps")
+    if cfg.logging_fraction and cfg.logging_steps != 1:
+        raise ConfigError(f"--logging_steps {cfg.logging_steps} and --logging_fraction {cfg.logging_fraction} are both "
+                          "set: keep one")
     if cfg.eval_fraction and not cfg.run_validation:
         raise ConfigError(f"--eval_fraction {cfg.eval_fraction} has no effect with --run_validation false: drop one")
     if not cfg.load_best_model_at_end:

@@ -62,6 +62,7 @@ from shardtune.runtime.preemption import (
     report_stopped,
 )
 from shardtune.runtime.run_lock import RunLock, RunLocked
+from shardtune.training.best_model import every
 from shardtune.training.checkpoint import Checkpointer, failure_reason
 from shardtune.training.checks import data_splits, prepare
 from shardtune.training.dpo import dpo_evaluate, dpo_train_step, precompute_reference
@@ -235,10 +236,11 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv, objective: str = "sft") -> TrainR
         print0(cross_node_traffic(cfg, env, model, strategy, num_params, num_trainable))
     checkpointer = Checkpointer(cfg, env, strategy, tokenizer)
     metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.save_metrics else None
-    append = metrics_path is not None and checkpointer.keep_metrics_rows(
-        metrics_path, planned_steps(cfg, len(units), strategy.dims.dp_size))
+    total_steps = planned_steps(cfg, len(units), strategy.dims.dp_size)
+    append = metrics_path is not None and checkpointer.keep_metrics_rows(metrics_path, total_steps)
     writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else (),
-                           tracker_every=cfg.logging_steps)
+                           tracker_every=every(0 if cfg.logging_fraction else cfg.logging_steps, cfg.logging_fraction,
+                                               total_steps))
     published = False
     model_files: list[str] = []  # the published model's files (rank 0): what --push_to_hub uploads
 

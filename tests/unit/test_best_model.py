@@ -28,6 +28,9 @@ def test_fractions_of_the_run_are_trainers_ceil_and_trl_floats_map_onto_them():
     assert every(cfg.save_steps, cfg.save_fraction, 10) == 3 and every(cfg.eval_steps, cfg.eval_fraction, 10) == 1
     assert every(0, 0.01, 10) == 1 and every(7, 0.0, 10) == 7 and every(0, 0.0, 10) == 0
     assert cfg_of("--save_steps", 4).save_steps == 4
+    logging = cfg_of("--logging_steps", 0.1)  # TRL's float: the trackers get every ceil(0.1 x steps)th row
+    assert (logging.logging_steps, logging.logging_fraction) == (1, 0.1) and every(0, 0.1, 25) == 3
+    assert cfg_of("--logging_steps", 5).logging_steps == 5
 
 
 def test_best_checkpoint_is_the_first_best_score_among_evaluated_checkpoints():
@@ -68,6 +71,7 @@ def test_best_checkpoint_is_the_first_best_score_among_evaluated_checkpoints():
     (("--save_fraction", 1.5), "must be in \\(0, 1\\)"),
     (("--save_steps", 3, "--save_fraction", 0.5), "keep one"),
     (("--save_steps", 1.5), "neither a whole number"),
+    (("--logging_steps", 5, "--logging_fraction", 0.2), "keep one"),
     (("--optim", "adamw_8bit", "--enable_fsdp"), "runs under DDP"),
     (("--optim", "paged_adamw_8bit", "--enable_deepspeed"), "runs under DDP"),
 ])
