@@ -12,7 +12,8 @@ if __name__ == "__main__":
 from shardtune.commands.sft import main  # noqa: E402
 
 if __name__ == "__main__":
-    from shardtune.cli import freeze_imported_objects
+    from shardtune.cli import frozen_imports
 
-    freeze_imported_objects()  # the imports above are the process's for good
-    sys.exit(main(sys.argv[1:], objective="dpo"))
+    with frozen_imports():  # the imports above are the process's for good
+        status = main(sys.argv[1:], objective="dpo")
+    sys.exit(status)
