@@ -51,10 +51,15 @@ def varlen_kwargs(batch: dict[str, torch.Tensor]) -> dict:
 def attention_implementation(config: PretrainedConfig) -> str:
     """The attention shardtune loads a model with: SDPA, or eager where SDPA cannot compute the model's attention
     (attention-logit soft-capping, as in Gemma 2; a model class without SDPA support)."""
-    if getattr(config.get_text_config(), "attn_logit_softcapping", None) is not None:
+    if soft_caps_logits(config):
         return "eager"
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     return "eager" if model_class is not None and not model_class._supports_sdpa else "sdpa"
+
+
+def soft_caps_logits(config: PretrainedConfig) -> bool:
+    """Whether the model soft-caps its attention logits (Gemma 2): only the eager formula computes that."""
+    return getattr(config.get_text_config(), "attn_logit_softcapping", None) is not None
 
 
 def use_varlen_attention(model: nn.Module, eager: bool = False) -> str:

@@ -23,7 +23,7 @@ from torch import nn
 
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.batching import flattened
-from shardtune.model.attention import use_varlen_attention
+from shardtune.model.attention import soft_caps_logits, use_varlen_attention
 from shardtune.model.loss import hf_model
 from shardtune.model.structure import layer_list
 from shardtune.runtime.distributed import print0
@@ -35,7 +35,7 @@ def apply_speed_features(model: nn.Module, cfg: TrainConfig, device: torch.devic
     if cfg.use_fast_kernels:
         applied += apply_fast_kernels(model, device)
     if cfg.attn_implementation:
-        applied.append(apply_attention_choice(hf_model(model), cfg.attn_implementation, device))
+        applied.append(apply_attention_choice(hf_model(model), cfg.attn_implementation))
     if flattened(cfg):
         applied.append(use_varlen_attention(hf_model(model), eager=cfg.attn_implementation == "eager"))
     if cfg.compile:
@@ -45,10 +45,9 @@ def apply_speed_features(model: nn.Module, cfg: TrainConfig, device: torch.devic
     return applied
 
 
-def apply_attention_choice(model: nn.Module, choice: str, device: torch.device) -> str:
-    """--attn_implementation (TRL's flag): the model's attention function as asked (checked before launch)."""
-    if choice == "flash_attention_2" and device.type != "cuda":
-        raise ConfigError("--attn_implementation flash_attention_2 needs a CUDA device: drop it (SDPA), or run on GPUs")
+def apply_attention_choice(model: nn.Module, choice: str) -> str:
+    """--attn_implementation (TRL's flag): the model's attention function as asked (check_attn_implementation and
+    check_attention_fits refused what cannot run before launch)."""
     model.set_attn_implementation(choice)
     return f"attention: {choice} (--attn_implementation)"
 
@@ -57,7 +56,7 @@ def check_attention_fits(cfg: TrainConfig, config) -> None:
     """Before launch, with the model's config: a kernel that cannot compute the model's attention is one line."""
     if cfg.attn_implementation in ("", "eager"):
         return
-    if getattr(config.get_text_config(), "attn_logit_softcapping", None) is not None:
+    if soft_caps_logits(config):
         raise ConfigError(f"--attn_implementation {cfg.attn_implementation} cannot compute {config.model_type}'s "
                           "soft-capped attention logits: pass --attn_implementation eager, or drop the flag")
 

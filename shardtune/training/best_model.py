@@ -31,9 +31,9 @@ def higher_is_better(cfg: TrainConfig) -> bool:
 
 
 def every(steps: int, fraction: float, total_steps: int) -> int:
-    """An interval in optimizer steps: N as given, or a fraction of the run's steps rounded up (Trainer's rule for
-    --save_steps / --eval_steps below 1); 0: none."""
-    return steps or (max(1, math.ceil(fraction * total_steps)) if fraction else 0)
+    """An interval in optimizer steps: a fraction of the run's steps rounded up when one is given (Trainer's rule for
+    --save_steps / --eval_steps / --logging_steps below 1), else N as given; 0: none."""
+    return max(1, math.ceil(fraction * total_steps)) if fraction else steps
 
 
 def check_intervals(cfg: TrainConfig, world_size: int) -> None:

@@ -239,8 +239,7 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv, objective: str = "sft") -> TrainR
     total_steps = planned_steps(cfg, len(units), strategy.dims.dp_size)
     append = metrics_path is not None and checkpointer.keep_metrics_rows(metrics_path, total_steps)
     writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else (),
-                           tracker_every=every(0 if cfg.logging_fraction else cfg.logging_steps, cfg.logging_fraction,
-                                               total_steps))
+                           tracker_every=every(cfg.logging_steps, cfg.logging_fraction, total_steps))
     published = False
     model_files: list[str] = []  # the published model's files (rank 0): what --push_to_hub uploads
 
