@@ -7,7 +7,11 @@ An entry lives in ``<cache>/tokenized/<key>/`` where the key hashes everything t
 dataset settings, the data files' contents, context_length, the seed (it picks held-out rows), strict_data, the
 tokenizer (with its chat template) and, for TRL's formats, the loss options (--assistant_only_loss,
 --completion_only_loss, --truncation_mode ...). It holds flat int32 ``input_ids`` / ``labels`` arrays plus example
-offsets as .npy files (read without unpickling) and the data report as JSON. Entries are written to a temporary
+offsets as .npy files (read without unpickling) and the data report as JSON. shardtune dpo's preference pairs
+have entries of their own (``prompt_ids`` / ``chosen_ids`` / ``rejected_ids``, each with its offsets), and with
+--precompute_ref_log_probs the reference's log-probabilities of the pairs are kept beside them, one
+``reference-<key>.npy`` per reference model (the key: its weights' files, dtype and kernels; see
+shardtune/training/dpo.py). Entries are written to a temporary
 folder and renamed, under a file lock, so concurrent processes never see half an entry.
 """
 
@@ -27,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from shardtune.config.schema import TrainConfig
+from shardtune.data.preference import load_pairs
 from shardtune.data.report import DataReport
 from shardtune.data.sources import load_examples
 from shardtune.data.trl_loading import uses_trl_formats
@@ -62,13 +67,15 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256((text + json.dumps(specials) + template).encode()).hexdigest()
 
 
-def cache_key(cfg: TrainConfig, tokenizer: Any, split: str) -> str:
+def cache_key(cfg: TrainConfig, tokenizer: Any, split: str, pairs: bool = False) -> str:
+    """``pairs``: shardtune dpo's preference pairs (another layout; the truncation mode applies to every dataset)."""
     dataset_config = dataclasses.asdict(cfg.dataset_config)
     digest = hashlib.sha256(json.dumps({
         "format": FORMAT_VERSION, "dataset": cfg.dataset, "dataset_config": dataset_config, "split": split,
         "context_length": cfg.context_length, "seed": cfg.seed, "strict_data": cfg.strict_data,
         "tokenizer": _tokenizer_fingerprint(tokenizer),
-        "trl_formats": dataclasses.asdict(cfg.trl_dataset) if uses_trl_formats(cfg) else None,
+        "trl_formats": dataclasses.asdict(cfg.trl_dataset) if pairs or uses_trl_formats(cfg) else None,
+        **({"pairs": 1} if pairs else {}),
     }, sort_keys=True).encode())
     if dataset_config.get("data_path"):
         _hash_path(Path(dataset_config["data_path"]), digest)
@@ -80,21 +87,43 @@ def cache_key(cfg: TrainConfig, tokenizer: Any, split: str) -> str:
     return digest.hexdigest()[:32]
 
 
-def _write(entry: Path, examples: list[dict], report: DataReport) -> None:
-    lengths = np.array([len(e["input_ids"]) for e in examples], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
+def _save_ragged(folder: Path, name: str, seqs: list[list[int]]) -> None:
+    """``name``.npy (the sequences, concatenated) and ``name``_offsets.npy (where each starts, then the end)."""
+    offsets = np.concatenate([[0], np.cumsum(np.array([len(s) for s in seqs], dtype=np.int64))])
+    np.save(folder / f"{name}.npy", np.fromiter((t for s in seqs for t in s), dtype=np.int32, count=int(offsets[-1])))
+    np.save(folder / f"{name}_offsets.npy", offsets)
+
+
+def _load_ragged(folder: Path, name: str) -> list[list[int]]:
+    flat = np.load(folder / f"{name}.npy", allow_pickle=False).tolist()
+    offsets = np.load(folder / f"{name}_offsets.npy", allow_pickle=False).tolist()
+    return [flat[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def _publish(tmp: Path, entry: Path) -> None:
+    fsync_tree(tmp)
+    os.replace(tmp, entry)
+    fsync_dir(entry.parent)
+
+
+def _staging(entry: Path) -> Path:
     tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    return tmp
+
+
+def _write(entry: Path, examples: list[dict], report: DataReport) -> None:
+    lengths = np.array([len(e["input_ids"]) for e in examples], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    tmp = _staging(entry)
     np.save(tmp / "input_ids.npy", np.fromiter((t for e in examples for t in e["input_ids"]), dtype=np.int32,
                                                 count=int(offsets[-1])))
     np.save(tmp / "labels.npy", np.fromiter((t for e in examples for t in e["labels"]), dtype=np.int32,
                                              count=int(offsets[-1])))
     np.save(tmp / "offsets.npy", offsets)
     (tmp / "report.json").write_text(json.dumps(dataclasses.asdict(report)))
-    fsync_tree(tmp)
-    os.replace(tmp, entry)
-    fsync_dir(entry.parent)
+    _publish(tmp, entry)
 
 
 def _read(entry: Path) -> tuple[list[dict], DataReport]:
@@ -106,15 +135,55 @@ def _read(entry: Path) -> tuple[list[dict], DataReport]:
     return examples, report
 
 
+PAIR_FIELDS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+
+def _write_pairs(entry: Path, pairs: list[dict], report: DataReport) -> None:
+    tmp = _staging(entry)
+    for name in PAIR_FIELDS:
+        _save_ragged(tmp, name, [pair[name] for pair in pairs])
+    (tmp / "report.json").write_text(json.dumps(dataclasses.asdict(report)))
+    _publish(tmp, entry)
+
+
+def _read_pairs(entry: Path) -> tuple[list[dict], DataReport]:
+    fields = {name: _load_ragged(entry, name) for name in PAIR_FIELDS}
+    if len({len(seqs) for seqs in fields.values()}) != 1:
+        raise ValueError("the pair fields have different lengths")
+    pairs = [dict(zip(PAIR_FIELDS, values)) for values in zip(*fields.values())]
+    return pairs, DataReport(**json.loads((entry / "report.json").read_text()))
+
+
 class DamagedEntry(Exception):
     """A cache entry that cannot be read (an emptied or cut file, what a power cut or a full disk leaves)."""
 
 
-def _read_checked(entry: Path) -> tuple[list[dict], DataReport]:
+def _read_checked(entry: Path, read=_read) -> tuple[list[dict], DataReport]:
     try:
-        return _read(entry)
+        return read(entry)
     except (OSError, EOFError, ValueError, TypeError, KeyError) as e:
         raise DamagedEntry(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from None
+
+
+def _through_cache(entry: Path, compute, write, read) -> tuple[list[dict], DataReport]:
+    """``read`` the entry when it is whole; else, under the folder's file lock, ``compute`` and ``write`` it (one
+    process does; the others wait and read it)."""
+    if entry.is_dir():
+        with contextlib.suppress(DamagedEntry):
+            return _read_checked(entry, read)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with open(entry.parent / f".{entry.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if entry.is_dir():
+            try:
+                return _read_checked(entry, read)
+            except DamagedEntry as e:  # under the lock: one process removes it and tokenises again
+                print(f"shardtune: note: the tokenised-data cache entry {entry} is damaged ({e}): removed, "
+                      "tokenising again", file=sys.stderr, flush=True)
+                shutil.rmtree(entry, ignore_errors=True)
+        records, report = compute()
+        write(entry, records, report)
+    return records, report
 
 
 def load_examples_cached(cfg: TrainConfig, tokenizer: Any, split: str, root: Path) -> tuple[list[dict], DataReport]:
@@ -124,20 +193,40 @@ def load_examples_cached(cfg: TrainConfig, tokenizer: Any, split: str, root: Pat
     """
     if cfg.dataset == "custom_dataset":
         return load_examples(cfg, tokenizer, split)
-    entry = root / "tokenized" / cache_key(cfg, tokenizer, split)
-    if entry.is_dir():
-        with contextlib.suppress(DamagedEntry):
-            return _read_checked(entry)
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    with open(entry.parent / f".{entry.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if entry.is_dir():
-            try:
-                return _read_checked(entry)
-            except DamagedEntry as e:  # under the lock: one process removes it and tokenises again
-                print(f"shardtune: note: the tokenised-data cache entry {entry} is damaged ({e}): removed, "
-                      "tokenising again", file=sys.stderr, flush=True)
-                shutil.rmtree(entry, ignore_errors=True)
-        examples, report = load_examples(cfg, tokenizer, split)
-        _write(entry, examples, report)
-    return examples, report
+    return _through_cache(root / "tokenized" / cache_key(cfg, tokenizer, split),
+                          lambda: load_examples(cfg, tokenizer, split), _write, _read)
+
+
+def pairs_entry(cfg: TrainConfig, tokenizer: Any, split: str, root: Path) -> Path:
+    """The cache folder of ``split``'s tokenised preference pairs (their key: the data's, plus the pair options)."""
+    return root / "tokenized" / cache_key(cfg, tokenizer, split, pairs=True)
+
+
+def load_pairs_cached(cfg: TrainConfig, tokenizer: Any, split: str, root: Path) -> tuple[list[dict], DataReport]:
+    """``load_pairs`` (shardtune dpo's tokenised preference pairs) through the on-disk cache under ``root``."""
+    return _through_cache(pairs_entry(cfg, tokenizer, split, root), lambda: load_pairs(cfg, tokenizer, split),
+                          _write_pairs, _read_pairs)
+
+
+def read_reference_log_probs(path: Path, num_pairs: int) -> np.ndarray | None:
+    """A pair split's cached reference (chosen, rejected) log-probabilities (--precompute_ref_log_probs): float64
+    of shape (pairs, 2), or None when absent or not whole (a cut or emptied file is computed again)."""
+    try:
+        values = np.load(path, allow_pickle=False)
+    except (OSError, EOFError, ValueError):
+        return None
+    if values.dtype != np.float64 or values.shape != (num_pairs, 2) or not np.isfinite(values).all():
+        return None
+    return values
+
+
+def write_reference_log_probs(path: Path, values: np.ndarray) -> None:
+    """Written to a temporary name, fsynced and renamed into the pairs' entry folder (readers see all or nothing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        np.save(fh, np.ascontiguousarray(values, dtype=np.float64))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)

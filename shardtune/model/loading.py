@@ -198,6 +198,30 @@ def resolve_revision(model_name: str, revision: str) -> str:
                           "DIR) and pass --model_name DIR") from None
 
 
+def weights_identity(model_name: str, revision: str = "") -> str | None:
+    """Names the weights ``model_name`` loads, cheaply, for caches of what a model computes: a local directory by its
+    files (path, size and modification time of each; config.json by content), a hub id by the commit of its snapshot
+    in the Hugging Face cache. None when that is unknown (a hub id not in the local cache)."""
+    import hashlib
+
+    path = Path(model_name).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        stats = [[str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+        config = path / "config.json"
+        content = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else ""
+        return json.dumps({"dir": str(path.resolve()), "files": stats, "config": content})
+    if model_name.startswith(PRESET_PREFIX) or not _HUB_ID.match(model_name):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(model_name, "config.json", revision=revision or None)
+    except Exception:  # a malformed id or cache: no identity, so nothing is cached
+        return None
+    return f"{model_name}@{Path(found).parent.name}" if isinstance(found, str) else None
+
+
 def auto_config(name_or_path: str | Path, trust_remote_code: bool = False, **kwargs):
     """AutoConfig.from_pretrained of the user's model: its own code (auto_map) runs only with --trust_remote_code.
     Every loader of the user's model, config or tokenizer below takes the setting the same way."""

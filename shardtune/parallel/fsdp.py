@@ -200,7 +200,14 @@ class FSDPStrategy(Strategy):
         return model
 
     def place_frozen(self, model: nn.Module) -> nn.Module:
-        """Sharded like the trained model (same mesh and precision; left on the host under CPU offload)."""
+        """Sharded like the trained model (same mesh and precision; left on the host under CPU offload). With
+        --low_cpu_fsdp as the trained model is: rank 0 read the weights, the others built it on the meta device, and
+        each rank's shards are filled from rank 0's after sharding."""
+        if self.cfg.low_cpu_fsdp:
+            full_state = None if any(p.is_meta for p in model.parameters()) else tensor_state_dict(model)
+            self.shard(model)
+            materialize_from_rank0(model, full_state, torch.device("cpu") if self.offload else self.env.device)
+            return model
         if not self.offload:
             model.to(self.env.device)
         return self.shard(model)

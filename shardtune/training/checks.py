@@ -13,8 +13,7 @@ from __future__ import annotations
 from shardtune import data
 from shardtune.config.checks import CONFIG_CHECKS
 from shardtune.config.schema import ConfigError, DpoConfig, TrainConfig
-from shardtune.data.cache import load_examples_cached
-from shardtune.data.preference import load_pairs
+from shardtune.data.cache import load_examples_cached, load_pairs_cached
 from shardtune.model.cookbook import check_cookbook_flags, check_model_flags
 from shardtune.model.loading import (
     auto_config, cache_dir, check_model_source, check_tokenizer_fits, load_tokenizer, resolve_model_name,
@@ -94,7 +93,7 @@ def prepare(cfg: TrainConfig, world_size: int, objective: str = "sft") -> None:
     data.check_context_length(cfg, tokenizer)
     dims = ParallelDims.from_config(cfg, world_size)
     if objective == "dpo":
-        loaded = {split: load_pairs(cfg, tokenizer, split)[0] for split in data_splits(cfg)}
+        loaded = {split: load_pairs_cached(cfg, tokenizer, split, cache_dir())[0] for split in data_splits(cfg)}
         data.steps_per_epoch(len(loaded["train"]), cfg, dims.dp_size)
         return
     loaded = {split: load_examples_cached(cfg, tokenizer, split, cache_dir()) for split in data_splits(cfg)}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -202,11 +203,12 @@ def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
 
 @torch.no_grad()
 def precompute_reference(pairs: list[dict], policy: nn.Module, strategy, cfg, env, pad_id: int, *,
-                         ref_model: nn.Module | None = None, peft_model: nn.Module | None = None) -> None:
+                         ref_model: nn.Module | None = None, peft_model: nn.Module | None = None) -> torch.Tensor:
     """--precompute_ref_log_probs: every pair's reference (chosen, rejected) log-probabilities, computed once before
-    training and stored in the pair (``ref_logps``), which :func:`collate_pairs` carries into each batch. Rank r
-    takes pairs r, r + W, ... in chunks of --batch_size_training; every rank runs the same number of forwards (a
-    rank short of pairs repeats the first, not kept), as FSDP's collectives need; one all-reduce shares them."""
+    training and stored in the pair (``ref_logps``), which :func:`collate_pairs` carries into each batch; returned
+    as (pairs, 2) float64, the same on every rank. Rank r takes pairs r, r + W, ... in chunks of
+    --batch_size_training; every rank runs the same number of forwards (a rank short of pairs repeats the first,
+    not kept), as FSDP's collectives need; one all-reduce shares them."""
     from shardtune.data.preference import collate_pair_units
     from shardtune.runtime.distributed import all_reduce_sum
 
@@ -223,8 +225,71 @@ def precompute_reference(pairs: list[dict], policy: nn.Module, strategy, cfg, en
         if chunk:
             values[chunk] = torch.stack([chosen, rejected], dim=1).double().cpu()
     policy.train()
-    for pair, logps in zip(pairs, all_reduce_sum(values, env.device).tolist()):
+    values = all_reduce_sum(values, env.device).cpu()
+    store_reference(pairs, values)
+    return values
+
+
+def store_reference(pairs: list[dict], values: torch.Tensor) -> None:
+    for pair, logps in zip(pairs, values.tolist()):
         pair["ref_logps"] = tuple(logps)
+
+
+def reference_key(cfg, compute_dtype: torch.dtype, device: torch.device) -> str | None:
+    """What a pair's reference log-probabilities depend on besides the pair: the weights (their files), how the
+    reference is built and computed (quantisation, RoPE scaling, dtype, attention kernel, padding-free rows, device)
+    and the library versions. None when the weights cannot be named (a hub id not in the local cache): then they are
+    computed every run. The batch layout (processes, pairs per forward) is not in it: it changes float rounding
+    only, as between any two layouts of the guarantee."""
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    import transformers
+
+    from shardtune.model.loading import weights_identity
+
+    weights = weights_identity(cfg.model_name, cfg.model_revision)
+    if weights is None:
+        return None
+    return hashlib.sha256(json.dumps({
+        "weights": weights, "quantization": [cfg.quantization, asdict(cfg.quantization_config)],
+        "rope": [cfg.rope_scaling, cfg.rope_factor], "dtype": str(compute_dtype),
+        "pure_bf16": cfg.enable_fsdp and cfg.fsdp_config.pure_bf16,
+        "attention": [cfg.attn_implementation, cfg.use_fast_kernels, cfg.padding_free], "device": device.type,
+        "torch": torch.__version__, "transformers": transformers.__version__}, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def read_cached_reference(pairs: list[dict], cache_file, env) -> bool:
+    """Collective. The pairs' reference log-probabilities from the tokenised-data cache (``<pairs' entry>/
+    reference-<key>.npy``, see :func:`reference_key`) when every rank finds the file whole; True when read.
+    ``cache_file`` None (no key): False."""
+    from shardtune.data.cache import read_reference_log_probs
+    from shardtune.runtime.distributed import all_reduce_sum
+
+    found = read_reference_log_probs(cache_file, len(pairs)) if cache_file is not None else None
+    hits = all_reduce_sum(torch.tensor([float(found is not None)], dtype=torch.float64), env.device)
+    if int(hits[0]) != env.world_size:
+        return False
+    store_reference(pairs, torch.from_numpy(found))
+    return True
+
+
+def compute_and_cache_reference(pairs: list[dict], cache_file, policy: nn.Module, strategy, cfg, env, pad_id: int,
+                                **reference) -> None:
+    """:func:`precompute_reference`, then each node's first rank writes the values to ``cache_file`` (when not
+    None); a failed write is a note: the run goes on with the values in memory."""
+    from shardtune.data.cache import write_reference_log_probs
+    from shardtune.runtime.distributed import print0
+
+    values = precompute_reference(pairs, policy, strategy, cfg, env, pad_id, **reference)
+    if cache_file is not None and env.local_rank == 0:
+        try:
+            write_reference_log_probs(cache_file, values.numpy())
+        except OSError as e:
+            print(f"shardtune: note: the reference's log-probabilities could not be cached in {cache_file.parent} "
+                  f"({e}); this run goes on with them in memory, the next computes them again", file=sys.stderr,
+                  flush=True)
 
 
 @torch.no_grad()
@@ -260,10 +325,6 @@ def check_dpo_config(cfg, world_size: int) -> None:
     from shardtune.config.schema import ConfigError
 
     check_loss_options(cfg.dpo)
-    if cfg.enable_fsdp and cfg.low_cpu_fsdp and not cfg.use_peft:
-        raise ConfigError("shardtune dpo with --low_cpu_fsdp needs --use_peft (the reference is then the base with "
-                          "the adapter off; a second full model is not loaded on rank 0 only yet): add --use_peft, "
-                          "or drop --low_cpu_fsdp")
     if cfg.sequence_parallel_size * cfg.context_parallel_size > 1:
         raise ConfigError("shardtune dpo does not split rows over ranks yet: drop --sp_size / --cp_size")
     # a micro-batch's pairs are collated chosen-then-rejected, never packed into blocks: padded rows, or one

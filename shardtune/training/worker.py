@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from shardtune import data
 from shardtune.config.flags import to_yaml
 from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
-from shardtune.data.cache import load_examples_cached
+from shardtune.data.cache import load_examples_cached, load_pairs_cached, pairs_entry
 from shardtune.data.chat import mirror_eos_token
-from shardtune.data.preference import collate_pair_units, load_pairs
+from shardtune.data.preference import collate_pair_units
 from shardtune.model.cookbook import freeze_first_layers
 from shardtune.model.generation import EvalSampler
 from shardtune.model.loading import (
@@ -65,7 +65,9 @@ from shardtune.runtime.run_lock import RunLock, RunLocked
 from shardtune.training.best_model import every
 from shardtune.training.checkpoint import Checkpointer, failure_reason
 from shardtune.training.checks import data_splits, prepare
-from shardtune.training.dpo import dpo_evaluate, dpo_train_step, precompute_reference
+from shardtune.training.dpo import (
+    compute_and_cache_reference, dpo_evaluate, dpo_train_step, read_cached_reference, reference_key,
+)
 from shardtune.training.loop import TrainResult, planned_steps, train
 from shardtune.training.metrics import MetricsWriter
 from shardtune.training.plots import write_run_plots
@@ -78,7 +80,7 @@ def load_data(cfg: TrainConfig, env: DistEnv, dims: ParallelDims, tokenizer, obj
     """Training units and validation examples; every rank reads the same (from the tokenised-data cache).
     ``objective`` "dpo": one preference pair per unit, and the validation split's pairs."""
     if objective == "dpo":
-        loaded = {split: load_pairs(cfg, tokenizer, split) for split in data_splits(cfg)}
+        loaded = {split: load_pairs_cached(cfg, tokenizer, split, cache_dir()) for split in data_splits(cfg)}
         for split, (_, pair_report) in loaded.items():
             print0(f"data ({split}): {pair_report.summary()}")
         pairs = loaded["train"][0]
@@ -143,25 +145,40 @@ def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Modul
     return written
 
 
-def dpo_objective(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, pad_id: int,
+def dpo_objective(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, tokenizer,
                   train_pairs: list[dict], eval_pairs: list[dict]) -> dict:
     """The loop's step and collate for DPO. The reference: with PEFT the policy's base with its adapter switched
     off (no second copy); for full fine-tuning a frozen copy of the starting weights, whole on each rank under DDP
     (which holds the whole model anyway), sharded like the policy under FSDP (same mesh and precision, so that the
     first step's policy and reference agree). --precompute_ref_log_probs: one reference pass over the pairs before
-    training, kept with each pair; the reference model is then dropped."""
-    if cfg.use_peft:
-        reference = {"peft_model": strategy.unwrap(model)}
-    else:
+    training, kept with each pair and in the tokenised-data cache beside the pairs (a later run of the same
+    reference, a resumed one too, reads them); the reference model is then dropped."""
+    pad_id = tokenizer.pad_token_id
+
+    def build_reference() -> dict:
+        if cfg.use_peft:
+            return {"peft_model": strategy.unwrap(model)}
         frozen = build_model(cfg, env).eval().requires_grad_(False)
         apply_speed_features(frozen, cfg, env.device, say=False)  # the policy's kernels: at step 1 the two agree
-        reference = {"ref_model": strategy.place_frozen(frozen)}
-    if cfg.dpo.precompute_ref_log_probs:  # one pass now; the reference model is not needed (nor kept) after it
-        for pairs in (train_pairs, eval_pairs):
-            if pairs:  # the same on every rank
-                precompute_reference(pairs, model, strategy, cfg, env, pad_id, **reference)
+        return {"ref_model": strategy.place_frozen(frozen)}
+
+    if not cfg.dpo.precompute_ref_log_probs:
+        reference = build_reference()
+    else:  # one pass now (or none: the cache has them); the reference model is not kept after it
+        key = reference_key(cfg, strategy.compute_dtype, env.device)
+        jobs = [(pairs, pairs_entry(cfg, tokenizer, split, cache_dir()) / f"reference-{key}.npy" if key else None)
+                for split, pairs in (("train", train_pairs), ("validation", eval_pairs)) if pairs]
+        missing = [(pairs, file) for pairs, file in jobs if not read_cached_reference(pairs, file, env)]
+        if missing:
+            reference = build_reference()
+            for pairs, file in missing:
+                compute_and_cache_reference(pairs, file, model, strategy, cfg, env, pad_id, **reference)
+        how = ("read from the tokenised-data cache (an earlier run of this reference; no reference model is loaded)"
+               if not missing else "computed before training" + (
+                   ", kept in the tokenised-data cache" if key else
+                   " (not cached: the hub id's snapshot is not in the local cache)") + "; the reference model is freed")
         print0(f"reference: log-probabilities of {len(train_pairs):,} train and {len(eval_pairs):,} test pairs "
-               "computed before training (--precompute_ref_log_probs); the reference model is freed")
+               f"{how} (--precompute_ref_log_probs)")
         reference = {}
     return {"step_fn": functools.partial(dpo_train_step, **reference), "collate_fn": collate_pair_units,
             "eval_fn": lambda policy, pairs: dpo_evaluate(policy, strategy, cfg, env, pairs, pad_id, **reference)}
@@ -250,7 +267,7 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv, objective: str = "sft") -> TrainR
 
     try:
         sampler = EvalSampler(eval_examples[:cfg.log_eval_samples], tokenizer) if cfg.log_eval_samples else None
-        extra = (dpo_objective(cfg, env, strategy, model, tokenizer.pad_token_id, [u[0] for u in units],
+        extra = (dpo_objective(cfg, env, strategy, model, tokenizer, [u[0] for u in units],
                                eval_examples) if objective == "dpo" else {})
         result = train(model, strategy, cfg, env, units, eval_examples, tokenizer.pad_token_id, writer, checkpointer,
                        sampler, publish if cfg.save_model else None, **extra)

@@ -327,3 +327,67 @@ def test_padding_free_pairs_give_the_padded_losses_and_gradients(rows, tiny, tok
             assert means[1][name] == pytest.approx(value, rel=1e-5, abs=1e-6), (dpo.loss_type, name)
         torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5 * float(grads[0].abs().max()))
     assert abs(means[0]["rewards/margins"]) > 0.01, "the policy must differ from the reference"
+
+
+def test_pairs_and_their_reference_log_probabilities_are_cached_with_the_tokenised_data(tiny, tokenizer, tmp_path):
+    """The pairs come back from the tokenised-data cache as load_pairs makes them; the reference's log-probabilities
+    are kept beside them under a key that names the weights and how they are computed (not the batch layout); a cut
+    or emptied file is a miss (computed again), never read."""
+    import os
+
+    import numpy as np
+
+    from shardtune.data.cache import (
+        load_pairs_cached, pairs_entry, read_reference_log_probs, write_reference_log_probs,
+    )
+    from shardtune.training.dpo import reference_key
+
+    cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["chat"]), max_length=64)
+    cfg.model_name = str(tiny)
+    direct, report = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
+    cached, cached_report = load_pairs_cached(cfg, copy.deepcopy(tokenizer), "train", tmp_path / "cache")
+    again, _ = load_pairs_cached(cfg, copy.deepcopy(tokenizer), "train", tmp_path / "cache")  # read from the entry
+    n = len(direct)
+    assert cached == direct == again and cached_report == report and n == len(ROWS["chat"])
+    entry = pairs_entry(cfg, tokenizer, "train", tmp_path / "cache")
+    assert (entry / "chosen_ids.npy").is_file()
+    cfg.trl_dataset.truncation_mode = "keep_end"  # the pairs' options are in the key
+    assert pairs_entry(cfg, tokenizer, "train", tmp_path / "cache") != entry
+    cfg.trl_dataset.truncation_mode = "keep_start"
+
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    key = reference_key(cfg, fp32, cpu)
+    layout = copy.deepcopy(cfg)
+    layout.batch_size_training, layout.gradient_accumulation_steps, layout.enable_fsdp = 1, 4, True
+    assert reference_key(layout, fp32, cpu) == key, "the layout changes rounding only"
+    assert reference_key(cfg, torch.bfloat16, cpu) != key
+    for change in ({"padding_free": True}, {"attn_implementation": "eager"}, {"quantization": "4bit"},
+                   {"rope_scaling": "yarn", "rope_factor": 2.0}):
+        assert reference_key(dataclasses_replace(cfg, **change), fp32, cpu) != key, change
+    weights = tiny / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # the weights were rewritten
+    try:
+        assert reference_key(cfg, fp32, cpu) != key
+    finally:
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert reference_key(dataclasses_replace(cfg, model_name="someone/not-in-the-cache"), fp32, cpu) is None
+
+    values = np.array([[-1.5, -2.25]] * n)
+    path = entry / f"reference-{key}.npy"
+    assert read_reference_log_probs(path, n) is None
+    write_reference_log_probs(path, values)
+    assert np.array_equal(read_reference_log_probs(path, n), values)
+    assert read_reference_log_probs(path, n - 1) is None, "another split's pairs"
+    path.write_bytes(path.read_bytes()[:-8])  # cut short
+    assert read_reference_log_probs(path, n) is None
+    path.write_bytes(b"")
+    assert read_reference_log_probs(path, n) is None
+    assert not [p.name for p in entry.iterdir() if ".tmp-" in p.name]
+
+
+def dataclasses_replace(cfg: TrainConfig, **changes) -> TrainConfig:
+    changed = copy.deepcopy(cfg)
+    for name, value in changes.items():
+        setattr(changed, name, value)
+    return changed
