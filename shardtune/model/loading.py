@@ -172,6 +172,12 @@ def _looks_like_path(value: str) -> bool:
 REVISION_IGNORED_FILES = ("original/*", "*.pth", "*.pt", "*.gguf", "*.msgpack", "*.h5", "*.onnx", "*.ot")
 
 
+def _hub_cache() -> str | None:
+    """huggingface_hub reads its cache location once, at import: honour HF_HUB_CACHE / HF_HOME set later too."""
+    return os.environ.get("HF_HUB_CACHE") or (
+        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None)
+
+
 def resolve_revision(model_name: str, revision: str) -> str:
     """--model_revision: the local snapshot folder of that revision of the hub id ``model_name`` (downloaded when
     online; from the Hugging Face cache when HF_HUB_OFFLINE is set), which every rank then reads. ``model_name`` as
@@ -184,11 +190,8 @@ def resolve_revision(model_name: str, revision: str) -> str:
     from huggingface_hub import snapshot_download
 
     offline = _hub_offline()
-    # huggingface_hub reads its cache location once, at import: honour HF_HUB_CACHE / HF_HOME set later too
-    hub_cache = os.environ.get("HF_HUB_CACHE") or (
-        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None)
     try:
-        return snapshot_download(model_name, revision=revision, local_files_only=offline, cache_dir=hub_cache,
+        return snapshot_download(model_name, revision=revision, local_files_only=offline, cache_dir=_hub_cache(),
                                  ignore_patterns=list(REVISION_IGNORED_FILES))
     except Exception as e:  # any failure (network, auth, unknown revision, not cached) means the same fix
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
@@ -216,7 +219,7 @@ def weights_identity(model_name: str, revision: str = "") -> str | None:
     from huggingface_hub import try_to_load_from_cache
 
     try:
-        found = try_to_load_from_cache(model_name, "config.json", revision=revision or None)
+        found = try_to_load_from_cache(model_name, "config.json", cache_dir=_hub_cache(), revision=revision or None)
     except Exception:  # a malformed id or cache: no identity, so nothing is cached
         return None
     return f"{model_name}@{Path(found).parent.name}" if isinstance(found, str) else None

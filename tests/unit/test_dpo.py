@@ -372,6 +372,18 @@ def test_pairs_and_their_reference_log_probabilities_are_cached_with_the_tokenis
     finally:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert reference_key(dataclasses_replace(cfg, model_name="someone/not-in-the-cache"), fp32, cpu) is None
+    hub = tmp_path / "hub"  # a hub id in the Hugging Face cache: named by its snapshot's commit
+    for commit in ("a" * 40, "b" * 40):
+        (hub / "models--org--tiny" / "snapshots" / commit).mkdir(parents=True)
+        (hub / "models--org--tiny" / "snapshots" / commit / "config.json").write_text("{}")
+    (hub / "models--org--tiny" / "refs").mkdir()
+    keys = []
+    for commit in ("a" * 40, "b" * 40):  # main moved on: another key
+        (hub / "models--org--tiny" / "refs" / "main").write_text(commit)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("HF_HUB_CACHE", str(hub))
+            keys.append(reference_key(dataclasses_replace(cfg, model_name="org/tiny"), fp32, cpu))
+    assert None not in keys and len(set(keys)) == 2
 
     values = np.array([[-1.5, -2.25]] * n)
     path = entry / f"reference-{key}.npy"
