@@ -240,7 +240,13 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv, objective: str = "sft") -> TrainR
     num_params, num_trainable = count_parameters(model)
     model = strategy.wrap(model)
     startup.mark("levers, adapters, wrap")
-    print0(f"model: {cfg.model_name} ({num_params:,} parameters, {num_trainable:,} trainable)")
+    quantized = ""
+    if cfg.quantization == "4bit":
+        qc = cfg.quantization_config
+        quantized = f"; frozen base weights in 4-bit {qc.quant_type}{' (double quantised)' if qc.use_double_quant else ''}"
+    elif cfg.quantization:
+        quantized = "; frozen base weights in 8-bit"
+    print0(f"model: {cfg.model_name} ({num_params:,} parameters, {num_trainable:,} trainable{quantized})")
     print0(f"strategy: {strategy.describe()}")
     dp_size = strategy.dims.dp_size
     split = (f" ({env.world_size} processes / {env.world_size // dp_size} that split each row)"

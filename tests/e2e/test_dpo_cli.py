@@ -33,8 +33,9 @@ def test_dpo_one_by_four_equals_two_by_two_under_ddp_fsdp_and_zero(tiny_model, r
     --low_cpu_fsdp), ZeRO-2 (the reference whole on each rank) and ZeRO-3 (the reference partitioned by an engine of
     its own, its log-probabilities precomputed: every rank joins each forward); FSDP and ZeRO-3 stopped after step 2
     and resumed from their checkpoints (ZeRO-3's resumed run reads the log-probabilities its first run kept in the
-    tokenised-data cache, and loads no reference). LoRA under FSDP, its reference's log-probabilities precomputed on
-    padding-free rows, starts at ln 2 too (its reference: the base with the adapter off) and trains the adapter."""
+    tokenised-data cache, and loads no reference). QLoRA under FSDP, its reference's log-probabilities precomputed on
+    padding-free rows, starts at ln 2 too (its reference: the 4-bit base with the adapter off) and trains the
+    adapter."""
     rows, weights = {}, {}
     initial = load_file(tiny_model / "model.safetensors")
     for name, (nproc, batch, extra, resumed) in LAYOUTS.items():
@@ -87,10 +88,12 @@ def test_dpo_one_by_four_equals_two_by_two_under_ddp_fsdp_and_zero(tiny_model, r
                 assert (weights[name][key] - value).norm() < 1e-2 * change.norm(), (name, key)
             else:
                 assert (weights[name][key] - value).abs().max() < 1e-5 * (1 + 2 * (near[name] > 1e-6)), (name, key)
-    out = tmp_path / "fsdp-lora"  # padding-free: another reference key, so computed here (each rank joins each forward)
+    out = tmp_path / "fsdp-qlora"  # 4-bit base, padding-free: another reference key, so computed here (each rank
+    # joins each forward)
     proc = run_cli("dpo", "--nproc_per_node", 2, "--batch_size_training", 2, "--model_name", tiny_model,
-                   "--output_dir", out, *RUN, "--enable_fsdp", "--use_peft", "--lr", 1e-2, "--precompute_ref_log_probs",
-                   "--padding_free", "true")
+                   "--output_dir", out, *RUN, "--enable_fsdp", "--use_peft", "--quantization", "4bit", "--lr", 1e-2,
+                   "--precompute_ref_log_probs", "--padding_free", "true")
+    assert "trainable; frozen base weights in 4-bit nf4 (double quantised))" in proc.stdout
     assert f"{PRECOMPUTED} computed before training, kept in the tokenised-data cache" in proc.stdout
     lora = step_rows(out)
     assert lora[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) and abs(lora[-1]["rewards/margins"]) > 1e-4
