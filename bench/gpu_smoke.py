@@ -16,7 +16,9 @@ and a check compares the losses of two runs step by step. The pairs and what the
   CPU, so this is its only check;
 - FSDP2 CPU offload against the GPU-resident run (and its peak GPU memory is lower): on CPU only the policy is
   checkable (tests/distributed/test_fsdp.py);
-- the FlashAttention varlen kernel against padded SDPA (bench/varlen_check.py).
+- the FlashAttention varlen kernel against padded SDPA (bench/varlen_check.py);
+- shardtune dpo under FSDP2 in bf16 (the frozen reference sharded and cast like the policy, so step 1 is ln 2 in
+  bf16 too) against fp32: on CPU the same placement in fp32, tests/e2e/test_dpo_cli.py.
 
 --cpu-smoke runs on CPU with the tiny preset and the test-only switch SHARDTUNE_TEST_LOW_PRECISION_ON_CPU
 (shardtune/runtime/precision.py), so that the comparison logic itself is tested where no GPU is.
@@ -70,6 +72,9 @@ RUNS: dict[str, tuple[str, ...]] = {
     "fast_kernels": ("--use_fast_kernels",),
     "qlora_fsdp_recipe": QLORA_SCALED_DOWN,
     "qlora_ddp": (*QLORA_SCALED_DOWN, "--enable_fsdp", "false", "--fsdp_config.fsdp_activation_checkpointing", "false"),
+    # shardtune dpo (runs named dpo_*): the policy and its frozen reference in bf16 under FSDP2 against fp32
+    "dpo_fp32": ("--mixed_precision", "false"),
+    "dpo_fsdp_bf16": ("--enable_fsdp",),
 }
 CHECKS = [
     Check("fsdp2_bf16_vs_fp32", "fsdp_bf16", "fp32", "bf16"),
@@ -81,6 +86,7 @@ CHECKS = [
     Check("qlora_fsdp_recipe_vs_qlora_ddp", "qlora_fsdp_recipe", "qlora_ddp", "bf16", ("bitsandbytes",)),
     Check("fast_kernels_vs_default", "fast_kernels", "ddp_bf16", "bf16"),
     Check("fsdp_cpu_offload_vs_resident", "fsdp_bf16_cpu_offload", "fsdp_bf16", "same"),
+    Check("dpo_fsdp2_bf16_vs_fp32", "dpo_fsdp_bf16", "dpo_fp32", "bf16"),
 ]
 VARLEN_CHECKS = {"varlen_flash_bf16_vs_padded_sdpa": ("--dtype", "bfloat16"),
                  "varlen_flash_autocast_vs_padded_sdpa": ("--dtype", "float32", "--autocast", "bfloat16"),
@@ -136,7 +142,8 @@ class Runner:
         if name not in self.rows:
             out = self.out_dir / name
             # the common flags override the run's (the QLoRA recipe's model, sizes and output_dir)
-            argv = [sys.executable, "-m", "shardtune", "sft", *RUNS[name], *self.common_flags(out),
+            command = "dpo" if name.startswith("dpo_") else "sft"
+            argv = [sys.executable, "-m", "shardtune", command, *RUNS[name], *self.common_flags(out),
                     "--output_dir", str(out)]
             try:
                 proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=self.env,

@@ -59,16 +59,21 @@ def test_varlen_check_of_the_gpu_smoke_suite_passes_in_its_cpu_mode(cache_dir):
 
 
 def test_gpu_smoke_suite_compares_losses_in_its_cpu_mode(cache_dir, tmp_path):
-    """bench/gpu_smoke.sh's CPU mode: FSDP2 in bf16 (the test-only switch) against the fp32 run, a table at the end."""
-    proc = subprocess.run(["bash", "bench/gpu_smoke.sh", "--cpu-smoke", "--only", "fsdp2_bf16_vs_fp32",
+    """bench/gpu_smoke.sh's CPU mode: FSDP2 in bf16 (the test-only switch) against the fp32 run, for shardtune sft and
+    shardtune dpo (the bf16 reference starts at ln 2 as the fp32 one), a table at the end."""
+    proc = subprocess.run(["bash", "bench/gpu_smoke.sh", "--cpu-smoke", "--only",
+                           "fsdp2_bf16_vs_fp32,dpo_fsdp2_bf16_vs_fp32",
                            "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO, env=cli_env(cache_dir),
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| check | result | max loss rel diff | tolerance | note |" in proc.stdout
-    row = next(line for line in proc.stdout.splitlines() if line.startswith("| fsdp2_bf16_vs_fp32 |"))
-    _, name, status, diff, tolerance, _, _ = row.split("|")
-    assert status.strip() == "PASS" and 0 < float(diff) <= float(tolerance), row
-    assert "compute bfloat16" in (tmp_path / "fsdp_bf16.log").read_text()
+    for check in ("fsdp2_bf16_vs_fp32", "dpo_fsdp2_bf16_vs_fp32"):
+        row = next(line for line in proc.stdout.splitlines() if line.startswith(f"| {check} |"))
+        _, name, status, diff, tolerance, _, _ = row.split("|")
+        assert status.strip() == "PASS" and 0 < float(diff) <= float(tolerance), row
+    for run in ("fsdp_bf16", "dpo_fsdp_bf16"):
+        assert "compute bfloat16" in (tmp_path / f"{run}.log").read_text(), run
+    assert "preference pairs" in (tmp_path / "dpo_fsdp_bf16.log").read_text()
 
 
 def test_gpu_smoke_comparison_fails_beyond_its_tolerance_and_on_missing_steps():
