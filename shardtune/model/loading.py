@@ -20,6 +20,7 @@ from tokenizers.models import BPE
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
 from shardtune.model.attention import attention_implementation
+from shardtune.model.saving import already_unwrapped
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.chat import PRESET_CHAT_TEMPLATE
 from shardtune.data.synthetic import corpus_for_tokenizer
@@ -93,7 +94,8 @@ def init_model(preset: str, out_dir: str | Path, seed: int = 0, dtype: torch.dty
             from None
     tokenizer = train_tokenizer()
     model = _random_model(preset, tokenizer, seed, dtype)
-    model.save_pretrained(tmp)
+    with already_unwrapped():
+        model.save_pretrained(tmp)
     _save_tokenizer(tokenizer, tmp)
     os.replace(tmp, out_dir)
     return out_dir

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -27,10 +29,30 @@ def save_hf_model(model: nn.Module, state_dict: dict[str, torch.Tensor], tokeniz
     staging = staging_dir(out_dir, "model")
     state_dict = cast_to_model_dtype(state_dict, model)
     written = {t.dtype for t in state_dict.values() if t.is_floating_point()}  # save_pretrained empties the dict
-    model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
+    with already_unwrapped():
+        model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
     state_config_dtype(staging / "config.json", written)
     tokenizer.save_pretrained(staging)
     return publish_dir(staging, out_dir)
+
+
+@contextlib.contextmanager
+def already_unwrapped() -> Iterator[None]:
+    """``save_pretrained`` first unwraps the model through accelerate, which imports DeepSpeed (when it is installed,
+    ~0.7 s and a "Setting accelerator to CPU" warning on CPU) only to test the model against DeepSpeed's engine
+    class. Our callers hand over the unwrapped model, so for the call transformers' ``unwrap_model`` is the
+    identity; a transformers without that name is left as it is."""
+    import transformers.modeling_utils as modeling_utils
+
+    original = getattr(modeling_utils, "unwrap_model", None)
+    if original is None:
+        yield
+        return
+    modeling_utils.unwrap_model = lambda model, *args, **kwargs: model
+    try:
+        yield
+    finally:
+        modeling_utils.unwrap_model = original
 
 
 def state_config_dtype(config_path: Path, written: set[torch.dtype]) -> None:

@@ -28,3 +28,27 @@ def test_the_report_lists_the_phases_in_order(monkeypatch):
     startup.mark("data")
     line = startup.phase_report()
     assert line.startswith("start-up: first step at ") and line.index("imports") < line.index("data")
+
+
+def test_publishing_a_model_does_not_import_deepspeed(tmp_path):
+    """transformers' save_pretrained unwraps through accelerate, which imports DeepSpeed (~0.7 s and a warning on
+    CPU) when it is installed; a run that does not use DeepSpeed publishes its model without it."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed, so nothing could import it")
+    script = f"""
+import sys
+from pathlib import Path
+from shardtune.model.loading import init_model, load_model, load_tokenizer
+from shardtune.model.saving import save_hf_model
+path = init_model("tiny", Path({str(tmp_path / "tiny")!r}))
+model = load_model(str(path))
+written = save_hf_model(model, dict(model.state_dict()), load_tokenizer(str(path)), Path({str(tmp_path / "out")!r}))
+print("model.safetensors" in written, "deepspeed" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "False"], proc.stdout + proc.stderr[-2000:]
