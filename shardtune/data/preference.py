@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from shardtune.config.schema import ConfigError
+from shardtune.data.batching import EXAMPLE_IDS, EXAMPLE_LENGTHS
 from shardtune.data.files import Row
 from shardtune.data.report import DataReport, RowFilter
 from shardtune.data.trl_formats import (
@@ -217,8 +218,30 @@ def load_pairs(cfg: Any, tokenizer: Any, split: str) -> tuple[list[dict], DataRe
 
 def collate_pair_units(units: list[list[Mapping]], cfg: Any, pad_id: int) -> dict[str, torch.Tensor]:
     """The training loader's collate for pairs (one pair per unit): :func:`collate_pairs` with the run's
-    --max_length and truncation mode, or :func:`collate_pairs_flat` with --padding_free."""
+    --max_length and truncation mode, or :func:`collate_pairs_flat` with --padding_free. Pairs that carry their
+    place in the training data (``index``) get LoRA dropout's per-token keys too (:func:`pair_example_ids`)."""
     pairs = [pair for unit in units for pair in unit]
     if cfg.padding_free:
-        return collate_pairs_flat(pairs, cfg.context_length, cfg.trl_dataset.truncation_mode)
-    return collate_pairs(pairs, pad_id, cfg.context_length, cfg.trl_dataset.truncation_mode)
+        batch = collate_pairs_flat(pairs, cfg.context_length, cfg.trl_dataset.truncation_mode)
+    else:
+        batch = collate_pairs(pairs, pad_id, cfg.context_length, cfg.trl_dataset.truncation_mode)
+    if pairs and all("index" in pair for pair in pairs):
+        batch.update(pair_example_ids(batch, [pair["index"] for pair in pairs]))
+    return batch
+
+
+def pair_example_ids(batch: dict[str, torch.Tensor], indices: list[int]) -> dict[str, torch.Tensor]:
+    """Per token, the keys of LoRA dropout masks that do not depend on the rank layout (shardtune.model.lora_dropout):
+    the sequence's global id (pair ``i``'s chosen ``2 i``, its rejected ``2 i + 1``; -1 on padding), its length, and
+    for padded rows the positions (what the model computes by default for right-padded rows)."""
+    ids = [2 * i for i in indices] + [2 * i + 1 for i in indices]  # chosen rows first, then rejected
+    if "cu_seq_lens" in batch:
+        lengths = batch["cu_seq_lens"].diff().long()
+        return {EXAMPLE_IDS: torch.repeat_interleave(torch.tensor(ids), lengths)[None],
+                EXAMPLE_LENGTHS: torch.repeat_interleave(lengths, lengths)[None]}
+    rows, width = batch["input_ids"].shape
+    real = batch["attention_mask"].bool()
+    lengths = real.sum(dim=1, keepdim=True).expand(rows, width)
+    return {EXAMPLE_IDS: torch.where(real, torch.tensor(ids)[:, None], -1),
+            EXAMPLE_LENGTHS: torch.where(real, lengths, 0),
+            "position_ids": torch.arange(width).expand(rows, width).clone()}

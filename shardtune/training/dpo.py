@@ -176,6 +176,7 @@ def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
     from shardtune.runtime.distributed import all_reduce_sum
 
     from shardtune.model.flops import num_input_tokens, preference_micro_batch_flops
+    from shardtune.model.lora_dropout import keyed_masks
 
     counted = [preference_micro_batch_flops(shape, mb) for mb in micro_batches] if shape is not None else [(0, 0)]
     local = torch.tensor([sum(num_pairs(mb) for mb in micro_batches),
@@ -188,7 +189,8 @@ def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
     last = len(micro_batches) - 1
     for i, mb in enumerate(micro_batches):
         sync = strategy.accumulating(model) if i < last else contextlib.nullcontext()
-        with sync:
+        # LoRA dropout's masks keyed by pair and step (backward too: activation checkpointing recomputes them)
+        with sync, keyed_masks(mb, cfg.seed, step if step is not None else 0):
             with strategy.autocast():
                 loss_sum = micro_batch_loss(model, ref_model, peft_model, mb, cfg.dpo, env.device, stats)
             strategy.backward(loss_sum * scale)

@@ -84,6 +84,8 @@ def load_data(cfg: TrainConfig, env: DistEnv, dims: ParallelDims, tokenizer, obj
         for split, (_, pair_report) in loaded.items():
             print0(f"data ({split}): {pair_report.summary()}")
         pairs = loaded["train"][0]
+        for index, pair in enumerate(pairs):  # its place in the data: LoRA dropout masks keyed by pair, not rank
+            pair["index"] = index
         data.steps_per_epoch(len(pairs), cfg, dims.dp_size)
         return [[pair] for pair in pairs], loaded["validation"][0] if cfg.run_validation else []
     loaded = {split: load_examples_cached(cfg, tokenizer, split, cache_dir()) for split in data_splits(cfg)}

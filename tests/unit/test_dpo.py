@@ -403,3 +403,46 @@ def dataclasses_replace(cfg: TrainConfig, **changes) -> TrainConfig:
     for name, value in changes.items():
         setattr(changed, name, value)
     return changed
+
+
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding_free"])
+def test_lora_dropout_masks_follow_the_pair_not_the_layout(padding_free, process_group, tiny, tokenizer, tmp_path):
+    """LoRA with dropout (peft's default 0.05; 0.3 here): 4 x 1, 2 x 2 and 1 x 4 pairs x accumulation give the same
+    adapter after a step, because each sequence's masks are keyed by its pair and the step, not drawn from the
+    rank's generator (at step 1 lora_B's gradient depends on the masks even with B = 0)."""
+    from shardtune.data.preference import collate_pair_units
+    from shardtune.model.peft import apply_peft
+    from shardtune.parallel import make_strategy
+    from shardtune.runtime.distributed import DistEnv
+    from shardtune.training.dpo import dpo_train_step
+
+    rows = ROWS["text"] + [{"prompt": "Summarize: Tom: hi!\nSummary:", "chosen": " Tom says hi.",
+                            "rejected": " Kate brings cake."}]
+    cfg0 = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", rows))
+    pairs, _ = load_pairs(cfg0, copy.deepcopy(tokenizer), "train")
+    for index, pair in enumerate(pairs):
+        pair["index"] = index
+    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend="gloo")
+    adapters = []
+    for batch_size, accumulation in ((4, 1), (2, 2), (1, 4)):
+        cfg = dpo_cfg(tmp_path / "pairs.jsonl")
+        cfg.batch_size_training, cfg.gradient_accumulation_steps, cfg.padding_free = batch_size, accumulation, padding_free
+        cfg.use_peft, cfg.lora_config.lora_dropout = True, 0.3
+        torch.manual_seed(0)  # the same adapter init in every layout
+        strategy = make_strategy(cfg, env)
+        model = strategy.wrap(apply_peft(load_model(str(tiny)), cfg))
+        trained = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(trained, lr=1.0)
+        micro = [collate_pair_units([[pair] for pair in pairs[i:i + batch_size]], cfg, tokenizer.pad_token_id)
+                 for i in range(0, 4, batch_size)]
+        assert all("example_ids" in mb and "position_ids" in mb for mb in micro)
+        stats = dpo_train_step(model, strategy, optimizer, micro, cfg, env, step=1,
+                               peft_model=strategy.unwrap(model))
+        assert stats["loss"] == pytest.approx(math.log(2), abs=1e-6)
+        adapters.append({n: p.detach().clone() for n, p in strategy.unwrap(model).named_parameters()
+                         if p.requires_grad})
+    first = adapters[0]
+    assert any(("lora_B" in n and v.abs().max() > 0) for n, v in first.items()), "the step moved lora_B"
+    for other in adapters[1:]:
+        for name, value in first.items():
+            torch.testing.assert_close(other[name], value, rtol=1e-5, atol=1e-6, msg=name)
