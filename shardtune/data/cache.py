@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -35,7 +36,7 @@ from shardtune.data.preference import load_pairs
 from shardtune.data.report import DataReport
 from shardtune.data.sources import load_examples
 from shardtune.data.trl_loading import uses_trl_formats
-from shardtune.runtime.files import fsync_dir, fsync_tree
+from shardtune.runtime.files import fsync_dir, fsync_tree, write_bytes_atomic
 
 FORMAT_VERSION = 1
 HASH_CHUNK_BYTES = 1 << 20
@@ -221,12 +222,8 @@ def read_reference_log_probs(path: Path, num_pairs: int) -> np.ndarray | None:
 
 
 def write_reference_log_probs(path: Path, values: np.ndarray) -> None:
-    """Written to a temporary name, fsynced and renamed into the pairs' entry folder (readers see all or nothing)."""
+    """Into the pairs' entry folder, atomically (readers see all or nothing)."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(values, dtype=np.float64))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        np.save(fh, np.ascontiguousarray(values, dtype=np.float64))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    write_bytes_atomic(path, buffer.getvalue())

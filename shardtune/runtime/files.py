@@ -54,8 +54,13 @@ def publish_dir(staging: Path, out_dir: Path) -> list[str]:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Written to a temporary name, fsynced and renamed: readers see the old file or the whole new one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
+    tmp.write_bytes(data)
     fsync_file(tmp)
     os.replace(tmp, path)
     fsync_dir(path.parent)
