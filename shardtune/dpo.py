@@ -12,8 +12,8 @@ if __name__ == "__main__":
 from shardtune.commands.sft import main  # noqa: E402
 
 if __name__ == "__main__":
-    from shardtune.cli import frozen_imports
+    from shardtune.cli import exit_without_teardown, frozen_imports
 
     with frozen_imports():  # the imports above are the process's for good
         status = main(sys.argv[1:], objective="dpo")
-    sys.exit(status)
+    exit_without_teardown(status)

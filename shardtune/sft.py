@@ -2,7 +2,6 @@
 itself is shardtune.commands.sft."""
 
 import signal
-import sys
 
 if __name__ == "__main__":
     # Ctrl-C reaches the launcher and every worker at once: while a worker imports, the launcher alone answers it
@@ -12,8 +11,8 @@ if __name__ == "__main__":
 from shardtune.commands.sft import main  # noqa: E402
 
 if __name__ == "__main__":
-    from shardtune.cli import frozen_imports
+    from shardtune.cli import exit_without_teardown, frozen_imports
 
     with frozen_imports():  # the imports above are the process's for good
         status = main()
-    sys.exit(status)
+    exit_without_teardown(status)

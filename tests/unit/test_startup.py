@@ -52,3 +52,30 @@ print("model.safetensors" in written, "deepspeed" in sys.modules)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["True", "False"], proc.stdout + proc.stderr[-2000:]
+
+
+def test_a_command_ends_without_the_interpreters_teardown_but_keeps_its_output_handlers_and_threads(tmp_path):
+    """The command's last act (shardtune.cli.exit_without_teardown): the exit handlers run, buffered output is
+    written, threads that are not daemons finish, the status is kept; the module teardown (and the collection of
+    everything imported) does not happen. sys.exit in its place fails the first assert."""
+    marker = tmp_path / "thread-finished"
+    program = f"""
+import atexit, sys, threading, time
+from shardtune.cli import exit_without_teardown
+
+class TornDown:
+    def __del__(self):
+        sys.stderr.write("torn down\\n")
+
+kept = TornDown()
+atexit.register(lambda: print("exit handler ran"))
+threading.Thread(target=lambda: (time.sleep(0.3), open({str(marker)!r}, "w").close())).start()
+print("buffered", end=" ")
+exit_without_teardown(3)
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=False)
+    assert "torn down" not in done.stderr, "the interpreter's teardown ran"
+    assert done.returncode == 3 and done.stdout == "buffered exit handler ran\n" and marker.is_file(), done
+    control = subprocess.run([sys.executable, "-c", program.replace("exit_without_teardown(3)", "sys.exit(3)")],
+                             capture_output=True, text=True, timeout=60, check=False)
+    assert "torn down" in control.stderr and control.returncode == 3  # the check above can see a teardown
