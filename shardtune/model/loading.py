@@ -40,6 +40,10 @@ PRESETS: dict[str, dict] = {
                  intermediate_size=176),
     "demo": dict(_COMMON, hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
                  intermediate_size=704),
+    # the demo's shape with a Llama-2-sized 32k vocabulary (~21M parameters): the output layer then costs what it
+    # costs in real fine-tunes (bench/: the workload of issue 23's measurement)
+    "demo-32k": dict(_COMMON, hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+                     intermediate_size=704, vocab_size=32000),
     "llama-1b-shape": dict(_COMMON, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                            num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
                            max_position_embeddings=8192, tie_word_embeddings=True),

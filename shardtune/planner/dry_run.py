@@ -63,8 +63,9 @@ def model_directory(model_name: str, into: Path, trust_remote_code: bool = False
     elif not model_name or model_name.startswith(PRESET_PREFIX):
         check_model_source(model_name)
         name = model_name.removeprefix(PRESET_PREFIX) or "demo"
-        config = dict(PRESETS[name], model_type="llama", vocab_size=TOKENIZER_VOCAB_SIZE,
-                      architectures=["LlamaForCausalLM"])
+        # the shared tokenizer's size unless the preset names its own vocabulary (as the built preset does)
+        config = {"vocab_size": TOKENIZER_VOCAB_SIZE, **PRESETS[name], "model_type": "llama",
+                  "architectures": ["LlamaForCausalLM"]}
     else:
         check_model_source(model_name, trust_remote_code=trust_remote_code)
         return model_name

@@ -320,3 +320,14 @@ def test_plan_objective_dpo_adds_the_reference_weights_per_shard_for_full_fine_t
     assert "\n  shardtune dpo --nproc_per_node 8 --model_name llama3-8b " in proc.stdout
     assert "shardtune dpo's flags: add --objective dpo" in main_in_process(
         "plan", "--model_name", "llama3-8b", "--precompute_ref_log_probs").stderr
+
+
+@pytest.mark.parametrize("preset,vocab", [("demo", 1024), ("demo-32k", 32000), ("llama-8b-shape", 128256)])
+def test_dry_run_describes_a_preset_with_its_own_vocabulary(tmp_path, preset, vocab):
+    # --dry_run writes the preset's config.json for the planner: a preset that names its vocabulary (the benchmark
+    # shapes) keeps it, the others get the shared tokenizer's size, as the built preset does
+    from shardtune.planner.dry_run import model_directory
+
+    written = model_directory(f"preset:{preset}", tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["vocab_size"] == vocab and written == str(tmp_path)
+    assert read_arch(f"preset:{preset}").vocab_size == vocab
