@@ -254,7 +254,8 @@ def main() -> None:
                                                                       "model_flops_per_s_median": 0.0}]
         result["mfu"] = {"shardtune_packing_median": median([r["mfu_median"] for r in packing]),
                          "model_flops_per_s_median": median([r["model_flops_per_s_median"] for r in packing]),
-                         "dataset": first["setup"]["dataset"]}
+                         "dataset": first["setup"]["dataset"], "preset": args.preset,
+                         "hidden_size": json.loads((Path(model) / "config.json").read_text())["hidden_size"]}
         save(result)
     if "overhead" in sections:
         print("overhead: train_step vs a bare PyTorch loop", flush=True)

@@ -81,11 +81,12 @@ def markdown(r: dict) -> str:
             lines.append("FSDP was not available in this build: DDP only.")
         lines.append("")
     if "mfu" in r:
-        lines += [f"**5. MFU on CPU** (demo preset, shardtune packing on {r['mfu'].get('dataset', 'the dialogues')}, "
-                  "median over steps): "
-                  f"{r['mfu']['shardtune_packing_median']:.1%} of the measured fp32 matmul peak "
-                  f"({r['mfu']['model_flops_per_s_median'] / 1e9:.1f} model GFLOP/s; FLOPs as computed: output "
-                  "layer on labelled tokens, causal attention, `shardtune/model/flops.py`). A 5M-parameter model with hidden size 256 runs small "
-                  "matmuls that do not reach the 2048 x 2048 peak.", ""]
+        m = r["mfu"]
+        lines += [f"**5. MFU on CPU** ({m.get('preset', 'demo')} preset, shardtune packing on "
+                  f"{m.get('dataset', 'the dialogues')}, median over steps): "
+                  f"{m['shardtune_packing_median']:.1%} of the measured fp32 matmul peak "
+                  f"({m['model_flops_per_s_median'] / 1e9:.1f} model GFLOP/s; FLOPs as computed: output "
+                  "layer on labelled tokens, causal attention, `shardtune/model/flops.py`). A model with hidden size "
+                  f"{m.get('hidden_size', 256)} runs small matmuls that do not reach the 2048 x 2048 peak.", ""]
     lines += ["GPU figures (bench/gpu.sh on one H200): pending, no GPU was available; see bench/results/gpu.md.", ""]
     return "\n".join(lines)
