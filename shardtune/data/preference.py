@@ -163,7 +163,8 @@ def collate_pairs_flat(pairs: list[Mapping], max_length: int | None, truncation_
     cu_seq_lens[1:] = torch.tensor(lengths).cumsum(0)
     batch = {"input_ids": input_ids[None], "completion_mask": completion[None],
              "position_ids": torch.cat([torch.arange(n) for n in lengths])[None], "cu_seq_lens": cu_seq_lens,
-             "max_length": torch.tensor(max(lengths))}
+             "max_length": torch.tensor(max(lengths)),
+             "completion_lengths": torch.tensor([sum(mask) for _, mask in rows], dtype=torch.long)}
     if pairs and all("ref_logps" in p for p in pairs):
         batch["ref_logps"] = torch.tensor([p["ref_logps"] for p in pairs], dtype=torch.float32)
     return batch
@@ -221,7 +222,7 @@ def collate_pair_units(units: list[list[Mapping]], cfg: Any, pad_id: int) -> dic
     --max_length and truncation mode, or :func:`collate_pairs_flat` with --padding_free. Pairs that carry their
     place in the training data (``index``) get LoRA dropout's per-token keys too (:func:`pair_example_ids`)."""
     pairs = [pair for unit in units for pair in unit]
-    if cfg.padding_free:
+    if cfg.padding_free or cfg.sequence_parallel_size * cfg.context_parallel_size > 1:  # split rows are flat
         batch = collate_pairs_flat(pairs, cfg.context_length, cfg.trl_dataset.truncation_mode)
     else:
         batch = collate_pairs(pairs, pad_id, cfg.context_length, cfg.trl_dataset.truncation_mode)

@@ -175,10 +175,16 @@ def preference_micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tenso
     full_logits = dataclasses.replace(shape, lean_loss=False)
     tokens = num_input_tokens(batch)
     forward = 2 * shape.num_matmul_params * tokens
-    attention_forward = causal_attention_flops(shape, sequence_lengths(batch)) // 3
-    # PaLM's attention term at each sequence's length: a padded row's width, a padding-free row's sequences
-    attended = (sum(n * n for n in sequence_lengths(batch)) if "cu_seq_lens" in batch
-                else batch["input_ids"].size(1) * tokens)
+    if SEQUENCE_LAYOUT in batch:  # a slice of a row split over ranks: its share of the whole row's attention
+        boundaries = batch[SEQUENCE_LAYOUT].cu_seq_lens
+        lengths = boundaries.diff().tolist()
+        attention_forward = causal_attention_flops(shape, lengths) * tokens // int(boundaries[-1]) // 3
+        attended = sum(n * n for n in lengths) * tokens // int(boundaries[-1])
+    else:
+        attention_forward = causal_attention_flops(shape, sequence_lengths(batch)) // 3
+        # PaLM's attention term at each sequence's length: a padded row's width, a padding-free row's sequences
+        attended = (sum(n * n for n in sequence_lengths(batch)) if "cu_seq_lens" in batch
+                    else batch["input_ids"].size(1) * tokens)
     palm_forward = 2 * shape.num_matmul_params * tokens + 4 * shape.num_layers * shape.hidden_size * attended
     return (micro_batch_flops(full_logits, batch) + forward + attention_forward,
             palm_micro_batch_flops(full_logits, batch) + palm_forward)

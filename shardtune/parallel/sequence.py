@@ -45,6 +45,11 @@ from shardtune.model.loss import IGNORE_INDEX, SEQUENCE_LAYOUT, SHIFT_LABELS, sh
 from shardtune.parallel.dims import ParallelDims
 
 SEQUENCE_ATTENTION = "shardtune_sequence_split"
+# each token's sequence in the micro-batch's whole row (0, 1, ...; the split's padding: the number of sequences), so
+# that per-sequence sums of a split row (DPO's log-probabilities) can be taken on each slice and all-reduced
+SEQUENCE_INDEX = "sequence_index"
+# a micro-batch's per-sequence values (not per token), which every slice of the row keeps whole
+PER_SEQUENCE_KEYS = ("ref_logps", "completion_lengths")
 
 
 # -- data side -------------------------------------------------------------------------------------------------------
@@ -98,7 +103,11 @@ def split_row(batch: dict[str, torch.Tensor], row_slice: RowSlice, pad_id: int) 
     if "cu_seq_lens" not in batch:
         raise ValueError("sequence splitting takes padding-free rows (collate_flat), got a padded batch")
     input_ids, position_ids = batch["input_ids"], batch["position_ids"]
-    targets = shift_labels(batch["labels"])
+    if "labels" in batch:
+        labels = batch["labels"]
+    else:  # pairs (shardtune.data.preference): the completion tokens are the targets
+        labels = torch.where(batch["completion_mask"].bool(), input_ids, IGNORE_INDEX)
+    targets = shift_labels(labels)
     length = input_ids.shape[1]
     padded = math.ceil(length / row_slice.row_multiple) * row_slice.row_multiple
     cu_seq_lens = batch["cu_seq_lens"].to(torch.int32)
@@ -119,8 +128,11 @@ def split_row(batch: dict[str, torch.Tensor], row_slice: RowSlice, pad_id: int) 
         shard = torch.cat([row[:, c * chunk_len:(c + 1) * chunk_len] for c in chunk_ids], dim=1)
         return shard[:, start:start + slice_len].contiguous()
 
+    sequence = torch.repeat_interleave(torch.arange(len(cu_seq_lens) - 1), cu_seq_lens.diff().long())[None]
     split = {"input_ids": mine(input_ids), "position_ids": mine(position_ids), SHIFT_LABELS: mine(targets),
+             SEQUENCE_INDEX: mine(sequence),
              SEQUENCE_LAYOUT: SequenceLayout(cu_seq_lens, max_length, chunk_ids, chunk_len)}
+    split.update({key: batch[key] for key in PER_SEQUENCE_KEYS if key in batch})
     for key, fill in ((EXAMPLE_IDS, -1), (EXAMPLE_LENGTHS, 0)):  # LoRA dropout's keys (shardtune.model.lora_dropout)
         if key in batch:
             row = batch[key]

@@ -12,6 +12,14 @@ accumulation) compute the same gradients up to float rounding.
 
 The reference: with PEFT the policy's own base with the adapter switched off (no second copy); for full
 fine-tuning a frozen copy (``ref_model``), which the caller wraps like the policy.
+
+Rows split over ranks (--sp_size / --cp_size, :class:`SplitRows`): the ranks of a cp x sp group hold slices of the
+same padding-free row of pairs (shardtune.parallel.sequence.split_row: targets shifted before the split, each token
+knowing its sequence). Each rank sums its slice's log-probabilities per sequence and one all-reduce over the group
+gives every rank the whole sums; the group's ranks then compute the same pair losses, and each backpropagates them
+into its own slice (:class:`SummedOverSplit`: the sum's gradient is the same for every part). The group's ranks count
+their pairs and metrics once (sums / group size), and the gradient average over all W ranks, undone by W as above,
+adds up the slices.
 """
 
 from __future__ import annotations
@@ -22,15 +30,46 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from shardtune.config.schema import DpoConfig
-from shardtune.model.loss import model_inputs
+from shardtune.data.formatting import IGNORE_INDEX
+from shardtune.model.loss import SHIFT_LABELS, model_inputs
+from shardtune.parallel.sequence import SEQUENCE_INDEX
 
 # The metrics of a step, TRL's names; each the mean over the step's global pairs.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
+
+
+@dataclass(frozen=True)
+class SplitRows:
+    """The ranks that split each row (a context x sequence parallel group): its process group, its size, and this
+    rank's slice of a collated row (shardtune.parallel.sequence.RowSlice)."""
+    group: dist.ProcessGroup
+    size: int
+    row_slice: object
+
+    def __call__(self, batch: dict, pad_id: int) -> dict:
+        return self.row_slice(batch, pad_id)
+
+
+class SummedOverSplit(torch.autograd.Function):
+    """Forward: the sum of every rank's partial per-sequence sums (all-reduce over the split group). Backward: the
+    incoming gradient as it is. Every rank of the group computes the same losses from the same totals, so the
+    gradient of a total is the same on each, and it is the gradient of each rank's part."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        total = partial.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 def predicted_completion(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -52,11 +91,14 @@ def sequence_sums(per_target: torch.Tensor, batch: dict[str, torch.Tensor]) -> t
         0, sequence, per_target[0])
 
 
-def pair_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device,
+               split: SplitRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) log-probabilities of the micro-batch's pairs, each (n,) in fp32, from one forward (of
-    2n padded rows, or of one padding-free row)."""
+    2n padded rows, or of one padding-free row, or of this rank's slice of it: ``split``)."""
     inputs = model_inputs(batch, device)
+    if SHIFT_LABELS in batch:  # a slice of a split row: its sums are partial, all-reduced over the split group
+        partial = slice_sequence_sums(model(**inputs, use_cache=False).logits, batch, device)
+        return SummedOverSplit.apply(partial, split.group).chunk(2, dim=0)
     logits = model(**inputs, use_cache=False).logits[:, :-1].float()
     targets = inputs["input_ids"][:, 1:]
     mask = predicted_completion(batch).to(device)
@@ -64,8 +106,22 @@ def pair_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.d
     return sequence_sums(per_token * mask, batch).chunk(2, dim=0)
 
 
+def slice_sequence_sums(logits: torch.Tensor, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Per sequence of the whole row (2n,), the sum of its completion log-probabilities that fall in this slice of a
+    split row: targets come shifted (``shift_labels``: the next token of the slice's last position lives elsewhere),
+    each token knows its sequence (``sequence_index``; the split's padding, index 2n, is dropped)."""
+    targets = batch[SHIFT_LABELS].to(device)
+    keep = targets != IGNORE_INDEX
+    per_token = torch.gather(logits.float().log_softmax(-1), 2, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    num = batch["completion_lengths"].numel()
+    index = batch[SEQUENCE_INDEX].to(device)[0].clamp(max=num)
+    return torch.zeros(num + 1, dtype=per_token.dtype, device=device).index_add(0, index, (per_token * keep)[0])[:num]
+
+
 def completion_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Completion tokens of each sequence (2n,), as TRL counts them for ipo (the unshifted completion mask)."""
+    if "completion_lengths" in batch:  # counted at collation (a split row's slices keep them)
+        return batch["completion_lengths"].float()
     mask = batch["completion_mask"].float()
     if "cu_seq_lens" not in batch:
         return mask.sum(dim=1)
@@ -79,7 +135,8 @@ def adapter_disabled(model: nn.Module) -> contextlib.AbstractContextManager:
 
 @torch.no_grad()
 def reference_logps(policy: nn.Module, ref_model: nn.Module | None, peft_model: nn.Module | None,
-                    batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                    batch: dict[str, torch.Tensor], device: torch.device, split: SplitRows | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's (chosen, rejected) log-probabilities: those the batch carries (--precompute_ref_log_probs),
     else ``ref_model``'s when given, else the policy's with the adapter of ``peft_model`` (the unwrapped PEFT model)
     switched off."""
@@ -87,11 +144,11 @@ def reference_logps(policy: nn.Module, ref_model: nn.Module | None, peft_model: 
         ref = batch["ref_logps"].to(device)
         return ref[:, 0], ref[:, 1]
     if ref_model is not None:
-        return pair_logps(ref_model, batch, device)
+        return pair_logps(ref_model, batch, device, split)
     if peft_model is None:
         raise ValueError("a reference needs ref_model (full fine-tuning) or peft_model (the adapter switched off)")
     with adapter_disabled(peft_model):
-        return pair_logps(policy, batch, device)
+        return pair_logps(policy, batch, device, split)
 
 
 def preference_losses(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
@@ -138,19 +195,28 @@ class PairStats:
 
 
 def micro_batch_loss(policy: nn.Module, ref_model: nn.Module | None, peft_model: nn.Module | None,
-                     batch: dict[str, torch.Tensor], dpo: DpoConfig, device: torch.device, stats: PairStats
-                     ) -> torch.Tensor:
+                     batch: dict[str, torch.Tensor], dpo: DpoConfig, device: torch.device, stats: PairStats,
+                     split: SplitRows | None = None) -> torch.Tensor:
     """The SUM of the micro-batch's pair losses (with its graph); the metrics' sums go into ``stats``."""
-    ref_chosen, ref_rejected = reference_logps(policy, ref_model, peft_model, batch, device)
-    chosen, rejected = pair_logps(policy, batch, device)
+    ref_chosen, ref_rejected = reference_logps(policy, ref_model, peft_model, batch, device, split)
+    chosen, rejected = pair_logps(policy, batch, device, split)
     losses = preference_losses(chosen, rejected, ref_chosen, ref_rejected, completion_lengths(batch), dpo)
     stats.add(losses, chosen, rejected, ref_chosen, ref_rejected, dpo.beta)
     return losses.sum()
 
 
 def num_pairs(batch: dict[str, torch.Tensor]) -> int:
+    if "completion_lengths" in batch:
+        return batch["completion_lengths"].numel() // 2
     sequences = len(batch["cu_seq_lens"]) - 1 if "cu_seq_lens" in batch else batch["input_ids"].shape[0]
     return sequences // 2
+
+
+def num_completion_targets(batch: dict[str, torch.Tensor]) -> int:
+    """Completion tokens predicted in this micro-batch (of this slice, for a split row)."""
+    if SHIFT_LABELS in batch:
+        return int((batch[SHIFT_LABELS] != IGNORE_INDEX).sum())
+    return int(predicted_completion(batch).sum())
 
 
 def check_loss_options(dpo: DpoConfig) -> None:
@@ -168,7 +234,8 @@ def check_loss_options(dpo: DpoConfig) -> None:
 
 def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
                    micro_batches: list[dict[str, torch.Tensor]], cfg, env, shape=None, step: int | None = None, *,
-                   ref_model: nn.Module | None = None, peft_model: nn.Module | None = None) -> dict:
+                   ref_model: nn.Module | None = None, peft_model: nn.Module | None = None,
+                   split: SplitRows | None = None) -> dict:
     """One optimizer step over this rank's micro-batches of pairs (the loop's ``step_fn``): the loss and metrics are
     means over the step's global pairs (all micro-batches, all ranks). ``num_tokens`` counts completion tokens
     (policy forward only); model FLOPs: the policy's training and the reference's forward
@@ -180,10 +247,12 @@ def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
 
     counted = [preference_micro_batch_flops(shape, mb) for mb in micro_batches] if shape is not None else [(0, 0)]
     local = torch.tensor([sum(num_pairs(mb) for mb in micro_batches),
-                          sum(int(predicted_completion(mb).sum()) for mb in micro_batches),
+                          sum(num_completion_targets(mb) for mb in micro_batches),
                           sum(num_input_tokens(mb) for mb in micro_batches),
                           sum(f for f, _ in counted), sum(p for _, p in counted)], dtype=torch.float64)
     pairs, num_tokens, input_tokens, flops, palm_flops = (int(x) for x in all_reduce_sum(local, env.device))
+    copies = split.size if split else 1  # the ranks of a split group hold the same pairs
+    pairs //= copies
     scale = strategy.grad_average_size / max(pairs, 1)  # the strategy's average over W ranks, undone
     stats = PairStats.zero()
     last = len(micro_batches) - 1
@@ -192,9 +261,9 @@ def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
         # LoRA dropout's masks keyed by pair and step (backward too: activation checkpointing recomputes them)
         with sync, keyed_masks(mb, cfg.seed, step if step is not None else 0):
             with strategy.autocast():
-                loss_sum = micro_batch_loss(model, ref_model, peft_model, mb, cfg.dpo, env.device, stats)
+                loss_sum = micro_batch_loss(model, ref_model, peft_model, mb, cfg.dpo, env.device, stats, split)
             strategy.backward(loss_sum * scale)
-    row = stats.means(all_reduce_sum(stats.sums, env.device), pairs)
+    row = stats.means(all_reduce_sum(stats.sums, env.device) / copies, pairs)
     max_norm = cfg.gradient_clipping_threshold if cfg.gradient_clipping else None
     grad_norm, stepped = strategy.clip_and_step(model, optimizer, max_norm,
                                                 lambda norm: math.isfinite(row["loss"]))
@@ -205,29 +274,33 @@ def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
 
 @torch.no_grad()
 def precompute_reference(pairs: list[dict], policy: nn.Module, strategy, cfg, env, pad_id: int, *,
-                         ref_model: nn.Module | None = None, peft_model: nn.Module | None = None) -> torch.Tensor:
+                         ref_model: nn.Module | None = None, peft_model: nn.Module | None = None,
+                         split: SplitRows | None = None) -> torch.Tensor:
     """--precompute_ref_log_probs: every pair's reference (chosen, rejected) log-probabilities, computed once before
     training and stored in the pair (``ref_logps``), which :func:`collate_pairs` carries into each batch; returned
-    as (pairs, 2) float64, the same on every rank. Rank r takes pairs r, r + W, ... in chunks of
-    --batch_size_training; every rank runs the same number of forwards (a rank short of pairs repeats the first,
-    not kept), as FSDP's collectives need; one all-reduce shares them."""
+    as (pairs, 2) float64, the same on every rank. Data-parallel rank r of D takes pairs r, r + D, ... in chunks of
+    --batch_size_training (the ranks of a split group each their slice of the same chunk); every rank runs the same
+    number of forwards (a rank short of pairs repeats the first, not kept), as FSDP's collectives need; one
+    all-reduce shares them."""
     from shardtune.data.preference import collate_pair_units
     from shardtune.runtime.distributed import all_reduce_sum
 
-    mine = list(range(env.rank, len(pairs), env.world_size))
+    dp_rank, dp_size = strategy.dims.dp_rank(env.rank), strategy.dims.dp_size
+    mine = list(range(dp_rank, len(pairs), dp_size))
     size = cfg.batch_size_training
-    num_chunks = math.ceil(math.ceil(len(pairs) / env.world_size) / size)
+    num_chunks = math.ceil(math.ceil(len(pairs) / dp_size) / size)
     values = torch.zeros(len(pairs), 2, dtype=torch.float64)
     policy.eval()
     for c in range(num_chunks):
         chunk = mine[c * size:(c + 1) * size]
         batch = collate_pair_units([[pairs[i]] for i in chunk or [0]], cfg, pad_id)
+        batch = split(batch, pad_id) if split else batch
         with strategy.autocast():
-            chosen, rejected = reference_logps(policy, ref_model, peft_model, batch, env.device)
+            chosen, rejected = reference_logps(policy, ref_model, peft_model, batch, env.device, split)
         if chunk:
             values[chunk] = torch.stack([chosen, rejected], dim=1).double().cpu()
     policy.train()
-    values = all_reduce_sum(values, env.device).cpu()
+    values = all_reduce_sum(values, env.device).cpu() / (split.size if split else 1)
     store_reference(pairs, values)
     return values
 
@@ -296,7 +369,8 @@ def compute_and_cache_reference(pairs: list[dict], cache_file, policy: nn.Module
 
 @torch.no_grad()
 def dpo_evaluate(model: nn.Module, strategy, cfg, env, eval_pairs: list[dict], pad_id: int, *,
-                 ref_model: nn.Module | None = None, peft_model: nn.Module | None = None) -> dict[str, float]:
+                 ref_model: nn.Module | None = None, peft_model: nn.Module | None = None,
+                 split: SplitRows | None = None) -> dict[str, float]:
     """The test split's loss and TRL's reward metrics, each the mean over all its pairs (all ranks), with TRL's
     ``eval_`` prefix (``eval_loss``, ``eval_rewards/margins``, ...); the pairs shared out as SFT's eval examples are
     (shardtune.data.batching.eval_shares), a rank short of chunks running a pair it does not count."""
@@ -310,25 +384,25 @@ def dpo_evaluate(model: nn.Module, strategy, cfg, env, eval_pairs: list[dict], p
     for i in range(num_batches):
         chunk = mine[i] if i < len(mine) else eval_pairs[:1]
         batch = collate_pair_units([[pair] for pair in chunk], cfg, pad_id)
+        batch = split(batch, pad_id) if split else batch  # eval rows are split like training rows
         with strategy.autocast():
             micro_batch_loss(model, ref_model, peft_model, batch, cfg.dpo, env.device,
-                             stats if i < len(mine) else PairStats.zero())
+                             stats if i < len(mine) else PairStats.zero(), split)
         counted += num_pairs(batch) if i < len(mine) else 0
     model.train()
-    total = int(all_reduce_sum(torch.tensor([counted], dtype=torch.float64), env.device)[0])
-    row = stats.means(all_reduce_sum(stats.sums, env.device), total)
+    copies = split.size if split else 1  # the ranks of a split group evaluate the same pairs
+    total = int(all_reduce_sum(torch.tensor([counted], dtype=torch.float64), env.device)[0]) // copies
+    row = stats.means(all_reduce_sum(stats.sums, env.device) / copies, total)
     return {f"eval_{name}": value for name, value in row.items()} | {"eval_num_pairs": total}
 
 
 def check_dpo_config(cfg, world_size: int) -> None:
     """What ``shardtune dpo`` supports (before launch; run by ``prepare``): DDP, FSDP and DeepSpeed ZeRO (with or
-    without PEFT), pairs padded per micro-batch or padding-free (--padding_free; not packed into blocks), evaluation
-    on the test split's pairs."""
+    without PEFT), pairs padded per micro-batch or padding-free (--padding_free; not packed into blocks; rows split
+    over ranks with --sp_size / --cp_size are always padding-free), evaluation on the test split's pairs."""
     from shardtune.config.schema import ConfigError
 
     check_loss_options(cfg.dpo)
-    if cfg.sequence_parallel_size * cfg.context_parallel_size > 1:
-        raise ConfigError("shardtune dpo does not split rows over ranks yet: drop --sp_size / --cp_size")
     # a micro-batch's pairs are collated chosen-then-rejected, never packed into blocks: padded rows, or one
     # padding-free row with --padding_free
     cfg.batching_strategy = "padding"

@@ -42,7 +42,7 @@ from shardtune.model.saving import save_hf_model
 from shardtune.model.speed import apply_speed_features
 from shardtune.parallel import make_strategy
 from shardtune.parallel.dims import ParallelDims
-from shardtune.parallel.sequence import SequenceGroups, use_sequence_attention
+from shardtune.parallel.sequence import RowSlice, SequenceGroups, use_sequence_attention
 from shardtune.runtime.distributed import (
     DistEnv,
     all_reduce_sum,
@@ -66,7 +66,7 @@ from shardtune.training.best_model import every
 from shardtune.training.checkpoint import Checkpointer, failure_reason
 from shardtune.training.checks import data_splits, prepare
 from shardtune.training.dpo import (
-    compute_and_cache_reference, dpo_evaluate, dpo_train_step, read_cached_reference, reference_key,
+    SplitRows, compute_and_cache_reference, dpo_evaluate, dpo_train_step, read_cached_reference, reference_key,
 )
 from shardtune.training.loop import TrainResult, planned_steps, train
 from shardtune.training.metrics import MetricsWriter
@@ -156,12 +156,15 @@ def dpo_objective(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Modu
     training, kept with each pair and in the tokenised-data cache beside the pairs (a later run of the same
     reference, a resumed one too, reads them); the reference model is then dropped."""
     pad_id = tokenizer.pad_token_id
+    split = split_rows(strategy, env)
 
     def build_reference() -> dict:
         if cfg.use_peft:
             return {"peft_model": strategy.unwrap(model)}
         frozen = build_model(cfg, env).eval().requires_grad_(False)
         apply_speed_features(frozen, cfg, env.device, say=False)  # the policy's kernels: at step 1 the two agree
+        if split:  # the reference computes the slices of a split row as the policy does
+            use_sequence_attention(frozen, SequenceGroups.from_mesh(strategy.mesh, strategy.dims))
         return {"ref_model": strategy.place_frozen(frozen)}
 
     if not cfg.dpo.precompute_ref_log_probs:
@@ -174,7 +177,7 @@ def dpo_objective(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Modu
         if missing:
             reference = build_reference()
             for pairs, file in missing:
-                compute_and_cache_reference(pairs, file, model, strategy, cfg, env, pad_id, **reference)
+                compute_and_cache_reference(pairs, file, model, strategy, cfg, env, pad_id, **reference, split=split)
         how = ("read from the tokenised-data cache (an earlier run of this reference; no reference model is loaded)"
                if not missing else "computed before training" + (
                    ", kept in the tokenised-data cache" if key else
@@ -182,8 +185,19 @@ def dpo_objective(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Modu
         print0(f"reference: log-probabilities of {len(train_pairs):,} train and {len(eval_pairs):,} test pairs "
                f"{how} (--precompute_ref_log_probs)")
         reference = {}
-    return {"step_fn": functools.partial(dpo_train_step, **reference), "collate_fn": collate_pair_units,
-            "eval_fn": lambda policy, pairs: dpo_evaluate(policy, strategy, cfg, env, pairs, pad_id, **reference)}
+    return {"step_fn": functools.partial(dpo_train_step, **reference, split=split), "collate_fn": collate_pair_units,
+            "eval_fn": lambda policy, pairs: dpo_evaluate(policy, strategy, cfg, env, pairs, pad_id, **reference,
+                                                          split=split)}
+
+
+def split_rows(strategy, env: DistEnv) -> SplitRows | None:
+    """The context x sequence parallel group that splits each row of pairs (None when rows are whole). Collective:
+    every rank creates the group's flattened process group at the same point."""
+    dims = strategy.dims
+    if not dims.sequence_split:
+        return None
+    group = strategy.mesh["cp", "sp"]._flatten("cp_sp").get_group()
+    return SplitRows(group, dims.cp * dims.sp, RowSlice.of_rank(dims, env.rank))
 
 
 def hold_output_dir(cfg: TrainConfig, env: DistEnv) -> RunLock | None:

@@ -211,10 +211,9 @@ def test_eval_suggests_its_own_flags_for_a_typo(cli_in_process):
 
 
 @pytest.mark.parametrize("flags,needles", [
-    (("--nproc_per_node", 2, "--sp_size", 2), ("does not split rows over ranks yet", "--sp_size")),
     (("--log_eval_samples", 2), ("--log_eval_samples generates summaries",)),
     (("--loss_type", "hinge", "--label_smoothing", 0.1), ("--label_smoothing 0.1 has no effect",)),
-], ids=["sequence_parallel", "log_eval_samples", "label_smoothing"])
+], ids=["log_eval_samples", "label_smoothing"])
 def test_what_dpo_does_not_run_is_refused_before_launch(flags, needles, tiny_model, cli_in_process, tmp_path):
     """What shardtune dpo does not build is one line before any process starts (DeepSpeed ZeRO it runs)."""
     proc = cli_in_process("dpo", "--model_name", tiny_model, "--output_dir", tmp_path / "out", *flags)

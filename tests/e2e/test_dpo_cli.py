@@ -24,7 +24,11 @@ ZERO = ("--enable_deepspeed", "--deepspeed_config.zero_stage")
 STOP_AT_2 = ("--save_steps", 1, "--max_train_step", 2)
 # name -> (processes, pairs per process, flags, resumed: stopped after step 2, then resumed from its checkpoint)
 LAYOUTS = {"one": (1, 4, (), False), "ddp": (2, 2, ("--padding_free", "true"), False),
-           "fsdp": (2, 2, ("--enable_fsdp", "--low_cpu_fsdp"), True), "zero2": (2, 2, (*ZERO, 2), False), "zero3": (2, 2, (*ZERO, 3, "--precompute_ref_log_probs"), True)}
+           "fsdp": (2, 2, ("--enable_fsdp", "--low_cpu_fsdp"), True), "zero2": (2, 2, (*ZERO, 2), False),
+           # each row of 4 pairs split over 2 ranks: Ulysses under DDP, ring attention under FSDP
+           "sp": (2, 4, ("--sp_size", 2), False), "cp_fsdp": (2, 4, ("--cp_size", 2, "--enable_fsdp"), False),
+           "zero3": (2, 2, (*ZERO, 3, "--precompute_ref_log_probs"), True)}  # last: its log is checked below
+SPLIT = ("--sp_size", "--cp_size")
 
 
 def test_dpo_one_by_four_equals_two_by_two_under_ddp_fsdp_and_zero(tiny_model, run_cli, tmp_path):
@@ -33,9 +37,10 @@ def test_dpo_one_by_four_equals_two_by_two_under_ddp_fsdp_and_zero(tiny_model, r
     --low_cpu_fsdp), ZeRO-2 (the reference whole on each rank) and ZeRO-3 (the reference partitioned by an engine of
     its own, its log-probabilities precomputed: every rank joins each forward); FSDP and ZeRO-3 stopped after step 2
     and resumed from their checkpoints (ZeRO-3's resumed run reads the log-probabilities its first run kept in the
-    tokenised-data cache, and loads no reference). QLoRA under FSDP, its reference's log-probabilities precomputed on
-    padding-free rows, starts at ln 2 too (its reference: the 4-bit base with the adapter off) and trains the
-    adapter."""
+    tokenised-data cache, and loads no reference). 1 x 4 with each row of pairs split over 2 ranks (--sp_size under
+    DDP, --cp_size under FSDP: the policy and its reference compute slices, per-sequence sums all-reduced) equals it
+    too. QLoRA under FSDP with rows split (--sp_size 2), its reference's log-probabilities precomputed on the split
+    rows, starts at ln 2 too (its reference: the 4-bit base with the adapter off) and trains the adapter."""
     rows, weights = {}, {}
     initial = load_file(tiny_model / "model.safetensors")
     for name, (nproc, batch, extra, resumed) in LAYOUTS.items():
@@ -44,6 +49,8 @@ def test_dpo_one_by_four_equals_two_by_two_under_ddp_fsdp_and_zero(tiny_model, r
                 "--output_dir", out, *RUN, *extra)
         proc = run_cli(*args, *(STOP_AT_2 if resumed else ()))
         assert "preference pairs" in proc.stdout and "done:" in proc.stdout
+        if set(SPLIT) & set(extra):  # each is what its name says
+            assert "long rows split over ranks: " + ("Ulysses" if "--sp_size" in extra else "ring") in proc.stdout
         if "--precompute_ref_log_probs" in extra:
             assert f"{PRECOMPUTED} computed before training, kept in the tokenised-data cache" in proc.stdout, name
         if resumed:
@@ -59,7 +66,7 @@ def test_dpo_one_by_four_equals_two_by_two_under_ddp_fsdp_and_zero(tiny_model, r
     # padding-free rows sum each sequence's log-probabilities in another order: rewards (differences of sums) agree to
     # ~5e-6 there, to ~1e-7 between the padded layouts. Precomputed reference log-probabilities come from forwards of
     # other batches than the policy's, so their rounding no longer cancels the policy's in the rewards: ~5e-6 too
-    near = {name: 2e-5 if {"--padding_free", "--precompute_ref_log_probs"} & set(LAYOUTS[name][2]) else 1e-6
+    near = {name: 2e-5 if {"--padding_free", "--precompute_ref_log_probs", *SPLIT} & set(LAYOUTS[name][2]) else 1e-6
             for name in LAYOUTS}
     for name, e in evals.items():
         for metric in ("eval_loss", *(f"eval_{m}" for m in REWARDS)):
@@ -92,8 +99,9 @@ def test_dpo_one_by_four_equals_two_by_two_under_ddp_fsdp_and_zero(tiny_model, r
     # joins each forward)
     proc = run_cli("dpo", "--nproc_per_node", 2, "--batch_size_training", 2, "--model_name", tiny_model,
                    "--output_dir", out, *RUN, "--enable_fsdp", "--use_peft", "--quantization", "4bit", "--lr", 1e-2,
-                   "--precompute_ref_log_probs", "--padding_free", "true")
+                   "--precompute_ref_log_probs", "--padding_free", "true", "--sp_size", 2)
     assert "trainable; frozen base weights in 4-bit nf4 (double quantised))" in proc.stdout
+    assert "long rows split over ranks: Ulysses sequence parallel 2" in proc.stdout
     assert f"{PRECOMPUTED} computed before training, kept in the tokenised-data cache" in proc.stdout
     lora = step_rows(out)
     assert lora[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) and abs(lora[-1]["rewards/margins"]) > 1e-4

@@ -446,3 +446,45 @@ def test_lora_dropout_masks_follow_the_pair_not_the_layout(padding_free, process
     for other in adapters[1:]:
         for name, value in first.items():
             torch.testing.assert_close(other[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("cp,sp", [(1, 2), (2, 1), (2, 2)])
+def test_the_slices_of_a_split_row_of_pairs_add_up_to_the_whole_rows_log_probabilities(cp, sp, tiny, tokenizer,
+                                                                                        tmp_path):
+    """--sp_size / --cp_size: each rank of a cp x sp group holds a slice of the row of pairs (shardtune.parallel.
+    sequence.split_row: targets shifted before the split, the row padded to a multiple of 2 cp sp, context-parallel
+    chunks load-balanced); its per-sequence partial sums over all ranks add up to the whole row's log-probabilities,
+    and every slice keeps the pairs' per-sequence values (completion lengths, precomputed reference)."""
+    from shardtune.data.preference import collate_pair_units
+    from shardtune.parallel.dims import ParallelDims
+    from shardtune.parallel.sequence import RowSlice
+    from shardtune.training.dpo import completion_lengths, num_completion_targets, num_pairs, slice_sequence_sums
+
+    cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["chat"]))
+    cfg.sequence_parallel_size, cfg.context_parallel_size = sp, cp
+    pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
+    for i, pair in enumerate(pairs):
+        pair["ref_logps"] = (-1.0 - i, -2.0 - i)
+    whole = collate_pair_units([[p] for p in pairs], cfg, tokenizer.pad_token_id)  # split rows are padding-free
+    assert "cu_seq_lens" in whole and "attention_mask" not in whole
+    logits = torch.randn(1, whole["input_ids"].shape[1], 1024, generator=torch.Generator().manual_seed(0))
+
+    class Logits(torch.nn.Module):  # the whole row's logits, as a model would return them
+        def forward(self, **_):
+            return type("Out", (), {"logits": logits})()
+
+    cpu = torch.device("cpu")
+    expected = torch.cat(pair_logps(Logits(), whole, cpu))
+    dims = ParallelDims.from_config(cfg, cp * sp)
+    positions = dict(whole, input_ids=torch.arange(whole["input_ids"].shape[1])[None])  # which tokens a slice holds
+    total, targets = torch.zeros_like(expected), 0
+    for rank in range(cp * sp):
+        row_slice = RowSlice.of_rank(dims, rank)
+        part = row_slice(whole, tokenizer.pad_token_id)
+        held = row_slice(positions, tokenizer.pad_token_id)["input_ids"][0].clamp(max=logits.shape[1] - 1)
+        assert num_pairs(part) == len(pairs) and torch.equal(part["ref_logps"], whole["ref_logps"])
+        assert torch.equal(completion_lengths(part), completion_lengths(whole))
+        total += slice_sequence_sums(logits[:, held], part, cpu)
+        targets += num_completion_targets(part)
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-4)
+    assert targets == num_completion_targets(whole)
