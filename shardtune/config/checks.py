@@ -68,10 +68,11 @@ def check_core(cfg: TrainConfig, world_size: int) -> None:
             for o in owners:
                 target = getattr(target, o)
             value = getattr(target, name)
-            if value not in choices:
-                close = difflib.get_close_matches(str(value), choices, n=1)
-                hint = f"did you mean {close[0]}?" if close else "choose one of " + ", ".join(choices)
-                raise ConfigError(f"--{key} {value!r} is not valid: {hint}")
+            for one in value if isinstance(value, list) else [value]:  # a list setting: each of its values
+                if one not in choices:
+                    close = difflib.get_close_matches(str(one), choices, n=1)
+                    hint = f"did you mean {close[0]}?" if close else "choose one of " + ", ".join(choices)
+                    raise ConfigError(f"--{key} {one!r} is not valid: {hint}")
     for frac_key in ("samsum_dataset.validation_fraction", "alpaca_dataset.validation_fraction"):
         owner, name = frac_key.split(".")
         frac = getattr(getattr(cfg, owner), name)

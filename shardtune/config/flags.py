@@ -65,6 +65,8 @@ def _parse_value(key: str, typ: type, raw: Any) -> Any:
                 raise ConfigError(f"--{key} {raw!r} is not a number: pass e.g. 1e-4") from None
         if typ == list[str]:
             return [p.strip() for p in text.split(",") if p.strip()]
+        if typ == list[float]:
+            return [_parse_value(key, float, p) for p in text.split(",") if p.strip()]
         return raw
     # values from YAML keep their type, checked here
     if typ is bool and not isinstance(raw, bool):
@@ -81,7 +83,23 @@ def _parse_value(key: str, typ: type, raw: Any) -> Any:
         if isinstance(raw, list):
             return [str(x) for x in raw]
         raise ConfigError(f"{key}: {raw!r} is not a list: pass a YAML list or a comma-separated string")
+    if typ == list[float]:
+        if isinstance(raw, list):
+            return [_parse_value(key, float, x) for x in raw]
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return [float(raw)]
+        raise ConfigError(f"{key}: {raw!r} is not a list of numbers: pass a YAML list or a comma-separated string")
     return raw
+
+
+def _takes_a_list(name: str) -> bool:
+    """Whether flag ``name`` is a list setting, whose values may follow it one by one (``--loss_type sigmoid sft``,
+    as TRL's parser takes them)."""
+    try:
+        typ = flat_fields()[resolve_key(name)][0]
+    except (ConfigError, KeyError):
+        return False
+    return typ in (list[str], list[float])
 
 
 def resolve_key(key: str) -> str:
@@ -163,6 +181,9 @@ def _flag_pairs(argv: list[str]) -> tuple[list[tuple[str, Any]], str | None]:
             else:
                 value = nxt
                 i += 1
+                while _takes_a_list(name) and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                    value = f"{value},{argv[i + 1]}"  # the comma-separated form of the same list
+                    i += 1
         i += 1
         if name == "config":
             if value is None:
@@ -343,5 +364,6 @@ def help_text(command: str = "sft") -> str:
                  + " (docs/flags.md: the whole table)")
     if command == "dpo":
         lines.append("dpo: the training flags of sft, on preference pairs (prompt / chosen / rejected, TRL's formats), "
-                     "with --beta, --loss_type and --label_smoothing (docs/dpo.md)")
+                     "with --beta, --loss_type, --loss_weights, --label_smoothing, --f_divergence_type, "
+                     "--f_alpha_divergence_coef and --discopop_tau (docs/dpo.md)")
     return "\n".join(lines)

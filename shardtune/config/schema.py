@@ -95,7 +95,10 @@ class TrlDatasetConfig:
                                             "or keep_end", choices=TRUNCATION_MODES)
 
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
+# TRL 1.16's per-pair losses, and sft (the NLL of the chosen completions, RPO's term; with others: --loss_weights)
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
+                  "apo_down", "discopop", "sigmoid_norm", "sft")
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 
 
 @dataclass
@@ -104,11 +107,22 @@ class DpoConfig:
 
     beta: float = _f(0.1, "how far the policy may move from the reference (sigmoid, hinge, robust); ipo: the "
                           "regularisation parameter tau")
-    loss_type: str = _f("sigmoid", "the preference loss: sigmoid (DPO), ipo, hinge, robust", choices=DPO_LOSS_TYPES)
-    label_smoothing: float = _f(0.0, "robust: the probability that a preference label is flipped, in [0, 0.5)")
+    loss_type: list[str] = _f(["sigmoid"], "the preference loss, or several summed with --loss_weights (TRL 1.16's "
+                                           "names: sigmoid (DPO), ipo, hinge, robust, exo_pair, nca_pair, bco_pair, "
+                                           "sppo_hard, apo_zero, apo_down, discopop, sigmoid_norm, sft)",
+                              choices=DPO_LOSS_TYPES)
+    loss_weights: list[float] = _f([], "one weight per --loss_type (default: 1 each)")
+    label_smoothing: float = _f(0.0, "robust: the probability that a preference label is flipped, in [0, 0.5); "
+                                     "exo_pair: the epsilon of its target distribution, in (0, 0.5)")
+    f_divergence_type: str = _f("reverse_kl", "the divergence the log-ratios go through: reverse_kl (DPO), "
+                                              "forward_kl, js_divergence, alpha_divergence", choices=F_DIVERGENCES)
+    f_alpha_divergence_coef: float = _f(0.5, "alpha_divergence: its alpha")
+    discopop_tau: float = _f(0.05, "discopop: the temperature of its mixing of the logistic and exponential losses")
     precompute_ref_log_probs: bool = _f(False, "one reference pass over the train and test pairs before training, "
                                                "kept with each pair; the reference model is then freed (full "
                                                "fine-tuning: no second copy in memory while training)")
+    precompute_ref_batch_size: int = _f(0, "pairs per forward of the --precompute_ref_log_probs pass, per device "
+                                           "(0: --batch_size_training)")
 
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")

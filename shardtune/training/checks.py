@@ -77,7 +77,8 @@ def prepare(cfg: TrainConfig, world_size: int, objective: str = "sft") -> None:
     if objective == "dpo":
         check_dpo_config(cfg, world_size)
     elif cfg.dpo != DpoConfig():
-        raise ConfigError("--beta / --loss_type / --label_smoothing are DPO flags: run shardtune dpo, or drop them")
+        raise ConfigError("--beta / --loss_type / --loss_weights / --label_smoothing / --f_divergence_type / "
+                          "--discopop_tau are DPO flags: run shardtune dpo, or drop them")
     validate(cfg, world_size)
     cfg.model_name = resolve_revision(resolve_model_name(cfg.model_name), cfg.model_revision)
     cfg.model_revision = ""  # resolved: model_name is the revision's snapshot (the workers and config.yaml read it)

@@ -151,58 +151,127 @@ def reference_logps(policy: nn.Module, ref_model: nn.Module | None, peft_model: 
         return pair_logps(policy, batch, device, split)
 
 
+def loss_terms(dpo: DpoConfig) -> list[tuple[str, float]]:
+    """(loss type, weight) of each --loss_type, weighted by --loss_weights (1 each when not given), as TRL sums them."""
+    types = [dpo.loss_type] if isinstance(dpo.loss_type, str) else list(dpo.loss_type)
+    return list(zip(types, list(dpo.loss_weights) or [1.0] * len(types)))
+
+
+def sft_weight(dpo: DpoConfig) -> float:
+    """The weight of the ``sft`` term (the NLL of the chosen completions, a mean over their tokens; 0: none)."""
+    return sum(weight for loss_type, weight in loss_terms(dpo) if loss_type == "sft")
+
+
+def divergence_scores(logratios: torch.Tensor, dpo: DpoConfig) -> torch.Tensor:
+    """The log-ratios through --f_divergence_type's f'(t), t = pi / pi_ref (f-DPO; reverse_kl: the log-ratios)."""
+    kind = dpo.f_divergence_type
+    if kind == "forward_kl":  # f'(t) = 1 - 1 / t
+        return 1 - torch.exp(-logratios)
+    if kind == "js_divergence":  # f'(t) = log(2 t / (t + 1))
+        return math.log(2) + F.logsigmoid(logratios)
+    if kind == "alpha_divergence" and abs(dpo.f_alpha_divergence_coef - 1.0) >= 1e-6:  # (t^(a - 1) - 1) / (a - 1)
+        a = dpo.f_alpha_divergence_coef
+        return (torch.exp(((a - 1.0) * logratios).clamp(max=80.0)) - 1.0) / (a - 1.0)
+    return logratios  # reverse_kl, and alpha_divergence's limit at alpha = 1
+
+
+# the losses that are functions of the divergence scores' difference (TRL: the others have no f-DPO form)
+F_DIVERGENCE_LOSSES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"}
+
+
 def preference_losses(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
                       ref_rejected: torch.Tensor, lengths: torch.Tensor, dpo: DpoConfig) -> torch.Tensor:
-    """Per-pair losses (n,), as TRL 1.16 (reverse KL, no length weighting). ``lengths``: the micro-batch's completion
-    lengths (2n,) (:func:`completion_lengths`), for ipo's per-token normalisation."""
+    """Per-pair losses (n,), as TRL 1.16 computes them: each --loss_type's term times its weight, summed (``sft``,
+    a mean over tokens rather than pairs, is added by the caller: :func:`sft_weight`). ``lengths``: the micro-batch's
+    completion lengths (2n,) (:func:`completion_lengths`), for ipo's and sigmoid_norm's per-token normalisation."""
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
-    delta = chosen_ratio - rejected_ratio
-    if dpo.loss_type == "sigmoid":
-        return -F.logsigmoid(dpo.beta * delta)
-    if dpo.loss_type == "hinge":
-        return torch.relu(1 - dpo.beta * delta)
-    if dpo.loss_type == "ipo":
-        chosen_len, rejected_len = lengths.to(chosen.device).clamp(min=1.0).chunk(2, dim=0)
-        return (chosen_ratio / chosen_len - rejected_ratio / rejected_len - 1 / (2 * dpo.beta)) ** 2
-    if dpo.loss_type == "robust":
-        eps = dpo.label_smoothing
-        return (-(1 - eps) * F.logsigmoid(dpo.beta * delta) + eps * F.logsigmoid(-dpo.beta * delta)) / (1 - 2 * eps)
-    raise ValueError(f"unknown --loss_type {dpo.loss_type}")
+    chosen_score, rejected_score = divergence_scores(chosen_ratio, dpo), divergence_scores(rejected_ratio, dpo)
+    beta, eps = dpo.beta, dpo.label_smoothing
+    margin = beta * (chosen_score - rejected_score)
+    chosen_len, rejected_len = lengths.to(chosen.device).float().clamp(min=1.0).chunk(2, dim=0)
+    per_token = chosen_score / chosen_len - rejected_score / rejected_len
+    total = torch.zeros_like(chosen)
+    for loss_type, weight in loss_terms(dpo):
+        if loss_type == "sigmoid":
+            loss = -F.logsigmoid(margin)
+        elif loss_type == "hinge":
+            loss = torch.relu(1 - margin)
+        elif loss_type == "ipo":  # per completion token (TRL, with the IPO authors)
+            loss = (per_token - 1 / (2 * beta)) ** 2
+        elif loss_type == "sigmoid_norm":
+            loss = -F.logsigmoid(beta * per_token)
+        elif loss_type == "robust":
+            loss = (-(1 - eps) * F.logsigmoid(margin) + eps * F.logsigmoid(-margin)) / (1 - 2 * eps)
+        elif loss_type == "exo_pair":  # KL(p_theta || p_target) over {chosen, rejected}, target (1 - eps, eps)
+            loss = (torch.sigmoid(margin) * (F.logsigmoid(margin) - math.log1p(-eps))
+                    + torch.sigmoid(-margin) * (F.logsigmoid(-margin) - math.log(eps)))
+        elif loss_type == "nca_pair":
+            loss = (-F.logsigmoid(beta * chosen_ratio) - 0.5 * F.logsigmoid(-beta * chosen_ratio)
+                    - 0.5 * F.logsigmoid(-beta * rejected_ratio))
+        elif loss_type == "bco_pair":
+            loss = -F.logsigmoid(beta * chosen_ratio) - F.logsigmoid(-beta * rejected_ratio)
+        elif loss_type == "sppo_hard":  # the winner's log-ratio pulled to 1 / (2 beta), the loser's to -1 / (2 beta)
+            loss = (chosen_ratio - 0.5 / beta) ** 2 + (rejected_ratio + 0.5 / beta) ** 2
+        elif loss_type == "apo_zero":
+            loss = (1 - torch.sigmoid(beta * chosen_ratio)) + torch.sigmoid(beta * rejected_ratio)
+        elif loss_type == "apo_down":
+            loss = torch.sigmoid(beta * chosen_ratio) + (1 - torch.sigmoid(beta * (chosen_ratio - rejected_ratio)))
+        elif loss_type == "discopop":  # logistic and exponential losses, mixed by the margin
+            mix = torch.sigmoid(margin / dpo.discopop_tau)
+            loss = -F.logsigmoid(margin) * (1 - mix) + torch.exp(-margin) * mix
+        elif loss_type == "sft":
+            continue
+        else:
+            raise ValueError(f"unknown --loss_type {loss_type}")
+        total = total + weight * loss
+    return total
 
 
 @dataclass
 class PairStats:
-    """Sums over pairs (float64, on the CPU): the loss and the metrics' numerators."""
+    """Sums over pairs (float64, on the CPU): the pair losses, the metrics' numerators, and the chosen completions'
+    NLL (the ``sft`` term's numerator)."""
 
     sums: torch.Tensor
 
     @classmethod
     def zero(cls) -> PairStats:
-        return cls(torch.zeros(1 + len(METRICS), dtype=torch.float64))
+        return cls(torch.zeros(2 + len(METRICS), dtype=torch.float64))
 
     def add(self, losses: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
             ref_rejected: torch.Tensor, beta: float) -> None:
         chosen_rewards = beta * (chosen - ref_chosen).detach()
         rejected_rewards = beta * (rejected - ref_rejected).detach()
         values = (losses.detach(), chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).float(),
-                  chosen_rewards - rejected_rewards, chosen.detach(), rejected.detach())
+                  chosen_rewards - rejected_rewards, chosen.detach(), rejected.detach(), -chosen.detach())
         self.sums += torch.stack([v.double().sum().cpu() for v in values])
 
-    def means(self, summed: torch.Tensor, num_pairs: int) -> dict[str, float]:
-        """``summed``: these sums all-reduced over ranks."""
+    def means(self, summed: torch.Tensor, num_pairs: int, chosen_tokens: int = 0, sft: float = 0.0
+              ) -> dict[str, float]:
+        """``summed``: these sums all-reduced over ranks; the loss is the pair losses' mean plus ``sft`` x the NLL of
+        the ``chosen_tokens`` chosen completion tokens, per token (as TRL's ``sft`` term)."""
         n = max(num_pairs, 1)
-        return {"loss": float(summed[0]) / n, **{name: float(summed[i + 1]) / n for i, name in enumerate(METRICS)}}
+        loss = float(summed[0]) / n + (sft * float(summed[-1]) / max(chosen_tokens, 1) if sft else 0.0)
+        return {"loss": loss, **{name: float(summed[i + 1]) / n for i, name in enumerate(METRICS)}}
 
 
 def micro_batch_loss(policy: nn.Module, ref_model: nn.Module | None, peft_model: nn.Module | None,
                      batch: dict[str, torch.Tensor], dpo: DpoConfig, device: torch.device, stats: PairStats,
-                     split: SplitRows | None = None) -> torch.Tensor:
-    """The SUM of the micro-batch's pair losses (with its graph); the metrics' sums go into ``stats``."""
+                     split: SplitRows | None = None, sft_scale: float | None = None) -> torch.Tensor:
+    """The SUM of the micro-batch's pair losses (with its graph), plus with an ``sft`` term its weight x the chosen
+    completions' NLL x ``sft_scale`` (pairs per chosen completion token of the step: the term is then a mean over
+    tokens, not pairs, once the caller divides by the pairs; None: this micro-batch's, as TRL for one batch); the
+    metrics' sums go into ``stats``."""
     ref_chosen, ref_rejected = reference_logps(policy, ref_model, peft_model, batch, device, split)
     chosen, rejected = pair_logps(policy, batch, device, split)
     losses = preference_losses(chosen, rejected, ref_chosen, ref_rejected, completion_lengths(batch), dpo)
     stats.add(losses, chosen, rejected, ref_chosen, ref_rejected, dpo.beta)
-    return losses.sum()
+    weight = sft_weight(dpo)
+    if not weight:
+        return losses.sum()
+    if sft_scale is None:
+        sft_scale = num_pairs(batch) / max(chosen_completion_targets(batch), 1)
+    return losses.sum() - weight * sft_scale * chosen.sum()
 
 
 def num_pairs(batch: dict[str, torch.Tensor]) -> int:
@@ -210,6 +279,18 @@ def num_pairs(batch: dict[str, torch.Tensor]) -> int:
         return batch["completion_lengths"].numel() // 2
     sequences = len(batch["cu_seq_lens"]) - 1 if "cu_seq_lens" in batch else batch["input_ids"].shape[0]
     return sequences // 2
+
+
+def chosen_completion_targets(batch: dict[str, torch.Tensor]) -> int:
+    """Completion tokens of the chosen sequences predicted in this micro-batch (of this slice, for a split row): the
+    tokens of TRL's ``sft`` term."""
+    n = num_pairs(batch)
+    if SHIFT_LABELS in batch:
+        return int(((batch[SHIFT_LABELS] != IGNORE_INDEX) & (batch[SEQUENCE_INDEX] < n)).sum())
+    mask = predicted_completion(batch)
+    if "cu_seq_lens" not in batch:
+        return int(mask[:n].sum())
+    return int(mask[0, :int(batch["cu_seq_lens"][n]) - 1].sum())  # targets of the row's first n sequences
 
 
 def num_completion_targets(batch: dict[str, torch.Tensor]) -> int:
@@ -220,16 +301,43 @@ def num_completion_targets(batch: dict[str, torch.Tensor]) -> int:
 
 
 def check_loss_options(dpo: DpoConfig) -> None:
-    """TRL 1.16 reads --label_smoothing only in robust (and exo_pair): elsewhere it would be silently ignored."""
+    """The loss flags as TRL 1.16 takes them, and nothing accepted and ignored: --label_smoothing only where a loss
+    reads it (robust, exo_pair), --discopop_tau with discopop, --f_alpha_divergence_coef with alpha_divergence."""
     from shardtune.config.schema import ConfigError
 
+    types = [dpo.loss_type] if isinstance(dpo.loss_type, str) else list(dpo.loss_type)
+    eps = dpo.label_smoothing
     if dpo.beta <= 0 or not math.isfinite(dpo.beta):
         raise ConfigError(f"--beta {dpo.beta}: must be a positive number (TRL's default: 0.1)")
-    if dpo.loss_type == "robust" and not 0 <= dpo.label_smoothing < 0.5:
-        raise ConfigError(f"--label_smoothing {dpo.label_smoothing}: robust needs it in [0, 0.5)")
-    if dpo.loss_type != "robust" and dpo.label_smoothing:
-        raise ConfigError(f"--label_smoothing {dpo.label_smoothing} has no effect with --loss_type {dpo.loss_type} "
-                          "(TRL 1.16 smooths labels in robust only): pass --loss_type robust, or drop the flag")
+    if not types:
+        raise ConfigError("--loss_type is empty: name at least one loss (TRL's default: sigmoid)")
+    for loss_type in {"aot", "aot_unpaired"} & set(types):
+        raise ConfigError(f"--loss_type {loss_type} sorts the log-ratios within a device's batch, so its loss would "
+                          "change with the number of processes (the guarantee of docs/dpo.md): not built; use "
+                          "sigmoid, or another of TRL's per-pair losses")
+    if dpo.loss_weights and len(dpo.loss_weights) != len(types):
+        raise ConfigError(f"--loss_weights has {len(dpo.loss_weights)} weights for {len(types)} loss types "
+                          f"({', '.join(types)}): give one weight per --loss_type")
+    if not all(math.isfinite(w) for w in dpo.loss_weights):
+        raise ConfigError(f"--loss_weights {dpo.loss_weights}: every weight must be a finite number")
+    if "robust" in types and not 0 <= eps < 0.5:
+        raise ConfigError(f"--label_smoothing {eps}: robust needs it in [0, 0.5)")
+    if "exo_pair" in types and not 0 < eps < 1:
+        raise ConfigError(f"--label_smoothing {eps}: exo_pair needs it above 0 (the EXO paper recommends 1e-3)")
+    if eps and not {"robust", "exo_pair"} & set(types):
+        raise ConfigError(f"--label_smoothing {eps} has no effect with --loss_type {','.join(types)} (TRL 1.16 "
+                          "smooths labels in robust and exo_pair only): pass one of them, or drop the flag")
+    if dpo.f_divergence_type != "reverse_kl" and not set(types) <= F_DIVERGENCE_LOSSES:
+        raise ConfigError(f"--f_divergence_type {dpo.f_divergence_type} applies to "
+                          f"{', '.join(sorted(F_DIVERGENCE_LOSSES))} only (the others have no f-DPO form), not to "
+                          f"{', '.join(sorted(set(types) - F_DIVERGENCE_LOSSES))}: use reverse_kl with them")
+    if dpo.f_alpha_divergence_coef != 0.5 and dpo.f_divergence_type != "alpha_divergence":
+        raise ConfigError(f"--f_alpha_divergence_coef {dpo.f_alpha_divergence_coef} has no effect with "
+                          f"--f_divergence_type {dpo.f_divergence_type}: pass alpha_divergence, or drop the flag")
+    if "discopop" in types and not dpo.discopop_tau > 0:
+        raise ConfigError(f"--discopop_tau {dpo.discopop_tau}: must be positive (TRL's default: 0.05)")
+    if dpo.discopop_tau != 0.05 and "discopop" not in types:
+        raise ConfigError(f"--discopop_tau {dpo.discopop_tau} has no effect without --loss_type discopop: drop it")
 
 
 def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
@@ -249,11 +357,14 @@ def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
     local = torch.tensor([sum(num_pairs(mb) for mb in micro_batches),
                           sum(num_completion_targets(mb) for mb in micro_batches),
                           sum(num_input_tokens(mb) for mb in micro_batches),
-                          sum(f for f, _ in counted), sum(p for _, p in counted)], dtype=torch.float64)
-    pairs, num_tokens, input_tokens, flops, palm_flops = (int(x) for x in all_reduce_sum(local, env.device))
+                          sum(f for f, _ in counted), sum(p for _, p in counted),
+                          sum(chosen_completion_targets(mb) for mb in micro_batches)], dtype=torch.float64)
+    pairs, num_tokens, input_tokens, flops, palm_flops, chosen_tokens = (
+        int(x) for x in all_reduce_sum(local, env.device))
     copies = split.size if split else 1  # the ranks of a split group hold the same pairs
     pairs //= copies
     scale = strategy.grad_average_size / max(pairs, 1)  # the strategy's average over W ranks, undone
+    sft_scale = pairs / max(chosen_tokens, 1)  # the sft term: a mean over the step's chosen completion tokens
     stats = PairStats.zero()
     last = len(micro_batches) - 1
     for i, mb in enumerate(micro_batches):
@@ -261,9 +372,10 @@ def dpo_train_step(model: nn.Module, strategy, optimizer: torch.optim.Optimizer,
         # LoRA dropout's masks keyed by pair and step (backward too: activation checkpointing recomputes them)
         with sync, keyed_masks(mb, cfg.seed, step if step is not None else 0):
             with strategy.autocast():
-                loss_sum = micro_batch_loss(model, ref_model, peft_model, mb, cfg.dpo, env.device, stats, split)
+                loss_sum = micro_batch_loss(model, ref_model, peft_model, mb, cfg.dpo, env.device, stats, split,
+                                            sft_scale)
             strategy.backward(loss_sum * scale)
-    row = stats.means(all_reduce_sum(stats.sums, env.device) / copies, pairs)
+    row = stats.means(all_reduce_sum(stats.sums, env.device) / copies, pairs, chosen_tokens, sft_weight(cfg.dpo))
     max_norm = cfg.gradient_clipping_threshold if cfg.gradient_clipping else None
     grad_norm, stepped = strategy.clip_and_step(model, optimizer, max_norm,
                                                 lambda norm: math.isfinite(row["loss"]))
@@ -279,15 +391,15 @@ def precompute_reference(pairs: list[dict], policy: nn.Module, strategy, cfg, en
     """--precompute_ref_log_probs: every pair's reference (chosen, rejected) log-probabilities, computed once before
     training and stored in the pair (``ref_logps``), which :func:`collate_pairs` carries into each batch; returned
     as (pairs, 2) float64, the same on every rank. Data-parallel rank r of D takes pairs r, r + D, ... in chunks of
-    --batch_size_training (the ranks of a split group each their slice of the same chunk); every rank runs the same
-    number of forwards (a rank short of pairs repeats the first, not kept), as FSDP's collectives need; one
-    all-reduce shares them."""
+    --precompute_ref_batch_size (or --batch_size_training; the ranks of a split group each their slice of the same
+    chunk); every rank runs the same number of forwards (a rank short of pairs repeats the first, not kept), as
+    FSDP's collectives need; one all-reduce shares them."""
     from shardtune.data.preference import collate_pair_units
     from shardtune.runtime.distributed import all_reduce_sum
 
     dp_rank, dp_size = strategy.dims.dp_rank(env.rank), strategy.dims.dp_size
     mine = list(range(dp_rank, len(pairs), dp_size))
-    size = cfg.batch_size_training
+    size = cfg.dpo.precompute_ref_batch_size or cfg.batch_size_training
     num_chunks = math.ceil(math.ceil(len(pairs) / dp_size) / size)
     values = torch.zeros(len(pairs), 2, dtype=torch.float64)
     policy.eval()
@@ -379,7 +491,7 @@ def dpo_evaluate(model: nn.Module, strategy, cfg, env, eval_pairs: list[dict], p
     from shardtune.runtime.distributed import all_reduce_sum
 
     mine, num_batches = eval_shares(eval_pairs, cfg, strategy.dims.dp_rank(env.rank), strategy.dims.dp_size)
-    stats, counted = PairStats.zero(), 0
+    stats, counted, chosen_tokens = PairStats.zero(), 0, 0
     model.eval()
     for i in range(num_batches):
         chunk = mine[i] if i < len(mine) else eval_pairs[:1]
@@ -387,12 +499,14 @@ def dpo_evaluate(model: nn.Module, strategy, cfg, env, eval_pairs: list[dict], p
         batch = split(batch, pad_id) if split else batch  # eval rows are split like training rows
         with strategy.autocast():
             micro_batch_loss(model, ref_model, peft_model, batch, cfg.dpo, env.device,
-                             stats if i < len(mine) else PairStats.zero(), split)
+                             stats if i < len(mine) else PairStats.zero(), split, sft_scale=0.0)
         counted += num_pairs(batch) if i < len(mine) else 0
+        chosen_tokens += chosen_completion_targets(batch) if i < len(mine) else 0
     model.train()
     copies = split.size if split else 1  # the ranks of a split group evaluate the same pairs
-    total = int(all_reduce_sum(torch.tensor([counted], dtype=torch.float64), env.device)[0]) // copies
-    row = stats.means(all_reduce_sum(stats.sums, env.device) / copies, total)
+    counts = all_reduce_sum(torch.tensor([counted, chosen_tokens], dtype=torch.float64), env.device)
+    total = int(counts[0]) // copies  # a split row's chosen tokens are spread over its slices: summed as they are
+    row = stats.means(all_reduce_sum(stats.sums, env.device) / copies, total, int(counts[1]), sft_weight(cfg.dpo))
     return {f"eval_{name}": value for name, value in row.items()} | {"eval_num_pairs": total}
 
 
@@ -403,6 +517,12 @@ def check_dpo_config(cfg, world_size: int) -> None:
     from shardtune.config.schema import ConfigError
 
     check_loss_options(cfg.dpo)
+    if cfg.dpo.precompute_ref_batch_size and not cfg.dpo.precompute_ref_log_probs:
+        raise ConfigError(f"--precompute_ref_batch_size {cfg.dpo.precompute_ref_batch_size} has no effect without "
+                          "--precompute_ref_log_probs: add it, or drop the flag")
+    if cfg.dpo.precompute_ref_batch_size < 0:
+        raise ConfigError(f"--precompute_ref_batch_size {cfg.dpo.precompute_ref_batch_size}: pass a positive number "
+                          "(0: --batch_size_training)")
     # a micro-batch's pairs are collated chosen-then-rejected, never packed into blocks: padded rows, or one
     # padding-free row with --padding_free
     cfg.batching_strategy = "padding"

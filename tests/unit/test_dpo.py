@@ -20,7 +20,9 @@ from datasets import load_dataset
 from shardtune.config.schema import ConfigError, DpoConfig, TrainConfig
 from shardtune.data.preference import collate_pairs, extract_prompt, load_pairs
 from shardtune.model.loading import init_model, load_model, load_tokenizer
-from shardtune.training.dpo import METRICS, PairStats, check_loss_options, micro_batch_loss, pair_logps
+from shardtune.training.dpo import (
+    METRICS, PairStats, check_loss_options, chosen_completion_targets, micro_batch_loss, pair_logps, sft_weight,
+)
 
 SYSTEM = {"role": "system", "content": "Summarize the dialog."}
 DIALOGUES = [("Anna: cinema at 7? Tom: sure!", "Anna and Tom go to the cinema.", "Ben can't have lunch."),
@@ -67,9 +69,12 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 def trl_trainer(cfg: TrainConfig, model_dir: Path, tokenizer, tmp_path: Path, dpo: DpoConfig = DpoConfig()):
     from trl import DPOConfig, DPOTrainer
 
+    types = [dpo.loss_type] if isinstance(dpo.loss_type, str) else list(dpo.loss_type)
     args = DPOConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, save_strategy="no",
                      max_length=cfg.context_length, truncation_mode=cfg.trl_dataset.truncation_mode,
-                     beta=dpo.beta, loss_type=[dpo.loss_type], label_smoothing=dpo.label_smoothing)
+                     beta=dpo.beta, loss_type=types, label_smoothing=dpo.label_smoothing,
+                     loss_weights=list(dpo.loss_weights) or None, f_divergence_type=dpo.f_divergence_type,
+                     f_alpha_divergence_coef=dpo.f_alpha_divergence_coef, discopop_tau=dpo.discopop_tau)
     dataset = load_dataset("json", data_files=cfg.trl_dataset.dataset_name, split="train")
     return DPOTrainer(model=load_model(str(model_dir)), ref_model=load_model(str(model_dir)), args=args,
                       train_dataset=dataset, processing_class=copy.deepcopy(tokenizer))
@@ -124,7 +129,7 @@ LOSSES = [DpoConfig(), DpoConfig(beta=0.5, loss_type="ipo"), DpoConfig(beta=0.3,
           DpoConfig(beta=0.2, loss_type="robust", label_smoothing=0.1)]
 
 
-@pytest.mark.parametrize("dpo", LOSSES, ids=lambda d: d.loss_type)
+@pytest.mark.parametrize("dpo", LOSSES, ids=lambda d: str(d.loss_type))
 def test_loss_and_log_probabilities_equal_trl(dpo, tiny, tokenizer, tmp_path):
     """The policy perturbed away from the reference (so the ratios are not zero); the same batch for both.
 
@@ -172,7 +177,7 @@ def test_first_loss_is_ln2_when_policy_is_the_reference(tiny, tokenizer, tmp_pat
 
 def test_label_smoothing_outside_robust_is_refused():
     check_loss_options(DpoConfig(loss_type="robust", label_smoothing=0.1))
-    with pytest.raises(ConfigError, match="robust only"):
+    with pytest.raises(ConfigError, match="robust and exo_pair only"):
         check_loss_options(DpoConfig(label_smoothing=0.1))
 
 
@@ -187,9 +192,13 @@ def process_group(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(process_group, tiny, tokenizer, tmp_path):
+@pytest.mark.parametrize("losses", [DpoConfig(), DpoConfig(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5])],
+                         ids=["sigmoid", "sigmoid+sft"])
+def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(losses, process_group, tiny, tokenizer,
+                                                                     tmp_path):
     """1 x 4 x 1, 1 x 2 x 2 and 1 x 1 x 4 (processes x pairs x accumulation): the same loss, metrics and weights
-    after one step (the pair count is all-reduced like the SFT loop's token count; the launch test does 2 ranks)."""
+    after one step (the pair count is all-reduced like the SFT loop's token count; the launch test does 2 ranks);
+    with an sft term too (a mean over the step's chosen completion tokens, which micro-batches hold unequally)."""
     from shardtune.parallel import make_strategy
     from shardtune.runtime.distributed import DistEnv
     from shardtune.training.dpo import dpo_train_step
@@ -202,6 +211,7 @@ def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(process_gro
     results = []
     for batch_size, accumulation in ((4, 1), (2, 2), (1, 4)):
         cfg = dpo_cfg(tmp_path / "pairs.jsonl")
+        cfg.dpo = losses
         cfg.batch_size_training, cfg.gradient_accumulation_steps, cfg.optimizer = batch_size, accumulation, "SGD"
         cfg.lr = 1.0
         strategy = make_strategy(cfg, env)
@@ -212,7 +222,10 @@ def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(process_gro
         stats = dpo_train_step(model, strategy, optimizer, micro, cfg, env, ref_model=load_model(str(tiny)))
         results.append((stats, strategy.unwrap(model).state_dict()))
     (first, weights), others = results[0], results[1:]
-    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and first["num_pairs"] == 4
+    chosen_tokens = chosen_completion_targets(collate_pairs(pairs, tokenizer.pad_token_id, 1024))
+    nll = 0.5 * -first["logps/chosen"] * 4 / chosen_tokens  # the sft term: mean NLL per chosen completion token
+    assert first["loss"] == pytest.approx(math.log(2) + (nll if sft_weight(losses) else 0), abs=1e-6)
+    assert first["num_pairs"] == 4
     for stats, other in others:
         for name in ("loss", "rewards/chosen", "logps/chosen", "logps/rejected"):
             assert stats[name] == pytest.approx(first[name], rel=1e-6, abs=1e-7), name
@@ -229,11 +242,11 @@ def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(process_gro
     evaluated = dpo_evaluate(strategy.wrap(policy), strategy, cfg, env, pairs, tokenizer.pad_token_id,
                              ref_model=reference)
     direct = PairStats.zero()
-    micro_batch_loss(policy, reference, None, collate_pairs(pairs, tokenizer.pad_token_id, 1024), cfg.dpo,
-                     torch.device("cpu"), direct)
+    whole = collate_pairs(pairs, tokenizer.pad_token_id, 1024)
+    micro_batch_loss(policy, reference, None, whole, cfg.dpo, torch.device("cpu"), direct)
     assert evaluated["eval_num_pairs"] == 4 and set(evaluated) == {"eval_num_pairs", "eval_loss",
                                                                   *(f"eval_{m}" for m in METRICS)}
-    for name, value in direct.means(direct.sums, 4).items():
+    for name, value in direct.means(direct.sums, 4, chosen_completion_targets(whole), sft_weight(losses)).items():
         assert evaluated[f"eval_{name}"] == pytest.approx(value, rel=1e-5, abs=1e-6), name
     assert evaluated["eval_loss"] != pytest.approx(math.log(2), abs=1e-4), "the trained policy is not the reference"
 
@@ -488,3 +501,87 @@ def test_the_slices_of_a_split_row_of_pairs_add_up_to_the_whole_rows_log_probabi
         targets += num_completion_targets(part)
     torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-4)
     assert targets == num_completion_targets(whole)
+
+
+TRL_LOSSES = [DpoConfig(loss_type=["exo_pair"], label_smoothing=1e-3), DpoConfig(beta=0.3, loss_type=["nca_pair"]),
+              DpoConfig(beta=0.3, loss_type=["bco_pair"]), DpoConfig(beta=0.5, loss_type=["sppo_hard"]),
+              DpoConfig(beta=0.3, loss_type=["apo_zero"]), DpoConfig(beta=0.3, loss_type=["apo_down"]),
+              DpoConfig(beta=0.3, loss_type=["discopop"], discopop_tau=0.1),
+              DpoConfig(beta=0.5, loss_type=["sigmoid_norm"]), DpoConfig(loss_type=["sft"]),
+              DpoConfig(beta=0.3, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5]),  # RPO
+              DpoConfig(beta=0.3, loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0]),
+              DpoConfig(beta=0.3, f_divergence_type="forward_kl"),
+              DpoConfig(beta=0.3, f_divergence_type="js_divergence"),
+              DpoConfig(beta=0.3, f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.3),
+              DpoConfig(beta=0.5, loss_type=["ipo"], f_divergence_type="js_divergence")]
+
+
+@pytest.mark.parametrize("dpo", TRL_LOSSES, ids=lambda d: "+".join(d.loss_type) + "-" + d.f_divergence_type)
+def test_every_trl_loss_and_divergence_equals_trl_on_the_same_reference(dpo, tiny, tokenizer, tmp_path):
+    """TRL 1.16's other losses, weighted sums of several (--loss_weights; sft: the chosen completions' NLL per token,
+    RPO's term) and the f-divergences: the same batch, the same policy and the SAME reference log-probabilities
+    given to both (TRL's precomputed-reference path), so the losses agree to float rounding; and each configuration
+    passes the flag checks that refuse what a loss would ignore."""
+    check_loss_options(dpo)
+    cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["chat"]))
+    pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
+    trainer = trl_trainer(cfg, tiny, tokenizer, tmp_path, dpo)
+    policy, reference = load_model(str(tiny)), load_model(str(tiny))
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    trainer.model.load_state_dict(policy.state_dict())
+    cpu = torch.device("cpu")
+    batch = collate_pairs(pairs, tokenizer.pad_token_id, cfg.context_length)
+    with torch.no_grad():
+        ref_chosen, ref_rejected = pair_logps(reference, batch, cpu)
+    trainer.precompute_ref_logps = True
+    inputs = trainer.data_collator(list(trainer.train_dataset))
+    inputs.update(ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected)
+    trl_loss = float(trainer.compute_loss(trainer.model, inputs))
+    trl_metrics = {k: v[-1] for k, v in trainer._metrics["eval"].items()}
+    for pair, chosen, rejected in zip(pairs, ref_chosen.tolist(), ref_rejected.tolist()):
+        pair["ref_logps"] = (chosen, rejected)
+    batch = collate_pairs(pairs, tokenizer.pad_token_id, cfg.context_length)  # now carrying the reference's values
+    stats = PairStats.zero()
+    loss_sum = micro_batch_loss(policy, None, None, batch, dpo, cpu, stats)
+    ours = stats.means(stats.sums, len(pairs), chosen_completion_targets(batch), sft_weight(dpo))
+    assert float(loss_sum) / len(pairs) == pytest.approx(trl_loss, rel=1e-5, abs=1e-6)
+    assert ours["loss"] == pytest.approx(trl_loss, rel=1e-5, abs=1e-6)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
+        assert ours[name] == pytest.approx(trl_metrics[name], rel=1e-5, abs=1e-6), name
+    assert abs(ours["rewards/margins"]) > 0.05, "the ratios must not be near zero, or the comparison is empty"
+    loss_sum.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0]), "1 weights for 2 loss types"),
+    (dict(loss_type=["exo_pair"]), "exo_pair needs it above 0"),
+    (dict(loss_type=["sigmoid"], label_smoothing=0.1), "has no effect with --loss_type sigmoid"),
+    (dict(loss_type=["bco_pair"], f_divergence_type="js_divergence"), "no f-DPO form"),
+    (dict(f_alpha_divergence_coef=0.3), "--f_alpha_divergence_coef 0.3 has no effect"),
+    (dict(discopop_tau=0.1), "--discopop_tau 0.1 has no effect"),
+    (dict(loss_type=[]), "--loss_type is empty"),
+    (dict(loss_type=["aot"]), "sorts the log-ratios within a device's batch"),
+])
+def test_a_loss_flag_that_a_loss_would_ignore_is_refused(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        check_loss_options(DpoConfig(**flags))
+
+
+def test_trl_loss_flags_parse_as_trl_writes_them(tmp_path):
+    """``--loss_type sigmoid sft`` (TRL's parser: the values one after another), the comma-separated form and a
+    recipe's YAML list are the same setting; --loss_weights likewise."""
+    from shardtune.config.flags import parse_args
+
+    spaced = parse_args(["--loss_type", "sigmoid", "sft", "--loss_weights", "1", "0.5", "--beta", "0.2"])
+    commas = parse_args(["--loss_type", "sigmoid,sft", "--loss_weights", "1,0.5", "--beta", "0.2"])
+    recipe = tmp_path / "dpo.yaml"
+    recipe.write_text("loss_type: [sigmoid, sft]\nloss_weights: [1, 0.5]\nbeta: 0.2\n")
+    from_file = parse_args(["--config", str(recipe)])
+    assert spaced.dpo == commas.dpo == from_file.dpo
+    assert spaced.dpo.loss_type == ["sigmoid", "sft"] and spaced.dpo.loss_weights == [1.0, 0.5]
+    assert parse_args(["--loss_type", "ipo"]).dpo.loss_type == ["ipo"]
+    with pytest.raises(ConfigError, match="unexpected argument"):  # only list settings take several values
+        parse_args(["--beta", "0.2", "0.3"])

@@ -259,7 +259,7 @@ def test_help_lists_the_trl_names_beside_ours():
     assert text.startswith("usage: shardtune sft ")
     dpo = subprocess.run([sys.executable, "-m", "shardtune", "dpo", "--help"], capture_output=True, text=True,
                          cwd=REPO, check=True).stdout
-    assert dpo.startswith("usage: shardtune dpo ") and "--beta, --loss_type and --label_smoothing" in dpo
+    assert dpo.startswith("usage: shardtune dpo ") and "--beta, --loss_type, --loss_weights" in dpo
 
 
 def test_plan_takes_sfts_topology_flags():
@@ -326,3 +326,29 @@ def test_model_revision_reads_that_snapshot_from_the_hugging_face_cache_offline(
     for command in (["sft", "--dry_run"], ["plan"]):
         proc = main_in_process(*command, "--model_name", "shardtune-tests/tiny", "--model_revision", "v2")
         assert proc.returncode == 2 and "the plan reads the hub id's main config.json" in proc.stderr, proc.stderr
+
+
+def test_sft_and_dpo_config_names_are_honoured_or_refused_in_one_line():
+    """Every field of TRL 1.16's SFTConfig and DPOConfig beyond TrainingArguments' is a setting of ours (TRL's name
+    and meaning) or refused in one line naming the flag; none is unknown, none accepted and ignored."""
+    from dataclasses import fields as dataclass_fields
+
+    from transformers import TrainingArguments
+    from trl import DPOConfig, SFTConfig
+
+    from shardtune.config.flags import resolve_key
+    from shardtune.config.trl import TRL_FLAGS
+
+    trainer = {f.name for f in dataclass_fields(TrainingArguments)}
+    for config in (SFTConfig, DPOConfig):
+        for name in sorted({f.name for f in dataclass_fields(config)} - trainer):
+            if name not in TRL_FLAGS:
+                resolve_key(name)  # ours under TRL's name; raises "unknown flag" otherwise
+    assert parse_args(["--disable_dropout", "true"]).lora_config.lora_dropout == 0
+    assert parse_args(["--disable_dropout", "false"]).lora_config.lora_dropout == 0.05
+    assert parse_args(["--precompute_ref_batch_size", "8"]).dpo.precompute_ref_batch_size == 8
+    assert parse_args(["--shuffle_dataset", "false"]) == parse_args([])
+    for name in ("ld_alpha", "use_weighting", "sync_ref_model", "dataset_num_proc", "eval_packing"):
+        with pytest.raises(ConfigError, match=f"^--{name}: .*drop the") as error:
+            parse_args([f"--{name}", "1"])
+        assert "\n" not in str(error.value)
