@@ -251,6 +251,12 @@ def _shuffle_dataset(value: Any) -> Pairs:
 
 
 T = TrlFlag
+
+
+def refused(why: str) -> TrlFlag:
+    """A TRL name refused in one line: ``--name: why`` (``why`` ends with the fix)."""
+    return TrlFlag("-", "-", refuse=why)
+
 TRL_FLAGS: dict[str, TrlFlag] = {
     # model (ModelConfig, ScriptArguments)
     "model_name_or_path": T("model_name", "model directory, hub id or preset:NAME"),
@@ -350,31 +356,30 @@ TRL_FLAGS: dict[str, TrlFlag] = {
     "hub_strategy": T("-", "end only: one upload after the run", _hub_strategy),
     "shuffle_dataset": T("-", "false: no shuffle before tokenising (TRL's default); the seeded sampler still "
                               "shuffles every epoch, as Trainer's does", _shuffle_dataset),
-    "eval_packing": T("-", "-", refuse="evaluation batches are built as training batches are (--batching_strategy): "
-                                       "drop the flag"),
-    "dataset_kwargs": T("-", "-", refuse="the dataset is prepared by shardtune's data flags (docs/data-formats.md): "
-                                         "drop the mapping"),
-    "pad_token": T("-", "-", refuse="the tokenizer's pad token is used (its eos when it has none): drop the flag, "
-                                    "or give the model a tokenizer with that pad token"),
+    "eval_packing": refused("evaluation batches are built as training batches are (--batching_strategy): "
+                            "drop the flag"),
+    "dataset_kwargs": refused("the dataset is prepared by shardtune's data flags (docs/data-formats.md): "
+                              "drop the mapping"),
+    "pad_token": refused("the tokenizer's pad token is used (its eos when it has none): drop the flag, "
+                         "or give the model a tokenizer with that pad token"),
     # DPO (DPOConfig): its loss flags and precompute_ref_log_probs / precompute_ref_batch_size are shardtune dpo's
     # settings under TRL's names (docs/dpo.md); these are the others
     "disable_dropout": T("lora_config.lora_dropout", "true: no dropout (the LoRA dropout, the one dropout a Llama "
                                                      "trains with, set to 0; TRL's DPO default); false: kept",
                          lambda value: [("lora_config.lora_dropout", "0")] if _bool("disable_dropout", value) else []),
-    "ld_alpha": T("-", "-", refuse="LD-DPO's length-desensitised log-probabilities are not built: drop the flag"),
-    "use_weighting": T("-", "-", refuse="WPO's weighting is not built: drop the flag"),
-    "sync_ref_model": T("-", "-", refuse="the reference stays the starting weights (TR-DPO's syncing is not built): "
-                                         "drop the flag"),
-    "ref_model_mixup_alpha": T("-", "-", refuse="TR-DPO's syncing is not built: drop the flag"),
-    "ref_model_sync_steps": T("-", "-", refuse="TR-DPO's syncing is not built: drop the flag"),
-    "router_aux_loss_coef": T("-", "-", refuse="a mixture-of-experts router loss: shardtune trains dense "
-                                               "Llama-family models; drop the flag"),
-    "dataset_num_proc": T("-", "-", refuse="the data is tokenised once before launch and kept in the tokenised-data "
-                                           "cache (docs/data.md): drop the flag"),
-    "pad_to_multiple_of": T("-", "-", refuse="padded micro-batches are padded to their longest row (--padding_free: "
-                                             "no pad token at all): drop the flag"),
-    "model_init_kwargs": T("-", "-", refuse="the model is loaded by shardtune's flags (--model_name, "
-                                            "--quantization, --attn_implementation, ...): drop the mapping"),
+    "ld_alpha": refused("LD-DPO's length-desensitised log-probabilities are not built: drop the flag"),
+    "use_weighting": refused("WPO's weighting is not built: drop the flag"),
+    **dict.fromkeys(("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"),
+                    refused("the reference stays the starting weights (TR-DPO's syncing is not built): drop the "
+                            "flag")),
+    "router_aux_loss_coef": refused("a mixture-of-experts router loss: shardtune trains dense "
+                                    "Llama-family models; drop the flag"),
+    "dataset_num_proc": refused("the data is tokenised once before launch and kept in the tokenised-data "
+                                "cache (docs/data.md): drop the flag"),
+    "pad_to_multiple_of": refused("padded micro-batches are padded to their longest row (--padding_free: "
+                                  "no pad token at all): drop the flag"),
+    "model_init_kwargs": refused("the model is loaded by shardtune's flags (--model_name, "
+                                 "--quantization, --attn_implementation, ...): drop the mapping"),
     # launcher (Accelerate)
     "num_processes": T("nproc_per_node", "processes on this machine (Accelerate's name; a launcher flag: the command "
                                          "line or the Accelerate file, not a recipe)", _num_processes),

@@ -151,9 +151,14 @@ def reference_logps(policy: nn.Module, ref_model: nn.Module | None, peft_model: 
         return pair_logps(policy, batch, device, split)
 
 
+def loss_types(dpo: DpoConfig) -> list[str]:
+    """--loss_type as a list (a single name, as code and older configs write it, is a list of one)."""
+    return [dpo.loss_type] if isinstance(dpo.loss_type, str) else list(dpo.loss_type)
+
+
 def loss_terms(dpo: DpoConfig) -> list[tuple[str, float]]:
     """(loss type, weight) of each --loss_type, weighted by --loss_weights (1 each when not given), as TRL sums them."""
-    types = [dpo.loss_type] if isinstance(dpo.loss_type, str) else list(dpo.loss_type)
+    types = loss_types(dpo)
     return list(zip(types, list(dpo.loss_weights) or [1.0] * len(types)))
 
 
@@ -305,7 +310,7 @@ def check_loss_options(dpo: DpoConfig) -> None:
     reads it (robust, exo_pair), --discopop_tau with discopop, --f_alpha_divergence_coef with alpha_divergence."""
     from shardtune.config.schema import ConfigError
 
-    types = [dpo.loss_type] if isinstance(dpo.loss_type, str) else list(dpo.loss_type)
+    types = loss_types(dpo)
     eps = dpo.label_smoothing
     if dpo.beta <= 0 or not math.isfinite(dpo.beta):
         raise ConfigError(f"--beta {dpo.beta}: must be a positive number (TRL's default: 0.1)")
@@ -467,7 +472,6 @@ def compute_and_cache_reference(pairs: list[dict], cache_file, policy: nn.Module
     """:func:`precompute_reference`, then each node's first rank writes the values to ``cache_file`` (when not
     None); a failed write is a note: the run goes on with the values in memory."""
     from shardtune.data.cache import write_reference_log_probs
-    from shardtune.runtime.distributed import print0
 
     values = precompute_reference(pairs, policy, strategy, cfg, env, pad_id, **reference)
     if cache_file is not None and env.local_rank == 0:

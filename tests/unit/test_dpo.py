@@ -21,7 +21,8 @@ from shardtune.config.schema import ConfigError, DpoConfig, TrainConfig
 from shardtune.data.preference import collate_pairs, extract_prompt, load_pairs
 from shardtune.model.loading import init_model, load_model, load_tokenizer
 from shardtune.training.dpo import (
-    METRICS, PairStats, check_loss_options, chosen_completion_targets, micro_batch_loss, pair_logps, sft_weight,
+    METRICS, PairStats, check_loss_options, chosen_completion_targets, loss_types, micro_batch_loss, pair_logps,
+    sft_weight,
 )
 
 SYSTEM = {"role": "system", "content": "Summarize the dialog."}
@@ -69,7 +70,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 def trl_trainer(cfg: TrainConfig, model_dir: Path, tokenizer, tmp_path: Path, dpo: DpoConfig = DpoConfig()):
     from trl import DPOConfig, DPOTrainer
 
-    types = [dpo.loss_type] if isinstance(dpo.loss_type, str) else list(dpo.loss_type)
+    types = loss_types(dpo)
     args = DPOConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, save_strategy="no",
                      max_length=cfg.context_length, truncation_mode=cfg.trl_dataset.truncation_mode,
                      beta=dpo.beta, loss_type=types, label_smoothing=dpo.label_smoothing,
@@ -78,6 +79,20 @@ def trl_trainer(cfg: TrainConfig, model_dir: Path, tokenizer, tmp_path: Path, dp
     dataset = load_dataset("json", data_files=cfg.trl_dataset.dataset_name, split="train")
     return DPOTrainer(model=load_model(str(model_dir)), ref_model=load_model(str(model_dir)), args=args,
                       train_dataset=dataset, processing_class=copy.deepcopy(tokenizer))
+
+
+def trl_and_our_policy(dpo: DpoConfig, tiny: Path, tokenizer, tmp_path: Path):
+    """The chat pairs, TRL's trainer on them, and our policy perturbed away from the reference (so the ratios are
+    not zero), TRL's model holding the same weights: (cfg, pairs, trainer, policy, reference)."""
+    cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["chat"]))
+    pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
+    trainer = trl_trainer(cfg, tiny, tokenizer, tmp_path, dpo)
+    policy, reference = load_model(str(tiny)), load_model(str(tiny))
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    trainer.model.load_state_dict(policy.state_dict())
+    return cfg, pairs, trainer, policy, reference
 
 
 CASES = {  # name: (rows, max_length, truncation mode)
@@ -137,14 +152,7 @@ def test_loss_and_log_probabilities_equal_trl(dpo, tiny, tokenizer, tmp_path):
     sequence away from a float64 forward on this model (shardtune's are within 1e-4 of it, checked here): the policy's
     log-probabilities are compared to 1e-5 relative, the rewards to beta x 0.01, the loss to 2e-3.
     """
-    cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["chat"]))
-    pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
-    trainer = trl_trainer(cfg, tiny, tokenizer, tmp_path, dpo)
-    policy, reference = load_model(str(tiny)), load_model(str(tiny))
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
-    trainer.model.load_state_dict(policy.state_dict())
+    cfg, pairs, trainer, policy, reference = trl_and_our_policy(dpo, tiny, tokenizer, tmp_path)
     batch = collate_pairs(pairs, tokenizer.pad_token_id, cfg.context_length)
     trl_loss = float(trainer.compute_loss(trainer.model, trainer.data_collator(list(trainer.train_dataset))))
     trl_metrics = {k: v[-1] for k, v in trainer._metrics["eval"].items()}
@@ -523,14 +531,7 @@ def test_every_trl_loss_and_divergence_equals_trl_on_the_same_reference(dpo, tin
     given to both (TRL's precomputed-reference path), so the losses agree to float rounding; and each configuration
     passes the flag checks that refuse what a loss would ignore."""
     check_loss_options(dpo)
-    cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["chat"]))
-    pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
-    trainer = trl_trainer(cfg, tiny, tokenizer, tmp_path, dpo)
-    policy, reference = load_model(str(tiny)), load_model(str(tiny))
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
-    trainer.model.load_state_dict(policy.state_dict())
+    cfg, pairs, trainer, policy, reference = trl_and_our_policy(dpo, tiny, tokenizer, tmp_path)
     cpu = torch.device("cpu")
     batch = collate_pairs(pairs, tokenizer.pad_token_id, cfg.context_length)
     with torch.no_grad():
