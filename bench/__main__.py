@@ -235,7 +235,7 @@ def main() -> None:
     args = ap.parse_args()
     sections = [s for s in args.only.split(",") if s]
 
-    from shardtune.model.flops import measured_peak_flops
+    from shardtune.accounting.flops import measured_peak_flops
     from shardtune.model.loading import resolve_model_name
 
     model = resolve_model_name(f"preset:{args.preset}")

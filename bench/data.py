@@ -6,6 +6,7 @@ import argparse
 
 import torch
 
+from shardtune.config.flags import config_from
 from shardtune.config.schema import TrainConfig
 from shardtune.data.batching import collate_padding
 from shardtune.model.loss import num_label_tokens, token_loss_sum
@@ -13,14 +14,14 @@ from shardtune.model.loss import num_label_tokens, token_loss_sum
 
 def bench_config(model: str, num_train: int, num_validation: int, samsum: str, context_length: int,
                  chatter: bool = False) -> TrainConfig:
-    cfg = TrainConfig(model_name=model, context_length=context_length)
+    cfg = config_from(model_name=model, context_length=context_length)
     if samsum:
-        cfg.dataset = "samsum_dataset"
-        cfg.samsum_dataset.data_path = samsum
+        cfg.data.dataset = "samsum_dataset"
+        cfg.data.samsum_dataset.data_path = samsum
     else:
-        cfg.synthetic_dialogues.num_train = num_train
-        cfg.synthetic_dialogues.num_validation = num_validation
-        cfg.synthetic_dialogues.chatter = chatter
+        cfg.data.synthetic_dialogues.num_train = num_train
+        cfg.data.synthetic_dialogues.num_validation = num_validation
+        cfg.data.synthetic_dialogues.chatter = chatter
     return cfg
 
 
@@ -35,7 +36,7 @@ def mean_example_length(cfg: TrainConfig) -> float:
     from shardtune import data
     from shardtune.model.loading import load_tokenizer
 
-    examples, _ = data.load_examples(cfg, load_tokenizer(cfg.model_name), "train")
+    examples, _ = data.load_examples(cfg, load_tokenizer(cfg.model.name), "train")
     return sum(len(e["input_ids"]) for e in examples) / len(examples)
 
 

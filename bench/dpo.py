@@ -60,7 +60,7 @@ def write_pairs(path: Path, num: int) -> Path:
     from shardtune.data.preference import synthetic_pair_rows
 
     cfg = TrainConfig()
-    cfg.synthetic_dialogues.num_train = num
+    cfg.data.synthetic_dialogues.num_train = num
     _, rows, _ = synthetic_pair_rows(cfg, "train")
     path.write_text("".join(json.dumps(row) + "\n" for _, _, row in rows))
     return path

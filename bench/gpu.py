@@ -12,8 +12,8 @@ before ``--deadline_s`` (estimated from the FLOPs of the step at the rate the ro
 and reported as such; one that fails (CUDA out of memory, any error) is reported with its error, and the script
 goes on.
 
-MFU = model FLOPs as computed (shardtune/model/flops.py: output layer on labelled tokens, causal attention) / the GPU's
-data-sheet dense bf16 peak (shardtune/model/peak_flops.py; a GPU missing from its table: the measured bf16 matmul peak,
+MFU = model FLOPs as computed (shardtune/accounting/flops.py: output layer on labelled tokens, causal attention) / the GPU's
+data-sheet dense bf16 peak (shardtune/accounting/peak_flops.py; a GPU missing from its table: the measured bf16 matmul peak,
 labelled so in the row's ``peak_source``), as torchtitan and Megatron-LM report it.
 ``--cpu-smoke`` runs the same code on tiny shapes, fp32, gloo, two steps each (one for the long rows, of 256 / 512 /
 1,024 tokens): what the tests exercise.
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardtune.config.schema import TrainConfig
+from shardtune.config.flags import config_from
 
 SHAPES = {
     "full": dict(preset="llama-1b-shape", seq_len=2048, batch=8, peft=False),
@@ -136,18 +136,20 @@ def host_available_gib() -> float:
 
 
 def run_config(name: str, args, env, plan: LongRowPlan | None = None) -> dict:
-    from shardtune.model.flops import model_shape
+    from shardtune.accounting.flops import model_shape
     from shardtune.model.longseq import apply_memory_levers
-    from shardtune.model.peak_flops import device_peak
+    from shardtune.accounting.peak_flops import device_peak
     from shardtune.model.speed import apply_speed_features
     from shardtune.parallel import make_strategy
-    from shardtune.training.loop import build_optimizer, train_step
+    from shardtune.parallel.optim import build_optimizer
+    from shardtune.training.sft import SFT
+    from shardtune.training.step import train_step
 
     spec = SHAPES[name]
     long = bool(spec.get("long"))
-    cfg = TrainConfig(enable_fsdp=True, use_peft=spec["peft"], use_fast_kernels=True, compile=args.compile, lr=1e-5,
+    cfg = config_from(enable_fsdp=True, use_peft=spec["peft"], use_fast_kernels=True, compile=args.compile, lr=1e-5,
                       tiled_mlp=long, activation_offloading=long and (plan is None or plan.offload))
-    cfg.fsdp_config.fsdp_activation_checkpointing = long
+    cfg.parallel.activation_checkpointing = long
     model, seq_len, batch = build(name, args.cpu_smoke, env.device)
     planned = planned_peak_bytes(name, model.config.to_dict(), env, seq_len, batch, long)
     if long:
@@ -158,7 +160,7 @@ def run_config(name: str, args, env, plan: LongRowPlan | None = None) -> dict:
 
         from shardtune.model.peft import peft_config
 
-        cfg.lora_config.target_modules = ["q_proj", "v_proj"]
+        cfg.peft.lora.target_modules = ["q_proj", "v_proj"]
         model = peft.get_peft_model(model, peft_config(cfg, model.config.num_hidden_layers))
     strategy = make_strategy(cfg, env)
     model = strategy.wrap(model)
@@ -178,17 +180,18 @@ def run_config(name: str, args, env, plan: LongRowPlan | None = None) -> dict:
     sync = torch.cuda.synchronize if env.device.type == "cuda" else (lambda: None)
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    objective = SFT(cfg, env, strategy, None)
     for _ in range(warmup):
-        train_step(model, strategy, optimizer, [micro_batch()], cfg, env, shape)
+        train_step(model, strategy, optimizer, objective, [micro_batch()], shape=shape)
     sync()
     tick = time.perf_counter()
     flops = tokens = 0
     losses = []
     for _ in range(steps):
-        stats = train_step(model, strategy, optimizer, [micro_batch()], cfg, env, shape)
-        flops += stats["flops"]
-        tokens += stats["input_tokens"]
-        losses.append(stats["loss"])
+        stats = train_step(model, strategy, optimizer, objective, [micro_batch()], shape=shape)
+        flops += stats.counts["flops"]
+        tokens += stats.counts["input_tokens"]
+        losses.append(stats.loss)
     sync()
     elapsed = time.perf_counter() - tick
     peak, peak_source = device_peak(env.device, strategy.compute_dtype)
@@ -204,7 +207,7 @@ def run_config(name: str, args, env, plan: LongRowPlan | None = None) -> dict:
             "loss_first": losses[0], "loss_last": losses[-1],
             "num_matmul_params": shape.num_matmul_params, "num_trainable_params": shape.num_trainable_params,
             "levers": ("activation checkpointing, tiled MLP, lean loss"
-                       + (", activation offloading" if cfg.activation_offloading else "")) if long else "lean loss"}
+                       + (", activation offloading" if cfg.parallel.activation_offloading else "")) if long else "lean loss"}
 
 
 def record(results: list[dict], device_name: str, date: str) -> None:
@@ -235,7 +238,7 @@ def long_row_plan(name: str, args, env, started: float, results: list[dict]) -> 
     if args.cpu_smoke:
         return None
     from shardtune.model.loading import PRESETS
-    from shardtune.model.peak_flops import device_peak
+    from shardtune.accounting.peak_flops import device_peak
 
     rates = [r["mfu"] * r["peak_flops_per_s"] for r in results if SHAPES[r["config"]].get("long") and "mfu" in r]
     rate = rates[-1] if rates else ASSUMED_MFU * device_peak(env.device, torch.bfloat16)[0]

@@ -30,10 +30,8 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import resource
 import time
-from pathlib import Path
 
 from bench.common import RESULTS, free_port, machine_info, python, run_json
 
@@ -68,7 +66,7 @@ def worker(sp: int, cp: int, levers: tuple[str, ...], budget: int, start_per_ran
            grid: list[int]) -> None:
     import torch
 
-    from shardtune.config.schema import TrainConfig
+    from shardtune.config.flags import config_from
     from shardtune.data.batching import collate_flat
     from shardtune.runtime.distributed import all_reduce_sum, init_distributed, shutdown
     from shardtune.model.longseq import apply_memory_levers
@@ -76,13 +74,14 @@ def worker(sp: int, cp: int, levers: tuple[str, ...], budget: int, start_per_ran
     from shardtune.parallel import make_strategy
     from shardtune.parallel.sequence import RowSlice, SequenceGroups, split_row, use_sequence_attention
     from shardtune.model.speed import apply_speed_features
-    from shardtune.training.loop import train_step
+    from shardtune.training.sft import SFT
+    from shardtune.training.step import train_step
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     env = init_distributed()
-    cfg = TrainConfig(enable_fsdp=True, sequence_parallel_size=sp, context_parallel_size=cp, lr=1e-5,
+    cfg = config_from(enable_fsdp=True, sequence_parallel_size=sp, context_parallel_size=cp, lr=1e-5,
                       tiled_mlp="tiled_mlp" in levers, activation_offloading="offload" in levers)
-    cfg.fsdp_config.fsdp_activation_checkpointing = True
+    cfg.parallel.activation_checkpointing = True
     strategy = make_strategy(cfg, env)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
@@ -116,12 +115,12 @@ def worker(sp: int, cp: int, levers: tuple[str, ...], budget: int, start_per_ran
         before = resident_bytes()
         reset_peak()
         tick = time.perf_counter()
-        stats = train_step(model, strategy, optimizer, [micro_batch(tokens)], cfg, env)
+        stats = train_step(model, strategy, optimizer, SFT(cfg, env, strategy, None), [micro_batch(tokens)])
         seconds = time.perf_counter() - tick
         peaks = gathered(peak_resident_bytes() - before)
         row = {"tokens": tokens, "tokens_per_rank": tokens // ranks, "peak_bytes": int(max(peaks)),
                "rank_peak_bytes": [int(x) for x in peaks], "rank_before_bytes": [int(x) for x in gathered(before)],
-               "loss": stats["loss"], "step_s": max(gathered(seconds)), "fits": max(peaks) <= budget}
+               "loss": stats.loss, "step_s": max(gathered(seconds)), "fits": max(peaks) <= budget}
         if env.rank == 0:
             print(json.dumps({k: v for k, v in row.items() if not k.startswith("rank_")}), flush=True)
         return row

@@ -49,7 +49,7 @@ def layer_step(seq_len: int, levers: tuple[str, ...]) -> dict:
     """One forward + backward of a one-decoder-layer model on a row of ``seq_len`` tokens."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shardtune.config.schema import TrainConfig
+    from shardtune.config.flags import config_from
     from shardtune.model.longseq import apply_memory_levers
     from shardtune.model.loss import token_loss_sum
     from shardtune.model.structure import decoder_layers
@@ -60,7 +60,7 @@ def layer_step(seq_len: int, levers: tuple[str, ...]) -> dict:
                          max_position_embeddings=seq_len, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    apply_memory_levers(model, TrainConfig(tiled_mlp="tiled_mlp" in levers), torch.device("cpu"))
+    apply_memory_levers(model, config_from(tiled_mlp="tiled_mlp" in levers), torch.device("cpu"))
     if "checkpoint" in levers:
         apply_activation_checkpointing(model, decoder_layers(model))
     input_ids = torch.randint(0, VOCAB, (1, seq_len))

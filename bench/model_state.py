@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from shardtune.config.schema import TrainConfig
+from shardtune.config.flags import config_from
 
 
 def local_bytes(tensors) -> int:
@@ -33,15 +33,18 @@ def main() -> None:
     from shardtune.runtime.distributed import all_reduce_sum, init_distributed, shutdown
     from shardtune.model.loading import load_model
     from shardtune.parallel import make_strategy
-    from shardtune.training.loop import build_optimizer, train_step
+    from shardtune.parallel.optim import build_optimizer
+    from shardtune.training.sft import SFT
+    from shardtune.training.step import train_step
 
     env = init_distributed()
-    cfg = TrainConfig(model_name=args.model, enable_fsdp=args.fsdp)
+    cfg = config_from(model_name=args.model, enable_fsdp=args.fsdp)
     strategy = make_strategy(cfg, env)
     model = strategy.wrap(load_model(args.model))
     optimizer = build_optimizer(model, cfg)
     ids = list(range(4, 68))
-    train_step(model, strategy, optimizer, [collate_padding([{"input_ids": ids, "labels": ids}], 3)], cfg, env)
+    train_step(model, strategy, optimizer, SFT(cfg, env, strategy, None),
+               [collate_padding([{"input_ids": ids, "labels": ids}], 3)])
     params = [p for p in model.parameters()]
     grads_bytes = sum(local_bytes([p]) for p in params if p.requires_grad)  # grads are freed by the step (set_to_none)
     optim_bytes = local_bytes(t for state in optimizer.state.values() for t in state.values()

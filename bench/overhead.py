@@ -43,16 +43,18 @@ def main() -> None:
 
     from shardtune import data
     from shardtune.model.attention import use_varlen_attention
-    from shardtune.config.schema import TrainConfig
+    from shardtune.config.flags import config_from
     from shardtune.runtime.distributed import DistEnv
-    from shardtune.model.flops import model_shape
+    from shardtune.accounting.flops import model_shape
     from shardtune.model.loading import load_model, load_tokenizer
     from shardtune.parallel import make_strategy
-    from shardtune.training.loop import build_optimizer, train_step
+    from shardtune.parallel.optim import build_optimizer
+    from shardtune.training.sft import SFT
+    from shardtune.training.step import train_step
 
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
-    cfg = TrainConfig(model_name=args.model, context_length=512, batch_size_training=2, lr=1e-4)
-    cfg.synthetic_dialogues.num_train = args.num_train
+    cfg = config_from(model_name=args.model, context_length=512, batch_size_training=2, lr=1e-4)
+    cfg.data.synthetic_dialogues.num_train = args.num_train
     tokenizer = load_tokenizer(args.model)
     examples, _ = data.load_examples(cfg, tokenizer, "train")
     units = data.build_units(examples, cfg)
@@ -63,7 +65,7 @@ def main() -> None:
     base = load_model(args.model)
     use_varlen_attention(base)
     bare_model = copy.deepcopy(base)
-    bare_opt = torch.optim.AdamW(bare_model.parameters(), lr=cfg.lr)
+    bare_opt = torch.optim.AdamW(bare_model.parameters(), lr=cfg.optim.lr)
     strategy = make_strategy(cfg, env)
     model = strategy.wrap(base)
     opt = build_optimizer(model, cfg)
@@ -74,7 +76,7 @@ def main() -> None:
         for who in order:
             tick = time.perf_counter()
             if who == "shardtune":
-                train_step(model, strategy, opt, micro_batches, cfg, env, shape)
+                train_step(model, strategy, opt, SFT(cfg, env, strategy, None), micro_batches, shape=shape)
             else:
                 for mb in micro_batches:
                     bare_step(bare_model, bare_opt, mb)

@@ -91,21 +91,21 @@ def row_examples(seq_len: int) -> list[dict]:
 
 
 def train_config(args: argparse.Namespace, strategy: str):
-    from shardtune.config.schema import TrainConfig
+    from shardtune.config.flags import config_from
 
-    cfg = TrainConfig(enable_fsdp=strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"),
+    cfg = config_from(enable_fsdp=strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"),
                       enable_deepspeed=strategy.startswith("ZERO"), use_peft=args.lora, peft_method="lora",
                       num_workers_dataloader=0)
-    if cfg.enable_fsdp:
-        cfg.fsdp_config.sharding_strategy = strategy
-        cfg.fsdp_config.fsdp_activation_checkpointing = args.ac
-        cfg.fsdp_config.fsdp_cpu_offload = args.offload
+    if cfg.parallel.strategy == "fsdp":
+        cfg.parallel.sharding_strategy = strategy
+        cfg.parallel.activation_checkpointing = args.ac
+        cfg.parallel.cpu_offload = args.offload
         if strategy == "HYBRID_SHARD":
-            cfg.fsdp_config.sharding_group_size = 2
-    if cfg.enable_deepspeed:
-        cfg.deepspeed_config.zero_stage = int(strategy[-1])
-        cfg.deepspeed_config.offload_optimizer = args.offload
-        cfg.deepspeed_config.offload_param = args.offload and strategy == "ZERO3"
+            cfg.parallel.sharding_group_size = 2
+    if cfg.parallel.strategy == "deepspeed":
+        cfg.parallel.zero_stage = int(strategy[-1])
+        cfg.parallel.offload_optimizer = args.offload
+        cfg.parallel.offload_param = args.offload and strategy == "ZERO3"
     return cfg
 
 
@@ -202,7 +202,8 @@ def measure_step(args: argparse.Namespace, strategy_name: str, env) -> dict:
     from shardtune.model.attention import use_varlen_attention
     from shardtune.data.batching import collate_flat
     from shardtune.parallel import make_strategy
-    from shardtune.training.loop import train_step
+    from shardtune.training.sft import SFT
+    from shardtune.training.step import train_step
 
     cfg = train_config(args, strategy_name)
     torch.manual_seed(0)
@@ -223,7 +224,7 @@ def measure_step(args: argparse.Namespace, strategy_name: str, env) -> dict:
         optimizer = strategy.build_optimizer(model)
         for step in (1, 2):
             with record_function(f"plan_check.step{step}"):
-                train_step(model, strategy, optimizer, batch, cfg, env)
+                train_step(model, strategy, optimizer, SFT(cfg, env, strategy, None), batch)
                 frees.release()
     frees.restore()
     steps = {}

@@ -86,7 +86,7 @@ def markdown(r: dict) -> str:
                   f"{m.get('dataset', 'the dialogues')}, median over steps): "
                   f"{m['shardtune_packing_median']:.1%} of the measured fp32 matmul peak "
                   f"({m['model_flops_per_s_median'] / 1e9:.1f} model GFLOP/s; FLOPs as computed: output "
-                  "layer on labelled tokens, causal attention, `shardtune/model/flops.py`). A model with hidden size "
+                  "layer on labelled tokens, causal attention, `shardtune/accounting/flops.py`). A model with hidden size "
                   f"{m.get('hidden_size', 256)} runs small matmuls that do not reach the 2048 x 2048 peak.", ""]
     lines += ["GPU figures (bench/gpu.sh on one H200): pending, no GPU was available; see bench/results/gpu.md.", ""]
     return "\n".join(lines)

@@ -10,9 +10,11 @@ import importlib
 import os
 import sys
 
+from shardtune.config.objectives import OBJECTIVES
+
+# the training verbs, one per objective (shardtune.config.objectives), then the others
 SUBCOMMANDS = {
-    "sft": "fine-tune a model (launches torchrun; see shardtune sft --help)",
-    "dpo": "preference training (DPO) on chosen / rejected pairs, same launcher and flags as sft (docs/dpo.md)",
+    **{name: registration.help for name, registration in OBJECTIVES.items()},
     "init-model": "write a small random-init Llama preset with its tokenizer as a Hugging Face directory",
     "export": "turn a training checkpoint (any world size, any strategy) into a Hugging Face model directory",
     "generate": "generate text with a model, a model + PEFT adapter, or a merged model (prompt, file or stdin)",
@@ -24,9 +26,10 @@ SUBCOMMANDS = {
 }
 
 
-# a verb -> the module of shardtune.commands that runs it (``main(argv) -> exit status``)
-MODULES = {"sft": "sft", "dpo": "sft", "init-model": "init_model", "export": "export", "generate": "generate", "plan": "plan",
-           "eval": "eval", "plot": "plot", "doctor": "doctor"}
+# a verb -> the module of shardtune.commands that runs it (``main(argv) -> exit status``); every training verb is
+# the sft command with its objective
+MODULES = {**dict.fromkeys(OBJECTIVES, "sft"), "init-model": "init_model", "export": "export", "generate": "generate",
+           "plan": "plan", "eval": "eval", "plot": "plot", "doctor": "doctor"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardtune: error: unknown command {command!r}: choose one of {', '.join(SUBCOMMANDS)}",
               file=sys.stderr)
         return 2
-    if command in ("sft", "dpo") and ("-h" in rest or "--help" in rest):  # at once: no torch, no transformers
+    if command in OBJECTIVES and ("-h" in rest or "--help" in rest):  # at once: no torch, no transformers
         from shardtune.launch.torchrun import sft_help_text
 
         print(sft_help_text(command))
@@ -52,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         module = importlib.import_module(f"shardtune.commands.{MODULES[command]}")
         with frozen_imports(as_program):
-            if command == "dpo":  # sft's command with the DPO objective (a command imports no other)
-                status = module.main(rest, objective="dpo")
+            if command in OBJECTIVES:  # the training command with the verb's objective
+                status = module.main(rest, objective=command)
             else:
                 status = module.main(rest)
     except KeyboardInterrupt:  # Ctrl-C before (or without) a run's own stop handling: one line, a shell's status
@@ -69,16 +72,20 @@ def exit_without_teardown(status: int) -> None:
 
     Everything the process wrote is already closed (or flushed) by then, and the exit handlers still run (logging,
     trackers, the data loader's worker processes, temporary directories: ``atexit``), as do the threads that are
-    not daemons (joined, as the interpreter would); what is skipped is the interpreter's last garbage collection
+    not daemons (thread pools told to stop, then joined, as the interpreter does); what is skipped is the interpreter's last garbage collection
     and the destruction of every module and C++ object imported (torch's and transformers' millions): ~2 s of a
     2-core CPU at every exit, on each process of a run, for nothing the run keeps. A process that fails with an
     exception never gets here and exits as before."""
     import atexit
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:  # the interpreter's own first step of exit: thread pools' exit hooks (torch.compile's
+        shutdown()            # workers wait for them, forever otherwise), then the non-daemon threads joined
+    else:
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

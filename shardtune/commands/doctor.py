@@ -228,11 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     from shardtune.runtime.distributed import is_torchrun_worker
-    from shardtune.launch.torchrun import launch, resolve_here, split_launcher_args
+    from shardtune.config.argv import split_argv
+    from shardtune.launch.torchrun import launch, resolve_here
 
     argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv):
+        parse_doctor_args(["--help"])  # prints the help and exits
     try:
-        launch_args, rest = split_launcher_args(argv)
+        split = split_argv(argv)
+        launch_args, rest = split.launcher, split.training_argv()
         args = parse_doctor_args(rest)
         if is_torchrun_worker():
             return run_worker(args)

@@ -51,24 +51,24 @@ def eval_loss(model: nn.Module, examples: list[dict], cfg: TrainConfig, pad_id: 
 
 
 def evaluate_model(cfg: TrainConfig, adapter: str, max_examples: int, max_new_tokens: int) -> dict:
-    model, tokenizer = load_for_inference(cfg.model_name, adapter, trust_remote_code=cfg.trust_remote_code)
+    model, tokenizer = load_for_inference(cfg.model.name, adapter, trust_remote_code=cfg.model.trust_remote_code)
     examples, data_report = data.load_examples(cfg, data.apply_tokenizer_options(cfg, tokenizer), "validation")
     examples = examples[:max_examples]
     if not examples:
-        raise ConfigError(f"--dataset {cfg.dataset}: the validation split has no usable example "
+        raise ConfigError(f"--dataset {cfg.data.dataset}: the validation split has no usable example "
                           f"({data_report.summary()})")
     loss, ppl, num_tokens = eval_loss(model, examples, cfg, tokenizer.pad_token_id)
     split = "validation"
     if uses_trl_formats(cfg):
-        return {"model_name": cfg.model_name, "adapter": adapter, "dataset": cfg.dataset, "data": data_report.source,
-                "split": cfg.trl_dataset.dataset_test_split if cfg.dataset == "trl_dataset" else split,
+        return {"model_name": cfg.model.name, "adapter": adapter, "dataset": cfg.data.dataset, "data": data_report.source,
+                "split": cfg.data.trl_dataset.dataset_test_split if cfg.data.dataset == "trl_dataset" else split,
                 "num_examples": len(examples), "eval_loss": loss, "eval_ppl": ppl, "eval_num_tokens": num_tokens}
     rows = generate_for_examples(model, tokenizer, examples, max_new_tokens)
     scores = rouge_scores([r["reference"] for r in rows], [r["prediction"] for r in rows])
     for row, score in zip(rows, scores):
         row.update(score)
     means = {k: sum(s[k] for s in scores) / len(scores) for k in ROUGE_TYPES}
-    return {"model_name": cfg.model_name, "adapter": adapter, "dataset": cfg.dataset, "split": split,
+    return {"model_name": cfg.model.name, "adapter": adapter, "dataset": cfg.data.dataset, "split": split,
             "num_examples": len(rows), "eval_loss": loss, "eval_ppl": ppl, "eval_num_tokens": num_tokens,
             **means, "rouge": {"use_stemmer": True, "measure": "fmeasure"},
             "generation": {"decoding": "greedy", "max_new_tokens": max_new_tokens}, "examples": rows}
@@ -106,7 +106,7 @@ def check_flag_names(rest: list[str], own: list[str]) -> None:
     """An unknown flag is one line whose suggestion also considers eval's own flags (--max_examples ...)."""
     import difflib
 
-    from shardtune.config.flags import ALIASES, flat_fields, resolve_key
+    from shardtune.config.spellings import resolve, usable_names
 
     for arg in rest:
         if not arg.startswith("--"):
@@ -115,10 +115,9 @@ def check_flag_names(rest: list[str], own: list[str]) -> None:
         if name == "config":  # the recipe: parse_args reads it (sft's --config)
             continue
         try:
-            resolve_key(name)
+            resolve(name)
         except ConfigError:
-            close = difflib.get_close_matches(name.replace("-", "_"), [*own, *flat_fields(), *ALIASES], n=1,
-                                              cutoff=0.5)
+            close = difflib.get_close_matches(name.replace("-", "_"), [*own, *usable_names()], n=1, cutoff=0.5)
             hint = f"did you mean --{close[0]}?" if close else "see shardtune eval --help"
             raise ConfigError(f"unknown flag --{name}: {hint}") from None
 
@@ -133,7 +132,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError("--max_examples and --max_new_tokens must be positive")
         check_flag_names(rest, [a.dest for a in parser()._actions if a.dest != "help"])
         cfg = parse_args(rest)
-        cfg.model_name, args.adapter = resolve_model_and_adapter(cfg.model_name, args.adapter, cfg.trust_remote_code)
+        cfg.model.name, args.adapter = resolve_model_and_adapter(cfg.model.name, args.adapter, cfg.model.trust_remote_code)
         data.check_data_config(cfg)
         report = evaluate_model(cfg, args.adapter, args.max_examples, args.max_new_tokens)
     except ConfigError as e:

@@ -23,9 +23,9 @@ from transformers.utils import logging as hf_logging
 from shardtune.config.flags import from_dict
 from shardtune.config.schema import ConfigError
 from shardtune.model.attention import attention_implementation
-from shardtune.model.hub import HubUploadError, check_can_upload, push_folder
+from shardtune.publishing.hub import HubUploadError, check_can_upload, push_folder
 from shardtune.model.loading import load_model
-from shardtune.model.saving import save_hf_model
+from shardtune.publishing.saving import save_hf_model
 from shardtune.runtime.checkpoint_reader import (
     SafeFileSystemReader,
     UnsafeCheckpointError,
@@ -51,7 +51,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
         print(f"shardtune: warning: {note}", file=sys.stderr)
     state = read_trainer_state(path)
     cfg = from_dict(yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")))
-    trust = {"trust_remote_code": cfg.trust_remote_code}  # as the run did: recorded in its config.yaml
+    trust = {"trust_remote_code": cfg.model.trust_remote_code}  # as the run did: recorded in its config.yaml
     config = AutoConfig.from_pretrained(path / "hf_config", **trust)
     target = DTYPES[dtype] or source_dtype(config)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
@@ -68,19 +68,19 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     if state.get("adapter_only"):  # the base weights do not matter: only the adapter is read and written
         from shardtune.model.peft import apply_peft, save_adapter
 
-        cfg.quantization, cfg.from_peft_checkpoint = "", ""
+        cfg.model.quantization, cfg.peft.from_checkpoint = "", ""
         model = apply_peft(model, cfg)
         adapter = {k: v for k, v in model.state_dict().items() if f"model.{k}" in stored}
         read(adapter)
         trainable = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
-        return path, save_adapter(model, trainable, cfg.model_name, tokenizer, Path(out_dir))
+        return path, save_adapter(model, trainable, cfg.model.name, tokenizer, Path(out_dir))
     wanted = {k: v for k, v in model.state_dict().items() if f"model.{k}" in stored}
     missing = sorted(k for k, _ in model.named_parameters() if k not in wanted)
     if missing:  # frozen parameters are not in checkpoints: they come from the base model
-        if not Path(cfg.model_name).is_dir():
+        if not Path(cfg.model.name).is_dir():
             raise ConfigError(f"{path} does not hold {missing[0]} (and {len(missing) - 1} more frozen tensors), and "
-                              f"the base model {cfg.model_name} is not here: export on a machine that has it")
-        model.load_state_dict(load_model(cfg.model_name, **trust).state_dict())
+                              f"the base model {cfg.model.name} is not here: export on a machine that has it")
+        model.load_state_dict(load_model(cfg.model.name, **trust).state_dict())
     read(wanted)
     model.config.dtype = target
     return path, save_hf_model(model, model.state_dict(), tokenizer, Path(out_dir))

@@ -1,6 +1,7 @@
 """Checks of the settings alone (no model, no data, no process group): each a function ``check(cfg, world_size)``
-raising one ConfigError line. The one list of every pre-launch check, including those owned by the model,
-parallel and training floors, is shardtune.training.checks.
+raising one ConfigError line. Choices, ranges and finiteness come from each field's metadata
+(shardtune.config.schema); the rest are the combinations. The one list of every pre-launch check, including those
+owned by the model, parallel and training floors, is shardtune.training.checks.
 """
 
 from __future__ import annotations
@@ -9,76 +10,62 @@ import difflib
 import math
 import os
 import tempfile
-from dataclasses import fields
 from pathlib import Path
-from typing import Any
 
-from shardtune.config.deepspeed_file import DEEPSPEED_OWNED_KEYS, deepspeed_file_config
-from shardtune.config.flags import flat_fields
+from shardtune.config.dialects.deepspeed import DEEPSPEED_OWNED_KEYS, deepspeed_file_config
+from shardtune.config.fields import flat_fields, get_value, optional
+from shardtune.config.flags import spelling_of
 from shardtune.config.schema import (
     PROFILER_SCHEDULE,
     TRACKER_PACKAGES,
     ConfigError,
-    DeepSpeedConfig,
-    FsdpConfig,
     TrainConfig,
     effective_batch_size,
-    trackers,
 )
 from shardtune.runtime.elastic import worker_group_attempt
 from shardtune.runtime.run_lock import RunLocked, check_not_locked
 
 
-def _setting(cfg: TrainConfig, key: str) -> Any:
-    target: Any = cfg
-    for part in key.split("."):
-        target = getattr(target, part)
-    return target
+def check_fields(cfg: TrainConfig, world_size: int) -> None:
+    """Every field against its metadata: finite numbers, choices, ranges, intervals."""
+    for key, info in flat_fields().items():
+        value, meta = get_value(cfg, key), info.meta
+        if value is None:
+            continue
+        flag = spelling_of(cfg, key)
+        if isinstance(value, float) and not math.isfinite(value):  # inf / nan pass every comparison below
+            raise ConfigError(f"{flag} {value} is not a finite number: pass a finite value")
+        choices = meta.get("choices")
+        for one in value if isinstance(value, list) and choices else [value] if choices else []:
+            if one not in choices:
+                close = difflib.get_close_matches(str(one), [str(c) for c in choices], n=1)
+                named = [str(c) for c in choices if c != ""]
+                hint = f"did you mean {close[0]}?" if close else \
+                    f"choose {', '.join(named[:-1])} or {named[-1]}" if len(named) > 1 else f"choose {named[0]}"
+                raise ConfigError(f"{flag} {one!r} is not valid: {hint}")
+        if meta.get("needs") and value and not get_value(cfg, meta["needs"]):
+            needed = spelling_of(cfg, meta["needs"])
+            raise ConfigError(f"{flag} needs {needed} on, and it is off: turn it on, or drop {flag}")
+        if optional(info.type)[0] not in (int, float) or isinstance(value, bool):
+            continue
+        if "at_least" in meta and value < meta["at_least"]:
+            what = "must be positive: pass a value >= 1" if meta["at_least"] == 1 else \
+                f"must be >= {meta['at_least']:g} (0 means none / no limit)" if meta["at_least"] == 0 else \
+                f"must be >= {meta['at_least']:g}"
+            raise ConfigError(f"{flag} {value:g} {what}")
+        if "above" in meta and value <= meta["above"]:
+            raise ConfigError(f"{flag} {value:g} must be positive" + (": pass e.g. 1e-4" if key == "optim.lr" else ""))
+        if "below" in meta and value >= meta["below"]:
+            raise ConfigError(f"{flag} {value:g} must be in [{meta.get('at_least', 0):g}, {meta['below']:g})")
+        if "at_most" in meta and value > meta["at_most"]:
+            raise ConfigError(f"{flag} {value:g} must be in (0, {meta['at_most']:g}]")
+        if meta.get("interval") and (value < 0 or (value >= 1 and value != int(value))):
+            raise ConfigError(f"{flag} {value:g} is neither a whole number of steps nor a fraction in (0, 1) of the "
+                              "run's steps")
 
 
 def check_core(cfg: TrainConfig, world_size: int) -> None:
-    for key, (typ, _f) in flat_fields().items():  # inf / nan pass every comparison below as if they were fine
-        value = _setting(cfg, key)
-        if typ is float and isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"--{key} {value} is not a finite number: pass a finite value")
-    for name in ("batch_size_training", "gradient_accumulation_steps", "num_epochs", "context_length",
-                 "val_batch_size", "logging_steps"):
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"--{name} {getattr(cfg, name)} must be positive: pass a value >= 1")
-    for name in ("max_train_step", "max_eval_step", "num_workers_dataloader", "warmup_steps", "eval_steps"):
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"--{name} {getattr(cfg, name)} must be >= 0 (0 means no limit / none)")
-    if cfg.fractional_epochs and (cfg.fractional_epochs < 0 or math.ceil(cfg.fractional_epochs) != cfg.num_epochs):
-        raise ConfigError(f"--fractional_epochs {cfg.fractional_epochs} needs --num_epochs "
-                          f"{max(1, math.ceil(cfg.fractional_epochs))} (the epochs it reaches into), not "
-                          f"{cfg.num_epochs}: pass TRL's --num_train_epochs {cfg.fractional_epochs} alone")
-    if cfg.lr <= 0:
-        raise ConfigError(f"--lr {cfg.lr} must be positive: pass e.g. 1e-4")
-    if cfg.weight_decay < 0:
-        raise ConfigError(f"--weight_decay {cfg.weight_decay} must be >= 0")
-    if not 0 < cfg.gamma <= 1:
-        raise ConfigError(f"--gamma {cfg.gamma} must be in (0, 1]: it multiplies the lr once per epoch")
-    if cfg.gradient_clipping and cfg.gradient_clipping_threshold <= 0:
-        raise ConfigError(f"--gradient_clipping_threshold {cfg.gradient_clipping_threshold} must be positive")
-    for key, (typ, f) in flat_fields().items():
-        choices = f.metadata.get("choices")
-        if choices:
-            *owners, name = key.split(".")
-            target: Any = cfg
-            for o in owners:
-                target = getattr(target, o)
-            value = getattr(target, name)
-            for one in value if isinstance(value, list) else [value]:  # a list setting: each of its values
-                if one not in choices:
-                    close = difflib.get_close_matches(str(one), choices, n=1)
-                    hint = f"did you mean {close[0]}?" if close else "choose one of " + ", ".join(choices)
-                    raise ConfigError(f"--{key} {one!r} is not valid: {hint}")
-    for frac_key in ("samsum_dataset.validation_fraction", "alpaca_dataset.validation_fraction"):
-        owner, name = frac_key.split(".")
-        frac = getattr(getattr(cfg, owner), name)
-        if not 0 <= frac < 1:
-            raise ConfigError(f"--{frac_key} {frac} must be in [0, 1)")
-    _check_output_dir(cfg.output_dir)
+    _check_output_dir(cfg.output.dir)
     check_previous_run(cfg)
 
 
@@ -91,21 +78,22 @@ def check_previous_run(cfg: TrainConfig, resuming: bool | None = None) -> None:
     share output_dir with a run that is still going (not even with --resume auto or --overwrite_output_dir).
     ``resuming``: whether a checkpoint is resumed (default: any --resume; --resume auto that finds no checkpoint is
     a new run, decided by shardtune.training.checkpoint.check_checkpointing)."""
+    out = Path(cfg.output.dir)
     try:
-        check_not_locked(Path(cfg.output_dir))
+        check_not_locked(out)
     except RunLocked as e:
         raise ConfigError(str(e)) from None
     restarted = worker_group_attempt() > 0
-    if cfg.overwrite_output_dir or (bool(cfg.resume) if resuming is None else resuming) or restarted:
+    if cfg.output.overwrite or (bool(cfg.checkpoint.resume) if resuming is None else resuming) or restarted:
         return
-    found = [name for name in RUN_FILES if (Path(cfg.output_dir) / name).exists()]
+    found = [name for name in RUN_FILES if (out / name).exists()]
     if found:
         # --resume latest only where there is something to resume (output_dir/checkpoints/step-NNNNNN, the layout of
         # shardtune.training.checkpoint_layout; whether one verifies is that floor's business)
-        resumable = any((Path(cfg.output_dir) / "checkpoints").glob("step-*"))
+        resumable = any((out / "checkpoints").glob("step-*"))
         continue_it = "--resume latest to continue it, " if resumable else ""
-        raise ConfigError(f"--output_dir {cfg.output_dir} already holds a run ({found[0]}): pass another directory, "
-                          f"{continue_it}or --overwrite_output_dir true to replace it")
+        raise ConfigError(f"{spelling_of(cfg, 'output.dir')} {cfg.output.dir} already holds a run ({found[0]}): pass "
+                          f"another directory, {continue_it}or --overwrite_output_dir true to replace it")
 
 
 def _check_output_dir(output_dir: str) -> None:
@@ -129,46 +117,43 @@ def _check_output_dir(output_dir: str) -> None:
                           "pass a directory you can write to") from None
 
 
+def changed_from_default(cfg: TrainConfig, keys: tuple[str, ...]) -> str | None:
+    """The first of ``keys`` whose value is not its default."""
+    return next((key for key in keys if get_value(cfg, key) != flat_fields()[key].default), None)
 
 
-# FSDP settings that only mean something with --enable_fsdp (checkpoint_type belongs to checkpointing; activation
-# checkpointing applies under every strategy).
-FSDP_ONLY_SETTINGS = ("hsdp", "sharding_strategy", "sharding_group_size", "replica_group_size", "pure_bf16",
-                      "fsdp_cpu_offload")
+# Settings that only mean something under FSDP / DeepSpeed (activation checkpointing applies under every strategy).
+FSDP_ONLY_SETTINGS = ("parallel.sharding_strategy", "parallel.sharding_group_size", "parallel.replica_group_size",
+                      "parallel.cpu_offload", "parallel.low_cpu_fsdp")
+DEEPSPEED_ONLY_SETTINGS = ("parallel.zero_stage", "parallel.offload_optimizer", "parallel.offload_param",
+                           "parallel.deepspeed_config_file")
 
 
 def check_fsdp(cfg: TrainConfig, world_size: int) -> None:
-    fc, defaults = cfg.fsdp_config, FsdpConfig()
-    if cfg.use_fp16 and fc.pure_bf16:
-        raise ConfigError("--use_fp16 and --fsdp_config.pure_bf16 are both set: fp16 and bf16 exclude each other; "
-                          "drop one of them")
-    if not cfg.enable_fsdp:
-        changed = [n for n in FSDP_ONLY_SETTINGS if getattr(fc, n) != getattr(defaults, n)]
+    p = cfg.parallel
+    if cfg.train.precision == "pure_bf16" and p.strategy != "fsdp":
+        flag = spelling_of(cfg, "train.precision")
+        raise ConfigError(f"{flag if flag.endswith('pure_bf16') else flag + ' pure_bf16'} (parameters, gradients and "
+                          "optimizer state in bf16) needs FSDP: add --enable_fsdp or drop the flag")
+    if p.strategy != "fsdp":
+        changed = changed_from_default(cfg, FSDP_ONLY_SETTINGS)
         if changed:
-            raise ConfigError(f"--fsdp_config.{changed[0]} {getattr(fc, changed[0])} has no effect without FSDP: "
-                              "add --enable_fsdp or drop the flag")
-        if cfg.low_cpu_fsdp:
-            raise ConfigError("--low_cpu_fsdp needs --enable_fsdp (rank-0-only loading shards the model): "
-                              "add --enable_fsdp or drop the flag")
+            raise ConfigError(f"{spelling_of(cfg, changed)} {get_value(cfg, changed)} has no effect without FSDP: add "
+                              "--enable_fsdp or drop the flag")
         return
-    if cfg.quantization == "8bit":
+    if cfg.model.quantization == "8bit":
         raise ConfigError("--quantization 8bit is not supported with --enable_fsdp (bitsandbytes 8-bit weights "
                           "cannot be sharded): use --quantization 4bit, or drop --enable_fsdp")
-    hybrid = fc.sharding_strategy == "HYBRID_SHARD"
-    if fc.hsdp and not hybrid:
-        raise ConfigError(f"--fsdp_config.hsdp true needs --fsdp_config.sharding_strategy HYBRID_SHARD, not "
-                          f"{fc.sharding_strategy}: set it, or drop --fsdp_config.hsdp")
-    sizes = {"sharding_group_size": fc.sharding_group_size, "replica_group_size": fc.replica_group_size}
-    for name, size in sizes.items():
-        if size < 0:
-            raise ConfigError(f"--fsdp_config.{name} {size} must be >= 0 (0: derived)")
+    hybrid = p.sharding_strategy == "HYBRID_SHARD"
+    for key in ("parallel.sharding_group_size", "parallel.replica_group_size"):
+        size = get_value(cfg, key)
         if size and not hybrid:
-            raise ConfigError(f"--fsdp_config.{name} {size} only applies to --fsdp_config.sharding_strategy "
-                              f"HYBRID_SHARD (not {fc.sharding_strategy}): set it, or drop the flag")
+            raise ConfigError(f"{spelling_of(cfg, key)} {size} only applies to --fsdp_config.sharding_strategy "
+                              f"HYBRID_SHARD (not {p.sharding_strategy}): set it, or drop the flag")
         if size and world_size % size:
-            raise ConfigError(f"--fsdp_config.{name} {size} does not divide the world size {world_size}: pass a "
+            raise ConfigError(f"{spelling_of(cfg, key)} {size} does not divide the world size {world_size}: pass a "
                               f"divisor of {world_size}")
-    shard, replicas = fc.sharding_group_size, fc.replica_group_size
+    shard, replicas = p.sharding_group_size, p.replica_group_size
     if shard and replicas and shard * replicas != world_size:
         raise ConfigError(f"--fsdp_config.sharding_group_size {shard} x --fsdp_config.replica_group_size {replicas} "
                           f"= {shard * replicas}, but the world size is {world_size}: make their product "
@@ -176,101 +161,109 @@ def check_fsdp(cfg: TrainConfig, world_size: int) -> None:
 
 
 def check_deepspeed(cfg: TrainConfig, world_size: int) -> None:
-    dc, defaults = cfg.deepspeed_config, DeepSpeedConfig()
-    if not cfg.enable_deepspeed:
-        changed = [f.name for f in fields(DeepSpeedConfig) if getattr(dc, f.name) != getattr(defaults, f.name)]
+    p = cfg.parallel
+    if p.strategy != "deepspeed":
+        changed = changed_from_default(cfg, DEEPSPEED_ONLY_SETTINGS)
         if changed:
-            raise ConfigError(f"--deepspeed_config.{changed[0]} {getattr(dc, changed[0])} has no effect without "
+            raise ConfigError(f"{spelling_of(cfg, changed)} {get_value(cfg, changed)} has no effect without "
                               "DeepSpeed: add --enable_deepspeed or drop the flag")
         return
     import importlib.util
 
-    if cfg.enable_fsdp:
-        raise ConfigError("--enable_fsdp and --enable_deepspeed are both set: they are two sharding strategies; "
-                          "drop one of them")
     if importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("--enable_deepspeed needs DeepSpeed, which is not installed: pip install "
                           "--no-build-isolation 'shardtune[deepspeed]' (its build needs torch), or drop the flag")
-    if dc.zero_stage not in (1, 2, 3):
-        raise ConfigError(f"--deepspeed_config.zero_stage {dc.zero_stage} is not valid: choose 1, 2 or 3")
-    if dc.offload_param and dc.zero_stage != 3:
+    if p.offload_param and p.zero_stage != 3:
         raise ConfigError(f"--deepspeed_config.offload_param needs --deepspeed_config.zero_stage 3 (not "
-                          f"{dc.zero_stage}): set it, or drop --deepspeed_config.offload_param")
-    if cfg.quantization == "8bit" and dc.zero_stage == 3:
+                          f"{p.zero_stage}): set it, or drop --deepspeed_config.offload_param")
+    if cfg.model.quantization == "8bit" and p.zero_stage == 3:
         raise ConfigError("--quantization 8bit cannot be partitioned by ZeRO-3: use --quantization 4bit (stored in the "
                           "compute dtype, which ZeRO-3 partitions), or --deepspeed_config.zero_stage 2")
-    if cfg.nan_policy == "skip":
+    if cfg.train.nan_policy == "skip":
         raise ConfigError("--nan_policy skip is not supported with --enable_deepspeed (its step cannot be skipped "
                           "once gradients are accumulated): use --nan_policy stop, or --enable_fsdp")
-    if cfg.compile:
+    if cfg.model.compile:
         raise ConfigError("--compile is not supported with --enable_deepspeed yet: drop one of them")
-    ours = {"train_micro_batch_size_per_gpu": cfg.batch_size_training,
-            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+    ours = {"train_micro_batch_size_per_gpu": cfg.train.batch_size,
+            "gradient_accumulation_steps": cfg.train.gradient_accumulation_steps,
             "train_batch_size": effective_batch_size(cfg, world_size)}
     file_config = deepspeed_file_config(cfg)
     stage = (file_config.get("zero_optimization") or {}).get("stage", "auto")
-    if stage not in ("auto", dc.zero_stage):
-        raise ConfigError(f"--deepspeed_config.config_file {dc.config_file}: zero_optimization.stage is {stage}, but "
-                          f"--deepspeed_config.zero_stage is {dc.zero_stage}: make them agree (or drop the stage "
+    path = p.deepspeed_config_file
+    if stage not in ("auto", p.zero_stage):
+        raise ConfigError(f"--deepspeed_config.config_file {path}: zero_optimization.stage is {stage}, but "
+                          f"--deepspeed_config.zero_stage is {p.zero_stage}: make them agree (or drop the stage "
                           "from the file)")
     for key, value in file_config.items():
         if key not in DEEPSPEED_OWNED_KEYS or value == "auto" or ours.get(key) == value:
             continue
         what = (f"{value}, but shardtune's is {ours[key]} (from --batch_size_training, the world size and "
                 "--gradient_accumulation_steps)" if key in ours else "set by shardtune")
-        raise ConfigError(f"--deepspeed_config.config_file {dc.config_file}: \"{key}\" is {what}: remove the key "
-                          "or set it to \"auto\"")
+        raise ConfigError(f"--deepspeed_config.config_file {path}: \"{key}\" is {what}: remove the key or set it to "
+                          "\"auto\"")
 
 
 def check_fp16_device(cfg: TrainConfig, world_size: int) -> None:
     from shardtune.runtime.precision import fp16_compute_available
 
-    if cfg.use_fp16 and not fp16_compute_available():
-        raise ConfigError("--use_fp16 needs CUDA GPUs (fp16 compute with a gradient scaler, for GPUs without bf16); "
-                          "this machine has none, and on CPU shardtune computes in fp32: drop --use_fp16")
+    if cfg.train.precision == "fp16" and not fp16_compute_available():
+        raise ConfigError(f"{spelling_of(cfg, 'train.precision')} needs CUDA GPUs (fp16 compute with a gradient "
+                          "scaler, for GPUs without bf16); this machine has none, and on CPU shardtune computes in "
+                          "fp32: drop it")
 
 
 def check_long_sequence_levers(cfg: TrainConfig, world_size: int) -> None:
-    if cfg.rope_scaling and cfg.rope_factor <= 1:
-        raise ConfigError(f"--rope_factor {cfg.rope_factor} must be > 1 with --rope_scaling {cfg.rope_scaling}: pass "
-                          "the context extension, e.g. --rope_factor 4")
-    if not cfg.rope_scaling and cfg.rope_factor != 1:
-        raise ConfigError(f"--rope_factor {cfg.rope_factor} has no effect without --rope_scaling: add "
-                          "--rope_scaling yarn or drop the flag")
+    m = cfg.model
+    if m.rope_scaling and m.rope_factor <= 1:
+        raise ConfigError(f"--rope_factor {m.rope_factor} must be > 1 with --rope_scaling {m.rope_scaling}: pass the "
+                          "context extension, e.g. --rope_factor 4")
+    if not m.rope_scaling and m.rope_factor != 1:
+        raise ConfigError(f"--rope_factor {m.rope_factor} has no effect without --rope_scaling: add --rope_scaling yarn "
+                          "or drop the flag")
 
 
 def check_observability(cfg: TrainConfig, world_size: int) -> None:
     import importlib.util
 
-    for name in trackers(cfg):
+    lg = cfg.logging
+    for name in lg.report_to:
         module, extra = TRACKER_PACKAGES[name]
         if importlib.util.find_spec(module) is None:
-            flag = "--use_wandb" if name == "wandb" and cfg.report_to not in ("wandb", "all") else \
-                f"--report_to {cfg.report_to}"
+            flag = "--use_wandb" if getattr(cfg, "spelled", {}).get("logging.report_to") == "use_wandb" else \
+                f"--report_to {','.join(lg.report_to)}"
             raise ConfigError(f"{flag} needs {module}, which is not installed: pip install 'shardtune[{extra}]', "
                               "or drop the flag")
-    if cfg.use_profiler and cfg.flop_counter:
+    if lg.profiler and lg.flop_counter:
         raise ConfigError("--use_profiler and --flop_counter are both set: the FLOP counter would count the "
                           "profiler's steps too; drop one of them")
-    if cfg.flop_counter_start < 0 or cfg.log_eval_samples < 0:
-        bad = "flop_counter_start" if cfg.flop_counter_start < 0 else "log_eval_samples"
-        raise ConfigError(f"--{bad} {getattr(cfg, bad)} must be >= 0")
-    if cfg.flop_counter and cfg.max_train_step and cfg.max_train_step <= cfg.flop_counter_start:
-        raise ConfigError(f"--flop_counter measures step {cfg.flop_counter_start + 1} (after --flop_counter_start "
-                          f"{cfg.flop_counter_start} warm-up steps), but --max_train_step is {cfg.max_train_step}: "
-                          "raise --max_train_step or lower --flop_counter_start")
+    max_steps = cfg.train.max_steps
+    if lg.flop_counter and max_steps and max_steps <= lg.flop_counter_start:
+        raise ConfigError(f"--flop_counter measures step {lg.flop_counter_start + 1} (after --flop_counter_start "
+                          f"{lg.flop_counter_start} warm-up steps), but --max_train_step is {max_steps}: raise "
+                          "--max_train_step or lower --flop_counter_start")
     profiled = sum(PROFILER_SCHEDULE.values())
-    if cfg.use_profiler and cfg.max_train_step and cfg.max_train_step <= profiled:
+    if lg.profiler and max_steps and max_steps <= profiled:
         raise ConfigError(f"--use_profiler records steps 4-6 after {PROFILER_SCHEDULE['wait']} wait and "
                           f"{PROFILER_SCHEDULE['warmup']} warm-up steps, so it needs more than {profiled} steps, but "
-                          f"--max_train_step is {cfg.max_train_step}: raise it to {profiled + 1} or more")
+                          f"--max_train_step is {max_steps}: raise it to {profiled + 1} or more")
 
 
-def check_dist_timeout(cfg: TrainConfig, world_size: int) -> None:
-    if cfg.dist_timeout <= 0:
-        raise ConfigError(f"--dist_timeout {cfg.dist_timeout} must be a positive number of seconds (default 1800)")
+def check_combinations(cfg: TrainConfig, world_size: int) -> None:
+    """Settings that cannot go together, or with this launch."""
+    if cfg.model.freeze_layers and cfg.peft.method:
+        raise ConfigError("--freeze_layers applies to full fine-tuning; with --use_peft the base model is frozen "
+                          "already: drop one of them")
+    if cfg.parallel.one_gpu and world_size > 1:
+        raise ConfigError(f"--one_gpu trains in one process, but this launch has {world_size}: drop --one_gpu, or "
+                          "launch one process (--nproc_per_node 1)")
+    if not cfg.checkpoint.save_optimizer and cfg.parallel.strategy == "deepspeed":
+        raise ConfigError("--save_optimizer false is not supported with --enable_deepspeed (DeepSpeed writes its "
+                          "partitions with the optimizer state): drop the flag")
+    if cfg.checkpoint.dist_checkpoint_root_folder and not cfg.checkpoint.dist_checkpoint_folder:
+        raise ConfigError("--dist_checkpoint_folder is empty: name the checkpoint folder (llama-cookbook writes "
+                          "<dist_checkpoint_root_folder>/<dist_checkpoint_folder>-<model_name>)")
 
 
 # The checks of this floor, in the order they run (shardtune.training.checks runs them first).
-CONFIG_CHECKS = (check_core, check_fsdp, check_deepspeed, check_fp16_device, check_long_sequence_levers,
-                 check_observability, check_dist_timeout)
+CONFIG_CHECKS = (check_fields, check_core, check_combinations, check_fsdp, check_deepspeed, check_fp16_device, check_long_sequence_levers,
+                 check_observability)

@@ -61,9 +61,9 @@ def unit_length(unit: Unit) -> int:
 
 def build_units(examples: list[Example], cfg: TrainConfig) -> list[Unit]:
     """One example per unit (padding), or packed blocks of at most context_length tokens (packing)."""
-    if cfg.batching_strategy == "padding":
+    if cfg.data.batching == "padding":
         return [[example] for example in examples]
-    return pack(examples, cfg.context_length, cfg.seed)
+    return pack(examples, cfg.data.context_length, cfg.train.seed)
 
 
 def pack(examples: list[Example], context_length: int, seed: int) -> list[Unit]:
@@ -95,10 +95,10 @@ def steps_per_epoch(num_units: int, cfg: TrainConfig, dp_size: int) -> int:
     size = effective_batch_size(cfg, dp_size)
     steps = num_units // size
     if steps == 0:
-        what = "packed blocks" if cfg.batching_strategy == "packing" else "examples"
+        what = "packed blocks" if cfg.data.batching == "packing" else "examples"
         raise DataError(f"dataset too small for effective batch {size} (batch_size_training "
-                        f"{cfg.batch_size_training} x {dp_size} data-parallel processes x gradient_accumulation_steps "
-                        f"{cfg.gradient_accumulation_steps}): it has {num_units} {what}: add data or lower "
+                        f"{cfg.train.batch_size} x {dp_size} data-parallel processes x gradient_accumulation_steps "
+                        f"{cfg.train.gradient_accumulation_steps}): it has {num_units} {what}: add data or lower "
                         "--batch_size_training / --gradient_accumulation_steps")
     return steps
 
@@ -107,9 +107,9 @@ def epoch_order(units: list[Unit], cfg: TrainConfig, dp_size: int, epoch: int) -
     """Unit indices of ``epoch``, global batch after global batch (rules 1-3 of the module docstring)."""
     size = effective_batch_size(cfg, dp_size)
     num_steps = steps_per_epoch(len(units), cfg, dp_size)
-    generator = torch.Generator().manual_seed(cfg.seed + epoch)
+    generator = torch.Generator().manual_seed(cfg.train.seed + epoch)
     order = torch.randperm(len(units), generator=generator).tolist()[: num_steps * size]
-    if cfg.batching_strategy == "padding":
+    if cfg.data.batching == "padding":
         for start in range(0, len(order), size):
             order[start:start + size] = sorted(order[start:start + size], key=lambda i: (unit_length(units[i]), i))
     return order
@@ -119,8 +119,8 @@ def micro_batch_slice(step: int, micro_step: int, dp_rank: int, cfg: TrainConfig
     """Where data-parallel rank ``dp_rank``'s micro-batch ``micro_step`` of optimizer step ``step`` lies in the epoch
     order."""
     index = micro_step * dp_size + dp_rank
-    start = step * effective_batch_size(cfg, dp_size) + index * cfg.batch_size_training
-    return slice(start, start + cfg.batch_size_training)
+    start = step * effective_batch_size(cfg, dp_size) + index * cfg.train.batch_size
+    return slice(start, start + cfg.train.batch_size)
 
 
 def collate_padding(examples: list[Example], pad_id: int) -> MicroBatch:
@@ -160,8 +160,8 @@ def collate_flat(examples: list[Example]) -> MicroBatch:
 def flattened(cfg: TrainConfig) -> bool:
     """Whether training micro-batches are padding-free rows: always with packing, with padding on request, and
     whenever rows are split over sequence / context parallel ranks (a split needs one row with boundaries)."""
-    return (cfg.batching_strategy == "packing" or cfg.padding_free
-            or cfg.sequence_parallel_size * cfg.context_parallel_size > 1)
+    return (cfg.data.batching == "packing" or cfg.data.padding_free
+            or cfg.parallel.sequence_parallel_size * cfg.parallel.context_parallel_size > 1)
 
 
 def collate(units: list[Unit], cfg: TrainConfig, pad_id: int, example_ids: list[int] | None = None) -> MicroBatch:
@@ -219,7 +219,7 @@ class StepDataset(Dataset):
         if not 0 <= index < len(self):
             raise IndexError(index)
         step = self.start_step + index
-        return [self._micro_batch(step, micro_step) for micro_step in range(self.cfg.gradient_accumulation_steps)]
+        return [self._micro_batch(step, micro_step) for micro_step in range(self.cfg.train.gradient_accumulation_steps)]
 
     def _micro_batch(self, step: int, micro_step: int) -> MicroBatch:
         chosen = self.order[micro_batch_slice(step, micro_step, self.dp_rank, self.cfg, self.dp_size)]
@@ -239,22 +239,22 @@ def train_loader(units: list[Unit], cfg: TrainConfig, dp_rank: int, dp_size: int
     The loader gets its own generator: starting it draws no number from the global RNG, whose state (dropout)
     a checkpoint saves, so resuming mid-epoch continues the same random stream.
     """
-    workers = cfg.num_workers_dataloader
+    workers = cfg.data.num_workers
     return DataLoader(StepDataset(units, cfg, dp_rank, dp_size, epoch, pad_id, start_step, row_slice, collate_fn),
                       batch_size=None,
                       shuffle=False, num_workers=workers, prefetch_factor=2 if workers > 0 else None,
-                      persistent_workers=False, generator=torch.Generator().manual_seed(cfg.seed + epoch))
+                      persistent_workers=False, generator=torch.Generator().manual_seed(cfg.train.seed + epoch))
 
 
 def eval_shares(items: list, cfg: TrainConfig, dp_rank: int, dp_size: int) -> tuple[list[list], int]:
     """This rank's eval chunks (--val_batch_size items each; chunk c goes to data-parallel rank c % dp_size) and the
     number of eval batches every rank runs (the same on all; at most --max_eval_step): a rank with fewer chunks
     makes up the difference with batches it does not count, because FSDP's forward is a collective."""
-    size = cfg.val_batch_size
+    size = cfg.eval.batch_size
     chunks = [items[start:start + size] for start in range(0, len(items), size)]
     num_batches = math.ceil(len(chunks) / dp_size)
-    if cfg.max_eval_step > 0:
-        num_batches = min(num_batches, cfg.max_eval_step)
+    if cfg.eval.max_batches > 0:
+        num_batches = min(num_batches, cfg.eval.max_batches)
     return chunks[dp_rank::dp_size][:num_batches], num_batches
 
 

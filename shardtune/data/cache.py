@@ -70,20 +70,20 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def cache_key(cfg: TrainConfig, tokenizer: Any, split: str, pairs: bool = False) -> str:
     """``pairs``: shardtune dpo's preference pairs (another layout; the truncation mode applies to every dataset)."""
-    dataset_config = dataclasses.asdict(cfg.dataset_config)
+    dataset_config = dataclasses.asdict(cfg.data.selected)
     digest = hashlib.sha256(json.dumps({
-        "format": FORMAT_VERSION, "dataset": cfg.dataset, "dataset_config": dataset_config, "split": split,
-        "context_length": cfg.context_length, "seed": cfg.seed, "strict_data": cfg.strict_data,
+        "format": FORMAT_VERSION, "dataset": cfg.data.dataset, "dataset_config": dataset_config, "split": split,
+        "context_length": cfg.data.context_length, "seed": cfg.train.seed, "strict_data": cfg.data.strict,
         "tokenizer": _tokenizer_fingerprint(tokenizer),
-        "trl_formats": dataclasses.asdict(cfg.trl_dataset) if pairs or uses_trl_formats(cfg) else None,
+        "trl_formats": dataclasses.asdict(cfg.data.trl_dataset) if pairs or uses_trl_formats(cfg) else None,
         **({"pairs": 1} if pairs else {}),
     }, sort_keys=True).encode())
     if dataset_config.get("data_path"):
         _hash_path(Path(dataset_config["data_path"]), digest)
-    if cfg.dataset == "trl_dataset":  # a local file or folder (a hub id hashes its name only, as samsum's hub data)
-        _hash_path(Path(cfg.trl_dataset.dataset_name), digest)
-    if cfg.dataset == "grammar_dataset":  # its split names are the paths of its files
-        for path in (cfg.grammar_dataset.train_split, cfg.grammar_dataset.test_split):
+    if cfg.data.dataset == "trl_dataset":  # a local file or folder (a hub id hashes its name only, as samsum's hub data)
+        _hash_path(Path(cfg.data.trl_dataset.dataset_name), digest)
+    if cfg.data.dataset == "grammar_dataset":  # its split names are the paths of its files
+        for path in (cfg.data.grammar_dataset.train_split, cfg.data.grammar_dataset.test_split):
             _hash_path(Path(path), digest)
     return digest.hexdigest()[:32]
 
@@ -192,7 +192,7 @@ def load_examples_cached(cfg: TrainConfig, tokenizer: Any, split: str, root: Pat
 
     Custom datasets are not cached: their function may read anything, so no key could tell when they change.
     """
-    if cfg.dataset == "custom_dataset":
+    if cfg.data.dataset == "custom_dataset":
         return load_examples(cfg, tokenizer, split)
     return _through_cache(root / "tokenized" / cache_key(cfg, tokenizer, split),
                           lambda: load_examples(cfg, tokenizer, split), _write, _read)

@@ -61,7 +61,7 @@ def read_chat_template(path: str) -> str:
 
 def apply_tokenizer_options(cfg: TrainConfig, tokenizer: Any) -> Any:
     """Set the chat template and eos token that the data flags ask for (in place; returns the tokenizer)."""
-    tc = cfg.trl_dataset
+    tc = cfg.data.trl_dataset
     if tc.chat_template_path:
         tokenizer.chat_template = read_chat_template(tc.chat_template_path)
     if tc.eos_token:
@@ -78,7 +78,7 @@ def check_chat_template(cfg: TrainConfig, tokenizer: Any, what: str) -> None:
     if not template:
         raise ConfigError(f"{what} needs a chat template, and the tokenizer has none: pass --chat_template_path "
                           "(a Jinja file, or a tokenizer directory whose template to use)")
-    if cfg.trl_dataset.assistant_only_loss and not has_generation_markers(template):
+    if cfg.data.trl_dataset.assistant_only_loss and not has_generation_markers(template):
         raise ConfigError("--assistant_only_loss true needs a chat template that marks the assistant's text with "
                           "{% generation %} ... {% endgeneration %}, and the tokenizer's has no such markers: pass "
                           f"--chat_template_path with a template that has them ({TRL_TRAINING_TEMPLATES_HINT}), or "
@@ -88,7 +88,7 @@ def check_chat_template(cfg: TrainConfig, tokenizer: Any, what: str) -> None:
 def mirror_eos_token(cfg: TrainConfig, model: Any, tokenizer: Any) -> None:
     """With --eos_token, the model's config and generation config end sequences at it too (as TRL does), so the
     saved model stops where it was trained to; the generation config keeps its other eos ids."""
-    if not cfg.trl_dataset.eos_token:
+    if not cfg.data.trl_dataset.eos_token:
         return
     model.config.get_text_config().eos_token_id = tokenizer.eos_token_id
     ids = model.generation_config.eos_token_id

@@ -176,7 +176,7 @@ def synthetic_pair_rows(cfg: Any, split: str) -> tuple[str, list[Row], list[str]
     from shardtune.data.synthetic import generate_dialogues
     from shardtune.data.trl_loading import SYNTHETIC_SYSTEM_PROMPT
 
-    sd = cfg.synthetic_dialogues
+    sd = cfg.data.synthetic_dialogues
     num = sd.num_train if split == "train" else sd.num_validation
     source = f"synthetic_dialogues: {num} generated {split} dialogues as preference pairs (seed {sd.seed})"
     dialogues = generate_dialogues(num, sd.seed, split, chatter=sd.chatter)
@@ -195,21 +195,21 @@ def load_pairs(cfg: Any, tokenizer: Any, split: str) -> tuple[list[dict], DataRe
     from shardtune.data.report import DataError
     from shardtune.data.trl_loading import _dataset_rows
 
-    if cfg.dataset == "trl_dataset":
+    if cfg.data.dataset == "trl_dataset":
         source, rows, columns = _dataset_rows(cfg, split)
-    elif cfg.dataset == "synthetic_dialogues":
+    elif cfg.data.dataset == "synthetic_dialogues":
         source, rows, columns = synthetic_pair_rows(cfg, split)
     else:
         raise ConfigError(f"shardtune dpo reads preference pairs: --dataset_name (TRL's preference formats) or "
-                          f"--dataset synthetic_dialogues, not --dataset {cfg.dataset}")
+                          f"--dataset synthetic_dialogues, not --dataset {cfg.data.dataset}")
     if not rows:
         raise DataError(f"{source}: no rows: fix the data or pass another split")
     kind, _ = recognise_preference(columns, rows[0][2])
     if kind.endswith(CHAT_PREFERENCE):
         check_chat_template(cfg, tokenizer, f"{source} ({kind} rows)")
     report = DataReport(source=f"{source}: {kind} rows", num_rows=len(rows))
-    pairs = prepare_pairs(rows, columns, tokenizer, cfg.context_length, cfg.trl_dataset.truncation_mode,
-                          RowFilter(report, cfg.strict_data), report)
+    pairs = prepare_pairs(rows, columns, tokenizer, cfg.data.context_length, cfg.data.trl_dataset.truncation_mode,
+                          RowFilter(report, cfg.data.strict), report)
     report.num_examples = len(pairs)
     if not pairs:
         raise DataError(f"{report.summary()}: no usable {split} pair: fix the data (see the skip reasons) or raise "
@@ -222,10 +222,10 @@ def collate_pair_units(units: list[list[Mapping]], cfg: Any, pad_id: int) -> dic
     --max_length and truncation mode, or :func:`collate_pairs_flat` with --padding_free. Pairs that carry their
     place in the training data (``index``) get LoRA dropout's per-token keys too (:func:`pair_example_ids`)."""
     pairs = [pair for unit in units for pair in unit]
-    if cfg.padding_free or cfg.sequence_parallel_size * cfg.context_parallel_size > 1:  # split rows are flat
-        batch = collate_pairs_flat(pairs, cfg.context_length, cfg.trl_dataset.truncation_mode)
+    if cfg.data.padding_free or cfg.parallel.sequence_parallel_size * cfg.parallel.context_parallel_size > 1:  # split rows are flat
+        batch = collate_pairs_flat(pairs, cfg.data.context_length, cfg.data.trl_dataset.truncation_mode)
     else:
-        batch = collate_pairs(pairs, pad_id, cfg.context_length, cfg.trl_dataset.truncation_mode)
+        batch = collate_pairs(pairs, pad_id, cfg.data.context_length, cfg.data.trl_dataset.truncation_mode)
     if pairs and all("index" in pair for pair in pairs):
         batch.update(pair_example_ids(batch, [pair["index"] for pair in pairs]))
     return batch

@@ -28,27 +28,27 @@ GRAMMAR_COLUMNS = ("input", "target")
 def check_data_config(cfg: TrainConfig) -> None:
     """Checks that need no tokenizer: paths exist, formats are known, a custom file defines its function."""
     check_trl_config(cfg)
-    if cfg.dataset == "synthetic_dialogues":
+    if cfg.data.dataset == "synthetic_dialogues":
         _check_synthetic(cfg)
-    elif cfg.dataset == "samsum_dataset" and cfg.samsum_dataset.data_path:
+    elif cfg.data.dataset == "samsum_dataset" and cfg.data.samsum_dataset.data_path:
         _samsum_files(cfg)
-    elif cfg.dataset == "alpaca_dataset":
+    elif cfg.data.dataset == "alpaca_dataset":
         _alpaca_files(cfg)
-    elif cfg.dataset == "custom_dataset":
-        load_custom_function(cfg.custom_dataset.file)
-    elif cfg.dataset == "grammar_dataset":
+    elif cfg.data.dataset == "custom_dataset":
+        load_custom_function(cfg.data.custom_dataset.file)
+    elif cfg.data.dataset == "grammar_dataset":
         grammar_files(cfg)
 
 
 def check_context_length(cfg: TrainConfig, tokenizer: Any) -> None:
     """ConfigError if no example could fit: the fixed prompt template + bos + eos + one response token."""
     template = {"synthetic_dialogues": SAMSUM_PROMPT, "samsum_dataset": SAMSUM_PROMPT,
-                "alpaca_dataset": ALPACA_PROMPT_NO_INPUT, "grammar_dataset": GRAMMAR_PROMPT}.get(cfg.dataset)
+                "alpaca_dataset": ALPACA_PROMPT_NO_INPUT, "grammar_dataset": GRAMMAR_PROMPT}.get(cfg.data.dataset)
     if template is None or uses_trl_formats(cfg):  # TRL's formats truncate long rows instead
         return
     needed = template_length(tokenizer, template) + 1
-    if cfg.context_length < needed:
-        raise ConfigError(f"--context_length {cfg.context_length} is shorter than the {cfg.dataset} prompt "
+    if cfg.data.context_length < needed:
+        raise ConfigError(f"--context_length {cfg.data.context_length} is shorter than the {cfg.data.dataset} prompt "
                           f"template with bos, eos and one response token ({needed} tokens): "
                           f"pass --context_length {needed} or more")
 
@@ -57,17 +57,17 @@ def load_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[di
     """Tokenised ``{input_ids, labels}`` examples of ``split`` ("train" or "validation"), in source order."""
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is not one of {SPLITS}")
-    if cfg.dataset == "custom_dataset":
+    if cfg.data.dataset == "custom_dataset":
         examples, report = _custom_examples(cfg, tokenizer, split)
     elif uses_trl_formats(cfg):
         examples, report = trl_examples(cfg, tokenizer, split)
     else:
         source, rows = _text_rows(cfg, split)
         report = DataReport(source=source, num_rows=len(rows))
-        filt = RowFilter(report, cfg.strict_data)
-        to_pairs = {"alpaca_dataset": alpaca_pairs, "grammar_dataset": grammar_pairs}.get(cfg.dataset, samsum_pairs)
+        filt = RowFilter(report, cfg.data.strict)
+        to_pairs = {"alpaca_dataset": alpaca_pairs, "grammar_dataset": grammar_pairs}.get(cfg.data.dataset, samsum_pairs)
         pairs = to_pairs(rows, filt)
-        examples = tokenize_pairs(pairs, tokenizer, cfg.context_length, filt)
+        examples = tokenize_pairs(pairs, tokenizer, cfg.data.context_length, filt)
     report.num_examples = len(examples)
     if not examples:
         raise DataError(f"{report.summary()}: no usable {split} example: fix the data (see the skip reasons) "
@@ -76,16 +76,16 @@ def load_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[di
 
 
 def _text_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row]]:
-    if cfg.dataset == "synthetic_dialogues":
+    if cfg.data.dataset == "synthetic_dialogues":
         return _synthetic_rows(cfg, split)
-    if cfg.dataset == "alpaca_dataset":
-        return _file_rows("alpaca_dataset", _alpaca_files(cfg), cfg.alpaca_dataset.validation_fraction, cfg.seed,
+    if cfg.data.dataset == "alpaca_dataset":
+        return _file_rows("alpaca_dataset", _alpaca_files(cfg), cfg.data.alpaca_dataset.validation_fraction, cfg.train.seed,
                           split, ALPACA_COLUMNS)
-    if cfg.dataset == "grammar_dataset":
+    if cfg.data.dataset == "grammar_dataset":
         path = grammar_files(cfg)[0 if split == "train" else 1]
         return f"grammar_dataset: {path}", read_rows([path], GRAMMAR_COLUMNS)
-    if cfg.samsum_dataset.data_path:
-        return _file_rows("samsum_dataset", _samsum_files(cfg), cfg.samsum_dataset.validation_fraction, cfg.seed,
+    if cfg.data.samsum_dataset.data_path:
+        return _file_rows("samsum_dataset", _samsum_files(cfg), cfg.data.samsum_dataset.validation_fraction, cfg.train.seed,
                           split, SAMSUM_COLUMNS)
     return _hub_rows(cfg, split)
 
@@ -95,10 +95,10 @@ def _text_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row]]:
 
 
 def _check_synthetic(cfg: TrainConfig) -> None:
-    sd = cfg.synthetic_dialogues
+    sd = cfg.data.synthetic_dialogues
     if sd.num_train <= 0:
         raise ConfigError(f"--synthetic_dialogues.num_train {sd.num_train} must be positive")
-    if cfg.run_validation and sd.num_validation <= 0:
+    if cfg.eval.enabled and sd.num_validation <= 0:
         raise ConfigError(f"--synthetic_dialogues.num_validation {sd.num_validation} must be positive when "
                           "--run_validation is on: pass a count or --run_validation false")
 
@@ -106,7 +106,7 @@ def _check_synthetic(cfg: TrainConfig) -> None:
 def _synthetic_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row]]:
     from shardtune.data.synthetic import generate_dialogues
 
-    sd = cfg.synthetic_dialogues
+    sd = cfg.data.synthetic_dialogues
     num = sd.num_train if split == "train" else sd.num_validation
     chatter = ", with chatter" if sd.chatter else ""
     source = f"synthetic_dialogues: {num} generated {split} dialogues (seed {sd.seed}{chatter})"
@@ -119,13 +119,13 @@ def _synthetic_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row]]:
 
 
 def _samsum_files(cfg: TrainConfig) -> DataFiles:
-    sc = cfg.samsum_dataset
+    sc = cfg.data.samsum_dataset
     files = locate("samsum_dataset.data_path", sc.data_path, sc.train_split, sc.test_split)
     if files.validation and sc.validation_fraction > 0:
         raise DataError(f"--samsum_dataset.validation_fraction {sc.validation_fraction} would be ignored: "
                         f"{sc.data_path} has a validation file ({files.validation[0].name}): set it to 0 "
                         "or remove the file")
-    if not files.validation and sc.validation_fraction == 0 and cfg.run_validation:
+    if not files.validation and sc.validation_fraction == 0 and cfg.eval.enabled:
         naming = f"a file whose name contains {sc.test_split!r}, 'val', 'dev' or 'test'"
         if Path(sc.data_path).expanduser().is_file():  # one file is the train data, whatever its name says
             raise DataError(f"--samsum_dataset.data_path {sc.data_path} is one file, the train data: pass a folder "
@@ -137,12 +137,12 @@ def _samsum_files(cfg: TrainConfig) -> DataFiles:
 
 
 def _alpaca_files(cfg: TrainConfig) -> DataFiles:
-    ac = cfg.alpaca_dataset
+    ac = cfg.data.alpaca_dataset
     if not ac.data_path:
         raise DataError("--alpaca_dataset.data_path is empty: pass a JSON or JSONL file of "
                         "{instruction, input, output} rows")
     files = locate("alpaca_dataset.data_path", ac.data_path, "train", "validation", allow_folder=False)
-    if ac.validation_fraction == 0 and cfg.run_validation:
+    if ac.validation_fraction == 0 and cfg.eval.enabled:
         raise DataError("--alpaca_dataset.validation_fraction is 0 but --run_validation is on: set a fraction "
                         "(e.g. 0.05) or pass --run_validation false")
     return files
@@ -164,7 +164,7 @@ def _file_rows(name: str, files: DataFiles, fraction: float, seed: int, split: s
 
 def grammar_files(cfg: TrainConfig) -> tuple[Path, Path]:
     """llama-cookbook's grammar_dataset: train_split and test_split are the paths of its two CSV files."""
-    gc = cfg.grammar_dataset
+    gc = cfg.data.grammar_dataset
     splits = {"train_split": gc.train_split, "test_split": gc.test_split}
     for name, value in splits.items():
         path = Path(value).expanduser()
@@ -180,7 +180,7 @@ def _names(paths: list[Path]) -> str:
 
 def _hub_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row]]:
     """The hub dataset (users are online); any failure becomes one line pointing at --samsum_dataset.data_path."""
-    sc = cfg.samsum_dataset
+    sc = cfg.data.samsum_dataset
     hub_split = sc.train_split if split == "train" else sc.test_split
     source = f"samsum_dataset: hub {sc.hub_name} split {hub_split}"
     try:
@@ -229,7 +229,7 @@ def load_custom_function(spec: str) -> Callable[..., Any]:
 
 
 def _custom_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[dict], DataReport]:
-    cc = cfg.custom_dataset
+    cc = cfg.data.custom_dataset
     custom_split = cc.train_split if split == "train" else cc.test_split
     fn = load_custom_function(cc.file)
     source = f"custom_dataset: {cc.file} split {custom_split}"
@@ -239,5 +239,5 @@ def _custom_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list
         raise DataError(f"{source}: the dataset function failed ({type(e).__name__}: {e}): fix "
                         f"{cc.file} (it must return an iterable of dicts with input_ids and labels)") from e
     report = DataReport(source=source, num_rows=len(rows))
-    filt = RowFilter(report, cfg.strict_data)
-    return token_examples(rows, source, len(tokenizer), cfg.context_length, filt), report
+    filt = RowFilter(report, cfg.data.strict)
+    return token_examples(rows, source, len(tokenizer), cfg.data.context_length, filt), report

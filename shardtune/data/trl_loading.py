@@ -25,22 +25,22 @@ SYNTHETIC_SYSTEM_PROMPT = "Summarize the dialog."
 
 def uses_trl_formats(cfg: TrainConfig) -> bool:
     """The datasets whose rows go through TRL's formats (and so read the --dataset_name options)."""
-    return cfg.dataset == "trl_dataset" or (cfg.dataset == "synthetic_dialogues" and cfg.synthetic_dialogues.messages)
+    return cfg.data.dataset == "trl_dataset" or (cfg.data.dataset == "synthetic_dialogues" and cfg.data.synthetic_dialogues.messages)
 
 
 def check_trl_config(cfg: TrainConfig) -> None:
     """Before launch, without a tokenizer: the data exists and no option is set where it would be ignored."""
-    tc, defaults = cfg.trl_dataset, TrlDatasetConfig()
-    if cfg.dataset != "trl_dataset" and tc.dataset_name:
-        raise ConfigError(f"--dataset_name {tc.dataset_name} and --dataset {cfg.dataset} both name the data: drop "
+    tc, defaults = cfg.data.trl_dataset, TrlDatasetConfig()
+    if cfg.data.dataset != "trl_dataset" and tc.dataset_name:
+        raise ConfigError(f"--dataset_name {tc.dataset_name} and --dataset {cfg.data.dataset} both name the data: drop "
                           "one of them")
     if not uses_trl_formats(cfg):
         changed = [k for k in vars(defaults) if getattr(tc, k) != getattr(defaults, k)]
         if changed:
-            raise ConfigError(f"--{changed[0]} {getattr(tc, changed[0])} has no effect with --dataset {cfg.dataset}: "
+            raise ConfigError(f"--{changed[0]} {getattr(tc, changed[0])} has no effect with --dataset {cfg.data.dataset}: "
                               "use --dataset_name (or --synthetic_dialogues.messages true), or drop the flag")
         return
-    if cfg.dataset == "trl_dataset":
+    if cfg.data.dataset == "trl_dataset":
         if not tc.dataset_name:
             raise ConfigError("--dataset trl_dataset needs --dataset_name: a local data file or folder, or a hub id")
         path = Path(tc.dataset_name).expanduser()
@@ -52,9 +52,9 @@ def check_trl_config(cfg: TrainConfig) -> None:
 
 
 def loss_options(cfg: TrainConfig) -> LossOptions:
-    tc = cfg.trl_dataset
+    tc = cfg.data.trl_dataset
     return LossOptions(text_field=tc.dataset_text_field, completion_only_loss=tc.completion_only_loss,
-                       assistant_only_loss=tc.assistant_only_loss, max_length=cfg.context_length,
+                       assistant_only_loss=tc.assistant_only_loss, max_length=cfg.data.context_length,
                        truncation_mode=tc.truncation_mode)
 
 
@@ -77,19 +77,19 @@ def _load(name: str, config: str) -> Any:
 
 
 def _split_name(cfg: TrainConfig, split: str) -> str:
-    tc = cfg.trl_dataset
+    tc = cfg.data.trl_dataset
     return tc.dataset_train_split if split == "train" else tc.dataset_test_split
 
 
 def validation_available(cfg: TrainConfig) -> bool:
     """False when the data has no --dataset_test_split (then there is no evaluation)."""
-    if cfg.dataset != "trl_dataset":
+    if cfg.data.dataset != "trl_dataset":
         return True
-    return cfg.trl_dataset.dataset_test_split in _load(cfg.trl_dataset.dataset_name, cfg.trl_dataset.dataset_config)
+    return cfg.data.trl_dataset.dataset_test_split in _load(cfg.data.trl_dataset.dataset_name, cfg.data.trl_dataset.dataset_config)
 
 
 def _dataset_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row], list[str]]:
-    tc = cfg.trl_dataset
+    tc = cfg.data.trl_dataset
     loaded = _load(tc.dataset_name, tc.dataset_config)
     name = _split_name(cfg, split)
     if name not in loaded:
@@ -106,7 +106,7 @@ def _dataset_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row], list[st
 def synthetic_message_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row], list[str]]:
     from shardtune.data.synthetic import generate_dialogues
 
-    sd = cfg.synthetic_dialogues
+    sd = cfg.data.synthetic_dialogues
     num = sd.num_train if split == "train" else sd.num_validation
     source = f"synthetic_dialogues: {num} generated {split} dialogues as messages (seed {sd.seed})"
     rows = [{"messages": [{"role": "system", "content": SYNTHETIC_SYSTEM_PROMPT},
@@ -118,12 +118,12 @@ def synthetic_message_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row]
 
 def recognise_rows(cfg: TrainConfig, columns: list[str], rows: list[Row]) -> RowFormat:
     first = rows[0][2] if rows else {}
-    return with_extras(recognise(columns, first, cfg.trl_dataset.dataset_text_field), columns)
+    return with_extras(recognise(columns, first, cfg.data.trl_dataset.dataset_text_field), columns)
 
 
 def trl_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[dict], DataReport]:
     """Tokenised examples of ``split`` ("train" or "validation") in TRL's formats, with the data report."""
-    loader = _dataset_rows if cfg.dataset == "trl_dataset" else synthetic_message_rows
+    loader = _dataset_rows if cfg.data.dataset == "trl_dataset" else synthetic_message_rows
     source, rows, columns = loader(cfg, split)
     if not rows:
         raise DataError(f"{source}: no rows: fix the data or pass another split")
@@ -131,7 +131,7 @@ def trl_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[dic
     if fmt.conversational:
         check_chat_template(cfg, tokenizer, f"{source} ({fmt.describe()})")
     report = DataReport(source=f"{source}: {fmt.describe()}", num_rows=len(rows))
-    filt = RowFilter(report, cfg.strict_data)
+    filt = RowFilter(report, cfg.data.strict)
     return prepare_rows(rows, fmt, columns, tokenizer, loss_options(cfg), filt, report), report
 
 
@@ -139,9 +139,9 @@ def trl_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[dic
 def drop_absent_validation(cfg: TrainConfig, say: bool) -> None:
     """No --dataset_test_split in the data: train without evaluation (``say``: tell it, in the one process that
     talks before launch)."""
-    if cfg.run_validation and not validation_available(cfg):
-        cfg.run_validation = False
+    if cfg.eval.enabled and not validation_available(cfg):
+        cfg.eval.enabled = False
         if say:
-            tc = cfg.trl_dataset
+            tc = cfg.data.trl_dataset
             print(f"shardtune: --dataset_name {tc.dataset_name} has no split {tc.dataset_test_split!r}: training "
                   "without evaluation (pass --dataset_test_split to evaluate on another split)", flush=True)

@@ -11,17 +11,9 @@ import os
 import socket
 import sys
 
-from shardtune.config.schema import ConfigError
-from shardtune.config.flags import help_text
+from shardtune.config.argv import TORCHRUN_SWITCHES, TORCHRUN_VALUE_FLAGS
+from shardtune.config.help import help_text
 from shardtune.launch.topology import Topology, resolve_topology
-
-# torchrun flags that take a value, and those that do not; both spellings (_ and -) are accepted.
-TORCHRUN_VALUE_FLAGS = (
-    "nproc_per_node", "nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
-    "master_addr", "master_port", "max_restarts", "monitor_interval", "start_method", "role", "log_dir",
-    "redirects", "tee", "local_addr", "signals_to_handle",
-)
-TORCHRUN_SWITCHES = ("standalone",)
 
 
 def sft_help_text(command: str = "sft") -> str:
@@ -34,30 +26,6 @@ def sft_help_text(command: str = "sft") -> str:
         "  " + " ".join(f"--{name}" for name in TORCHRUN_SWITCHES),
         "  --nproc_per_node defaults to one process per visible GPU (1 without GPUs). A run of one process on one",
         "  node with no other torchrun flag runs in place, without torchrun (same code, rank 0 of 1)."])
-
-
-def split_launcher_args(argv: list[str]) -> tuple[dict[str, str | None], list[str]]:
-    """Separate torchrun flags from training flags."""
-    launch: dict[str, str | None] = {}
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
-        name = name.replace("-", "_")
-        if name in TORCHRUN_VALUE_FLAGS:
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ConfigError(f"--{name} needs a value")
-                value = argv[i + 1]
-                i += 1
-            launch[name] = value
-        elif name in TORCHRUN_SWITCHES:
-            launch[name] = None
-        else:
-            rest.append(arg)
-        i += 1
-    return launch, rest
 
 
 def resolve_here(flags: dict[str, str | None]) -> Topology:

@@ -20,7 +20,7 @@ from tokenizers.models import BPE
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
 from shardtune.model.attention import attention_implementation
-from shardtune.model.saving import already_unwrapped
+from shardtune.publishing.saving import already_unwrapped
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.chat import PRESET_CHAT_TEMPLATE
 from shardtune.data.synthetic import corpus_for_tokenizer
@@ -339,7 +339,7 @@ def training_model_config(cfg: TrainConfig):
     device of rank-0 loading) builds from it, and checkpoints record it (export rebuilds the same model)."""
     from shardtune.model.longseq import rope_config_overrides
 
-    config = auto_config(cfg.model_name, cfg.trust_remote_code)
+    config = auto_config(cfg.model.name, cfg.model.trust_remote_code)
     for key, value in rope_config_overrides(cfg, config).items():
         setattr(config, key, value)
     return config

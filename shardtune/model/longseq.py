@@ -28,23 +28,23 @@ from shardtune.runtime.distributed import print0
 def rope_config_overrides(cfg: TrainConfig, model_config=None) -> dict:
     """Model-config keywords for --rope_scaling (empty when it is off), applied to ``model_config`` (default: the
     model's config.json) by :func:`shardtune.model.loading.training_model_config`, which every loading path builds from."""
-    if not cfg.rope_scaling:
+    if not cfg.model.rope_scaling:
         return {}
-    model_config = model_config or AutoConfig.from_pretrained(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
+    model_config = model_config or AutoConfig.from_pretrained(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
     original = model_config.max_position_embeddings
-    rope = dict(model_config.rope_parameters, rope_type=cfg.rope_scaling, factor=float(cfg.rope_factor),
+    rope = dict(model_config.rope_parameters, rope_type=cfg.model.rope_scaling, factor=float(cfg.model.rope_factor),
                 original_max_position_embeddings=original)
-    return {"rope_parameters": rope, "max_position_embeddings": int(original * cfg.rope_factor)}
+    return {"rope_parameters": rope, "max_position_embeddings": int(original * cfg.model.rope_factor)}
 
 
 def check_rope_scaling(cfg: TrainConfig) -> None:
     """Before launch: YaRN is applied on top of plain RoPE only (stacking it on another scaling would change
     what the pretrained positions mean)."""
-    if not cfg.rope_scaling:
+    if not cfg.model.rope_scaling:
         return
-    rope = AutoConfig.from_pretrained(cfg.model_name, trust_remote_code=cfg.trust_remote_code).rope_parameters or {}
+    rope = AutoConfig.from_pretrained(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code).rope_parameters or {}
     if rope.get("rope_type", "default") != "default":
-        raise ConfigError(f"--rope_scaling {cfg.rope_scaling}: {cfg.model_name} already uses RoPE scaling "
+        raise ConfigError(f"--rope_scaling {cfg.model.rope_scaling}: {cfg.model.name} already uses RoPE scaling "
                           f"{rope.get('rope_type')!r} (factor {rope.get('factor')}): drop --rope_scaling, or start "
                           "from a model with plain RoPE")
 
@@ -52,11 +52,11 @@ def check_rope_scaling(cfg: TrainConfig) -> None:
 def apply_memory_levers(model: nn.Module, cfg: TrainConfig, device: torch.device) -> list[str]:
     """Apply --tiled_mlp and --activation_offloading to the bare Hugging Face model; returns the notes printed."""
     notes = []
-    if cfg.tiled_mlp:
+    if cfg.parallel.tiled_mlp:
         notes.append(tile_mlps(model))
-    if cfg.activation_offloading:
+    if cfg.parallel.activation_offloading:
         notes.append(offload_activations(model, device))
-    if cfg.rope_scaling:
+    if cfg.model.rope_scaling:
         rope = model.config.rope_parameters
         notes.append(f"RoPE scaling {rope['rope_type']} x{rope['factor']:g}: positions up to "
                      f"{model.config.max_position_embeddings:,} (trained at "

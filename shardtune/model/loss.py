@@ -74,9 +74,37 @@ def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: tor
     head = lean_head(model)
     if head is None:
         return full_logits_loss_sum(model, batch, device)
-    with head_returns_loss(head, targets) as result:
+    with head_computes(head, lambda hidden: linear_cross_entropy_sum(hidden, head.weight, targets)) as result:
         model(**model_inputs(batch, device), use_cache=False)
-    return result["loss_sum"]
+    return result["output"]
+
+
+def sequence_log_prob_sums(model: nn.Module, batch: dict[str, torch.Tensor], targets: torch.Tensor,
+                           segments: torch.Tensor, num_segments: int, device: torch.device) -> torch.Tensor:
+    """Per segment (a sequence of the micro-batch), the sum of log p(target) over its positions that have a target:
+    (num_segments,) in fp32, with its graph. ``targets`` (rows, T) holds each position's next token (IGNORE_INDEX
+    where none is scored), ``segments`` (rows, T) the segment of each position (padded rows: the row). The lean path
+    as :func:`token_loss_sum`'s (no sequence x vocabulary logits: :class:`RowwiseLinearCrossEntropy`), the full
+    logits where the model needs them. Padded rows are summed along the row, as a (rows, T) tensor of
+    log-probabilities is (TRL's order of summation)."""
+    targets = targets.to(device, non_blocking=True)
+    segments = segments.to(device, non_blocking=True)
+    keep = targets != IGNORE_INDEX
+    head = lean_head(model)
+    if head is None:
+        logits = model(**model_inputs(batch, device), use_cache=False).logits.float()
+        per_token = torch.gather(logits.log_softmax(-1), 2, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)[keep]
+    else:
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            chunk_rows = default_chunk_rows(hidden.device.type, head.weight.size(0))
+            return RowwiseLinearCrossEntropy.apply(hidden[keep], head.weight, targets[keep], chunk_rows)
+
+        with head_computes(head, forward) as result:
+            model(**model_inputs(batch, device), use_cache=False)
+        per_token = -result["output"]
+    if num_segments == targets.shape[0] and bool((segments == torch.arange(num_segments, device=device)[:, None]).all()):
+        return torch.zeros(targets.shape, dtype=per_token.dtype, device=device).masked_scatter(keep, per_token).sum(1)
+    return torch.zeros(num_segments, dtype=per_token.dtype, device=device).index_add(0, segments[keep], per_token)
 
 
 def full_logits_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -125,24 +153,21 @@ def lean_head(model: nn.Module) -> nn.Linear | None:
 
 
 @contextlib.contextmanager
-def head_returns_loss(head: nn.Linear, targets: torch.Tensor) -> Iterator[dict[str, torch.Tensor]]:
-    """While active, ``head(hidden)`` returns the cross-entropy sum against ``targets`` instead of logits.
+def head_computes(head: nn.Linear, compute) -> Iterator[dict[str, torch.Tensor]]:
+    """While active, ``head(hidden)`` returns ``compute(hidden)`` (a loss of the hidden states) instead of logits.
 
     The head is still *called* by the model's own forward, so wrappers' hooks (FSDP2 unshard, DDP, PEFT prefix
-    injection) run as usual; only the head's computation changes. The loss is also returned as the model's
-    ``logits`` output; it is read from ``result`` so that nothing relies on that. ``result`` holds the head's
+    injection) run as usual; only the head's computation changes. Its output is also returned as the model's
+    ``logits``; it is read from ``result["output"]`` so that nothing relies on that. ``result`` holds the head's
     output as its callers see it, after the other forward hooks (DeepSpeed ZeRO-3 returns a new tensor from its
     hook, whose backward re-gathers the head's partitioned weight).
     """
     result: dict[str, torch.Tensor] = {}
 
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy_sum(hidden, head.weight, targets)
-
     def keep_output(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        result["loss_sum"] = output
+        result["output"] = output
 
-    head.forward = forward
+    head.forward = compute
     hook = head.register_forward_hook(keep_output)
     try:
         yield result
@@ -215,3 +240,52 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         d_rows = grad_rows.mul_(grad_loss.to(grad_rows.dtype)) if grad_rows is not None else None
         d_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype) if grad_weight is not None else None
         return d_rows, d_weight, None, None
+
+
+class RowwiseLinearCrossEntropy(torch.autograd.Function):
+    """Each row's cross-entropy of a linear layer's output, chunk by chunk: an (n,) result whose gradient differs per
+    row (DPO's per-sequence log-probabilities go through a non-linear loss), so the gradients cannot be taken in
+    forward as :class:`ChunkedLinearCrossEntropy` does. Forward keeps no logits; backward recomputes each chunk's
+    logits and scales its softmax - onehot by its rows' gradients. Peak memory O(chunk x vocabulary), one matmul more
+    than the full-logits path."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int
+                ) -> torch.Tensor:
+        w = weight.to(rows.dtype)
+        losses = torch.empty(rows.size(0), dtype=torch.float32, device=rows.device)
+        for start in range(0, rows.size(0), chunk_rows):
+            logits = (rows[start:start + chunk_rows] @ w.t()).float()
+            target = targets[start:start + chunk_rows]
+            losses[start:start + chunk_rows] = (torch.logsumexp(logits, dim=-1)
+                                                - logits.gather(1, target[:, None]).squeeze(1))
+            del logits
+        ctx.save_for_backward(rows, targets)
+        ctx.weight, ctx.chunk_rows = weight, chunk_rows  # the parameter itself: re-gathered by its wrapper's hooks
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses: torch.Tensor):
+        rows, targets = ctx.saved_tensors
+        weight, chunk_rows = ctx.weight, ctx.chunk_rows
+        need_rows_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        compute_dtype = rows.dtype
+        w = weight.to(compute_dtype)
+        grad_rows = torch.empty_like(rows) if need_rows_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
+        for start in range(0, rows.size(0), chunk_rows):
+            chunk = rows[start:start + chunk_rows]
+            logits = (chunk @ w.t()).float()
+            dlogits = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True)).exp_()
+            dlogits[torch.arange(chunk.size(0), device=chunk.device), targets[start:start + chunk_rows]] -= 1.0
+            dlogits.mul_(grad_losses[start:start + chunk_rows, None].float())
+            if need_rows_grad:
+                grad_rows[start:start + chunk_rows] = (dlogits.to(compute_dtype) @ w).to(rows.dtype)
+            if need_weight_grad and compute_dtype == torch.float32:
+                grad_weight.addmm_(dlogits.t(), chunk)
+            elif need_weight_grad:
+                grad_weight += dlogits.t().to(compute_dtype) @ chunk
+            del logits, dlogits
+        ctx.weight = None
+        d_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        return grad_rows, d_weight, None, None

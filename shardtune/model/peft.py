@@ -47,24 +47,24 @@ def peft_config(cfg: TrainConfig, num_layers: int):
     """The peft config object for --peft_method, with llama-cookbook's field names and defaults."""
     import peft
 
-    if cfg.peft_method == "lora":
-        lc = cfg.lora_config
+    if cfg.peft.method == "lora":
+        lc = cfg.peft.lora
         # all-linear (TRL's spelling too): peft expands it to every linear layer but the output head
         targets = "all-linear" if list(lc.target_modules) == ["all-linear"] else list(lc.target_modules)
-        return peft.LoraConfig(r=lc.r, lora_alpha=lc.lora_alpha, target_modules=targets,
-                               lora_dropout=lc.lora_dropout, bias=lc.bias, use_dora=lc.use_dora,
+        return peft.LoraConfig(r=lc.r, lora_alpha=lc.alpha, target_modules=targets,
+                               lora_dropout=lc.dropout, bias=lc.bias, use_dora=lc.use_dora,
                                use_rslora=lc.use_rslora, modules_to_save=list(lc.modules_to_save) or None,
                                task_type="CAUSAL_LM")
-    if cfg.peft_method == "llama_adapter":
-        ac = cfg.llama_adapter_config
+    if cfg.peft.method == "llama_adapter":
+        ac = cfg.peft.llama_adapter
         return peft.AdaptionPromptConfig(adapter_len=ac.adapter_len, adapter_layers=min(ac.adapter_layers, num_layers),
                                          task_type="CAUSAL_LM")
-    return peft.PrefixTuningConfig(num_virtual_tokens=cfg.prefix_config.num_virtual_tokens, task_type="CAUSAL_LM")
+    return peft.PrefixTuningConfig(num_virtual_tokens=cfg.peft.prefix.num_virtual_tokens, task_type="CAUSAL_LM")
 
 
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     """Matmul dtype of quantised layers: as set, else bf16 on GPU and fp32 on CPU (bf16 is ~400x slower there)."""
-    name = cfg.quantization_config.compute_dtype
+    name = cfg.model.quant_compute_dtype
     if name:
         return DTYPES[name]
     return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -72,21 +72,21 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 
 def shards_parameters(cfg: TrainConfig) -> bool:
     """FSDP and ZeRO-3 cut every parameter into shards: quantised weights must then look like ordinary ones."""
-    return cfg.enable_fsdp or (cfg.enable_deepspeed and cfg.deepspeed_config.zero_stage == 3)
+    return cfg.parallel.strategy == "fsdp" or (cfg.parallel.strategy == "deepspeed" and cfg.parallel.zero_stage == 3)
 
 
 def quantization_config(cfg: TrainConfig, device: torch.device):
     """transformers' BitsAndBytesConfig for --quantization (None without). Under FSDP and ZeRO-3 the packed 4-bit
     weights are stored in the compute dtype, so they are sharded like any other parameter of that dtype."""
-    if not cfg.quantization:
+    if not cfg.model.quantization:
         return None
     from transformers import BitsAndBytesConfig
 
-    if cfg.quantization == "8bit":
+    if cfg.model.quantization == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
-    qc, dtype = cfg.quantization_config, compute_dtype(cfg, device)
+    qc, dtype = cfg.model, compute_dtype(cfg, device)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=qc.quant_type,
-                              bnb_4bit_use_double_quant=qc.use_double_quant, bnb_4bit_compute_dtype=dtype,
+                              bnb_4bit_use_double_quant=qc.double_quant, bnb_4bit_compute_dtype=dtype,
                               bnb_4bit_quant_storage=dtype if shards_parameters(cfg) else torch.uint8)
 
 
@@ -98,11 +98,11 @@ def load_quantized_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
     from shardtune.model.loading import training_model_config
 
     config = training_model_config(cfg)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_name, config=config,
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.name, config=config,
                                                  quantization_config=quantization_config(cfg, device),
                                                  dtype=compute_dtype(cfg, device), device_map={"": device},
                                                  attn_implementation=attention_implementation(config),
-                                                 trust_remote_code=cfg.trust_remote_code)
+                                                 trust_remote_code=cfg.model.trust_remote_code)
     if device.type == "cpu":
         use_generic_cpu_kernels(model)
     return model
@@ -121,28 +121,28 @@ def use_generic_cpu_kernels(model: nn.Module) -> None:
 
 def check_peft(cfg: TrainConfig) -> None:
     """Every PEFT / quantisation problem that can be found without a process group, as one-line errors.
-    ``cfg.model_name`` is already resolved to a directory or hub id."""
-    if cfg.quantization:
+    ``cfg.model.name`` is already resolved to a directory or hub id."""
+    if cfg.model.quantization:
         _check_bitsandbytes(cfg)
-        if not cfg.use_peft:
-            raise ConfigError(f"--quantization {cfg.quantization} without --use_peft: quantised weights cannot be "
+        if not bool(cfg.peft.method):
+            raise ConfigError(f"--quantization {cfg.model.quantization} without --use_peft: quantised weights cannot be "
                               "trained directly; add --use_peft (QLoRA) or drop --quantization")
-    if cfg.from_peft_checkpoint and not cfg.use_peft:
-        raise ConfigError(f"--from_peft_checkpoint {cfg.from_peft_checkpoint} needs --use_peft (and the adapter's "
+    if cfg.peft.from_checkpoint and not bool(cfg.peft.method):
+        raise ConfigError(f"--from_peft_checkpoint {cfg.peft.from_checkpoint} needs --use_peft (and the adapter's "
                           "--peft_method): add them, or drop --from_peft_checkpoint")
-    if not cfg.use_peft:
+    if not bool(cfg.peft.method):
         return
     _check_method_settings(cfg)
     from shardtune.model.loading import build_model_on_meta
 
-    model = build_model_on_meta(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
-    if cfg.peft_method == "lora":
-        if cfg.lora_config.target_modules != ["all-linear"]:
-            _check_target_modules(model, cfg.lora_config.target_modules, "target_modules")
-        _check_target_modules(model, cfg.lora_config.modules_to_save, "modules_to_save")
-    elif cfg.peft_method == "llama_adapter":
+    model = build_model_on_meta(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
+    if cfg.peft.method == "lora":
+        if cfg.peft.lora.target_modules != ["all-linear"]:
+            _check_target_modules(model, cfg.peft.lora.target_modules, "target_modules")
+        _check_target_modules(model, cfg.peft.lora.modules_to_save, "modules_to_save")
+    elif cfg.peft.method == "llama_adapter":
         _check_adapter_architecture(model)
-    if cfg.from_peft_checkpoint:
+    if cfg.peft.from_checkpoint:
         _check_adapter_base(cfg, model)
     _dry_run(model, cfg)
 
@@ -151,34 +151,17 @@ def _check_bitsandbytes(cfg: TrainConfig) -> None:
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        raise ConfigError(f"--quantization {cfg.quantization} needs bitsandbytes, which is not installed: "
+        raise ConfigError(f"--quantization {cfg.model.quantization} needs bitsandbytes, which is not installed: "
                           f"{QLORA_INSTALL}") from None
-    name = cfg.quantization_config.compute_dtype
+    name = cfg.model.quant_compute_dtype
     if name and name not in DTYPES:
         raise ConfigError(f"--quantization_config.compute_dtype {name!r} is not a dtype: use bfloat16, float16 or "
                           "float32 (or leave it empty: bf16 on GPU, fp32 on CPU)")
 
 
 def _check_method_settings(cfg: TrainConfig) -> None:
-    lc = cfg.lora_config
-    if cfg.peft_method == "lora":
-        if lc.r <= 0 or lc.lora_alpha <= 0:
-            raise ConfigError(f"--lora_config.r {lc.r} and --lora_config.lora_alpha {lc.lora_alpha} must be positive")
-        if not 0 <= lc.lora_dropout < 1:
-            raise ConfigError(f"--lora_config.lora_dropout {lc.lora_dropout} must be in [0, 1)")
-        if lc.bias not in ("none", "all", "lora_only"):
-            raise ConfigError(f"--lora_config.bias {lc.bias!r} is not valid: choose none, all or lora_only")
-        if not lc.target_modules:
-            raise ConfigError("--lora_config.target_modules is empty: name the modules to adapt, e.g. q_proj,v_proj")
-    elif cfg.peft_method == "llama_adapter":
-        ac = cfg.llama_adapter_config
-        if ac.adapter_len <= 0 or ac.adapter_layers <= 0:
-            raise ConfigError(f"--llama_adapter_config.adapter_len {ac.adapter_len} and adapter_layers "
-                              f"{ac.adapter_layers} must be positive")
-    else:
-        if cfg.prefix_config.num_virtual_tokens <= 0:
-            raise ConfigError(f"--prefix_config.num_virtual_tokens {cfg.prefix_config.num_virtual_tokens} must be "
-                              "positive")
+    if cfg.peft.method == "lora" and not cfg.peft.lora.target_modules:
+        raise ConfigError("--lora_config.target_modules is empty: name the modules to adapt, e.g. q_proj,v_proj")
 
 
 def _module_matches(name: str, target: str) -> bool:
@@ -233,25 +216,25 @@ def base_config_dict(name_or_path: str, trust_remote_code: bool = False) -> dict
 def _check_adapter_base(cfg: TrainConfig, model: nn.Module) -> None:
     """The adapter must have been trained on --model_name: the same model, or one with the same architecture and
     shapes (a copy, a hub snapshot of it); anything else is an error naming both."""
-    adapter = read_adapter_config(cfg.from_peft_checkpoint)
-    want = PEFT_TYPES[cfg.peft_method]
+    adapter = read_adapter_config(cfg.peft.from_checkpoint)
+    want = PEFT_TYPES[cfg.peft.method]
     if adapter.get("peft_type") != want:
         method = {v: k for k, v in PEFT_TYPES.items()}.get(adapter.get("peft_type"), adapter.get("peft_type"))
-        raise ConfigError(f"--from_peft_checkpoint {cfg.from_peft_checkpoint} holds a {method} adapter, but "
-                          f"--peft_method is {cfg.peft_method}: pass --peft_method {method}")
+        raise ConfigError(f"--from_peft_checkpoint {cfg.peft.from_checkpoint} holds a {method} adapter, but "
+                          f"--peft_method is {cfg.peft.method}: pass --peft_method {method}")
     base = adapter.get("base_model_name_or_path") or ""
-    if base and _same_path(base, cfg.model_name):
+    if base and _same_path(base, cfg.model.name):
         return
     ours = model.config.to_dict()
-    theirs = base_config_dict(base, cfg.trust_remote_code) if base else None
+    theirs = base_config_dict(base, cfg.model.trust_remote_code) if base else None
     if theirs is not None:
         diffs = [f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in SHAPE_FIELDS if theirs.get(k) != ours.get(k)]
         if diffs:
-            raise ConfigError(f"--from_peft_checkpoint {cfg.from_peft_checkpoint} was trained on {base}, which "
-                              f"differs from --model_name {cfg.model_name} ({'; '.join(diffs)}): pass --model_name "
+            raise ConfigError(f"--from_peft_checkpoint {cfg.peft.from_checkpoint} was trained on {base}, which "
+                              f"differs from --model_name {cfg.model.name} ({'; '.join(diffs)}): pass --model_name "
                               f"{base}")
     warnings.warn(f"--from_peft_checkpoint: the adapter was trained on {base or 'an unrecorded base'}; continuing on "
-                  f"{cfg.model_name}, which has the same architecture and shapes")
+                  f"{cfg.model.name}, which has the same architecture and shapes")
 
 
 def _dry_run(model: nn.Module, cfg: TrainConfig) -> None:
@@ -263,9 +246,9 @@ def _dry_run(model: nn.Module, cfg: TrainConfig) -> None:
             _attach(model, cfg, num_layers=model.config.num_hidden_layers)
     except (ValueError, RuntimeError, KeyError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        source = f"--from_peft_checkpoint {cfg.from_peft_checkpoint}" if cfg.from_peft_checkpoint else \
-            f"--peft_method {cfg.peft_method}"
-        raise ConfigError(f"{source} does not fit --model_name {cfg.model_name}: {first}") from None
+        source = f"--from_peft_checkpoint {cfg.peft.from_checkpoint}" if cfg.peft.from_checkpoint else \
+            f"--peft_method {cfg.peft.method}"
+        raise ConfigError(f"{source} does not fit --model_name {cfg.model.name}: {first}") from None
 
 
 # -- building ------------------------------------------------------------------------------------------------------
@@ -273,8 +256,8 @@ def _dry_run(model: nn.Module, cfg: TrainConfig) -> None:
 def _attach(model: nn.Module, cfg: TrainConfig, num_layers: int) -> nn.Module:
     import peft
 
-    if cfg.from_peft_checkpoint:
-        return peft.PeftModel.from_pretrained(model, cfg.from_peft_checkpoint, is_trainable=True,
+    if cfg.peft.from_checkpoint:
+        return peft.PeftModel.from_pretrained(model, cfg.peft.from_checkpoint, is_trainable=True,
                                               low_cpu_mem_usage=any(p.is_meta for p in model.parameters()))
     return peft.get_peft_model(model, peft_config(cfg, num_layers))
 
@@ -284,23 +267,23 @@ def apply_peft(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     from shardtune.runtime.distributed import print0, warn0
 
     num_layers = model.config.num_hidden_layers
-    ac = cfg.llama_adapter_config
-    if cfg.peft_method == "llama_adapter" and ac.adapter_layers > num_layers and not cfg.from_peft_checkpoint:
+    ac = cfg.peft.llama_adapter
+    if cfg.peft.method == "llama_adapter" and ac.adapter_layers > num_layers and not cfg.peft.from_checkpoint:
         warn0(f"--llama_adapter_config.adapter_layers {ac.adapter_layers} > the model's {num_layers} layers: "
               f"adapting all {num_layers}")
-    if cfg.quantization and not shards_parameters(cfg):
+    if cfg.model.quantization and not shards_parameters(cfg):
         import peft
 
         # fp32 norms / embeddings for stable QLoRA; when sharded, every parameter stays in the storage dtype instead
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     model = _attach(model, cfg, num_layers)
-    if cfg.peft_method == "lora":  # masks that do not depend on the rank layout: 1 x 4 trains as 2 x 2
+    if cfg.peft.method == "lora":  # masks that do not depend on the rank layout: 1 x 4 trains as 2 x 2
         from shardtune.model.lora_dropout import use_example_keyed_dropout
 
         use_example_keyed_dropout(model)
     trainable, total = model.get_nb_trainable_parameters()
-    what = f"from {cfg.from_peft_checkpoint}" if cfg.from_peft_checkpoint else "new"
-    print0(f"peft: {cfg.peft_method} ({what}), {trainable:,} trainable of {total:,} parameters "
+    what = f"from {cfg.peft.from_checkpoint}" if cfg.peft.from_checkpoint else "new"
+    print0(f"peft: {cfg.peft.method} ({what}), {trainable:,} trainable of {total:,} parameters "
            f"({100 * trainable / total:.3f}%)")
     return model
 
@@ -380,7 +363,7 @@ def merge_adapter(adapter_dir: str, out_dir: str | Path, base: str = "", dtype: 
     import peft
     from transformers import AutoConfig
 
-    from shardtune.model.saving import save_hf_model
+    from shardtune.publishing.saving import save_hf_model
     from shardtune.model.loading import load_model, load_tokenizer
 
     peft_type = read_adapter_config(adapter_dir, "--merge").get("peft_type")

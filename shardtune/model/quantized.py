@@ -28,8 +28,8 @@ def load_quantized_on_rank0(cfg: TrainConfig, env: DistEnv) -> nn.Module:
     dist.broadcast_object_list(layout, src=0)
     if model is not None:
         return model
-    model = build_model_on_meta(cfg.model_name, dtype=compute_dtype(cfg, env.device), config=training_model_config(cfg),
-                                trust_remote_code=cfg.trust_remote_code)
+    model = build_model_on_meta(cfg.model.name, dtype=compute_dtype(cfg, env.device), config=training_model_config(cfg),
+                                trust_remote_code=cfg.model.trust_remote_code)
     for name, (shape, storage, quant_state) in layout[0].items():
         _replace_with_meta_4bit(model, name, shape, storage, quant_state, env.device)
     model.is_loaded_in_4bit = True  # what peft reads to treat the base as quantised

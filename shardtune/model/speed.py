@@ -32,13 +32,13 @@ from shardtune.runtime.distributed import print0
 def apply_speed_features(model: nn.Module, cfg: TrainConfig, device: torch.device, say: bool = True) -> list[str]:
     """Apply what the config asks for; returns (and rank 0 prints, with ``say``) one line per feature applied."""
     applied: list[str] = []
-    if cfg.use_fast_kernels:
+    if cfg.model.fast_kernels:
         applied += apply_fast_kernels(model, device)
-    if cfg.attn_implementation:
-        applied.append(apply_attention_choice(hf_model(model), cfg.attn_implementation))
+    if cfg.model.attn_implementation:
+        applied.append(apply_attention_choice(hf_model(model), cfg.model.attn_implementation))
     if flattened(cfg):
-        applied.append(use_varlen_attention(hf_model(model), eager=cfg.attn_implementation == "eager"))
-    if cfg.compile:
+        applied.append(use_varlen_attention(hf_model(model), eager=cfg.model.attn_implementation == "eager"))
+    if cfg.model.compile:
         applied.append(compile_decoder_layers(model))
     for line in applied if say else ():
         print0(f"speed: {line}")
@@ -54,15 +54,15 @@ def apply_attention_choice(model: nn.Module, choice: str) -> str:
 
 def check_attention_fits(cfg: TrainConfig, config) -> None:
     """Before launch, with the model's config: a kernel that cannot compute the model's attention is one line."""
-    if cfg.attn_implementation in ("", "eager"):
+    if cfg.model.attn_implementation in ("", "eager"):
         return
     if soft_caps_logits(config):
-        raise ConfigError(f"--attn_implementation {cfg.attn_implementation} cannot compute {config.model_type}'s "
+        raise ConfigError(f"--attn_implementation {cfg.model.attn_implementation} cannot compute {config.model_type}'s "
                           "soft-capped attention logits: pass --attn_implementation eager, or drop the flag")
 
 
 def check_attn_implementation(cfg: TrainConfig, world_size: int) -> None:
-    if cfg.attn_implementation != "flash_attention_2":
+    if cfg.model.attn_implementation != "flash_attention_2":
         return
     if importlib.util.find_spec("flash_attn") is None:
         raise ConfigError("--attn_implementation flash_attention_2 needs the flash-attn package (pip install "

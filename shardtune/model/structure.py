@@ -49,18 +49,18 @@ def layer_list(model: nn.Module) -> nn.ModuleList:
 
 
 def check_model_structure(cfg: TrainConfig) -> None:
-    if not (cfg.enable_fsdp or cfg.compile):
+    if not (cfg.parallel.strategy == "fsdp" or cfg.model.compile):
         return
     from shardtune.model.loading import build_model_on_meta
 
-    model = build_model_on_meta(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
-    if cfg.enable_fsdp:
+    model = build_model_on_meta(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
+    if cfg.parallel.strategy == "fsdp":
         try:
             decoder_layers(model)
         except ValueError as e:
             raise ConfigError(f"--enable_fsdp: {e}; or train it with DDP or --enable_deepspeed, which need no "
                               "layer class") from None
-    if cfg.compile:
+    if cfg.model.compile:
         try:
             layer_list(model)
         except ValueError as e:

@@ -8,11 +8,11 @@ from shardtune.parallel.base import Strategy
 
 
 def make_strategy(cfg: TrainConfig, env: DistEnv) -> Strategy:
-    if cfg.enable_fsdp:
+    if cfg.parallel.strategy == "fsdp":
         from shardtune.parallel.fsdp import FSDPStrategy
 
         return FSDPStrategy(cfg, env)
-    if cfg.enable_deepspeed:
+    if cfg.parallel.strategy == "deepspeed":
         from shardtune.parallel.deepspeed import DeepSpeedStrategy
 
         return DeepSpeedStrategy(cfg, env)

@@ -1,4 +1,4 @@
-"""The one face every parallel strategy shows the training loop (DESIGN principle 1).
+"""The one face every parallel strategy shows the training loop (docs/architecture.md, principle 1).
 
 The loop never asks which strategy it runs: it wraps the model, runs each micro-batch under
 ``accumulating`` (no gradient sync) except the last, calls ``backward`` and ``clip_and_step`` (by default
@@ -85,13 +85,13 @@ class Strategy(ABC):
         else:
             loss.backward()
 
-    def _clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
-        """Clip to max_norm and return the global gradient norm (before clipping); a step of clip_and_step."""
+    def _clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Clip to max_norm and return the global gradient norm (before clipping), on the device; a step of
+        clip_and_step."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         params = [p for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return float(norm)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The torch optimizer of the wrapped model (the LR schedulers act on its param_groups)."""
@@ -100,9 +100,10 @@ class Strategy(ABC):
         return build_optimizer(model, self.cfg)
 
     def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
-                      allow_step: Callable[[float | None], bool]) -> tuple[float | None, bool]:
-        """Clip to max_norm (None: no clipping), ask allow_step(global norm before clipping) whether to update
-        (it raises to stop; False skips the update and drops the gradients), then step.
+                      allow_step: Callable[[torch.Tensor | float | None], bool]
+                      ) -> tuple[torch.Tensor | float | None, bool]:
+        """Clip to max_norm (None: no clipping), ask allow_step(global norm before clipping, a device tensor) whether
+        to update (it raises to stop; False skips the update and drops the gradients), then step.
         Returns (grad norm or None, whether the weights were updated)."""
         grad_norm = self._clip_grad_norm(model, optimizer, max_norm) if max_norm is not None else None
         if not allow_step(grad_norm):
@@ -139,7 +140,7 @@ class Strategy(ABC):
     def _state_from_parameters(self) -> bool:
         """bitsandbytes' 8-bit layers add state-dict entries that are not attributes (SCB, weight_format), which
         torch's state-dict helpers cannot map: then the (unsharded) trainable parameters are taken directly."""
-        return self.cfg.quantization == "8bit"
+        return self.cfg.model.quantization == "8bit"
 
     def _trainable_parameters(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return {name: p for name, p in self.unwrap(model).named_parameters() if p.requires_grad}
@@ -177,7 +178,7 @@ class Strategy(ABC):
         import torch.distributed.checkpoint as dcp
 
         state = self.training_state_dict(model, optimizer)
-        if not self.cfg.save_optimizer:  # llama-cookbook's default: the model only
+        if not self.cfg.checkpoint.save_optimizer:  # llama-cookbook's default: the model only
             del state["optimizer"]
         dcp.save(state, checkpoint_id=directory)
 
@@ -202,7 +203,7 @@ class Strategy(ABC):
     def describe(self) -> str:
         return (f"{self.name}, world size {self.env.world_size}{self.describe_split()}, compute dtype "
                 f"{dtype_name(self.compute_dtype)}"
-                + (", activation checkpointing" if self.cfg.fsdp_config.fsdp_activation_checkpointing else ""))
+                + (", activation checkpointing" if self.cfg.parallel.activation_checkpointing else ""))
 
     def describe_split(self) -> str:
         """How rows are split (empty when they are not): part of every strategy's start line."""
@@ -234,9 +235,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def resolve_compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     """fp16 when asked (a CUDA device: checked before launch); bf16 autocast on GPUs that support it; fp32 on CPU,
-    where bf16 matmuls are slow (shardtune.runtime.precision has the test-only switch that makes a CPU take the GPU's path)."""
-    if cfg.use_fp16:
+    where bf16 matmuls are slow (shardtune.runtime.precision has the test-only switch that makes a CPU take the GPU's
+    path)."""
+    if cfg.train.precision == "fp16":
         return torch.float16
-    if cfg.mixed_precision and bf16_compute_available(device):
+    if cfg.train.precision == "auto" and bf16_compute_available(device):
         return torch.bfloat16
     return torch.float32

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from shardtune.config.deepspeed_file import DEEPSPEED_OWNED_KEYS, deepspeed_file_config
+from shardtune.config.dialects.deepspeed import DEEPSPEED_OWNED_KEYS, deepspeed_file_config
 from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
 from shardtune.runtime.distributed import DistEnv
 from shardtune.runtime.errors import CheckpointError, TrainingStopped
@@ -62,19 +62,19 @@ def _merge(base: dict, over: dict) -> dict:
 def deepspeed_config(cfg: TrainConfig, world_size: int, compute_dtype: torch.dtype) -> dict:
     """The DeepSpeed config dict built from ours, with --deepspeed_config.config_file merged over it (the
     validator has refused every key of the file that would change batch sizes, accumulation or the optimizer)."""
-    dc = cfg.deepspeed_config
+    dc = cfg.parallel
     zero: dict[str, Any] = {"stage": dc.zero_stage}
     if dc.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
     if dc.offload_param:
         zero["offload_param"] = {"device": "cpu"}
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": cfg.batch_size_training,
-        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "train_micro_batch_size_per_gpu": cfg.train.batch_size,
+        "gradient_accumulation_steps": cfg.train.gradient_accumulation_steps,
         "train_batch_size": effective_batch_size(cfg, world_size),
         "managed_gradient_accumulation": False,
         "zero_optimization": zero,
-        "gradient_clipping": cfg.gradient_clipping_threshold if cfg.gradient_clipping else 0.0,
+        "gradient_clipping": cfg.optim.max_grad_norm or 0.0,
         "bf16": {"enabled": compute_dtype == torch.bfloat16},
         "fp16": {"enabled": compute_dtype == torch.float16},
         "steps_per_print": 2**62,
@@ -92,7 +92,7 @@ class DeepSpeedStrategy(Strategy):
 
     def __init__(self, cfg: TrainConfig, env: DistEnv):
         super().__init__(cfg, env)
-        self.zero_stage = cfg.deepspeed_config.zero_stage
+        self.zero_stage = cfg.parallel.zero_stage
         self.optimizer: torch.optim.Optimizer | None = None
         self.engine = None
 
@@ -167,7 +167,7 @@ class DeepSpeedStrategy(Strategy):
         """DeepSpeed's own checkpoint (each rank its ZeRO partitions) under ``directory/deepspeed``; frozen base
         weights (PEFT) are left out, as in the other strategies' checkpoints."""
         self.engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG, save_latest=False,
-                                    exclude_frozen_parameters=self.cfg.use_peft)
+                                    exclude_frozen_parameters=bool(self.cfg.peft.method))
 
     def load_training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path,
                             saved: dict) -> None:
@@ -176,7 +176,7 @@ class DeepSpeedStrategy(Strategy):
         if problem:
             raise CheckpointError(problem)
         loaded, _ = self.engine.load_checkpoint(str(directory), tag=DEEPSPEED_TAG,
-                                                load_module_strict=not self.cfg.use_peft,
+                                                load_module_strict=not bool(self.cfg.peft.method),
                                                 load_optimizer_states=True, load_lr_scheduler_states=False)
         if loaded is None:
             raise CheckpointError(f"DeepSpeed found no checkpoint in {directory / DEEPSPEED_TAG}: the checkpoint is "
@@ -218,12 +218,12 @@ class DeepSpeedStrategy(Strategy):
         return state if main else None
 
     def describe(self) -> str:
-        dc = self.cfg.deepspeed_config
+        dc = self.cfg.parallel
         offload = [what for what, on in (("optimizer", dc.offload_optimizer), ("parameters", dc.offload_param)) if on]
         text = (f"deepspeed ZeRO-{self.zero_stage}, world size {self.env.world_size}{self.describe_split()}, "
                 f"compute dtype {dtype_name(self.compute_dtype)}")
         text += f", {' and '.join(offload)} offloaded to CPU" if offload else ""
-        return text + (", activation checkpointing" if self.cfg.fsdp_config.fsdp_activation_checkpointing else "")
+        return text + (", activation checkpointing" if self.cfg.parallel.activation_checkpointing else "")
 
 
 def deepspeed_resume_problem(path: Path, saved: dict, world_size: int, zero_stage: int) -> str | None:

@@ -49,7 +49,7 @@ class ParallelDims:
     def from_config(cls, cfg: TrainConfig, world_size: int, local_world_size: int | None = None) -> ParallelDims:
         """The dimensions of ``cfg`` on ``world_size`` processes (``local_world_size``: processes per node, the
         default HSDP sharding group). Raises ConfigError (one line) when the sizes do not fit the world."""
-        cp, sp = cfg.context_parallel_size, cfg.sequence_parallel_size
+        cp, sp = cfg.parallel.context_parallel_size, cfg.parallel.sequence_parallel_size
         if cp < 1 or sp < 1:
             raise ConfigError(f"--context_parallel_size {cp} and --sequence_parallel_size {sp} must be >= 1")
         if world_size % (cp * sp):
@@ -98,9 +98,9 @@ def data_parallel_replicas(cfg: TrainConfig, world_size: int, local_world_size: 
     processes (default: one node's), which hold whole cp x sp groups, and replicates across the groups.
     """
     dp = world_size // sequence_ranks
-    if not cfg.enable_fsdp:
+    if cfg.parallel.strategy != "fsdp":
         return 1
-    fc = cfg.fsdp_config
+    fc = cfg.parallel
     if fc.sharding_strategy == "NO_SHARD":
         return dp
     if fc.sharding_strategy != "HYBRID_SHARD":
@@ -131,9 +131,9 @@ def check_parallel_dims(cfg: TrainConfig, world_size: int) -> None:
         return
     flags = " / ".join(f"--{name} {value}" for name, value in (("sequence_parallel_size", dims.sp),
                                                                 ("context_parallel_size", dims.cp)) if value > 1)
-    if cfg.use_peft and cfg.peft_method in ("prefix", "llama_adapter"):
-        raise ConfigError(f"{flags} cannot split rows with --peft_method {cfg.peft_method} (its virtual tokens are "
+    if bool(cfg.peft.method) and cfg.peft.method in ("prefix", "llama_adapter"):
+        raise ConfigError(f"{flags} cannot split rows with --peft_method {cfg.peft.method} (its virtual tokens are "
                           "attended outside the split attention): use --peft_method lora, or drop the flag")
-    if cfg.compile:
+    if cfg.model.compile:
         raise ConfigError(f"{flags} is not supported with --compile yet (the all-to-all around attention is not "
                           "compiled): drop one of them")

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from shardtune.config.schema import TrainConfig
-from shardtune.model.memory import human_bytes, local_state_bytes
+from shardtune.accounting.memory import human_bytes, local_state_bytes
 from shardtune.model.structure import decoder_layers
 from shardtune.parallel.base import Strategy, dtype_name
 from shardtune.parallel.dims import fsdp_mesh
@@ -65,19 +65,19 @@ class Precision:
 def resolve_precision(cfg: TrainConfig, device: torch.device) -> Precision:
     """pure_bf16: everything bf16. use_fp16: fp16 compute, fp32 master weights and reduction, loss scaling.
     mixed_precision on a bf16 GPU: bf16 compute, fp32 master weights and reduction. Otherwise fp32 (CPU)."""
-    if cfg.fsdp_config.pure_bf16:
+    if cfg.train.precision == "pure_bf16":
         return Precision(torch.bfloat16, MixedPrecisionPolicy(), False)
-    if cfg.use_fp16:
+    if cfg.train.precision == "fp16":
         return Precision(torch.float32, MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32),
                          True)
-    if cfg.mixed_precision and bf16_compute_available(device):
+    if cfg.train.precision == "auto" and bf16_compute_available(device):
         return Precision(torch.float32, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
                          False)
     return Precision(torch.float32, MixedPrecisionPolicy(), False)
 
 
 def load_dtype(cfg: TrainConfig) -> torch.dtype:
-    return torch.bfloat16 if cfg.fsdp_config.pure_bf16 else torch.float32
+    return torch.bfloat16 if cfg.train.precision == "pure_bf16" else torch.float32
 
 
 # -- units ---------------------------------------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module]) ->
 def checkpoint_activations(model: nn.Module, cfg) -> None:
     """--fsdp_config.fsdp_activation_checkpointing (TRL: --gradient_checkpointing) under DDP and DeepSpeed: the same
     wrappers FSDP applies before sharding (their state_dict hook keeps the parameter names)."""
-    if cfg.fsdp_config.fsdp_activation_checkpointing:
+    if cfg.parallel.activation_checkpointing:
         apply_activation_checkpointing(model, decoder_layers(model))
 
 
@@ -159,15 +159,15 @@ class FSDPStrategy(Strategy):
 
     @property
     def offload(self) -> bool:
-        return self.cfg.fsdp_config.fsdp_cpu_offload
+        return self.cfg.parallel.cpu_offload
 
     def shard(self, model: nn.Module) -> nn.Module:
         """Activation checkpointing on each decoder layer, then fully_shard on each layer and the root, on the run's
         mesh. Moves no data: a model on the meta device stays there (``shardtune sft --dry_run`` shards one)."""
-        fc = self.cfg.fsdp_config
+        fc = self.cfg.parallel
         self.fsdp_mesh = fsdp_mesh(self.mesh, self.dims)
         layers = decoder_layers(model)
-        if fc.fsdp_activation_checkpointing:
+        if fc.activation_checkpointing:
             layers = apply_activation_checkpointing(model, layers)
         reshard = fc.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
         kwargs = dict(mesh=self.fsdp_mesh, mp_policy=self.precision.policy,
@@ -180,13 +180,13 @@ class FSDPStrategy(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         on_meta = any(p.is_meta for p in model.parameters())
-        if self.cfg.low_cpu_fsdp:
+        if self.cfg.parallel.low_cpu_fsdp:
             # rank 0 keeps references to the loaded tensors (no copy) until they are broadcast into the shards
             full_state = None if on_meta else tensor_state_dict(model)
         elif not self.offload:
             model.to(self.env.device)
         self.shard(model)
-        if self.cfg.low_cpu_fsdp:
+        if self.cfg.parallel.low_cpu_fsdp:
             materialize_from_rank0(model, full_state, torch.device("cpu") if self.offload else self.env.device)
             del full_state
         peaks = gather_peak_host_memory()
@@ -203,7 +203,7 @@ class FSDPStrategy(Strategy):
         """Sharded like the trained model (same mesh and precision; left on the host under CPU offload). With
         --low_cpu_fsdp as the trained model is: rank 0 read the weights, the others built it on the meta device, and
         each rank's shards are filled from rank 0's after sharding."""
-        if self.cfg.low_cpu_fsdp:
+        if self.cfg.parallel.low_cpu_fsdp:
             full_state = None if any(p.is_meta for p in model.parameters()) else tensor_state_dict(model)
             self.shard(model)
             materialize_from_rank0(model, full_state, torch.device("cpu") if self.offload else self.env.device)
@@ -221,15 +221,13 @@ class FSDPStrategy(Strategy):
     def autocast(self) -> ContextManager:
         return contextlib.nullcontext()  # MixedPrecisionPolicy casts parameters and inputs itself
 
-    def _clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
-        """Global norm over all shards (clip_grad_norm_ reduces DTensor norms across the mesh)."""
+    def _clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Global norm over all shards (clip_grad_norm_ reduces DTensor norms across the mesh), on the device."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         params = [p for p in model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        return float(norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """Gathered tensor by tensor onto rank 0's CPU; the other ranks never hold more than their shards."""
@@ -242,18 +240,18 @@ class FSDPStrategy(Strategy):
         return state if self.env.rank == 0 else None
 
     def describe(self) -> str:
-        fc = self.cfg.fsdp_config
+        fc = self.cfg.parallel
         assert self.fsdp_mesh is not None, "describe() after wrap()"
         shape = f"replicate {self.dims.dp_replicate} x shard {self.fsdp_mesh.shape[-1]}"
-        extras = [x for x, on in (("activation checkpointing", fc.fsdp_activation_checkpointing),
-                                  ("CPU offload", self.offload), ("low_cpu_fsdp", self.cfg.low_cpu_fsdp)) if on]
+        extras = [x for x, on in (("activation checkpointing", fc.activation_checkpointing),
+                                  ("CPU offload", self.offload), ("low_cpu_fsdp", self.cfg.parallel.low_cpu_fsdp)) if on]
         return (f"fsdp2 {fc.sharding_strategy}, world size {self.env.world_size}, mesh ({shape})"
                 f"{self.describe_split()}, "
                 f"{self.precision.describe()}" + "".join(f", {x}" for x in extras))
 
 
 def per_rank_state_line(model: nn.Module) -> str:
-    """The start log's line: this rank's training state, from the local shards it holds (shardtune.model.memory)."""
+    """The start log's line: this rank's training state, from the local shards it holds (shardtune.accounting.memory)."""
     state = local_state_bytes(model)
     return (f"fsdp: per-rank training state (rank 0's local shards): params {human_bytes(state.params)}, "
             f"grads {human_bytes(state.grads)}, AdamW state {human_bytes(state.optimizer)}")

@@ -12,7 +12,7 @@ same padding-free row (input_ids, position_ids restarting per document, cu_seq_l
 4. cuts that context-parallel shard into ``sp`` contiguous slices and keeps the sequence-parallel rank's.
 
 The loss is unchanged: each labelled token lives on exactly one rank, train.py all-reduces the count of labelled
-tokens, so the loss stays normalised by the global number of labelled tokens (DESIGN principle 2).
+tokens, so the loss stays normalised by the global number of labelled tokens (docs/architecture.md, principle 2).
 
 Attention side (:func:`sequence_attention`, registered with transformers like ``shardtune_varlen``): an
 all-to-all within the sequence-parallel group swaps sequence slices for head slices (DeepSpeed-Ulysses), so each
@@ -234,7 +234,7 @@ def all_to_all(send: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 def check_sequence_split(cfg: TrainConfig, model_config) -> None:
     """What the model's shape allows (read from its config.json in prepare(), before any process starts)."""
-    sp, cp = cfg.sequence_parallel_size, cfg.context_parallel_size
+    sp, cp = cfg.parallel.sequence_parallel_size, cfg.parallel.context_parallel_size
     heads = getattr(model_config, "num_attention_heads", None)
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     if sp > 1 and heads is not None and heads % sp:

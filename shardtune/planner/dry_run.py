@@ -8,7 +8,7 @@ Nothing is launched, no weights or data are read, and nothing is written to --ou
   PEFT adapter when asked;
 - the mesh is built for the requested world size on torch's fake process group (every collective a no-op, seen
   from rank 0), and FSDP2 shards the meta model with the strategy's own ``shard``, so the per-rank state is read
-  from rank 0's local shards by the formula of the start log (shardtune.model.memory.local_state_bytes). DDP holds the
+  from rank 0's local shards by the formula of the start log (shardtune.accounting.memory.local_state_bytes). DDP holds the
   whole model. DeepSpeed ZeRO partitions flat buffers its engine allocates, and bitsandbytes cannot quantise on
   the meta device: for those the per-rank state is computed (shardtune.planner, the same formulas);
 - then the plan of shardtune plan for this configuration.
@@ -23,23 +23,13 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from shardtune.config.schema import TrainConfig
 from shardtune.launch.topology import Topology, resolve_topology
 from shardtune.training.checks import check_before_launch
-
-# shardtune plan's hardware flags, also taken by sft --dry_run (--gpus_per_node is --nproc_per_node)
-HARDWARE_FLAGS = ("gpu", "gpu_memory", "host_memory", "gpus_per_node")
-
-
-def split_hardware_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    """The plan's hardware flags, and the rest."""
-    from shardtune.planner.render import split_named_flags
-
-    return split_named_flags(argv, HARDWARE_FLAGS)
-
 
 def dry_run_topology(launch_args: dict[str, str | None], hardware: dict[str, str]) -> Topology:
     """The world the run would have: --gpus_per_node (or --nproc_per_node) processes on each of --nnodes nodes;
@@ -85,9 +75,9 @@ def shard_lines(cfg: TrainConfig, topology: Topology, arch_name: str, setup) -> 
     """The model on the meta device, sharded as the run would shard it; the start log's lines about it."""
     import torch.distributed as dist
 
-    from shardtune.model.cookbook import freeze_first_layers
+    from shardtune.model.freezing import freeze_first_layers
     from shardtune.model.loading import build_model_on_meta, count_parameters
-    from shardtune.model.memory import human_bytes, local_state_bytes
+    from shardtune.accounting.memory import human_bytes, local_state_bytes
     from shardtune.model.peft import apply_peft
     from shardtune.parallel import make_strategy
     from shardtune.parallel.dims import ParallelDims
@@ -95,25 +85,25 @@ def shard_lines(cfg: TrainConfig, topology: Topology, arch_name: str, setup) -> 
 
     dims = ParallelDims.from_config(cfg, topology.world_size, topology.nproc_per_node)
     lines = [f"mesh: {dims.describe()} (world size {topology.world_size}; {dims.dp_size} data-parallel ranks)"]
-    if cfg.quantization or cfg.enable_deepspeed:  # computed (module docstring)
+    if cfg.model.quantization or cfg.parallel.strategy == "deepspeed":  # computed (module docstring)
         from shardtune.planner.render import describe_setup
         from shardtune.planner.estimate import estimate
 
         state = estimate(setup)
         lines.append(f"{describe_setup(setup)}: per-rank training state (computed by shardtune.planner): params "
                      f"{human_bytes(state.params)}, grads {human_bytes(state.grads)}, AdamW state "
-                     + ("and fp32 master weights " if cfg.enable_deepspeed else "") + human_bytes(state.optimizer)
+                     + ("and fp32 master weights " if cfg.parallel.strategy == "deepspeed" else "") + human_bytes(state.optimizer)
                      + (f", offloaded to the host {human_bytes(state.host_state)}" if state.host_state else ""))
         return lines
-    dtype = torch.bfloat16 if cfg.enable_fsdp and cfg.fsdp_config.pure_bf16 else torch.float32
-    model = build_model_on_meta(cfg.model_name, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    dtype = torch.bfloat16 if cfg.parallel.strategy == "fsdp" and cfg.train.precision == "pure_bf16" else torch.float32
+    model = build_model_on_meta(cfg.model.name, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
     freeze_first_layers(model, cfg)
-    if cfg.use_peft:
+    if bool(cfg.peft.method):
         model = apply_peft(model, cfg)
     num_params, num_trainable = count_parameters(model)
     lines.insert(0, f"meta model: {arch_name} ({num_params:,} parameters, {num_trainable:,} trainable), on the "
                     "meta device")
-    if not cfg.enable_fsdp:
+    if cfg.parallel.strategy != "fsdp":
         state = local_state_bytes(model)
         lines.append(f"ddp: per-rank training state (every rank holds the whole model): params "
                      f"{human_bytes(state.params)}, grads {human_bytes(state.grads)}, AdamW state "
@@ -133,47 +123,28 @@ def shard_lines(cfg: TrainConfig, topology: Topology, arch_name: str, setup) -> 
     return lines
 
 
-def dry_run(cfg: TrainConfig, topology: Topology, hardware: dict[str, str], train_argv: list[str],
-            objective: str = "sft") -> int:
+def dry_run(cfg: TrainConfig, topology: Topology, hardware: dict[str, str], flags: list[tuple[str, Any]]) -> int:
     """Check, shard on the meta device, print the shards and the plan; 0 when the plan finds a configuration that
-    fits, 1 when nothing does (as shardtune plan). ``objective`` "dpo": pairs, full logits and the reference
-    model's memory (``shardtune dpo --dry_run``)."""
+    fits, 1 when nothing does (as shardtune plan). The objective's rows and reference are planned with it
+    (``shardtune dpo --dry_run``: pairs and the reference model's memory). ``flags``: the run's settings as (flag, value),
+    which the recommended command repeats."""
     from shardtune.planner.search import check_split, plan, setup_from_config
-    from shardtune.planner.render import render, without_strategy_flags
+    from shardtune.planner.render import base_command, render
     from shardtune.planner.hardware import resolve_device
 
-    given_name = cfg.model_name
+    given_name = cfg.model.name
     with tempfile.TemporaryDirectory(prefix="shardtune-dry-run-") as tmp:
-        cfg.model_name = model_directory(given_name, Path(tmp), cfg.trust_remote_code)
-        if objective == "dpo":
-            from shardtune.training.dpo import check_dpo_config
-
-            check_dpo_config(cfg, topology.world_size)
+        cfg.model.name = model_directory(given_name, Path(tmp), cfg.model.trust_remote_code)
         check_before_launch(cfg, topology.world_size)
         values = {"gpu": hardware.get("gpu", "H100"), "gpu_memory": hardware.get("gpu_memory", ""),
                   "nnodes": str(topology.num_nodes), "gpus_per_node": str(topology.nproc_per_node)}
         device = resolve_device(values)
-        setup = setup_from_config(cfg, values, device, objective)
+        setup = setup_from_config(cfg, values, device)
         check_split(cfg, setup)
         lines = ["dry run: no process started, no weights or data read, nothing written", topology.describe(),
                  *shard_lines(cfg, topology, given_name or "preset:demo", setup)]
-        result = plan(setup, device, cfg.gradient_accumulation_steps)
+        result = plan(setup, device, cfg.train.gradient_accumulation_steps)
     result["model"] = given_name or "preset:demo"
-    result["command"] = f"shardtune {objective}"
-    argv = without_dry_run(without_strategy_flags(train_argv))
-    print("\n".join(lines) + "\n\n" + render(result, argv), flush=True)
+    result["command"] = f"shardtune {cfg.objective}"
+    print("\n".join(lines) + "\n\n" + render(result, base_command(flags)), flush=True)
     return 0 if result["recommended"] else 1
-
-
-def without_dry_run(argv: list[str]) -> list[str]:
-    """The flags of the real run: --dry_run (and a true / false after it) removed."""
-    out: list[str] = []
-    skip_value = False
-    for arg in argv:
-        if skip_value and arg.lower() in ("true", "false", "1", "0", "yes", "no"):
-            skip_value = False
-            continue
-        skip_value = arg == "--dry_run"
-        if not arg.startswith("--dry_run"):
-            out.append(arg)
-    return out

@@ -1,7 +1,7 @@
 """Memory and speed of a training configuration per GPU, from the model's config.json alone (``shardtune plan``).
 
 Nothing is loaded or downloaded: the parameter counts come from the architecture's shapes (checked against real
-models in tests/unit/test_planner.py), the training state from the formulas of shardtune.model.memory, and the
+models in tests/unit/test_planner.py), the training state from the formulas of shardtune.accounting.memory, and the
 activations from the tensors a decoder layer saves for backward, counted tensor by tensor (see
 ``layer_activation_bytes``) and validated against the measured peak of live tensor bytes on this machine
 (``python -m bench.plan_check``). What the planner calls *peak* is the peak of live tensor bytes, what
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from shardtune.model.memory import ADAM_STATES_PER_PARAM, GIB
+from shardtune.accounting.memory import ADAM_STATES_PER_PARAM, GIB
 from shardtune.planner.hardware import Device
 from shardtune.planner.shapes import Adapter, Arch
 
@@ -42,13 +42,8 @@ class Setup:
     sequence_parallel: int = 1
     context_parallel: int = 1
     low_cpu_fsdp: bool = False
-    objective: str = "sft"                # "dpo": a pair is two rows, full logits, and a reference model
-    precomputed_reference: bool = False   # dpo --precompute_ref_log_probs: no reference while training
-
-    @property
-    def rows_per_unit(self) -> int:
-        """Rows the model computes per unit of batch_size: DPO's chosen and rejected of a pair."""
-        return 2 if self.objective == "dpo" else 1
+    rows_per_unit: int = 1                # rows the model computes per unit of batch (DPO: a pair's two)
+    reference_model: bool = False         # a frozen copy beside the policy (DPO's full fine-tuning reference)
 
     @property
     def world_size(self) -> int:
@@ -271,12 +266,8 @@ def estimate(setup: Setup) -> Breakdown:
     replicated_kv = replicated_kv_bytes(setup)
     out.activations += replicated_kv * (1 if s.activation_checkpointing else arch.num_layers)
     out.loss_buffers = loss_buffer_bytes(arch, tokens)
-    if s.objective == "dpo":
-        # log-probabilities need the logits of every token (no lean loss): the logits, their fp32 copy and its
-        # log-softmax, with their gradients in backward
-        out.loss_buffers = tokens * arch.vocab_size * (c + 8)
-        if not s.adapter.method and not s.precomputed_reference:
-            add_reference(out, s)
+    if s.reference_model:
+        add_reference(out, s)
     out.host_loading = host_loading_bytes(setup)
     return out
 

@@ -8,8 +8,8 @@ import os
 from dataclasses import dataclass, replace
 
 from shardtune.config.schema import ConfigError
-from shardtune.model.memory import GIB
-from shardtune.model.peak_flops import data_sheet_peak
+from shardtune.accounting.memory import GIB
+from shardtune.accounting.peak_flops import data_sheet_peak
 
 # -- hardware --------------------------------------------------------------------------------------------------------
 
@@ -36,7 +36,7 @@ GB = 1e9
 
 
 def bf16_peak(name: str) -> float:
-    """The data-sheet dense bf16 peak (shardtune.model.peak_flops: the one table MFU divides by too)."""
+    """The data-sheet dense bf16 peak (shardtune.accounting.peak_flops: the one table MFU divides by too)."""
     return data_sheet_peak(name, "bf16").flops_per_s
 
 
@@ -57,7 +57,7 @@ HOST_ADAM_BYTES_S = 10 * GB   # a CPU AdamW step streams its state at about this
 
 def cpu_device(memory_bytes: float) -> Device:
     """This machine, measured: fp32 matmul rate, memory bandwidth-bound collectives between processes."""
-    from shardtune.model.flops import measured_peak_flops
+    from shardtune.accounting.flops import measured_peak_flops
 
     return Device("this CPU (measured)", memory_bytes, measured_peak_flops("cpu"), 5 * GB, 1 * GB, compute_bytes=4,
                   host_memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")))

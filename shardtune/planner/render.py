@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
-from shardtune.config.schema import ConfigError
-from shardtune.model.memory import GIB
+from typing import Any
+
+from shardtune.config.argv import Arguments, split_argv
+from shardtune.config.spellings import resolve
+from shardtune.accounting.memory import GIB
 from shardtune.planner.estimate import Setup
 from shardtune.planner.shapes import HUB_IDS
 
@@ -104,52 +107,24 @@ def render(result: dict, base_argv: list[str]) -> str:
     return "\n".join(lines)
 
 
-STRATEGY_FLAGS = ("enable_fsdp", "enable_deepspeed", "fsdp_config.sharding_strategy", "fsdp_config.fsdp_cpu_offload",
-                  "fsdp_config.fsdp_activation_checkpointing", "deepspeed_config.zero_stage",
-                  "deepspeed_config.offload_optimizer", "deepspeed_config.offload_param", "sequence_parallel_size",
-                  "context_parallel_size", "sp_size", "cp_size")
+# the settings a recommendation replaces (and the dry run's own switch)
+STRATEGY_SETTINGS = frozenset({
+    "parallel.strategy", "parallel.sharding_strategy", "parallel.cpu_offload", "parallel.activation_checkpointing",
+    "parallel.zero_stage", "parallel.offload_optimizer", "parallel.offload_param", "parallel.sequence_parallel_size",
+    "parallel.context_parallel_size", "run.dry_run"})
 
 
-def without_strategy_flags(argv: list[str]) -> list[str]:
-    """The user's sft flags (the model as the user named it) minus those the recommendation replaces."""
-    out, i = [], 0
-    while i < len(argv):
-        name = argv[i][2:].partition("=")[0]
-        takes_value = "=" not in argv[i] and i + 1 < len(argv) and not argv[i + 1].startswith("--")
-        if name in STRATEGY_FLAGS:
-            i += 2 if takes_value else 1
-            continue
-        out.append(argv[i])
-        i += 1
-    return out
+def base_command(training: list[tuple[str, Any]]) -> list[str]:
+    """The user's flags (the model as the user named it) minus those the recommendation replaces, as a command
+    line."""
+    kept = [(name, value) for name, value in training
+            if not set(resolve(name).target.replace("/", " ").split()) & STRATEGY_SETTINGS]
+    return Arguments(training=kept).training_argv()
 
 
 def builtin_shape_named(argv: list[str]) -> str:
     """The built-in shape the command line names as its model (``--model_name llama3-8b``), or ""."""
-    for i, arg in enumerate(argv):
-        name, eq, value = arg.partition("=")
-        if name == "--model_name":
-            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-            return value if value in HUB_IDS else ""
+    for name, value in split_argv(argv).training:
+        if resolve(name).target == "model.name" and value in HUB_IDS:
+            return value
     return ""
-
-
-def split_named_flags(argv: list[str], names) -> tuple[dict[str, str], list[str]]:
-    """The flags of ``names`` (``--name value`` or ``--name=value``) taken out of ``argv``, and the rest: the hardware
-    flags that `shardtune plan` and `shardtune sft --dry_run` take besides sft's own."""
-    values: dict[str, str] = {}
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        name, eq, value = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
-        if name in names:
-            if not eq:
-                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                    raise ConfigError(f"--{name} needs a value")
-                i += 1
-                value = argv[i]
-            values[name] = value
-        else:
-            rest.append(argv[i])
-        i += 1
-    return values, rest

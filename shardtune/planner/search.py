@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardtune.config.schema import QUANTIZATION_SPELLINGS, ConfigError, TrainConfig
-from shardtune.model.memory import GIB
+from shardtune.config.objectives import OBJECTIVES
+from shardtune.config.schema import ConfigError, TrainConfig
+from shardtune.accounting.memory import GIB
 from shardtune.planner.estimate import (
     FSDP_STRATEGIES,
     STRATEGIES,
@@ -101,38 +102,41 @@ def longest_sequence(setup: Setup, device: Device, limit: int = 1 << 24) -> int:
     return best
 
 
-def setup_from_config(cfg: TrainConfig, values: dict[str, str], device: Device, objective: str = "sft") -> Setup:
+def setup_from_config(cfg: TrainConfig, values: dict[str, str], device: Device) -> Setup:
+    """The planner's configuration of a run of ``cfg`` (its objective's rows and reference too) on ``values``'
+    hardware."""
     try:
         nnodes, per_node = int(values["nnodes"]), int(values["gpus_per_node"])
     except ValueError:
         raise ConfigError("--nnodes and --gpus_per_node must be whole numbers") from None
     if nnodes <= 0 or per_node <= 0:
         raise ConfigError("--nnodes and --gpus_per_node must be positive")
-    fc, dc = cfg.fsdp_config, cfg.deepspeed_config
-    if cfg.enable_fsdp:
+    fc = dc = cfg.parallel
+    if cfg.parallel.strategy == "fsdp":
         strategy = fc.sharding_strategy
-    elif cfg.enable_deepspeed:
+    elif cfg.parallel.strategy == "deepspeed":
         strategy = f"ZERO{dc.zero_stage}"
     else:
         strategy = "DDP"
     adapter = Adapter()
-    if cfg.use_peft:
-        adapter = Adapter(method=cfg.peft_method, lora_r=cfg.lora_config.r,
-                          lora_targets=tuple(cfg.lora_config.target_modules),
-                          lora_dropout=cfg.lora_config.lora_dropout,
-                          adapter_len=cfg.llama_adapter_config.adapter_len,
-                          adapter_layers=cfg.llama_adapter_config.adapter_layers,
-                          num_virtual_tokens=cfg.prefix_config.num_virtual_tokens)
-    quantization = QUANTIZATION_SPELLINGS.get(cfg.quantization, cfg.quantization)
-    return Setup(arch=read_arch(cfg.model_name or "preset:demo"), strategy=strategy, num_nodes=nnodes,
+    if bool(cfg.peft.method):
+        adapter = Adapter(method=cfg.peft.method, lora_r=cfg.peft.lora.r,
+                          lora_targets=tuple(cfg.peft.lora.target_modules),
+                          lora_dropout=cfg.peft.lora.dropout,
+                          adapter_len=cfg.peft.llama_adapter.adapter_len,
+                          adapter_layers=cfg.peft.llama_adapter.adapter_layers,
+                          num_virtual_tokens=cfg.peft.prefix.num_virtual_tokens)
+    quantization = cfg.model.quantization
+    objective = OBJECTIVES[cfg.objective]
+    return Setup(arch=read_arch(cfg.model.name or "preset:demo"), strategy=strategy, num_nodes=nnodes,
                  gpus_per_node=per_node, sharding_group_size=fc.sharding_group_size,
-                 batch_size=cfg.batch_size_training, seq_len=cfg.context_length,
-                 activation_checkpointing=fc.fsdp_activation_checkpointing,
-                 cpu_offload=fc.fsdp_cpu_offload or dc.offload_optimizer, pure_bf16=fc.pure_bf16,
+                 batch_size=cfg.train.batch_size, seq_len=cfg.data.context_length,
+                 activation_checkpointing=fc.activation_checkpointing,
+                 cpu_offload=fc.cpu_offload or dc.offload_optimizer, pure_bf16=cfg.train.precision == "pure_bf16",
                  compute_bytes=device.compute_bytes, adapter=adapter, quantization=quantization,
-                 sequence_parallel=cfg.sequence_parallel_size, context_parallel=cfg.context_parallel_size,
-                 low_cpu_fsdp=cfg.low_cpu_fsdp, objective=objective,
-                 precomputed_reference=cfg.dpo.precompute_ref_log_probs)
+                 sequence_parallel=cfg.parallel.sequence_parallel_size, context_parallel=cfg.parallel.context_parallel_size,
+                 low_cpu_fsdp=cfg.parallel.low_cpu_fsdp, rows_per_unit=objective.rows_per_unit,
+                 reference_model=objective.frozen_reference(cfg))
 
 
 def check_split(cfg: TrainConfig, setup: Setup) -> None:

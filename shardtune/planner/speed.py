@@ -89,7 +89,7 @@ def sequence_traffic_per_step(setup: Setup, accumulation_steps: int = 1) -> tupl
 def step_time_s(setup: Setup, device: Device, accumulation_steps: int = 1) -> tuple[float, float, float]:
     """(step seconds, compute seconds, communication seconds): compute at ASSUMED_MFU of the peak; communication
     at the link rates, overlapped with compute (FSDP prefetch, DDP buckets), so the slower of the two bounds it."""
-    from shardtune.model.flops import ModelShape, training_flops_per_token
+    from shardtune.accounting.flops import ModelShape, training_flops_per_token
 
     arch = setup.arch
     trainable = setup.adapter.trainable_params(arch)

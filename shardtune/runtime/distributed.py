@@ -149,12 +149,13 @@ def warn0(message: str) -> None:
         print(f"shardtune: warning: {message}", file=sys.stderr, flush=True)
 
 
-def all_reduce_sum(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Sum a small tensor over all ranks (float64 on the wire so token counts and loss sums stay exact)."""
+def all_reduce_sum(values: torch.Tensor, device: torch.device, to_host: bool = True) -> torch.Tensor:
+    """Sum a small tensor over all ranks (float64 on the wire so token counts and loss sums stay exact); on the host,
+    or (``to_host`` False) left on ``device``, so that a GPU's stream is not waited for."""
     t = values.detach().to(device=device, dtype=torch.float64).clone()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.cpu()
+    return t.cpu() if to_host else t
 
 
 def broadcast_from_main(value):

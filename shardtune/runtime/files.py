@@ -1,5 +1,5 @@
-"""Writing files and folders without ever leaving them half-written (DESIGN principle 5): a folder is staged
-under a temporary name and published by renames, the files that make it loadable last."""
+"""Writing files and folders without ever leaving them half-written (docs/architecture.md, principle 5): a folder is
+staged under a temporary name and published by renames, the files that make it loadable last."""
 
 from __future__ import annotations
 

@@ -12,67 +12,52 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from shardtune.config.flags import spelling_of
 from shardtune.config.schema import ConfigError, TrainConfig
-from shardtune.model.generation import ROUGE_TYPES
 from shardtune.training.checkpoint_layout import checkpoint_step
-
-SFT_EVAL_METRICS = ("eval_loss", "eval_ppl", *(f"eval_{k}" for k in ROUGE_TYPES))
+from shardtune.training.intervals import every
+from shardtune.training.objective import objective_class
 
 
 def metric_key(cfg: TrainConfig) -> str:
-    name = cfg.metric_for_best_model
+    name = cfg.eval.metric_for_best_model
     return name if name.startswith("eval_") else f"eval_{name}"
 
 
 def higher_is_better(cfg: TrainConfig) -> bool:
-    if cfg.greater_is_better != "auto":
-        return cfg.greater_is_better == "true"
+    if cfg.eval.greater_is_better is not None:
+        return cfg.eval.greater_is_better
     return not metric_key(cfg).endswith(("loss", "ppl"))
 
 
-def every(steps: int, fraction: float, total_steps: int) -> int:
-    """An interval in optimizer steps: a fraction of the run's steps rounded up when one is given (Trainer's rule for
-    --save_steps / --eval_steps / --logging_steps below 1), else N as given; 0: none."""
-    return max(1, math.ceil(fraction * total_steps)) if fraction else steps
-
-
 def check_intervals(cfg: TrainConfig, world_size: int) -> None:
-    """The settings alone: fractions in (0, 1), one spelling per interval, and what --load_best_model_at_end needs."""
-    for fraction, steps in (("save_fraction", "save_steps"), ("eval_fraction", "eval_steps")):
-        value = getattr(cfg, fraction)
-        if value and not 0 < value < 1:
-            raise ConfigError(f"--{fraction} {value} must be in (0, 1): a fraction of the run's optimizer steps")
-        if value and getattr(cfg, steps):
-            raise ConfigError(f"--{steps} {getattr(cfg, steps)} and --{fraction} {value} are both set: keep one")
-    if cfg.logging_fraction and not 0 < cfg.logging_fraction < 1:
-        raise ConfigError(f"--logging_fraction {cfg.logging_fraction} must be in (0, 1): a fraction of the run's steps")
-    if cfg.logging_fraction and cfg.logging_steps != 1:
-        raise ConfigError(f"--logging_steps {cfg.logging_steps} and --logging_fraction {cfg.logging_fraction} are both "
-                          "set: keep one")
-    if cfg.eval_fraction and not cfg.run_validation:
-        raise ConfigError(f"--eval_fraction {cfg.eval_fraction} has no effect with --run_validation false: drop one")
-    if not cfg.load_best_model_at_end:
-        if cfg.metric_for_best_model != "eval_loss" or cfg.greater_is_better != "auto":
+    """The settings alone: evaluation intervals that would be ignored, and what --load_best_model_at_end needs."""
+    if cfg.eval.steps and not cfg.eval.enabled:
+        raise ConfigError(f"{spelling_of(cfg, 'eval.steps')} {cfg.eval.steps:g} has no effect with --run_validation "
+                          "false: drop one")
+    if not cfg.eval.load_best_model_at_end:
+        if cfg.eval.metric_for_best_model != "eval_loss" or cfg.eval.greater_is_better is not None:
             raise ConfigError("--metric_for_best_model / --greater_is_better choose the model --load_best_model_at_end "
                               "publishes: add --load_best_model_at_end, or drop them")
         return
     flag = "--load_best_model_at_end"
-    if not cfg.run_validation:
+    if not cfg.eval.enabled:
         raise ConfigError(f"{flag} needs evaluations: drop --run_validation false (TRL: --eval_strategy steps/epoch)")
-    if not cfg.save_model:
+    if not cfg.output.save_model:
         raise ConfigError(f"{flag} chooses the model to publish, and --save_model false publishes none: drop one")
-    if not (cfg.save_steps or cfg.save_fraction or cfg.fsdp_config.checkpoint_type or cfg.dist_checkpoint_root_folder):
+    save, evaluate = cfg.checkpoint.save_steps, cfg.eval.steps
+    if not (save or cfg.checkpoint.checkpoint_type or cfg.checkpoint.dist_checkpoint_root_folder):
         raise ConfigError(f"{flag} chooses among checkpoints, and none are written: pass --save_steps N (a multiple of "
                           "--eval_steps) or --save_strategy epoch")
-    if cfg.save_steps and not (cfg.eval_steps and cfg.save_steps % cfg.eval_steps == 0) and not cfg.eval_fraction:
-        raise ConfigError(f"{flag}: a checkpoint every {cfg.save_steps} steps needs an evaluation at each: pass "
-                          f"--eval_steps {cfg.save_steps} (or a divisor of it), as Trainer requires")
-    if metric_key(cfg) not in SFT_EVAL_METRICS and not metric_key(cfg).startswith(("eval_rewards/", "eval_logps/")):
-        raise ConfigError(f"--metric_for_best_model {cfg.metric_for_best_model} is not an evaluation metric: choose "
-                          f"one of {', '.join(SFT_EVAL_METRICS)} (shardtune dpo: eval_loss, eval_rewards/accuracies, "
-                          "...)")
-    if metric_key(cfg).startswith("eval_rouge") and not cfg.log_eval_samples:
-        raise ConfigError(f"--metric_for_best_model {cfg.metric_for_best_model} is measured on generated answers: "
+    if save >= 1 and not (evaluate >= 1 and save % evaluate == 0) and not 0 < evaluate < 1:
+        raise ConfigError(f"{flag}: a checkpoint every {save:g} steps needs an evaluation at each: pass "
+                          f"--eval_steps {save:g} (or a divisor of it), as Trainer requires")
+    names = objective_class(cfg.objective).eval_metric_names
+    if metric_key(cfg) not in names:
+        raise ConfigError(f"--metric_for_best_model {cfg.eval.metric_for_best_model} is not an evaluation metric of "
+                          f"shardtune {cfg.objective}: choose one of {', '.join(names)}")
+    if metric_key(cfg).startswith("eval_rouge") and not cfg.eval.log_samples:
+        raise ConfigError(f"--metric_for_best_model {cfg.eval.metric_for_best_model} is measured on generated answers: "
                           "add --log_eval_samples N")
 
 
@@ -82,8 +67,8 @@ class BestModel:
     def __init__(self, cfg: TrainConfig, total_steps: int):
         self.key, self.higher = metric_key(cfg), higher_is_better(cfg)
         self.scores: dict[int, float] = {}
-        save_every = every(cfg.save_steps, cfg.save_fraction, total_steps)
-        eval_every = every(cfg.eval_steps, cfg.eval_fraction, total_steps)
+        save_every = every(cfg.checkpoint.save_steps, total_steps)
+        eval_every = every(cfg.eval.steps, total_steps)
         if save_every and (not eval_every or save_every % eval_every):
             raise ConfigError(f"--load_best_model_at_end: checkpoints every {save_every} steps and evaluations every "
                               f"{eval_every or 'epoch'} of this run's {total_steps}: make the checkpoint interval a "

@@ -19,10 +19,11 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardtune.config.checks import check_previous_run
-from shardtune.config.flags import flatten_dict, to_dict, to_yaml
+from shardtune.config.fields import settings_by
+from shardtune.config.flags import flat_settings, from_dict, spelling_of, to_yaml
 from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
 from shardtune.model.loading import training_model_config
-from shardtune.model.saving import save_hf_model
+from shardtune.publishing.saving import save_hf_model
 from shardtune.parallel.deepspeed import deepspeed_resume_problem
 from shardtune.parallel.optim import apply_settings_on_resume
 from shardtune.runtime.distributed import (
@@ -37,7 +38,8 @@ from shardtune.runtime.elastic import worker_group_attempt
 from shardtune.runtime.errors import CheckpointError
 from shardtune.runtime.files import fsync_dir, write_text_atomic
 from shardtune.runtime.preemption import Preempted, stop_signal_anywhere
-from shardtune.training.best_model import BestModel, every
+from shardtune.training.best_model import BestModel
+from shardtune.training.intervals import every, num_epochs
 from shardtune.training.checkpoint_files import (
     remove_checkpoint,
     verify_checkpoint,
@@ -57,56 +59,40 @@ from shardtune.training.checkpoint_layout import (
     unfinished_saves,
 )
 
-# Settings that may change between a run and its resumption without changing what is trained.
-# Optimizer hyperparameters a resume applies to the restored optimizer (parallel/optim.apply_settings_on_resume).
-OPTIMIZER_SETTINGS = ("lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
-RUN_CONTROL_SETTINGS = frozenset({
-    "output_dir", "resume", "save_steps", "save_total_limit", "max_train_step", "debug", "num_workers_dataloader",
-    "save_model", "save_metrics", "save_plots", "save_fraction", "eval_steps", "eval_fraction",
-    "load_best_model_at_end", "metric_for_best_model", "greater_is_better", "max_eval_step", "run_validation", "val_batch_size", "nan_policy",
-    "fsdp_config.checkpoint_type", "batch_size_training", "gradient_accumulation_steps", "dist_timeout",
-    "sequence_parallel_size", "context_parallel_size",  # how rows are split: the training state does not depend on it
-    # memory levers: they change where activations live or when they are computed, not the numbers (tested equal)
-    "tiled_mlp", "activation_offloading", "fsdp_config.fsdp_activation_checkpointing",
-    # how the state is sharded: DDP, FSDP and HSDP train the same numbers (the equivalence tests), and a checkpoint
-    # of one resumes under another
-    "enable_fsdp", "fsdp_config.sharding_strategy", "fsdp_config.hsdp", "fsdp_config.sharding_group_size",
-    "fsdp_config.replica_group_size", "fsdp_config.fsdp_cpu_offload", "low_cpu_fsdp",
-    # where the final model is uploaded, after training
-    "push_to_hub", "hub_model_id", "hub_private_repo", "hub_token",
-})
+# Settings that may change between a run and its resumption without changing what is trained (run control), and
+# the optimizer hyperparameters a resume applies to the restored optimizer (parallel/optim.apply_settings_on_resume):
+# what each field of the config declares (shardtune.config.schema).
+OPTIMIZER_SETTINGS = settings_by(lambda info: info.affects == "optimizer")
+RUN_CONTROL_SETTINGS = settings_by(lambda info: info.affects == "run")
 
 
 def check_checkpointing(cfg: TrainConfig, world_size: int) -> None:
-    for name in ("save_steps", "save_total_limit"):
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"--{name} {getattr(cfg, name)} must be >= 0 (0: see shardtune sft --help)")
     # sizes only: the worker's rank 0 checks the hashes (and says which checkpoints it skipped) before loading
-    path = resolve_checkpoint(cfg.resume, checkpoint_root(cfg), hashes=False) if cfg.resume else None
-    if cfg.resume == "auto" and path is None:  # nothing to resume: a new run, refused over a previous one like any
+    path = resolve_checkpoint(cfg.checkpoint.resume, checkpoint_root(cfg), hashes=False) if cfg.checkpoint.resume else None
+    if cfg.checkpoint.resume == "auto" and path is None:  # nothing to resume: a new run, refused over a previous one like any
         check_previous_run(cfg, resuming=False)
     if path is not None:
         saved = read_trainer_state(path)
         if not saved.get("optimizer_saved", True):
-            raise ConfigError(f"--resume {cfg.resume}: {path} was saved with --save_optimizer false and holds no "
+            raise ConfigError(f"--resume {cfg.checkpoint.resume}: {path} was saved with --save_optimizer false and holds no "
                               "optimizer state: start a new run from its export (shardtune export), or resume from "
                               "a checkpoint saved with the optimizer")
         by_deepspeed = saved.get("strategy") == "deepspeed"
-        if by_deepspeed != cfg.enable_deepspeed:
+        if by_deepspeed != (cfg.parallel.strategy == "deepspeed"):
             how, fix = (("by DeepSpeed ZeRO, whose files only DeepSpeed reads", "add") if by_deepspeed else
                         ("without DeepSpeed", "drop"))
-            raise ConfigError(f"--resume {cfg.resume}: {path} was saved {how}: {fix} --enable_deepspeed, or start a "
+            raise ConfigError(f"--resume {cfg.checkpoint.resume}: {path} was saved {how}: {fix} --enable_deepspeed, or start a "
                               "new run from its export (shardtune export)")
-        problem = by_deepspeed and deepspeed_resume_problem(path, saved, world_size, cfg.deepspeed_config.zero_stage)
+        problem = by_deepspeed and deepspeed_resume_problem(path, saved, world_size, cfg.parallel.zero_stage)
         if problem:
-            raise ConfigError(f"--resume {cfg.resume}: {problem}")
+            raise ConfigError(f"--resume {cfg.checkpoint.resume}: {problem}")
 
 
 def checkpointing_enabled(cfg: TrainConfig) -> bool:
     """Checkpoints are written when --save_steps N > 0, a --checkpoint_type or a --dist_checkpoint_root_folder is
     given."""
-    return (cfg.save_steps > 0 or cfg.save_fraction > 0 or bool(cfg.fsdp_config.checkpoint_type)
-            or bool(cfg.dist_checkpoint_root_folder))
+    return (cfg.checkpoint.save_steps > 0 or bool(cfg.checkpoint.checkpoint_type)
+            or bool(cfg.checkpoint.dist_checkpoint_root_folder))
 
 
 def checkpoint_bytes_estimate(model: nn.Module, full_model: bool) -> int:
@@ -118,15 +104,14 @@ def checkpoint_bytes_estimate(model: nn.Module, full_model: bool) -> int:
 
 
 def settings_changed(saved: dict, current: TrainConfig) -> list[str]:
-    """Settings (dotted names) that differ between a checkpoint's config and this run's, run control aside."""
-    now = flatten_dict(to_dict(current))
-    before = flatten_dict(saved)
-    return sorted(k for k in now.keys() | before.keys()
-                  if k not in RUN_CONTROL_SETTINGS and now.get(k) != before.get(k))
+    """Settings (canonical dotted names) that differ between a checkpoint's config.yaml (this release's grouped form
+    or an earlier one's flat names) and this run's, run control aside."""
+    now, before = flat_settings(current), flat_settings(from_dict(saved))
+    return sorted(k for k in now if k not in RUN_CONTROL_SETTINGS and now[k] != before[k])
 
 
 def config_hash(cfg: TrainConfig) -> str:
-    trained = {k: v for k, v in flatten_dict(to_dict(cfg)).items() if k not in RUN_CONTROL_SETTINGS}
+    trained = {k: v for k, v in flat_settings(cfg).items() if k not in RUN_CONTROL_SETTINGS}
     return hashlib.sha256(json.dumps(trained, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -188,7 +173,7 @@ class Checkpointer:
     def __init__(self, cfg: TrainConfig, env: DistEnv, strategy, tokenizer):
         self.cfg, self.env, self.strategy, self.tokenizer = cfg, env, strategy, tokenizer
         self.enabled = checkpointing_enabled(cfg)
-        self.full_model = cfg.fsdp_config.checkpoint_type == "FULL_STATE_DICT"
+        self.full_model = cfg.checkpoint.checkpoint_type == "FULL_STATE_DICT"
         self.root = checkpoint_root(cfg)
         self.attempt = worker_group_attempt()  # the same on every node (shardtune/runtime/elastic.py)
         self.resume_from = self._resume_source()
@@ -197,7 +182,7 @@ class Checkpointer:
         self.bytes_needed = 0
         self.last_saved: Path | None = self.resume_from
         self.best: BestModel | None = None  # --load_best_model_at_end: the scores (set by the loop with the run's steps)
-        self.save_every = cfg.save_steps
+        self.save_every = cfg.checkpoint.save_steps
         if env.is_main:
             for stale in unfinished_saves(self.root):
                 print0(f"checkpoint: removing {stale.name}, left by a save that did not finish")
@@ -226,8 +211,8 @@ class Checkpointer:
                 warn0(note)
 
     def _choose_resume_source(self, notes: list[str]) -> Path | None:
-        if self.cfg.resume:
-            return resolve_checkpoint(self.cfg.resume, self.root, notes=notes)
+        if self.cfg.checkpoint.resume:
+            return resolve_checkpoint(self.cfg.checkpoint.resume, self.root, notes=notes)
         if self.attempt > 0:  # the worker group was restarted (--max_restarts): after a failure on any node
             latest = newest_verified_checkpoint(self.root, notes=notes)
             if latest is not None:
@@ -257,7 +242,7 @@ class Checkpointer:
               ) -> Position:
         self.training = (model, optimizer, scheduler, result)
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
-        self.save_every = every(self.cfg.save_steps, self.cfg.save_fraction, total_steps)
+        self.save_every = every(self.cfg.checkpoint.save_steps, total_steps)
         if self.enabled:
             self._check_space(model)
         if self.resume_state is None:
@@ -267,8 +252,8 @@ class Checkpointer:
     def _check_space(self, model: nn.Module) -> None:
         need = self.bytes_needed = checkpoint_bytes_estimate(model, self.full_model)
         planned = 1 + self.total_steps // self.save_every if self.save_every else 1
-        planned += self.cfg.num_epochs
-        keep = min(planned, self.cfg.save_total_limit + 1) if self.cfg.save_total_limit else planned
+        planned += num_epochs(self.cfg)
+        keep = min(planned, self.cfg.checkpoint.save_total_limit + 1) if self.cfg.checkpoint.save_total_limit else planned
         ok = True
         if self.env.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -291,14 +276,15 @@ class Checkpointer:
         changed = settings_changed(saved_cfg, self.cfg)
         if changed:
             applied = [k for k in changed if k in OPTIMIZER_SETTINGS]
-            then = flatten_dict(saved_cfg)
+            then, now = flat_settings(from_dict(saved_cfg)), flat_settings(self.cfg)
+            names = {k: spelling_of(self.cfg, k).removeprefix("--") for k in changed}
             how = (f"; applied from step {state['step'] + 1} on: " + ", ".join(
-                f"{k} {then.get(k)} -> {flatten_dict(to_dict(self.cfg))[k]}" for k in applied)
+                f"{names[k]} {then[k]} -> {now[k]}" for k in applied)
                 + " (the optimizer's moments and the schedule's position are kept)") if applied else ""
-            warn0(f"resuming with settings that differ from the checkpoint's ({', '.join(changed)}): the run will "
-                  f"not equal an uninterrupted one{how}")
+            warn0(f"resuming with settings that differ from the checkpoint's ({', '.join(names.values())}): the run "
+                  f"will not equal an uninterrupted one{how}")
         planned = state.get("total_steps")
-        if self.cfg.lr_scheduler == "cosine" and planned is not None and planned != self.total_steps:
+        if self.cfg.optim.lr_scheduler == "cosine" and planned is not None and planned != self.total_steps:
             warn0(f"the cosine schedule now spans {self.total_steps} steps instead of the checkpoint's {planned} "
                   f"(--max_train_step / --num_epochs / batch changed): the learning rate from step {state['step']} "
                   "on differs from the uninterrupted run's")
@@ -405,7 +391,7 @@ class Checkpointer:
             save_hf_model(model, full_state, self.tokenizer, tmp / "hf_model")
         # the source's dtype (not the fp32 master's), with what training changes (--rope_scaling): export rebuilds it
         training_model_config(self.cfg).save_pretrained(tmp / "hf_config")
-        if self.cfg.trust_remote_code:  # the model's own modeling code (the config's is saved with it): export runs it
+        if self.cfg.model.trust_remote_code:  # the model's own modeling code (the config's is saved with it): export runs it
             from transformers.dynamic_module_utils import custom_object_save
 
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -413,20 +399,20 @@ class Checkpointer:
                 custom_object_save(base, tmp / "hf_config")
         self.tokenizer.save_pretrained(tmp / "hf_config")
         (tmp / "config.yaml").write_text(to_yaml(self.cfg), encoding="utf-8")
-        metrics = Path(self.cfg.output_dir) / "metrics.jsonl"
+        metrics = Path(self.cfg.output.dir) / "metrics.jsonl"
         state = {
             "format_version": FORMAT_VERSION,
             "step": position.step, "epoch": position.epoch, "step_in_epoch": position.step_in_epoch,
             "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
             "global_batch_size": effective_batch_size(self.cfg, self.strategy.dims.dp_size),
-            "world_size": self.env.world_size, "seed": self.cfg.seed, "strategy": self.strategy.name,
-            "model_name": self.cfg.model_name, "adapter_only": bool(self.cfg.use_peft),
-            "checkpoint_type": self.cfg.fsdp_config.checkpoint_type or "SHARDED_STATE_DICT",
-            "optimizer_saved": self.cfg.save_optimizer,
+            "world_size": self.env.world_size, "seed": self.cfg.train.seed, "strategy": self.strategy.name,
+            "model_name": self.cfg.model.name, "adapter_only": bool(bool(self.cfg.peft.method)),
+            "checkpoint_type": self.cfg.checkpoint.checkpoint_type or "SHARDED_STATE_DICT",
+            "optimizer_saved": self.cfg.checkpoint.save_optimizer,
             "scheduler": scheduler.state_dict(),
             "num_tokens": result.num_tokens, "train_time_s": result.train_time_s,
             "metrics_rows": (sum(1 for _ in metrics.open(encoding="utf-8"))
-                             if self.cfg.save_metrics and metrics.is_file() else None),
+                             if self.cfg.logging.save_metrics and metrics.is_file() else None),
             "config_hash": config_hash(self.cfg),
             **({"best_model": self.best.state()} if self.best is not None else {}),
             **self.strategy.checkpoint_state(),
@@ -442,11 +428,11 @@ class Checkpointer:
         if problem is not None:
             raise OSError(f"{final} does not verify after the rename: {problem}")
         write_text_atomic(self.root / LATEST_FILE, final.name + "\n")
-        if self.cfg.save_total_limit:  # only now, with the new checkpoint verified, do older ones go
+        if self.cfg.checkpoint.save_total_limit:  # only now, with the new checkpoint verified, do older ones go
             step = checkpoint_step(final)
             older = [p for p in complete_checkpoints(self.root) if checkpoint_step(p) <= step]  # type: ignore
             best = self.best.choose(older) if self.best is not None else None
-            for stale in older[:-self.cfg.save_total_limit]:
+            for stale in older[:-self.cfg.checkpoint.save_total_limit]:
                 if best is None or stale != best[0]:  # --load_best_model_at_end: the best one stays
                     remove_checkpoint(stale)
 
@@ -473,35 +459,35 @@ def dir_bytes(path: Path) -> int:
 
 
 def check_resume_fits(cfg: TrainConfig) -> None:
-    """Before launch (``cfg.model_name`` resolved): a checkpoint that cannot load into this run's model is one line
+    """Before launch (``cfg.model.name`` resolved): a checkpoint that cannot load into this run's model is one line
     naming the mismatch, found before config.yaml or metrics.jsonl are touched."""
-    path = resolve_checkpoint(cfg.resume, checkpoint_root(cfg)) if cfg.resume else None
+    path = resolve_checkpoint(cfg.checkpoint.resume, checkpoint_root(cfg)) if cfg.checkpoint.resume else None
     if path is None:
         return
-    saved, flag = read_trainer_state(path), f"--resume {cfg.resume}"
-    if saved.get("adapter_only") and not cfg.use_peft:
+    saved, flag = read_trainer_state(path), f"--resume {cfg.checkpoint.resume}"
+    if saved.get("adapter_only") and not bool(cfg.peft.method):
         raise ConfigError(f"{flag}: {path} holds a PEFT adapter's training state: add --use_peft (and the run's "
                           "--peft_method / --lora_config), or start a new run")
-    if not saved.get("adapter_only", cfg.use_peft) and cfg.use_peft:
+    if not saved.get("adapter_only", bool(cfg.peft.method)) and bool(cfg.peft.method):
         raise ConfigError(f"{flag}: {path} holds a full model's training state: drop --use_peft, or start a new run")
     from transformers import AutoConfig
 
     from shardtune.model.peft import SHAPE_FIELDS
 
-    trust = {"trust_remote_code": cfg.trust_remote_code}
+    trust = {"trust_remote_code": cfg.model.trust_remote_code}
     theirs, ours = (AutoConfig.from_pretrained(path / "hf_config", **trust).to_dict(),
-                    AutoConfig.from_pretrained(cfg.model_name, **trust).to_dict())
+                    AutoConfig.from_pretrained(cfg.model.name, **trust).to_dict())
     diffs = [f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in SHAPE_FIELDS if theirs.get(k) != ours.get(k)]
     if diffs:
         raise ConfigError(f"{flag}: {path} was trained from {saved.get('model_name')}, whose shapes differ from "
-                          f"--model_name {cfg.model_name} ({'; '.join(diffs)}): pass --model_name "
+                          f"--model_name {cfg.model.name} ({'; '.join(diffs)}): pass --model_name "
                           f"{saved.get('model_name')}")
-    if cfg.use_peft:
-        before = flatten_dict(yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")))
-        now = flatten_dict(to_dict(cfg))
-        shaped = ("lora_config.r", "lora_config.target_modules", "lora_config.use_dora", "lora_config.bias")
-        keys = ["peft_method", *(shaped if cfg.peft_method == "lora" else ())]
-        changed = [f"--{k} {before.get(k)} -> {now.get(k)}" for k in keys if before.get(k) != now.get(k)]
+    if bool(cfg.peft.method):
+        before = flat_settings(from_dict(yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))))
+        now = flat_settings(cfg)
+        shaped = ("peft.lora.r", "peft.lora.target_modules", "peft.lora.use_dora", "peft.lora.bias")
+        keys = ["peft.method", *(shaped if cfg.peft.method == "lora" else ())]
+        changed = [f"{spelling_of(cfg, k)} {before[k]} -> {now[k]}" for k in keys if before[k] != now[k]]
         if changed:
             raise ConfigError(f"{flag}: {path} holds another adapter ({', '.join(changed)}): pass the checkpoint's "
                               "values, or start a new run")

@@ -45,9 +45,9 @@ def checkpoints_dir(where: str | Path) -> Path:
 def checkpoint_root(cfg: TrainConfig) -> Path:
     """Where this run writes its checkpoints: llama-cookbook's <dist_checkpoint_root_folder>/
     <dist_checkpoint_folder>-<model_name> when the root folder is given, else output_dir/checkpoints."""
-    if cfg.dist_checkpoint_root_folder:
-        return Path(cfg.dist_checkpoint_root_folder) / f"{cfg.dist_checkpoint_folder}-{cfg.model_name}"
-    return Path(cfg.output_dir) / CHECKPOINTS_DIR
+    if cfg.checkpoint.dist_checkpoint_root_folder:
+        return Path(cfg.checkpoint.dist_checkpoint_root_folder) / f"{cfg.checkpoint.dist_checkpoint_folder}-{cfg.model.name}"
+    return Path(cfg.output.dir) / CHECKPOINTS_DIR
 
 
 def checkpoint_name(step: int) -> str:

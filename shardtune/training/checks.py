@@ -12,28 +12,27 @@ from __future__ import annotations
 
 from shardtune import data
 from shardtune.config.checks import CONFIG_CHECKS
-from shardtune.config.schema import ConfigError, DpoConfig, TrainConfig
-from shardtune.data.cache import load_examples_cached, load_pairs_cached
-from shardtune.model.cookbook import check_cookbook_flags, check_model_flags
+from shardtune.config.schema import TrainConfig
+from shardtune.model.freezing import check_freeze_layers
 from shardtune.model.loading import (
-    auto_config, cache_dir, check_model_source, check_tokenizer_fits, load_tokenizer, resolve_model_name,
-    resolve_revision,
+    auto_config, check_model_source, check_tokenizer_fits, load_tokenizer, resolve_model_name, resolve_revision,
 )
-from shardtune.model.hub import check_push_to_hub
+from shardtune.publishing.hub import check_push_to_hub
 from shardtune.model.longseq import check_rope_scaling
 from shardtune.model.speed import check_attention_fits, check_attn_implementation
 from shardtune.model.peft import check_peft
 from shardtune.model.structure import check_model_structure
 from shardtune.parallel.dims import ParallelDims, check_parallel_dims
-from shardtune.parallel.optim import check_adam, check_optim, check_schedule
+from shardtune.parallel.optim import check_optim, check_schedule
 from shardtune.parallel.sequence import check_sequence_split
 from shardtune.runtime.distributed import is_torchrun_worker
 from shardtune.training.best_model import check_intervals
 from shardtune.training.checkpoint import check_checkpointing, check_resume_fits
-from shardtune.training.dpo import check_dpo_config
+from shardtune.training.objective import check_objective, objective_class
 
-# Settings alone, in order: the config floor's own, then those owned by the floors above.
-SETTING_CHECKS = (*CONFIG_CHECKS, check_cookbook_flags, check_parallel_dims, check_schedule, check_adam,
+# Settings alone, in order: the objective's (it may settle the batching), the config floor's own, then those owned by
+# the floors above.
+SETTING_CHECKS = (check_objective, *CONFIG_CHECKS, check_parallel_dims, check_schedule,
                   check_optim, check_checkpointing, check_intervals, check_attn_implementation,
                   check_push_to_hub)
 
@@ -54,48 +53,33 @@ def check_with_model(cfg: TrainConfig, world_size: int) -> None:
     """What the model's config.json says about the settings: structure, cookbook model flags, adapters, RoPE
     scaling, split rows."""
     check_model_structure(cfg)
-    check_model_flags(cfg)
+    check_freeze_layers(cfg)
     check_peft(cfg)
     check_resume_fits(cfg)
     check_rope_scaling(cfg)
-    if cfg.attn_implementation:
-        check_attention_fits(cfg, auto_config(cfg.model_name, cfg.trust_remote_code))
+    if cfg.model.attn_implementation:
+        check_attention_fits(cfg, auto_config(cfg.model.name, cfg.model.trust_remote_code))
     if ParallelDims.from_config(cfg, world_size).sequence_split:
-        check_sequence_split(cfg, auto_config(cfg.model_name, cfg.trust_remote_code))
+        check_sequence_split(cfg, auto_config(cfg.model.name, cfg.model.trust_remote_code))
 
 
-def data_splits(cfg: TrainConfig) -> tuple[str, ...]:
-    return ("train", "validation") if cfg.run_validation else ("train",)
-
-
-def prepare(cfg: TrainConfig, world_size: int, objective: str = "sft") -> None:
+def prepare(cfg: TrainConfig, world_size: int) -> None:
     """Everything checkable before a process group exists: settings, model source, data, context length.
 
-    The data is loaded (and tokenised into the cache) here too, so a bad row is reported before any worker.
-    ``objective`` "dpo": the data are preference pairs (shardtune.data.preference).
+    The data is loaded (and tokenised into the cache) by the objective here too, so a bad row is reported before any
+    worker.
     """
-    if objective == "dpo":
-        check_dpo_config(cfg, world_size)
-    elif cfg.dpo != DpoConfig():
-        raise ConfigError("--beta / --loss_type / --loss_weights / --label_smoothing / --f_divergence_type / "
-                          "--discopop_tau are DPO flags: run shardtune dpo, or drop them")
     validate(cfg, world_size)
-    cfg.model_name = resolve_revision(resolve_model_name(cfg.model_name), cfg.model_revision)
-    cfg.model_revision = ""  # resolved: model_name is the revision's snapshot (the workers and config.yaml read it)
-    check_model_source(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
+    cfg.model.name = resolve_revision(resolve_model_name(cfg.model.name), cfg.model.revision)
+    cfg.model.revision = ""  # resolved: model_name is the revision's snapshot (the workers and config.yaml read it)
+    check_model_source(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
     check_with_model(cfg, world_size)
-    if cfg.tokenizer_name:
-        check_model_source(cfg.tokenizer_name, "tokenizer_name", cfg.trust_remote_code)
+    if cfg.model.tokenizer:
+        check_model_source(cfg.model.tokenizer, "tokenizer_name", cfg.model.trust_remote_code)
     data.check_data_config(cfg)
-    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name,
-                                                                 cfg.trust_remote_code))
+    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.model.tokenizer or cfg.model.name,
+                                                                 cfg.model.trust_remote_code))
     data.drop_absent_validation(cfg, say=not is_torchrun_worker())
-    check_tokenizer_fits(cfg.model_name, tokenizer, cfg.tokenizer_name, cfg.trust_remote_code)
+    check_tokenizer_fits(cfg.model.name, tokenizer, cfg.model.tokenizer, cfg.model.trust_remote_code)
     data.check_context_length(cfg, tokenizer)
-    dims = ParallelDims.from_config(cfg, world_size)
-    if objective == "dpo":
-        loaded = {split: load_pairs_cached(cfg, tokenizer, split, cache_dir())[0] for split in data_splits(cfg)}
-        data.steps_per_epoch(len(loaded["train"]), cfg, dims.dp_size)
-        return
-    loaded = {split: load_examples_cached(cfg, tokenizer, split, cache_dir()) for split in data_splits(cfg)}
-    data.steps_per_epoch(len(data.build_units(loaded["train"][0], cfg)), cfg, dims.dp_size)
+    objective_class(cfg.objective).prepare_data(cfg, tokenizer, ParallelDims.from_config(cfg, world_size).dp_size)

@@ -52,7 +52,7 @@ def run_preflight(cfg: TrainConfig, env: DistEnv) -> None:
     fingerprints: list[dict[str, str]] = [{} for _ in range(env.world_size)]
     dist.all_gather_object(fingerprints, fingerprint(cfg, env))
     check_fingerprints(fingerprints)
-    check_shared_output_dir(Path(cfg.output_dir), env)
+    check_shared_output_dir(Path(cfg.output.dir), env)
     hosts = list(dict.fromkeys(f["host"] for f in fingerprints))
     print0(f"preflight: {env.num_nodes} nodes ({', '.join(hosts)}), {env.world_size} processes agree on code, "
            "library versions, config and data; output_dir is shared")
@@ -143,6 +143,6 @@ def source_digest() -> str:
 
 def data_fingerprint(cfg: TrainConfig) -> str:
     """The tokenised-data cache key of the training split: dataset settings, data files' contents, tokenizer."""
-    tokenizer = apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name,
-                                                            cfg.trust_remote_code))
+    tokenizer = apply_tokenizer_options(cfg, load_tokenizer(cfg.model.tokenizer or cfg.model.name,
+                                                            cfg.model.trust_remote_code))
     return cache_key(cfg, tokenizer, "train")

@@ -11,11 +11,11 @@ import torch
 
 from shardtune.config.schema import PROFILER_SCHEDULE, TrainConfig
 from shardtune.runtime.distributed import DistEnv, all_reduce_sum, warn0
-from shardtune.model.flops import flop_counter
+from shardtune.accounting.flops import flop_counter
 
 
 def profiler_dir(cfg: TrainConfig) -> Path:
-    return Path(cfg.profiler_dir or Path(cfg.output_dir) / "profiler")
+    return Path(cfg.logging.profiler_dir or Path(cfg.output.dir) / "profiler")
 
 
 def start_profiler(cfg: TrainConfig, env: DistEnv) -> torch.profiler.profile:
@@ -36,11 +36,11 @@ class StepProbe:
 
     def __init__(self, cfg: TrainConfig, env: DistEnv, total_steps: int):
         self.env = env
-        self.flop_step = cfg.flop_counter_start + 1 if cfg.flop_counter else None
+        self.flop_step = cfg.logging.flop_counter_start + 1 if cfg.logging.flop_counter else None
         if self.flop_step is not None and self.flop_step > total_steps:
             warn0(f"--flop_counter: the run has {total_steps} steps, so step {self.flop_step} (after "
-                  f"--flop_counter_start {cfg.flop_counter_start}) is never measured: lower --flop_counter_start")
-        self.profiler = start_profiler(cfg, env) if cfg.use_profiler else None
+                  f"--flop_counter_start {cfg.logging.flop_counter_start}) is never measured: lower --flop_counter_start")
+        self.profiler = start_profiler(cfg, env) if cfg.logging.profiler else None
         self.measured_flops: int | None = None
 
     @contextlib.contextmanager

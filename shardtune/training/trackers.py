@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 from typing import Any, Protocol
 
-from shardtune.config.schema import TrainConfig, trackers
+from shardtune.config.schema import TrainConfig
 from shardtune.config.flags import to_dict, to_yaml
 
 # metrics.jsonl key -> tracker name; other numeric keys of a step row go under train/, of an eval row under eval/
@@ -45,7 +45,7 @@ class TensorBoardTracker:
     def __init__(self, cfg: TrainConfig):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(Path(cfg.output_dir) / "tensorboard"))
+        self.writer = SummaryWriter(log_dir=str(Path(cfg.output.dir) / "tensorboard"))
         self.writer.add_text("config", "```yaml\n" + to_yaml(cfg) + "\n```", global_step=0)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
@@ -66,8 +66,8 @@ class TensorBoardTracker:
 
 def wandb_mode(cfg: TrainConfig) -> str:
     """--wandb_config.mode, or WANDB_MODE, or online when W&B is reachable and a key is known, else offline."""
-    if cfg.wandb_config.mode or os.environ.get("WANDB_MODE"):
-        return cfg.wandb_config.mode or os.environ["WANDB_MODE"]
+    if cfg.logging.wandb.mode or os.environ.get("WANDB_MODE"):
+        return cfg.logging.wandb.mode or os.environ["WANDB_MODE"]
     netrc = Path.home() / ".netrc"
     logged_in = bool(os.environ.get("WANDB_API_KEY")) or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())
     if logged_in and reachable("api.wandb.ai", 443):
@@ -75,7 +75,7 @@ def wandb_mode(cfg: TrainConfig) -> str:
     from shardtune.runtime.distributed import print0
 
     print0("wandb: offline (" + ("api.wandb.ai is not reachable" if logged_in else "not logged in")
-           + f"): the run is kept in {Path(cfg.output_dir) / 'wandb'}; upload it later with wandb sync")
+           + f"): the run is kept in {Path(cfg.output.dir) / 'wandb'}; upload it later with wandb sync")
     return "offline"
 
 
@@ -94,10 +94,10 @@ class WandbTracker:
     def __init__(self, cfg: TrainConfig):
         import wandb
 
-        wc = cfg.wandb_config
+        wc = cfg.logging.wandb
         self.run = wandb.init(project=wc.project, entity=wc.entity or None, job_type=wc.job_type or None,
                               tags=wc.tags or None, group=wc.group or None, notes=wc.notes or None,
-                              mode=wandb_mode(cfg), dir=str(Path(cfg.output_dir)), config=to_dict(cfg))
+                              mode=wandb_mode(cfg), dir=str(Path(cfg.output.dir)), config=to_dict(cfg))
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)
@@ -120,7 +120,7 @@ class TrackioTracker:
         import trackio
 
         self.trackio = trackio
-        trackio.init(project=cfg.wandb_config.project, name=Path(cfg.output_dir).name, config=to_dict(cfg))
+        trackio.init(project=cfg.logging.wandb.project, name=Path(cfg.output.dir).name, config=to_dict(cfg))
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.trackio.log(scalars, step=step)
@@ -140,4 +140,4 @@ TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "trackio":
 
 def open_trackers(cfg: TrainConfig) -> list[Tracker]:
     """The trackers of --report_to / --use_wandb, started (call on rank 0 only)."""
-    return [TRACKERS[name](cfg) for name in trackers(cfg)]
+    return [TRACKERS[name](cfg) for name in cfg.logging.report_to]

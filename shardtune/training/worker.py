@@ -4,7 +4,6 @@ line (the launcher prints the first failing rank's)."""
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -19,30 +18,19 @@ from torch.distributed.checkpoint.api import CheckpointException
 from shardtune import data
 from shardtune.config.flags import to_yaml
 from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
-from shardtune.data.cache import load_examples_cached, load_pairs_cached, pairs_entry
 from shardtune.data.chat import mirror_eos_token
-from shardtune.data.preference import collate_pair_units
-from shardtune.model.cookbook import freeze_first_layers
-from shardtune.model.generation import EvalSampler
-from shardtune.model.loading import (
-    build_model_on_meta,
-    cache_dir,
-    count_parameters,
-    load_model,
-    load_tokenizer,
-    training_model_config,
-)
-from shardtune.model.hub import HubUploadError, hub_repo_id, push_model
+from shardtune.model.freezing import freeze_first_layers
+from shardtune.model.loading import count_parameters, load_tokenizer
+from shardtune.publishing.hub import HubUploadError, hub_repo_id, push_model
 from shardtune.model.longseq import apply_memory_levers
 from shardtune.model.loss import hf_model
-from shardtune.model.memory import cross_node_summary
-from shardtune.model.peft import apply_peft, load_quantized_model, save_adapter
-from shardtune.model.quantized import load_quantized_on_rank0
-from shardtune.model.saving import save_hf_model
+from shardtune.accounting.memory import cross_node_summary
+from shardtune.model.peft import apply_peft, save_adapter
+from shardtune.publishing.saving import save_hf_model
 from shardtune.model.speed import apply_speed_features
 from shardtune.parallel import make_strategy
 from shardtune.parallel.dims import ParallelDims
-from shardtune.parallel.sequence import RowSlice, SequenceGroups, use_sequence_attention
+from shardtune.parallel.sequence import SequenceGroups, use_sequence_attention
 from shardtune.runtime.distributed import (
     DistEnv,
     all_reduce_sum,
@@ -62,52 +50,16 @@ from shardtune.runtime.preemption import (
     report_stopped,
 )
 from shardtune.runtime.run_lock import RunLock, RunLocked
-from shardtune.training.best_model import every
 from shardtune.training.checkpoint import Checkpointer, failure_reason
-from shardtune.training.checks import data_splits, prepare
-from shardtune.training.dpo import (
-    SplitRows, compute_and_cache_reference, dpo_evaluate, dpo_train_step, read_cached_reference, reference_key,
-)
-from shardtune.training.loop import TrainResult, planned_steps, train
+from shardtune.training.building import build_model
+from shardtune.training.checks import prepare
+from shardtune.training.intervals import every, planned_steps
+from shardtune.training.loop import TrainResult, train
 from shardtune.training.metrics import MetricsWriter
+from shardtune.training.objective import objective_class
 from shardtune.training.plots import write_run_plots
 from shardtune.training.preflight import PreflightError, run_preflight
 from shardtune.training.trackers import open_trackers
-
-
-def load_data(cfg: TrainConfig, env: DistEnv, dims: ParallelDims, tokenizer, objective: str = "sft"
-              ) -> tuple[list, list[dict]]:
-    """Training units and validation examples; every rank reads the same (from the tokenised-data cache).
-    ``objective`` "dpo": one preference pair per unit, and the validation split's pairs."""
-    if objective == "dpo":
-        loaded = {split: load_pairs_cached(cfg, tokenizer, split, cache_dir()) for split in data_splits(cfg)}
-        for split, (_, pair_report) in loaded.items():
-            print0(f"data ({split}): {pair_report.summary()}")
-        pairs = loaded["train"][0]
-        for index, pair in enumerate(pairs):  # its place in the data: LoRA dropout masks keyed by pair, not rank
-            pair["index"] = index
-        data.steps_per_epoch(len(pairs), cfg, dims.dp_size)
-        return [[pair] for pair in pairs], loaded["validation"][0] if cfg.run_validation else []
-    loaded = {split: load_examples_cached(cfg, tokenizer, split, cache_dir()) for split in data_splits(cfg)}
-    for split, (_, report) in loaded.items():
-        print0(f"data ({split}): {report.summary()}")
-    units = data.build_units(loaded["train"][0], cfg)
-    data.steps_per_epoch(len(units), cfg, dims.dp_size)  # fails early if the data is too small
-    return units, loaded["validation"][0] if cfg.run_validation else []
-
-
-def build_model(cfg: TrainConfig, env: DistEnv) -> torch.nn.Module:
-    """The model to train, before wrapping: fp32 master weights (bf16 with pure_bf16). With low_cpu_fsdp only
-    global rank 0 reads the weights; the others build on the meta device and receive theirs after sharding."""
-    dtype = torch.bfloat16 if cfg.enable_fsdp and cfg.fsdp_config.pure_bf16 else torch.float32
-    if cfg.quantization and cfg.low_cpu_fsdp:
-        return load_quantized_on_rank0(cfg, env)
-    if cfg.quantization:
-        return load_quantized_model(cfg, env.device)
-    config = training_model_config(cfg)  # with --rope_scaling; the 4-bit paths build from it too
-    if cfg.low_cpu_fsdp and env.rank != 0:
-        return build_model_on_meta(cfg.model_name, dtype=dtype, config=config, trust_remote_code=cfg.trust_remote_code)
-    return load_model(cfg.model_name, dtype=dtype, config=config, trust_remote_code=cfg.trust_remote_code)
 
 
 def check_finite_weights(state: dict[str, torch.Tensor] | None, env: DistEnv, cfg: TrainConfig,
@@ -122,8 +74,8 @@ def check_finite_weights(state: dict[str, torch.Tensor] | None, env: DistEnv, cf
     when = (f"the loss became non-finite at step {bad}" if bad is not None else
             f"the loss was finite at every step (1-{result.steps}): an update overflowed, or a weight the data "
             "never reaches was not finite in the base model already")
-    raise TrainingStopped(f"the trained weights are not all finite, so no model was written to {cfg.output_dir}: "
-                          f"{when}; lower --lr (now {cfg.lr}) or enable --gradient_clipping")
+    raise TrainingStopped(f"the trained weights are not all finite, so no model was written to {cfg.output.dir}: "
+                          f"{when}; lower --lr (now {cfg.optim.lr}) or enable --gradient_clipping")
 
 
 def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, tokenizer,
@@ -131,79 +83,26 @@ def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Modul
     """Rank 0 writes the final model; the state is gathered by the strategy (nobody else materialises it). Returns
     the names of the model's files (on rank 0; [] elsewhere)."""
     written: list[str] = []
-    if cfg.use_peft:  # the adapter only: frozen base weights are neither gathered nor written
+    if bool(cfg.peft.method):  # the adapter only: frozen base weights are neither gathered nor written
         adapter_state = strategy.trainable_state_dict(model)
         check_finite_weights(adapter_state, env, cfg, result)
         if env.is_main:
-            written = save_adapter(strategy.unwrap(model), adapter_state, cfg.model_name, tokenizer,
-                                   Path(cfg.output_dir))
+            written = save_adapter(strategy.unwrap(model), adapter_state, cfg.model.name, tokenizer,
+                                   Path(cfg.output.dir))
         barrier()
         return written
     state_dict = strategy.full_state_dict(model)
     check_finite_weights(state_dict, env, cfg, result)
     if env.is_main:
-        written = save_hf_model(strategy.unwrap(model), state_dict, tokenizer, Path(cfg.output_dir))
+        written = save_hf_model(strategy.unwrap(model), state_dict, tokenizer, Path(cfg.output.dir))
     barrier()
     return written
-
-
-def dpo_objective(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, tokenizer,
-                  train_pairs: list[dict], eval_pairs: list[dict]) -> dict:
-    """The loop's step and collate for DPO. The reference: with PEFT the policy's base with its adapter switched
-    off (no second copy); for full fine-tuning a frozen copy of the starting weights, whole on each rank under DDP
-    (which holds the whole model anyway), sharded like the policy under FSDP (same mesh and precision, so that the
-    first step's policy and reference agree). --precompute_ref_log_probs: one reference pass over the pairs before
-    training, kept with each pair and in the tokenised-data cache beside the pairs (a later run of the same
-    reference, a resumed one too, reads them); the reference model is then dropped."""
-    pad_id = tokenizer.pad_token_id
-    split = split_rows(strategy, env)
-
-    def build_reference() -> dict:
-        if cfg.use_peft:
-            return {"peft_model": strategy.unwrap(model)}
-        frozen = build_model(cfg, env).eval().requires_grad_(False)
-        apply_speed_features(frozen, cfg, env.device, say=False)  # the policy's kernels: at step 1 the two agree
-        if split:  # the reference computes the slices of a split row as the policy does
-            use_sequence_attention(frozen, SequenceGroups.from_mesh(strategy.mesh, strategy.dims))
-        return {"ref_model": strategy.place_frozen(frozen)}
-
-    if not cfg.dpo.precompute_ref_log_probs:
-        reference = build_reference()
-    else:  # one pass now (or none: the cache has them); the reference model is not kept after it
-        key = reference_key(cfg, strategy.compute_dtype, env.device)
-        jobs = [(pairs, pairs_entry(cfg, tokenizer, split, cache_dir()) / f"reference-{key}.npy" if key else None)
-                for split, pairs in (("train", train_pairs), ("validation", eval_pairs)) if pairs]
-        missing = [(pairs, file) for pairs, file in jobs if not read_cached_reference(pairs, file, env)]
-        if missing:
-            reference = build_reference()
-            for pairs, file in missing:
-                compute_and_cache_reference(pairs, file, model, strategy, cfg, env, pad_id, **reference, split=split)
-        how = ("read from the tokenised-data cache (an earlier run of this reference; no reference model is loaded)"
-               if not missing else "computed before training" + (
-                   ", kept in the tokenised-data cache" if key else
-                   " (not cached: the hub id's snapshot is not in the local cache)") + "; the reference model is freed")
-        print0(f"reference: log-probabilities of {len(train_pairs):,} train and {len(eval_pairs):,} test pairs "
-               f"{how} (--precompute_ref_log_probs)")
-        reference = {}
-    return {"step_fn": functools.partial(dpo_train_step, **reference, split=split), "collate_fn": collate_pair_units,
-            "eval_fn": lambda policy, pairs: dpo_evaluate(policy, strategy, cfg, env, pairs, pad_id, **reference,
-                                                          split=split)}
-
-
-def split_rows(strategy, env: DistEnv) -> SplitRows | None:
-    """The context x sequence parallel group that splits each row of pairs (None when rows are whole). Collective:
-    every rank creates the group's flattened process group at the same point."""
-    dims = strategy.dims
-    if not dims.sequence_split:
-        return None
-    group = strategy.mesh["cp", "sp"]._flatten("cp_sp").get_group()
-    return SplitRows(group, dims.cp * dims.sp, RowSlice.of_rank(dims, env.rank))
 
 
 def hold_output_dir(cfg: TrainConfig, env: DistEnv) -> RunLock | None:
     """Rank 0 takes output_dir's run lock (shardtune/runtime/run_lock.py) for the run's lifetime; every rank raises
     RunLocked when another run holds it."""
-    lock, refused = (RunLock(Path(cfg.output_dir)), None) if env.is_main else (None, None)
+    lock, refused = (RunLock(Path(cfg.output.dir)), None) if env.is_main else (None, None)
     if lock is not None:
         try:
             note = lock.acquire()
@@ -217,37 +116,38 @@ def hold_output_dir(cfg: TrainConfig, env: DistEnv) -> RunLock | None:
     return lock
 
 
-def fine_tune(cfg: TrainConfig, env: DistEnv, objective: str = "sft") -> TrainResult:
+def fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     lock = hold_output_dir(cfg, env)
     try:
-        return _fine_tune(cfg, env, objective)
+        return _fine_tune(cfg, env)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _fine_tune(cfg: TrainConfig, env: DistEnv, objective: str = "sft") -> TrainResult:
-    seed_everything(cfg.seed)
-    out_dir = Path(cfg.output_dir)
+def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
+    seed_everything(cfg.train.seed)
+    out_dir = Path(cfg.output.dir)
     if env.is_main:  # under the run lock: staging folders left here are a dead run's
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_staging(out_dir)
         write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
-    if cfg.trust_remote_code:
-        print0(f"trust_remote_code: running the model's own code from {cfg.model_name}")
-    if cfg.push_to_hub:
+    if cfg.model.trust_remote_code:
+        print0(f"trust_remote_code: running the model's own code from {cfg.model.name}")
+    if cfg.output.push_to_hub:
         print0(f"push_to_hub: after the run, the model goes to the hub repo {hub_repo_id(cfg)}")
-    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.tokenizer_name or cfg.model_name,
-                                                                 cfg.trust_remote_code))
+    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.model.tokenizer or cfg.model.name,
+                                                                 cfg.model.trust_remote_code))
     strategy = make_strategy(cfg, env)
-    units, eval_examples = load_data(cfg, env, strategy.dims, tokenizer, objective)
+    objective = objective_class(cfg.objective)(cfg, env, strategy, tokenizer)
+    units, eval_items = objective.load_data()
     startup.mark("tokenizer and data")
     model = build_model(cfg, env)
     startup.mark("model")
     mirror_eos_token(cfg, model, tokenizer)
     freeze_first_layers(model, cfg)
     apply_memory_levers(model, cfg, env.device)
-    if cfg.use_peft:
+    if bool(cfg.peft.method):
         model = apply_peft(model, cfg)
     apply_speed_features(model, cfg, env.device)
     if strategy.dims.sequence_split:
@@ -256,29 +156,14 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv, objective: str = "sft") -> TrainR
     num_params, num_trainable = count_parameters(model)
     model = strategy.wrap(model)
     startup.mark("levers, adapters, wrap")
-    quantized = ""
-    if cfg.quantization == "4bit":
-        qc = cfg.quantization_config
-        quantized = f"; frozen base weights in 4-bit {qc.quant_type}{' (double quantised)' if qc.use_double_quant else ''}"
-    elif cfg.quantization:
-        quantized = "; frozen base weights in 8-bit"
-    print0(f"model: {cfg.model_name} ({num_params:,} parameters, {num_trainable:,} trainable{quantized})")
-    print0(f"strategy: {strategy.describe()}")
-    dp_size = strategy.dims.dp_size
-    split = (f" ({env.world_size} processes / {env.world_size // dp_size} that split each row)"
-             if strategy.dims.sequence_split else "")
-    print0(f"effective batch: {cfg.batch_size_training} per device x {dp_size} data-parallel devices{split} x "
-           f"{cfg.gradient_accumulation_steps} accumulation = {effective_batch_size(cfg, dp_size)} "
-           f"{'packed blocks' if cfg.batching_strategy == 'packing' else 'examples'} per step")
-
-    if env.num_nodes > 1 and not cfg.enable_deepspeed:
-        print0(cross_node_traffic(cfg, env, model, strategy, num_params, num_trainable))
+    print0(describe_run(cfg, env, strategy, model, num_params, num_trainable))
+    objective.attach(model, units, eval_items)  # DPO: its reference (placed, or its log-probabilities precomputed)
     checkpointer = Checkpointer(cfg, env, strategy, tokenizer)
-    metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.save_metrics else None
+    metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.logging.save_metrics else None
     total_steps = planned_steps(cfg, len(units), strategy.dims.dp_size)
     append = metrics_path is not None and checkpointer.keep_metrics_rows(metrics_path, total_steps)
     writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else (),
-                           tracker_every=every(cfg.logging_steps, cfg.logging_fraction, total_steps))
+                           tracker_every=every(cfg.logging.steps, total_steps))
     published = False
     model_files: list[str] = []  # the published model's files (rank 0): what --push_to_hub uploads
 
@@ -288,35 +173,53 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv, objective: str = "sft") -> TrainR
         published = True
 
     try:
-        sampler = EvalSampler(eval_examples[:cfg.log_eval_samples], tokenizer) if cfg.log_eval_samples else None
-        extra = (dpo_objective(cfg, env, strategy, model, tokenizer, [u[0] for u in units],
-                               eval_examples) if objective == "dpo" else {})
-        result = train(model, strategy, cfg, env, units, eval_examples, tokenizer.pad_token_id, writer, checkpointer,
-                       sampler, publish if cfg.save_model else None, **extra)
+        result = train(model, strategy, objective, units, writer, checkpointer, publish if cfg.output.save_model else None)
     except Exception:
         if published:
             print0(f"the trained model was written to {out_dir.resolve()} before this failure")
         raise
     finally:
         writer.close()
-    if metrics_path is not None and cfg.save_plots:  # rank 0 (the only one with a metrics path)
+    if metrics_path is not None and cfg.logging.save_plots:  # rank 0 (the only one with a metrics path)
         print0(f"charts: {write_run_plots(out_dir)}/ (loss, lr, grad norm, speed, memory)")
     print0(report(result, cfg))
-    if cfg.push_to_hub and env.is_main and model_files:  # last: everything of the run is written
+    if cfg.output.push_to_hub and env.is_main and model_files:  # last: everything of the run is written
         print0(f"pushed to the hub: {push_model(cfg, model_files)}")
     return result
 
 
+def describe_run(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, num_params: int,
+                 num_trainable: int) -> str:
+    """The start log's model, strategy and effective batch lines (and the cross-node traffic of a many-node run)."""
+    quantized = ""
+    if cfg.model.quantization == "4bit":
+        qc = cfg.model
+        quantized = f"; frozen base weights in 4-bit {qc.quant_type}{' (double quantised)' if qc.double_quant else ''}"
+    elif cfg.model.quantization:
+        quantized = "; frozen base weights in 8-bit"
+    dp_size = strategy.dims.dp_size
+    split = (f" ({env.world_size} processes / {env.world_size // dp_size} that split each row)"
+             if strategy.dims.sequence_split else "")
+    lines = [f"model: {cfg.model.name} ({num_params:,} parameters, {num_trainable:,} trainable{quantized})",
+             f"strategy: {strategy.describe()}",
+             f"effective batch: {cfg.train.batch_size} per device x {dp_size} data-parallel devices{split} x "
+             f"{cfg.train.gradient_accumulation_steps} accumulation = {effective_batch_size(cfg, dp_size)} "
+             f"{'packed blocks' if cfg.data.batching == 'packing' else 'examples'} per step"]
+    if env.num_nodes > 1 and cfg.parallel.strategy != "deepspeed":
+        lines.append(cross_node_traffic(cfg, env, model, strategy, num_params, num_trainable))
+    return "\n".join(lines)
+
+
 def cross_node_traffic(cfg: TrainConfig, env: DistEnv, model: torch.nn.Module, strategy, num_params: int,
                        num_trainable: int) -> str:
-    """The formula of shardtune/model/memory.py with this run's sizes: all parameters are gathered in the compute dtype,
+    """The formula of shardtune/accounting/memory.py with this run's sizes: all parameters are gathered in the compute dtype,
     trainable ones reduced in the dtype of the master weights."""
     master = next(p for p in model.parameters() if p.requires_grad)
-    chosen = cfg.fsdp_config.sharding_strategy if cfg.enable_fsdp else "DDP"
+    chosen = cfg.parallel.sharding_strategy if cfg.parallel.strategy == "fsdp" else "DDP"
     dims = ParallelDims.from_config(cfg, env.world_size, env.local_world_size)
-    shard_group_size = dims.dp_shard * dims.cp * dims.sp if cfg.enable_fsdp else 0
+    shard_group_size = dims.dp_shard * dims.cp * dims.sp if cfg.parallel.strategy == "fsdp" else 0
     return cross_node_summary(chosen, env.num_nodes, env.local_world_size, num_params=num_params,
-                              num_trainable=num_trainable, micro_batches=cfg.gradient_accumulation_steps,
+                              num_trainable=num_trainable, micro_batches=cfg.train.gradient_accumulation_steps,
                               shard_group_size=shard_group_size, compute_bytes=strategy.compute_dtype.itemsize,
                               grad_bytes=master.element_size())
 
@@ -329,8 +232,8 @@ def report(result: TrainResult, cfg: TrainConfig) -> str:
     if result.eval_loss is not None:
         ppl = f", perplexity {result.eval_ppl:.3f}" if result.eval_ppl is not None else ""
         lines.append(f"  eval: loss {result.eval_loss:.4f}{ppl}")
-    if cfg.save_model:
-        lines.append(f"  model written to {Path(cfg.output_dir).resolve()}")
+    if cfg.output.save_model:
+        lines.append(f"  model written to {Path(cfg.output.dir).resolve()}")
     return "\n".join(lines)
 
 
@@ -358,37 +261,37 @@ def record_worker_error(line: str) -> None:
         json.dump({"message": line, "timestamp": int(time.time())}, f)
 
 
-def run_worker(cfg: TrainConfig, prepared: bool = False, objective: str = "sft") -> int:
+def run_worker(cfg: TrainConfig, prepared: bool = False) -> int:
     install_worker_handlers()
     rank = int(os.environ["RANK"])
     try:
         if not prepared:  # the in-place run (one process) prepared it already
-            prepare(cfg, int(os.environ["WORLD_SIZE"]), objective)
+            prepare(cfg, int(os.environ["WORLD_SIZE"]))
     except ConfigError as e:
         if rank == 0:  # every rank finds the same problem; one line is enough
-            fail(str(e), cfg.debug)
+            fail(str(e), cfg.run.debug)
         return 2
-    env = init_distributed(timeout_s=cfg.dist_timeout)
+    env = init_distributed(timeout_s=cfg.parallel.dist_timeout)
     startup.mark("process group")
     try:
         run_preflight(cfg, env)
         startup.mark("preflight")
-        fine_tune(cfg, env, objective)
+        fine_tune(cfg, env)
     except PreflightError as e:  # found alike on every rank: one line per node
         if env.local_rank == 0:
-            fail(str(e), cfg.debug)
+            fail(str(e), cfg.run.debug)
         return 1
     except ConfigError as e:  # data errors found while loading
-        fail(f"{e}" if env.world_size == 1 else f"(rank {env.rank}) {e}", cfg.debug)
+        fail(f"{e}" if env.world_size == 1 else f"(rank {env.rank}) {e}", cfg.run.debug)
         return 1
     except HubUploadError as e:  # rank 0's upload after the run, the model written: the launcher prints the line
-        if cfg.debug:
+        if cfg.run.debug:
             traceback.print_exc()
         record_worker_error(str(e))
         return 1
     except (CheckpointError, TrainingStopped, RunLocked) as e:  # raised on every rank alike
         if env.is_main:
-            fail(str(e), cfg.debug)
+            fail(str(e), cfg.run.debug)
         return 1
     except Preempted as e:  # every rank alike, after the checkpoint; 0 so that no agent restarts the workers
         if report_stopped(e):
@@ -398,7 +301,7 @@ def run_worker(cfg: TrainConfig, prepared: bool = False, objective: str = "sft")
         return 0 if "TORCHELASTIC_RUN_ID" in os.environ else e.status
     except (Exception, CheckpointException) as e:  # a fault no check foresaw (torch.distributed.checkpoint's error
         # is a BaseException): one line, printed once by whoever launched the workers
-        if cfg.debug:
+        if cfg.run.debug:
             traceback.print_exc()
         record_worker_error(unexpected_error_line(e, env.rank))
         return 1

@@ -14,12 +14,12 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
 
-from shardtune.config.schema import TrainConfig
+from shardtune.config.flags import config_from
 from shardtune.runtime.distributed import init_distributed, shutdown
 from shardtune.model.loading import load_model
 from shardtune.model.structure import decoder_layers
 from shardtune.parallel.fsdp import FSDPStrategy
-from shardtune.training.worker import build_model
+from shardtune.training.building import build_model
 
 
 def local_numel(model: torch.nn.Module) -> int:
@@ -60,20 +60,19 @@ def main(model_dir: str, out_dir: Path) -> None:
     layer_numel = max(sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(reference))
     ref_logits = logits(reference)
 
-    cfg = TrainConfig(model_name=model_dir, enable_fsdp=True)
+    cfg = config_from(model_name=model_dir, enable_fsdp=True)
     sharded = FSDPStrategy(cfg, env).wrap(build_model(cfg, env))
     sharded_numel = local_numel(sharded)
 
-    low_cfg = TrainConfig(model_name=model_dir, enable_fsdp=True, low_cpu_fsdp=True)
+    low_cfg = config_from(model_name=model_dir, enable_fsdp=True, low_cpu_fsdp=True)
     built = build_model(low_cfg, env)
     built_on_meta = all(p.is_meta for p in built.parameters())
     low_strategy = FSDPStrategy(low_cfg, env)
     low = low_strategy.wrap(built)
     gathered = low_strategy.full_state_dict(low)
 
-    offload_cfg = TrainConfig(model_name=model_dir, enable_fsdp=True)
-    offload_cfg.fsdp_config.sharding_strategy = "SHARD_GRAD_OP"
-    offload_cfg.fsdp_config.fsdp_cpu_offload = True
+    offload_cfg = config_from({"model_name": model_dir, "enable_fsdp": True,
+                               "fsdp_config.sharding_strategy": "SHARD_GRAD_OP", "fsdp_config.fsdp_cpu_offload": True})
     offloaded = offload_facts(FSDPStrategy(offload_cfg, env).wrap(build_model(offload_cfg, env)))
     result = {
         "rank": env.rank, "world_size": env.world_size, "total_numel": total_numel, "layer_numel": layer_numel,

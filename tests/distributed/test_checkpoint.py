@@ -13,7 +13,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -278,7 +277,7 @@ def test_resume_with_another_lr_trains_with_it_and_says_so(reference, tiny_model
     assert all(r["lr"] == pytest.approx(2 * ref_rows[r["step"]]["lr"], rel=1e-12) for r in rows), rows
     import yaml
 
-    assert yaml.safe_load((out / "config.yaml").read_text())["lr"] == 6e-3
+    assert yaml.safe_load((out / "config.yaml").read_text())["optim"]["lr"] == 6e-3
     warning = next(line for line in proc.stderr.splitlines() if "resuming with settings that differ" in line)
     assert "(lr)" in warning and "applied from step 15 on: lr 0.003 -> 0.006" in warning, warning
     assert "enable_fsdp" not in warning

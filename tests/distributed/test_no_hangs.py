@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 from shardtune.launch.torchrun import DEFAULT_JOIN_TIMEOUT_S

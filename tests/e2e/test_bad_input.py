@@ -43,7 +43,7 @@ def assert_one_line_error(proc, *needles):
     (["--enable_fsdp", "--quantization", "8bit"], ["--quantization 8bit", "--enable_fsdp"]),
     (["--enable_fsdp", "--use_fp16", "--pure_bf16"], ["--use_fp16", "pure_bf16"]),
     (["--use_fp16"], ["--use_fp16 needs CUDA GPUs", "fp32"]),
-    (["--pure_bf16"], ["--fsdp_config.pure_bf16 True has no effect without FSDP", "--enable_fsdp"]),
+    (["--pure_bf16"], ["--pure_bf16 (parameters, gradients and optimizer state in bf16) needs FSDP", "--enable_fsdp"]),
     (["--fsdp_config.sharding_strategy", "SHARD_GRAD_OP"], ["SHARD_GRAD_OP", "--enable_fsdp"]),
     (["--low_cpu_fsdp"], ["--low_cpu_fsdp", "--enable_fsdp"]),
     (["--enable_fsdp", "--enable_deepspeed"], ["--enable_fsdp and --enable_deepspeed"]),
@@ -106,10 +106,11 @@ def test_a_previous_run_is_never_overwritten_by_accident(tiny_model, run_cli, cl
 
 def test_the_hint_for_a_previous_run_offers_resume_only_where_a_checkpoint_is(tmp_path):
     from shardtune.config.checks import check_previous_run
-    from shardtune.config.schema import ConfigError, TrainConfig
+    from shardtune.config.flags import config_from
+    from shardtune.config.schema import ConfigError
 
     (tmp_path / "metrics.jsonl").write_text("")
-    cfg = TrainConfig(output_dir=str(tmp_path))
+    cfg = config_from(output_dir=str(tmp_path))
     with pytest.raises(ConfigError) as caught:
         check_previous_run(cfg)
     assert "already holds a run (metrics.jsonl)" in str(caught.value) and "--resume" not in str(caught.value)

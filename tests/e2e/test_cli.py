@@ -74,13 +74,13 @@ def test_yaml_recipe_with_flag_override(tiny_model, run_cli, tmp_path):
     assert proc.stdout.startswith("topology: 1 node (standalone), 1 process per node"), proc.stdout[:300]
     import yaml
 
-    resolved = yaml.safe_load((out / "config.yaml").read_text())
-    assert resolved["lr"] == 0.001 and resolved["batching_strategy"] == "padding"
-    assert resolved["synthetic_dialogues"]["num_train"] == 16
-    assert resolved["tokenizer_name"] == "" and resolved["warmup_steps"] == 0
-    assert resolved["samsum_dataset"]["data_path"] == ""
+    resolved = yaml.safe_load((out / "config.yaml").read_text())  # the canonical config, grouped
+    assert resolved["optim"]["lr"] == 0.001 and resolved["data"]["batching"] == "padding"
+    assert resolved["data"]["synthetic_dialogues"]["num_train"] == 16
+    assert resolved["model"]["tokenizer"] == "" and resolved["optim"]["warmup_steps"] == 0
+    assert resolved["data"]["samsum_dataset"]["data_path"] == ""
     assert [r["lr"] for r in step_rows(out)][0] == 0.001
-    assert resolved["trust_remote_code"] is True
+    assert resolved["model"]["trust_remote_code"] is True
     assert f"trust_remote_code: running the model's own code from {model}" in proc.stdout
     assert not (out / "model.safetensors").exists()
     # its checkpoint keeps the model's code, and export runs it as the run did (config.yaml says trust_remote_code)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -84,17 +83,26 @@ def test_observability_flags_are_accepted(flag):
 def test_cookbook_spellings_mean_what_they_mean_there():
     cfg = parse_args(["--quantization", "int4", "--save_model", "--hsdp", "--sharding_group_size", "1",
                       "--replica_group_size", "2", "--enable_activation_checkpointing", "true"])
-    assert cfg.quantization == "4bit" and cfg.save_model
-    assert parse_args(["--quantization", "int8"]).quantization == "8bit"
-    fc = cfg.fsdp_config  # top-level keys land on the config that has them; hsdp selects hybrid sharding
-    assert (fc.hsdp, fc.sharding_strategy, fc.sharding_group_size, fc.replica_group_size) == (
-        True, "HYBRID_SHARD", 1, 2)
-    assert fc.fsdp_activation_checkpointing
-    assert parse_args(["--fsdp_config.optimizer", "AdamW"]).optimizer == "AdamW"
+    assert cfg.model.quantization == "4bit" and cfg.output.save_model
+    assert parse_args(["--quantization", "int8"]).model.quantization == "8bit"
+    p = cfg.parallel  # fsdp_config's keys, without their prefix too; hsdp selects hybrid sharding
+    assert (p.sharding_strategy, p.sharding_group_size, p.replica_group_size) == ("HYBRID_SHARD", 1, 2)
+    assert p.activation_checkpointing
+    assert parse_args(["--fsdp_config.optimizer", "AdamW"]) == parse_args([])  # the one optimizer: nothing to set
+    # the cookbook's two-flag knobs are one setting each, whatever the order
+    both = ["--enable_fsdp", "--use_peft", "--peft_method", "prefix", "--use_fp16", "false", "--mixed_precision",
+            "false", "--freeze_layers", "false", "--num_freeze_layers", "2"]
+    cfg = parse_args(both)
+    assert (cfg.parallel.strategy, cfg.peft.method, cfg.train.precision, cfg.model.freeze_layers) == (
+        "fsdp", "prefix", "fp32", 0)
+    assert parse_args(["--peft_method", "prefix", "--use_peft", "--enable_fsdp", *both[4:]]).peft.method == "prefix"
+    assert parse_args(["--use_peft", "--enable_fsdp", *both[4:]]).peft.method == "lora"  # the cookbook's default
+    assert parse_args(["--num_freeze_layers", "2", "--freeze_layers"]).model.freeze_layers == 2
 
 
 @pytest.mark.parametrize("flags,world_size,message", [
     (["--fsdp_config.optimizer", "anyprecision"], 1, "--fsdp_config.optimizer anyprecision"),
+    (["--enable_fsdp", "--enable_deepspeed"], 1, "--enable_fsdp and --enable_deepspeed are both set"),
     (["--one_gpu"], 2, "--one_gpu trains in one process"),
     (["--freeze_layers", "--use_peft"], 1, "--freeze_layers applies to full fine-tuning"),
     (["--activation_checkpointing_use_reentrant", "true"], 1, "--activation_checkpointing_use_reentrant"),
@@ -106,13 +114,15 @@ def test_flags_that_cannot_apply_are_refused_in_one_line(flags, world_size, mess
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
-def test_freeze_llm_only_is_refused_for_a_text_only_model(tiny_model):
-    from shardtune.model.cookbook import check_model_flags
+def test_freeze_llm_only_is_refused_and_freeze_layers_fit_the_model(tiny_model):
+    from shardtune.model.freezing import check_freeze_layers
 
-    with pytest.raises(ConfigError, match="--freeze_LLM_only applies to vision models.*is text-only"):
-        check_model_flags(parse_args(["--freeze_LLM_only", "--model_name", str(tiny_model)]))
+    with pytest.raises(ConfigError, match="--freeze_LLM_only applies to vision models"):
+        parse_args(["--freeze_LLM_only", "--model_name", str(tiny_model)])
+    assert parse_args(["--freeze_LLM_only", "false"]) == parse_args([])
     with pytest.raises(ConfigError, match="--num_freeze_layers 3 exceeds the 2 decoder layers"):
-        check_model_flags(parse_args(["--freeze_layers", "--num_freeze_layers", "3", "--model_name", str(tiny_model)]))
+        check_freeze_layers(parse_args(["--freeze_layers", "--num_freeze_layers", "3", "--model_name",
+                                        str(tiny_model)]))
 
 
 def test_prefix_tuning_on_a_packed_row_equals_each_example_alone(tiny_model):
@@ -207,15 +217,14 @@ ACCELERATE_FILES = {
 }
 # (attribute path, expected value) per file
 EXPECTED = {
-    "multi_gpu": {"enable_fsdp": False, "enable_deepspeed": False, "mixed_precision": False},
-    "deepspeed_zero1": {"enable_deepspeed": True, "deepspeed_config.zero_stage": 1, "mixed_precision": True},
-    "deepspeed_zero2": {"deepspeed_config.zero_stage": 2, "deepspeed_config.offload_optimizer": True,
-                        "deepspeed_config.offload_param": False},
-    "deepspeed_zero3": {"deepspeed_config.zero_stage": 3, "deepspeed_config.offload_param": True, "use_fp16": True},
-    "fsdp1": {"enable_fsdp": True, "fsdp_config.sharding_strategy": "SHARD_GRAD_OP", "low_cpu_fsdp": True,
-              "fsdp_config.fsdp_cpu_offload": True, "fsdp_config.checkpoint_type": "SHARDED_STATE_DICT"},
-    "fsdp2": {"enable_fsdp": True, "fsdp_config.fsdp_activation_checkpointing": True, "low_cpu_fsdp": True,
-              "fsdp_config.sharding_strategy": "FULL_SHARD"},
+    "multi_gpu": {"parallel.strategy": "ddp", "train.precision": "fp32"},
+    "deepspeed_zero1": {"parallel.strategy": "deepspeed", "parallel.zero_stage": 1, "train.precision": "auto"},
+    "deepspeed_zero2": {"parallel.zero_stage": 2, "parallel.offload_optimizer": True, "parallel.offload_param": False},
+    "deepspeed_zero3": {"parallel.zero_stage": 3, "parallel.offload_param": True, "train.precision": "fp16"},
+    "fsdp1": {"parallel.strategy": "fsdp", "parallel.sharding_strategy": "SHARD_GRAD_OP", "parallel.low_cpu_fsdp": True,
+              "parallel.cpu_offload": True, "checkpoint.checkpoint_type": "SHARDED_STATE_DICT"},
+    "fsdp2": {"parallel.strategy": "fsdp", "parallel.activation_checkpointing": True, "parallel.low_cpu_fsdp": True,
+              "parallel.sharding_strategy": "FULL_SHARD"},
 }
 
 
@@ -235,18 +244,21 @@ def attribute(cfg, dotted: str):
 
 @pytest.mark.parametrize("name", list(ACCELERATE_FILES))
 def test_accelerate_config_files_map_onto_shardtune_flags(name, tmp_path):
-    from shardtune.config.accelerate import expand_accelerate_config
+    from shardtune.config.argv import split_argv
+    from shardtune.config.dialects.accelerate import read_accelerate
+    from shardtune.config.flags import build_config
 
     path = write_accelerate_file(tmp_path, name, ACCELERATE_FILES[name])
-    launch, train, rest = expand_accelerate_config(["--accelerate_config", str(path), "--lr", "3e-4"])
-    assert launch == {"nproc_per_node": "2"} and rest == ["--lr", "3e-4"]
-    cfg = parse_args(train + rest)
+    args = split_argv(["--accelerate_config", str(path), "--lr", "3e-4"])
+    launch, train = read_accelerate(args.accelerate)
+    assert launch == {"nproc_per_node": "2"} and args.training == [("lr", "3e-4")]
+    cfg = build_config(args.training, accelerate=train)
     assert {k: attribute(cfg, k) for k in EXPECTED[name]} == EXPECTED[name]
-    assert cfg.lr == 3e-4
+    assert cfg.optim.lr == 3e-4
 
 
 def test_accelerate_keys_that_cannot_be_mapped_are_named_in_one_line(tmp_path):
-    from shardtune.config.accelerate import expand_accelerate_config
+    from shardtune.config.dialects.accelerate import read_accelerate
 
     for key, value, named in [("mixed_precision", "fp8", "mixed_precision 'fp8'"),
                               ("fsdp_config", {"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"},
@@ -255,11 +267,11 @@ def test_accelerate_keys_that_cannot_be_mapped_are_named_in_one_line(tmp_path):
                                "deepspeed_config.offload_param_device 'nvme'")]:
         path = write_accelerate_file(tmp_path, key, {**ACCELERATE_FILES["multi_gpu"], key: value})
         with pytest.raises(ConfigError) as error:
-            expand_accelerate_config(["--accelerate_config", str(path)])
+            read_accelerate(str(path))
         assert named in str(error.value) and "\n" not in str(error.value)
-    launch, _, _ = expand_accelerate_config(["--accelerate_config", str(write_accelerate_file(tmp_path, "two", {
+    launch, _ = read_accelerate(str(write_accelerate_file(tmp_path, "two", {
         **COMMON, "num_machines": 2, "num_processes": 16, "machine_rank": 1, "main_process_ip": "10.0.0.1",
-        "main_process_port": 29500}))])
+        "main_process_port": 29500})))
     assert launch == {"nproc_per_node": "8", "nnodes": "2", "node_rank": "1", "master_addr": "10.0.0.1",
                       "master_port": "29500"}
 

@@ -8,7 +8,6 @@ bench/gpu_smoke.sh (check fast_kernels_vs_default)."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 

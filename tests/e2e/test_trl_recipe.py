@@ -35,8 +35,9 @@ def test_a_trl_recipe_with_its_accelerate_file_does_what_each_key_says(tiny_mode
         "max_grad_norm": 0.01, "gradient_checkpointing": True, "attn_implementation": "eager", "per_device_train_batch_size": 2,
         "gradient_accumulation_steps": 1, "bf16": True, "weight_decay": 0.01, "packing": True,
         # fractions of the run's 6 steps (Trainer's rule: ceil(0.5 x 6) = 3); the best checkpoint published, judged
-        # "higher eval loss is better" so that the earlier one (the loss falls) is chosen over the last
-        "eval_strategy": "steps", "eval_steps": 0.5, "save_strategy": "steps", "save_steps": 0.5, "save_total_limit": 1,
+        # "higher eval loss is better" so that the earlier one (the loss falls) is chosen over the last (step 0's
+        # evaluation, --eval_on_start, has no checkpoint to choose)
+        "eval_strategy": "steps", "eval_steps": 0.5, "eval_on_start": True, "save_strategy": "steps", "save_steps": 0.5, "save_total_limit": 1,
         "load_best_model_at_end": True, "metric_for_best_model": "loss", "greater_is_better": True,
         "logging_steps": 1, "report_to": "none", "dataloader_num_workers": 0, "output_dir": str(out),
         "env": {"TOKENIZERS_PARALLELISM": "false"}, "accelerate_config": str(accelerate),
@@ -66,8 +67,8 @@ def test_a_trl_recipe_with_its_accelerate_file_does_what_each_key_says(tiny_mode
     assert all(a > b for a, b in zip(lrs[WARMUP:], lrs[WARMUP + 1:]))  # cosine decay
     assert all(r["grad_norm"] > 0.01 for r in rows)  # clipping on: the norm before clipping is reported
     evals = {r["step"]: r["eval_loss"] for r in read_metrics(out / "metrics.jsonl") if "eval_loss" in r}
-    assert list(evals) == [3, STEPS]  # --eval_steps 0.5 inside the epoch, and the run's end
-    assert evals[3] > evals[STEPS]
+    assert list(evals) == [0, 3, STEPS]  # --eval_on_start, --eval_steps 0.5 inside the epoch, and the run's end
+    assert evals[0] > evals[3] > evals[STEPS]
     # save_total_limit 1 keeps the newest, and the best besides; the best's model is the one published
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000003", f"step-{STEPS:06d}"]
     assert "load_best_model_at_end: publishing the model of" in proc.stdout and "step-000003" in proc.stdout
@@ -82,6 +83,6 @@ def test_a_trl_recipe_with_its_accelerate_file_does_what_each_key_says(tiny_mode
     assert {m.rsplit(".", 1)[-1] for m in adapter["target_modules"]} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                               "down_proj"}  # all-linear: every linear layer but the head
     resolved = yaml.safe_load((out / "config.yaml").read_text())
-    assert resolved["gradient_clipping"] and resolved["gradient_clipping_threshold"] == 0.01
-    assert resolved["weight_decay"] == 0.01 and resolved["fsdp_config"]["fsdp_activation_checkpointing"]
+    assert resolved["optim"]["max_grad_norm"] == 0.01 and resolved["eval"]["on_start"]
+    assert resolved["optim"]["weight_decay"] == 0.01 and resolved["parallel"]["activation_checkpointing"]
     assert (out / "plots" / "loss.png").is_file() and (out / "plots" / "lr.png").is_file()  # charts at the end

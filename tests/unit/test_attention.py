@@ -141,7 +141,7 @@ def test_attn_implementation_eager_computes_every_path_by_the_eager_formula(monk
     hf_eager.set_attn_implementation("eager")
     model = tiny_llama(varlen=False)
     cfg = parse_args(["--attn_implementation", "eager", "--batching_strategy", "packing"])
-    assert cfg.attn_implementation == "eager"
+    assert cfg.model.attn_implementation == "eager"
     apply_speed_features(model, cfg, CPU)
     assert model.config._attn_implementation == attention.VARLEN_EAGER
     calls = []

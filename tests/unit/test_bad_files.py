@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from shardtune.config.flags import config_from
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.cache import load_examples_cached
 from shardtune.model.loading import check_model_source, train_tokenizer
@@ -17,7 +18,7 @@ from shardtune.training.metrics import MetricsWriter, read_metrics
 def test_an_emptied_cache_file_is_removed_and_rebuilt_with_a_note(tmp_path, capsys):
     tokenizer = train_tokenizer()
     cfg = TrainConfig()
-    cfg.synthetic_dialogues.num_train = 20
+    cfg.data.synthetic_dialogues.num_train = 20
     fresh, _ = load_examples_cached(cfg, tokenizer, "train", tmp_path)
     [entry] = [p for p in (tmp_path / "tokenized").iterdir() if p.is_dir()]
     (entry / "labels.npy").write_bytes(b"")  # what a power cut or a full disk leaves
@@ -59,7 +60,7 @@ def test_checkpoint_hints_name_the_right_folder_and_flag(tmp_path):
     export's errors offer no --resume, which export does not take."""
     from shardtune.training.checkpoint_layout import checkpoint_root, resolve_checkpoint
 
-    root = checkpoint_root(TrainConfig(output_dir=str(tmp_path / "run")))
+    root = checkpoint_root(config_from(output_dir=str(tmp_path / "run")))
     root.mkdir(parents=True)
     with pytest.raises(ConfigError) as caught:
         resolve_checkpoint("latest", root)

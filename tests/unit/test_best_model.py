@@ -12,7 +12,8 @@ import torch
 from shardtune.config.flags import parse_args
 from shardtune.config.schema import ConfigError
 from shardtune.parallel.optim import build_optimizer
-from shardtune.training.best_model import BestModel, every
+from shardtune.training.best_model import BestModel
+from shardtune.training.intervals import every
 from shardtune.training.checks import validate
 
 
@@ -24,13 +25,14 @@ def cfg_of(*argv, world_size: int = 1):
 
 def test_fractions_of_the_run_are_trainers_ceil_and_trl_floats_map_onto_them():
     cfg = cfg_of("--save_steps", 0.25, "--eval_steps", 0.1, "--eval_strategy", "steps")
-    assert (cfg.save_steps, cfg.save_fraction, cfg.eval_steps, cfg.eval_fraction) == (0, 0.25, 0, 0.1)
-    assert every(cfg.save_steps, cfg.save_fraction, 10) == 3 and every(cfg.eval_steps, cfg.eval_fraction, 10) == 1
-    assert every(0, 0.01, 10) == 1 and every(7, 0.0, 10) == 7 and every(0, 0.0, 10) == 0
-    assert cfg_of("--save_steps", 4).save_steps == 4
+    assert (cfg.checkpoint.save_steps, cfg.eval.steps) == (0.25, 0.1)
+    assert every(cfg.checkpoint.save_steps, 10) == 3 and every(cfg.eval.steps, 10) == 1
+    assert every(0.01, 10) == 1 and every(7, 10) == 7 and every(0, 10) == 0
+    assert cfg_of("--save_steps", 4).checkpoint.save_steps == 4
     logging = cfg_of("--logging_steps", 0.1)  # TRL's float: the trackers get every ceil(0.1 x steps)th row
-    assert (logging.logging_steps, logging.logging_fraction) == (1, 0.1) and every(0, 0.1, 25) == 3
-    assert cfg_of("--logging_steps", 5).logging_steps == 5
+    assert logging.logging.steps == 0.1 and every(0.1, 25) == 3
+    assert cfg_of("--logging_steps", 5).logging.steps == 5
+    assert cfg_of("--save_fraction", 0.25).checkpoint.save_steps == 0.25  # the older spelling, the same setting
 
 
 def test_best_checkpoint_is_the_first_best_score_among_evaluated_checkpoints():
@@ -68,10 +70,9 @@ def test_best_checkpoint_is_the_first_best_score_among_evaluated_checkpoints():
     (("--load_best_model_at_end", "--save_steps", 2, "--eval_steps", 2, "--metric_for_best_model", "rougeL"),
      "--log_eval_samples"),
     (("--metric_for_best_model", "eval_ppl"), "add --load_best_model_at_end"),
-    (("--save_fraction", 1.5), "must be in \\(0, 1\\)"),
-    (("--save_steps", 3, "--save_fraction", 0.5), "keep one"),
+    (("--save_fraction", 1.5), "neither a whole number"),
     (("--save_steps", 1.5), "neither a whole number"),
-    (("--logging_steps", 5, "--logging_fraction", 0.2), "keep one"),
+    (("--eval_steps", 2, "--run_validation", "false"), "no effect with --run_validation false"),
     (("--optim", "adamw_8bit", "--enable_fsdp"), "runs under DDP"),
     (("--optim", "paged_adamw_8bit", "--enable_deepspeed"), "runs under DDP"),
 ])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardtune.model.memory import cross_node_bytes_per_step, cross_node_summary
+from shardtune.accounting.memory import cross_node_bytes_per_step, cross_node_summary
 
 # 1e9 parameters, all trainable, bf16 compute (2 bytes), fp32 gradients (4 bytes), 2 nodes x 8 GPUs (16 ranks)
 SIZES = dict(num_params=1e9, num_trainable=1e9, num_nodes=2, gpus_per_node=8)

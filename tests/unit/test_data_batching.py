@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
+from shardtune.config.flags import config_from
 from shardtune.config.schema import TrainConfig
 from shardtune.data import (DataError, StepDataset, build_units, collate_flat, collate_padding, eval_batches,
                             steps_per_epoch, train_loader)
@@ -30,7 +31,7 @@ def make_examples(num: int, seed: int = 0, max_len: int = 40) -> list[dict]:
 
 def make_cfg(strategy: str, batch_size: int = 2, accumulation: int = 1, **overrides) -> TrainConfig:
     settings = {"context_length": 64, "seed": 3, "num_workers_dataloader": 0, **overrides}
-    return TrainConfig(batching_strategy=strategy, batch_size_training=batch_size,
+    return config_from(batching_strategy=strategy, batch_size_training=batch_size,
                        gradient_accumulation_steps=accumulation, **settings)
 
 
@@ -107,7 +108,7 @@ def steps_by_layout(units: list, strategy: str, epoch: int, seed: int = 3) -> di
     out = {}
     for world, batch_size, accumulation in LAYOUTS:
         cfg = make_cfg(strategy, batch_size, accumulation)
-        cfg.seed = seed
+        cfg.train.seed = seed
         per_rank = [StepDataset(units, cfg, rank, world, epoch, PAD_ID) for rank in range(world)]
         unit_of = {example["input_ids"][0] - FIRST_ID: u for u, unit in enumerate(units) for example in unit}
         out[(world, batch_size, accumulation)] = [

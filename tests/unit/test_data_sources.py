@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from shardtune.config.schema import ConfigError, TrainConfig
+from shardtune.config.flags import config_from
+from shardtune.config.schema import ConfigError, SamsumDatasetConfig, TrainConfig
 from shardtune.data import DataError, check_context_length, check_data_config, load_examples
 from shardtune.data.formatting import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, SAMSUM_PROMPT
 from shardtune.data.formatting import IGNORE_INDEX
@@ -52,11 +54,10 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
 
 
 def samsum_cfg(data_path: Path, **overrides) -> TrainConfig:
-    cfg = TrainConfig(dataset="samsum_dataset", context_length=512, run_validation=False)
-    cfg.samsum_dataset.data_path = str(data_path)
-    for key, value in overrides.items():
-        setattr(cfg.samsum_dataset if hasattr(cfg.samsum_dataset, key) else cfg, key, value)
-    return cfg
+    samsum = {f.name for f in dataclasses.fields(SamsumDatasetConfig)}
+    return config_from({"dataset": "samsum_dataset", "context_length": 512, "run_validation": False,
+                        "samsum_dataset.data_path": str(data_path),
+                        **{f"samsum_dataset.{k}" if k in samsum else k: v for k, v in overrides.items()}})
 
 
 def summaries(examples: list[dict], tokenizer) -> list[str]:
@@ -157,7 +158,7 @@ def test_check_data_config_rejects_missing_paths_and_unknown_formats(tmp_path):
     write_rows(tmp_path / "val.jsonl", ROWS)
     with pytest.raises(DataError, match="no train file"):
         check_data_config(samsum_cfg(tmp_path))
-    cfg = TrainConfig(dataset="alpaca_dataset")
+    cfg = config_from(dataset="alpaca_dataset")
     with pytest.raises(DataError, match="alpaca_dataset.data_path is empty"):
         check_data_config(cfg)
 
@@ -237,10 +238,10 @@ def test_parquet_without_the_columns_is_an_error(tmp_path, tokenizer):
 
 def test_unreachable_hub_points_to_data_path(tmp_path):
     script = textwrap.dedent("""
-        from shardtune.config.schema import TrainConfig
+        from shardtune.config.flags import config_from
         from shardtune.data import DataError, load_examples
-        cfg = TrainConfig(dataset="samsum_dataset")
-        cfg.samsum_dataset.hub_name = "shardtune-tests/no-such-dataset"
+        cfg = config_from(dataset="samsum_dataset")
+        cfg.data.samsum_dataset.hub_name = "shardtune-tests/no-such-dataset"
         try:
             load_examples(cfg, None, "train")
         except DataError as e:
@@ -253,8 +254,8 @@ def test_unreachable_hub_points_to_data_path(tmp_path):
 
 
 def test_synthetic_dialogues_load_both_splits(tokenizer):
-    cfg = TrainConfig(context_length=512)
-    cfg.synthetic_dialogues.num_train, cfg.synthetic_dialogues.num_validation = 30, 10
+    cfg = config_from(context_length=512)
+    cfg.data.synthetic_dialogues.num_train, cfg.data.synthetic_dialogues.num_validation = 30, 10
     check_data_config(cfg)
     train, report = load_examples(cfg, tokenizer, "train")
     validation, _ = load_examples(cfg, tokenizer, "validation")
@@ -264,13 +265,13 @@ def test_synthetic_dialogues_load_both_splits(tokenizer):
 
 
 def test_context_length_must_hold_the_prompt_template(tokenizer):
-    cfg = TrainConfig(context_length=8)
+    cfg = config_from(context_length=8)
     with pytest.raises(ConfigError, match=r"--context_length 8 is shorter .* pass --context_length (\d+)"):
         check_context_length(cfg, tokenizer)
     needed = 2 + len(tokenizer(SAMSUM_PROMPT.format(dialog=""), add_special_tokens=False)["input_ids"]) + 1
-    check_context_length(TrainConfig(context_length=needed), tokenizer)
+    check_context_length(config_from(context_length=needed), tokenizer)
     with pytest.raises(ConfigError):
-        check_context_length(TrainConfig(context_length=needed - 1), tokenizer)
+        check_context_length(config_from(context_length=needed - 1), tokenizer)
 
 
 def test_alpaca_masks_the_prompt_with_and_without_input(tmp_path, tokenizer):
@@ -279,8 +280,8 @@ def test_alpaca_masks_the_prompt_with_and_without_input(tmp_path, tokenizer):
             {"instruction": "Say hi.", "output": "Hi!"},
             {"instruction": "", "output": "nothing"}]
     path = write_rows(tmp_path / "alpaca.json", rows * 5)
-    cfg = TrainConfig(dataset="alpaca_dataset", context_length=256)
-    cfg.alpaca_dataset.data_path, cfg.alpaca_dataset.validation_fraction = str(path), 0.2
+    cfg = config_from(dataset="alpaca_dataset", context_length=256)
+    cfg.data.alpaca_dataset.data_path, cfg.data.alpaca_dataset.validation_fraction = str(path), 0.2
     check_data_config(cfg)
     examples, report = load_examples(cfg, tokenizer, "train")
     assert report.skipped == {"empty_instruction": report.num_rows - len(examples)}
@@ -313,8 +314,8 @@ def other(dataset_config, tokenizer, split):
 
 
 def custom_cfg(spec: str, **overrides) -> TrainConfig:
-    cfg = TrainConfig(dataset="custom_dataset", context_length=64, **overrides)
-    cfg.custom_dataset.file, cfg.custom_dataset.data_path = spec, "somewhere"
+    cfg = config_from(dataset="custom_dataset", context_length=64, **overrides)
+    cfg.data.custom_dataset.file, cfg.data.custom_dataset.data_path = spec, "somewhere"
     return cfg
 
 
@@ -362,10 +363,10 @@ def test_tensor_rows_from_custom_function_become_lists(tmp_path, tokenizer):
 
 
 def test_synthetic_chatter_flag_lengthens_the_loaded_dialogues_not_their_labels(tokenizer):
-    cfg = TrainConfig(context_length=1024)
-    cfg.synthetic_dialogues.num_train = 200
+    cfg = config_from(context_length=1024)
+    cfg.data.synthetic_dialogues.num_train = 200
     plain, _ = load_examples(cfg, tokenizer, "train")
-    cfg.synthetic_dialogues.chatter = True
+    cfg.data.synthetic_dialogues.chatter = True
     chatty, report = load_examples(cfg, tokenizer, "train")
     assert len(chatty) == len(plain) == 200 and "chatter" in report.source
     assert sum(len(e["input_ids"]) for e in chatty) > 1.2 * sum(len(e["input_ids"]) for e in plain)

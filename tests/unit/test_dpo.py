@@ -17,13 +17,22 @@ import pytest
 import torch
 from datasets import load_dataset
 
+from shardtune.config.flags import config_from, with_settings
 from shardtune.config.schema import ConfigError, DpoConfig, TrainConfig
 from shardtune.data.preference import collate_pairs, extract_prompt, load_pairs
 from shardtune.model.loading import init_model, load_model, load_tokenizer
-from shardtune.training.dpo import (
-    METRICS, PairStats, check_loss_options, chosen_completion_targets, loss_types, micro_batch_loss, pair_logps,
-    sft_weight,
-)
+from shardtune.training.dpo import DPO, METRICS, micro_batch_loss, pair_means
+from shardtune.training.dpo_logps import chosen_completion_targets, pair_logps
+from shardtune.training.dpo_loss import check_loss_options, loss_types, sft_weight
+from shardtune.training.step import train_step
+
+
+def dpo_step(cfg: TrainConfig, env, strategy, model, optimizer, micro: list[dict], tokenizer) -> dict:
+    """One optimizer step of the DPO objective, its reference built by the objective as a run builds it (the frozen
+    copy of --model_name, or the adapter switched off with PEFT): the step's metrics."""
+    objective = DPO(cfg, env, strategy, tokenizer)
+    objective.attach(model, [], [])
+    return train_step(model, strategy, optimizer, objective, micro, step=1).metrics
 
 SYSTEM = {"role": "system", "content": "Summarize the dialog."}
 DIALOGUES = [("Anna: cinema at 7? Tom: sure!", "Anna and Tom go to the cinema.", "Ben can't have lunch."),
@@ -56,10 +65,19 @@ def tokenizer(tiny):
 
 
 def dpo_cfg(path: Path, max_length: int = 1024, truncation_mode: str = "keep_start") -> TrainConfig:
-    cfg = TrainConfig(dataset="trl_dataset", context_length=max_length, run_validation=False)
-    cfg.trl_dataset.dataset_name = str(path)
-    cfg.trl_dataset.truncation_mode = truncation_mode
+    cfg = config_from(dataset="trl_dataset", context_length=max_length, run_validation=False)
+    cfg.data.trl_dataset.dataset_name = str(path)
+    cfg.data.trl_dataset.truncation_mode = truncation_mode
     return cfg
+
+
+def logp_resolution(metrics: dict[str, float]) -> float:
+    """Eight float32 ulps of the largest per-pair log-probability of ``metrics``: two computations of the same
+    per-sequence sums (another order of summation or matmul blocking: the lean head's chunks, a padding-free row,
+    TRL's full logits) agree to a few ulps and no better, and what is derived from differences of such sums (rewards,
+    margins, the loss) inherits that absolute resolution (at |log p| ~ 180: ~1e-5)."""
+    largest = max(abs(metrics["logps/chosen"]), abs(metrics["logps/rejected"]))
+    return 8 * float(torch.finfo(torch.float32).eps) * largest
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -72,11 +90,11 @@ def trl_trainer(cfg: TrainConfig, model_dir: Path, tokenizer, tmp_path: Path, dp
 
     types = loss_types(dpo)
     args = DPOConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, save_strategy="no",
-                     max_length=cfg.context_length, truncation_mode=cfg.trl_dataset.truncation_mode,
+                     max_length=cfg.data.context_length, truncation_mode=cfg.data.trl_dataset.truncation_mode,
                      beta=dpo.beta, loss_type=types, label_smoothing=dpo.label_smoothing,
                      loss_weights=list(dpo.loss_weights) or None, f_divergence_type=dpo.f_divergence_type,
                      f_alpha_divergence_coef=dpo.f_alpha_divergence_coef, discopop_tau=dpo.discopop_tau)
-    dataset = load_dataset("json", data_files=cfg.trl_dataset.dataset_name, split="train")
+    dataset = load_dataset("json", data_files=cfg.data.trl_dataset.dataset_name, split="train")
     return DPOTrainer(model=load_model(str(model_dir)), ref_model=load_model(str(model_dir)), args=args,
                       train_dataset=dataset, processing_class=copy.deepcopy(tokenizer))
 
@@ -135,7 +153,7 @@ def test_a_prompt_that_fills_max_length_is_dropped_and_counted(tokenizer, tmp_pa
     rows = ROWS["chat"] + [{"prompt": chat("x " * 80, "")[:2], "chosen": chat("", "a")[2:],
                             "rejected": chat("", "b")[2:]}]
     write_jsonl(tmp_path / "pairs.jsonl", rows)
-    cfg.context_length = 60
+    cfg.data.context_length = 60
     pairs, report = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
     assert len(pairs) == 3 and report.skipped == {"prompt_fills_max_length": 1}
 
@@ -153,12 +171,11 @@ def test_loss_and_log_probabilities_equal_trl(dpo, tiny, tokenizer, tmp_path):
     log-probabilities are compared to 1e-5 relative, the rewards to beta x 0.01, the loss to 2e-3.
     """
     cfg, pairs, trainer, policy, reference = trl_and_our_policy(dpo, tiny, tokenizer, tmp_path)
-    batch = collate_pairs(pairs, tokenizer.pad_token_id, cfg.context_length)
+    batch = collate_pairs(pairs, tokenizer.pad_token_id, cfg.data.context_length)
     trl_loss = float(trainer.compute_loss(trainer.model, trainer.data_collator(list(trainer.train_dataset))))
     trl_metrics = {k: v[-1] for k, v in trainer._metrics["eval"].items()}
-    stats = PairStats.zero()
-    loss_sum = micro_batch_loss(policy, reference, None, batch, dpo, torch.device("cpu"), stats)
-    ours = stats.means(stats.sums, len(pairs))
+    loss_sum, sums = micro_batch_loss(policy, reference, None, batch, dpo, torch.device("cpu"))
+    ours = pair_means(sums.tolist(), len(pairs))
     assert float(loss_sum) / len(pairs) == pytest.approx(trl_loss, abs=2e-3)
     assert ours["loss"] == pytest.approx(trl_loss, abs=2e-3)
     for name in ("logps/chosen", "logps/rejected"):
@@ -175,9 +192,8 @@ def test_first_loss_is_ln2_when_policy_is_the_reference(tiny, tokenizer, tmp_pat
     cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["text"]))
     pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
     model = load_model(str(tiny))
-    stats = PairStats.zero()
-    loss_sum = micro_batch_loss(model, load_model(str(tiny)), None, collate_pairs(pairs, tokenizer.pad_token_id, 1024),
-                                DpoConfig(), torch.device("cpu"), stats)
+    loss_sum, _ = micro_batch_loss(model, load_model(str(tiny)), None,
+                                   collate_pairs(pairs, tokenizer.pad_token_id, 1024), DpoConfig(), torch.device("cpu"))
     assert float(loss_sum) / len(pairs) == pytest.approx(math.log(2), abs=1e-6)
     loss_sum.backward()  # the graph reaches the policy's weights
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
@@ -209,7 +225,6 @@ def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(losses, pro
     with an sft term too (a mean over the step's chosen completion tokens, which micro-batches hold unequally)."""
     from shardtune.parallel import make_strategy
     from shardtune.runtime.distributed import DistEnv
-    from shardtune.training.dpo import dpo_train_step
 
     rows = ROWS["text"] + [{"prompt": "Summarize: Tom: hi!\nSummary:", "chosen": " Tom says hi.",
                             "rejected": " Kate brings cake."}]
@@ -219,15 +234,15 @@ def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(losses, pro
     results = []
     for batch_size, accumulation in ((4, 1), (2, 2), (1, 4)):
         cfg = dpo_cfg(tmp_path / "pairs.jsonl")
-        cfg.dpo = losses
-        cfg.batch_size_training, cfg.gradient_accumulation_steps, cfg.optimizer = batch_size, accumulation, "SGD"
-        cfg.lr = 1.0
+        cfg.dpo, cfg.objective, cfg.model.name = losses, "dpo", str(tiny)
+        cfg.train.batch_size, cfg.train.gradient_accumulation_steps = batch_size, accumulation
+        cfg.optim.lr = 1.0
         strategy = make_strategy(cfg, env)
         model = strategy.wrap(load_model(str(tiny)))
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         micro = [collate_pairs(pairs[i:i + batch_size], tokenizer.pad_token_id, 1024)
                  for i in range(0, 4, batch_size)]
-        stats = dpo_train_step(model, strategy, optimizer, micro, cfg, env, ref_model=load_model(str(tiny)))
+        stats = dpo_step(cfg, env, strategy, model, optimizer, micro, tokenizer)
         results.append((stats, strategy.unwrap(model).state_dict()))
     (first, weights), others = results[0], results[1:]
     chosen_tokens = chosen_completion_targets(collate_pairs(pairs, tokenizer.pad_token_id, 1024))
@@ -244,17 +259,16 @@ def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(losses, pro
     # evaluation in chunks of --val_batch_size 3 (3 + 1 pairs) gives the means over all pairs at once, TRL's names
     from shardtune.training.dpo import dpo_evaluate
 
-    cfg.val_batch_size = 3
+    cfg.eval.batch_size = 3
     policy, reference = load_model(str(tiny)), load_model(str(tiny))
     policy.load_state_dict(weights)
     evaluated = dpo_evaluate(strategy.wrap(policy), strategy, cfg, env, pairs, tokenizer.pad_token_id,
                              ref_model=reference)
-    direct = PairStats.zero()
     whole = collate_pairs(pairs, tokenizer.pad_token_id, 1024)
-    micro_batch_loss(policy, reference, None, whole, cfg.dpo, torch.device("cpu"), direct)
+    _, direct = micro_batch_loss(policy, reference, None, whole, cfg.dpo, torch.device("cpu"))
     assert evaluated["eval_num_pairs"] == 4 and set(evaluated) == {"eval_num_pairs", "eval_loss",
                                                                   *(f"eval_{m}" for m in METRICS)}
-    for name, value in direct.means(direct.sums, 4, chosen_completion_targets(whole), sft_weight(losses)).items():
+    for name, value in pair_means(direct.tolist(), 4, chosen_completion_targets(whole), sft_weight(losses)).items():
         assert evaluated[f"eval_{name}"] == pytest.approx(value, rel=1e-5, abs=1e-6), name
     assert evaluated["eval_loss"] != pytest.approx(math.log(2), abs=1e-4), "the trained policy is not the reference"
 
@@ -265,10 +279,10 @@ def test_precomputed_reference_log_probabilities_give_the_live_references_loss(p
     needs no reference model and gives the loss and metrics of the live reference (batch composition aside)."""
     from shardtune.parallel import make_strategy
     from shardtune.runtime.distributed import DistEnv
-    from shardtune.training.dpo import precompute_reference
+    from shardtune.training.dpo_reference import precompute_reference
 
     cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["chat"]))
-    cfg.batch_size_training = 2  # chunks of 2 + 1 pairs
+    cfg.train.batch_size = 2  # chunks of 2 + 1 pairs
     pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
     env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend="gloo")
     policy, reference = load_model(str(tiny)), load_model(str(tiny))
@@ -278,21 +292,20 @@ def test_precomputed_reference_log_probabilities_give_the_live_references_loss(p
     precompute_reference(pairs, policy, make_strategy(cfg, env), cfg, env, tokenizer.pad_token_id,
                          ref_model=reference)
     assert all(len(p["ref_logps"]) == 2 for p in pairs)
-    batch = collate_pairs(pairs, tokenizer.pad_token_id, cfg.context_length)
+    batch = collate_pairs(pairs, tokenizer.pad_token_id, cfg.data.context_length)
     assert batch["ref_logps"].shape == (3, 2)
-    live, stored = PairStats.zero(), PairStats.zero()
-    live_loss = micro_batch_loss(policy, reference, None, {k: v for k, v in batch.items() if k != "ref_logps"},
-                                 cfg.dpo, torch.device("cpu"), live)
-    stored_loss = micro_batch_loss(policy, None, None, batch, cfg.dpo, torch.device("cpu"), stored)
+    live_loss, live = micro_batch_loss(policy, reference, None, {k: v for k, v in batch.items() if k != "ref_logps"},
+                                       cfg.dpo, torch.device("cpu"))
+    stored_loss, stored = micro_batch_loss(policy, None, None, batch, cfg.dpo, torch.device("cpu"))
     assert float(stored_loss) == pytest.approx(float(live_loss), rel=1e-5)
-    torch.testing.assert_close(stored.sums, live.sums, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stored, live, rtol=1e-5, atol=1e-5)
     assert abs(float(live_loss) / 3 - math.log(2)) > 0.01, "the policy must differ from the reference"
 
 
 def test_with_peft_the_reference_is_the_base_with_the_adapter_off(tiny, tokenizer, tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    from shardtune.training.dpo import reference_logps
+    from shardtune.training.dpo_logps import reference_logps
 
     cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["text"]))
     pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
@@ -315,19 +328,20 @@ def test_padding_free_pairs_give_the_padded_losses_and_gradients(rows, tiny, tok
     too), metrics and policy gradients as the padded rows; the same pair and completion-token counts."""
     from shardtune.data.preference import collate_pairs_flat
     from shardtune.model.attention import use_varlen_attention
-    from shardtune.model.flops import model_shape, preference_micro_batch_flops
-    from shardtune.training.dpo import num_pairs, predicted_completion
+    from shardtune.accounting.flops import model_shape, preference_micro_batch_flops
+    from shardtune.training.dpo_logps import num_completion_targets, num_pairs, predicted_completion
 
     cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS[rows]))
     pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
-    padded = collate_pairs(pairs, tokenizer.pad_token_id, cfg.context_length)
-    flat = collate_pairs_flat(pairs, cfg.context_length)
+    padded = collate_pairs(pairs, tokenizer.pad_token_id, cfg.data.context_length)
+    flat = collate_pairs_flat(pairs, cfg.data.context_length)
     assert flat["input_ids"].shape == (1, int(padded["attention_mask"].sum())) < padded["input_ids"].shape
     assert num_pairs(flat) == num_pairs(padded) == len(pairs)
     assert int(predicted_completion(flat).sum()) == int(predicted_completion(padded).sum())
     policy, reference = load_model(str(tiny)), load_model(str(tiny))
     shape = model_shape(policy)  # the model FLOPs (mfu) count the same tokens and attention
-    assert preference_micro_batch_flops(shape, flat)[0] == preference_micro_batch_flops(shape, padded)[0]
+    assert preference_micro_batch_flops(shape, flat, num_completion_targets(flat))[0] == \
+        preference_micro_batch_flops(shape, padded, num_completion_targets(padded))[0]
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
@@ -340,12 +354,13 @@ def test_padding_free_pairs_give_the_padded_losses_and_gradients(rows, tiny, tok
         grads, means = [], []
         for batch in (padded, flat):
             policy.zero_grad()
-            stats = PairStats.zero()
-            micro_batch_loss(policy, reference, None, batch, dpo, cpu, stats).backward()
+            loss_sum, sums = micro_batch_loss(policy, reference, None, batch, dpo, cpu)
+            loss_sum.backward()
             grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
-            means.append(stats.means(stats.sums, len(pairs)))
+            means.append(pair_means(sums.tolist(), len(pairs)))
         for name, value in means[0].items():
-            assert means[1][name] == pytest.approx(value, rel=1e-5, abs=1e-6), (dpo.loss_type, name)
+            assert means[1][name] == pytest.approx(value, rel=1e-5, abs=logp_resolution(means[0])), \
+                (dpo.loss_type, name)
         torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5 * float(grads[0].abs().max()))
     assert abs(means[0]["rewards/margins"]) > 0.01, "the policy must differ from the reference"
 
@@ -361,10 +376,10 @@ def test_pairs_and_their_reference_log_probabilities_are_cached_with_the_tokenis
     from shardtune.data.cache import (
         load_pairs_cached, pairs_entry, read_reference_log_probs, write_reference_log_probs,
     )
-    from shardtune.training.dpo import reference_key
+    from shardtune.training.dpo_reference import reference_key
 
     cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["chat"]), max_length=64)
-    cfg.model_name = str(tiny)
+    cfg.model.name = str(tiny)
     direct, report = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
     cached, cached_report = load_pairs_cached(cfg, copy.deepcopy(tokenizer), "train", tmp_path / "cache")
     again, _ = load_pairs_cached(cfg, copy.deepcopy(tokenizer), "train", tmp_path / "cache")  # read from the entry
@@ -372,9 +387,9 @@ def test_pairs_and_their_reference_log_probabilities_are_cached_with_the_tokenis
     assert cached == direct == again and cached_report == report and n == len(ROWS["chat"])
     entry = pairs_entry(cfg, tokenizer, "train", tmp_path / "cache")
     assert (entry / "chosen_ids.npy").is_file()
-    cfg.trl_dataset.truncation_mode = "keep_end"  # the pairs' options are in the key
+    cfg.data.trl_dataset.truncation_mode = "keep_end"  # the pairs' options are in the key
     assert pairs_entry(cfg, tokenizer, "train", tmp_path / "cache") != entry
-    cfg.trl_dataset.truncation_mode = "keep_start"
+    cfg.data.trl_dataset.truncation_mode = "keep_start"
 
     cpu, fp32 = torch.device("cpu"), torch.float32
     key = reference_key(cfg, fp32, cpu)
@@ -384,7 +399,7 @@ def test_pairs_and_their_reference_log_probabilities_are_cached_with_the_tokenis
     assert reference_key(cfg, torch.bfloat16, cpu) != key
     for change in ({"padding_free": True}, {"attn_implementation": "eager"}, {"quantization": "4bit"},
                    {"rope_scaling": "yarn", "rope_factor": 2.0}):
-        assert reference_key(dataclasses_replace(cfg, **change), fp32, cpu) != key, change
+        assert reference_key(with_settings(cfg, change), fp32, cpu) != key, change
     weights = tiny / "model.safetensors"
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # the weights were rewritten
@@ -392,7 +407,7 @@ def test_pairs_and_their_reference_log_probabilities_are_cached_with_the_tokenis
         assert reference_key(cfg, fp32, cpu) != key
     finally:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert reference_key(dataclasses_replace(cfg, model_name="someone/not-in-the-cache"), fp32, cpu) is None
+    assert reference_key(with_settings(cfg, model_name="someone/not-in-the-cache"), fp32, cpu) is None
     hub = tmp_path / "hub"  # a hub id in the Hugging Face cache: named by its snapshot's commit
     for commit in ("a" * 40, "b" * 40):
         (hub / "models--org--tiny" / "snapshots" / commit).mkdir(parents=True)
@@ -403,7 +418,7 @@ def test_pairs_and_their_reference_log_probabilities_are_cached_with_the_tokenis
         (hub / "models--org--tiny" / "refs" / "main").write_text(commit)
         with pytest.MonkeyPatch.context() as env:
             env.setenv("HF_HUB_CACHE", str(hub))
-            keys.append(reference_key(dataclasses_replace(cfg, model_name="org/tiny"), fp32, cpu))
+            keys.append(reference_key(with_settings(cfg, model_name="org/tiny"), fp32, cpu))
     assert None not in keys and len(set(keys)) == 2
 
     values = np.array([[-1.5, -2.25]] * n)
@@ -419,13 +434,6 @@ def test_pairs_and_their_reference_log_probabilities_are_cached_with_the_tokenis
     assert not [p.name for p in entry.iterdir() if ".tmp-" in p.name]
 
 
-def dataclasses_replace(cfg: TrainConfig, **changes) -> TrainConfig:
-    changed = copy.deepcopy(cfg)
-    for name, value in changes.items():
-        setattr(changed, name, value)
-    return changed
-
-
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding_free"])
 def test_lora_dropout_masks_follow_the_pair_not_the_layout(padding_free, process_group, tiny, tokenizer, tmp_path):
     """LoRA with dropout (peft's default 0.05; 0.3 here): 4 x 1, 2 x 2 and 1 x 4 pairs x accumulation give the same
@@ -435,7 +443,6 @@ def test_lora_dropout_masks_follow_the_pair_not_the_layout(padding_free, process
     from shardtune.model.peft import apply_peft
     from shardtune.parallel import make_strategy
     from shardtune.runtime.distributed import DistEnv
-    from shardtune.training.dpo import dpo_train_step
 
     rows = ROWS["text"] + [{"prompt": "Summarize: Tom: hi!\nSummary:", "chosen": " Tom says hi.",
                             "rejected": " Kate brings cake."}]
@@ -447,8 +454,8 @@ def test_lora_dropout_masks_follow_the_pair_not_the_layout(padding_free, process
     adapters = []
     for batch_size, accumulation in ((4, 1), (2, 2), (1, 4)):
         cfg = dpo_cfg(tmp_path / "pairs.jsonl")
-        cfg.batch_size_training, cfg.gradient_accumulation_steps, cfg.padding_free = batch_size, accumulation, padding_free
-        cfg.use_peft, cfg.lora_config.lora_dropout = True, 0.3
+        cfg.train.batch_size, cfg.train.gradient_accumulation_steps, cfg.data.padding_free = batch_size, accumulation, padding_free
+        cfg.peft.method, cfg.peft.lora.dropout, cfg.objective = "lora", 0.3, "dpo"
         torch.manual_seed(0)  # the same adapter init in every layout
         strategy = make_strategy(cfg, env)
         model = strategy.wrap(apply_peft(load_model(str(tiny)), cfg))
@@ -457,8 +464,7 @@ def test_lora_dropout_masks_follow_the_pair_not_the_layout(padding_free, process
         micro = [collate_pair_units([[pair] for pair in pairs[i:i + batch_size]], cfg, tokenizer.pad_token_id)
                  for i in range(0, 4, batch_size)]
         assert all("example_ids" in mb and "position_ids" in mb for mb in micro)
-        stats = dpo_train_step(model, strategy, optimizer, micro, cfg, env, step=1,
-                               peft_model=strategy.unwrap(model))
+        stats = dpo_step(cfg, env, strategy, model, optimizer, micro, tokenizer)
         assert stats["loss"] == pytest.approx(math.log(2), abs=1e-6)
         adapters.append({n: p.detach().clone() for n, p in strategy.unwrap(model).named_parameters()
                          if p.requires_grad})
@@ -479,10 +485,11 @@ def test_the_slices_of_a_split_row_of_pairs_add_up_to_the_whole_rows_log_probabi
     from shardtune.data.preference import collate_pair_units
     from shardtune.parallel.dims import ParallelDims
     from shardtune.parallel.sequence import RowSlice
-    from shardtune.training.dpo import completion_lengths, num_completion_targets, num_pairs, slice_sequence_sums
+    from shardtune.model.loss import sequence_log_prob_sums
+    from shardtune.training.dpo_logps import completion_lengths, completion_targets, num_completion_targets, num_pairs
 
     cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["chat"]))
-    cfg.sequence_parallel_size, cfg.context_parallel_size = sp, cp
+    cfg.parallel.sequence_parallel_size, cfg.parallel.context_parallel_size = sp, cp
     pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
     for i, pair in enumerate(pairs):
         pair["ref_logps"] = (-1.0 - i, -2.0 - i)
@@ -490,12 +497,16 @@ def test_the_slices_of_a_split_row_of_pairs_add_up_to_the_whole_rows_log_probabi
     assert "cu_seq_lens" in whole and "attention_mask" not in whole
     logits = torch.randn(1, whole["input_ids"].shape[1], 1024, generator=torch.Generator().manual_seed(0))
 
-    class Logits(torch.nn.Module):  # the whole row's logits, as a model would return them
+    class Logits(torch.nn.Module):  # the logits of the positions a row (or slice) holds, as a model would return them
+        def __init__(self, held: torch.Tensor):
+            super().__init__()
+            self.held = held
+
         def forward(self, **_):
-            return type("Out", (), {"logits": logits})()
+            return type("Out", (), {"logits": logits[:, self.held]})()
 
     cpu = torch.device("cpu")
-    expected = torch.cat(pair_logps(Logits(), whole, cpu))
+    expected = torch.cat(pair_logps(Logits(torch.arange(logits.shape[1])), whole, cpu))
     dims = ParallelDims.from_config(cfg, cp * sp)
     positions = dict(whole, input_ids=torch.arange(whole["input_ids"].shape[1])[None])  # which tokens a slice holds
     total, targets = torch.zeros_like(expected), 0
@@ -505,7 +516,7 @@ def test_the_slices_of_a_split_row_of_pairs_add_up_to_the_whole_rows_log_probabi
         held = row_slice(positions, tokenizer.pad_token_id)["input_ids"][0].clamp(max=logits.shape[1] - 1)
         assert num_pairs(part) == len(pairs) and torch.equal(part["ref_logps"], whole["ref_logps"])
         assert torch.equal(completion_lengths(part), completion_lengths(whole))
-        total += slice_sequence_sums(logits[:, held], part, cpu)
+        total += sequence_log_prob_sums(Logits(held), part, *completion_targets(part), cpu)[:len(expected)]
         targets += num_completion_targets(part)
     torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-4)
     assert targets == num_completion_targets(whole)
@@ -533,7 +544,7 @@ def test_every_trl_loss_and_divergence_equals_trl_on_the_same_reference(dpo, tin
     check_loss_options(dpo)
     cfg, pairs, trainer, policy, reference = trl_and_our_policy(dpo, tiny, tokenizer, tmp_path)
     cpu = torch.device("cpu")
-    batch = collate_pairs(pairs, tokenizer.pad_token_id, cfg.context_length)
+    batch = collate_pairs(pairs, tokenizer.pad_token_id, cfg.data.context_length)
     with torch.no_grad():
         ref_chosen, ref_rejected = pair_logps(reference, batch, cpu)
     trainer.precompute_ref_logps = True
@@ -543,14 +554,14 @@ def test_every_trl_loss_and_divergence_equals_trl_on_the_same_reference(dpo, tin
     trl_metrics = {k: v[-1] for k, v in trainer._metrics["eval"].items()}
     for pair, chosen, rejected in zip(pairs, ref_chosen.tolist(), ref_rejected.tolist()):
         pair["ref_logps"] = (chosen, rejected)
-    batch = collate_pairs(pairs, tokenizer.pad_token_id, cfg.context_length)  # now carrying the reference's values
-    stats = PairStats.zero()
-    loss_sum = micro_batch_loss(policy, None, None, batch, dpo, cpu, stats)
-    ours = stats.means(stats.sums, len(pairs), chosen_completion_targets(batch), sft_weight(dpo))
-    assert float(loss_sum) / len(pairs) == pytest.approx(trl_loss, rel=1e-5, abs=1e-6)
-    assert ours["loss"] == pytest.approx(trl_loss, rel=1e-5, abs=1e-6)
+    batch = collate_pairs(pairs, tokenizer.pad_token_id, cfg.data.context_length)  # now carrying the reference's values
+    loss_sum, sums = micro_batch_loss(policy, None, None, batch, dpo, cpu)
+    ours = pair_means(sums.tolist(), len(pairs), chosen_completion_targets(batch), sft_weight(dpo))
+    resolution = logp_resolution(ours)
+    assert float(loss_sum) / len(pairs) == pytest.approx(trl_loss, rel=1e-5, abs=resolution)
+    assert ours["loss"] == pytest.approx(trl_loss, rel=1e-5, abs=resolution)
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
-        assert ours[name] == pytest.approx(trl_metrics[name], rel=1e-5, abs=1e-6), name
+        assert ours[name] == pytest.approx(trl_metrics[name], rel=1e-5, abs=resolution), name
     assert abs(ours["rewards/margins"]) > 0.05, "the ratios must not be near zero, or the comparison is empty"
     loss_sum.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardtune.model.flops import model_shape, training_flops_per_token
+from shardtune.accounting.flops import model_shape, training_flops_per_token
 from shardtune.model.loading import load_model
 
 

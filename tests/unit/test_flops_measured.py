@@ -1,4 +1,4 @@
-"""The analytic FLOPs count (shardtune/model/flops.py) against torch's own FlopCounterMode on a real training step:
+"""The analytic FLOPs count (shardtune/accounting/flops.py) against torch's own FlopCounterMode on a real training step:
 forward + backward of the tiny preset with the lean loss, padded and padding-free."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from shardtune.model.attention import use_varlen_attention
 from shardtune.data.batching import collate_flat, collate_padding
-from shardtune.model.flops import (
+from shardtune.accounting.flops import (
     causal_attention_flops, flop_counter, matmul_flops_per_token, micro_batch_flops, model_shape, num_input_tokens,
     palm_micro_batch_flops, sequence_lengths,
 )
@@ -76,30 +76,42 @@ def test_analytic_flops_equal_torch_flop_counter_on_a_lean_loss_step(tiny_model,
     assert analytic < total < palm_micro_batch_flops(shape, batch)  # PaLM: the output layer on every token too
 
 
-def test_dpo_flops_count_the_policy_step_on_full_logits_and_the_reference_forward(tiny_model):
-    """A DPO micro-batch (padded rows, chosen and rejected alike): the policy trains with logits on every token, the
-    reference runs forward only; the analytic count equals torch's to rounding, less the pad tokens and the
-    attention squares the kernels compute beyond the causal triangle."""
-    from shardtune.model.flops import preference_micro_batch_flops
+def test_dpo_flops_count_the_policy_step_and_the_reference_forward_on_the_lean_head(tiny_model):
+    """A DPO micro-batch (padded rows, chosen and rejected alike) through the objective's own log-probabilities: the
+    policy trains with the lean head (the output layer on the completion targets only), the reference runs forward
+    only; the analytic count equals torch's to rounding, less the pad tokens, the attention squares the kernels
+    compute beyond the causal triangle, and the lean head's recomputation of its logits in backward (as activation
+    checkpointing's recomputation, not model FLOPs)."""
+    from shardtune.data.preference import collate_pairs
+    from shardtune.accounting.flops import preference_micro_batch_flops
+    from shardtune.training.dpo_logps import num_completion_targets, pair_logps
 
     policy, reference = load_model(str(tiny_model)), load_model(str(tiny_model))
     reference.requires_grad_(False)
-    batch = collate_padding(examples(4, 3), pad_id=3)
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    gen = torch.Generator().manual_seed(3)
+    pairs = [{"prompt_ids": torch.randint(4, 1000, (int(n),), generator=gen).tolist(),
+              "chosen_ids": torch.randint(4, 1000, (int(c),), generator=gen).tolist(),
+              "rejected_ids": torch.randint(4, 1000, (int(r),), generator=gen).tolist()}
+             for n, c, r in ((9, 5, 7), (14, 3, 6), (6, 8, 4))]
+    batch = collate_pairs(pairs, pad_id=3, max_length=None)
     shape = model_shape(policy)
+    assert shape.lean_loss
+    scored = num_completion_targets(batch)
     with flop_counter() as counter:
-        policy(**inputs, use_cache=False).logits.float().sum().backward()
+        torch.cat(pair_logps(policy, batch, CPU)).sum().backward()
         with torch.no_grad():
-            reference(**inputs, use_cache=False)
+            pair_logps(reference, batch, CPU)
     counts = counter.get_flop_counts()["Global"]
     attention = sum(n for op, n in counts.items() if "scaled_dot_product" in str(op))
     total = counter.get_total_flops()
-    flops, palm = preference_micro_batch_flops(shape, batch)
+    flops, palm = preference_micro_batch_flops(shape, batch, scored)
     causal = causal_attention_flops(shape, sequence_lengths(batch))
     pad = batch["input_ids"].numel() - num_input_tokens(batch)
-    wasted = pad * (matmul_flops_per_token(shape.num_matmul_params, shape.num_trainable_params)
-                    + 2 * shape.num_matmul_params)
-    assert pad > 0 and abs((flops - causal - causal // 3 + wasted) - (total - attention)) <= TOLERANCE * total
+    wasted = pad * (matmul_flops_per_token(shape.num_body_params, shape.num_trainable_body_params)
+                    + 2 * shape.num_body_params)
+    recomputed = 2 * shape.num_head_params * scored  # the lean head's logits, recomputed in backward
+    assert pad > 0 and abs((flops - causal - causal // 3 + wasted + recomputed) - (total - attention)) <= \
+        TOLERANCE * total
     # torch: 14 per pair and feature for the policy (forward, recomputed scores, backward), 4 for the reference
     assert attention == 18 * shape.num_layers * shape.attention_size * attention_squares(batch)
     assert 0 < flops < total and flops < palm

@@ -11,7 +11,7 @@ import pytest
 from huggingface_hub import constants as hub_constants
 
 from shardtune.config.flags import parse_args, to_yaml
-from shardtune.model.hub import HubUploadError, push_model
+from shardtune.publishing.hub import HubUploadError, push_model
 from tests.conftest import main_in_process
 from tests.helpers import write_remote_code_model
 from tests.hub_standin import HubStandIn
@@ -48,7 +48,7 @@ def test_push_to_hub_is_refused_before_launch_when_it_cannot_work(tiny_model, ca
 
 def test_the_hub_token_is_never_written_to_config_yaml():
     cfg = parse_args(["--push_to_hub", "--hub_token", "hf_secret_value", "--hub_private_repo"])
-    assert cfg.hub_token == "hf_secret_value" and cfg.hub_private_repo
+    assert cfg.output.hub_token == "hf_secret_value" and cfg.output.hub_private_repo
     assert "hf_secret_value" not in to_yaml(cfg)
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from shardtune.config.schema import ConfigError, TrainConfig
+from shardtune.config.flags import config_from
+from shardtune.config.schema import ConfigError
 from shardtune.training.checks import validate
 from shardtune.model.longseq import apply_memory_levers, check_rope_scaling
 from shardtune.model.loss import hf_model, token_loss_sum
@@ -45,7 +46,7 @@ def assert_same_loss_and_grads(reference: torch.nn.Module, other: torch.nn.Modul
 
 
 def with_levers(model: torch.nn.Module, **levers) -> torch.nn.Module:
-    apply_memory_levers(model, TrainConfig(**levers), CPU)
+    apply_memory_levers(model, config_from(**levers), CPU)
     return model
 
 
@@ -87,7 +88,7 @@ def test_tiled_mlp_and_offloading_under_activation_checkpointing_same_gradients(
 
 
 def test_yarn_rope_scaling_builds_scaled_positions_that_train(tiny_model, tmp_path):
-    cfg = TrainConfig(model_name=str(tiny_model), rope_scaling="yarn", rope_factor=4.0)
+    cfg = config_from(model_name=str(tiny_model), rope_scaling="yarn", rope_factor=4.0)
     plain, scaled = load_model(str(tiny_model)), load_model(str(tiny_model), config=training_model_config(cfg))
     rope = scaled.config.rope_parameters
     assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 4.0, 2048)
@@ -109,14 +110,14 @@ def test_yarn_rope_scaling_builds_scaled_positions_that_train(tiny_model, tmp_pa
     assert losses[2] < losses[0], losses
     scaled.save_pretrained(tmp_path / "scaled")  # the scaling is saved with the model, and refused on top of itself
     with pytest.raises(ConfigError, match="already uses RoPE scaling 'yarn'"):
-        check_rope_scaling(TrainConfig(model_name=str(tmp_path / "scaled"), rope_scaling="yarn", rope_factor=2.0))
+        check_rope_scaling(config_from(model_name=str(tmp_path / "scaled"), rope_scaling="yarn", rope_factor=2.0))
 
 
 def test_every_loading_path_builds_the_yarn_scaled_model(tiny_model):
     """Full weights, 4-bit (QLoRA, also rank 0 of --low_cpu_fsdp) and the meta-device structure of the other ranks
     of --low_cpu_fsdp all build from training_model_config: the same scaled positions (inv_freq, and YaRN's
     attention scaling, which is an attribute the meta ranks compute themselves, not a buffer rank 0 could send)."""
-    cfg = TrainConfig(model_name=str(tiny_model), rope_scaling="yarn", rope_factor=4.0, use_peft=True,
+    cfg = config_from(model_name=str(tiny_model), rope_scaling="yarn", rope_factor=4.0, use_peft=True,
                       quantization="4bit")
     full = load_model(str(tiny_model), config=training_model_config(cfg)).model.rotary_emb
     quantized = load_quantized_model(cfg, CPU)
@@ -128,7 +129,7 @@ def test_every_loading_path_builds_the_yarn_scaled_model(tiny_model):
         assert rotary.attention_scaling == full.attention_scaling > plain.attention_scaling
         assert rotary.rope_type == "yarn"
     assert torch.equal(quantized.model.rotary_emb.inv_freq.float(), full.inv_freq)
-    assert training_model_config(TrainConfig(model_name=str(tiny_model))).to_dict() == load_model(
+    assert training_model_config(config_from(model_name=str(tiny_model))).to_dict() == load_model(
         str(tiny_model)).config.to_dict()  # without the flag: the model's own config
 
 
@@ -139,7 +140,7 @@ def test_every_loading_path_builds_the_yarn_scaled_model(tiny_model):
 ])
 def test_rope_scaling_bad_flags_are_one_line_errors(flags, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
-        validate(TrainConfig(output_dir=str(tmp_path / "out"), **flags), world_size=1)
+        validate(config_from(output_dir=str(tmp_path / "out"), **flags), world_size=1)
 
 
 def test_a_4bit_model_counts_its_parameters_as_peft_does(tiny_model):
@@ -147,7 +148,7 @@ def test_a_4bit_model_counts_its_parameters_as_peft_does(tiny_model):
     from shardtune.model.loading import count_parameters
     from shardtune.model.peft import apply_peft
 
-    cfg = TrainConfig(model_name=str(tiny_model), use_peft=True, quantization="4bit")
+    cfg = config_from(model_name=str(tiny_model), use_peft=True, quantization="4bit")
     model = apply_peft(load_quantized_model(cfg, CPU), cfg)
     trainable, total = model.get_nb_trainable_parameters()
     assert count_parameters(model) == (total, trainable)
@@ -160,7 +161,7 @@ def test_a_yarn_lora_adapter_records_the_scaling_and_merges_into_the_trained_mod
     from shardtune.model.loading import load_tokenizer
     from shardtune.model.peft import apply_peft, save_adapter
 
-    cfg = TrainConfig(model_name=str(tiny_model), rope_scaling="yarn", rope_factor=4.0, use_peft=True)
+    cfg = config_from(model_name=str(tiny_model), rope_scaling="yarn", rope_factor=4.0, use_peft=True)
     trained = apply_peft(load_model(str(tiny_model), config=training_model_config(cfg)), cfg).eval()
     with torch.no_grad():  # a trained adapter: B is no longer zero
         for name, p in trained.named_parameters():

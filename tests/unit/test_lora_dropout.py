@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from shardtune.config.flags import config_from
 from shardtune.config.schema import TrainConfig
 from shardtune.data.batching import EXAMPLE_IDS, collate
 from shardtune.model.lora_dropout import ExampleKeyedDropout, keyed_masks
@@ -35,9 +36,9 @@ def test_an_examples_mask_is_the_same_in_padded_flat_and_split_rows():
     units = [[example(5, 10)], [example(9, 20)], [example(3, 40)]]
     ids = [4, 11, 12]
     padded = masks_by_token(collate(units, TrainConfig(), pad_id=0, example_ids=ids))
-    flat = masks_by_token(collate(units, TrainConfig(padding_free=True), 0, ids))
+    flat = masks_by_token(collate(units, config_from(padding_free=True), 0, ids))
     alone = masks_by_token(collate(units[1:2], TrainConfig(), 0, ids[1:2]))  # another batch, another rank
-    row = collate(units, TrainConfig(padding_free=True), 0, ids)
+    row = collate(units, config_from(padding_free=True), 0, ids)
     split: dict = {}
     for sp_rank in range(2):
         split.update(masks_by_token(split_row(row, RowSlice(0, 1, sp_rank, 2), pad_id=0)))

@@ -1,4 +1,4 @@
-"""The peak MFU divides by (shardtune/model/peak_flops.py): data-sheet peaks looked up by the names torch reports, in the
+"""The peak MFU divides by (shardtune/accounting/peak_flops.py): data-sheet peaks looked up by the names torch reports, in the
 compute dtype; on CPU a measured peak that a busy machine at measurement time does not leave too low."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from shardtune.model.peak_flops import (
+from shardtune.accounting.peak_flops import (
     DATA_SHEET_TFLOPS, PeakMeter, data_sheet_peak, is_remeasure_step, matmul_key, measure_matmul_flops,
 )
 
@@ -75,7 +75,7 @@ def test_a_known_gpu_uses_its_data_sheet_peak_summed_over_ranks_and_says_so():
     assert "data-sheet dense bf16 peak of the NVIDIA H100 SXM (989 TFLOP/s per GPU" in meter.describe()
     unknown = PeakMeter(torch.device("cuda"), torch.bfloat16, lambda t: t, device_name="NVIDIA GeForce GTX 1080")
     assert unknown.measured and "measured bf16 matmul peak" in unknown.describe()
-    assert "not in shardtune.model.peak_flops.DATA_SHEET_TFLOPS" in unknown.describe()
+    assert "not in shardtune.accounting.peak_flops.DATA_SHEET_TFLOPS" in unknown.describe()
 
 
 def test_the_measured_peak_is_remeasured_after_steps_1_2_4_8():

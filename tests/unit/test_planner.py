@@ -50,11 +50,11 @@ def test_builtin_llama3_8b_shape_has_its_published_size():
 
 @pytest.mark.parametrize("method", ["lora", "llama_adapter", "prefix"])
 def test_trainable_counts_equal_peft(method, tiny_model):
-    from shardtune.config.schema import TrainConfig
+    from shardtune.config.flags import config_from
     from shardtune.model.loading import load_model
     from shardtune.model.peft import apply_peft
 
-    cfg = TrainConfig(model_name=str(tiny_model), use_peft=True, peft_method=method)
+    cfg = config_from(model_name=str(tiny_model), use_peft=True, peft_method=method)
     model = apply_peft(load_model(str(tiny_model)), cfg)
     real = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert Adapter(method=method).trainable_params(read_arch(str(tiny_model))) == real
@@ -266,26 +266,36 @@ def test_nothing_fits_names_the_miss_and_the_gpus_that_would_fit():
     assert f"on {grow['nnodes'] * 8} GPUs (--nnodes {grow['nnodes']} --gpus_per_node 8)" in text
 
 
-def test_dpo_plans_two_rows_a_pair_full_logits_and_the_reference_sharded_like_the_policy(tiny_model):
-    """``shardtune dpo --dry_run``: a pair computes two rows with the logits of every token; full fine-tuning holds a
-    frozen reference placed like the policy (DDP whole and FSDP sharded, in the master dtype; ZeRO in the engine's
-    compute dtype, whole for ZeRO-1 / 2, partitioned for ZeRO-3). LoRA: none (the base with the adapter off)."""
+def test_dpo_plans_two_rows_a_pair_and_the_reference_sharded_like_the_policy(tiny_model):
+    """``shardtune dpo --dry_run``: a pair computes two rows through the lean head (the loss buffers of SFT's);
+    full fine-tuning holds a frozen reference placed like the policy (DDP whole and FSDP sharded, in the master
+    dtype; ZeRO in the engine's compute dtype, whole for ZeRO-1 / 2, partitioned for ZeRO-3). LoRA: none (the base
+    with the adapter off); --precompute_ref_log_probs: none while training (the registration decides both)."""
+    from shardtune.config.objectives import OBJECTIVES
+    from shardtune.config.schema import TrainConfig
+    from shardtune.planner.estimate import loss_buffer_bytes
+
+    dpo_setup = dict(rows_per_unit=OBJECTIVES["dpo"].rows_per_unit, reference_model=True)
     arch = read_arch("llama3-8b")
     for strategy, reference_bytes in (("DDP", 4), ("FULL_SHARD", 4 / 8), ("ZERO2", 2), ("ZERO3", 2 / 8)):
         sft = estimate(Setup(arch=arch, strategy=strategy, batch_size=2, seq_len=1024))
-        dpo = estimate(Setup(arch=arch, strategy=strategy, batch_size=2, seq_len=1024, objective="dpo"))
+        dpo = estimate(Setup(arch=arch, strategy=strategy, batch_size=2, seq_len=1024, **dpo_setup))
         assert dpo.params - sft.params == pytest.approx(arch.num_params * reference_bytes), strategy
         assert dpo.activations == pytest.approx(2 * sft.activations)
-        assert dpo.loss_buffers == 2 * 1024 * 2 * arch.vocab_size * (2 + 8) > sft.loss_buffers
-    offloaded = estimate(Setup(arch=arch, strategy="ZERO3", cpu_offload=True, objective="dpo"))
+        assert dpo.loss_buffers == loss_buffer_bytes(arch, 2 * 2 * 1024)  # the lean head's chunks, on both rows
+    offloaded = estimate(Setup(arch=arch, strategy="ZERO3", cpu_offload=True, **dpo_setup))
     assert offloaded.params == 0 and offloaded.host_state == pytest.approx(
         estimate(Setup(arch=arch, strategy="ZERO3", cpu_offload=True)).host_state + arch.num_params * 2 / 8)
-    lora = Adapter(method="lora", lora_r=8, lora_targets=("q_proj", "v_proj"))
-    assert estimate(Setup(arch=arch, adapter=lora, objective="dpo")).params == \
-        estimate(Setup(arch=arch, adapter=lora)).params
-    assert {"ZERO1", "ZERO2", "ZERO3"} <= {s.strategy for s in alternatives(Setup(arch=arch, objective="dpo"))}
-    assert estimate(Setup(arch=arch, objective="dpo", precomputed_reference=True)).params == estimate(
-        Setup(arch=arch)).params  # --precompute_ref_log_probs: the reference is gone before training
+    assert {"ZERO1", "ZERO2", "ZERO3"} <= {s.strategy for s in alternatives(Setup(arch=arch, **dpo_setup))}
+    from shardtune.config.flags import config_from
+
+    reference = OBJECTIVES["dpo"].frozen_reference
+    assert reference(config_from(objective="dpo"))
+    assert not reference(config_from(objective="dpo", use_peft=True))
+    precomputed = config_from(objective="dpo")
+    precomputed.dpo.precompute_ref_log_probs = True
+    assert not reference(precomputed)  # --precompute_ref_log_probs: the reference is gone before training
+    assert not OBJECTIVES["sft"].frozen_reference(TrainConfig())
     proc = main_in_process("dpo", "--dry_run", "--model_name", tiny_model, "--gpus_per_node", 2, "--enable_fsdp")
     assert proc.returncode == 0, proc.stderr
     assert "\n  shardtune dpo --nproc_per_node 2 " in proc.stdout
@@ -318,7 +328,7 @@ def test_plan_objective_dpo_adds_the_reference_weights_per_shard_for_full_fine_t
     assert given(*lora, "--objective", "dpo")["breakdown"]["parameters"] == given(*lora)["breakdown"]["parameters"]
     proc = main_in_process("plan", "--model_name", "llama3-8b", "--gpus_per_node", 8, "--objective", "dpo", *strategy)
     assert "\n  shardtune dpo --nproc_per_node 8 --model_name llama3-8b " in proc.stdout
-    assert "shardtune dpo's flags: add --objective dpo" in main_in_process(
+    assert "one of shardtune dpo's flags: add --objective dpo" in main_in_process(
         "plan", "--model_name", "llama3-8b", "--precompute_ref_log_probs").stderr
 
 

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from shardtune.config.schema import TrainConfig
+from shardtune.config.flags import config_from
 from shardtune.runtime.distributed import DistEnv
 from shardtune.training.profiling import StepProbe
 
@@ -15,7 +15,7 @@ CPU = torch.device("cpu")
 
 def test_the_profiler_records_steps_4_to_6_of_each_rank_as_a_chrome_trace(tmp_path):
     layer = torch.nn.Linear(32, 32)
-    cfg = TrainConfig(output_dir=str(tmp_path / "run"), use_profiler=True, profiler_dir=str(tmp_path / "traces"))
+    cfg = config_from(output_dir=str(tmp_path / "run"), use_profiler=True, profiler_dir=str(tmp_path / "traces"))
     for rank in (0, 1):  # what each rank of a run does (the traces are per process; no collective is involved)
         env = DistEnv(rank=rank, local_rank=rank, world_size=2, local_world_size=2, device=CPU, backend="gloo")
         probe = StepProbe(cfg, env, total_steps=8)

@@ -29,7 +29,7 @@ def test_recipe_parses_and_validates(path, tmp_path, monkeypatch):
 
 
 def test_fsdp_recipes_name_their_world_size():
-    fsdp = [p for p in RECIPES if parse_args(["--config", str(p)]).enable_fsdp]
+    fsdp = [p for p in RECIPES if parse_args(["--config", str(p)]).parallel.strategy == "fsdp"]
     assert fsdp, "no FSDP recipe shipped"
     assert all(target_world_size(p) > 1 for p in fsdp)
 
@@ -93,11 +93,11 @@ def test_long_context_recipe_splits_a_million_token_row_over_its_eight_gpus():
     path = RECIPES_DIR / "long-context-1m-8gpu.yaml"
     cfg = parse_args(["--config", str(path)])
     dims = ParallelDims.from_config(cfg, target_world_size(path))
-    assert (dims.sp * dims.cp, dims.dp_size, cfg.context_length) == (8, 1, 2**20)
-    assert cfg.tiled_mlp and cfg.activation_offloading and cfg.fsdp_config.fsdp_activation_checkpointing
-    assert cfg.rope_scaling == "yarn" and 8192 * cfg.rope_factor >= cfg.context_length
+    assert (dims.sp * dims.cp, dims.dp_size, cfg.data.context_length) == (8, 1, 2**20)
+    assert cfg.parallel.tiled_mlp and cfg.parallel.activation_offloading and cfg.parallel.activation_checkpointing
+    assert cfg.model.rope_scaling == "yarn" and 8192 * cfg.model.rope_factor >= cfg.data.context_length
     llama3_8b = LlamaConfig(**PRESETS["llama-8b-shape"])
     check_sequence_split(cfg, llama3_8b)
-    cfg.sequence_parallel_size = 6
+    cfg.parallel.sequence_parallel_size = 6
     with pytest.raises(ConfigError, match="must divide the model's 32 attention heads"):
         check_sequence_split(cfg, llama3_8b)

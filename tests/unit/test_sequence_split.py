@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig
 
+from shardtune.config.flags import config_from
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.batching import collate_flat, eval_batches
 from shardtune.model.loss import IGNORE_INDEX, SEQUENCE_LAYOUT, SHIFT_LABELS, batch_label_tokens
@@ -14,10 +15,7 @@ from shardtune.parallel.sequence import RowSlice, check_sequence_split, split_ro
 
 
 def config(**values) -> TrainConfig:
-    cfg = TrainConfig()
-    for key, value in values.items():
-        setattr(cfg, key, value)
-    return cfg
+    return config_from(values)
 
 
 def test_ranks_of_one_cp_x_sp_group_share_their_data_parallel_rank():
@@ -26,8 +24,7 @@ def test_ranks_of_one_cp_x_sp_group_share_their_data_parallel_rank():
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [dims.cp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert [dims.sp_rank(r) for r in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
-    hsdp = config(enable_fsdp=True, sequence_parallel_size=2)
-    hsdp.fsdp_config.sharding_strategy = "HYBRID_SHARD"
+    hsdp = config(enable_fsdp=True, sequence_parallel_size=2, sharding_strategy="HYBRID_SHARD")
     assert ParallelDims.from_config(hsdp, world_size=8, local_world_size=4).describe() == \
         "dp_replicate 2 x dp_shard 2 x cp 1 x sp 2"
     with pytest.raises(ConfigError, match="--context_parallel_size 3 x --sequence_parallel_size 1 = 3 does not "

@@ -43,7 +43,7 @@ def test_publishing_a_model_does_not_import_deepspeed(tmp_path):
 import sys
 from pathlib import Path
 from shardtune.model.loading import init_model, load_model, load_tokenizer
-from shardtune.model.saving import save_hf_model
+from shardtune.publishing.saving import save_hf_model
 path = init_model("tiny", Path({str(tmp_path / "tiny")!r}))
 model = load_model(str(path))
 written = save_hf_model(model, dict(model.state_dict()), load_tokenizer(str(path)), Path({str(tmp_path / "out")!r}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shardtune.config.schema import ConfigError
-from shardtune.launch.torchrun import split_launcher_args
+from shardtune.config.argv import split_argv
 from shardtune.launch.topology import parse_hostlist, resolve_topology
 
 KUBEFLOW = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "job-node-0-0",
@@ -17,9 +17,9 @@ SKYPILOT = {"SKYPILOT_NODE_IPS": "10.1.0.5\n10.1.0.6\n", "SKYPILOT_NODE_RANK": "
 
 
 def resolve(argv: list[str], environ: dict[str, str], num_gpus: int = 8):
-    flags, rest = split_launcher_args([*argv, "--lr", "1e-4"])
-    assert rest == ["--lr", "1e-4"]
-    return resolve_topology(flags, environ, num_gpus)
+    args = split_argv([*argv, "--lr", "1e-4"])
+    assert args.training == [("lr", "1e-4")]
+    return resolve_topology(args.launcher, environ, num_gpus)
 
 
 def test_nothing_said_means_one_standalone_node_with_one_process_per_gpu():

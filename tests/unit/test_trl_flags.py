@@ -15,11 +15,14 @@ import pytest
 import torch
 import yaml
 
-from shardtune.config.accelerate import PROFILES, expand_accelerate_config
-from shardtune.config.flags import parse_args, recipe_launch_settings
+from shardtune.config.argv import split_argv
+from shardtune.config.dialects.accelerate import read_accelerate
+from shardtune.config.dialects.trl import PROFILES
+from shardtune.config.flags import build_config, parse_args, recipe_launch_settings
+from shardtune.config.help import flag_table
 from shardtune.config.schema import ConfigError, TrainConfig
-from shardtune.config.trl import TRL_FLAGS, flag_table
 from shardtune.parallel.optim import build_optimizer, build_scheduler
+from shardtune.config.checks import check_fields
 from shardtune.training.checks import validate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,17 +39,23 @@ def write(folder: Path, name: str, content: dict) -> str:
 
 
 def settings(tmp_path: Path, accelerate: dict, argv: list[str] = ()):
-    launch, train, rest = expand_accelerate_config(["--accelerate_config", write(tmp_path, "acc.yaml", accelerate),
-                                                    *argv])
+    args = split_argv(["--accelerate_config", write(tmp_path, "acc.yaml", accelerate), *argv])
+    launch, train = read_accelerate(args.accelerate)
     notes: list[str] = []
-    return launch, parse_args(rest, train, notes), notes
+    return launch, build_config(args.training, args.recipe, train, notes), notes
 
 
 def test_max_grad_norm_given_turns_clipping_on_at_that_norm():
-    cfg = parse_args(["--max_grad_norm", "0.3"])
-    assert cfg.gradient_clipping and cfg.gradient_clipping_threshold == 0.3
-    assert not parse_args(["--max_grad_norm", "0"]).gradient_clipping  # HF: 0 means no clipping
-    assert not parse_args([]).gradient_clipping
+    assert parse_args(["--max_grad_norm", "0.3"]).optim.max_grad_norm == 0.3
+    assert parse_args(["--max_grad_norm", "0"]).optim.max_grad_norm is None  # HF: 0 means no clipping
+    assert parse_args([]).optim.max_grad_norm is None
+    # llama-cookbook's two flags for the one setting, in either order
+    assert parse_args(["--gradient_clipping_threshold", "0.5", "--gradient_clipping", "true"]).optim.max_grad_norm \
+        == parse_args(["--gradient_clipping", "true", "--gradient_clipping_threshold", "0.5"]).optim.max_grad_norm \
+        == 0.5
+    assert parse_args(["--gradient_clipping", "true"]).optim.max_grad_norm == 1.0
+    assert parse_args(["--gradient_clipping", "false", "--gradient_clipping_threshold", "0.5"]).optim.max_grad_norm \
+        is None
 
 
 @pytest.mark.parametrize("scheduler", ["step", "linear", "cosine", "cosine_with_min_lr", "constant_with_warmup"])
@@ -54,7 +63,7 @@ def test_warmup_is_honoured_under_every_scheduler(scheduler):
     extra = ["--min_lr_rate", "0.1"] if scheduler == "cosine_with_min_lr" else []
     for warmup in (["--warmup_steps", "4"], ["--warmup_ratio", "0.2"]):  # 0.2 x 20 steps = 4
         cfg = parse_args(["--lr_scheduler_type", scheduler, "--learning_rate", "1.0", *warmup, *extra])
-        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optim.lr)
         scheduler_obj, unit = build_scheduler(optimizer, cfg, total_steps=20, steps_per_epoch=10)
         assert unit == "step"
         lrs = []
@@ -68,12 +77,13 @@ def test_warmup_is_honoured_under_every_scheduler(scheduler):
             assert lrs[10] == pytest.approx(0.85)  # x gamma once per epoch
         else:
             assert lrs[-1] < lrs[5] and all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
-    assert TRL_FLAGS["warmup_steps"].to("0.1") == [("warmup_ratio", "0.1")]  # transformers 5: a float is a ratio
+    assert parse_args(["--warmup_steps", "0.1"]).optim.warmup_steps == 0.1  # transformers 5: a float is a ratio
+    assert parse_args(["--warmup_ratio", "0.1"]) == parse_args(["--warmup_steps", "0.1"])
 
 
 def test_warmup_that_would_be_ignored_is_refused_in_one_line(tmp_path):
     for argv, named in [(["--lr_scheduler_type", "constant", "--warmup_steps", "3"], "constant_with_warmup"),
-                        (["--warmup_steps", "3", "--warmup_ratio", "0.1"], "both set"),
+                        (["--warmup_steps", "3.5"], "neither a whole number"),
                         (["--lr_scheduler_type", "cosine_with_min_lr"], "min_lr_rate"),
                         (["--lr_scheduler_type", "polynomial"], "not built"),
                         (["--min_lr_rate", "0.1"], "no effect")]:
@@ -108,16 +118,16 @@ def test_recipe_wins_over_the_accelerate_file_and_a_disagreement_is_said_in_one_
     zero1 = {**COMMON, "distributed_type": "DEEPSPEED", "mixed_precision": "bf16", "num_processes": 2,
              "deepspeed_config": {"gradient_accumulation_steps": 1, "zero_stage": 1}}
     launch, cfg, notes = settings(tmp_path, zero1, ["--config", recipe])
-    assert cfg.gradient_accumulation_steps == 8 and cfg.enable_deepspeed and cfg.lr == 3e-4
+    assert cfg.train.gradient_accumulation_steps == 8 and cfg.parallel.strategy == "deepspeed" and cfg.optim.lr == 3e-4
     assert len(notes) == 1 and recipe in notes[0] and "8" in notes[0] and "1" in notes[0] and "\n" not in notes[0]
     _, cfg, _ = settings(tmp_path, zero1, ["--config", recipe, "--gradient_accumulation_steps", "2"])
-    assert cfg.gradient_accumulation_steps == 2  # the command line wins over both
+    assert cfg.train.gradient_accumulation_steps == 2  # the command line wins over both
 
 
 def test_single_gpu_file_starts_one_process_whatever_num_processes_says(tmp_path):
     launch, cfg, _ = settings(tmp_path, {**COMMON, "distributed_type": "NO", "mixed_precision": "bf16",
                                          "num_processes": 8})
-    assert launch == {"nproc_per_node": "1"} and not cfg.enable_fsdp and not cfg.enable_deepspeed
+    assert launch == {"nproc_per_node": "1"} and cfg.parallel.strategy != "fsdp" and cfg.parallel.strategy != "deepspeed"
 
 
 def test_parallelism_config_maps_onto_the_mesh(tmp_path):
@@ -126,7 +136,7 @@ def test_parallelism_config_maps_onto_the_mesh(tmp_path):
     fsdp = {**COMMON, "distributed_type": "FSDP", "mixed_precision": "bf16", "num_processes": 2,
             "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": True}}
     launch, cfg, _ = settings(tmp_path, {**fsdp, "parallelism_config": sizes})  # context_parallel_2gpu
-    assert launch == {"nproc_per_node": "2"} and cfg.context_parallel_size == 2 and cfg.enable_fsdp
+    assert launch == {"nproc_per_node": "2"} and cfg.parallel.context_parallel_size == 2 and cfg.parallel.strategy == "fsdp"
     ulysses = {**COMMON, "distributed_type": "DEEPSPEED", "mixed_precision": "bf16", "num_processes": 4,
                "deepspeed_config": {"zero_stage": 3, "seq_parallel_communication_data_type": "bf16"},
                "parallelism_config": {**sizes, "parallelism_config_dp_shard_size": 2,
@@ -134,14 +144,14 @@ def test_parallelism_config_maps_onto_the_mesh(tmp_path):
                                       "parallelism_config_cp_seq_length_is_variable": True,
                                       "parallelism_config_cp_attn_implementation": "flash_attention_2"}}
     launch, cfg, _ = settings(tmp_path, ulysses)  # alst_ulysses_4gpu: ALST's cp is Ulysses
-    assert launch == {"nproc_per_node": "4"} and cfg.sequence_parallel_size == 2 and cfg.context_parallel_size == 1
+    assert launch == {"nproc_per_node": "4"} and cfg.parallel.sequence_parallel_size == 2 and cfg.parallel.context_parallel_size == 1
     sp = {**ulysses, "parallelism_config": {"parallelism_config_sp_size": 4, "parallelism_config_sp_backend":
                                             "deepspeed", "parallelism_config_dp_replicate_size": 1}}
-    assert settings(tmp_path, sp)[1].sequence_parallel_size == 4
+    assert settings(tmp_path, sp)[1].parallel.sequence_parallel_size == 4
     hsdp = {**fsdp, "num_processes": 4, "parallelism_config": {"parallelism_config_dp_replicate_size": 2,
                                                                "parallelism_config_dp_shard_size": 2}}
     cfg = settings(tmp_path, hsdp)[1]
-    assert cfg.fsdp_config.sharding_strategy == "HYBRID_SHARD" and cfg.fsdp_config.replica_group_size == 2
+    assert cfg.parallel.sharding_strategy == "HYBRID_SHARD" and cfg.parallel.replica_group_size == 2
     for bad, named in [({**sizes, "parallelism_config_tp_size": 2}, "tensor parallelism"),
                        ({**sizes, "parallelism_config_cp_size": 4}, "num_processes is 2")]:
         with pytest.raises(ConfigError, match=named) as error:
@@ -151,11 +161,11 @@ def test_parallelism_config_maps_onto_the_mesh(tmp_path):
 
 def test_packaged_profiles_are_accepted_by_name():
     for name in PROFILES:
-        launch, train, _ = expand_accelerate_config(["--accelerate_config", name])
+        launch, train = read_accelerate(name)
         cfg = parse_args([], train)
-        assert cfg.enable_deepspeed == name.startswith("zero") and cfg.enable_fsdp == name.startswith("fsdp")
+        assert (cfg.parallel.strategy == "deepspeed") == name.startswith("zero") and (cfg.parallel.strategy == "fsdp") == name.startswith("fsdp")
         assert launch == ({"nproc_per_node": "1"} if name == "single_gpu" else {})
-    assert parse_args([], expand_accelerate_config(["--accelerate_config", "zero3"])[1]).deepspeed_config.zero_stage == 3
+    assert parse_args([], read_accelerate("zero3")[1]).parallel.zero_stage == 3
 
 
 def test_trl_names_have_trls_meaning():
@@ -166,33 +176,31 @@ def test_trl_names_have_trls_meaning():
                       "--per_device_train_batch_size", "3", "--resume_from_checkpoint", "--report_to",
                       "tensorboard,wandb", "--eval_strategy", "steps", "--eval_steps", "5", "--save_strategy", "steps",
                       "--save_steps", "10", "--dtype", "bfloat16", "--packing_strategy", "bfd"])
-    lc = cfg.lora_config
-    assert (cfg.model_name, cfg.use_peft, lc.r, lc.lora_alpha, lc.target_modules, lc.modules_to_save,
-            lc.use_rslora) == ("m", True, 4, 8, ["all-linear"], ["lm_head"], True)
-    assert cfg.quantization == "4bit" and cfg.quantization_config.quant_type == "fp4"
-    assert not cfg.quantization_config.use_double_quant  # TRL's default for --use_bnb_nested_quant
-    assert cfg.batching_strategy == "padding" and cfg.mixed_precision
-    assert cfg.fsdp_config.fsdp_activation_checkpointing and not cfg.enable_fsdp  # under DDP too
-    assert (cfg.num_epochs, cfg.max_train_step, cfg.batch_size_training, cfg.resume) == (2, 0, 3, "latest")
-    assert cfg.report_to == "tensorboard,wandb" and cfg.eval_steps == 5 and cfg.save_steps == 10
-    assert parse_args(["--packing"]).batching_strategy == "packing"
-    assert parse_args(["--resume_from_checkpoint", "out/step-000002"]).resume == "out/step-000002"
+    lc = cfg.peft.lora
+    assert (cfg.model.name, cfg.peft.method, lc.r, lc.alpha, lc.target_modules, lc.modules_to_save,
+            lc.use_rslora) == ("m", "lora", 4, 8, ["all-linear"], ["lm_head"], True)
+    assert cfg.model.quantization == "4bit" and cfg.model.quant_type == "fp4"
+    assert not cfg.model.double_quant  # TRL's default for --use_bnb_nested_quant
+    assert cfg.data.batching == "padding" and cfg.train.precision == "auto"
+    assert cfg.parallel.activation_checkpointing and cfg.parallel.strategy != "fsdp"  # under DDP too
+    assert (cfg.train.num_epochs, cfg.train.max_steps, cfg.train.batch_size, cfg.checkpoint.resume) == (2, 0, 3, "latest")
+    assert cfg.logging.report_to == ["tensorboard", "wandb"] and cfg.eval.steps == 5 and cfg.checkpoint.save_steps == 10
+    assert parse_args(["--packing"]).data.batching == "packing"
+    assert parse_args(["--resume_from_checkpoint", "out/step-000002"]).checkpoint.resume == "out/step-000002"
 
 
 def test_a_fractional_num_train_epochs_stops_where_trainer_stops_and_the_schedule_ends_there():
     """Trainer: max_steps = ceil(epochs x update steps per epoch), over ceil(epochs) epochs of data order."""
-    from shardtune.training.loop import planned_steps
+    from shardtune.training.intervals import planned_steps
 
     cfg = parse_args(["--num_train_epochs", "2.5", "--lr_scheduler_type", "linear", "--batch_size_training", "2"])
-    assert (cfg.num_epochs, cfg.fractional_epochs) == (3, 2.5)
+    assert cfg.train.num_epochs == 2.5
     validate(cfg, 2)
     assert planned_steps(cfg, num_units=30, dp_size=2) == math.ceil(2.5 * 7)  # 30 units // (2 x 2): 7 per epoch
     assert planned_steps(parse_args(["--num_train_epochs", "0.25"]), num_units=30, dp_size=1) == 2  # ceil(7 / 4)
-    cfg.max_train_step = 5
+    cfg.train.max_steps = 5
     assert planned_steps(cfg, num_units=30, dp_size=2) == 5
-    assert parse_args(["--num_train_epochs", "2.0"]).fractional_epochs == 0
-    with pytest.raises(ConfigError, match="--fractional_epochs 2.5 needs --num_epochs 3"):
-        validate(parse_args(["--fractional_epochs", "2.5", "--num_epochs", "2"]), 1)
+    assert parse_args(["--fractional_epochs", "2.5"]) == parse_args(["--num_train_epochs", "2.5"])  # the older name
 
 
 def test_flags_that_cannot_be_honoured_are_refused_in_one_line():
@@ -222,8 +230,8 @@ def test_a_trl_recipe_names_every_unknown_key_at_once_and_reads_env_and_accelera
     assert all(k in message for k in ("lernin_rate", "packng", "zzz_qqq")) and "\n" not in message
     good = write(tmp_path, "good.yaml", {"learning_rate": 1e-4, "env": {"WANDB_MODE": "offline"},
                                          "accelerate_config": "zero2"})
-    assert recipe_launch_settings(["--config", good]) == ({"WANDB_MODE": "offline"}, "zero2")
-    assert parse_args(["--config", good]).lr == 1e-4
+    assert recipe_launch_settings(good) == ({"WANDB_MODE": "offline"}, "zero2")
+    assert parse_args(["--config", good]).optim.lr == 1e-4
 
 
 def test_activation_checkpointing_under_ddp_gives_the_same_gradients(tiny_model):
@@ -236,7 +244,7 @@ def test_activation_checkpointing_under_ddp_gives_the_same_gradients(tiny_model)
     for on in (False, True):
         model = load_model(str(tiny_model), dtype=torch.float32)
         cfg = TrainConfig()
-        cfg.fsdp_config.fsdp_activation_checkpointing = on
+        cfg.parallel.activation_checkpointing = on
         checkpoint_activations(model, cfg)
         model(input_ids=batch, labels=batch).loss.backward()
         grads.append({n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()})
@@ -246,16 +254,28 @@ def test_activation_checkpointing_under_ddp_gives_the_same_gradients(tiny_model)
     assert all(torch.allclose(grads[0][k], grads[1][k], rtol=1e-5, atol=1e-7) for k in grads[0])
 
 
+def test_eval_on_start_is_trls_flag_and_needs_evaluation():
+    """--eval_on_start (TRL's name) is the canonical eval.on_start; with evaluation off it is refused in one line
+    naming the flag as typed (what it does in a run: tests/e2e/test_trl_recipe.py)."""
+    assert parse_args(["--eval_on_start"]).eval.on_start and not parse_args([]).eval.on_start
+    for off in (["--eval_strategy", "no"], ["--run_validation", "false"]):
+        with pytest.raises(ConfigError, match=f"--eval_on_start needs {off[0]} on, and it is off: turn it on, or "
+                                              "drop --eval_on_start"):
+            check_fields(parse_args(["--eval_on_start", *off]), 1)
+    check_fields(parse_args(["--eval_on_start", "--eval_strategy", "epoch"]), 1)
+
+
 def test_docs_flag_table_is_current():
     assert (REPO / "docs" / "flags.md").read_text() == flag_table(), \
-        "docs/flags.md is stale: python -m shardtune.config.trl > docs/flags.md"
+        "docs/flags.md is stale: python -m shardtune.config.help > docs/flags.md"
 
 
 def test_help_lists_the_trl_names_beside_ours():
-    from shardtune.config.flags import help_text
+    from shardtune.config.help import help_text
 
     text = help_text()
     assert "TRL: --max_grad_norm" in text and "TRL: --learning_rate" in text and "TRL: --gradient_checkpointing" in text
+    assert "--optim.lr FLOAT" in text and "llama-cookbook: --lr" in text
     assert text.startswith("usage: shardtune sft ")
     dpo = subprocess.run([sys.executable, "-m", "shardtune", "dpo", "--help"], capture_output=True, text=True,
                          cwd=REPO, check=True).stdout
@@ -263,21 +283,24 @@ def test_help_lists_the_trl_names_beside_ours():
 
 
 def test_plan_takes_sfts_topology_flags():
-    from shardtune.commands.plan import split_plan_args
+    from shardtune.commands.plan import plan_values
 
-    values, rest, _ = split_plan_args(["--nproc_per_node", "8", "--nnodes", "2", "--master_addr", "10.0.0.1",
-                                       "--enable_fsdp"])
-    assert (values["gpus_per_node"], values["nnodes"], rest) == ("8", "2", ["--enable_fsdp"])
-    assert split_plan_args(["--num_processes", "4"])[0]["gpus_per_node"] == "4"
+    def plan_args(argv: list[str]) -> tuple[dict, list]:
+        args = split_argv(argv)
+        return plan_values(args.hardware, args.launcher), args.training
+
+    values, rest = plan_args(["--nproc_per_node", "8", "--nnodes", "2", "--master_addr", "10.0.0.1", "--enable_fsdp"])
+    assert (values["gpus_per_node"], values["nnodes"], rest) == ("8", "2", [("enable_fsdp", None)])
+    assert plan_args(["--num_processes", "4"])[0]["gpus_per_node"] == "4"
     with pytest.raises(ConfigError, match="disagree"):
-        split_plan_args(["--nproc_per_node", "8", "--gpus_per_node", "4"])
+        plan_args(["--nproc_per_node", "8", "--gpus_per_node", "4"])
 
 
 def test_cookbook_checkpoint_folders_without_output_dir_are_the_runs_directory():
     cookbook = ["--dist_checkpoint_root_folder", "model_checkpoints", "--dist_checkpoint_folder", "fine-tuned",
                 "--model_name", "meta-llama/Llama-3.2-1B"]
-    assert parse_args(cookbook).output_dir == "model_checkpoints/fine-tuned-meta-llama/Llama-3.2-1B"
-    assert parse_args([*cookbook, "--output_dir", "mine"]).output_dir == "mine"
+    assert parse_args(cookbook).output.dir == "model_checkpoints/fine-tuned-meta-llama/Llama-3.2-1B"
+    assert parse_args([*cookbook, "--output_dir", "mine"]).output.dir == "mine"
 
 
 def test_plot_works_after_the_default_install():
@@ -290,7 +313,7 @@ def test_plot_works_after_the_default_install():
 def test_more_trl_training_names():
     cfg = parse_args(["--use_liger_kernel", "--save_only_model", "--gradient_checkpointing_kwargs",
                       '{"use_reentrant": false}'])
-    assert cfg.use_fast_kernels and not cfg.save_optimizer and not cfg.activation_checkpointing_use_reentrant
+    assert cfg.model.fast_kernels and not cfg.checkpoint.save_optimizer
     with pytest.raises(ConfigError, match="use_reentrant"):
         parse_args(["--gradient_checkpointing_kwargs", '{"preserve_rng_state": true}'])
 
@@ -316,8 +339,8 @@ def test_model_revision_reads_that_snapshot_from_the_hugging_face_cache_offline(
                       str(tmp_path / "run"), "--synthetic_dialogues.num_train", "64",
                       "--synthetic_dialogues.num_validation", "4"])
     prepare(cfg, 1)
-    assert Path(cfg.model_name) == repo / "snapshots" / commit and cfg.model_revision == ""
-    assert parse_args(["--model_revision", "main"]).model_revision == ""  # TRL's default: the hub id as it is
+    assert Path(cfg.model.name) == repo / "snapshots" / commit and cfg.model.revision == ""
+    assert parse_args(["--model_revision", "main"]).model.revision == ""  # TRL's default: the hub id as it is
     for argv, needle in ((["--model_name", str(tiny_model), "--model_revision", "v2"], "is local: drop"),
                          (["--model_name", "shardtune-tests/tiny", "--model_revision", "v3"],
                           "--model_revision v3 could not be fetched")):
@@ -336,19 +359,40 @@ def test_sft_and_dpo_config_names_are_honoured_or_refused_in_one_line():
     from transformers import TrainingArguments
     from trl import DPOConfig, SFTConfig
 
-    from shardtune.config.flags import resolve_key
-    from shardtune.config.trl import TRL_FLAGS
+    from shardtune.config.spellings import resolve
 
     trainer = {f.name for f in dataclass_fields(TrainingArguments)}
     for config in (SFTConfig, DPOConfig):
         for name in sorted({f.name for f in dataclass_fields(config)} - trainer):
-            if name not in TRL_FLAGS:
-                resolve_key(name)  # ours under TRL's name; raises "unknown flag" otherwise
-    assert parse_args(["--disable_dropout", "true"]).lora_config.lora_dropout == 0
-    assert parse_args(["--disable_dropout", "false"]).lora_config.lora_dropout == 0.05
+            resolve(name)  # ours under TRL's name, or refused; raises "unknown flag" otherwise
+    assert parse_args(["--disable_dropout", "true"]).peft.lora.dropout == 0
+    assert parse_args(["--disable_dropout", "false"]).peft.lora.dropout == 0.05
     assert parse_args(["--precompute_ref_batch_size", "8"]).dpo.precompute_ref_batch_size == 8
     assert parse_args(["--shuffle_dataset", "false"]) == parse_args([])
     for name in ("ld_alpha", "use_weighting", "sync_ref_model", "dataset_num_proc", "eval_packing"):
         with pytest.raises(ConfigError, match=f"^--{name}: .*drop the") as error:
             parse_args([f"--{name}", "1"])
         assert "\n" not in str(error.value)
+
+
+def test_config_yaml_reads_back_to_the_same_config_and_an_earlier_releases_flat_file_too():
+    """config.yaml (the canonical config, grouped) read back is the config written, for every field: sections whose
+    name is also a flag (optim: and TRL's --optim) stay sections, a mapping-valued flag stays a mapping. A flat
+    config.yaml of an earlier release (llama-cookbook's names) reads into the same canonical settings."""
+    from shardtune.config.flags import flat_settings, from_dict, to_yaml
+
+    cfg = parse_args(["--learning_rate", "3e-4", "--optim", "adamw_torch_fused", "--max_grad_norm", "0.5",
+                      "--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}',
+                      "--use_peft", "--lora_target_modules", "q_proj", "v_proj", "--report_to", "tensorboard",
+                      "--enable_fsdp", "--fsdp_config.pure_bf16", "--eval_on_start", "--save_steps", "0.25",
+                      "--synthetic_dialogues.num_train", "12", "--loss_type", "sigmoid", "sft"])
+    again = from_dict(yaml.safe_load(to_yaml(cfg)))
+    assert flat_settings(again) == flat_settings(cfg)
+    earlier = {"lr": 3e-4, "gradient_clipping": True, "gradient_clipping_threshold": 0.5, "enable_fsdp": True,
+               "fsdp_config": {"pure_bf16": True, "sharding_strategy": "SHARD_GRAD_OP"}, "use_peft": False,
+               "peft_method": "lora", "num_epochs": 2, "synthetic_dialogues": {"num_train": 12}}
+    read = from_dict(earlier)
+    assert (read.optim.lr, read.optim.max_grad_norm, read.parallel.strategy, read.train.precision) == \
+        (3e-4, 0.5, "fsdp", "pure_bf16")
+    assert (read.parallel.sharding_strategy, read.peft.method, read.train.num_epochs) == ("SHARD_GRAD_OP", "", 2)
+    assert read.data.synthetic_dialogues.num_train == 12

@@ -15,6 +15,7 @@ import pytest
 from datasets import load_dataset
 
 from shardtune.config.flags import parse_args
+from shardtune.config.flags import config_from
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data import DataError, check_data_config, load_examples
 from shardtune.data.cache import cache_key
@@ -74,10 +75,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def trl_cfg(path: Path, max_length: int = 1024, **options) -> TrainConfig:
-    cfg = TrainConfig(dataset="trl_dataset", context_length=max_length, run_validation=False)
-    cfg.trl_dataset.dataset_name = str(path)
+    cfg = config_from(dataset="trl_dataset", context_length=max_length, run_validation=False)
+    cfg.data.trl_dataset.dataset_name = str(path)
     for key, value in options.items():
-        setattr(cfg.trl_dataset, key, value)
+        setattr(cfg.data.trl_dataset, key, value)  # typed values, set on the section TRL's data flags live in
     return cfg
 
 
@@ -93,13 +94,13 @@ def trls(cfg: TrainConfig, tokenizer, tmp_path: Path) -> list[tuple[list[int], l
     from transformers import AutoModelForCausalLM, LlamaConfig
     from trl import SFTConfig, SFTTrainer
 
-    tc = cfg.trl_dataset
+    tc = cfg.data.trl_dataset
     tokenizer = copy.deepcopy(tokenizer)
     if tc.chat_template_path:
         tokenizer.chat_template = Path(tc.chat_template_path).read_text()
     completion_only = {"auto": None, "true": True, "false": False}[tc.completion_only_loss]
     args = SFTConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, packing=False,
-                     save_strategy="no", max_length=cfg.context_length, truncation_mode=tc.truncation_mode,
+                     save_strategy="no", max_length=cfg.data.context_length, truncation_mode=tc.truncation_mode,
                      dataset_text_field=tc.dataset_text_field, completion_only_loss=completion_only,
                      assistant_only_loss=tc.assistant_only_loss, eos_token=tc.eos_token or None)
     with torch.random.fork_rng(devices=[]):
@@ -155,7 +156,7 @@ def test_assistant_only_loss_trains_every_assistant_turn_and_nothing_else(tokeni
     (ids, labels), = ours(cfg, tokenizer)
     trained = tokenizer.decode([label for label in labels if label != IGNORE_INDEX])
     assert trained == "Tom and Kate come.</s>At the Odeon.</s>Have fun on Friday.</s>"
-    everything = ours(trl_cfg(cfg.trl_dataset.dataset_name), tokenizer)[0][1]
+    everything = ours(trl_cfg(cfg.data.trl_dataset.dataset_name), tokenizer)[0][1]
     assert everything == ids, "without --assistant_only_loss every token carries loss (as TRL)"
 
 
@@ -220,7 +221,7 @@ def test_bad_rows_are_counted_by_kind_and_strict_data_names_file_and_row(tokeniz
     assert report.skipped == {"unknown_role": 1, "empty_assistant_turn": 1, "no_assistant_tokens": 1,
                               "missing_field": 1}
     cfg = trl_cfg(path, assistant_only_loss=True)
-    cfg.strict_data = True
+    cfg.data.strict = True
     with pytest.raises(DataError, match=rf"^{path} row 2: message 1 of 'messages' has the role 'robot'"):
         load_examples(cfg, tokenizer, "train")
 
@@ -255,8 +256,8 @@ def test_dataset_name_flags_select_the_dataset_and_unused_options_are_refused(tm
     path = write_jsonl(tmp_path / "chat.jsonl", ROWS["messages"])
     cfg = parse_args(["--dataset_name", str(path), "--assistant_only_loss", "true", "--completion_only_loss", "False",
                       "--max_length", "256", "--dataset_test_split", "validation"])
-    assert cfg.dataset == "trl_dataset" and cfg.trl_dataset.assistant_only_loss
-    assert cfg.trl_dataset.completion_only_loss == "false" and cfg.context_length == 256
+    assert cfg.data.dataset == "trl_dataset" and cfg.data.trl_dataset.assistant_only_loss
+    assert cfg.data.trl_dataset.completion_only_loss == "false" and cfg.data.context_length == 256
     check_data_config(cfg)
     with pytest.raises(ConfigError, match="--assistant_only_loss True has no effect with --dataset samsum_dataset"):
         check_data_config(parse_args(["--dataset", "samsum_dataset", "--assistant_only_loss", "true"]))
@@ -289,13 +290,13 @@ def test_cache_key_follows_template_and_mask_options(tokenizer, tmp_path):
 
 
 def test_synthetic_dialogues_as_messages_train_on_the_summary_and_eos(tokenizer):
-    cfg = TrainConfig(run_validation=False)
-    cfg.synthetic_dialogues.num_train, cfg.synthetic_dialogues.messages = 8, True
-    cfg.trl_dataset.assistant_only_loss = True
+    cfg = config_from(run_validation=False)
+    cfg.data.synthetic_dialogues.num_train, cfg.data.synthetic_dialogues.messages = 8, True
+    cfg.data.trl_dataset.assistant_only_loss = True
     check_data_config(cfg)
     examples, report = load_examples(cfg, tokenizer, "train")
     assert "generated train dialogues as messages" in report.source and len(examples) == 8
-    plain, _ = load_examples(TrainConfig(synthetic_dialogues=cfg.synthetic_dialogues.__class__(num_train=8)),
+    plain, _ = load_examples(config_from({"synthetic_dialogues.num_train": 8}),
                              tokenizer, "train")
     for example, samsum in zip(examples, plain):
         summary = [t for t in samsum["labels"] if t != IGNORE_INDEX]

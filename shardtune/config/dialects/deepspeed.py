@@ -1,5 +1,6 @@
-"""The JSON object of ``--deepspeed_config.config_file`` and the keys shardtune sets itself in it.
-"""
+"""DeepSpeed's JSON config files: the object of ``--deepspeed_config.config_file`` (parallel.deepspeed_config_file),
+merged over the config shardtune builds, and the keys shardtune sets itself in it (a file may only repeat them or say
+"auto")."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def deepspeed_file_config(cfg: TrainConfig) -> dict:
     """The JSON object of --deepspeed_config.config_file ({} when none)."""
     import json
 
-    path = cfg.deepspeed_config.config_file
+    path = cfg.parallel.deepspeed_config_file
     if not path:
         return {}
     try:

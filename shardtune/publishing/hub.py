@@ -23,20 +23,20 @@ class HubUploadError(RuntimeError):
 
 def hub_repo_id(cfg: TrainConfig) -> str:
     """--hub_model_id, else output_dir's folder name (Trainer's default; the hub puts it in the token's namespace)."""
-    return cfg.hub_model_id or Path(cfg.output_dir).resolve().name
+    return cfg.output.hub_model_id or Path(cfg.output.dir).resolve().name
 
 
 def check_push_to_hub(cfg: TrainConfig, world_size: int = 0) -> None:
     """Before launch: an upload that cannot work is refused now, never after hours of training."""
-    if not cfg.push_to_hub:
-        given = [f"--{name}" for name in ("hub_model_id", "hub_private_repo", "hub_token") if getattr(cfg, name)]
+    if not cfg.output.push_to_hub:
+        given = [f"--{name}" for name in ("hub_model_id", "hub_private_repo", "hub_token") if getattr(cfg.output, name)]
         if given:
             raise ConfigError(f"{given[0]} only applies with --push_to_hub: add --push_to_hub, or drop {given[0]}")
         return
-    if not cfg.save_model:
+    if not cfg.output.save_model:
         raise ConfigError("--push_to_hub uploads the final model, but --save_model false writes none: drop one of "
                           "them")
-    check_can_upload(hub_repo_id(cfg), cfg.output_dir, cfg.hub_token)
+    check_can_upload(hub_repo_id(cfg), cfg.output.dir, cfg.output.hub_token)
 
 
 def check_can_upload(repo_id: str, folder: str | Path, token: str = "", after: str = "after training") -> None:
@@ -54,7 +54,7 @@ def check_can_upload(repo_id: str, folder: str | Path, token: str = "", after: s
 
 def push_model(cfg: TrainConfig, files: list[str]) -> str:
     """Upload ``files`` (names in output_dir: the published model) to the hub repo; returns the commit's URL."""
-    return push_folder(Path(cfg.output_dir), hub_repo_id(cfg), files, cfg.hub_private_repo, cfg.hub_token)
+    return push_folder(Path(cfg.output.dir), hub_repo_id(cfg), files, cfg.output.hub_private_repo, cfg.output.hub_token)
 
 
 def push_folder(folder: Path, repo_id: str, files: list[str], private: bool = False, token: str = "") -> str:

@@ -169,7 +169,7 @@ class PeakMeter:
         if self.sheet is not None:
             return (f"mfu against the data-sheet dense {self.key} peak of the {self.sheet.gpu} "
                     f"({self.sheet.flops_per_s / TFLOPS:g} TFLOP/s per GPU; {self.device_name})")
-        what = "GPU not in shardtune.model.peak_flops.DATA_SHEET_TFLOPS" if self.device.type == "cuda" else "CPU"
+        what = "GPU not in shardtune.accounting.peak_flops.DATA_SHEET_TFLOPS" if self.device.type == "cuda" else "CPU"
         return (f"mfu against the measured {self.key} matmul peak of {self.device_name} ({what}): measured on "
                 "every rank at once after steps 1, 2, 4, 8, ... and after any faster step, best kept")
 

@@ -1,6 +1,6 @@
 """Training FLOPs: the one place the numerator of MFU is computed from.
 
-MFU = achieved model FLOP/s / peak FLOP/s; the peak is shardtune.model.peak_flops's: the data-sheet dense peak of a
+MFU = achieved model FLOP/s / peak FLOP/s; the peak is shardtune.accounting.peak_flops's: the data-sheet dense peak of a
 known GPU in the compute dtype (as published MFU figures use), a measured matmul rate on CPU and unknown GPUs.
 
 Two counts are kept. ``mfu`` counts what the step computes (:func:`micro_batch_flops`): the output layer only on
@@ -10,8 +10,6 @@ convention (:func:`palm_micro_batch_flops`, 6 N + 12 L d T per token), for compa
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import functools
 import math
@@ -134,11 +132,12 @@ def output_layer_tokens(shape: ModelShape, batch: dict[str, torch.Tensor]) -> in
     return batch_label_tokens(batch) if shape.lean_loss else num_input_tokens(batch)
 
 
-def micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor]) -> int:
+def micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor], head_tokens: int | None = None) -> int:
     """Model FLOPs of training on one micro-batch as computed (the ``mfu`` convention).
 
-    Body matmuls on every input token, the output layer on :func:`output_layer_tokens`, causal attention within
-    each sequence (:func:`causal_attention_flops`). Pad tokens are not counted: it is the work the model needs.
+    Body matmuls on every input token, the output layer on :func:`output_layer_tokens` (or ``head_tokens``: the
+    positions an objective scores, under the lean loss), causal attention within each sequence
+    (:func:`causal_attention_flops`). Pad tokens are not counted: it is the work the model needs.
     """
     body = matmul_flops_per_token(shape.num_body_params, shape.num_trainable_body_params) * num_input_tokens(batch)
     head = matmul_flops_per_token(shape.num_head_params, shape.num_head_params if shape.head_trainable else 0)
@@ -148,7 +147,9 @@ def micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor]) -> int:
         attention = whole * batch["input_ids"].size(1) // int(boundaries[-1])
     else:
         attention = causal_attention_flops(shape, sequence_lengths(batch))
-    return body + head * output_layer_tokens(shape, batch) + attention
+    if head_tokens is None or not shape.lean_loss:
+        head_tokens = output_layer_tokens(shape, batch)
+    return body + head * head_tokens + attention
 
 
 def palm_micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor]) -> int:
@@ -167,14 +168,16 @@ def palm_micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor]) ->
     return training_flops_per_token(shape, batch["input_ids"].size(1)) * num_input_tokens(batch)
 
 
-def preference_micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor]) -> tuple[int, int]:
-    """Model FLOPs (``mfu``, PaLM) of one DPO micro-batch: the policy trains on every row (chosen and rejected, full
-    logits: the output layer on every input token), and the reference model runs forward only (a third of the
-    training FLOPs of a frozen weight: 2 per parameter per token, and attention's forward third). The reference
-    is the policy's own shape (the same model, or the base with the adapter off)."""
-    full_logits = dataclasses.replace(shape, lean_loss=False)
+def preference_micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor], scored_tokens: int
+                                 ) -> tuple[int, int]:
+    """Model FLOPs (``mfu``, PaLM) of one DPO micro-batch: the policy trains on every row (chosen and rejected; under
+    the lean loss the output layer runs on the ``scored_tokens`` completion targets only, else on every input
+    token), and the reference model runs forward only (a third of the training FLOPs of a frozen weight: 2 per
+    parameter per token, and attention's forward third). The reference is the policy's own shape (the same model,
+    or the base with the adapter off). PaLM's convention counts the output layer on every token."""
     tokens = num_input_tokens(batch)
-    forward = 2 * shape.num_matmul_params * tokens
+    head_tokens = scored_tokens if shape.lean_loss else tokens
+    forward = 2 * shape.num_body_params * tokens + 2 * shape.num_head_params * head_tokens
     if SEQUENCE_LAYOUT in batch:  # a slice of a row split over ranks: its share of the whole row's attention
         boundaries = batch[SEQUENCE_LAYOUT].cu_seq_lens
         lengths = boundaries.diff().tolist()
@@ -186,8 +189,8 @@ def preference_micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tenso
         attended = (sum(n * n for n in sequence_lengths(batch)) if "cu_seq_lens" in batch
                     else batch["input_ids"].size(1) * tokens)
     palm_forward = 2 * shape.num_matmul_params * tokens + 4 * shape.num_layers * shape.hidden_size * attended
-    return (micro_batch_flops(full_logits, batch) + forward + attention_forward,
-            palm_micro_batch_flops(full_logits, batch) + palm_forward)
+    return (micro_batch_flops(shape, batch, head_tokens) + forward + attention_forward,
+            palm_micro_batch_flops(shape, batch) + palm_forward)
 
 
 def flop_counter():
@@ -221,8 +224,8 @@ PEAK_DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
 def measured_peak_flops(device_str: str) -> float:
     """The matmul FLOP/s this process reaches on ``device`` in its usual compute dtype (fp32 on CPU, bf16 on GPU),
     measured once per process: what the planner assumes of this machine. MFU divides by
-    shardtune.model.peak_flops instead (the data sheet of a known GPU)."""
-    from shardtune.model.peak_flops import measure_matmul_flops
+    shardtune.accounting.peak_flops instead (the data sheet of a known GPU)."""
+    from shardtune.accounting.peak_flops import measure_matmul_flops
 
     device = torch.device(device_str)
     return measure_matmul_flops(device, PEAK_DTYPES.get(device.type, torch.float32), num_bursts=8)

@@ -1,24 +1,27 @@
-"""``--accelerate_config FILE``: an Accelerate config file, as TRL's guide launches with, read as shardtune flags.
+"""``--accelerate_config FILE``: an Accelerate config file, as TRL's guide launches with, read as shardtune settings.
 
-    launch_flags, train_flags, rest = expand_accelerate_config(argv)
+    launch_flags, train_settings = read_accelerate(path)
 
 The file's launcher keys (num_processes, num_machines, machine_rank, main_process_ip / port) become torchrun
-flags, its training keys (distributed_type, mixed_precision, fsdp_config.*, deepspeed_config.*) shardtune flags
-placed before the command line's, so a flag typed on the command line wins. Keys that only describe Accelerate's
+flags, its training keys (distributed_type, mixed_precision, fsdp_config.*, deepspeed_config.*) canonical settings
+applied before the recipe's and the command line's, so what those say wins. Keys that only describe Accelerate's
 own environment, or that FSDP2 / DeepSpeed here decide by themselves (prefetching, use_orig_params, ...), are
 accepted as they are. Anything else is refused in one line naming the key, so no setting is silently dropped.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import yaml
 
+from shardtune.config.dialects import Pairs
+from shardtune.config.dialects.trl import PROFILES
+from shardtune.config.fields import flatten_dict
 from shardtune.config.schema import ConfigError
-from shardtune.config.flags import flatten_dict
-from shardtune.config.trl import PROFILES
 
 FLAG = "accelerate_config"
 
@@ -46,63 +49,63 @@ EXPECTED_VALUES: dict[str, tuple[Any, ...]] = {
     "rdzv_backend": ("static", "c10d"), "fsdp_config.fsdp_auto_wrap_policy": ("TRANSFORMER_BASED_WRAP",),
     "dynamo_config.dynamo_backend": ("NO", "no"),
 }
-DISTRIBUTED_TYPES = {"NO": [], "MULTI_GPU": [], "MULTI_CPU": [], "FSDP": ["--enable_fsdp", "true"],
-                     "DEEPSPEED": ["--enable_deepspeed", "true"]}
-MIXED_PRECISION = {"no": ["--mixed_precision", "false"], "bf16": ["--mixed_precision", "true"],
-                   "fp16": ["--use_fp16", "true"]}
+DISTRIBUTED_TYPES = {"NO": [], "MULTI_GPU": [], "MULTI_CPU": [], "FSDP": [("parallel.strategy", "fsdp")],
+                     "DEEPSPEED": [("parallel.strategy", "deepspeed")]}
+MIXED_PRECISION = {"no": [("train.precision", "fp32")], "bf16": [("train.precision", "auto")],
+                   "fp16": [("train.precision", "fp16")]}
 SHARDING_STRATEGIES = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
                        "5": "HYBRID_SHARD"}
-OFFLOAD_DEVICES = {"none": "false", "cpu": "true"}
+OFFLOAD_DEVICES = {"none": False, "cpu": True}
 
 
 def _text(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _choice(table: dict[str, list[str]]) -> Callable[[Any], list[str] | None]:
+def _choice(table: dict[str, Pairs]) -> Callable[[Any], Pairs | None]:
     return lambda value: table.get(_text(value))
 
 
-def _same(flag: str) -> Callable[[Any], list[str]]:
-    return lambda value: [flag, _text(value)]
+def _same(key: str) -> Callable[[Any], Pairs]:
+    return lambda value: [(key, value)]
 
 
-def _sharding(value: Any) -> list[str] | None:
+def _sharding(value: Any) -> Pairs | None:
     name = SHARDING_STRATEGIES.get(_text(value), _text(value).upper())
-    return ["--fsdp_config.sharding_strategy", name] if name in SHARDING_STRATEGIES.values() else None
+    return [("parallel.sharding_strategy", name)] if name in SHARDING_STRATEGIES.values() else None
 
 
-def _reshard_after_forward(value: Any) -> list[str] | None:
+def _reshard_after_forward(value: Any) -> Pairs | None:
     """FSDP2 files say true / false; FSDP1 files name a sharding strategy in the same key."""
     if isinstance(value, bool) or _text(value) in ("true", "false"):
-        return ["--fsdp_config.sharding_strategy", "FULL_SHARD" if _text(value) == "true" else "SHARD_GRAD_OP"]
+        return [("parallel.sharding_strategy", "FULL_SHARD" if _text(value) == "true" else "SHARD_GRAD_OP")]
     return _sharding(value)
 
 
-def _offload(flag: str) -> Callable[[Any], list[str] | None]:
-    return lambda value: [flag, OFFLOAD_DEVICES[_text(value)]] if _text(value) in OFFLOAD_DEVICES else None
+def _offload(key: str) -> Callable[[Any], Pairs | None]:
+    return lambda value: [(key, OFFLOAD_DEVICES[_text(value)])] if _text(value) in OFFLOAD_DEVICES else None
 
 
-def _clipping(value: Any) -> list[str]:
-    return ["--gradient_clipping", "true", "--gradient_clipping_threshold", _text(value)]
+def _clipping(value: Any) -> Pairs:
+    return [("optim.max_grad_norm", float(value) or None)]
 
 
-# file key -> shardtune training flags (None: a value shardtune cannot take)
-TRAIN_KEYS: dict[str, Callable[[Any], list[str] | None]] = {
+# file key -> canonical settings (None: a value shardtune cannot take)
+TRAIN_KEYS: dict[str, Callable[[Any], Pairs | None]] = {
     "distributed_type": _choice(DISTRIBUTED_TYPES),
     "mixed_precision": _choice(MIXED_PRECISION),
-    "fsdp_config.fsdp_activation_checkpointing": _same("--fsdp_config.fsdp_activation_checkpointing"),
-    "fsdp_config.fsdp_offload_params": _same("--fsdp_config.fsdp_cpu_offload"),
-    "fsdp_config.fsdp_cpu_ram_efficient_loading": _same("--low_cpu_fsdp"),
+    "fsdp_config.fsdp_activation_checkpointing": _same("parallel.activation_checkpointing"),
+    "fsdp_config.fsdp_offload_params": _same("parallel.cpu_offload"),
+    "fsdp_config.fsdp_cpu_ram_efficient_loading": _same("parallel.low_cpu_fsdp"),
     "fsdp_config.fsdp_sharding_strategy": _sharding,
     "fsdp_config.fsdp_reshard_after_forward": _reshard_after_forward,
-    "fsdp_config.fsdp_state_dict_type": _same("--fsdp_config.checkpoint_type"),
-    "deepspeed_config.zero_stage": _same("--deepspeed_config.zero_stage"),
-    "deepspeed_config.offload_optimizer_device": _offload("--deepspeed_config.offload_optimizer"),
-    "deepspeed_config.offload_param_device": _offload("--deepspeed_config.offload_param"),
-    "deepspeed_config.gradient_accumulation_steps": _same("--gradient_accumulation_steps"),
+    "fsdp_config.fsdp_state_dict_type": _same("checkpoint.checkpoint_type"),
+    "deepspeed_config.zero_stage": _same("parallel.zero_stage"),
+    "deepspeed_config.offload_optimizer_device": _offload("parallel.offload_optimizer"),
+    "deepspeed_config.offload_param_device": _offload("parallel.offload_param"),
+    "deepspeed_config.gradient_accumulation_steps": _same("train.gradient_accumulation_steps"),
     "deepspeed_config.gradient_clipping": _clipping,
-    "deepspeed_config.deepspeed_config_file": _same("--deepspeed_config.config_file"),
+    "deepspeed_config.deepspeed_config_file": _same("parallel.deepspeed_config_file"),
 }
 LAUNCH_KEYS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port")
 PARALLELISM = "parallelism_config.parallelism_config_"
@@ -162,7 +165,7 @@ def _size(path: str, keys: dict[str, Any], name: str) -> int:
     return int(value)
 
 
-def parallelism_flags(path: str, keys: dict[str, Any]) -> list[str]:
+def parallelism_settings(path: str, keys: dict[str, Any]) -> Pairs:
     """Accelerate's parallelism_config on shardtune's mesh: cp (torch backend) is ring attention (--cp_size); sp, and
     cp with the deepspeed backend (ALST), are Ulysses (--sp_size); dp_replicate > 1 under FSDP is HYBRID_SHARD."""
     if not any(k.startswith(PARALLELISM) for k in keys):
@@ -191,24 +194,21 @@ def parallelism_flags(path: str, keys: dict[str, Any]) -> list[str]:
     if "num_processes" in keys and int(keys["num_processes"]) != total and distributed != "NO":
         raise ConfigError(f"--{FLAG} {path}: parallelism_config dp_replicate {replicate} x dp_shard {shard} x cp {cp} "
                           f"x sp {sp} = {total}, but num_processes is {keys['num_processes']}: make them agree")
-    flags: list[str] = []
-    for name, size in (("cp_size", cp), ("sp_size", sp)):
-        if size > 1:
-            flags += [f"--{name}", str(size)]
+    pairs: Pairs = [(f"parallel.{name}", size) for name, size in (("context_parallel_size", cp),
+                                                                  ("sequence_parallel_size", sp)) if size > 1]
     if replicate > 1 and distributed == "FSDP":
-        flags += ["--fsdp_config.sharding_strategy", "HYBRID_SHARD", "--fsdp_config.replica_group_size",
-                  str(replicate)]
-    return flags
+        pairs += [("parallel.sharding_strategy", "HYBRID_SHARD"), ("parallel.replica_group_size", replicate)]
+    return pairs
 
 
-def train_flags(path: str, keys: dict[str, Any]) -> list[str]:
-    flags: list[str] = []
+def train_settings(path: str, keys: dict[str, Any]) -> Pairs:
+    settings: Pairs = []
     for key, value in keys.items():
         if key in LAUNCH_KEYS or key in NO_EFFECT_KEYS:
             continue
         if key.startswith(PARALLELISM) and key.removeprefix(PARALLELISM) in (
                 "tp_size", "cp_size", "sp_size", "dp_replicate_size", "dp_shard_size", "cp_backend", "sp_backend"):
-            continue  # parallelism_flags
+            continue  # parallelism_settings
         if key in EXPECTED_VALUES:
             if value not in EXPECTED_VALUES[key]:
                 raise ConfigError(f"--{FLAG} {path}: {key} {value!r} cannot be mapped onto shardtune (it runs with "
@@ -216,39 +216,31 @@ def train_flags(path: str, keys: dict[str, Any]) -> list[str]:
             continue
         mapped = TRAIN_KEYS[key](value) if key in TRAIN_KEYS else None
         if mapped is None:
-            raise ConfigError(f"--{FLAG} {path}: {key} {value!r} cannot be mapped onto a shardtune flag: remove it "
+            raise ConfigError(f"--{FLAG} {path}: {key} {value!r} cannot be mapped onto a shardtune setting: remove it "
                               "from the file (see shardtune sft --help for what shardtune offers)")
-        flags += mapped
-    return flags + parallelism_flags(path, keys)  # after fsdp_config's strategy: HSDP wins over it
+        settings += mapped
+    return settings + parallelism_settings(path, keys)  # after fsdp_config's strategy: HSDP wins over it
 
 
-def expand_accelerate_config(argv: list[str], default: str | None = None
-                             ) -> tuple[dict[str, str], list[str], list[str]]:
-    """(launcher flags from the file, training flags from the file, argv without --accelerate_config FILE).
-    ``default``: the file a recipe names (its ``accelerate_config:`` key), used when argv names none."""
-    path, rest = accelerate_config_path(argv)
-    path = path or default
+def read_accelerate(path: str | None) -> tuple[dict[str, str], Pairs]:
+    """(launcher flags from the file, canonical settings from the file); none without a file."""
     if path is None:
-        return {}, [], rest
+        return {}, []
     keys = read_accelerate_config(path)
-    return launch_flags(path, keys), train_flags(path, keys), rest
+    return launch_flags(path, keys), train_settings(path, keys)
 
 
-def accelerate_config_path(argv: list[str]) -> tuple[str | None, list[str]]:
-    """The path given with --accelerate_config (None: none), and argv without it."""
-    rest: list[str] = []
-    path = None
-    i = 0
-    while i < len(argv):
-        name, eq, value = argv[i].partition("=")
-        if name in (f"--{FLAG}", "--accelerate-config"):
-            if not eq:
-                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                    raise ConfigError(f"--{FLAG} needs a path: --{FLAG} fsdp2.yaml")
-                value = argv[i + 1]
-                i += 1
-            path = value
-        else:
-            rest.append(argv[i])
-        i += 1
-    return path, rest
+# Accelerate's switches for its own rank-0 loading (the lesson's QLoRA command sets them). With both set,
+# transformers' from_pretrained leaves the weights of every process but local rank 0 unloaded, expecting
+# Accelerate's FSDP to broadcast them; shardtune loads (or, with --low_cpu_fsdp, broadcasts) weights itself.
+ACCELERATE_LOADING_VARIABLES = ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING")
+
+
+def clear_accelerate_loading_variables() -> None:
+    """Remove Accelerate's loading switches from this process (and so from the workers it launches), saying so."""
+    found = [name for name in ACCELERATE_LOADING_VARIABLES if name in os.environ]
+    for name in found:
+        del os.environ[name]
+    if found and os.environ.get("RANK", "0") == "0":
+        print(f"shardtune: ignoring {' and '.join(found)} (Accelerate's loading switches): every rank loads the "
+              "model, or only rank 0 with --low_cpu_fsdp", file=sys.stderr)

@@ -1,0 +1,40 @@
+"""The registry of training objectives: each verb that trains (``shardtune sft``, ``shardtune dpo``) is one entry.
+
+An objective is implemented by one module of the training floor (a subclass of
+shardtune.training.objective.Objective); here it is named, with what the command line and the planner need to know
+without importing torch or the model libraries: its one-line help, its flags' section, and its memory terms. A new
+objective is its module plus one entry here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+def no_reference(cfg: Any) -> bool:
+    return False
+
+
+def dpo_reference(cfg: Any) -> bool:
+    """DPO's reference is a frozen copy of the model for full fine-tuning (with PEFT: the base, adapter off), unless
+    its log-probabilities are precomputed."""
+    return not cfg.peft.method and not cfg.dpo.precompute_ref_log_probs
+
+
+@dataclass(frozen=True)
+class Registration:
+    help: str                  # its line in `shardtune --help`
+    implementation: str        # "module:Class" of its Objective
+    settings: str = ""         # the config section of its own flags (given to another objective: refused)
+    rows_per_unit: int = 1     # planner: rows the model computes per unit of batch
+    frozen_reference: Callable[[Any], bool] = no_reference  # planner: a frozen copy of the model beside it
+
+
+OBJECTIVES = {
+    "sft": Registration("fine-tune a model (launches torchrun; see shardtune sft --help)",
+                        "shardtune.training.sft:SFT"),
+    "dpo": Registration("preference training (DPO) on chosen / rejected pairs, same launcher and flags as sft "
+                        "(docs/dpo.md)", "shardtune.training.dpo:DPO", settings="dpo", rows_per_unit=2,
+                        frozen_reference=dpo_reference),
+}

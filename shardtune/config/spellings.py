@@ -1,0 +1,89 @@
+"""Every name a flag may be given by: the canonical dotted names (``optim.lr``) and the dialects' names
+(shardtune.config.dialects), each meaning one thing. What a name sets, whether it takes a list, how a message names a
+setting the user did not type, and the suggestion for a name that is none of these."""
+
+from __future__ import annotations
+
+import difflib
+import functools
+
+from shardtune.config.dialects import Spelling
+from shardtune.config.dialects import cookbook, trl
+from shardtune.config.fields import flat_fields, is_list, optional
+from shardtune.config.schema import ConfigError
+
+DIALECTS = {"llama-cookbook": cookbook, "TRL": trl}
+
+
+@functools.cache
+def spellings() -> dict[str, Spelling]:
+    """The dialects' names (each in one table only: a name means one thing)."""
+    out: dict[str, Spelling] = {}
+    for dialect in DIALECTS.values():
+        for name, spelling in dialect.SPELLINGS.items():
+            if name in out or name in flat_fields():
+                raise AssertionError(f"--{name} is spelled twice (a dialect table, or a canonical name)")
+            out[name] = spelling
+    return out
+
+
+def normalise(name: str) -> str:
+    return name if "." in name else name.replace("-", "_")
+
+
+def resolve(name: str) -> Spelling:
+    """What flag ``name`` sets: a canonical name is a plain Spelling of itself; an unknown one raises, with the
+    closest known name."""
+    name = normalise(name)
+    if name in flat_fields():
+        return Spelling(name)
+    found = spellings().get(name)
+    if found is not None:
+        return found
+    close = difflib.get_close_matches(name, usable_names(), n=1, cutoff=0.5)
+    hint = f"did you mean --{close[0]}?" if close else "see shardtune sft --help"
+    raise ConfigError(f"unknown flag --{name}: {hint}")
+
+
+@functools.cache
+def usable_names() -> list[str]:
+    """Names a suggestion may point at: not refused ones (a did-you-mean never points at a refusal)."""
+    return [*flat_fields(), *(n for n, s in spellings().items() if not s.refuse)]
+
+
+def takes_a_list(name: str) -> bool:
+    """Whether flag ``name`` sets a list, whose values may follow it one by one (``--loss_type sigmoid sft``, as
+    TRL's parser takes them)."""
+    try:
+        spelling = resolve(name)
+    except ConfigError:
+        return False
+    info = flat_fields().get(spelling.target)
+    return info is not None and is_list(optional(info.type)[0]) and spelling.to is None
+
+
+def takes_no_value(name: str) -> bool:
+    """A bare ``--name`` means true: the switches."""
+    try:
+        spelling = resolve(name)
+    except ConfigError:
+        return False
+    info = flat_fields().get(spelling.target)
+    return info is not None and optional(info.type)[0] is bool
+
+
+@functools.cache
+def default_spelling(key: str) -> str:
+    """The flag name a message uses for the canonical ``key`` when the user did not type it: the flat name users
+    know it by (shardtune's and llama-cookbook's first, then TRL's), else the key itself."""
+    for dialect in DIALECTS.values():
+        for name, spelling in dialect.SPELLINGS.items():
+            if spelling.target == key and spelling.to is None and "." not in name:
+                return name
+    return key
+
+
+def names_of(key: str, dialect: str) -> list[str]:
+    """The names of ``dialect`` that set the canonical ``key`` (for --help and the docs)."""
+    return [name for name, spelling in DIALECTS[dialect].SPELLINGS.items()
+            if not spelling.refuse and key in spelling.target.replace("/", " ").split()]

@@ -1,0 +1,153 @@
+"""Per-pair log-probabilities of DPO's micro-batches: the policy's and the reference's.
+
+A micro-batch is :func:`shardtune.data.preference.collate_pairs`' layout: ``n`` chosen rows then ``n`` rejected
+rows (or one padding-free row of those 2n sequences), so chosen and rejected run through the model in ONE forward.
+A pair's log-probability is the sum of its completion tokens' log-probabilities (``completion_mask``, shifted:
+position t predicts token t + 1), taken per sequence by the memory-lean head
+(shardtune.model.loss.sequence_log_prob_sums: no sequence x vocabulary logits).
+
+Rows split over ranks (--sp_size / --cp_size, :class:`SplitRows`): the ranks of a cp x sp group hold slices of the
+same padding-free row of pairs (shardtune.parallel.sequence.split_row: targets shifted before the split, each token
+knowing its sequence). Each rank sums its slice's log-probabilities per sequence and one all-reduce over the group
+gives every rank the whole sums; the group's ranks then compute the same pair losses, and each backpropagates them
+into its own slice (:class:`SummedOverSplit`: the sum's gradient is the same for every part).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardtune.data.formatting import IGNORE_INDEX
+from shardtune.model.loss import SHIFT_LABELS, sequence_log_prob_sums
+from shardtune.parallel.sequence import SEQUENCE_INDEX
+
+
+@dataclass(frozen=True)
+class SplitRows:
+    """The ranks that split each row (a context x sequence parallel group): its process group, its size, and this
+    rank's slice of a collated row (shardtune.parallel.sequence.RowSlice)."""
+    group: dist.ProcessGroup
+    size: int
+    row_slice: object
+
+    def __call__(self, batch: dict, pad_id: int) -> dict:
+        return self.row_slice(batch, pad_id)
+
+
+class SummedOverSplit(torch.autograd.Function):
+    """Forward: the sum of every rank's partial per-sequence sums (all-reduce over the split group). Backward: the
+    incoming gradient as it is. Every rank of the group computes the same losses from the same totals, so the
+    gradient of a total is the same on each, and it is the gradient of each rank's part."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        total = partial.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def predicted_completion(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Which targets (positions 1..T-1, the next token of each position) are completion tokens: (rows, T - 1). In a
+    padding-free row (``cu_seq_lens``) a sequence's first token is nobody's target, as a padded row's position 0."""
+    mask = batch["completion_mask"][:, 1:].clone()
+    if "cu_seq_lens" in batch:
+        mask[0, batch["cu_seq_lens"][1:-1].long() - 1] = 0
+    return mask
+
+
+def num_pairs(batch: dict[str, torch.Tensor]) -> int:
+    if "completion_lengths" in batch:
+        return batch["completion_lengths"].numel() // 2
+    sequences = len(batch["cu_seq_lens"]) - 1 if "cu_seq_lens" in batch else batch["input_ids"].shape[0]
+    return sequences // 2
+
+
+def completion_targets(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(targets, segments, number of segments) of a micro-batch of pairs, each (rows, T): every position's next
+    token where that token is a completion token (IGNORE_INDEX elsewhere), and the sequence it belongs to (padded
+    rows: the row; a padding-free row: its sequence; a slice of a split row: the token's sequence, the split's
+    padding in one extra segment)."""
+    n = 2 * num_pairs(batch)
+    if SHIFT_LABELS in batch:  # a slice of a split row: targets shifted before the split
+        return batch[SHIFT_LABELS], batch[SEQUENCE_INDEX].clamp(max=n), n + 1
+    ids = batch["input_ids"]
+    targets = torch.full_like(ids, IGNORE_INDEX)
+    targets[:, :-1] = torch.where(predicted_completion(batch).bool(), ids[:, 1:], IGNORE_INDEX)
+    if "cu_seq_lens" in batch:
+        lengths = batch["cu_seq_lens"].diff().long()
+        segments = torch.repeat_interleave(torch.arange(n), lengths)[None]
+    else:
+        segments = torch.arange(ids.shape[0])[:, None].expand_as(ids)
+    return targets, segments, n
+
+
+def pair_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device,
+               split: SplitRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) log-probabilities of the micro-batch's pairs, each (n,) in fp32, from one forward (of
+    2n padded rows, or of one padding-free row, or of this rank's slice of it: ``split``)."""
+    targets, segments, num_segments = completion_targets(batch)
+    sums = sequence_log_prob_sums(model, batch, targets, segments, num_segments, device)
+    if SHIFT_LABELS in batch:  # a slice's sums are partial: all-reduced over the split group
+        return SummedOverSplit.apply(sums[:2 * num_pairs(batch)], split.group).chunk(2, dim=0)
+    return sums.chunk(2, dim=0)
+
+
+def completion_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Completion tokens of each sequence (2n,), as TRL counts them for ipo (the unshifted completion mask)."""
+    if "completion_lengths" in batch:  # counted at collation (a split row's slices keep them)
+        return batch["completion_lengths"].float()
+    mask = batch["completion_mask"].float()
+    if "cu_seq_lens" not in batch:
+        return mask.sum(dim=1)
+    return torch.stack([part.sum() for part in mask[0].split(batch["cu_seq_lens"].diff().tolist())])
+
+
+def adapter_disabled(model: nn.Module) -> contextlib.AbstractContextManager:
+    """The PEFT model's base (its adapter switched off) for the duration of the block."""
+    return model.disable_adapter()
+
+
+@torch.no_grad()
+def reference_logps(policy: nn.Module, ref_model: nn.Module | None, peft_model: nn.Module | None,
+                    batch: dict[str, torch.Tensor], device: torch.device, split: SplitRows | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's (chosen, rejected) log-probabilities: those the batch carries (--precompute_ref_log_probs),
+    else ``ref_model``'s when given, else the policy's with the adapter of ``peft_model`` (the unwrapped PEFT model)
+    switched off."""
+    if "ref_logps" in batch:
+        ref = batch["ref_logps"].to(device)
+        return ref[:, 0], ref[:, 1]
+    if ref_model is not None:
+        return pair_logps(ref_model, batch, device, split)
+    if peft_model is None:
+        raise ValueError("a reference needs ref_model (full fine-tuning) or peft_model (the adapter switched off)")
+    with adapter_disabled(peft_model):
+        return pair_logps(policy, batch, device, split)
+
+
+def chosen_completion_targets(batch: dict[str, torch.Tensor]) -> int:
+    """Completion tokens of the chosen sequences predicted in this micro-batch (of this slice, for a split row): the
+    tokens of TRL's ``sft`` term."""
+    n = num_pairs(batch)
+    if SHIFT_LABELS in batch:
+        return int(((batch[SHIFT_LABELS] != IGNORE_INDEX) & (batch[SEQUENCE_INDEX] < n)).sum())
+    mask = predicted_completion(batch)
+    if "cu_seq_lens" not in batch:
+        return int(mask[:n].sum())
+    return int(mask[0, :int(batch["cu_seq_lens"][n]) - 1].sum())  # targets of the row's first n sequences
+
+
+def num_completion_targets(batch: dict[str, torch.Tensor]) -> int:
+    """Completion tokens predicted in this micro-batch (of this slice, for a split row)."""
+    if SHIFT_LABELS in batch:
+        return int((batch[SHIFT_LABELS] != IGNORE_INDEX).sum())
+    return int(predicted_completion(batch).sum())

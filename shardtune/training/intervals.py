@@ -1,0 +1,29 @@
+"""When things happen in a run, in optimizer steps: how many steps it trains, and the intervals of evaluations,
+checkpoints and tracker rows."""
+
+from __future__ import annotations
+
+import math
+
+from shardtune import data
+from shardtune.config.schema import TrainConfig, interval_steps
+
+
+def every(interval: float, total_steps: int) -> int:
+    """An interval setting in optimizer steps (shardtune.config.schema.interval_steps): a fraction of the run's steps
+    in (0, 1), rounded up (Trainer's rule for --save_steps / --eval_steps / --logging_steps below 1), else whole steps;
+    0: none."""
+    return interval_steps(interval, total_steps)
+
+
+def planned_steps(cfg: TrainConfig, num_units: int, dp_size: int) -> int:
+    """Optimizer steps the run trains to: ceil(epochs x steps per epoch) (a fractional --num_train_epochs, as Trainer
+    counts it), or --max_train_step when it is fewer."""
+    per_epoch = data.steps_per_epoch(num_units, cfg, dp_size)
+    total = math.ceil(cfg.train.num_epochs * per_epoch)
+    return min(total, cfg.train.max_steps) if cfg.train.max_steps else total
+
+
+def num_epochs(cfg: TrainConfig) -> int:
+    """Epochs of data order the run reaches into: a fractional number of epochs is rounded up."""
+    return math.ceil(cfg.train.num_epochs)

@@ -1,0 +1,121 @@
+"""What a training objective brings to the one engine: its data and batches, a micro-batch's loss as a sum with its
+normaliser and statistics, its evaluation, its metric names, its checks before launch (its registration in
+shardtune.config.objectives has the planner's terms).
+
+The engine (shardtune.training.step, shardtune.training.loop) owns everything else, alike for every objective:
+accumulation, the gradient scale that undoes the strategies' averaging, clipping, the step / skip / stop decision
+(--nan_policy), checkpoints, metrics rows. The loss of an optimizer step is
+
+    sum(micro-batch loss sums over all micro-batches of all ranks) / N
+
+where N is the objective's global normaliser of the step (SFT: labelled tokens; DPO: pairs), all-reduced before the
+first backward, so that any split of the same step over processes and accumulation steps gives the same gradients.
+
+The objectives are named in shardtune.config.objectives (torch-free, for the command line); :func:`objective_class`
+imports the one a run trains.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from shardtune.config.objectives import OBJECTIVES
+from shardtune.config.schema import ConfigError, TrainConfig
+from shardtune.accounting.flops import ModelShape
+from shardtune.runtime.distributed import DistEnv
+
+# The counts every objective gives for a step (per rank, summed over ranks by the engine), in this order; an objective
+# may add its own after them (``Objective.count_names``).
+COUNTS = ("normaliser", "num_tokens", "input_tokens", "flops", "palm_flops")
+
+
+class Objective(ABC):
+    """One objective of the engine; one instance per worker (it may hold models, e.g. DPO's reference)."""
+
+    name: ClassVar[str]
+    count_names: ClassVar[tuple[str, ...]] = COUNTS
+    stat_names: ClassVar[tuple[str, ...]]              # what a micro-batch's loss returns beside its sum, summed
+    step_metric_names: ClassVar[tuple[str, ...]] = ()  # keys its step rows carry beyond the engine's
+    eval_metric_names: ClassVar[tuple[str, ...]]       # keys of its evaluation rows (--metric_for_best_model)
+
+    # -- before launch (no process group) -----------------------------------------------------------------------
+    @classmethod
+    def check(cls, cfg: TrainConfig, world_size: int) -> None:
+        """Its settings, alone (one ConfigError line)."""
+
+    @classmethod
+    @abstractmethod
+    def prepare_data(cls, cfg: TrainConfig, tokenizer, dp_size: int) -> None:
+        """Tokenise its data into the cache (a bad row found here, before any worker) and check there is a step."""
+
+    # -- in the worker -----------------------------------------------------------------------------------------
+    def __init__(self, cfg: TrainConfig, env: DistEnv, strategy, tokenizer) -> None:
+        self.cfg, self.env, self.strategy, self.tokenizer = cfg, env, strategy, tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer is not None else 0
+
+    @abstractmethod
+    def load_data(self) -> tuple[list, list]:
+        """(training units, evaluation items), the same on every rank."""
+
+    # (units, cfg, pad_id) -> a training micro-batch; None: the data floor's collate of examples
+    collate_fn: ClassVar[Any] = None
+
+    def attach(self, model: nn.Module, units: list, eval_items: list) -> None:
+        """After the model is wrapped, before the first step: build what the loss needs besides the model."""
+
+    @abstractmethod
+    def counts(self, micro_batches: list[dict], shape: ModelShape | None) -> list[float]:
+        """This rank's counts of the step, in ``count_names`` order (flops 0 without a shape)."""
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], totals: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the micro-batch's loss SUM with its graph, its statistics in ``stat_names`` order, detached, on the
+        device). ``totals``: the step's global counts (``count_names``), on the device."""
+
+    @abstractmethod
+    def step_metrics(self, totals: dict[str, float], stats: list[float]) -> dict[str, float]:
+        """The step's ``loss`` and its own metrics from the global totals and summed statistics."""
+
+    @abstractmethod
+    def evaluate(self, model: nn.Module) -> tuple[dict[str, float], list[dict]]:
+        """Collective: (the evaluation row, with ``eval_loss``; generated samples to log, maybe none)."""
+
+    def describe_eval(self, row: dict[str, float]) -> str:
+        return f"eval loss {row['eval_loss']:.4f}"
+
+
+def objective_class(name: str) -> type[Objective]:
+    """The registered objective ``name`` (shardtune.config.objectives)."""
+    if name not in OBJECTIVES:
+        raise ConfigError(f"objective {name!r} is not known: choose one of {', '.join(OBJECTIVES)}")
+    module, _, cls = OBJECTIVES[name].implementation.partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def foreign_setting(cfg: TrainConfig) -> tuple[str, str] | None:
+    """(another objective, one of its flags) when a flag of an objective the run does not train is given: it would
+    be ignored; None when there is none."""
+    for name, registration in OBJECTIVES.items():
+        section = registration.settings
+        if name == cfg.objective or not section:
+            continue
+        given, default = getattr(cfg, section), type(getattr(cfg, section))()
+        changed = [key for key, value in vars(given).items() if value != getattr(default, key)]
+        if changed:
+            return name, changed[0]
+    return None
+
+
+def check_objective(cfg: TrainConfig, world_size: int) -> None:
+    """The objective's own checks, and no other objective's flag given."""
+    foreign = foreign_setting(cfg)
+    if foreign:
+        raise ConfigError(f"--{foreign[1]} is a flag of shardtune {foreign[0]}: run shardtune {foreign[0]}, or drop "
+                          "it")
+    objective_class(cfg.objective).check(cfg, world_size)

@@ -1,0 +1,89 @@
+"""Supervised fine-tuning: next-token cross-entropy over the labelled tokens, normalised by the step's global number
+of labelled tokens (the engine's N). Evaluation: the token-weighted loss and perplexity of the validation split,
+and with --log_eval_samples N greedy answers to its first N prompts, scored by ROUGE."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardtune import data
+from shardtune.data.cache import load_examples_cached
+from shardtune.accounting.flops import ModelShape, micro_batch_flops, num_input_tokens, palm_micro_batch_flops
+from shardtune.model.generation import ROUGE_TYPES, EvalSampler, mean_rouge
+from shardtune.model.loading import cache_dir
+from shardtune.model.loss import batch_label_tokens, token_loss_sum
+from shardtune.parallel.sequence import RowSlice
+from shardtune.runtime.distributed import all_reduce_sum, print0
+from shardtune.training.metrics import perplexity
+from shardtune.training.objective import Objective
+
+
+def data_splits(cfg) -> tuple[str, ...]:
+    return ("train", "validation") if cfg.eval.enabled else ("train",)
+
+
+class SFT(Objective):
+    name = "sft"
+    stat_names = ("loss_sum",)
+    eval_metric_names = ("eval_loss", "eval_ppl", *(f"eval_{k}" for k in ROUGE_TYPES))
+
+    @classmethod
+    def prepare_data(cls, cfg, tokenizer, dp_size: int) -> None:
+        loaded = {split: load_examples_cached(cfg, tokenizer, split, cache_dir()) for split in data_splits(cfg)}
+        data.steps_per_epoch(len(data.build_units(loaded["train"][0], cfg)), cfg, dp_size)
+
+    def load_data(self) -> tuple[list, list]:
+        cfg = self.cfg
+        loaded = {split: load_examples_cached(cfg, self.tokenizer, split, cache_dir()) for split in data_splits(cfg)}
+        for split, (_, report) in loaded.items():
+            print0(f"data ({split}): {report.summary()}")
+        units = data.build_units(loaded["train"][0], cfg)
+        data.steps_per_epoch(len(units), cfg, self.strategy.dims.dp_size)  # fails early if the data is too small
+        return units, loaded["validation"][0] if cfg.eval.enabled else []
+
+    def attach(self, model: nn.Module, units: list, eval_items: list) -> None:
+        cfg, dims = self.cfg, self.strategy.dims
+        row_slice = RowSlice.of_rank(dims, self.env.rank)  # eval rows are split like training rows
+        self.eval_batches = (data.eval_batches(eval_items, cfg, dims.dp_rank(self.env.rank), dims.dp_size,
+                                               self.pad_id, row_slice) if cfg.eval.enabled else [])
+        self.sampler = (EvalSampler(eval_items[:cfg.eval.log_samples], self.tokenizer)
+                        if cfg.eval.log_samples else None)
+
+    def counts(self, micro_batches: list[dict], shape: ModelShape | None) -> list[float]:
+        tokens = sum(batch_label_tokens(mb) for mb in micro_batches)
+        flops = sum(micro_batch_flops(shape, mb) for mb in micro_batches) if shape is not None else 0
+        palm = sum(palm_micro_batch_flops(shape, mb) for mb in micro_batches) if shape is not None else 0
+        return [tokens, tokens, sum(num_input_tokens(mb) for mb in micro_batches), flops, palm]
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], totals: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        loss_sum = token_loss_sum(model, batch, self.env.device)
+        return loss_sum, loss_sum.detach().reshape(1)
+
+    def step_metrics(self, totals: dict[str, float], stats: list[float]) -> dict[str, float]:
+        return {"loss": stats[0] / max(totals["normaliser"], 1)}
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> tuple[dict[str, float], list[dict]]:
+        """The token-weighted loss over all ranks' shares of the validation split, and its perplexity; the samples
+        of --log_eval_samples (every rank generates them, FSDP gathering weights in each forward)."""
+        strategy, device = self.strategy, self.env.device
+        model.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=device)
+        for batch in self.eval_batches:
+            with strategy.autocast():
+                sums[0] += token_loss_sum(model, batch, device).double()
+            sums[1] += batch_label_tokens(batch)
+        loss_sum, num_tokens = all_reduce_sum(sums, device).tolist()
+        samples = []
+        if self.sampler is not None:
+            with strategy.autocast(), strategy.generating(model):
+                samples = self.sampler(strategy.unwrap(model))
+        model.train()
+        loss = loss_sum / num_tokens if num_tokens else float("nan")
+        return {"eval_loss": loss, "eval_ppl": perplexity(loss), "eval_num_tokens": int(num_tokens),
+                **mean_rouge(samples)}, samples
+
+    def describe_eval(self, row: dict[str, float]) -> str:
+        return f"eval loss {row['eval_loss']:.4f}, perplexity {row['eval_ppl']:.2f}"
