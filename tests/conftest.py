@@ -14,6 +14,26 @@ import pytest
 pytest.register_assert_rewrite("tests.helpers")
 
 REPO = Path(__file__).resolve().parent.parent
+LAUNCHING_FOLDERS = ("e2e", "distributed", "multihost")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The markers (pyproject.toml): launch and multihost from a test's folder and fixtures; gpu tests skipped
+    where no CUDA device is."""
+    cuda = None
+    for item in items:
+        folder = Path(str(item.fspath)).relative_to(REPO / "tests").parts[0]
+        if folder in LAUNCHING_FOLDERS or "run_cli" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.launch)
+        if folder == "multihost":
+            item.add_marker(pytest.mark.multihost)
+        if item.get_closest_marker("gpu"):
+            if cuda is None:
+                import torch
+
+                cuda = torch.cuda.is_available()
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
 def shardtune_argv(*args) -> list[str]:
