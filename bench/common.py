@@ -17,14 +17,23 @@ NUM_THREADS = max(1, os.cpu_count() or 1)
 
 def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(NUM_THREADS), **extra})
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": str(REPO),
+            "OMP_NUM_THREADS": str(NUM_THREADS),
+            **extra,
+        }
+    )
     return env
 
 
 def run(argv: list[str], timeout: float = 1800, **env: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(a) for a in argv], capture_output=True, text=True, cwd=REPO, env=child_env(**env),
-                          timeout=timeout)
+    proc = subprocess.run(
+        [str(a) for a in argv], capture_output=True, text=True, cwd=REPO, env=child_env(**env), timeout=timeout
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, argv))} exited {proc.returncode}\n{proc.stderr[-4000:]}")
     return proc
@@ -51,21 +60,36 @@ def machine_info() -> dict:
 
     cpu = ""
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         cpu = platform.processor()
     mem_kib = 0
     try:
-        mem_kib = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
-                           if line.startswith("MemTotal")))
+        mem_kib = int(
+            next(
+                line.split()[1]
+                for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemTotal")
+            )
+        )
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "memory_gib": round(mem_kib / 2**20, 1),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
-            "load_average_at_start": os.getloadavg()}
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "memory_gib": round(mem_kib / 2**20, 1),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "load_average_at_start": os.getloadavg(),
+    }
 
 
 def python() -> str:

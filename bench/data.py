@@ -12,8 +12,9 @@ from shardtune.data.batching import collate_padding
 from shardtune.model.loss import num_label_tokens, token_loss_sum
 
 
-def bench_config(model: str, num_train: int, num_validation: int, samsum: str, context_length: int,
-                 chatter: bool = False) -> TrainConfig:
+def bench_config(
+    model: str, num_train: int, num_validation: int, samsum: str, context_length: int, chatter: bool = False
+) -> TrainConfig:
     cfg = config_from(model_name=model, context_length=context_length)
     if samsum:
         cfg.data.dataset = "samsum_dataset"
@@ -28,8 +29,14 @@ def bench_config(model: str, num_train: int, num_validation: int, samsum: str, c
 def dataset_flags(num_train: int, num_validation: int, samsum: str, chatter: bool = False) -> list[str]:
     if samsum:
         return ["--dataset", "samsum_dataset", "--samsum_dataset.data_path", samsum]
-    return ["--synthetic_dialogues.num_train", str(num_train), "--synthetic_dialogues.num_validation",
-            str(num_validation), "--synthetic_dialogues.chatter", str(chatter).lower()]
+    return [
+        "--synthetic_dialogues.num_train",
+        str(num_train),
+        "--synthetic_dialogues.num_validation",
+        str(num_validation),
+        "--synthetic_dialogues.chatter",
+        str(chatter).lower(),
+    ]
 
 
 def mean_example_length(cfg: TrainConfig) -> float:
@@ -46,7 +53,7 @@ def eval_loss_of(model: torch.nn.Module, examples: list[dict], pad_id: int, batc
     model.eval()
     total, count = 0.0, 0
     for start in range(0, len(examples), batch_size):
-        batch = collate_padding(examples[start:start + batch_size], pad_id)
+        batch = collate_padding(examples[start : start + batch_size], pad_id)
         total += float(token_loss_sum(model, batch, torch.device("cpu")))
         count += num_label_tokens(batch["labels"])
     model.train()
@@ -78,8 +85,7 @@ def peer_inputs(args: argparse.Namespace):
     from shardtune import data
     from shardtune.model.loading import load_tokenizer
 
-    cfg = bench_config(args.model, args.num_train, args.num_validation, args.samsum, args.context_length,
-                       args.chatter)
+    cfg = bench_config(args.model, args.num_train, args.num_validation, args.samsum, args.context_length, args.chatter)
     tokenizer = load_tokenizer(args.model)
     train_examples, _ = data.load_examples(cfg, tokenizer, "train")
     eval_examples, _ = data.load_examples(cfg, tokenizer, "validation")
@@ -90,9 +96,26 @@ def peer_inputs(args: argparse.Namespace):
 def peer_training_arguments(args: argparse.Namespace, batch: int) -> dict:
     """The TrainingArguments both peers run with: one epoch (or --max_steps), constant lr, clipping at 1, no saving,
     no evaluation, no logging; bf16 mixed precision on cuda."""
-    return dict(output_dir=args.out, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-                num_train_epochs=1, max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="constant",
-                warmup_steps=0, weight_decay=0.0, optim="adamw_torch", max_grad_norm=1.0, seed=42,
-                use_cpu=args.device == "cpu", bf16=args.device == "cuda", dataloader_num_workers=0,
-                dataloader_drop_last=True, save_strategy="no", eval_strategy="no", logging_steps=10**9, report_to=[],
-                disable_tqdm=True)
+    return dict(
+        output_dir=args.out,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        num_train_epochs=1,
+        max_steps=args.max_steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        optim="adamw_torch",
+        max_grad_norm=1.0,
+        seed=42,
+        use_cpu=args.device == "cpu",
+        bf16=args.device == "cuda",
+        dataloader_num_workers=0,
+        dataloader_drop_last=True,
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=10**9,
+        report_to=[],
+        disable_tqdm=True,
+    )

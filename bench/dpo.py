@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench.common import RESULTS, machine_info, python, run, run_json
 
-TRL_SCRIPT = r'''
+TRL_SCRIPT = r"""
 import json, sys, time
 start = time.perf_counter()
 import torch
@@ -52,7 +52,7 @@ train_start = time.perf_counter()
 output = trainer.train()
 print(json.dumps({"train_s": time.perf_counter() - train_start, "steps": output.global_step, "step_s": steps_s,
                   "process_s": time.perf_counter() - start, "train_loss": output.training_loss}))
-'''
+"""
 
 
 def write_pairs(path: Path, num: int) -> Path:
@@ -91,27 +91,85 @@ def main() -> None:
         script = tmp / "trl_dpo.py"
         script.write_text(TRL_SCRIPT)
         tick = time.perf_counter()
-        trl = run_json([python(), str(script), model, str(pairs), str(tmp / "trl"), str(args.batch), str(args.steps),
-                        str(args.context_length), args.device])
+        trl = run_json(
+            [
+                python(),
+                str(script),
+                model,
+                str(pairs),
+                str(tmp / "trl"),
+                str(args.batch),
+                str(args.steps),
+                str(args.context_length),
+                args.device,
+            ]
+        )
         trl["process_s"] = time.perf_counter() - tick
         out = tmp / "shardtune"
         tick = time.perf_counter()
-        run([python(), "-m", "shardtune", "dpo", "--nproc_per_node", "1", "--model_name", model, "--output_dir",
-             str(out), "--dataset_name", str(pairs), "--batch_size_training", str(args.batch), "--max_train_step",
-             str(args.steps), "--context_length", str(args.context_length), "--lr", "1e-5", "--beta", "0.1",
-             "--lr_scheduler", "constant", "--gradient_clipping", "true", "--run_validation", "false",
-             "--save_model", "false", "--save_plots", "false", "--num_workers_dataloader", "0"])
+        run(
+            [
+                python(),
+                "-m",
+                "shardtune",
+                "dpo",
+                "--nproc_per_node",
+                "1",
+                "--model_name",
+                model,
+                "--output_dir",
+                str(out),
+                "--dataset_name",
+                str(pairs),
+                "--batch_size_training",
+                str(args.batch),
+                "--max_train_step",
+                str(args.steps),
+                "--context_length",
+                str(args.context_length),
+                "--lr",
+                "1e-5",
+                "--beta",
+                "0.1",
+                "--lr_scheduler",
+                "constant",
+                "--gradient_clipping",
+                "true",
+                "--run_validation",
+                "false",
+                "--save_model",
+                "false",
+                "--save_plots",
+                "false",
+                "--num_workers_dataloader",
+                "0",
+            ]
+        )
         process_s = time.perf_counter() - tick
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in rows if "step_time_s" in r]
-    ours = {"steps": len(steps), "step_s": steady([r["step_time_s"] for r in steps]),
-            "train_s": sum(r["step_time_s"] for r in steps), "process_s": process_s,
-            "first_loss": steps[0]["loss"]}
-    theirs = {"steps": trl["steps"], "step_s": steady(trl["step_s"]), "train_s": trl["train_s"],
-              "process_s": trl["process_s"]}
-    result = {"machine": machine_info(), "date": time.strftime("%Y-%m-%d"), "settings": vars(args),
-              "trl_dpo": theirs, "shardtune_dpo": ours,
-              "step_speedup": theirs["step_s"] / ours["step_s"], "process_speedup": theirs["process_s"] / process_s}
+    ours = {
+        "steps": len(steps),
+        "step_s": steady([r["step_time_s"] for r in steps]),
+        "train_s": sum(r["step_time_s"] for r in steps),
+        "process_s": process_s,
+        "first_loss": steps[0]["loss"],
+    }
+    theirs = {
+        "steps": trl["steps"],
+        "step_s": steady(trl["step_s"]),
+        "train_s": trl["train_s"],
+        "process_s": trl["process_s"],
+    }
+    result = {
+        "machine": machine_info(),
+        "date": time.strftime("%Y-%m-%d"),
+        "settings": vars(args),
+        "trl_dpo": theirs,
+        "shardtune_dpo": ours,
+        "step_speedup": theirs["step_s"] / ours["step_s"],
+        "process_speedup": theirs["process_s"] / process_s,
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "dpo.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -12,9 +12,9 @@ before ``--deadline_s`` (estimated from the FLOPs of the step at the rate the ro
 and reported as such; one that fails (CUDA out of memory, any error) is reported with its error, and the script
 goes on.
 
-MFU = model FLOPs as computed (shardtune/accounting/flops.py: output layer on labelled tokens, causal attention) / the GPU's
-data-sheet dense bf16 peak (shardtune/accounting/peak_flops.py; a GPU missing from its table: the measured bf16 matmul peak,
-labelled so in the row's ``peak_source``), as torchtitan and Megatron-LM report it.
+MFU = model FLOPs as computed (shardtune/accounting/flops.py: output layer on labelled tokens, causal attention) /
+the GPU's data-sheet dense bf16 peak (shardtune/accounting/peak_flops.py; a GPU missing from its table: the measured
+bf16 matmul peak, labelled so in the row's ``peak_source``), as torchtitan and Megatron-LM report it.
 ``--cpu-smoke`` runs the same code on tiny shapes, fp32, gloo, two steps each (one for the long rows, of 256 / 512 /
 1,024 tokens): what the tests exercise.
 On CUDA the figures are appended to bench/results/gpu.md and written to bench/results/gpu-DATE.json.
@@ -42,8 +42,16 @@ SMOKE_LONG = {"long-128k": 256, "long-512k": 512, "long-1m": 1024}  # tokens of 
 for _name in LONG:
     SHAPES[_name] = dict(preset="llama-8b-shape", seq_len=LONG[_name], batch=1, peft=True, long=True)
 ASSUMED_MFU = 0.3  # to estimate a long row's time before any row has run
-SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=176, vocab_size=1000, seq_len=64, batch=2)
+SMOKE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=176,
+    vocab_size=1000,
+    seq_len=64,
+    batch=2,
+)
 
 
 def build(name: str, smoke: bool, device: torch.device) -> tuple[torch.nn.Module, int, int]:
@@ -52,8 +60,9 @@ def build(name: str, smoke: bool, device: torch.device) -> tuple[torch.nn.Module
     from shardtune.model.loading import PRESETS
 
     spec = SHAPES[name]
-    shape = ({k: v for k, v in SMOKE.items() if k not in ("seq_len", "batch")} if smoke
-             else dict(PRESETS[spec["preset"]]))
+    shape = (
+        {k: v for k, v in SMOKE.items() if k not in ("seq_len", "batch")} if smoke else dict(PRESETS[spec["preset"]])
+    )
     seq_len, batch = (SMOKE["seq_len"], SMOKE["batch"]) if smoke else (spec["seq_len"], spec["batch"])
     if smoke and spec.get("long"):
         seq_len, batch = SMOKE_LONG[name], 1
@@ -70,22 +79,30 @@ def planned_peak_bytes(name: str, config: dict, env, seq_len: int, batch: int, l
     """``shardtune plan``'s peak for this configuration (shardtune.planner): FSDP FULL_SHARD over the processes,
     bf16 compute with fp32 master weights (full) or bf16 weights (LoRA) on a GPU, fp32 on the CPU. None for the
     long rows: the planner does not model the tiled MLP or activation offloading they run with."""
-    from shardtune.planner.shapes import Adapter, Arch
     from shardtune.planner.estimate import Setup, estimate
+    from shardtune.planner.shapes import Adapter, Arch
 
     if long:
         return None
     gpu = env.device.type == "cuda"
     lora = SHAPES[name]["peft"]
-    setup = Setup(arch=Arch.from_config(config, name), strategy="FULL_SHARD", gpus_per_node=env.world_size,
-                  batch_size=batch, seq_len=seq_len, compute_bytes=2 if gpu else 4, pure_bf16=gpu and lora,
-                  adapter=Adapter(method="lora", lora_targets=("q_proj", "v_proj")) if lora else Adapter())
+    setup = Setup(
+        arch=Arch.from_config(config, name),
+        strategy="FULL_SHARD",
+        gpus_per_node=env.world_size,
+        batch_size=batch,
+        seq_len=seq_len,
+        compute_bytes=2 if gpu else 4,
+        pure_bf16=gpu and lora,
+        adapter=Adapter(method="lora", lora_targets=("q_proj", "v_proj")) if lora else Adapter(),
+    )
     return estimate(setup).peak
 
 
 @dataclass(frozen=True)
 class LongRowPlan:
     """What a long row needs, estimated before anything is allocated, and whether it runs."""
+
     run: bool
     offload: bool
     device_gib: float
@@ -94,8 +111,15 @@ class LongRowPlan:
     reason: str = ""
 
 
-def plan_long_row(config: dict, seq_len: int, dtype_bytes: int, device_gib: float, host_gib: float,
-                  flops_per_s: float, seconds_left: float) -> LongRowPlan:
+def plan_long_row(
+    config: dict,
+    seq_len: int,
+    dtype_bytes: int,
+    device_gib: float,
+    host_gib: float,
+    flops_per_s: float,
+    seconds_left: float,
+) -> LongRowPlan:
     """Memory and time of one LoRA step over one sequence of ``seq_len`` tokens with activation checkpointing,
     tiled MLP and the lean loss (``config``: the model's LlamaConfig keywords).
 
@@ -137,8 +161,8 @@ def host_available_gib() -> float:
 
 def run_config(name: str, args, env, plan: LongRowPlan | None = None) -> dict:
     from shardtune.accounting.flops import model_shape
-    from shardtune.model.longseq import apply_memory_levers
     from shardtune.accounting.peak_flops import device_peak
+    from shardtune.model.longseq import apply_memory_levers
     from shardtune.model.speed import apply_speed_features
     from shardtune.parallel import make_strategy
     from shardtune.parallel.optim import build_optimizer
@@ -147,8 +171,15 @@ def run_config(name: str, args, env, plan: LongRowPlan | None = None) -> dict:
 
     spec = SHAPES[name]
     long = bool(spec.get("long"))
-    cfg = config_from(enable_fsdp=True, use_peft=spec["peft"], use_fast_kernels=True, compile=args.compile, lr=1e-5,
-                      tiled_mlp=long, activation_offloading=long and (plan is None or plan.offload))
+    cfg = config_from(
+        enable_fsdp=True,
+        use_peft=spec["peft"],
+        use_fast_kernels=True,
+        compile=args.compile,
+        lr=1e-5,
+        tiled_mlp=long,
+        activation_offloading=long and (plan is None or plan.offload),
+    )
     cfg.parallel.activation_checkpointing = long
     model, seq_len, batch = build(name, args.cpu_smoke, env.device)
     planned = planned_peak_bytes(name, model.config.to_dict(), env, seq_len, batch, long)
@@ -195,19 +226,37 @@ def run_config(name: str, args, env, plan: LongRowPlan | None = None) -> dict:
     sync()
     elapsed = time.perf_counter() - tick
     peak, peak_source = device_peak(env.device, strategy.compute_dtype)
-    peak_memory = (torch.cuda.max_memory_allocated() if env.device.type == "cuda"
-                   else __import__("shardtune.runtime.distributed", fromlist=["peak_memory_bytes"]).peak_memory_bytes(env.device))
-    return {"config": name, "model": "smoke" if args.cpu_smoke else spec["preset"], "seq_len": seq_len,
-            "batch_per_gpu": batch, "steps": steps, "tokens_per_s_per_gpu": tokens / elapsed / env.world_size,
-            "mfu": flops / elapsed / (peak * env.world_size), "peak_flops_per_s": peak, "peak_source": peak_source,
-            "peak_memory_gib": peak_memory / 2**30, "planned_peak_gib": planned / 2**30 if planned else None,
-            # the planner's error against torch.cuda.max_memory_allocated (live tensor bytes); None on the CPU,
-            # where peak_memory is the process's resident size, and where the plan does not model a lever
-            "plan_error": planned / peak_memory - 1 if planned and env.device.type == "cuda" else None,
-            "loss_first": losses[0], "loss_last": losses[-1],
-            "num_matmul_params": shape.num_matmul_params, "num_trainable_params": shape.num_trainable_params,
-            "levers": ("activation checkpointing, tiled MLP, lean loss"
-                       + (", activation offloading" if cfg.parallel.activation_offloading else "")) if long else "lean loss"}
+    peak_memory = (
+        torch.cuda.max_memory_allocated()
+        if env.device.type == "cuda"
+        else __import__("shardtune.runtime.distributed", fromlist=["peak_memory_bytes"]).peak_memory_bytes(env.device)
+    )
+    return {
+        "config": name,
+        "model": "smoke" if args.cpu_smoke else spec["preset"],
+        "seq_len": seq_len,
+        "batch_per_gpu": batch,
+        "steps": steps,
+        "tokens_per_s_per_gpu": tokens / elapsed / env.world_size,
+        "mfu": flops / elapsed / (peak * env.world_size),
+        "peak_flops_per_s": peak,
+        "peak_source": peak_source,
+        "peak_memory_gib": peak_memory / 2**30,
+        "planned_peak_gib": planned / 2**30 if planned else None,
+        # the planner's error against torch.cuda.max_memory_allocated (live tensor bytes); None on the CPU,
+        # where peak_memory is the process's resident size, and where the plan does not model a lever
+        "plan_error": planned / peak_memory - 1 if planned and env.device.type == "cuda" else None,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "num_matmul_params": shape.num_matmul_params,
+        "num_trainable_params": shape.num_trainable_params,
+        "levers": (
+            "activation checkpointing, tiled MLP, lean loss"
+            + (", activation offloading" if cfg.parallel.activation_offloading else "")
+        )
+        if long
+        else "lean loss",
+    }
 
 
 def record(results: list[dict], device_name: str, date: str) -> None:
@@ -215,9 +264,9 @@ def record(results: list[dict], device_name: str, date: str) -> None:
     from bench.common import RESULTS, machine_info
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"gpu-{date[:10]}.json").write_text(json.dumps({"date": date, "gpu": device_name,
-                                                               "machine": machine_info(), "results": results},
-                                                              indent=2) + "\n")
+    (RESULTS / f"gpu-{date[:10]}.json").write_text(
+        json.dumps({"date": date, "gpu": device_name, "machine": machine_info(), "results": results}, indent=2) + "\n"
+    )
     with open(RESULTS / "gpu.md", "a") as fh:
         fh.write(f"| {date} | {device_name} | " + table_cells(results[-1]) + " |\n")
 
@@ -229,22 +278,30 @@ def table_cells(r: dict) -> str:
         return f"{head} | skipped: {r['skipped']} | | "
     if "error" in r:
         return f"{head} | failed: {r['error']} | | "
-    return (f"{head} | {r['tokens_per_s_per_gpu']:,.0f} | {r['mfu']:.1%} | {r['peak_memory_gib']:.1f} GiB"
-            + (f" ({r['levers']})" if r.get("levers", "lean loss") != "lean loss" else ""))
+    return f"{head} | {r['tokens_per_s_per_gpu']:,.0f} | {r['mfu']:.1%} | {r['peak_memory_gib']:.1f} GiB" + (
+        f" ({r['levers']})" if r.get("levers", "lean loss") != "lean loss" else ""
+    )
 
 
 def long_row_plan(name: str, args, env, started: float, results: list[dict]) -> LongRowPlan | None:
     """The plan of a long row on CUDA (None in --cpu-smoke: tiny rows always run, with every lever)."""
     if args.cpu_smoke:
         return None
-    from shardtune.model.loading import PRESETS
     from shardtune.accounting.peak_flops import device_peak
+    from shardtune.model.loading import PRESETS
 
     rates = [r["mfu"] * r["peak_flops_per_s"] for r in results if SHAPES[r["config"]].get("long") and "mfu" in r]
     rate = rates[-1] if rates else ASSUMED_MFU * device_peak(env.device, torch.bfloat16)[0]
     device_gib = torch.cuda.get_device_properties(env.device).total_memory / 2**30
-    return plan_long_row(dict(PRESETS[SHAPES[name]["preset"]]), SHAPES[name]["seq_len"], 2, device_gib,
-                         host_available_gib(), rate, args.deadline_s - (time.monotonic() - started))
+    return plan_long_row(
+        dict(PRESETS[SHAPES[name]["preset"]]),
+        SHAPES[name]["seq_len"],
+        2,
+        device_gib,
+        host_available_gib(),
+        rate,
+        args.deadline_s - (time.monotonic() - started),
+    )
 
 
 def print_plan_check(results: list[dict]) -> None:
@@ -255,8 +312,10 @@ def print_plan_check(results: list[dict]) -> None:
         if r.get("planned_peak_gib") is None:
             continue  # skipped or failed, or a long row (levers the plan does not model)
         error = f"{r['plan_error']:+.1%}" if r["plan_error"] is not None else "n/a (CPU: resident size)"
-        print(f"| {r['model']} {r['config']} | {r['planned_peak_gib']:.2f} GiB | {r['peak_memory_gib']:.2f} GiB | "
-              f"{error} |")
+        print(
+            f"| {r['model']} {r['config']} | {r['planned_peak_gib']:.2f} GiB | {r['peak_memory_gib']:.2f} GiB | "
+            f"{error} |"
+        )
 
 
 def main() -> None:
@@ -267,8 +326,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="also torch.compile each decoder layer")
-    ap.add_argument("--deadline_s", type=float, default=540, help="a long row that would end later (estimated, "
-                                                                  "from the start) is skipped")
+    ap.add_argument(
+        "--deadline_s",
+        type=float,
+        default=540,
+        help="a long row that would end later (estimated, from the start) is skipped",
+    )
     args = ap.parse_args()
 
     from shardtune.runtime.distributed import init_distributed, print0, shutdown
@@ -281,9 +344,12 @@ def main() -> None:
         for name in args.configs.split(","):
             spec = SHAPES[name]
             plan = long_row_plan(name, args, env, started, results) if spec.get("long") else None
-            base = {"config": name, "model": "smoke" if args.cpu_smoke else spec["preset"],
-                    "seq_len": SMOKE_LONG[name] if args.cpu_smoke and spec.get("long") else spec["seq_len"],
-                    "batch_per_gpu": 1 if spec.get("long") else spec["batch"]}
+            base = {
+                "config": name,
+                "model": "smoke" if args.cpu_smoke else spec["preset"],
+                "seq_len": SMOKE_LONG[name] if args.cpu_smoke and spec.get("long") else spec["seq_len"],
+                "batch_per_gpu": 1 if spec.get("long") else spec["batch"],
+            }
             if plan is not None:
                 base["plan"] = plan.__dict__
             if plan is not None and not plan.run:

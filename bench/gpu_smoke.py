@@ -52,14 +52,27 @@ class Check:
     name: str
     run: str
     reference: str
-    tolerance: str          # a key of LOSS_RTOL
+    tolerance: str  # a key of LOSS_RTOL
     needs: tuple[str, ...] = ()  # modules that must import; "cuda" for GPU-only checks
 
 
 # run name -> its flags (after the common ones)
-QLORA_SCALED_DOWN = ("--config", QLORA_RECIPE, "--dataset", "synthetic_dialogues", "--context_length", "256",
-                     "--gradient_accumulation_steps", "2", "--warmup_steps", "0", "--lr", "1e-3",
-                     "--lora_config.lora_dropout", "0")
+QLORA_SCALED_DOWN = (
+    "--config",
+    QLORA_RECIPE,
+    "--dataset",
+    "synthetic_dialogues",
+    "--context_length",
+    "256",
+    "--gradient_accumulation_steps",
+    "2",
+    "--warmup_steps",
+    "0",
+    "--lr",
+    "1e-3",
+    "--lora_config.lora_dropout",
+    "0",
+)
 RUNS: dict[str, tuple[str, ...]] = {
     "fp32": ("--mixed_precision", "false"),
     "ddp_bf16": (),
@@ -88,15 +101,17 @@ CHECKS = [
     Check("fsdp_cpu_offload_vs_resident", "fsdp_bf16_cpu_offload", "fsdp_bf16", "same"),
     Check("dpo_fsdp2_bf16_vs_fp32", "dpo_fsdp_bf16", "dpo_fp32", "bf16"),
 ]
-VARLEN_CHECKS = {"varlen_flash_bf16_vs_padded_sdpa": ("--dtype", "bfloat16"),
-                 "varlen_flash_autocast_vs_padded_sdpa": ("--dtype", "float32", "--autocast", "bfloat16"),
-                 "varlen_flash_window_vs_padded_sdpa": ("--dtype", "bfloat16", "--sliding_window", "32")}
+VARLEN_CHECKS = {
+    "varlen_flash_bf16_vs_padded_sdpa": ("--dtype", "bfloat16"),
+    "varlen_flash_autocast_vs_padded_sdpa": ("--dtype", "float32", "--autocast", "bfloat16"),
+    "varlen_flash_window_vs_padded_sdpa": ("--dtype", "bfloat16", "--sliding_window", "32"),
+}
 
 
 @dataclass
 class Result:
     name: str
-    status: str             # PASS, FAIL or SKIP
+    status: str  # PASS, FAIL or SKIP
     max_loss_rel_diff: float | None = None
     tolerance: float | None = None
     note: str = ""
@@ -130,27 +145,58 @@ class Runner:
             self.env["SHARDTUNE_TEST_LOW_PRECISION_ON_CPU"] = "1"
 
     def common_flags(self, out: Path) -> list[str]:
-        size = (["--model_name", "preset:tiny", "--synthetic_dialogues.num_train", "64", "--context_length", "256"]
-                if self.cpu_smoke else
-                ["--model_name", "preset:demo", "--synthetic_dialogues.num_train", "400", "--context_length", "512"])
-        return [*size, "--nproc_per_node", "1", "--max_train_step", "4", "--batch_size_training", "4",
-                "--synthetic_dialogues.num_validation", "8", "--run_validation", "false", "--lr", "1e-3",
-                "--gradient_clipping", "true", "--num_workers_dataloader", "0", "--save_model", "false",
-                "--overwrite_output_dir", "true"]
+        size = (
+            ["--model_name", "preset:tiny", "--synthetic_dialogues.num_train", "64", "--context_length", "256"]
+            if self.cpu_smoke
+            else ["--model_name", "preset:demo", "--synthetic_dialogues.num_train", "400", "--context_length", "512"]
+        )
+        return [
+            *size,
+            "--nproc_per_node",
+            "1",
+            "--max_train_step",
+            "4",
+            "--batch_size_training",
+            "4",
+            "--synthetic_dialogues.num_validation",
+            "8",
+            "--run_validation",
+            "false",
+            "--lr",
+            "1e-3",
+            "--gradient_clipping",
+            "true",
+            "--num_workers_dataloader",
+            "0",
+            "--save_model",
+            "false",
+            "--overwrite_output_dir",
+            "true",
+        ]
 
     def step_rows(self, name: str) -> list[dict]:
         if name not in self.rows:
             out = self.out_dir / name
             # the common flags override the run's (the QLoRA recipe's model, sizes and output_dir)
             command = "dpo" if name.startswith("dpo_") else "sft"
-            argv = [sys.executable, "-m", "shardtune", command, *RUNS[name], *self.common_flags(out),
-                    "--output_dir", str(out)]
+            argv = [
+                sys.executable,
+                "-m",
+                "shardtune",
+                command,
+                *RUNS[name],
+                *self.common_flags(out),
+                "--output_dir",
+                str(out),
+            ]
             try:
-                proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=self.env,
-                                      timeout=RUN_TIMEOUT_S)
+                proc = subprocess.run(
+                    argv, capture_output=True, text=True, cwd=REPO, env=self.env, timeout=RUN_TIMEOUT_S
+                )
             except subprocess.TimeoutExpired as e:
-                partial = [x.decode(errors="replace") if isinstance(x, bytes) else x or ""
-                           for x in (e.stdout, e.stderr)]
+                partial = [
+                    x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr)
+                ]
                 (self.out_dir / f"{name}.log").write_text("".join(partial))
                 raise RuntimeError(f"run {name} took over {RUN_TIMEOUT_S} s: see {self.out_dir / name}.log") from None
             self.logs[name] = proc.stdout + proc.stderr
@@ -181,8 +227,11 @@ def run_check(check: Check, runner: Runner) -> Result:
         return Result(check.name, "FAIL", note=str(e).splitlines()[0])
     log = runner.logs[check.run]
     if check.run == "fast_kernels":
-        result.note = "; ".join(line.removeprefix("speed: ") for line in log.splitlines()
-                                if line.startswith("speed: ") and ("kernels" in line or "attention" in line))
+        result.note = "; ".join(
+            line.removeprefix("speed: ")
+            for line in log.splitlines()
+            if line.startswith("speed: ") and ("kernels" in line or "attention" in line)
+        )
     if check.run == "fsdp_bf16_cpu_offload" and not runner.cpu_smoke:
         offloaded, resident = (runner.step_rows(n)[-1]["peak_memory_bytes"] for n in (check.run, check.reference))
         result.note = f"peak GPU memory {offloaded / 2**20:.0f} MiB offloaded vs {resident / 2**20:.0f} MiB"
@@ -192,16 +241,30 @@ def run_check(check: Check, runner: Runner) -> Result:
 
 
 def run_varlen_check(name: str, flags: tuple[str, ...], runner: Runner) -> Result:
-    device = ["--device", "cpu", "--dtype", "float32", "--preset", "tiny"] if runner.cpu_smoke else \
-        ["--device", "cuda", *flags]
-    proc = subprocess.run([sys.executable, "-m", "bench.varlen_check", *device], capture_output=True, text=True,
-                          cwd=REPO, env=runner.env, timeout=120)
+    device = (
+        ["--device", "cpu", "--dtype", "float32", "--preset", "tiny"]
+        if runner.cpu_smoke
+        else ["--device", "cuda", *flags]
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.varlen_check", *device],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=runner.env,
+        timeout=120,
+    )
     try:
         report = json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
         return Result(name, "FAIL", note=(proc.stderr.strip().splitlines() or ["no output"])[-1])
-    return Result(name, "PASS" if report["ok"] else "FAIL", report["loss_rel_diff"], None,
-                  f"{report['kernel']}, grad rel diff {report['grad_rel_diff']:.1e}")
+    return Result(
+        name,
+        "PASS" if report["ok"] else "FAIL",
+        report["loss_rel_diff"],
+        None,
+        f"{report['kernel']}, grad rel diff {report['grad_rel_diff']:.1e}",
+    )
 
 
 def table(results: list[Result]) -> str:

@@ -25,8 +25,10 @@ def main() -> None:
     from bench.data import eval_loss_of
 
     tokenizer, train_examples, eval_examples, model = peer_inputs(args)
-    rows = [{"input_ids": e["input_ids"], "attention_mask": [1] * len(e["input_ids"]), "labels": e["labels"]}
-            for e in train_examples]
+    rows = [
+        {"input_ids": e["input_ids"], "attention_mask": [1] * len(e["input_ids"]), "labels": e["labels"]}
+        for e in train_examples
+    ]
     training_args = TrainingArguments(**peer_training_arguments(args, args.batch))
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     computed = {"tokens": 0, "real_tokens": 0}
@@ -37,8 +39,9 @@ def main() -> None:
         computed["real_tokens"] += int(batch["attention_mask"].sum())
         return batch
 
-    trainer = Trainer(model=model, args=training_args, train_dataset=Dataset.from_list(rows),
-                      data_collator=counting_collator)
+    trainer = Trainer(
+        model=model, args=training_args, train_dataset=Dataset.from_list(rows), data_collator=counting_collator
+    )
     tick = time.perf_counter()
     output = trainer.train()
     epoch_s = time.perf_counter() - tick
@@ -46,11 +49,22 @@ def main() -> None:
     steps = output.global_step
     used = steps * args.batch  # drop_last: the examples the epoch trained on
     loss = eval_loss_of(model.cpu(), eval_examples, tokenizer.pad_token_id)
-    print(json.dumps({"epoch_s": epoch_s, "steps": steps, "examples": used,
-                      "label_tokens": round(num_label_tokens * used / len(train_examples)),
-                      "eval_loss": loss, "eval_ppl": math.exp(loss), "process_s": time.perf_counter() - start,
-                      "computed_tokens": computed["tokens"], "real_tokens": computed["real_tokens"],
-                      "train_loss": output.training_loss}))
+    print(
+        json.dumps(
+            {
+                "epoch_s": epoch_s,
+                "steps": steps,
+                "examples": used,
+                "label_tokens": round(num_label_tokens * used / len(train_examples)),
+                "eval_loss": loss,
+                "eval_ppl": math.exp(loss),
+                "process_s": time.perf_counter() - start,
+                "computed_tokens": computed["tokens"],
+                "real_tokens": computed["real_tokens"],
+                "train_loss": output.training_loss,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ LEVERS = {"plain": (), "tiled_mlp": ("tiled_mlp",)}
 
 # -- one rank ---------------------------------------------------------------------------------------------------------
 
+
 def resident_bytes() -> int:
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * resource.getpagesize()
@@ -62,31 +63,45 @@ def peak_resident_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
 
 
-def worker(sp: int, cp: int, levers: tuple[str, ...], budget: int, start_per_rank: int, max_tokens: int,
-           grid: list[int]) -> None:
+def worker(
+    sp: int, cp: int, levers: tuple[str, ...], budget: int, start_per_rank: int, max_tokens: int, grid: list[int]
+) -> None:
     import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     from shardtune.config.flags import config_from
     from shardtune.data.batching import collate_flat
-    from shardtune.runtime.distributed import all_reduce_sum, init_distributed, shutdown
     from shardtune.model.longseq import apply_memory_levers
     from shardtune.model.loss import hf_model
+    from shardtune.model.speed import apply_speed_features
     from shardtune.parallel import make_strategy
     from shardtune.parallel.sequence import RowSlice, SequenceGroups, split_row, use_sequence_attention
-    from shardtune.model.speed import apply_speed_features
+    from shardtune.runtime.distributed import all_reduce_sum, init_distributed, shutdown
     from shardtune.training.sft import SFT
     from shardtune.training.step import train_step
-    from transformers import AutoModelForCausalLM, LlamaConfig
 
     env = init_distributed()
-    cfg = config_from(enable_fsdp=True, sequence_parallel_size=sp, context_parallel_size=cp, lr=1e-5,
-                      tiled_mlp="tiled_mlp" in levers, activation_offloading="offload" in levers)
+    cfg = config_from(
+        enable_fsdp=True,
+        sequence_parallel_size=sp,
+        context_parallel_size=cp,
+        lr=1e-5,
+        tiled_mlp="tiled_mlp" in levers,
+        activation_offloading="offload" in levers,
+    )
     cfg.parallel.activation_checkpointing = True
     strategy = make_strategy(cfg, env)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                         max_position_embeddings=DOCUMENT_TOKENS, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=DOCUMENT_TOKENS,
+        tie_word_embeddings=False,
+    )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     apply_memory_levers(model, cfg, env.device)  # the order of shardtune.training.worker.fine_tune
     apply_speed_features(model, cfg, env.device)
@@ -101,7 +116,7 @@ def worker(sp: int, cp: int, levers: tuple[str, ...], budget: int, start_per_ran
     def micro_batch(tokens: int) -> dict:
         gen = torch.Generator().manual_seed(tokens)
         ids = torch.randint(4, VOCAB, (tokens,), generator=gen).tolist()
-        docs = [ids[i:i + DOCUMENT_TOKENS] for i in range(0, tokens, DOCUMENT_TOKENS)]
+        docs = [ids[i : i + DOCUMENT_TOKENS] for i in range(0, tokens, DOCUMENT_TOKENS)]
         batch = collate_flat([{"input_ids": d, "labels": d} for d in docs])
         return batch if row_slice is None else split_row(batch, row_slice, pad_id=0)
 
@@ -118,9 +133,16 @@ def worker(sp: int, cp: int, levers: tuple[str, ...], budget: int, start_per_ran
         stats = train_step(model, strategy, optimizer, SFT(cfg, env, strategy, None), [micro_batch(tokens)])
         seconds = time.perf_counter() - tick
         peaks = gathered(peak_resident_bytes() - before)
-        row = {"tokens": tokens, "tokens_per_rank": tokens // ranks, "peak_bytes": int(max(peaks)),
-               "rank_peak_bytes": [int(x) for x in peaks], "rank_before_bytes": [int(x) for x in gathered(before)],
-               "loss": stats.loss, "step_s": max(gathered(seconds)), "fits": max(peaks) <= budget}
+        row = {
+            "tokens": tokens,
+            "tokens_per_rank": tokens // ranks,
+            "peak_bytes": int(max(peaks)),
+            "rank_peak_bytes": [int(x) for x in peaks],
+            "rank_before_bytes": [int(x) for x in gathered(before)],
+            "loss": stats.loss,
+            "step_s": max(gathered(seconds)),
+            "fits": max(peaks) <= budget,
+        }
         if env.rank == 0:
             print(json.dumps({k: v for k, v in row.items() if not k.startswith("rank_")}), flush=True)
         return row
@@ -129,21 +151,33 @@ def worker(sp: int, cp: int, levers: tuple[str, ...], budget: int, start_per_ran
     rows = [step(tokens) for tokens in grid if tokens // ranks <= GRID_MAX_PER_RANK]
     longest, first_over = search(step, rows, budget, granule, start_per_rank * ranks, max_tokens)
     if env.rank == 0:
-        print(json.dumps({"rows": sorted(rows, key=lambda r: r["tokens"]), "longest_fit": longest,
-                          "first_over": first_over, "granule": granule}))
+        print(
+            json.dumps(
+                {
+                    "rows": sorted(rows, key=lambda r: r["tokens"]),
+                    "longest_fit": longest,
+                    "first_over": first_over,
+                    "granule": granule,
+                }
+            )
+        )
     shutdown()
 
 
-def search(step, rows: list[dict], budget: int, granule: int, first: int, max_tokens: int,
-           max_trials: int = 6) -> tuple[int, int | None]:
+def search(
+    step, rows: list[dict], budget: int, granule: int, first: int, max_tokens: int, max_trials: int = 6
+) -> tuple[int, int | None]:
     """(longest row that fits, shortest that does not) to ``granule`` tokens, by regula falsi on the measured
     peaks (``rows``, extended in place): the next row is where the straight line through the two nearest
     measurements, on both sides of the budget when there are such, meets the budget."""
+
     def bracket():
         fit = [r for r in rows if r["fits"]]
         over = [r for r in rows if not r["fits"]]
-        return (max(fit, key=lambda r: r["tokens"]) if fit else None,
-                min(over, key=lambda r: r["tokens"]) if over else None)
+        return (
+            max(fit, key=lambda r: r["tokens"]) if fit else None,
+            min(over, key=lambda r: r["tokens"]) if over else None,
+        )
 
     if not rows:
         rows.append(step(max(granule, first // granule * granule)))
@@ -155,8 +189,13 @@ def search(step, rows: list[dict], budget: int, granule: int, first: int, max_to
             a, b = low, high
         else:  # extrapolate from the two measurements nearest the budget on the side we have
             side = sorted(rows, key=lambda r: r["tokens"])
-            a, b = (side[-2], side[-1]) if low and len(side) > 1 else (side[0], side[1]) if len(side) > 1 else (
-                None, side[0])
+            a, b = (
+                (side[-2], side[-1])
+                if low and len(side) > 1
+                else (side[0], side[1])
+                if len(side) > 1
+                else (None, side[0])
+            )
         if a is None:  # one measurement: proportional
             guess = b["tokens"] * budget / max(b["peak_bytes"], 1)
         else:
@@ -175,13 +214,37 @@ def search(step, rows: list[dict], budget: int, granule: int, first: int, max_to
 
 # -- the driver -------------------------------------------------------------------------------------------------------
 
+
 def measure(name: str, lever: str, args) -> dict:
     sp, cp = CONFIGS[name]
-    result = run_json([python(), "-m", "torch.distributed.run", "--nproc_per_node", sp * cp, "--master_port",
-                       free_port(), "-m", "bench.long_context", "--worker", name, "--levers", lever,
-                       "--budget_mib", args.budget_mib, "--start_per_rank", args.start_per_rank,
-                       "--max_tokens", args.max_tokens, "--grid", args.grid],
-                      timeout=args.timeout, OMP_NUM_THREADS="1", **MALLOC_ENV)
+    result = run_json(
+        [
+            python(),
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            sp * cp,
+            "--master_port",
+            free_port(),
+            "-m",
+            "bench.long_context",
+            "--worker",
+            name,
+            "--levers",
+            lever,
+            "--budget_mib",
+            args.budget_mib,
+            "--start_per_rank",
+            args.start_per_rank,
+            "--max_tokens",
+            args.max_tokens,
+            "--grid",
+            args.grid,
+        ],
+        timeout=args.timeout,
+        OMP_NUM_THREADS="1",
+        **MALLOC_ENV,
+    )
     return {"config": name, "sp": sp, "cp": cp, "ranks": sp * cp, "lever": lever, **result}
 
 
@@ -192,28 +255,38 @@ def mib(num_bytes: float) -> str:
 def markdown(results: dict) -> str:
     runs, budget = results["runs"], results["budget_mib"]
     machine = results["machine"]
-    lines = [f"# The longest sequence per rank memory budget, CPU ({results['date']})", "",
-             f"{machine['cpu']}, {machine['cpu_count']} cores, torch {machine['torch']}; shared with other jobs. "
-             f"Llama-shaped model: hidden {HIDDEN}, {LAYERS} layers, {HEADS} heads / {KV_HEADS} KV heads, "
-             f"intermediate {INTERMEDIATE}, vocabulary {VOCAB:,}; fp32; FSDP2 over all ranks, activation "
-             f"checkpointing, lean loss, AdamW; rows of {DOCUMENT_TOKENS:,}-token documents. Peak resident memory "
-             "of one training step above the resident memory just before it, largest rank (MiB); fixed process "
-             "memory (libraries, model and optimizer shards) is not in it.", "",
-             f"## Longest row whose step fits in {budget:,} MiB per rank", "",
-             "| lever | " + " | ".join(CONFIG_TITLES.values()) + " | 4 ranks vs 1 |",
-             "|---|" + "---:|" * (len(CONFIG_TITLES) + 1)]
+    lines = [
+        f"# The longest sequence per rank memory budget, CPU ({results['date']})",
+        "",
+        f"{machine['cpu']}, {machine['cpu_count']} cores, torch {machine['torch']}; shared with other jobs. "
+        f"Llama-shaped model: hidden {HIDDEN}, {LAYERS} layers, {HEADS} heads / {KV_HEADS} KV heads, "
+        f"intermediate {INTERMEDIATE}, vocabulary {VOCAB:,}; fp32; FSDP2 over all ranks, activation "
+        f"checkpointing, lean loss, AdamW; rows of {DOCUMENT_TOKENS:,}-token documents. Peak resident memory "
+        "of one training step above the resident memory just before it, largest rank (MiB); fixed process "
+        "memory (libraries, model and optimizer shards) is not in it.",
+        "",
+        f"## Longest row whose step fits in {budget:,} MiB per rank",
+        "",
+        "| lever | " + " | ".join(CONFIG_TITLES.values()) + " | 4 ranks vs 1 |",
+        "|---|" + "---:|" * (len(CONFIG_TITLES) + 1),
+    ]
     for lever in LEVERS:
         by = {r["config"]: r for r in runs if r["lever"] == lever}
         if not by:
             continue
         cells = [f"{by[c]['longest_fit']:,}" if c in by else "" for c in CONFIG_TITLES]
         base = by.get("sp1", {}).get("longest_fit")
-        ratios = [f"{by[c]['longest_fit'] / base:.2f}x ({CONFIG_TITLES[c]})" for c in ("sp4", "cp4")
-                  if c in by and base]
+        ratios = [
+            f"{by[c]['longest_fit'] / base:.2f}x ({CONFIG_TITLES[c]})" for c in ("sp4", "cp4") if c in by and base
+        ]
         lines.append(f"| {lever} | " + " | ".join(cells) + " | " + ", ".join(ratios) + " |")
-    lines += ["", "## Peak step memory per rank (MiB) against row length", "",
-              "| lever | tokens | " + " | ".join(CONFIG_TITLES.values()) + " |",
-              "|---|---:|" + "---:|" * len(CONFIG_TITLES)]
+    lines += [
+        "",
+        "## Peak step memory per rank (MiB) against row length",
+        "",
+        "| lever | tokens | " + " | ".join(CONFIG_TITLES.values()) + " |",
+        "|---|---:|" + "---:|" * len(CONFIG_TITLES),
+    ]
     for lever in LEVERS:
         by = {r["config"]: {row["tokens"]: row for row in r["rows"]} for r in runs if r["lever"] == lever}
         for tokens in sorted({t for rows in by.values() for t in rows}):
@@ -232,16 +305,26 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--levers", default=",".join(LEVERS))
     ap.add_argument("--budget_mib", type=int, default=384, help="per-rank memory budget of a step")
-    ap.add_argument("--grid", default="8192,16384", help="rows measured in every configuration (up to "
-                                                               f"{GRID_MAX_PER_RANK:,} tokens per rank)")
+    ap.add_argument(
+        "--grid",
+        default="8192,16384",
+        help=f"rows measured in every configuration (up to {GRID_MAX_PER_RANK:,} tokens per rank)",
+    )
     ap.add_argument("--start_per_rank", type=int, default=4096, help="first row of the search without a grid")
     ap.add_argument("--max_tokens", type=int, default=262_144)
     ap.add_argument("--timeout", type=float, default=3600)
     args = ap.parse_args()
     if args.worker:
         sp, cp = CONFIGS[args.worker]
-        worker(sp, cp, LEVERS[args.levers], args.budget_mib * 2**20, args.start_per_rank, args.max_tokens,
-               [int(x) for x in args.grid.split(",") if x])
+        worker(
+            sp,
+            cp,
+            LEVERS[args.levers],
+            args.budget_mib * 2**20,
+            args.start_per_rank,
+            args.max_tokens,
+            [int(x) for x in args.grid.split(",") if x],
+        )
         return
     runs = []
     for lever in args.levers.split(","):
@@ -254,8 +337,12 @@ def main() -> None:
     keep = [r for r in previous if (r["config"], r["lever"]) not in measured and r.get("budget_mib") == args.budget_mib]
     for r in runs:
         r["budget_mib"] = args.budget_mib
-    results = {"date": str(datetime.date.today()), "budget_mib": args.budget_mib, "runs": keep + runs,
-               "machine": machine_info()}
+    results = {
+        "date": str(datetime.date.today()),
+        "budget_mib": args.budget_mib,
+        "runs": keep + runs,
+        "machine": machine_info(),
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2) + "\n")
     (RESULTS / "long_context.md").write_text(markdown(results))

@@ -36,9 +36,16 @@ def main() -> None:
 
     from shardtune.model.loss import num_label_tokens, token_loss_sum
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=4 * args.hidden,
-                         max_position_embeddings=args.seq_len, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=4 * args.hidden,
+        max_position_embeddings=args.seq_len,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     input_ids = torch.randint(0, VOCAB, (1, args.seq_len))
@@ -54,9 +61,21 @@ def main() -> None:
     loss.backward()
     step_s = time.perf_counter() - tick
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"mode": args.mode, "seq_len": args.seq_len, "vocab": VOCAB, "loss": float(loss),
-                      "baseline_rss_bytes": baseline, "peak_rss_bytes": peak, "step_peak_bytes": peak - baseline,
-                      "full_logits_fp32_bytes": args.seq_len * VOCAB * 4, "step_s": step_s}))
+    print(
+        json.dumps(
+            {
+                "mode": args.mode,
+                "seq_len": args.seq_len,
+                "vocab": VOCAB,
+                "loss": float(loss),
+                "baseline_rss_bytes": baseline,
+                "peak_rss_bytes": peak,
+                "step_peak_bytes": peak - baseline,
+                "full_logits_fp32_bytes": args.seq_len * VOCAB * 4,
+                "step_s": step_s,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -20,11 +20,37 @@ PEAK_LINE = re.compile(r"fsdp: peak host memory per rank after loading and shard
 
 
 def peak_rss_mib(model: str, nproc: int, low_cpu: bool, out: Path) -> list[int]:
-    proc = run([python(), "-m", "shardtune", "sft", "--nproc_per_node", nproc, "--model_name", model,
-                "--output_dir", out, "--enable_fsdp", "--low_cpu_fsdp", str(low_cpu).lower(),
-                "--max_train_step", 1, "--batch_size_training", 1, "--context_length", 256,
-                "--synthetic_dialogues.num_train", 64, "--run_validation", "false", "--save_model", "false",
-                "--num_workers_dataloader", 0])
+    proc = run(
+        [
+            python(),
+            "-m",
+            "shardtune",
+            "sft",
+            "--nproc_per_node",
+            nproc,
+            "--model_name",
+            model,
+            "--output_dir",
+            out,
+            "--enable_fsdp",
+            "--low_cpu_fsdp",
+            str(low_cpu).lower(),
+            "--max_train_step",
+            1,
+            "--batch_size_training",
+            1,
+            "--context_length",
+            256,
+            "--synthetic_dialogues.num_train",
+            64,
+            "--run_validation",
+            "false",
+            "--save_model",
+            "false",
+            "--num_workers_dataloader",
+            0,
+        ]
+    )
     match = PEAK_LINE.search(proc.stdout)
     assert match, proc.stdout[-2000:]
     return [int(m.replace(",", "")) for m in re.findall(r"rank \d+ ([\d,]+) MiB", match.group(1))]

@@ -32,8 +32,12 @@ HIDDEN, NUM_HEADS, NUM_KV_HEADS, INTERMEDIATE, VOCAB = 512, 8, 4, 1792, 1024
 # resident set would count memory torch has already released (more so with gloo's threads). A fixed threshold
 # returns every large buffer to the system when it is freed, so the peak resident set follows live memory.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-LEVER_MODES = {"plain": (), "tiled_mlp": ("tiled_mlp",), "checkpoint": ("checkpoint",),
-               "checkpoint + tiled_mlp": ("checkpoint", "tiled_mlp")}
+LEVER_MODES = {
+    "plain": (),
+    "tiled_mlp": ("tiled_mlp",),
+    "checkpoint": ("checkpoint",),
+    "checkpoint + tiled_mlp": ("checkpoint", "tiled_mlp"),
+}
 
 
 def rss_bytes() -> int:
@@ -55,9 +59,16 @@ def layer_step(seq_len: int, levers: tuple[str, ...]) -> dict:
     from shardtune.model.structure import decoder_layers
     from shardtune.parallel.fsdp import apply_activation_checkpointing
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=NUM_HEADS,
-                         num_key_value_heads=NUM_KV_HEADS, intermediate_size=INTERMEDIATE,
-                         max_position_embeddings=seq_len, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=1,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        intermediate_size=INTERMEDIATE,
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     apply_memory_levers(model, config_from(tiled_mlp="tiled_mlp" in levers), torch.device("cpu"))
@@ -71,8 +82,11 @@ def layer_step(seq_len: int, levers: tuple[str, ...]) -> dict:
     tick = time.perf_counter()
     loss = token_loss_sum(model, batch, torch.device("cpu")) / seq_len
     loss.backward()
-    return {"loss": float(loss.detach()), "step_s": time.perf_counter() - tick,
-            "step_peak_bytes": peak_rss_bytes() - baseline}
+    return {
+        "loss": float(loss.detach()),
+        "step_s": time.perf_counter() - tick,
+        "step_peak_bytes": peak_rss_bytes() - baseline,
+    }
 
 
 def ring_step(seq_len: int) -> tuple[int, dict]:
@@ -87,29 +101,52 @@ def ring_step(seq_len: int) -> tuple[int, dict]:
     local_len, head_dim = seq_len // size, HIDDEN // NUM_HEADS
     gen = torch.Generator().manual_seed(rank)
     query = torch.randn(1, NUM_HEADS, local_len, head_dim, generator=gen, requires_grad=True)
-    key, value = (torch.randn(1, NUM_KV_HEADS, local_len, head_dim, generator=gen, requires_grad=True)
-                  for _ in range(2))
+    key, value = (
+        torch.randn(1, NUM_KV_HEADS, local_len, head_dim, generator=gen, requires_grad=True) for _ in range(2)
+    )
     grad_out = torch.randn(1, local_len, NUM_HEADS, head_dim, generator=gen)
     dist.barrier()
     baseline = rss_bytes()
     tick = time.perf_counter()
-    out = ring_attention(query, key, value, group=None, cu_seq_lens=torch.tensor([0, seq_len], dtype=torch.int32),
-                         chunk_ids=load_balanced_chunk_ids(rank, size), chunk_len=local_len // 2)
+    out = ring_attention(
+        query,
+        key,
+        value,
+        group=None,
+        cu_seq_lens=torch.tensor([0, seq_len], dtype=torch.int32),
+        chunk_ids=load_balanced_chunk_ids(rank, size),
+        chunk_len=local_len // 2,
+    )
     out.backward(grad_out)
     result = {"rank": rank, "step_s": time.perf_counter() - tick, "step_peak_bytes": peak_rss_bytes() - baseline}
     gathered = [None] * size
     dist.all_gather_object(gathered, result)
     dist.destroy_process_group()
-    return rank, {"max_step_peak_bytes": max(r["step_peak_bytes"] for r in gathered),
-                  "step_s": max(r["step_s"] for r in gathered), "ranks": gathered}
+    return rank, {
+        "max_step_peak_bytes": max(r["step_peak_bytes"] for r in gathered),
+        "step_s": max(r["step_s"] for r in gathered),
+        "ranks": gathered,
+    }
 
 
 def measure_levers(lengths: list[int]) -> list[dict]:
     rows = []
     for seq_len in lengths:
         for mode, levers in LEVER_MODES.items():
-            result = run_json([python(), "-m", "bench.memory_levers", "--worker", "layer", "--seq_len", seq_len,
-                               "--levers", ",".join(levers)], **MALLOC_ENV)
+            result = run_json(
+                [
+                    python(),
+                    "-m",
+                    "bench.memory_levers",
+                    "--worker",
+                    "layer",
+                    "--seq_len",
+                    seq_len,
+                    "--levers",
+                    ",".join(levers),
+                ],
+                **MALLOC_ENV,
+            )
             rows.append({"seq_len": seq_len, "mode": mode, **result})
             print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -119,9 +156,25 @@ def measure_ring(lengths: list[int], sizes: list[int]) -> list[dict]:
     rows = []
     for seq_len in lengths:
         for size in sizes:
-            result = run_json([python(), "-m", "torch.distributed.run", "--nproc_per_node", size,
-                               "--master_port", free_port(), "-m", "bench.memory_levers", "--worker", "ring",
-                               "--seq_len", seq_len], OMP_NUM_THREADS="1", **MALLOC_ENV)
+            result = run_json(
+                [
+                    python(),
+                    "-m",
+                    "torch.distributed.run",
+                    "--nproc_per_node",
+                    size,
+                    "--master_port",
+                    free_port(),
+                    "-m",
+                    "bench.memory_levers",
+                    "--worker",
+                    "ring",
+                    "--seq_len",
+                    seq_len,
+                ],
+                OMP_NUM_THREADS="1",
+                **MALLOC_ENV,
+            )
             rows.append({"seq_len": seq_len, "cp_size": size, **result})
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "ranks"}), flush=True)
     return rows
@@ -132,28 +185,39 @@ def mib(num_bytes: int) -> str:
 
 
 def markdown(lever_rows: list[dict], ring_rows: list[dict], machine: dict) -> str:
-    lines = [f"# Long sequences on CPU ({datetime.date.today()})", "",
-             f"{machine['cpu']}, {machine['cpu_count']} cores, torch {machine['torch']}. Peak resident memory of "
-             "one forward + backward above the process's memory just before it (MiB), each in a fresh process. "
-             "Step times are in the JSON file only: this machine is shared, they do not compare.", ""]
+    lines = [
+        f"# Long sequences on CPU ({datetime.date.today()})",
+        "",
+        f"{machine['cpu']}, {machine['cpu_count']} cores, torch {machine['torch']}. Peak resident memory of "
+        "one forward + backward above the process's memory just before it (MiB), each in a fresh process. "
+        "Step times are in the JSON file only: this machine is shared, they do not compare.",
+        "",
+    ]
     if lever_rows:
         modes = list(LEVER_MODES)
-        lines += [f"## Memory levers: one decoder layer (hidden {HIDDEN}, intermediate {INTERMEDIATE}, "
-                  f"{NUM_HEADS} heads / {NUM_KV_HEADS} KV heads), lean loss", "",
-                  "| tokens | " + " | ".join(modes) + " |", "|---:|" + "---:|" * len(modes)]
+        lines += [
+            f"## Memory levers: one decoder layer (hidden {HIDDEN}, intermediate {INTERMEDIATE}, "
+            f"{NUM_HEADS} heads / {NUM_KV_HEADS} KV heads), lean loss",
+            "",
+            "| tokens | " + " | ".join(modes) + " |",
+            "|---:|" + "---:|" * len(modes),
+        ]
         for seq_len in sorted({r["seq_len"] for r in lever_rows}):
             by_mode = {r["mode"]: r for r in lever_rows if r["seq_len"] == seq_len}
             lines.append(f"| {seq_len:,} | " + " | ".join(mib(by_mode[m]["step_peak_bytes"]) for m in modes) + " |")
         lines.append("")
     if ring_rows:
         sizes = sorted({r["cp_size"] for r in ring_rows})
-        lines += [f"## Ring attention alone ({NUM_HEADS} heads / {NUM_KV_HEADS} KV heads x {HIDDEN // NUM_HEADS}, "
-                  "one causal document): largest per-rank peak (MiB)", "",
-                  "| tokens | " + " | ".join(f"C={c}" for c in sizes) + " |", "|---:|" + "---:|" * len(sizes)]
+        lines += [
+            f"## Ring attention alone ({NUM_HEADS} heads / {NUM_KV_HEADS} KV heads x {HIDDEN // NUM_HEADS}, "
+            "one causal document): largest per-rank peak (MiB)",
+            "",
+            "| tokens | " + " | ".join(f"C={c}" for c in sizes) + " |",
+            "|---:|" + "---:|" * len(sizes),
+        ]
         for seq_len in sorted({r["seq_len"] for r in ring_rows}):
             by_size = {r["cp_size"]: r for r in ring_rows if r["seq_len"] == seq_len}
-            lines.append(f"| {seq_len:,} | " + " | ".join(mib(by_size[c]["max_step_peak_bytes"]) for c in sizes)
-                         + " |")
+            lines.append(f"| {seq_len:,} | " + " | ".join(mib(by_size[c]["max_step_peak_bytes"]) for c in sizes) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -170,8 +234,11 @@ def main() -> None:
     ap.add_argument("--lever_lengths", default="4096,8192,16384")
     ap.add_argument("--ring_lengths", default="4096,8192,16384")
     ap.add_argument("--ring_sizes", default="1,2,4")
-    ap.add_argument("--sections", default="levers,ring", help="levers, ring or both; a section not measured keeps "
-                                                              "its rows from the previous results file")
+    ap.add_argument(
+        "--sections",
+        default="levers,ring",
+        help="levers, ring or both; a section not measured keeps its rows from the previous results file",
+    )
     args = ap.parse_args()
     if args.worker == "layer":
         print(json.dumps(layer_step(args.seq_len, tuple(x for x in args.levers.split(",") if x))))
@@ -187,8 +254,13 @@ def main() -> None:
     if "ring" in args.sections:
         measured["ring"] = measure_ring(ints(args.ring_lengths), ints(args.ring_sizes))
     path = RESULTS / "memory_levers.json"  # read only now: another run may have written the other section
-    results = {"levers": [], "ring": [], **(json.loads(path.read_text()) if path.exists() else {}), **measured,
-               "machine": machine_info()}
+    results = {
+        "levers": [],
+        "ring": [],
+        **(json.loads(path.read_text()) if path.exists() else {}),
+        **measured,
+        "machine": machine_info(),
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2) + "\n")
     table = markdown(results["levers"], results["ring"], results["machine"])

@@ -30,10 +30,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from shardtune.data.batching import collate_padding
-    from shardtune.runtime.distributed import all_reduce_sum, init_distributed, shutdown
     from shardtune.model.loading import load_model
     from shardtune.parallel import make_strategy
     from shardtune.parallel.optim import build_optimizer
+    from shardtune.runtime.distributed import all_reduce_sum, init_distributed, shutdown
     from shardtune.training.sft import SFT
     from shardtune.training.step import train_step
 
@@ -43,21 +43,37 @@ def main() -> None:
     model = strategy.wrap(load_model(args.model))
     optimizer = build_optimizer(model, cfg)
     ids = list(range(4, 68))
-    train_step(model, strategy, optimizer, SFT(cfg, env, strategy, None),
-               [collate_padding([{"input_ids": ids, "labels": ids}], 3)])
+    train_step(
+        model,
+        strategy,
+        optimizer,
+        SFT(cfg, env, strategy, None),
+        [collate_padding([{"input_ids": ids, "labels": ids}], 3)],
+    )
     params = [p for p in model.parameters()]
     grads_bytes = sum(local_bytes([p]) for p in params if p.requires_grad)  # grads are freed by the step (set_to_none)
-    optim_bytes = local_bytes(t for state in optimizer.state.values() for t in state.values()
-                              if torch.is_tensor(t) and t.dim() > 0)
+    optim_bytes = local_bytes(
+        t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0
+    )
     mine = torch.tensor([local_bytes(params), grads_bytes, optim_bytes], dtype=torch.float64)
     worst = mine.clone()
     if torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
     total = all_reduce_sum(mine, env.device)
     if env.is_main:
-        print(json.dumps({"strategy": "fsdp" if args.fsdp else "ddp", "world_size": env.world_size,
-                          "param_bytes": int(worst[0]), "grad_bytes": int(worst[1]), "optimizer_bytes": int(worst[2]),
-                          "per_rank_bytes": int(worst.sum()), "all_ranks_bytes": int(total.sum())}))
+        print(
+            json.dumps(
+                {
+                    "strategy": "fsdp" if args.fsdp else "ddp",
+                    "world_size": env.world_size,
+                    "param_bytes": int(worst[0]),
+                    "grad_bytes": int(worst[1]),
+                    "optimizer_bytes": int(worst[2]),
+                    "per_rank_bytes": int(worst.sum()),
+                    "all_ranks_bytes": int(total.sum()),
+                }
+            )
+        )
     # free DDP's reducer before the process group: the other order can deadlock gloo's destructor
     del model, optimizer, strategy
     gc.collect()

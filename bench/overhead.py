@@ -25,8 +25,9 @@ from shardtune.model.attention import varlen_kwargs
 def bare_step(model, optimizer, batch):
     """The 10-line loop: forward, token-summed cross-entropy / labelled tokens, backward, step (a padding-free
     packed row: the examples' boundaries go to the same varlen attention as shardtune's)."""
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                   **varlen_kwargs(batch)).logits[:, :-1]
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **varlen_kwargs(batch)).logits[
+        :, :-1
+    ]
     targets = batch["labels"][:, 1:]
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), reduction="sum")
     (loss / (targets != -100).sum()).backward()
@@ -42,13 +43,13 @@ def main() -> None:
     args = ap.parse_args()
 
     from shardtune import data
-    from shardtune.model.attention import use_varlen_attention
-    from shardtune.config.flags import config_from
-    from shardtune.runtime.distributed import DistEnv
     from shardtune.accounting.flops import model_shape
+    from shardtune.config.flags import config_from
+    from shardtune.model.attention import use_varlen_attention
     from shardtune.model.loading import load_model, load_tokenizer
     from shardtune.parallel import make_strategy
     from shardtune.parallel.optim import build_optimizer
+    from shardtune.runtime.distributed import DistEnv
     from shardtune.training.sft import SFT
     from shardtune.training.step import train_step
 
@@ -84,9 +85,18 @@ def main() -> None:
                 times[who].append(time.perf_counter() - tick)
     dist.destroy_process_group()
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    print(json.dumps({"steps": args.steps, "tokens_per_step": int(steps[0][0]["input_ids"].numel()),
-                      "shardtune_step_s": med["shardtune"], "bare_step_s": med["bare"],
-                      "ratio": med["shardtune"] / med["bare"], "times": times}))
+    print(
+        json.dumps(
+            {
+                "steps": args.steps,
+                "tokens_per_step": int(steps[0][0]["input_ids"].numel()),
+                "shardtune_step_s": med["shardtune"],
+                "bare_step_s": med["bare"],
+                "ratio": med["shardtune"] / med["bare"],
+                "times": times,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

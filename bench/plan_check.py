@@ -32,43 +32,64 @@ from bench.common import RESULTS, run_json
 
 @dataclass(frozen=True)
 class Row:
-    shape: str                 # tiny, demo (presets) or wide-512
+    shape: str  # tiny, demo (presets) or wide-512
     processes: int
-    strategy: str = "DDP"      # DDP, FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD (shard 2 x replicate 2), ZERO1/2/3
+    strategy: str = "DDP"  # DDP, FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD (shard 2 x replicate 2), ZERO1/2/3
     seq_len: int = 2048
-    ac: bool = False           # activation checkpointing (FSDP)
-    offload: bool = False      # FSDP CPU offload / ZeRO optimizer offload (and parameters for ZeRO-3)
-    lora: bool = False         # LoRA r=8 on q_proj, v_proj (shardtune's default) instead of full fine-tuning
+    ac: bool = False  # activation checkpointing (FSDP)
+    offload: bool = False  # FSDP CPU offload / ZeRO optimizer offload (and parameters for ZeRO-3)
+    lora: bool = False  # LoRA r=8 on q_proj, v_proj (shardtune's default) instead of full fine-tuning
 
     @property
     def label(self) -> str:
         extras = [x for x, on in (("AC", self.ac), ("offload", self.offload), ("LoRA", self.lora)) if on]
-        return f"{self.shape} x{self.processes} {self.strategy}" + "".join(f" +{x}" for x in extras) + \
-            f" T={self.seq_len}"
+        return (
+            f"{self.shape} x{self.processes} {self.strategy}" + "".join(f" +{x}" for x in extras) + f" T={self.seq_len}"
+        )
 
     def argv(self) -> list[str]:
-        return (["--shape", self.shape, "--seq_len", str(self.seq_len), "--strategy", self.strategy]
-                + ["--ac"] * self.ac + ["--offload"] * self.offload + ["--lora"] * self.lora)
+        return (
+            ["--shape", self.shape, "--seq_len", str(self.seq_len), "--strategy", self.strategy]
+            + ["--ac"] * self.ac
+            + ["--offload"] * self.offload
+            + ["--lora"] * self.lora
+        )
 
 
 ROWS = [
     # the tiny preset: state and loss buffers dominate
-    Row("tiny", 1, "DDP"), Row("tiny", 2, "FULL_SHARD"), Row("tiny", 2, "ZERO2"),
+    Row("tiny", 1, "DDP"),
+    Row("tiny", 2, "FULL_SHARD"),
+    Row("tiny", 2, "ZERO2"),
     # every strategy on the demo preset: 2 processes (4 for FULL_SHARD and hybrid sharding, shard 2 x replicate 2)
-    Row("demo", 1, "DDP"), Row("demo", 1, "DDP", 4096), Row("demo", 2, "FULL_SHARD"),
-    Row("demo", 2, "FULL_SHARD", ac=True), Row("demo", 2, "FULL_SHARD", 4096, ac=True),
-    Row("demo", 2, "SHARD_GRAD_OP"), Row("demo", 4, "FULL_SHARD"), Row("demo", 4, "HYBRID_SHARD"),
-    Row("demo", 2, "FULL_SHARD", offload=True), Row("demo", 2, "ZERO1"), Row("demo", 2, "ZERO2"),
-    Row("demo", 2, "ZERO3"), Row("demo", 2, "ZERO2", offload=True),
+    Row("demo", 1, "DDP"),
+    Row("demo", 1, "DDP", 4096),
+    Row("demo", 2, "FULL_SHARD"),
+    Row("demo", 2, "FULL_SHARD", ac=True),
+    Row("demo", 2, "FULL_SHARD", 4096, ac=True),
+    Row("demo", 2, "SHARD_GRAD_OP"),
+    Row("demo", 4, "FULL_SHARD"),
+    Row("demo", 4, "HYBRID_SHARD"),
+    Row("demo", 2, "FULL_SHARD", offload=True),
+    Row("demo", 2, "ZERO1"),
+    Row("demo", 2, "ZERO2"),
+    Row("demo", 2, "ZERO3"),
+    Row("demo", 2, "ZERO2", offload=True),
     # LoRA (r=8 on q_proj, v_proj)
-    Row("demo", 1, "DDP", lora=True), Row("demo", 2, "FULL_SHARD", lora=True), Row("demo", 2, "ZERO3", lora=True),
+    Row("demo", 1, "DDP", lora=True),
+    Row("demo", 2, "FULL_SHARD", lora=True),
+    Row("demo", 2, "ZERO3", lora=True),
     # hidden size 512: activations dominate
-    Row("wide-512", 2, "FULL_SHARD"), Row("wide-512", 2, "FULL_SHARD", 4096, ac=True),
+    Row("wide-512", 2, "FULL_SHARD"),
+    Row("wide-512", 2, "FULL_SHARD", 4096, ac=True),
     Row("wide-512", 2, "ZERO3", 4096),
 ]
 # a shape with hidden size 512 where activations dominate (the issue asks for one >= 512)
-SHAPES = {"wide-512": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                           intermediate_size=1376)}
+SHAPES = {
+    "wide-512": dict(
+        hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1376
+    )
+}
 
 
 def shape_config(name: str) -> dict:
@@ -86,16 +107,22 @@ def row_examples(seq_len: int) -> list[dict]:
         lengths.append(min(n, left))
         left -= lengths[-1]
         n = max(32, n // 2)
-    return [{"input_ids": [4 + (i * 7 + k) % 1000 for i in range(n)],
-             "labels": [4 + (i * 7 + k) % 1000 for i in range(n)]} for k, n in enumerate(lengths)]
+    return [
+        {"input_ids": [4 + (i * 7 + k) % 1000 for i in range(n)], "labels": [4 + (i * 7 + k) % 1000 for i in range(n)]}
+        for k, n in enumerate(lengths)
+    ]
 
 
 def train_config(args: argparse.Namespace, strategy: str):
     from shardtune.config.flags import config_from
 
-    cfg = config_from(enable_fsdp=strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"),
-                      enable_deepspeed=strategy.startswith("ZERO"), use_peft=args.lora, peft_method="lora",
-                      num_workers_dataloader=0)
+    cfg = config_from(
+        enable_fsdp=strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"),
+        enable_deepspeed=strategy.startswith("ZERO"),
+        use_peft=args.lora,
+        peft_method="lora",
+        num_workers_dataloader=0,
+    )
     if cfg.parallel.strategy == "fsdp":
         cfg.parallel.sharding_strategy = strategy
         cfg.parallel.activation_checkpointing = args.ac
@@ -131,7 +158,7 @@ def allocation_totals(prof) -> list[tuple[int, int]]:
             freed_next[last[ptr]] = size < 0
         last[ptr] = i
     out, unseen = [], 0
-    for i, (t, ptr, size, total, in_collective) in enumerate(events):
+    for i, (t, _ptr, size, total, in_collective) in enumerate(events):
         if size > 0 and in_collective and not freed_next[i]:
             unseen += size  # a collective's copy whose free nobody saw: not counted
         out.append((t, total - unseen))
@@ -144,8 +171,13 @@ class MainThreadFrees:
     thread: the profiler counts a free only on the thread it profiles. Lifetimes grow by at most the gap to the next
     collective (an upper bound, so the measurement can only rise)."""
 
-    NAMES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
-             "all_reduce")
+    NAMES = (
+        "all_gather_single",
+        "reduce_scatter_single",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "all_reduce",
+    )
 
     def __init__(self):
         import torch.distributed as dist
@@ -161,6 +193,7 @@ class MainThreadFrees:
             work = original(*args, **kwargs)
             self.held.append((work, args, kwargs))
             return work
+
         return call
 
     def release(self) -> None:
@@ -199,16 +232,17 @@ def measure_step(args: argparse.Namespace, strategy_name: str, env) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shardtune.model.attention import use_varlen_attention
     from shardtune.data.batching import collate_flat
+    from shardtune.model.attention import use_varlen_attention
     from shardtune.parallel import make_strategy
     from shardtune.training.sft import SFT
     from shardtune.training.step import train_step
 
     cfg = train_config(args, strategy_name)
     torch.manual_seed(0)
-    config = LlamaConfig(**{k: v for k, v in shape_config(args.shape).items() if k != "model_type"},
-                         attn_implementation="sdpa")
+    config = LlamaConfig(
+        **{k: v for k, v in shape_config(args.shape).items() if k != "model_type"}, attn_implementation="sdpa"
+    )
     batch = [collate_flat(row_examples(args.seq_len))]
     frees = MainThreadFrees()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -243,9 +277,13 @@ def measure_step(args: argparse.Namespace, strategy_name: str, env) -> dict:
         return before[-1] - base if before else 0
 
     (start1, end1), (start2, end2) = steps["1"], steps["2"]
-    result = {"rank": env.rank, "peak_bytes": float(max(b for s, b in totals if start2 <= s <= end2) - base),
-              "before_step_bytes": float(total_at(start2)), "drift_bytes": float(total_at(end2) - total_at(end1)),
-              "peak_step1_bytes": float(max(b for s, b in totals if start1 <= s <= end1) - base)}
+    result = {
+        "rank": env.rank,
+        "peak_bytes": float(max(b for s, b in totals if start2 <= s <= end2) - base),
+        "before_step_bytes": float(total_at(start2)),
+        "drift_bytes": float(total_at(end2) - total_at(end1)),
+        "peak_step1_bytes": float(max(b for s, b in totals if start1 <= s <= end1) - base),
+    }
     del model, optimizer, strategy, prof
     gc.collect()
     return result
@@ -253,14 +291,22 @@ def measure_step(args: argparse.Namespace, strategy_name: str, env) -> dict:
 
 def predict(row: Row):
     """The planner's breakdown of ``row`` (fp32 compute, as on this CPU)."""
-    from shardtune.planner.shapes import Adapter, Arch
     from shardtune.planner.estimate import Setup, estimate
+    from shardtune.planner.shapes import Adapter, Arch
 
     arch = Arch.from_config(shape_config(row.shape), row.shape)
-    setup = Setup(arch=arch, strategy=row.strategy, gpus_per_node=row.processes, batch_size=1, seq_len=row.seq_len,
-                  activation_checkpointing=row.ac, cpu_offload=row.offload, compute_bytes=4,
-                  sharding_group_size=2 if row.strategy == "HYBRID_SHARD" else 0,
-                  adapter=Adapter(method="lora") if row.lora else Adapter())
+    setup = Setup(
+        arch=arch,
+        strategy=row.strategy,
+        gpus_per_node=row.processes,
+        batch_size=1,
+        seq_len=row.seq_len,
+        activation_checkpointing=row.ac,
+        cpu_offload=row.offload,
+        compute_bytes=4,
+        sharding_group_size=2 if row.strategy == "HYBRID_SHARD" else 0,
+        adapter=Adapter(method="lora") if row.lora else Adapter(),
+    )
     return estimate(setup)
 
 
@@ -270,8 +316,17 @@ def predicted_total(breakdown) -> float:
 
 
 def measure(row: Row) -> dict:
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={row.processes}",
-            "-m", "bench.plan_check", "--worker", *row.argv()]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={row.processes}",
+        "-m",
+        "bench.plan_check",
+        "--worker",
+        *row.argv(),
+    ]
     return run_json(argv, timeout=900, OMP_NUM_THREADS="1")
 
 
@@ -279,14 +334,26 @@ def check(row: Row, measured: dict | None = None) -> dict:
     measured = measured or measure(row)
     predicted = predict(row)
     total = predicted_total(predicted)
-    return {"row": row.label, "model": row.shape, "processes": row.processes, "strategy": row.strategy,
-            "activation_checkpointing": row.ac, "offload": row.offload, "lora": row.lora, "seq_len": row.seq_len,
-            "predicted_peak_bytes": total, "measured_peak_bytes": measured["peak_bytes"],
-            "error": total / measured["peak_bytes"] - 1,
-            # ZeRO: the error of the rest, DeepSpeed's reduce bucket (an exact, fixed size) taken from both sides
-            "error_without_bucket": (total - predicted.buffers) / (measured["peak_bytes"] - predicted.buffers) - 1
-            if row.strategy.startswith("ZERO") else None, "predicted_state_bytes": predicted.state +
-            predicted.host_state, "measured": measured, "predicted": vars(predicted)}
+    return {
+        "row": row.label,
+        "model": row.shape,
+        "processes": row.processes,
+        "strategy": row.strategy,
+        "activation_checkpointing": row.ac,
+        "offload": row.offload,
+        "lora": row.lora,
+        "seq_len": row.seq_len,
+        "predicted_peak_bytes": total,
+        "measured_peak_bytes": measured["peak_bytes"],
+        "error": total / measured["peak_bytes"] - 1,
+        # ZeRO: the error of the rest, DeepSpeed's reduce bucket (an exact, fixed size) taken from both sides
+        "error_without_bucket": (total - predicted.buffers) / (measured["peak_bytes"] - predicted.buffers) - 1
+        if row.strategy.startswith("ZERO")
+        else None,
+        "predicted_state_bytes": predicted.state + predicted.host_state,
+        "measured": measured,
+        "predicted": vars(predicted),
+    }
 
 
 def main() -> None:
@@ -299,8 +366,11 @@ def main() -> None:
     ap.add_argument("--offload", action="store_true")
     ap.add_argument("--lora", action="store_true")
     ap.add_argument("--only", default="", help="measure only the rows whose label contains this")
-    ap.add_argument("--predict_only", action="store_true",
-                    help="keep the measurements of bench/results/plan_check.json, recompute the predictions")
+    ap.add_argument(
+        "--predict_only",
+        action="store_true",
+        help="keep the measurements of bench/results/plan_check.json, recompute the predictions",
+    )
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -318,9 +388,12 @@ def main() -> None:
             print(f"{row.label}: not measured: {str(e).strip().splitlines()[-1][:200]}", flush=True)
             continue
         r = table[-1]
-        print(f"{row.label}: predicted {r['predicted_peak_bytes'] / 2**20:.1f} MiB, measured "
-              f"{r['measured_peak_bytes'] / 2**20:.1f} MiB ({r['error']:+.1%}), drift "
-              f"{r['measured']['drift_bytes'] / 2**20:.2f} MiB", flush=True)
+        print(
+            f"{row.label}: predicted {r['predicted_peak_bytes'] / 2**20:.1f} MiB, measured "
+            f"{r['measured_peak_bytes'] / 2**20:.1f} MiB ({r['error']:+.1%}), drift "
+            f"{r['measured']['drift_bytes'] / 2**20:.2f} MiB",
+            flush=True,
+        )
         write(table, "plan_check" + (f"-{args.only}" if args.only else ""))  # after each row: a long run keeps rows
     print(markdown(table))
 
@@ -333,19 +406,26 @@ def write(table: list[dict], name: str) -> None:
 
 def markdown(table: list[dict]) -> str:
     mib = 2**20
-    lines = ["Peak of live tensor bytes per rank during one optimizer step (the CPU allocator's running total under "
-             "torch's profiler; process overhead excluded): `shardtune plan`'s prediction vs measurement, fp32 on "
-             "this CPU, one padding-free row. Offload rows: device peak + host state (one memory here).", "",
-             "| model | processes | strategy | seq | predicted peak | measured peak | error | ZeRO: error without "
-             "the 5e8-element reduce bucket |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "Peak of live tensor bytes per rank during one optimizer step (the CPU allocator's running total under "
+        "torch's profiler; process overhead excluded): `shardtune plan`'s prediction vs measurement, fp32 on "
+        "this CPU, one padding-free row. Offload rows: device peak + host state (one memory here).",
+        "",
+        "| model | processes | strategy | seq | predicted peak | measured peak | error | ZeRO: error without "
+        "the 5e8-element reduce bucket |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in table:
-        extras = [x for x, on in (("AC", r["activation_checkpointing"]), ("offload", r["offload"]),
-                                  ("LoRA", r["lora"])) if on]
+        extras = [
+            x for x, on in (("AC", r["activation_checkpointing"]), ("offload", r["offload"]), ("LoRA", r["lora"])) if on
+        ]
         strategy = r["strategy"] + "".join(f" + {x}" for x in extras)
-        lines.append(f"| {r['model']} | {r['processes']} | {strategy} | {r['seq_len']} | "
-                     f"{r['predicted_peak_bytes'] / mib:.1f} MiB | {r['measured_peak_bytes'] / mib:.1f} MiB | "
-                     f"{r['error']:+.1%} | "
-                     + (f"{r['error_without_bucket']:+.1%} |" if r.get("error_without_bucket") is not None else " |"))
+        lines.append(
+            f"| {r['model']} | {r['processes']} | {strategy} | {r['seq_len']} | "
+            f"{r['predicted_peak_bytes'] / mib:.1f} MiB | {r['measured_peak_bytes'] / mib:.1f} MiB | "
+            f"{r['error']:+.1%} | "
+            + (f"{r['error_without_bucket']:+.1%} |" if r.get("error_without_bucket") is not None else " |")
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -32,16 +32,34 @@ from pathlib import Path
 
 from bench.common import REPO, RESULTS, child_env, median
 
-RUN = ["--model_name", "preset:tiny", "--max_train_step", "1", "--context_length", "128", "--run_validation", "false",
-       "--synthetic_dialogues.num_train", "32", "--num_workers_dataloader", "0", "--save_model", "false"]
+RUN = [
+    "--model_name",
+    "preset:tiny",
+    "--max_train_step",
+    "1",
+    "--context_length",
+    "128",
+    "--run_validation",
+    "false",
+    "--synthetic_dialogues.num_train",
+    "32",
+    "--num_workers_dataloader",
+    "0",
+    "--save_model",
+    "false",
+]
 PY = [sys.executable]
 CASES = {
     "shardtune --help": (PY + ["-m", "shardtune", "--help"], None),
-    "shardtune sft --help (before: through the sft module)":
-        (PY + ["-c", "import sys; from shardtune.commands.sft import main; sys.exit(main(['--help']))"], None),
+    "shardtune sft --help (before: through the sft module)": (
+        PY + ["-c", "import sys; from shardtune.commands.sft import main; sys.exit(main(['--help']))"],
+        None,
+    ),
     "shardtune sft --help (after)": (PY + ["-m", "shardtune", "sft", "--help"], None),
-    "1-process run, launch to first step (before: torchrun worker)":
-        (PY + ["-m", "shardtune", "sft", *RUN, "--max_restarts", "0"], "run"),
+    "1-process run, launch to first step (before: torchrun worker)": (
+        PY + ["-m", "shardtune", "sft", *RUN, "--max_restarts", "0"],
+        "run",
+    ),
     "1-process run, launch to first step (after: in place)": (PY + ["-m", "shardtune", "sft", *RUN], "run"),
 }
 
@@ -55,8 +73,14 @@ def seconds_to_first_step(argv: list[str], cache: Path) -> float:
     with tempfile.TemporaryDirectory() as out:
         metrics = Path(out) / "metrics.jsonl"
         start = time.perf_counter()
-        proc = subprocess.Popen([*argv, "--output_dir", out], cwd=REPO, env=child_env(SHARDTUNE_CACHE=str(cache)),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [*argv, "--output_dir", out],
+            cwd=REPO,
+            env=child_env(SHARDTUNE_CACHE=str(cache)),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         while not (metrics.is_file() and metrics.read_text().strip()):
             if proc.poll() is not None and not metrics.is_file():
                 raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
@@ -77,8 +101,20 @@ def measured(argv: list[str], kind: str | None, cache: Path) -> tuple[float, flo
     return wall, cpu_seconds_of_children() - cpu_before
 
 
-DEMO_RUN = ["--model_name", "preset:demo", "--max_train_step", "1", "--run_validation", "false",
-            "--synthetic_dialogues.num_train", "200", "--num_workers_dataloader", "0", "--save_model", "false"]
+DEMO_RUN = [
+    "--model_name",
+    "preset:demo",
+    "--max_train_step",
+    "1",
+    "--run_validation",
+    "false",
+    "--synthetic_dialogues.num_train",
+    "200",
+    "--num_workers_dataloader",
+    "0",
+    "--save_model",
+    "false",
+]
 
 
 def demo_first_step(repo: Path, cache: Path) -> tuple[float, str]:
@@ -88,24 +124,41 @@ def demo_first_step(repo: Path, cache: Path) -> tuple[float, str]:
         log = Path(out) / "log.txt"
         start = time.perf_counter()
         with open(log, "w") as fh:
-            proc = subprocess.Popen(PY + ["-m", "shardtune", "sft", *DEMO_RUN, "--debug", "--output_dir", out],
-                                    cwd=repo, env=child_env(SHARDTUNE_CACHE=str(cache), PYTHONPATH=str(repo)),
-                                    stdout=fh, stderr=subprocess.STDOUT, text=True)
+            proc = subprocess.Popen(
+                PY + ["-m", "shardtune", "sft", *DEMO_RUN, "--debug", "--output_dir", out],
+                cwd=repo,
+                env=child_env(SHARDTUNE_CACHE=str(cache), PYTHONPATH=str(repo)),
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
             while not (metrics.is_file() and metrics.read_text().strip()):
                 if proc.poll() is not None:
                     raise RuntimeError(f"demo run in {repo} exited {proc.returncode}: {log.read_text()[-2000:]}")
                 time.sleep(0.01)
             elapsed = time.perf_counter() - start
             proc.wait()
-        phases = next((line[line.index("start-up:"):] for line in log.read_text().splitlines()
-                       if "start-up: first step" in line), "")
+        phases = next(
+            (
+                line[line.index("start-up:") :]
+                for line in log.read_text().splitlines()
+                if "start-up: first step" in line
+            ),
+            "",
+        )
         return elapsed, phases
 
 
 def heaviest_imports(cache: Path, top: int = 12) -> list[tuple[str, float]]:
     """Cumulative import seconds of the worker's top-level modules and their heaviest children."""
-    proc = subprocess.run(PY + ["-X", "importtime", "-c", "import shardtune.sft"], cwd=REPO,
-                          env=child_env(SHARDTUNE_CACHE=str(cache)), capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        PY + ["-X", "importtime", "-c", "import shardtune.sft"],
+        cwd=REPO,
+        env=child_env(SHARDTUNE_CACHE=str(cache)),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     rows = []
     for line in proc.stderr.splitlines():
         parts = line.split("|")
@@ -132,19 +185,31 @@ def demo_main(args) -> None:
                 phase_lines.append(phases)
     imports = heaviest_imports(cache)
     load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").is_file() else "?"
-    lines = [f"Start-up of the demo model (cached data, one process), measured "
-             f"{datetime.now().isoformat(timespec='seconds')} ({args.repeats} interleaved repeats; load average at "
-             f"the end {load}; `python -m bench.startup --demo`)", "",
-             "| checkout | launch to first step, s (median) | all runs |", "|---|---|---|"]
-    lines += [f"| {name} ({repos[name]}) | {median(v):.2f} | {', '.join(f'{x:.2f}' for x in v)} |"
-              for name, v in walls.items()]
+    lines = [
+        f"Start-up of the demo model (cached data, one process), measured "
+        f"{datetime.now().isoformat(timespec='seconds')} ({args.repeats} interleaved repeats; load average at "
+        f"the end {load}; `python -m bench.startup --demo`)",
+        "",
+        "| checkout | launch to first step, s (median) | all runs |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {name} ({repos[name]}) | {median(v):.2f} | {', '.join(f'{x:.2f}' for x in v)} |"
+        for name, v in walls.items()
+    ]
     lines += ["", "Per phase (this checkout, `--debug`):", ""] + [f"    {line}" for line in phase_lines]
-    lines += ["", "Heaviest imports of the worker (`python -X importtime -c 'import shardtune.sft'`, cumulative):",
-              "", "| module | s |", "|---|---|"] + [f"| {name} | {s:.2f} |" for name, s in imports]
+    lines += [
+        "",
+        "Heaviest imports of the worker (`python -X importtime -c 'import shardtune.sft'`, cumulative):",
+        "",
+        "| module | s |",
+        "|---|---|",
+    ] + [f"| {name} | {s:.2f} |" for name, s in imports]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "startup_demo.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "startup_demo.json").write_text(json.dumps({"wall_s": walls, "phases": phase_lines,
-                                                           "imports": imports}, indent=2) + "\n")
+    (RESULTS / "startup_demo.json").write_text(
+        json.dumps({"wall_s": walls, "phases": phase_lines, "imports": imports}, indent=2) + "\n"
+    )
     print("\n".join(lines))
 
 
@@ -167,11 +232,18 @@ def main() -> None:
             results[name]["wall_s"].append(wall)
             results[name]["cpu_s"].append(cpu)
     load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").is_file() else "?"
-    lines = [f"Start-up, measured {datetime.now().isoformat(timespec='seconds')} ({args.repeats} interleaved "
-             f"repeats, median; load average at the end {load}; `python -m bench.startup`)", "",
-             "| what | wall s (median) | CPU s (median) | wall s, all runs |", "|---|---|---|---|"]
-    lines += [f"| {name} | {median(v['wall_s']):.2f} | {median(v['cpu_s']):.2f} | "
-              f"{', '.join(f'{x:.2f}' for x in v['wall_s'])} |" for name, v in results.items()]
+    lines = [
+        f"Start-up, measured {datetime.now().isoformat(timespec='seconds')} ({args.repeats} interleaved "
+        f"repeats, median; load average at the end {load}; `python -m bench.startup`)",
+        "",
+        "| what | wall s (median) | CPU s (median) | wall s, all runs |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {name} | {median(v['wall_s']):.2f} | {median(v['cpu_s']):.2f} | "
+        f"{', '.join(f'{x:.2f}' for x in v['wall_s'])} |"
+        for name, v in results.items()
+    ]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "startup.md").write_text("\n".join(lines) + "\n")
     (RESULTS / "startup.json").write_text(json.dumps(results, indent=2) + "\n")

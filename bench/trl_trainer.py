@@ -37,11 +37,19 @@ def main() -> None:
     tokenizer, train_examples, eval_examples, model = peer_inputs(args)
     # shardtune's rows, tokenised once: TRL takes them as processed (input_ids) and builds labels from the
     # completion mask itself (completion_only_loss)
-    rows = [{"input_ids": e["input_ids"], "completion_mask": [int(x != IGNORE_INDEX) for x in e["labels"]]}
-            for e in train_examples]
-    config = SFTConfig(**peer_training_arguments(args, args.pack_batch), packing=True, packing_strategy="bfd",
-                       padding_free=True, max_length=args.pack_length, completion_only_loss=True,
-                       dataset_num_proc=None)
+    rows = [
+        {"input_ids": e["input_ids"], "completion_mask": [int(x != IGNORE_INDEX) for x in e["labels"]]}
+        for e in train_examples
+    ]
+    config = SFTConfig(
+        **peer_training_arguments(args, args.pack_batch),
+        packing=True,
+        packing_strategy="bfd",
+        padding_free=True,
+        max_length=args.pack_length,
+        completion_only_loss=True,
+        dataset_num_proc=None,
+    )
     trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
     computed = {"tokens": 0, "label_tokens": 0}
     collate = trainer.data_collator
@@ -57,10 +65,22 @@ def main() -> None:
     output = trainer.train()
     epoch_s = time.perf_counter() - tick
     loss = eval_loss_of(model.cpu(), eval_examples, tokenizer.pad_token_id)
-    print(json.dumps({"epoch_s": epoch_s, "steps": output.global_step, "examples": len(rows),
-                      "label_tokens": computed["label_tokens"], "computed_tokens": computed["tokens"],
-                      "eval_loss": loss, "eval_ppl": math.exp(loss), "process_s": time.perf_counter() - start,
-                      "train_loss": output.training_loss, "trl": trl.__version__}))
+    print(
+        json.dumps(
+            {
+                "epoch_s": epoch_s,
+                "steps": output.global_step,
+                "examples": len(rows),
+                "label_tokens": computed["label_tokens"],
+                "computed_tokens": computed["tokens"],
+                "eval_loss": loss,
+                "eval_ppl": math.exp(loss),
+                "process_s": time.perf_counter() - start,
+                "train_loss": output.training_loss,
+                "trl": trl.__version__,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

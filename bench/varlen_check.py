@@ -24,30 +24,40 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     ap.add_argument("--preset", default="demo")
-    ap.add_argument("--autocast", default="", help="e.g. bfloat16: fp32 weights, autocast compute (DDP's mixed "
-                                                   "precision) instead of weights in --dtype")
-    ap.add_argument("--sliding_window", type=int, default=0, help="load the preset's weights as a Mistral whose "
-                    "layers see only this many tokens back (shorter than the examples), so the window reaches the "
-                    "kernel")
+    ap.add_argument(
+        "--autocast",
+        default="",
+        help="e.g. bfloat16: fp32 weights, autocast compute (DDP's mixed precision) instead of weights in --dtype",
+    )
+    ap.add_argument(
+        "--sliding_window",
+        type=int,
+        default=0,
+        help="load the preset's weights as a Mistral whose "
+        "layers see only this many tokens back (shorter than the examples), so the window reaches the "
+        "kernel",
+    )
     args = ap.parse_args()
 
     import shardtune.model.attention as attention
     from shardtune.data.batching import collate_flat, collate_padding
-    from shardtune.model.loss import token_loss_sum
     from shardtune.model.loading import load_model, resolve_model_name
+    from shardtune.model.loss import token_loss_sum
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     path = resolve_model_name(f"preset:{args.preset}")
-    model = (windowed_model(path, args.sliding_window, dtype) if args.sliding_window else
-             load_model(path, dtype=dtype)).to(device)
+    model = (
+        windowed_model(path, args.sliding_window, dtype) if args.sliding_window else load_model(path, dtype=dtype)
+    ).to(device)
     rng = random.Random(0)
     examples = []
     for n in (37, 120, 8, 250, 64, 1, 90):
         ids = [rng.randint(4, 1000) for _ in range(n)]
-        examples.append({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3:]})
+        examples.append({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3 :]})
 
-    autocast = (torch.autocast(device.type, dtype=getattr(torch, args.autocast)) if args.autocast
-                else contextlib.nullcontext())
+    autocast = (
+        torch.autocast(device.type, dtype=getattr(torch, args.autocast)) if args.autocast else contextlib.nullcontext()
+    )
 
     def loss_and_grads(batch):
         model.zero_grad(set_to_none=True)
@@ -69,10 +79,23 @@ def main() -> None:
     grad_diff = float((flat_grads - padded_grads).norm() / padded_grads.norm())
     tolerance = 1e-5 if dtype == torch.float32 and not args.autocast else 2e-2
     ok = loss_diff <= tolerance and grad_diff <= 10 * tolerance
-    print(json.dumps({"device": str(device), "dtype": args.dtype, "autocast": args.autocast,
-                      "sliding_window": args.sliding_window, "kernel": "flash varlen" if kernel else
-                      "SDPA per example", "loss_padded": padded_loss, "loss_flat": flat_loss,
-                      "loss_rel_diff": loss_diff, "grad_rel_diff": grad_diff, "flat_step_s": seconds, "ok": ok}))
+    print(
+        json.dumps(
+            {
+                "device": str(device),
+                "dtype": args.dtype,
+                "autocast": args.autocast,
+                "sliding_window": args.sliding_window,
+                "kernel": "flash varlen" if kernel else "SDPA per example",
+                "loss_padded": padded_loss,
+                "loss_flat": flat_loss,
+                "loss_rel_diff": loss_diff,
+                "grad_rel_diff": grad_diff,
+                "flat_step_s": seconds,
+                "ok": ok,
+            }
+        )
+    )
     sys.exit(0 if ok else 1)
 
 

@@ -21,15 +21,23 @@ SUBCOMMANDS = {
     "plan": "per-GPU memory and speed of a configuration and its alternatives, from config.json alone (no GPU)",
     "eval": "eval loss, perplexity and ROUGE of generated summaries on a samsum-format split; JSON report",
     "plot": "PNG charts (loss, lr, tokens/s, MFU, memory) of one or more runs, overlaid; reads metrics.jsonl or "
-            "llama-cookbook's metrics_data_*.json",
+    "llama-cookbook's metrics_data_*.json",
     "doctor": "check versions, devices, topology, bandwidth and the NCCL / gloo environment on every node",
 }
 
 
 # a verb -> the module of shardtune.commands that runs it (``main(argv) -> exit status``); every training verb is
 # the sft command with its objective
-MODULES = {**dict.fromkeys(OBJECTIVES, "sft"), "init-model": "init_model", "export": "export", "generate": "generate",
-           "plan": "plan", "eval": "eval", "plot": "plot", "doctor": "doctor"}
+MODULES = {
+    **dict.fromkeys(OBJECTIVES, "sft"),
+    "init-model": "init_model",
+    "export": "export",
+    "generate": "generate",
+    "plan": "plan",
+    "eval": "eval",
+    "plot": "plot",
+    "doctor": "doctor",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,8 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command not in MODULES:
-        print(f"shardtune: error: unknown command {command!r}: choose one of {', '.join(SUBCOMMANDS)}",
-              file=sys.stderr)
+        print(f"shardtune: error: unknown command {command!r}: choose one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         return 2
     if command in OBJECTIVES and ("-h" in rest or "--help" in rest):  # at once: no torch, no transformers
         from shardtune.launch.torchrun import sft_help_text
@@ -72,16 +79,16 @@ def exit_without_teardown(status: int) -> None:
 
     Everything the process wrote is already closed (or flushed) by then, and the exit handlers still run (logging,
     trackers, the data loader's worker processes, temporary directories: ``atexit``), as do the threads that are
-    not daemons (thread pools told to stop, then joined, as the interpreter does); what is skipped is the interpreter's last garbage collection
-    and the destruction of every module and C++ object imported (torch's and transformers' millions): ~2 s of a
-    2-core CPU at every exit, on each process of a run, for nothing the run keeps. A process that fails with an
-    exception never gets here and exits as before."""
+    not daemons (thread pools told to stop, then joined, as the interpreter does); what is skipped is the
+    interpreter's last garbage collection and the destruction of every module and C++ object imported (torch's and
+    transformers' millions): ~2 s of a 2-core CPU at every exit, on each process of a run, for nothing the run keeps.
+    A process that fails with an exception never gets here and exits as before."""
     import atexit
     import threading
 
     shutdown = getattr(threading, "_shutdown", None)
     if shutdown is not None:  # the interpreter's own first step of exit: thread pools' exit hooks (torch.compile's
-        shutdown()            # workers wait for them, forever otherwise), then the non-daemon threads joined
+        shutdown()  # workers wait for them, forever otherwise), then the non-daemon threads joined
     else:
         for thread in threading.enumerate():
             if thread is not threading.current_thread() and not thread.daemon:

@@ -41,16 +41,25 @@ def shardtune_argv(*args) -> list[str]:
     a --config recipe, which may) gets --save_plots false: the end-of-run charts cost rank 0 ~2 s per launch, and
     only tests/e2e/test_trl_recipe.py (with a recipe) and tests/unit/test_plot.py look at them."""
     args = [str(a) for a in args]
-    if args and args[0] in ("sft", "dpo") and not {"-h", "--help"} & set(args) \
-            and not any(a.startswith(("--save_plots", "--config")) for a in args):
+    if (
+        args
+        and args[0] in ("sft", "dpo")
+        and not {"-h", "--help"} & set(args)
+        and not any(a.startswith(("--save_plots", "--config")) for a in args)
+    ):
         args += ["--save_plots", "false"]
     return [sys.executable, "-m", "shardtune", *args]
 
 
 def cli_env(cache_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(SHARDTUNE_CACHE=str(cache_dir), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    env.update(
+        SHARDTUNE_CACHE=str(cache_dir),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=str(REPO),
+    )
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return env
 
@@ -72,14 +81,28 @@ def tiny_model(tmp_path_factory) -> Path:
 def run_cli(cache_dir):
     """Run `python -m shardtune ARGS` as a user would; returns the CompletedProcess."""
 
-    def run(*args: str, timeout: float = 600, check: bool = True, env: dict | None = None,
-            cwd: Path | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
-        proc = subprocess.run(shardtune_argv(*args), capture_output=True, text=True,
-                              input=stdin,
-                              timeout=timeout, env={**cli_env(cache_dir), **(env or {})}, cwd=cwd or REPO)
+    def run(
+        *args: str,
+        timeout: float = 600,
+        check: bool = True,
+        env: dict | None = None,
+        cwd: Path | None = None,
+        stdin: str | None = None,
+    ) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            shardtune_argv(*args),
+            capture_output=True,
+            text=True,
+            input=stdin,
+            timeout=timeout,
+            env={**cli_env(cache_dir), **(env or {})},
+            cwd=cwd or REPO,
+        )
         if check and proc.returncode != 0:
-            raise AssertionError(f"shardtune {' '.join(map(str, args))} exited {proc.returncode}\n"
-                                 f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+            raise AssertionError(
+                f"shardtune {' '.join(map(str, args))} exited {proc.returncode}\n"
+                f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+            )
         return proc
 
     return run

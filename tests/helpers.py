@@ -80,20 +80,20 @@ def assert_plain_hf_directory(out_dir: Path):
     return model
 
 
-REMOTE_CONFIG_CODE = '''from transformers import LlamaConfig
+REMOTE_CONFIG_CODE = """from transformers import LlamaConfig
 
 
 class RemoteLlamaConfig(LlamaConfig):
     model_type = "remote_llama"
-'''
-REMOTE_MODELING_CODE = '''from transformers import LlamaForCausalLM
+"""
+REMOTE_MODELING_CODE = """from transformers import LlamaForCausalLM
 
 from .configuration_remote_llama import RemoteLlamaConfig
 
 
 class RemoteLlamaForCausalLM(LlamaForCausalLM):
     config_class = RemoteLlamaConfig
-'''
+"""
 
 
 def write_remote_code_model(base: Path, out_dir: Path) -> Path:
@@ -104,9 +104,14 @@ def write_remote_code_model(base: Path, out_dir: Path) -> Path:
 
     shutil.copytree(base, out_dir)
     config = json.loads((out_dir / "config.json").read_text())
-    config.update(model_type="remote_llama", architectures=["RemoteLlamaForCausalLM"],
-                  auto_map={"AutoConfig": "configuration_remote_llama.RemoteLlamaConfig",
-                            "AutoModelForCausalLM": "modeling_remote_llama.RemoteLlamaForCausalLM"})
+    config.update(
+        model_type="remote_llama",
+        architectures=["RemoteLlamaForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_remote_llama.RemoteLlamaConfig",
+            "AutoModelForCausalLM": "modeling_remote_llama.RemoteLlamaForCausalLM",
+        },
+    )
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     (out_dir / "configuration_remote_llama.py").write_text(REMOTE_CONFIG_CODE)
     (out_dir / "modeling_remote_llama.py").write_text(REMOTE_MODELING_CODE)

@@ -20,11 +20,11 @@ USER = "tester"  # the namespace of a repo id given without one (the token's use
 
 class HubStandIn:
     def __init__(self, refuse_commits: bool = False) -> None:
-        self.files: dict[str, bytes] = {}      # "repo_id/path" -> content
-        self.created: list[dict] = []           # create_repo payloads
-        self.unexpected: list[str] = []         # requests the stand-in does not implement
-        self.tokens: set[str] = set()           # the bearer tokens the requests carried
-        self.refuse_commits = refuse_commits    # answer commits 403, as the hub does without write access
+        self.files: dict[str, bytes] = {}  # "repo_id/path" -> content
+        self.created: list[dict] = []  # create_repo payloads
+        self.unexpected: list[str] = []  # requests the stand-in does not implement
+        self.tokens: set[str] = set()  # the bearer tokens the requests carried
+        self.refuse_commits = refuse_commits  # answer commits 403, as the hub does without write access
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
@@ -63,12 +63,19 @@ class HubStandIn:
                 if path == "/api/repos/create":
                     payload = json.loads(body)
                     hub.created.append(payload)
-                    return self._reply(200, {"url": f"{hub.url}/{payload.get('organization') or USER}/"
-                                                     f"{payload['name']}"})
+                    return self._reply(
+                        200, {"url": f"{hub.url}/{payload.get('organization') or USER}/{payload['name']}"}
+                    )
                 if m := re.fullmatch(r"/api/models/(.+)/preupload/[^/]+", path):
-                    return self._reply(200, {"files": [{"path": f["path"], "uploadMode": "regular",
-                                                        "shouldIgnore": False, "oid": None}
-                                                       for f in json.loads(body)["files"]]})
+                    return self._reply(
+                        200,
+                        {
+                            "files": [
+                                {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": None}
+                                for f in json.loads(body)["files"]
+                            ]
+                        },
+                    )
                 if m := re.fullmatch(r"/api/models/(.+)/commit/[^/]+", path):
                     if hub.refuse_commits:
                         return self._reply(403, {"error": "You don't have the rights to create a commit"})
@@ -80,8 +87,14 @@ class HubStandIn:
                             hub.files[f"{m[1]}/{value['path']}"] = base64.b64decode(value["content"])
                         elif item["key"] != "header":
                             hub.unexpected.append(f"commit item {item['key']}")
-                    return self._reply(200, {"commitUrl": f"{hub.url}/{m[1]}/commit/{'0' * 40}",
-                                             "commitOid": "0" * 40, "pullRequestUrl": None})
+                    return self._reply(
+                        200,
+                        {
+                            "commitUrl": f"{hub.url}/{m[1]}/commit/{'0' * 40}",
+                            "commitOid": "0" * 40,
+                            "pullRequestUrl": None,
+                        },
+                    )
                 hub.unexpected.append(f"POST {self.path}")
                 self._reply(404, {"error": "not in the stand-in"})
 

@@ -74,8 +74,21 @@ class TwoHosts:
         try:
             for ns in self.namespaces:
                 _run("ip", "netns", "add", ns)
-            _run("ip", "link", "add", INTERFACE, "netns", self.namespaces[0],
-                 "type", "veth", "peer", "name", INTERFACE, "netns", self.namespaces[1])
+            _run(
+                "ip",
+                "link",
+                "add",
+                INTERFACE,
+                "netns",
+                self.namespaces[0],
+                "type",
+                "veth",
+                "peer",
+                "name",
+                INTERFACE,
+                "netns",
+                self.namespaces[1],
+            )
             hosts = "127.0.0.1 localhost\n" + "".join(f"{a} {h}\n" for a, h in zip(self.addresses, self.hostnames))
             for ns, address in zip(self.namespaces, self.addresses):
                 _run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", INTERFACE)
@@ -112,25 +125,47 @@ class TwoHosts:
     def command(self, host: int, argv: list[str], node_local_dirs: list[Path] = ()) -> list[str]:
         """``argv`` as run on host ``host`` (0 or 1): in its namespace, under its hostname."""
         setup = [f"hostname {self.hostnames[host]}"]
-        setup += [f"mkdir -p {shlex.quote(str(d))} && mount -t tmpfs tmpfs {shlex.quote(str(d))}"
-                  for d in node_local_dirs]
+        setup += [
+            f"mkdir -p {shlex.quote(str(d))} && mount -t tmpfs tmpfs {shlex.quote(str(d))}" for d in node_local_dirs
+        ]
         script = " && ".join(setup) + ' && exec "$@"'
-        return ["ip", "netns", "exec", self.namespaces[host], "unshare", "--uts", "--mount", "--",
-                "sh", "-c", script, "sh", *argv]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.namespaces[host],
+            "unshare",
+            "--uts",
+            "--mount",
+            "--",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            *argv,
+        ]
 
-    def popen(self, host: int, argv: list[str], env: dict[str, str], node_local_dirs: list[Path] = (),
-              **kwargs) -> subprocess.Popen:
+    def popen(
+        self, host: int, argv: list[str], env: dict[str, str], node_local_dirs: list[Path] = (), **kwargs
+    ) -> subprocess.Popen:
         """Start ``argv`` on host ``host`` with ``GLOO_SOCKET_IFNAME`` set to its veth; output is captured."""
         env = {**env, "GLOO_SOCKET_IFNAME": INTERFACE}
         kwargs.setdefault("stdout", subprocess.PIPE)
         kwargs.setdefault("stderr", subprocess.PIPE)
         return subprocess.Popen(self.command(host, argv, node_local_dirs), env=env, text=True, **kwargs)
 
-    def run(self, host: int, argv: list[str], env: dict[str, str], timeout: float = 60,
-            **kwargs) -> subprocess.CompletedProcess:
+    def run(
+        self, host: int, argv: list[str], env: dict[str, str], timeout: float = 60, **kwargs
+    ) -> subprocess.CompletedProcess:
         """Run ``argv`` on host ``host`` to completion."""
-        return subprocess.run(self.command(host, argv), env={**env, "GLOO_SOCKET_IFNAME": INTERFACE},
-                              capture_output=True, text=True, timeout=timeout, **kwargs)
+        return subprocess.run(
+            self.command(host, argv),
+            env={**env, "GLOO_SOCKET_IFNAME": INTERFACE},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            **kwargs,
+        )
 
     def wait(self, procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
         """(returncode, stdout, stderr) of each process; everything on both hosts is killed past ``timeout``."""

@@ -25,12 +25,12 @@ from shardtune.model.loss import SEQUENCE_LAYOUT
 class ModelShape:
     num_layers: int
     hidden_size: int
-    num_matmul_params: int     # every weight a token is multiplied by: all matrices but the input embedding
+    num_matmul_params: int  # every weight a token is multiplied by: all matrices but the input embedding
     num_trainable_params: int  # the trainable ones among those (all of them in full fine-tuning)
-    attention_size: int = 0    # query heads x head dimension (= hidden_size in Llama); 0: hidden_size
-    num_head_params: int = 0   # the output layer's weight (vocabulary x hidden), part of num_matmul_params
+    attention_size: int = 0  # query heads x head dimension (= hidden_size in Llama); 0: hidden_size
+    num_head_params: int = 0  # the output layer's weight (vocabulary x hidden), part of num_matmul_params
     head_trainable: bool = False
-    lean_loss: bool = False    # the output layer runs only on labelled positions (shardtune.model.loss lean path)
+    lean_loss: bool = False  # the output layer runs only on labelled positions (shardtune.model.loss lean path)
 
     @property
     def num_body_params(self) -> int:
@@ -53,13 +53,16 @@ def model_shape(model: nn.Module) -> ModelShape:
     matmul = [p for p in model.parameters() if (tied or p is not embedding) and is_matrix(p)]
 
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return ModelShape(num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-                      num_matmul_params=sum(numel(p) for p in matmul),
-                      num_trainable_params=sum(numel(p) for p in matmul if p.requires_grad),
-                      attention_size=config.num_attention_heads * head_dim,
-                      num_head_params=numel(head.weight) if head is not None else 0,
-                      head_trainable=head is not None and head.weight.requires_grad,
-                      lean_loss=lean_head(model) is not None)
+    return ModelShape(
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_matmul_params=sum(numel(p) for p in matmul),
+        num_trainable_params=sum(numel(p) for p in matmul if p.requires_grad),
+        attention_size=config.num_attention_heads * head_dim,
+        num_head_params=numel(head.weight) if head is not None else 0,
+        head_trainable=head is not None and head.weight.requires_grad,
+        lean_loss=lean_head(model) is not None,
+    )
 
 
 def is_matrix(p: torch.Tensor) -> bool:
@@ -168,8 +171,9 @@ def palm_micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor]) ->
     return training_flops_per_token(shape, batch["input_ids"].size(1)) * num_input_tokens(batch)
 
 
-def preference_micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor], scored_tokens: int
-                                 ) -> tuple[int, int]:
+def preference_micro_batch_flops(
+    shape: ModelShape, batch: dict[str, torch.Tensor], scored_tokens: int
+) -> tuple[int, int]:
     """Model FLOPs (``mfu``, PaLM) of one DPO micro-batch: the policy trains on every row (chosen and rejected; under
     the lean loss the output layer runs on the ``scored_tokens`` completion targets only, else on every input
     token), and the reference model runs forward only (a third of the training FLOPs of a frozen weight: 2 per
@@ -186,11 +190,16 @@ def preference_micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tenso
     else:
         attention_forward = causal_attention_flops(shape, sequence_lengths(batch)) // 3
         # PaLM's attention term at each sequence's length: a padded row's width, a padding-free row's sequences
-        attended = (sum(n * n for n in sequence_lengths(batch)) if "cu_seq_lens" in batch
-                    else batch["input_ids"].size(1) * tokens)
+        attended = (
+            sum(n * n for n in sequence_lengths(batch))
+            if "cu_seq_lens" in batch
+            else batch["input_ids"].size(1) * tokens
+        )
     palm_forward = 2 * shape.num_matmul_params * tokens + 4 * shape.num_layers * shape.hidden_size * attended
-    return (micro_batch_flops(shape, batch, head_tokens) + forward + attention_forward,
-            palm_micro_batch_flops(shape, batch) + palm_forward)
+    return (
+        micro_batch_flops(shape, batch, head_tokens) + forward + attention_forward,
+        palm_micro_batch_flops(shape, batch) + palm_forward,
+    )
 
 
 def flop_counter():
@@ -211,10 +220,14 @@ def flop_counter():
     def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
         return fc.sdpa_backward_flop_count(grad_out, query, key, value)
 
-    return fc.FlopCounterMode(display=False, custom_mapping={
-        aten.addmm_: accumulate,
-        aten._scaled_dot_product_flash_attention_for_cpu: forward,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward})
+    return fc.FlopCounterMode(
+        display=False,
+        custom_mapping={
+            aten.addmm_: accumulate,
+            aten._scaled_dot_product_flash_attention_for_cpu: forward,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+        },
+    )
 
 
 PEAK_DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}

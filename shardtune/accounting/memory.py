@@ -40,17 +40,26 @@ def shard_fraction(strategy: str, num_gpus: int, gpus_per_node: int) -> tuple[fl
     raise ValueError(f"unknown strategy {strategy!r}: choose one of " + ", ".join(STRATEGIES))
 
 
-def state_bytes_per_gpu(num_params: float, strategy: str, num_gpus: int, gpus_per_node: int = 8,
-                        param_bytes: int = 4, grad_bytes: int = 4, optimizer_bytes: int = 4) -> StateBytes:
+def state_bytes_per_gpu(
+    num_params: float,
+    strategy: str,
+    num_gpus: int,
+    gpus_per_node: int = 8,
+    param_bytes: int = 4,
+    grad_bytes: int = 4,
+    optimizer_bytes: int = 4,
+) -> StateBytes:
     """Bytes of params / grads / AdamW state per GPU for full fine-tuning (all parameters trainable).
 
     Defaults are mixed precision with fp32 master weights: bf16 is only the compute copy, all-gathered per
     layer. pure_bf16 is param_bytes = grad_bytes = optimizer_bytes = 2.
     """
     param_frac, state_frac = shard_fraction(strategy, num_gpus, gpus_per_node)
-    return StateBytes(params=int(num_params * param_bytes * param_frac),
-                      grads=int(num_params * grad_bytes * state_frac),
-                      optimizer=int(num_params * ADAM_STATES_PER_PARAM * optimizer_bytes * state_frac))
+    return StateBytes(
+        params=int(num_params * param_bytes * param_frac),
+        grads=int(num_params * grad_bytes * state_frac),
+        optimizer=int(num_params * ADAM_STATES_PER_PARAM * optimizer_bytes * state_frac),
+    )
 
 
 def local_state_bytes(model: nn.Module) -> StateBytes:
@@ -79,6 +88,7 @@ def human_bytes(num_bytes: float) -> str:
 
 # -- traffic between nodes ----------------------------------------------------------------------------------------
 
+
 def ring_factor(collective: str, group_size: int) -> float:
     """Bytes each rank sends per byte of the full tensor in a ring collective (nccl-tests' bus-bandwidth factor)."""
     if group_size <= 1:
@@ -87,9 +97,17 @@ def ring_factor(collective: str, group_size: int) -> float:
     return 2 * share if collective == "all_reduce" else share  # all_gather, reduce_scatter
 
 
-def cross_node_bytes_per_step(strategy: str, num_params: float, num_trainable: float, num_nodes: int,
-                              gpus_per_node: int, micro_batches: int = 1, shard_group_size: int = 0,
-                              compute_bytes: int = 2, grad_bytes: int = 4) -> int:
+def cross_node_bytes_per_step(
+    strategy: str,
+    num_params: float,
+    num_trainable: float,
+    num_nodes: int,
+    gpus_per_node: int,
+    micro_batches: int = 1,
+    shard_group_size: int = 0,
+    compute_bytes: int = 2,
+    grad_bytes: int = 4,
+) -> int:
     """Bytes each node sends to other nodes per optimizer step, for ring collectives (as NCCL runs large tensors).
 
     A ring ordered by node leaves each node over one link, which carries what one rank sends; a node holding
@@ -107,15 +125,18 @@ def cross_node_bytes_per_step(strategy: str, num_params: float, num_trainable: f
         return int(ring_factor("all_reduce", world) * grads)
     gathers = {"FULL_SHARD": 2, "SHARD_GRAD_OP": 1}
     if strategy in gathers:
-        return int(micro_batches * gathers[strategy] * ring_factor("all_gather", world) * params
-                   + ring_factor("reduce_scatter", world) * grads)
+        return int(
+            micro_batches * gathers[strategy] * ring_factor("all_gather", world) * params
+            + ring_factor("reduce_scatter", world) * grads
+        )
     if strategy != "HYBRID_SHARD":
         raise ValueError(f"unknown strategy {strategy!r}: choose one of " + ", ".join(STRATEGIES))
     shard = shard_group_size or gpus_per_node
     total = 0.0
     if shard > gpus_per_node:  # a shard group spans nodes: its gathers and reduce-scatters cross them
-        total += (micro_batches * 2 * ring_factor("all_gather", shard) * params
-                  + ring_factor("reduce_scatter", shard) * grads)
+        total += (
+            micro_batches * 2 * ring_factor("all_gather", shard) * params + ring_factor("reduce_scatter", shard) * grads
+        )
     replicas = world // shard
     total += min(shard, gpus_per_node) * ring_factor("all_reduce", replicas) * grads / shard
     return int(total)
@@ -123,12 +144,17 @@ def cross_node_bytes_per_step(strategy: str, num_params: float, num_trainable: f
 
 def cross_node_summary(chosen: str, num_nodes: int, gpus_per_node: int, **sizes) -> str:
     """Start-log line: the chosen strategy's bytes per node per step, next to the alternatives'."""
+
     def amount(strategy: str) -> str:
-        return human_bytes(cross_node_bytes_per_step(strategy, num_nodes=num_nodes, gpus_per_node=gpus_per_node,
-                                                     **sizes))
+        return human_bytes(
+            cross_node_bytes_per_step(strategy, num_nodes=num_nodes, gpus_per_node=gpus_per_node, **sizes)
+        )
+
     others = ", ".join(f"{s} {amount(s)}" for s in ("DDP", "FULL_SHARD", "HYBRID_SHARD") if s != chosen)
-    return (f"traffic between nodes: {amount(chosen)} sent by each node per optimizer step with {chosen} "
-            f"({num_nodes} nodes x {gpus_per_node} processes, ring collectives; {others})")
+    return (
+        f"traffic between nodes: {amount(chosen)} sent by each node per optimizer step with {chosen} "
+        f"({num_nodes} nodes x {gpus_per_node} processes, ring collectives; {others})"
+    )
 
 
 # (parameters, decoder layers)
@@ -145,19 +171,26 @@ def gathered_bytes_per_gpu(num_params: float, num_layers: int, strategy: str) ->
     return 0
 
 
-def memory_table(model_sizes: dict[str, tuple[float, int]] = MODEL_SIZES, gpu_counts: tuple[int, ...] = (8, 16),
-                 gpus_per_node: int = 8) -> str:
+def memory_table(
+    model_sizes: dict[str, tuple[float, int]] = MODEL_SIZES,
+    gpu_counts: tuple[int, ...] = (8, 16),
+    gpus_per_node: int = 8,
+) -> str:
     """Markdown table: params / grads / Adam GiB per GPU for each strategy (fp32 master weights, AdamW), plus the
     bf16 parameters all-gathered at the peak of a step."""
-    lines = ["| model | strategy | GPUs | params | grads | Adam state | sharded total | + all-gathered (bf16) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | strategy | GPUs | params | grads | Adam state | sharded total | + all-gathered (bf16) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for model_name, (num_params, num_layers) in model_sizes.items():
         for strategy in ("DDP", "FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"):
             for num_gpus in gpu_counts:
                 b = state_bytes_per_gpu(num_params, strategy, num_gpus, gpus_per_node)
                 extra = gathered_bytes_per_gpu(num_params, num_layers, strategy)
-                lines.append(f"| {model_name} | {strategy} | {num_gpus} | {gib(b.params)} | {gib(b.grads)} | "
-                             f"{gib(b.optimizer)} | {gib(b.total)} | {gib(extra)} |")
+                lines.append(
+                    f"| {model_name} | {strategy} | {num_gpus} | {gib(b.params)} | {gib(b.grads)} | "
+                    f"{gib(b.optimizer)} | {gib(b.total)} | {gib(extra)} |"
+                )
     return "\n".join(lines)
 
 

@@ -49,8 +49,7 @@ DATA_SHEET_TFLOPS: tuple[tuple[str, str, dict[str, float]], ...] = (
     (r"\bV100\b.*\bPCIE\b", "NVIDIA V100 PCIe", {"fp16": 112, "fp32": 14}),
     (r"\bV100\b", "NVIDIA V100 SXM2", {"fp16": 125, "fp32": 15.7}),
     (r"\bT4\b", "NVIDIA T4", {"fp16": 65, "fp32": 8.1}),
-    (r"\bMI300X\b|\bMI325X\b", "AMD Instinct MI300X", {"bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7,
-                                                          "fp32": 163.4}),
+    (r"\bMI300X\b|\bMI325X\b", "AMD Instinct MI300X", {"bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4}),
 )
 
 DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -59,8 +58,8 @@ DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp3
 @dataclass(frozen=True)
 class SheetPeak:
     flops_per_s: float
-    gpu: str    # the GPU as its data sheet names it
-    key: str    # "bf16", "fp16", "tf32" or "fp32"
+    gpu: str  # the GPU as its data sheet names it
+    key: str  # "bf16", "fp16", "tf32" or "fp32"
 
 
 def matmul_key(dtype: torch.dtype, device_type: str) -> str:
@@ -81,8 +80,9 @@ def data_sheet_peak(device_name: str, key: str) -> SheetPeak | None:
     return None
 
 
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int | None = None,
-                         num_bursts: int = 3) -> float:
+def measure_matmul_flops(
+    device: torch.device, dtype: torch.dtype, size: int | None = None, num_bursts: int = 3
+) -> float:
     """Best FLOP/s of ``num_bursts`` bursts of two square matmuls in ``dtype`` (after one warm-up). CPU: 1024 x 1024
     with the threads this process has (the rate of 2048 x 2048 on the 2-core test machine, 8x sooner); GPU:
     8192 x 8192."""
@@ -100,7 +100,7 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int | N
         for _ in range(2):
             a @ b
         sync()
-        best = max(best, 2 * 2 * size ** 3 / (time.perf_counter() - start))
+        best = max(best, 2 * 2 * size**3 / (time.perf_counter() - start))
     return best
 
 
@@ -145,8 +145,7 @@ class PeakMeter:
         """Measure every rank's matmul rate at once, and keep the best total so far."""
         # one burst per measurement: the run measures again after steps 1, 2, 4, 8, ... and keeps the best, so the
         # bursts of one measurement would only repeat that (a CPU burst costs the run ~0.1 s per process)
-        self.flops_per_s = max(self.flops_per_s, self._sum(measure_matmul_flops(self.device, self.dtype,
-                                                                                num_bursts=1)))
+        self.flops_per_s = max(self.flops_per_s, self._sum(measure_matmul_flops(self.device, self.dtype, num_bursts=1)))
         self.num_measurements += 1
         return self.flops_per_s
 
@@ -157,8 +156,9 @@ class PeakMeter:
         never below the rate a step achieved (the ranks' mean): the machine demonstrably reached that."""
         if self.sheet is not None:
             return self.flops_per_s
-        faster, rate_sum, num_ranks = self.sum_over_ranks(torch.tensor(
-            [float(model_flops_per_s > self.flops_per_s), model_flops_per_s, 1.0], dtype=torch.float64)).tolist()
+        faster, rate_sum, num_ranks = self.sum_over_ranks(
+            torch.tensor([float(model_flops_per_s > self.flops_per_s), model_flops_per_s, 1.0], dtype=torch.float64)
+        ).tolist()
         if faster > 0 or is_remeasure_step(step):
             self.measure()
         self.flops_per_s = max(self.flops_per_s, rate_sum / num_ranks)
@@ -167,11 +167,15 @@ class PeakMeter:
     def describe(self) -> str:
         """One line for the start log: which peak MFU is against."""
         if self.sheet is not None:
-            return (f"mfu against the data-sheet dense {self.key} peak of the {self.sheet.gpu} "
-                    f"({self.sheet.flops_per_s / TFLOPS:g} TFLOP/s per GPU; {self.device_name})")
+            return (
+                f"mfu against the data-sheet dense {self.key} peak of the {self.sheet.gpu} "
+                f"({self.sheet.flops_per_s / TFLOPS:g} TFLOP/s per GPU; {self.device_name})"
+            )
         what = "GPU not in shardtune.accounting.peak_flops.DATA_SHEET_TFLOPS" if self.device.type == "cuda" else "CPU"
-        return (f"mfu against the measured {self.key} matmul peak of {self.device_name} ({what}): measured on "
-                "every rank at once after steps 1, 2, 4, 8, ... and after any faster step, best kept")
+        return (
+            f"mfu against the measured {self.key} matmul peak of {self.device_name} ({what}): measured on "
+            "every rank at once after steps 1, 2, 4, 8, ... and after any faster step, best kept"
+        )
 
 
 def device_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:

@@ -34,14 +34,20 @@ def parse_doctor_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="shardtune doctor",
         description="check versions, devices, topology, collective bandwidth and the NCCL / gloo environment of "
-                    "every rank; torchrun's flags (--nproc_per_node, --nnodes, --rdzv_endpoint ...) pass through")
-    parser.add_argument("--bandwidth_mb", type=float, default=64.0,
-                        help="size of the all-reduce / all-gather test tensor per rank, in MB (default 64)")
+        "every rank; torchrun's flags (--nproc_per_node, --nnodes, --rdzv_endpoint ...) pass through",
+    )
+    parser.add_argument(
+        "--bandwidth_mb",
+        type=float,
+        default=64.0,
+        help="size of the all-reduce / all-gather test tensor per rank, in MB (default 64)",
+    )
     parser.add_argument("--bandwidth_iters", type=int, default=5, help="timed repetitions (after one warm-up)")
     args = parser.parse_args(argv)
     if args.bandwidth_iters < 1:
-        raise ConfigError(f"--bandwidth_iters {args.bandwidth_iters} must be >= 1: the bandwidth is timed over that "
-                          "many repetitions")
+        raise ConfigError(
+            f"--bandwidth_iters {args.bandwidth_iters} must be >= 1: the bandwidth is timed over that many repetitions"
+        )
     if not args.bandwidth_mb > 0:
         raise ConfigError(f"--bandwidth_mb {args.bandwidth_mb} must be a positive size in MB, e.g. 64")
     return args
@@ -64,16 +70,23 @@ def rank_report(device) -> dict:
         device_text = f"{props.name} ({props.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}"
     else:
         device_text = "CPU"
-    comm_env = {k: v for k, v in sorted(os.environ.items())
-                if k.startswith(COMM_ENV_PREFIXES) or k in COMM_ENV_NAMES}
+    comm_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(COMM_ENV_PREFIXES) or k in COMM_ENV_NAMES}
     hostname = socket.gethostname()
     try:
         address = socket.gethostbyname(hostname)
     except OSError as e:
         address = f"unresolved ({e.strerror})"
-    return {"rank": int(os.environ["RANK"]), "node": int(os.environ.get("GROUP_RANK", "0")),
-            "local_rank": int(os.environ["LOCAL_RANK"]), "hostname": hostname, "address": address,
-            "versions": versions, "device": device_text, "visible_gpus": torch.cuda.device_count(), "env": comm_env}
+    return {
+        "rank": int(os.environ["RANK"]),
+        "node": int(os.environ.get("GROUP_RANK", "0")),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "hostname": hostname,
+        "address": address,
+        "versions": versions,
+        "device": device_text,
+        "visible_gpus": torch.cuda.device_count(),
+        "env": comm_env,
+    }
 
 
 def bus_bandwidth_gb_s(op: str, group, numel: int, iters: int, device) -> float:
@@ -116,15 +129,19 @@ def bandwidth_table(args: argparse.Namespace, env) -> dict[str, dict[str, float]
     groups = {"all ranks": None}
     if env.num_nodes > 1:
         # every rank creates every group (new_group is collective); only members measure
-        per_local_rank = [dist.new_group(list(range(local, env.world_size, env.local_world_size)))
-                          for local in range(env.local_world_size)]
+        per_local_rank = [
+            dist.new_group(list(range(local, env.world_size, env.local_world_size)))
+            for local in range(env.local_world_size)
+        ]
         groups["across nodes"] = per_local_rank[env.local_rank] if env.local_rank == 0 else None
     table: dict[str, dict[str, float]] = {}
     for name, group in groups.items():
         if name == "across nodes" and group is None:
             continue
-        table[name] = {op: bus_bandwidth_gb_s(op, group, numel, args.bandwidth_iters, env.device)
-                       for op in ("all_reduce", "all_gather")}
+        table[name] = {
+            op: bus_bandwidth_gb_s(op, group, numel, args.bandwidth_iters, env.device)
+            for op in ("all_reduce", "all_gather")
+        }
     return table
 
 
@@ -141,53 +158,71 @@ def problems_found(reports: list[dict], env, bandwidth: dict) -> list[str]:
     for name in sorted({k for r in reports for k in r["env"]} - {"MASTER_ADDR", "MASTER_PORT"}):
         values = {r["env"].get(name, "(unset)") for r in reports}
         if len(values) > 1:
-            problems.append(f"{name} differs between ranks ({', '.join(sorted(values))}): set it the same on every "
-                            "node, or on purpose per node (e.g. an interface name)")
+            problems.append(
+                f"{name} differs between ranks ({', '.join(sorted(values))}): set it the same on every "
+                "node, or on purpose per node (e.g. an interface name)"
+            )
     hostnames = {r["node"]: r["hostname"] for r in reports}
     if env.num_nodes > 1:
         if len(set(hostnames.values())) < env.num_nodes:
-            problems.append(f"nodes share a host name ({sorted(set(hostnames.values()))}): torchrun's c10d "
-                            "rendezvous picks the node that hosts its store by host name; give each node its own "
-                            "name, or pass --rdzv_conf is_host=1 on the first node only")
+            problems.append(
+                f"nodes share a host name ({sorted(set(hostnames.values()))}): torchrun's c10d "
+                "rendezvous picks the node that hosts its store by host name; give each node its own "
+                "name, or pass --rdzv_conf is_host=1 on the first node only"
+            )
         loopback = sorted({r["node"] for r in reports if r["address"].startswith("127.")})
         if loopback:
-            problems.append(f"the host name of node(s) {loopback} resolves to a loopback address (127.x): other "
-                            "nodes cannot reach them by it; fix /etc/hosts or DNS, or pass --local_addr ADDRESS")
+            problems.append(
+                f"the host name of node(s) {loopback} resolves to a loopback address (127.x): other "
+                "nodes cannot reach them by it; fix /etc/hosts or DNS, or pass --local_addr ADDRESS"
+            )
     for r in reports:
         if r["visible_gpus"] and env.local_world_size != r["visible_gpus"] and r["local_rank"] == 0:
-            problems.append(f"node {r['node']} runs {env.local_world_size} processes but sees {r['visible_gpus']} "
-                            "GPUs: pass --nproc_per_node equal to the GPU count to use them all")
+            problems.append(
+                f"node {r['node']} runs {env.local_world_size} processes but sees {r['visible_gpus']} "
+                "GPUs: pass --nproc_per_node equal to the GPU count to use them all"
+            )
         if r["env"].get("NCCL_IB_DISABLE") == "1" and r["local_rank"] == 0 and env.num_nodes > 1:
-            problems.append(f"NCCL_IB_DISABLE=1 on node {r['node']}: cross-node traffic goes over TCP sockets, "
-                            "unset it if the nodes have InfiniBand / RoCE")
+            problems.append(
+                f"NCCL_IB_DISABLE=1 on node {r['node']}: cross-node traffic goes over TCP sockets, "
+                "unset it if the nodes have InfiniBand / RoCE"
+            )
     if env.backend == "nccl":
         for group, ops in bandwidth.items():
             slow = {op: gb for op, gb in ops.items() if gb < SLOW_GPU_BUS_GB_S[group]}
             if slow:
-                problems.append(f"{group}: bus bandwidth {', '.join(f'{op} {gb:.1f} GB/s' for op, gb in slow.items())}"
-                                f" is below {SLOW_GPU_BUS_GB_S[group]:.0f} GB/s: check NCCL_SOCKET_IFNAME / "
-                                "InfiniBand (NCCL_DEBUG=INFO says which transport is used); across slow links, "
-                                "prefer --fsdp_config.sharding_strategy HYBRID_SHARD")
+                problems.append(
+                    f"{group}: bus bandwidth {', '.join(f'{op} {gb:.1f} GB/s' for op, gb in slow.items())}"
+                    f" is below {SLOW_GPU_BUS_GB_S[group]:.0f} GB/s: check NCCL_SOCKET_IFNAME / "
+                    "InfiniBand (NCCL_DEBUG=INFO says which transport is used); across slow links, "
+                    "prefer --fsdp_config.sharding_strategy HYBRID_SHARD"
+                )
     return problems
 
 
 def render(reports: list[dict], env, bandwidth: dict, problems: list[str]) -> str:
-    lines = [f"topology: {env.num_nodes} node(s) x {env.local_world_size} process(es) = world size "
-             f"{env.world_size}, backend {env.backend}, rendezvous store {os.environ.get('MASTER_ADDR')}:"
-             f"{os.environ.get('MASTER_PORT')}, run id {os.environ.get('TORCHELASTIC_RUN_ID', '-')}"]
+    lines = [
+        f"topology: {env.num_nodes} node(s) x {env.local_world_size} process(es) = world size "
+        f"{env.world_size}, backend {env.backend}, rendezvous store {os.environ.get('MASTER_ADDR')}:"
+        f"{os.environ.get('MASTER_PORT')}, run id {os.environ.get('TORCHELASTIC_RUN_ID', '-')}"
+    ]
     for node in sorted({r["node"] for r in reports}):
         first = next(r for r in reports if r["node"] == node)
         ranks = [r["rank"] for r in reports if r["node"] == node]
-        lines.append(f"node {node}: host {first['hostname']} ({first['address']}), ranks {ranks}, device "
-                     f"{first['device']}")
+        lines.append(
+            f"node {node}: host {first['hostname']} ({first['address']}), ranks {ranks}, device {first['device']}"
+        )
         lines.append("  versions: " + ", ".join(f"{k} {v}" for k, v in first["versions"].items()))
         env_text = ", ".join(f"{k}={v}" for k, v in first["env"].items()) or "(none set)"
         lines.append(f"  communication environment: {env_text}")
     if not bandwidth:
         lines.append("bandwidth: not measured (one rank: no collective traffic)")
     for group, ops in bandwidth.items():
-        lines.append(f"bandwidth ({group}): " + ", ".join(f"{op} {gb:.2f} GB/s" for op, gb in ops.items())
-                     + " (bus bandwidth, as nccl-tests reports it)")
+        lines.append(
+            f"bandwidth ({group}): "
+            + ", ".join(f"{op} {gb:.2f} GB/s" for op, gb in ops.items())
+            + " (bus bandwidth, as nccl-tests reports it)"
+        )
     lines += [f"problem: {p}" for p in problems] or ["no problem found"]
     return "\n".join(lines)
 
@@ -227,9 +262,9 @@ def problems_reported(path: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
-    from shardtune.runtime.distributed import is_torchrun_worker
     from shardtune.config.argv import split_argv
     from shardtune.launch.torchrun import launch, resolve_here
+    from shardtune.runtime.distributed import is_torchrun_worker
 
     argv = sys.argv[1:] if argv is None else argv
     if {"-h", "--help"} & set(argv):

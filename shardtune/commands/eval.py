@@ -26,13 +26,19 @@ import torch
 from torch import nn
 
 from shardtune import data
-from shardtune.runtime.files import write_text_atomic
-from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.config.flags import parse_args
+from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.trl_loading import uses_trl_formats
-from shardtune.model.generation import ROUGE_TYPES, SUMMARY_MAX_NEW_TOKENS, generate_for_examples, load_for_inference, rouge_scores
-from shardtune.model.peft import resolve_model_and_adapter
+from shardtune.model.generation import (
+    ROUGE_TYPES,
+    SUMMARY_MAX_NEW_TOKENS,
+    generate_for_examples,
+    load_for_inference,
+    rouge_scores,
+)
 from shardtune.model.loss import num_label_tokens, token_loss_sum
+from shardtune.model.peft import resolve_model_and_adapter
+from shardtune.runtime.files import write_text_atomic
 from shardtune.training.metrics import perplexity
 
 DEFAULT_MAX_EXAMPLES = 50
@@ -55,32 +61,54 @@ def evaluate_model(cfg: TrainConfig, adapter: str, max_examples: int, max_new_to
     examples, data_report = data.load_examples(cfg, data.apply_tokenizer_options(cfg, tokenizer), "validation")
     examples = examples[:max_examples]
     if not examples:
-        raise ConfigError(f"--dataset {cfg.data.dataset}: the validation split has no usable example "
-                          f"({data_report.summary()})")
+        raise ConfigError(
+            f"--dataset {cfg.data.dataset}: the validation split has no usable example ({data_report.summary()})"
+        )
     loss, ppl, num_tokens = eval_loss(model, examples, cfg, tokenizer.pad_token_id)
     split = "validation"
     if uses_trl_formats(cfg):
-        return {"model_name": cfg.model.name, "adapter": adapter, "dataset": cfg.data.dataset, "data": data_report.source,
-                "split": cfg.data.trl_dataset.dataset_test_split if cfg.data.dataset == "trl_dataset" else split,
-                "num_examples": len(examples), "eval_loss": loss, "eval_ppl": ppl, "eval_num_tokens": num_tokens}
+        return {
+            "model_name": cfg.model.name,
+            "adapter": adapter,
+            "dataset": cfg.data.dataset,
+            "data": data_report.source,
+            "split": cfg.data.trl_dataset.dataset_test_split if cfg.data.dataset == "trl_dataset" else split,
+            "num_examples": len(examples),
+            "eval_loss": loss,
+            "eval_ppl": ppl,
+            "eval_num_tokens": num_tokens,
+        }
     rows = generate_for_examples(model, tokenizer, examples, max_new_tokens)
     scores = rouge_scores([r["reference"] for r in rows], [r["prediction"] for r in rows])
     for row, score in zip(rows, scores):
         row.update(score)
     means = {k: sum(s[k] for s in scores) / len(scores) for k in ROUGE_TYPES}
-    return {"model_name": cfg.model.name, "adapter": adapter, "dataset": cfg.data.dataset, "split": split,
-            "num_examples": len(rows), "eval_loss": loss, "eval_ppl": ppl, "eval_num_tokens": num_tokens,
-            **means, "rouge": {"use_stemmer": True, "measure": "fmeasure"},
-            "generation": {"decoding": "greedy", "max_new_tokens": max_new_tokens}, "examples": rows}
+    return {
+        "model_name": cfg.model.name,
+        "adapter": adapter,
+        "dataset": cfg.data.dataset,
+        "split": split,
+        "num_examples": len(rows),
+        "eval_loss": loss,
+        "eval_ppl": ppl,
+        "eval_num_tokens": num_tokens,
+        **means,
+        "rouge": {"use_stemmer": True, "measure": "fmeasure"},
+        "generation": {"decoding": "greedy", "max_new_tokens": max_new_tokens},
+        "examples": rows,
+    }
 
 
 def summary(report: dict) -> str:
-    loss = (f"eval ({report['num_examples']} examples): loss {report['eval_loss']:.4f}, perplexity "
-            f"{report['eval_ppl']:.3f}")
+    loss = (
+        f"eval ({report['num_examples']} examples): loss {report['eval_loss']:.4f}, perplexity {report['eval_ppl']:.3f}"
+    )
     if "rouge1" not in report:
         return f"{loss} on {report['data']}"
-    return (f"{loss}, ROUGE-1 {100 * report['rouge1']:.2f}, ROUGE-2 {100 * report['rouge2']:.2f}, "
-            f"ROUGE-L {100 * report['rougeL']:.2f}")
+    return (
+        f"{loss}, ROUGE-1 {100 * report['rouge1']:.2f}, ROUGE-2 {100 * report['rouge2']:.2f}, "
+        f"ROUGE-L {100 * report['rougeL']:.2f}"
+    )
 
 
 def print_examples(report: dict, num: int) -> None:
@@ -90,12 +118,19 @@ def print_examples(report: dict, num: int) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shardtune eval", description=__doc__.splitlines()[0],
-                                epilog="Any other flag is a data / model flag of shardtune sft (see its --help).")
-    p.add_argument("--adapter", default="", help="PEFT adapter directory applied on --model_name (or give the "
-                                                 "adapter directory as --model_name)")
-    p.add_argument("--max_examples", type=int, default=DEFAULT_MAX_EXAMPLES, help="evaluate the first N "
-                                                                                   "validation examples")
+    p = argparse.ArgumentParser(
+        prog="shardtune eval",
+        description=__doc__.splitlines()[0],
+        epilog="Any other flag is a data / model flag of shardtune sft (see its --help).",
+    )
+    p.add_argument(
+        "--adapter",
+        default="",
+        help="PEFT adapter directory applied on --model_name (or give the adapter directory as --model_name)",
+    )
+    p.add_argument(
+        "--max_examples", type=int, default=DEFAULT_MAX_EXAMPLES, help="evaluate the first N validation examples"
+    )
     p.add_argument("--max_new_tokens", type=int, default=SUMMARY_MAX_NEW_TOKENS, help="summary length limit")
     p.add_argument("--report_path", default="", help="write the JSON report here (default: print only)")
     p.add_argument("--num_print", type=int, default=3, help="examples printed")
@@ -132,7 +167,9 @@ def main(argv: list[str]) -> int:
             raise ConfigError("--max_examples and --max_new_tokens must be positive")
         check_flag_names(rest, [a.dest for a in parser()._actions if a.dest != "help"])
         cfg = parse_args(rest)
-        cfg.model.name, args.adapter = resolve_model_and_adapter(cfg.model.name, args.adapter, cfg.model.trust_remote_code)
+        cfg.model.name, args.adapter = resolve_model_and_adapter(
+            cfg.model.name, args.adapter, cfg.model.trust_remote_code
+        )
         data.check_data_config(cfg)
         report = evaluate_model(cfg, args.adapter, args.max_examples, args.max_new_tokens)
     except ConfigError as e:

@@ -23,8 +23,8 @@ from transformers.utils import logging as hf_logging
 from shardtune.config.flags import from_dict
 from shardtune.config.schema import ConfigError
 from shardtune.model.attention import attention_implementation
-from shardtune.publishing.hub import HubUploadError, check_can_upload, push_folder
 from shardtune.model.loading import load_model
+from shardtune.publishing.hub import HubUploadError, check_can_upload, push_folder
 from shardtune.publishing.saving import save_hf_model
 from shardtune.runtime.checkpoint_reader import (
     SafeFileSystemReader,
@@ -54,8 +54,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     trust = {"trust_remote_code": cfg.model.trust_remote_code}  # as the run did: recorded in its config.yaml
     config = AutoConfig.from_pretrained(path / "hf_config", **trust)
     target = DTYPES[dtype] or source_dtype(config)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                             attn_implementation=attention_implementation(config), **trust)
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation=attention_implementation(config), **trust
+    )
     tokenizer = AutoTokenizer.from_pretrained(path / "hf_config", **trust)
     if state.get("strategy") == "deepspeed":
         read = _deepspeed_reader(path)
@@ -65,6 +66,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
 
         def read(into: dict[str, torch.Tensor]) -> None:  # this one process reads every shard
             dcp.load({"model": into}, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
+
     if state.get("adapter_only"):  # the base weights do not matter: only the adapter is read and written
         from shardtune.model.peft import apply_peft, save_adapter
 
@@ -78,8 +80,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     missing = sorted(k for k, _ in model.named_parameters() if k not in wanted)
     if missing:  # frozen parameters are not in checkpoints: they come from the base model
         if not Path(cfg.model.name).is_dir():
-            raise ConfigError(f"{path} does not hold {missing[0]} (and {len(missing) - 1} more frozen tensors), and "
-                              f"the base model {cfg.model.name} is not here: export on a machine that has it")
+            raise ConfigError(
+                f"{path} does not hold {missing[0]} (and {len(missing) - 1} more frozen tensors), and "
+                f"the base model {cfg.model.name} is not here: export on a machine that has it"
+            )
         model.load_state_dict(load_model(cfg.model.name, **trust).state_dict())
     read(wanted)
     model.config.dtype = target
@@ -115,22 +119,42 @@ def _deepspeed_reader(path: Path):
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="shardtune export", description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", help="a checkpoint folder (output_dir/checkpoints/step-NNNNNN) or an output dir "
-                                           "(its latest checkpoint)")
+    parser.add_argument(
+        "checkpoint",
+        help="a checkpoint folder (output_dir/checkpoints/step-NNNNNN) or an output dir (its latest checkpoint)",
+    )
     parser.add_argument("out_dir", help="directory to write the Hugging Face model into")
-    parser.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
-                        help="dtype of the written weights; auto: the source model's (its config.json)")
-    parser.add_argument("--merge", action="store_true", help="the first argument is a LoRA adapter directory: write "
-                                                             "base + adapter merged (merge_and_unload)")
-    parser.add_argument("--base", default="", help="with --merge: the base model (default: the adapter's "
-                                                   "base_model_name_or_path)")
-    parser.add_argument("--overwrite", action="store_true", help="write into OUT_DIR even when it already holds "
-                                                                 "files (a model there is replaced)")
-    parser.add_argument("--push_to_hub", default="", metavar="ID", help="then upload the model written to the hub "
-                                                                        "repo ID (user/name), through huggingface_hub")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=sorted(DTYPES),
+        help="dtype of the written weights; auto: the source model's (its config.json)",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="the first argument is a LoRA adapter directory: write base + adapter merged (merge_and_unload)",
+    )
+    parser.add_argument(
+        "--base", default="", help="with --merge: the base model (default: the adapter's base_model_name_or_path)"
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into OUT_DIR even when it already holds files (a model there is replaced)",
+    )
+    parser.add_argument(
+        "--push_to_hub",
+        default="",
+        metavar="ID",
+        help="then upload the model written to the hub repo ID (user/name), through huggingface_hub",
+    )
     parser.add_argument("--hub_private_repo", action="store_true", help="create the --push_to_hub repo private")
-    parser.add_argument("--trust_remote_code", action="store_true", help="with --merge: run the base model's own "
-                                                                         "code (auto_map): docs/security.md")
+    parser.add_argument(
+        "--trust_remote_code",
+        action="store_true",
+        help="with --merge: run the base model's own code (auto_map): docs/security.md",
+    )
     args = parser.parse_args(argv)
     hf_logging.disable_progress_bar()
     try:
@@ -144,13 +168,16 @@ def main(argv: list[str]) -> int:
         if args.merge:
             from shardtune.model.peft import merge_adapter
 
-            base, files = merge_adapter(args.checkpoint, args.out_dir, args.base, DTYPES[args.dtype],
-                                        args.trust_remote_code)
+            base, files = merge_adapter(
+                args.checkpoint, args.out_dir, args.base, DTYPES[args.dtype], args.trust_remote_code
+            )
             print(f"merged {args.checkpoint} into {base}, written to {Path(args.out_dir).resolve()}")
         else:
             if args.trust_remote_code:
-                raise ConfigError("--trust_remote_code applies with --merge; a checkpoint's export runs the model's "
-                                  "own code when its run did (its config.yaml says so): drop the flag")
+                raise ConfigError(
+                    "--trust_remote_code applies with --merge; a checkpoint's export runs the model's "
+                    "own code when its run did (its config.yaml says so): drop the flag"
+                )
             path, files = export_checkpoint(args.checkpoint, args.out_dir, args.dtype)
             print(f"exported {path} to {Path(args.out_dir).resolve()}")
     except ConfigError as e:

@@ -52,10 +52,15 @@ def prompt_messages(text: str) -> list[dict] | None:
 def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
     """The chat template's rendering of ``messages`` plus the generation prompt (what the assistant continues)."""
     if not tokenizer.chat_template:
-        raise ConfigError("the prompt is a list of messages, but the model's tokenizer has no chat template: pass "
-                          "the text alone, or a model trained with one (shardtune sft --chat_template_path)")
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                              return_dict=True)["input_ids"])
+        raise ConfigError(
+            "the prompt is a list of messages, but the model's tokenizer has no chat template: pass "
+            "the text alone, or a model trained with one (shardtune sft --chat_template_path)"
+        )
+    return list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
+    )
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -81,20 +86,32 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardtune generate", description=__doc__.splitlines()[0])
     p.add_argument("prompt", nargs="?", help="the prompt (else --prompt_file, else stdin)")
     p.add_argument("--prompt_file", default="", help="read the prompt from this file")
-    p.add_argument("--model_name", default="", help="a model directory, hub id or preset:NAME; or a PEFT adapter "
-                                                     "directory (its base model is read from its config)")
+    p.add_argument(
+        "--model_name",
+        default="",
+        help="a model directory, hub id or preset:NAME; or a PEFT adapter "
+        "directory (its base model is read from its config)",
+    )
     p.add_argument("--adapter", default="", help="PEFT adapter directory applied on --model_name")
-    p.add_argument("--dialogue", action="store_true", help="the input is a dialogue: wrap it in the training "
-                                                           "summarisation prompt")
-    p.add_argument("--chat", action="store_true", help="the input is one user message: render it with the model's "
-                                                        "chat template (a JSON list of messages is rendered anyway)")
+    p.add_argument(
+        "--dialogue", action="store_true", help="the input is a dialogue: wrap it in the training summarisation prompt"
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="the input is one user message: render it with the model's "
+        "chat template (a JSON list of messages is rendered anyway)",
+    )
     p.add_argument("--max_new_tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="generate at most this many")
     p.add_argument("--do_sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --do_sample)")
     p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (with --do_sample)")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling")
-    p.add_argument("--trust_remote_code", action="store_true", help="run the model's own Python code (its "
-                                                                    "config.json's auto_map): docs/security.md")
+    p.add_argument(
+        "--trust_remote_code",
+        action="store_true",
+        help="run the model's own Python code (its config.json's auto_map): docs/security.md",
+    )
     return p
 
 
@@ -109,8 +126,10 @@ def main(argv: list[str]) -> int:
         if not args.do_sample and (args.temperature != 1.0 or args.top_p != 1.0):
             raise ConfigError("--temperature / --top_p only apply with --do_sample: add it, or drop them")
         if args.do_sample and not args.temperature > 0:
-            raise ConfigError(f"--temperature {args.temperature} with --do_sample: sampling needs a positive "
-                              "temperature (e.g. 0.7); for greedy decoding drop --do_sample")
+            raise ConfigError(
+                f"--temperature {args.temperature} with --do_sample: sampling needs a positive "
+                "temperature (e.g. 0.7); for greedy decoding drop --do_sample"
+            )
         if not 0 < args.top_p <= 1:
             raise ConfigError(f"--top_p {args.top_p} must be in (0, 1]: the probability mass sampled from")
         prompt = read_prompt(args)
@@ -123,8 +142,15 @@ def main(argv: list[str]) -> int:
         return 2
     torch.manual_seed(args.seed)
     try:
-        text = generate_text(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                             temperature=args.temperature, top_p=args.top_p)
+        text = generate_text(
+            model,
+            tokenizer,
+            prompt,
+            max_new_tokens=args.max_new_tokens,
+            do_sample=args.do_sample,
+            temperature=args.temperature,
+            top_p=args.top_p,
+        )
     except ConfigError as e:
         print(f"shardtune: error: {e}", file=sys.stderr)
         return 2

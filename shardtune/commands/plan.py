@@ -41,10 +41,15 @@ def plan_values(hardware: dict[str, str], launcher: dict[str, str | None]) -> di
 
 def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
-        print(__doc__.strip() + "\n\nplan flags: --gpu " + "|".join(DEVICES) + "|cpu, --gpu_memory SIZE, --host_memory SIZE (per node; "
-              "default: what a server of that GPU ships with, stated in the output), --nnodes M, "
-              "--gpus_per_node G, --objective sft|dpo (default sft; dpo: a shardtune dpo run, with its flags), --json; "
-              "every sft flag (shardtune sft --help)")
+        print(
+            __doc__.strip()
+            + "\n\nplan flags: --gpu "
+            + "|".join(DEVICES)
+            + "|cpu, --gpu_memory SIZE, --host_memory SIZE (per node; "
+            "default: what a server of that GPU ships with, stated in the output), --nnodes M, "
+            "--gpus_per_node G, --objective sft|dpo (default sft; dpo: a shardtune dpo run, with its flags), --json; "
+            "every sft flag (shardtune sft --help)"
+        )
         return 0
     as_json = "--json" in argv
     try:
@@ -52,9 +57,11 @@ def main(argv: list[str]) -> int:
         values = plan_values(args.hardware, args.launcher)
         cfg = build_config(args.training, args.recipe)
         if cfg.model.revision:
-            raise ConfigError(f"--model_revision {cfg.model.revision}: the plan reads the hub id's main config.json; "
-                              "drop --model_revision, or download the revision and pass its directory as "
-                              "--model_name")
+            raise ConfigError(
+                f"--model_revision {cfg.model.revision}: the plan reads the hub id's main config.json; "
+                "drop --model_revision, or download the revision and pass its directory as "
+                "--model_name"
+            )
         objective = check_objective(cfg.objective, cfg)
         device = resolve_device(values)
         setup = setup_from_config(cfg, values, device)
@@ -80,6 +87,8 @@ def check_objective(objective: str, cfg: TrainConfig) -> str:
     cfg.objective = objective
     foreign = foreign_setting(cfg)
     if foreign:
-        raise ConfigError(f"--{foreign[1]} is one of shardtune {foreign[0]}'s flags: add --objective {foreign[0]} to "
-                          f"plan a {foreign[0]} run, or drop it")
+        raise ConfigError(
+            f"--{foreign[1]} is one of shardtune {foreign[0]}'s flags: add --objective {foreign[0]} to "
+            f"plan a {foreign[0]} run, or drop it"
+        )
     return objective

@@ -17,8 +17,11 @@ from shardtune.training.plots import read_run, run_names, write_plots
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardtune plot", description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+", help="run output directories (metrics.jsonl), metrics.jsonl files, or "
-                                           "llama-cookbook metrics_data_*.json files")
+    p.add_argument(
+        "runs",
+        nargs="+",
+        help="run output directories (metrics.jsonl), metrics.jsonl files, or llama-cookbook metrics_data_*.json files",
+    )
     p.add_argument("--out_dir", default="", help="where the PNGs go; default: RUN_DIR/plots of the first run")
     p.add_argument("--smoothing", type=float, default=0.6, help="exponential smoothing weight of the loss, in [0, 1)")
     return p

@@ -17,13 +17,13 @@ from shardtune.config.flags import build_config, recipe_launch_settings
 from shardtune.config.schema import ConfigError
 from shardtune.launch.torchrun import in_place_worker_env, launch, resolve_here, runs_in_place, sft_help_text
 from shardtune.planner.dry_run import dry_run, dry_run_topology
+from shardtune.runtime import startup
 from shardtune.runtime.distributed import (
     is_torchrun_worker,
     local_gpu_count,
     nccl_watchdog_env,
 )
 from shardtune.runtime.errors import fail
-from shardtune.runtime import startup
 from shardtune.runtime.libraries import quiet_libraries
 from shardtune.training.checks import prepare
 from shardtune.training.worker import run_worker
@@ -50,8 +50,10 @@ def main(argv: list[str] | None = None, objective: str | None = None) -> int:
         cfg = build_config(args.training, args.recipe, file_settings, notes)
         if objective is not None:
             if cfg.objective not in ("sft", objective):
-                raise ConfigError(f"--objective {cfg.objective}: this is shardtune {objective}; run shardtune "
-                                  f"{cfg.objective}, or drop the flag")
+                raise ConfigError(
+                    f"--objective {cfg.objective}: this is shardtune {objective}; run shardtune "
+                    f"{cfg.objective}, or drop the flag"
+                )
             cfg.objective = objective
         if not is_torchrun_worker():
             sources = [f"recipe {args.recipe}"] if args.recipe else []
@@ -61,26 +63,38 @@ def main(argv: list[str] | None = None, objective: str | None = None) -> int:
             for note in notes:
                 print(f"shardtune: {note}", file=sys.stderr, flush=True)
         if args.hardware and not cfg.run.dry_run:
-            raise ConfigError(f"--{next(iter(args.hardware))} describes the hardware of a plan: add --dry_run (or use "
-                              "shardtune plan), or drop the flag")
+            raise ConfigError(
+                f"--{next(iter(args.hardware))} describes the hardware of a plan: add --dry_run (or use "
+                "shardtune plan), or drop the flag"
+            )
         if is_torchrun_worker():
             if cfg.run.dry_run:
-                raise ConfigError("--dry_run starts no processes, but this one runs under torchrun: run shardtune "
-                                  "sft --dry_run (with --nproc_per_node / --nnodes) without torchrun")
+                raise ConfigError(
+                    "--dry_run starts no processes, but this one runs under torchrun: run shardtune "
+                    "sft --dry_run (with --nproc_per_node / --nnodes) without torchrun"
+                )
             if args.launcher:
-                raise ConfigError(f"--{next(iter(args.launcher))} is a torchrun flag, but this process already runs "
-                                  "under torchrun: give it to torchrun, before -m shardtune.sft")
+                raise ConfigError(
+                    f"--{next(iter(args.launcher))} is a torchrun flag, but this process already runs "
+                    "under torchrun: give it to torchrun, before -m shardtune.sft"
+                )
             return run_worker(cfg)
         launch_args = {**file_launch_args, **args.launcher}
         if cfg.parallel.one_gpu:
             launch_args.setdefault("nproc_per_node", "1")
         if cfg.run.dry_run and cfg.model.revision:
-            raise ConfigError(f"--model_revision {cfg.model.revision} with --dry_run: the plan reads the hub id's "
-                              "main config.json; drop --model_revision, or download the revision and pass its "
-                              "directory as --model_name")
+            raise ConfigError(
+                f"--model_revision {cfg.model.revision} with --dry_run: the plan reads the hub id's "
+                "main config.json; drop --model_revision, or download the revision and pass its "
+                "directory as --model_name"
+            )
         if cfg.run.dry_run:
-            return dry_run(cfg, dry_run_topology(launch_args, args.hardware), args.hardware,
-                           [*as_flags(file_settings), *args.training])
+            return dry_run(
+                cfg,
+                dry_run_topology(launch_args, args.hardware),
+                args.hardware,
+                [*as_flags(file_settings), *args.training],
+            )
         topology = resolve_here(launch_args)
         prepare(cfg, topology.world_size)
         startup.mark("checks, model source, data cache")
@@ -94,9 +108,23 @@ def main(argv: list[str] | None = None, objective: str | None = None) -> int:
     if local_gpu_count():  # before torchrun's agent starts: it would set TORCH_NCCL_ASYNC_ERROR_HANDLING=1
         os.environ.update(nccl_watchdog_env(cfg.parallel.dist_timeout, os.environ))
     files = (["--accelerate_config", accelerate_path] if accelerate_path else []) + (  # the workers read them alike
-        ["--config", args.recipe] if args.recipe else [])
+        ["--config", args.recipe] if args.recipe else []
+    )
     # the workers read the resolved model path (a preset is built once, here) and the run's directory as resolved
     # (and the revision resolved into that path: emptied)
-    return launch(topology, "shardtune.sft", [*files, *args.training_argv(), "--objective", cfg.objective,
-                                              "--model.name", cfg.model.name, "--model.revision", cfg.model.revision,
-                                              "--output.dir", cfg.output.dir])
+    return launch(
+        topology,
+        "shardtune.sft",
+        [
+            *files,
+            *args.training_argv(),
+            "--objective",
+            cfg.objective,
+            "--model.name",
+            cfg.model.name,
+            "--model.revision",
+            cfg.model.revision,
+            "--output.dir",
+            cfg.output.dir,
+        ],
+    )

@@ -22,9 +22,24 @@ from shardtune.config.spellings import normalise, takes_a_list
 
 # torchrun flags that take a value, and those that do not; both spellings (_ and -) are accepted.
 TORCHRUN_VALUE_FLAGS = (
-    "nproc_per_node", "nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
-    "master_addr", "master_port", "max_restarts", "monitor_interval", "start_method", "role", "log_dir",
-    "redirects", "tee", "local_addr", "signals_to_handle",
+    "nproc_per_node",
+    "nnodes",
+    "node_rank",
+    "rdzv_backend",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "rdzv_conf",
+    "master_addr",
+    "master_port",
+    "max_restarts",
+    "monitor_interval",
+    "start_method",
+    "role",
+    "log_dir",
+    "redirects",
+    "tee",
+    "local_addr",
+    "signals_to_handle",
 )
 TORCHRUN_SWITCHES = ("standalone",)
 # Accelerate's name of a torchrun flag
@@ -73,8 +88,9 @@ def split_argv(argv: list[str], hardware: tuple[str, ...] = HARDWARE_FLAGS) -> A
             args.launcher[name] = None
         elif name in TORCHRUN_VALUE_FLAGS or name in hardware or name in FILE_FLAGS:
             if not has_value:
-                raise ConfigError(f"--{name} needs a value" + (": --config recipes/demo.yaml" if name == "config"
-                                                               else ""))
+                raise ConfigError(
+                    f"--{name} needs a value" + (": --config recipes/demo.yaml" if name == "config" else "")
+                )
             if name in TORCHRUN_VALUE_FLAGS:
                 args.launcher[name] = value
             elif name in hardware:
@@ -97,6 +113,10 @@ def as_flags(pairs: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     for key, value in pairs:
         if isinstance(value, list):
             value = ",".join(str(v) for v in value)
-        out.append((key.partition(":")[2] or key,
-                    "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)))
+        out.append(
+            (
+                key.partition(":")[2] or key,
+                "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value),
+            )
+        )
     return out

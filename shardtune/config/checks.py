@@ -40,8 +40,13 @@ def check_fields(cfg: TrainConfig, world_size: int) -> None:
             if one not in choices:
                 close = difflib.get_close_matches(str(one), [str(c) for c in choices], n=1)
                 named = [str(c) for c in choices if c != ""]
-                hint = f"did you mean {close[0]}?" if close else \
-                    f"choose {', '.join(named[:-1])} or {named[-1]}" if len(named) > 1 else f"choose {named[0]}"
+                hint = (
+                    f"did you mean {close[0]}?"
+                    if close
+                    else f"choose {', '.join(named[:-1])} or {named[-1]}"
+                    if len(named) > 1
+                    else f"choose {named[0]}"
+                )
                 raise ConfigError(f"{flag} {one!r} is not valid: {hint}")
         if meta.get("needs") and value and not get_value(cfg, meta["needs"]):
             needed = spelling_of(cfg, meta["needs"])
@@ -49,9 +54,13 @@ def check_fields(cfg: TrainConfig, world_size: int) -> None:
         if optional(info.type)[0] not in (int, float) or isinstance(value, bool):
             continue
         if "at_least" in meta and value < meta["at_least"]:
-            what = "must be positive: pass a value >= 1" if meta["at_least"] == 1 else \
-                f"must be >= {meta['at_least']:g} (0 means none / no limit)" if meta["at_least"] == 0 else \
-                f"must be >= {meta['at_least']:g}"
+            what = (
+                "must be positive: pass a value >= 1"
+                if meta["at_least"] == 1
+                else f"must be >= {meta['at_least']:g} (0 means none / no limit)"
+                if meta["at_least"] == 0
+                else f"must be >= {meta['at_least']:g}"
+            )
             raise ConfigError(f"{flag} {value:g} {what}")
         if "above" in meta and value <= meta["above"]:
             raise ConfigError(f"{flag} {value:g} must be positive" + (": pass e.g. 1e-4" if key == "optim.lr" else ""))
@@ -60,8 +69,9 @@ def check_fields(cfg: TrainConfig, world_size: int) -> None:
         if "at_most" in meta and value > meta["at_most"]:
             raise ConfigError(f"{flag} {value:g} must be in (0, {meta['at_most']:g}]")
         if meta.get("interval") and (value < 0 or (value >= 1 and value != int(value))):
-            raise ConfigError(f"{flag} {value:g} is neither a whole number of steps nor a fraction in (0, 1) of the "
-                              "run's steps")
+            raise ConfigError(
+                f"{flag} {value:g} is neither a whole number of steps nor a fraction in (0, 1) of the run's steps"
+            )
 
 
 def check_core(cfg: TrainConfig, world_size: int) -> None:
@@ -92,8 +102,10 @@ def check_previous_run(cfg: TrainConfig, resuming: bool | None = None) -> None:
         # shardtune.training.checkpoint_layout; whether one verifies is that floor's business)
         resumable = any((out / "checkpoints").glob("step-*"))
         continue_it = "--resume latest to continue it, " if resumable else ""
-        raise ConfigError(f"{spelling_of(cfg, 'output.dir')} {cfg.output.dir} already holds a run ({found[0]}): pass "
-                          f"another directory, {continue_it}or --overwrite_output_dir true to replace it")
+        raise ConfigError(
+            f"{spelling_of(cfg, 'output.dir')} {cfg.output.dir} already holds a run ({found[0]}): pass "
+            f"another directory, {continue_it}or --overwrite_output_dir true to replace it"
+        )
 
 
 def _check_output_dir(output_dir: str) -> None:
@@ -113,8 +125,9 @@ def _check_output_dir(output_dir: str) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise ConfigError(f"--output_dir {output_dir} is not writable ({probe_dir}: {e.strerror}): "
-                          "pass a directory you can write to") from None
+        raise ConfigError(
+            f"--output_dir {output_dir} is not writable ({probe_dir}: {e.strerror}): pass a directory you can write to"
+        ) from None
 
 
 def changed_from_default(cfg: TrainConfig, keys: tuple[str, ...]) -> str | None:
@@ -123,41 +136,62 @@ def changed_from_default(cfg: TrainConfig, keys: tuple[str, ...]) -> str | None:
 
 
 # Settings that only mean something under FSDP / DeepSpeed (activation checkpointing applies under every strategy).
-FSDP_ONLY_SETTINGS = ("parallel.sharding_strategy", "parallel.sharding_group_size", "parallel.replica_group_size",
-                      "parallel.cpu_offload", "parallel.low_cpu_fsdp")
-DEEPSPEED_ONLY_SETTINGS = ("parallel.zero_stage", "parallel.offload_optimizer", "parallel.offload_param",
-                           "parallel.deepspeed_config_file")
+FSDP_ONLY_SETTINGS = (
+    "parallel.sharding_strategy",
+    "parallel.sharding_group_size",
+    "parallel.replica_group_size",
+    "parallel.cpu_offload",
+    "parallel.low_cpu_fsdp",
+)
+DEEPSPEED_ONLY_SETTINGS = (
+    "parallel.zero_stage",
+    "parallel.offload_optimizer",
+    "parallel.offload_param",
+    "parallel.deepspeed_config_file",
+)
 
 
 def check_fsdp(cfg: TrainConfig, world_size: int) -> None:
     p = cfg.parallel
     if cfg.train.precision == "pure_bf16" and p.strategy != "fsdp":
         flag = spelling_of(cfg, "train.precision")
-        raise ConfigError(f"{flag if flag.endswith('pure_bf16') else flag + ' pure_bf16'} (parameters, gradients and "
-                          "optimizer state in bf16) needs FSDP: add --enable_fsdp or drop the flag")
+        raise ConfigError(
+            f"{flag if flag.endswith('pure_bf16') else flag + ' pure_bf16'} (parameters, gradients and "
+            "optimizer state in bf16) needs FSDP: add --enable_fsdp or drop the flag"
+        )
     if p.strategy != "fsdp":
         changed = changed_from_default(cfg, FSDP_ONLY_SETTINGS)
         if changed:
-            raise ConfigError(f"{spelling_of(cfg, changed)} {get_value(cfg, changed)} has no effect without FSDP: add "
-                              "--enable_fsdp or drop the flag")
+            raise ConfigError(
+                f"{spelling_of(cfg, changed)} {get_value(cfg, changed)} has no effect without FSDP: add "
+                "--enable_fsdp or drop the flag"
+            )
         return
     if cfg.model.quantization == "8bit":
-        raise ConfigError("--quantization 8bit is not supported with --enable_fsdp (bitsandbytes 8-bit weights "
-                          "cannot be sharded): use --quantization 4bit, or drop --enable_fsdp")
+        raise ConfigError(
+            "--quantization 8bit is not supported with --enable_fsdp (bitsandbytes 8-bit weights "
+            "cannot be sharded): use --quantization 4bit, or drop --enable_fsdp"
+        )
     hybrid = p.sharding_strategy == "HYBRID_SHARD"
     for key in ("parallel.sharding_group_size", "parallel.replica_group_size"):
         size = get_value(cfg, key)
         if size and not hybrid:
-            raise ConfigError(f"{spelling_of(cfg, key)} {size} only applies to --fsdp_config.sharding_strategy "
-                              f"HYBRID_SHARD (not {p.sharding_strategy}): set it, or drop the flag")
+            raise ConfigError(
+                f"{spelling_of(cfg, key)} {size} only applies to --fsdp_config.sharding_strategy "
+                f"HYBRID_SHARD (not {p.sharding_strategy}): set it, or drop the flag"
+            )
         if size and world_size % size:
-            raise ConfigError(f"{spelling_of(cfg, key)} {size} does not divide the world size {world_size}: pass a "
-                              f"divisor of {world_size}")
+            raise ConfigError(
+                f"{spelling_of(cfg, key)} {size} does not divide the world size {world_size}: pass a "
+                f"divisor of {world_size}"
+            )
     shard, replicas = p.sharding_group_size, p.replica_group_size
     if shard and replicas and shard * replicas != world_size:
-        raise ConfigError(f"--fsdp_config.sharding_group_size {shard} x --fsdp_config.replica_group_size {replicas} "
-                          f"= {shard * replicas}, but the world size is {world_size}: make their product "
-                          f"{world_size}, or set one of them to 0 (derived)")
+        raise ConfigError(
+            f"--fsdp_config.sharding_group_size {shard} x --fsdp_config.replica_group_size {replicas} "
+            f"= {shard * replicas}, but the world size is {world_size}: make their product "
+            f"{world_size}, or set one of them to 0 (derived)"
+        )
 
 
 def check_deepspeed(cfg: TrainConfig, world_size: int) -> None:
@@ -165,61 +199,86 @@ def check_deepspeed(cfg: TrainConfig, world_size: int) -> None:
     if p.strategy != "deepspeed":
         changed = changed_from_default(cfg, DEEPSPEED_ONLY_SETTINGS)
         if changed:
-            raise ConfigError(f"{spelling_of(cfg, changed)} {get_value(cfg, changed)} has no effect without "
-                              "DeepSpeed: add --enable_deepspeed or drop the flag")
+            raise ConfigError(
+                f"{spelling_of(cfg, changed)} {get_value(cfg, changed)} has no effect without "
+                "DeepSpeed: add --enable_deepspeed or drop the flag"
+            )
         return
     import importlib.util
 
     if importlib.util.find_spec("deepspeed") is None:
-        raise ConfigError("--enable_deepspeed needs DeepSpeed, which is not installed: pip install "
-                          "--no-build-isolation 'shardtune[deepspeed]' (its build needs torch), or drop the flag")
+        raise ConfigError(
+            "--enable_deepspeed needs DeepSpeed, which is not installed: pip install "
+            "--no-build-isolation 'shardtune[deepspeed]' (its build needs torch), or drop the flag"
+        )
     if p.offload_param and p.zero_stage != 3:
-        raise ConfigError(f"--deepspeed_config.offload_param needs --deepspeed_config.zero_stage 3 (not "
-                          f"{p.zero_stage}): set it, or drop --deepspeed_config.offload_param")
+        raise ConfigError(
+            f"--deepspeed_config.offload_param needs --deepspeed_config.zero_stage 3 (not "
+            f"{p.zero_stage}): set it, or drop --deepspeed_config.offload_param"
+        )
     if cfg.model.quantization == "8bit" and p.zero_stage == 3:
-        raise ConfigError("--quantization 8bit cannot be partitioned by ZeRO-3: use --quantization 4bit (stored in the "
-                          "compute dtype, which ZeRO-3 partitions), or --deepspeed_config.zero_stage 2")
+        raise ConfigError(
+            "--quantization 8bit cannot be partitioned by ZeRO-3: use --quantization 4bit (stored in the "
+            "compute dtype, which ZeRO-3 partitions), or --deepspeed_config.zero_stage 2"
+        )
     if cfg.train.nan_policy == "skip":
-        raise ConfigError("--nan_policy skip is not supported with --enable_deepspeed (its step cannot be skipped "
-                          "once gradients are accumulated): use --nan_policy stop, or --enable_fsdp")
+        raise ConfigError(
+            "--nan_policy skip is not supported with --enable_deepspeed (its step cannot be skipped "
+            "once gradients are accumulated): use --nan_policy stop, or --enable_fsdp"
+        )
     if cfg.model.compile:
         raise ConfigError("--compile is not supported with --enable_deepspeed yet: drop one of them")
-    ours = {"train_micro_batch_size_per_gpu": cfg.train.batch_size,
-            "gradient_accumulation_steps": cfg.train.gradient_accumulation_steps,
-            "train_batch_size": effective_batch_size(cfg, world_size)}
+    ours = {
+        "train_micro_batch_size_per_gpu": cfg.train.batch_size,
+        "gradient_accumulation_steps": cfg.train.gradient_accumulation_steps,
+        "train_batch_size": effective_batch_size(cfg, world_size),
+    }
     file_config = deepspeed_file_config(cfg)
     stage = (file_config.get("zero_optimization") or {}).get("stage", "auto")
     path = p.deepspeed_config_file
     if stage not in ("auto", p.zero_stage):
-        raise ConfigError(f"--deepspeed_config.config_file {path}: zero_optimization.stage is {stage}, but "
-                          f"--deepspeed_config.zero_stage is {p.zero_stage}: make them agree (or drop the stage "
-                          "from the file)")
+        raise ConfigError(
+            f"--deepspeed_config.config_file {path}: zero_optimization.stage is {stage}, but "
+            f"--deepspeed_config.zero_stage is {p.zero_stage}: make them agree (or drop the stage "
+            "from the file)"
+        )
     for key, value in file_config.items():
         if key not in DEEPSPEED_OWNED_KEYS or value == "auto" or ours.get(key) == value:
             continue
-        what = (f"{value}, but shardtune's is {ours[key]} (from --batch_size_training, the world size and "
-                "--gradient_accumulation_steps)" if key in ours else "set by shardtune")
-        raise ConfigError(f"--deepspeed_config.config_file {path}: \"{key}\" is {what}: remove the key or set it to "
-                          "\"auto\"")
+        what = (
+            f"{value}, but shardtune's is {ours[key]} (from --batch_size_training, the world size and "
+            "--gradient_accumulation_steps)"
+            if key in ours
+            else "set by shardtune"
+        )
+        raise ConfigError(
+            f'--deepspeed_config.config_file {path}: "{key}" is {what}: remove the key or set it to "auto"'
+        )
 
 
 def check_fp16_device(cfg: TrainConfig, world_size: int) -> None:
     from shardtune.runtime.precision import fp16_compute_available
 
     if cfg.train.precision == "fp16" and not fp16_compute_available():
-        raise ConfigError(f"{spelling_of(cfg, 'train.precision')} needs CUDA GPUs (fp16 compute with a gradient "
-                          "scaler, for GPUs without bf16); this machine has none, and on CPU shardtune computes in "
-                          "fp32: drop it")
+        raise ConfigError(
+            f"{spelling_of(cfg, 'train.precision')} needs CUDA GPUs (fp16 compute with a gradient "
+            "scaler, for GPUs without bf16); this machine has none, and on CPU shardtune computes in "
+            "fp32: drop it"
+        )
 
 
 def check_long_sequence_levers(cfg: TrainConfig, world_size: int) -> None:
     m = cfg.model
     if m.rope_scaling and m.rope_factor <= 1:
-        raise ConfigError(f"--rope_factor {m.rope_factor} must be > 1 with --rope_scaling {m.rope_scaling}: pass the "
-                          "context extension, e.g. --rope_factor 4")
+        raise ConfigError(
+            f"--rope_factor {m.rope_factor} must be > 1 with --rope_scaling {m.rope_scaling}: pass the "
+            "context extension, e.g. --rope_factor 4"
+        )
     if not m.rope_scaling and m.rope_factor != 1:
-        raise ConfigError(f"--rope_factor {m.rope_factor} has no effect without --rope_scaling: add --rope_scaling yarn "
-                          "or drop the flag")
+        raise ConfigError(
+            f"--rope_factor {m.rope_factor} has no effect without --rope_scaling: add --rope_scaling yarn "
+            "or drop the flag"
+        )
 
 
 def check_observability(cfg: TrainConfig, world_size: int) -> None:
@@ -229,41 +288,67 @@ def check_observability(cfg: TrainConfig, world_size: int) -> None:
     for name in lg.report_to:
         module, extra = TRACKER_PACKAGES[name]
         if importlib.util.find_spec(module) is None:
-            flag = "--use_wandb" if getattr(cfg, "spelled", {}).get("logging.report_to") == "use_wandb" else \
-                f"--report_to {','.join(lg.report_to)}"
-            raise ConfigError(f"{flag} needs {module}, which is not installed: pip install 'shardtune[{extra}]', "
-                              "or drop the flag")
+            flag = (
+                "--use_wandb"
+                if getattr(cfg, "spelled", {}).get("logging.report_to") == "use_wandb"
+                else f"--report_to {','.join(lg.report_to)}"
+            )
+            raise ConfigError(
+                f"{flag} needs {module}, which is not installed: pip install 'shardtune[{extra}]', or drop the flag"
+            )
     if lg.profiler and lg.flop_counter:
-        raise ConfigError("--use_profiler and --flop_counter are both set: the FLOP counter would count the "
-                          "profiler's steps too; drop one of them")
+        raise ConfigError(
+            "--use_profiler and --flop_counter are both set: the FLOP counter would count the "
+            "profiler's steps too; drop one of them"
+        )
     max_steps = cfg.train.max_steps
     if lg.flop_counter and max_steps and max_steps <= lg.flop_counter_start:
-        raise ConfigError(f"--flop_counter measures step {lg.flop_counter_start + 1} (after --flop_counter_start "
-                          f"{lg.flop_counter_start} warm-up steps), but --max_train_step is {max_steps}: raise "
-                          "--max_train_step or lower --flop_counter_start")
+        raise ConfigError(
+            f"--flop_counter measures step {lg.flop_counter_start + 1} (after --flop_counter_start "
+            f"{lg.flop_counter_start} warm-up steps), but --max_train_step is {max_steps}: raise "
+            "--max_train_step or lower --flop_counter_start"
+        )
     profiled = sum(PROFILER_SCHEDULE.values())
     if lg.profiler and max_steps and max_steps <= profiled:
-        raise ConfigError(f"--use_profiler records steps 4-6 after {PROFILER_SCHEDULE['wait']} wait and "
-                          f"{PROFILER_SCHEDULE['warmup']} warm-up steps, so it needs more than {profiled} steps, but "
-                          f"--max_train_step is {max_steps}: raise it to {profiled + 1} or more")
+        raise ConfigError(
+            f"--use_profiler records steps 4-6 after {PROFILER_SCHEDULE['wait']} wait and "
+            f"{PROFILER_SCHEDULE['warmup']} warm-up steps, so it needs more than {profiled} steps, but "
+            f"--max_train_step is {max_steps}: raise it to {profiled + 1} or more"
+        )
 
 
 def check_combinations(cfg: TrainConfig, world_size: int) -> None:
     """Settings that cannot go together, or with this launch."""
     if cfg.model.freeze_layers and cfg.peft.method:
-        raise ConfigError("--freeze_layers applies to full fine-tuning; with --use_peft the base model is frozen "
-                          "already: drop one of them")
+        raise ConfigError(
+            "--freeze_layers applies to full fine-tuning; with --use_peft the base model is frozen "
+            "already: drop one of them"
+        )
     if cfg.parallel.one_gpu and world_size > 1:
-        raise ConfigError(f"--one_gpu trains in one process, but this launch has {world_size}: drop --one_gpu, or "
-                          "launch one process (--nproc_per_node 1)")
+        raise ConfigError(
+            f"--one_gpu trains in one process, but this launch has {world_size}: drop --one_gpu, or "
+            "launch one process (--nproc_per_node 1)"
+        )
     if not cfg.checkpoint.save_optimizer and cfg.parallel.strategy == "deepspeed":
-        raise ConfigError("--save_optimizer false is not supported with --enable_deepspeed (DeepSpeed writes its "
-                          "partitions with the optimizer state): drop the flag")
+        raise ConfigError(
+            "--save_optimizer false is not supported with --enable_deepspeed (DeepSpeed writes its "
+            "partitions with the optimizer state): drop the flag"
+        )
     if cfg.checkpoint.dist_checkpoint_root_folder and not cfg.checkpoint.dist_checkpoint_folder:
-        raise ConfigError("--dist_checkpoint_folder is empty: name the checkpoint folder (llama-cookbook writes "
-                          "<dist_checkpoint_root_folder>/<dist_checkpoint_folder>-<model_name>)")
+        raise ConfigError(
+            "--dist_checkpoint_folder is empty: name the checkpoint folder (llama-cookbook writes "
+            "<dist_checkpoint_root_folder>/<dist_checkpoint_folder>-<model_name>)"
+        )
 
 
 # The checks of this floor, in the order they run (shardtune.training.checks runs them first).
-CONFIG_CHECKS = (check_fields, check_core, check_combinations, check_fsdp, check_deepspeed, check_fp16_device, check_long_sequence_levers,
-                 check_observability)
+CONFIG_CHECKS = (
+    check_fields,
+    check_core,
+    check_combinations,
+    check_fsdp,
+    check_deepspeed,
+    check_fp16_device,
+    check_long_sequence_levers,
+    check_observability,
+)

@@ -14,8 +14,8 @@ from shardtune.config.schema import ConfigError, TrainConfig
 
 
 class FieldInfo(NamedTuple):
-    key: str                      # dotted canonical name
-    type: Any                     # the annotation (int, float, str, bool, list[str], list[float], float | None, ...)
+    key: str  # dotted canonical name
+    type: Any  # the annotation (int, float, str, bool, list[str], list[float], float | None, ...)
     field: dataclasses.Field
 
     @property
@@ -93,8 +93,9 @@ def typed(name: str, typ: Any, raw: Any) -> Any:
             return [typed(name, item, part) for part in raw]
         if item is float and isinstance(raw, (int, float)) and not isinstance(raw, bool):
             return [float(raw)]
-        raise ConfigError(f"--{name} {raw!r} is not a list: pass values one after another, comma-separated, or a "
-                          "YAML list")
+        raise ConfigError(
+            f"--{name} {raw!r} is not a list: pass values one after another, comma-separated, or a YAML list"
+        )
     if isinstance(raw, str):
         text = raw.strip()
         if typ is bool:

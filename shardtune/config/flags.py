@@ -29,8 +29,8 @@ class Builder:
 
     def __init__(self) -> None:
         self.cfg = TrainConfig()
-        self.state: dict[str, Any] = {}      # the dialects' own keys ("cookbook:use_peft"), settled by finish
-        self.spelled: dict[str, str] = {}    # canonical key -> the flag name that set it, as given
+        self.state: dict[str, Any] = {}  # the dialects' own keys ("cookbook:use_peft"), settled by finish
+        self.spelled: dict[str, str] = {}  # canonical key -> the flag name that set it, as given
 
     def apply(self, name: str, raw: Any, bare_is_true: bool = True) -> dict[str, Any]:
         """Set one flag (``raw`` None: a bare flag, or a recipe key left empty, which means the default); returns
@@ -56,7 +56,9 @@ class Builder:
         for key, value in pairs:
             if ":" in key:  # a dialect's rule flag, settled by its finish: messages name the flag as given
                 self.state[key] = value
-                if spelling.target in flat_fields() and not (isinstance(value, bool) and spelling.target in self.spelled):
+                if spelling.target in flat_fields() and not (
+                    isinstance(value, bool) and spelling.target in self.spelled
+                ):
                     self.spelled[spelling.target] = name  # a switch does not hide the flag that gave the value
                 continue
             value = typed(name, flat_fields()[key].type, value)
@@ -83,8 +85,12 @@ class Builder:
         return cfg
 
 
-def build_config(training: Iterable[tuple[str, Any]], recipe: str | None = None,
-                 accelerate: Iterable[tuple[str, Any]] = (), notes: list[str] | None = None) -> TrainConfig:
+def build_config(
+    training: Iterable[tuple[str, Any]],
+    recipe: str | None = None,
+    accelerate: Iterable[tuple[str, Any]] = (),
+    notes: list[str] | None = None,
+) -> TrainConfig:
     """The config of: canonical settings from an Accelerate file, a recipe file, then the command line's flags."""
     builder = Builder()
     from_accelerate = builder.apply_all(accelerate)
@@ -92,21 +98,25 @@ def build_config(training: Iterable[tuple[str, Any]], recipe: str | None = None,
         for name, value in recipe_settings(recipe):
             for key, now in builder.apply(name, value, bare_is_true=False).items():
                 if key in from_accelerate and from_accelerate[key] != now and notes is not None:
-                    notes.append(f"{key}: the recipe {recipe} says {now!r} ({name}), the Accelerate file says "
-                                 f"{from_accelerate[key]!r}: using the recipe's (command line > recipe > Accelerate "
-                                 "file)")
+                    notes.append(
+                        f"{key}: the recipe {recipe} says {now!r} ({name}), the Accelerate file says "
+                        f"{from_accelerate[key]!r}: using the recipe's (command line > recipe > Accelerate "
+                        "file)"
+                    )
     builder.apply_all(training)
     return builder.finish()
 
 
-def parse_args(argv: list[str], accelerate: Iterable[tuple[str, Any]] = (), notes: list[str] | None = None
-               ) -> TrainConfig:
+def parse_args(
+    argv: list[str], accelerate: Iterable[tuple[str, Any]] = (), notes: list[str] | None = None
+) -> TrainConfig:
     """A config from training flags as a command line gives them (``--config FILE`` among them), over the settings
     of an Accelerate file (shardtune.config.dialects.accelerate.read_accelerate)."""
     args = split_argv(argv)
     if args.launcher:
-        raise ConfigError(f"--{next(iter(args.launcher))} is a launcher flag: give it to shardtune sft (or torchrun), "
-                          "not here")
+        raise ConfigError(
+            f"--{next(iter(args.launcher))} is a launcher flag: give it to shardtune sft (or torchrun), not here"
+        )
     return build_config(args.training, args.recipe, accelerate, notes)
 
 
@@ -130,11 +140,13 @@ def with_settings(cfg: TrainConfig, settings: dict[str, Any] | None = None, **mo
 def cookbook_run_dir(cfg: TrainConfig) -> str:
     """llama-cookbook's run folder, <dist_checkpoint_root_folder>/<dist_checkpoint_folder>-<model_name>: the run's
     directory when those are given and --output_dir is not (the lesson's commands, run one after another)."""
-    return str(Path(cfg.checkpoint.dist_checkpoint_root_folder)
-               / f"{cfg.checkpoint.dist_checkpoint_folder}-{cfg.model.name}")
+    return str(
+        Path(cfg.checkpoint.dist_checkpoint_root_folder) / f"{cfg.checkpoint.dist_checkpoint_folder}-{cfg.model.name}"
+    )
 
 
 # -- recipes -------------------------------------------------------------------------------------------------------
+
 
 def load_yaml(path: str) -> dict[str, Any]:
     p = Path(path)
@@ -176,11 +188,18 @@ def recipe_settings(path: str) -> list[tuple[str, Any]]:
         try:
             resolve(name)
         except ConfigError as e:
-            unknown.append(str(e).removeprefix("unknown flag --").replace(": did you mean", " (did you mean")
-                           .replace("?", "?)").replace(": see shardtune sft --help", ""))
+            unknown.append(
+                str(e)
+                .removeprefix("unknown flag --")
+                .replace(": did you mean", " (did you mean")
+                .replace("?", "?)")
+                .replace(": see shardtune sft --help", "")
+            )
     if unknown:
-        raise ConfigError(f"--config {path}: unknown keys: {'; '.join(unknown)}: fix or remove them (shardtune sft "
-                          "--help lists the names, docs/flags.md TRL's)")
+        raise ConfigError(
+            f"--config {path}: unknown keys: {'; '.join(unknown)}: fix or remove them (shardtune sft "
+            "--help lists the names, docs/flags.md TRL's)"
+        )
     return pairs
 
 
@@ -190,8 +209,11 @@ def recipe_launch_settings(recipe: str | None) -> tuple[dict[str, str], str | No
     if recipe is None:
         return {}, None
     flat = flatten_dict(load_yaml(recipe))
-    env = {k.removeprefix("env."): "" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
-           for k, v in flat.items() if k.startswith("env.")}
+    env = {
+        k.removeprefix("env."): "" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+        for k, v in flat.items()
+        if k.startswith("env.")
+    }
     accelerate = flat.get("accelerate_config")
     if accelerate is not None and not isinstance(accelerate, str):
         raise ConfigError(f"--config {recipe}: accelerate_config must be a file path or a profile name")
@@ -199,6 +221,7 @@ def recipe_launch_settings(recipe: str | None) -> tuple[dict[str, str], str | No
 
 
 # -- config.yaml ---------------------------------------------------------------------------------------------------
+
 
 def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)

@@ -24,17 +24,22 @@ def dpo_reference(cfg: Any) -> bool:
 
 @dataclass(frozen=True)
 class Registration:
-    help: str                  # its line in `shardtune --help`
-    implementation: str        # "module:Class" of its Objective
-    settings: str = ""         # the config section of its own flags (given to another objective: refused)
-    rows_per_unit: int = 1     # planner: rows the model computes per unit of batch
+    help: str  # its line in `shardtune --help`
+    implementation: str  # "module:Class" of its Objective
+    settings: str = ""  # the config section of its own flags (given to another objective: refused)
+    rows_per_unit: int = 1  # planner: rows the model computes per unit of batch
     frozen_reference: Callable[[Any], bool] = no_reference  # planner: a frozen copy of the model beside it
 
 
 OBJECTIVES = {
-    "sft": Registration("fine-tune a model (launches torchrun; see shardtune sft --help)",
-                        "shardtune.training.sft:SFT"),
-    "dpo": Registration("preference training (DPO) on chosen / rejected pairs, same launcher and flags as sft "
-                        "(docs/dpo.md)", "shardtune.training.dpo:DPO", settings="dpo", rows_per_unit=2,
-                        frozen_reference=dpo_reference),
+    "sft": Registration(
+        "fine-tune a model (launches torchrun; see shardtune sft --help)", "shardtune.training.sft:SFT"
+    ),
+    "dpo": Registration(
+        "preference training (DPO) on chosen / rejected pairs, same launcher and flags as sft (docs/dpo.md)",
+        "shardtune.training.dpo:DPO",
+        settings="dpo",
+        rows_per_unit=2,
+        frozen_reference=dpo_reference,
+    ),
 }

@@ -11,45 +11,33 @@ derived instead of kept by hand:
 - ``data_cache``: part of the tokenised-data cache's key (shardtune.data.cache);
 - ``reference``: part of the key of DPO's precomputed reference log-probabilities.
 
+Fields are declared with shardtune.config.setting; the data, adapter and DPO groups live in data_settings,
+peft_settings and dpo_settings, gathered here (import every group's names from this module).
+
 Other tools' spellings (llama-cookbook's, TRL's, Accelerate's, DeepSpeed's) are dialects, translated into these
 fields at the edge (shardtune.config.dialects, shardtune.config.flags); nothing here knows them.
 """
 
 from __future__ import annotations
 
-import copy
-import math
-from dataclasses import dataclass, field, is_dataclass
-from typing import Any
+from dataclasses import dataclass
 
+from shardtune.config.data_settings import *  # noqa: F403 (the data group: DataSettings, DATASETS ...)
+from shardtune.config.data_settings import DataSettings
+from shardtune.config.dpo_settings import *  # noqa: F403 (DPO's section: DpoConfig, DPO_LOSS_TYPES ...)
+from shardtune.config.dpo_settings import DpoConfig
 from shardtune.config.objectives import OBJECTIVES
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration error: one line naming the value and the fix."""
-
-
-def setting(default: Any, help: str, **meta: Any) -> Any:
-    """A field of the config: its default and its metadata (help, choices, at_least / above / below, interval,
-    needs (a boolean setting that must be on when this one is set), affects, data_cache, reference, secret)."""
-    if isinstance(default, (list, dict)) or is_dataclass(default):
-        return field(default_factory=lambda d=default: copy.deepcopy(d), metadata={"help": help, **meta})
-    return field(default=default, metadata={"help": help, **meta})
-
-
-RUN = {"affects": "run"}
-OPTIMIZER = {"affects": "optimizer"}
-CACHE = {"data_cache": True}
-REFERENCE = {"reference": True}
-
-
-def interval_steps(value: float, total_steps: int) -> int:
-    """An interval setting in optimizer steps: a fraction of the run's steps in (0, 1), rounded up (Trainer's rule for
-    --save_steps / --eval_steps / --logging_steps / --warmup_steps below 1), else whole steps; 0: none."""
-    if 0 < value < 1:
-        return max(1, math.ceil(value * total_steps))
-    return int(value)
-
+from shardtune.config.peft_settings import *  # noqa: F403 (the adapter group: PeftSettings, PEFT_METHODS ...)
+from shardtune.config.peft_settings import PeftSettings
+from shardtune.config.setting import (  # noqa: F401 (re-exported: what every floor imports from here)
+    CACHE,
+    OPTIMIZER,
+    REFERENCE,
+    RUN,
+    ConfigError,
+    interval_steps,
+    setting,
+)
 
 # -- model ---------------------------------------------------------------------------------------------------------
 
@@ -60,147 +48,68 @@ ROPE_SCALINGS = ("", "yarn")
 
 @dataclass
 class ModelSettings:
-    name: str = setting("", "local Hugging Face directory, hub id, or preset:NAME (tiny, demo); empty: the demo "
-                            "preset, built once and cached", reference=True)
-    revision: str = setting("", "a revision (branch, tag or commit) of the hub id model.name: its snapshot is fetched "
-                                "before launch (from the Hugging Face cache when offline) and every rank reads it; "
-                                "empty: the hub's main")
+    name: str = setting(
+        "",
+        "local Hugging Face directory, hub id, or preset:NAME (tiny, demo); empty: the demo "
+        "preset, built once and cached",
+        reference=True,
+    )
+    revision: str = setting(
+        "",
+        "a revision (branch, tag or commit) of the hub id model.name: its snapshot is fetched "
+        "before launch (from the Hugging Face cache when offline) and every rank reads it; "
+        "empty: the hub's main",
+    )
     tokenizer: str = setting("", "tokenizer directory or hub id; empty: the model's")
-    trust_remote_code: bool = setting(False, "run the model's own Python code (the files its config.json's auto_map "
-                                             "names) to load its config, tokenizer and model: it runs with your "
-                                             "rights (docs/security.md); off: only architectures transformers ships")
-    attn_implementation: str = setting("", "attention kernel: sdpa, eager (the eager formula, softmax(q k^T) v, on "
-                                           "every path, packed rows too), flash_attention_2 (CUDA with flash-attn "
-                                           "installed); empty: shardtune's choice (SDPA; FlashAttention varlen for "
-                                           "packed rows on CUDA; eager where the model needs it)",
-                                       choices=ATTN_IMPLEMENTATIONS, **REFERENCE)
-    fast_kernels: bool = setting(False, "fastest attention / fused kernels the install supports: flash-attention 2 "
-                                        "(if installed, CUDA), else SDPA; liger-kernel fused RMSNorm / SwiGLU / RoPE on "
-                                        "CUDA (pip install 'shardtune[fast]')", **REFERENCE)
+    trust_remote_code: bool = setting(
+        False,
+        "run the model's own Python code (the files its config.json's auto_map "
+        "names) to load its config, tokenizer and model: it runs with your "
+        "rights (docs/security.md); off: only architectures transformers ships",
+    )
+    attn_implementation: str = setting(
+        "",
+        "attention kernel: sdpa, eager (the eager formula, softmax(q k^T) v, on "
+        "every path, packed rows too), flash_attention_2 (CUDA with flash-attn "
+        "installed); empty: shardtune's choice (SDPA; FlashAttention varlen for "
+        "packed rows on CUDA; eager where the model needs it)",
+        choices=ATTN_IMPLEMENTATIONS,
+        **REFERENCE,
+    )
+    fast_kernels: bool = setting(
+        False,
+        "fastest attention / fused kernels the install supports: flash-attention 2 "
+        "(if installed, CUDA), else SDPA; liger-kernel fused RMSNorm / SwiGLU / RoPE on "
+        "CUDA (pip install 'shardtune[fast]')",
+        **REFERENCE,
+    )
     compile: bool = setting(False, "torch.compile each decoder layer (first steps are slower while it compiles)")
-    rope_scaling: str = setting("", "yarn: YaRN RoPE scaling by rope_factor, set in the model config before the model "
-                                    "is built (a model trained at N tokens fine-tunes at N x factor); empty: the "
-                                    "model's own", choices=ROPE_SCALINGS, **REFERENCE)
-    rope_factor: float = setting(1.0, "context extension factor of rope_scaling (> 1): max_position_embeddings grows by "
-                                      "it", above=0, **REFERENCE)
-    quantization: str = setting("", "frozen base weights in 4bit (QLoRA, bitsandbytes) or 8bit (not with FSDP); empty: "
-                                    "none", choices=QUANTIZATIONS, **REFERENCE)
+    rope_scaling: str = setting(
+        "",
+        "yarn: YaRN RoPE scaling by rope_factor, set in the model config before the model "
+        "is built (a model trained at N tokens fine-tunes at N x factor); empty: the "
+        "model's own",
+        choices=ROPE_SCALINGS,
+        **REFERENCE,
+    )
+    rope_factor: float = setting(
+        1.0, "context extension factor of rope_scaling (> 1): max_position_embeddings grows by it", above=0, **REFERENCE
+    )
+    quantization: str = setting(
+        "",
+        "frozen base weights in 4bit (QLoRA, bitsandbytes) or 8bit (not with FSDP); empty: none",
+        choices=QUANTIZATIONS,
+        **REFERENCE,
+    )
     quant_type: str = setting("nf4", "4-bit data type: nf4 or fp4", choices=("nf4", "fp4"), **REFERENCE)
     double_quant: bool = setting(True, "4-bit: quantise the quantisation constants too", **REFERENCE)
     quant_compute_dtype: str = setting("", "matmul dtype of 4-bit layers; empty: bf16 on GPU, fp32 on CPU", **REFERENCE)
-    freeze_layers: int = setting(0, "full fine-tuning: freeze the first N decoder layers, counted from the embeddings "
-                                    "(llama-cookbook's freeze_transformer_layers); 0: none", at_least=0)
-
-
-# -- data ----------------------------------------------------------------------------------------------------------
-
-DATASETS = ("synthetic_dialogues", "samsum_dataset", "alpaca_dataset", "custom_dataset", "grammar_dataset",
-            "trl_dataset")
-BATCHING_STRATEGIES = ("packing", "padding")
-COMPLETION_ONLY_LOSS = ("auto", "true", "false")
-TRUNCATION_MODES = ("keep_start", "keep_end")
-
-
-@dataclass
-class SyntheticDialoguesConfig:
-    num_train: int = setting(4000, "number of generated training dialogues", at_least=0, **CACHE)
-    num_validation: int = setting(200, "number of generated validation dialogues", at_least=0, **CACHE)
-    seed: int = setting(1234, "seed of the dialogue generator (independent of the training seed)", **CACHE)
-    chatter: bool = setting(False, "mix off-topic talk into about half of the dialogues: 3 to 30 turns with a long "
-                                   "tail of long chats, like SAMSum (the summaries do not change)", **CACHE)
-    messages: bool = setting(False, "write each dialogue as conversational `messages` (system, user: the dialogue, "
-                                    "assistant: the summary), rendered by the chat template with the TRL dataset "
-                                    "options (--assistant_only_loss ...)", **CACHE)
-
-
-@dataclass
-class SamsumDatasetConfig:
-    data_path: str = setting("", "local file or folder (JSON, JSONL, CSV, Parquet with fields dialogue, summary); "
-                                 "empty: the hub dataset named by hub_name", **CACHE)
-    hub_name: str = setting("knkarthick/samsum", "hub dataset used when data_path is empty", **CACHE)
-    train_split: str = setting("train", "split used for training", **CACHE)
-    test_split: str = setting("validation", "split used for evaluation", **CACHE)
-    validation_fraction: float = setting(0.0, "if > 0 and no validation file exists, hold out this fraction of the "
-                                              "training rows (deterministic from the seed)", at_least=0, below=1,
-                                         **CACHE)
-
-
-@dataclass
-class AlpacaDatasetConfig:
-    data_path: str = setting("", "JSON / JSONL file of {instruction, input, output} rows", **CACHE)
-    validation_fraction: float = setting(0.05, "fraction of rows held out for evaluation", at_least=0, below=1,
-                                         **CACHE)
-
-
-@dataclass
-class CustomDatasetConfig:
-    file: str = setting("", "path.py[:function]; the function takes (dataset_config, tokenizer, split) and returns "
-                            "rows of input_ids / labels (and optionally attention_mask); default function: "
-                            "get_custom_dataset", **CACHE)
-    train_split: str = setting("train", "split name passed for training", **CACHE)
-    test_split: str = setting("validation", "split name passed for evaluation", **CACHE)
-    data_path: str = setting("", "free path your function may read (dataset_config.data_path)", **CACHE)
-
-
-@dataclass
-class GrammarDatasetConfig:
-    train_split: str = setting("gtrain_10k.csv", "CSV file of training rows with columns input, target "
-                                                 "(llama-cookbook's grammar_dataset)", **CACHE)
-    test_split: str = setting("grammar_validation.csv", "CSV file of evaluation rows with columns input, target",
-                              **CACHE)
-
-
-@dataclass
-class TrlDatasetConfig:
-    """TRL's SFT / DPO data settings, under TRL's names; see docs/data-formats.md."""
-
-    dataset_name: str = setting("", "a local JSON / JSONL / CSV / Parquet / Arrow file or folder of such files, or a "
-                                    "hub dataset id; its format (text, prompt-completion, messages, ShareGPT "
-                                    "conversations, input_ids) is recognised from its columns, as TRL does", **CACHE)
-    dataset_config: str = setting("", "the dataset configuration (subset) name, for hub datasets that have several",
-                                  **CACHE)
-    dataset_train_split: str = setting("train", "split used for training", **CACHE)
-    dataset_test_split: str = setting("test", "split used for evaluation; absent: no evaluation", **CACHE)
-    dataset_text_field: str = setting("text", "column of language-modelling rows", **CACHE)
-    completion_only_loss: str = setting("auto", "prompt-completion rows: loss on the completion only; auto: true for "
-                                                "prompt-completion data (TRL's None)", choices=COMPLETION_ONLY_LOSS,
-                                        **CACHE)
-    assistant_only_loss: bool = setting(False, "conversational rows: loss on the assistant turns only, through the "
-                                               "chat template's {% generation %} markers", **CACHE)
-    chat_template_path: str = setting("", "a Jinja chat template file, or a tokenizer directory whose template to use",
-                                      **CACHE)
-    eos_token: str = setting("", "the token that ends a sequence / turn; empty: the tokenizer's", **CACHE)
-    truncation_mode: str = setting("keep_start", "rows longer than data.context_length are cut: keep_start or "
-                                                 "keep_end", choices=TRUNCATION_MODES, **CACHE)
-
-
-@dataclass
-class DataSettings:
-    dataset: str = setting("synthetic_dialogues", "one of: " + ", ".join(DATASETS), choices=DATASETS, **CACHE)
-    context_length: int = setting(1024, "tokens per packed block / longest example kept (TRL: max_length)",
-                                  at_least=1, **CACHE)
-    batching: str = setting("packing", "packing (blocks of up to context_length tokens of whole examples, computed "
-                                       "without padding, no attention across examples) or padding (length-grouped, "
-                                       "padded to the longest in the micro-batch)", choices=BATCHING_STRATEGIES,
-                            **REFERENCE)
-    padding_free: bool = setting(False, "with padding: compute each micro-batch as one row of its examples without "
-                                        "pad tokens (same examples and loss, no wasted compute); packing always is",
-                                 **REFERENCE)
-    strict: bool = setting(False, "fail on the first bad data row (naming file and row) instead of skipping it",
-                           **CACHE)
-    num_workers: int = setting(1, "data loader worker processes per rank (0: in the training process)", at_least=0,
-                               **RUN)
-    synthetic_dialogues: SyntheticDialoguesConfig = setting(SyntheticDialoguesConfig(), "embedded dialogue data")
-    samsum_dataset: SamsumDatasetConfig = setting(SamsumDatasetConfig(), "SAMSum-format data")
-    alpaca_dataset: AlpacaDatasetConfig = setting(AlpacaDatasetConfig(), "alpaca-format data")
-    custom_dataset: CustomDatasetConfig = setting(CustomDatasetConfig(), "your own dataset function")
-    grammar_dataset: GrammarDatasetConfig = setting(GrammarDatasetConfig(), "llama-cookbook's grammar correction CSVs")
-    trl_dataset: TrlDatasetConfig = setting(TrlDatasetConfig(), "TRL's dataset settings (--dataset_name ...)")
-
-    @property
-    def selected(self) -> Any:
-        """The settings of the dataset trained on."""
-        return getattr(self, self.dataset)
+    freeze_layers: int = setting(
+        0,
+        "full fine-tuning: freeze the first N decoder layers, counted from the embeddings "
+        "(llama-cookbook's freeze_transformer_layers); 0: none",
+        at_least=0,
+    )
 
 
 # -- optimizer and schedule ----------------------------------------------------------------------------------------
@@ -213,25 +122,37 @@ OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bi
 class OptimSettings:
     lr: float = setting(1e-4, "peak learning rate (AdamW)", above=0, **OPTIMIZER)
     weight_decay: float = setting(0.0, "AdamW weight decay (not on biases and norm weights)", at_least=0, **OPTIMIZER)
-    optimizer: str = setting("adamw_torch", "adamw_torch, adamw_torch_fused (torch's fused AdamW kernel), adamw_8bit "
-                                            "or paged_adamw_8bit (bitsandbytes: moments in 8 bits, 1/4 of the state; "
-                                            "DDP only; paged pages the state to CPU memory on CUDA)", choices=OPTIMIZERS)
+    optimizer: str = setting(
+        "adamw_torch",
+        "adamw_torch, adamw_torch_fused (torch's fused AdamW kernel), adamw_8bit "
+        "or paged_adamw_8bit (bitsandbytes: moments in 8 bits, 1/4 of the state; "
+        "DDP only; paged pages the state to CPU memory on CUDA)",
+        choices=OPTIMIZERS,
+    )
     adam_beta1: float = setting(0.9, "AdamW beta1", at_least=0, below=1, **OPTIMIZER)
     adam_beta2: float = setting(0.999, "AdamW beta2", at_least=0, below=1, **OPTIMIZER)
     adam_epsilon: float = setting(1e-8, "AdamW epsilon", above=0, **OPTIMIZER)
-    lr_scheduler: str = setting("step", "step (llama-cookbook: x gamma per epoch), linear (to 0), cosine (to 0), "
-                                        "cosine_with_min_lr (to min_lr_rate x lr), constant, constant_with_warmup; "
-                                        "each after warmup_steps (constant: none)", choices=LR_SCHEDULERS)
-    gamma: float = setting(0.85, "StepLR decay applied once per epoch (lr_scheduler step), in (0, 1]", above=0,
-                           at_most=1)
-    warmup_steps: float = setting(0.0, "linear warm-up, under every scheduler but constant: N optimizer steps, or a "
-                                       "fraction in (0, 1) of the run's (rounded up)", interval=True)
-    min_lr_rate: float = setting(0.0, "cosine_with_min_lr: the lr decays to this fraction of lr", at_least=0,
-                                 below=1)
-    min_lr: float = setting(0.0, "cosine_with_min_lr: the lr decays to this value (instead of min_lr_rate)",
-                            at_least=0)
-    max_grad_norm: float | None = setting(None, "clip the global gradient norm at this value; none: no clipping",
-                                          above=0)
+    lr_scheduler: str = setting(
+        "step",
+        "step (llama-cookbook: x gamma per epoch), linear (to 0), cosine (to 0), "
+        "cosine_with_min_lr (to min_lr_rate x lr), constant, constant_with_warmup; "
+        "each after warmup_steps (constant: none)",
+        choices=LR_SCHEDULERS,
+    )
+    gamma: float = setting(
+        0.85, "StepLR decay applied once per epoch (lr_scheduler step), in (0, 1]", above=0, at_most=1
+    )
+    warmup_steps: float = setting(
+        0.0,
+        "linear warm-up, under every scheduler but constant: N optimizer steps, or a "
+        "fraction in (0, 1) of the run's (rounded up)",
+        interval=True,
+    )
+    min_lr_rate: float = setting(0.0, "cosine_with_min_lr: the lr decays to this fraction of lr", at_least=0, below=1)
+    min_lr: float = setting(0.0, "cosine_with_min_lr: the lr decays to this value (instead of min_lr_rate)", at_least=0)
+    max_grad_norm: float | None = setting(
+        None, "clip the global gradient norm at this value; none: no clipping", above=0
+    )
 
 
 # -- the steps of a run --------------------------------------------------------------------------------------------
@@ -242,26 +163,51 @@ PRECISIONS = ("auto", "fp32", "fp16", "pure_bf16")
 
 @dataclass
 class TrainSettings:
-    batch_size: int = setting(4, "micro-batch size per device (TRL: per_device_train_batch_size; llama-cookbook: "
-                                 "batch_size_training)", at_least=1, **RUN)
-    gradient_accumulation_steps: int = setting(1, "micro-batches per optimizer step; effective batch = batch_size x "
-                                                  "data-parallel processes (processes / (sequence_parallel_size x "
-                                                  "context_parallel_size)) x gradient_accumulation_steps", at_least=1,
-                                               **RUN)
-    num_epochs: float = setting(1.0, "passes over the training data; a fraction (2.5) trains ceil(N x optimizer steps "
-                                     "per epoch) steps over ceil(N) epochs' data order, the schedule ending there (as "
-                                     "Trainer does)", above=0)
-    max_steps: int = setting(0, "stop after this many OPTIMIZER steps (llama-cookbook's max_train_step counts "
-                                "micro-batches); 0: no limit", at_least=0, **RUN)
+    batch_size: int = setting(
+        4,
+        "micro-batch size per device (TRL: per_device_train_batch_size; llama-cookbook: batch_size_training)",
+        at_least=1,
+        **RUN,
+    )
+    gradient_accumulation_steps: int = setting(
+        1,
+        "micro-batches per optimizer step; effective batch = batch_size x "
+        "data-parallel processes (processes / (sequence_parallel_size x "
+        "context_parallel_size)) x gradient_accumulation_steps",
+        at_least=1,
+        **RUN,
+    )
+    num_epochs: float = setting(
+        1.0,
+        "passes over the training data; a fraction (2.5) trains ceil(N x optimizer steps "
+        "per epoch) steps over ceil(N) epochs' data order, the schedule ending there (as "
+        "Trainer does)",
+        above=0,
+    )
+    max_steps: int = setting(
+        0,
+        "stop after this many OPTIMIZER steps (llama-cookbook's max_train_step counts micro-batches); 0: no limit",
+        at_least=0,
+        **RUN,
+    )
     seed: int = setting(42, "seed of model init, data order and dropout", **CACHE)
-    precision: str = setting("auto", "auto (bf16 compute where the device supports it fast, CUDA; fp32 on CPU), fp32, "
-                                     "fp16 (with a gradient scaler, for CUDA GPUs without bf16) or pure_bf16 (FSDP: "
-                                     "parameters, gradients and optimizer state in bf16)", choices=PRECISIONS,
-                             **REFERENCE)
-    nan_policy: str = setting("stop", "on a non-finite (NaN/Inf) loss or gradient norm on any rank: stop (before the "
-                                      "optimizer step; the last checkpoint stays latest) or skip (no weight or "
-                                      "optimizer update; the step still counts: its data is used up and the LR "
-                                      "schedule advances)", choices=NAN_POLICIES, **RUN)
+    precision: str = setting(
+        "auto",
+        "auto (bf16 compute where the device supports it fast, CUDA; fp32 on CPU), fp32, "
+        "fp16 (with a gradient scaler, for CUDA GPUs without bf16) or pure_bf16 (FSDP: "
+        "parameters, gradients and optimizer state in bf16)",
+        choices=PRECISIONS,
+        **REFERENCE,
+    )
+    nan_policy: str = setting(
+        "stop",
+        "on a non-finite (NaN/Inf) loss or gradient norm on any rank: stop (before the "
+        "optimizer step; the last checkpoint stays latest) or skip (no weight or "
+        "optimizer update; the step still counts: its data is used up and the LR "
+        "schedule advances)",
+        choices=NAN_POLICIES,
+        **RUN,
+    )
 
 
 # -- parallelism and memory ----------------------------------------------------------------------------------------
@@ -272,52 +218,97 @@ SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
 
 @dataclass
 class ParallelSettings:
-    strategy: str = setting("ddp", "ddp (a whole model per process), fsdp (PyTorch FSDP2, fully_shard) or deepspeed "
-                                   "(ZeRO stage zero_stage; pip install 'shardtune[deepspeed]')", choices=STRATEGIES,
-                            **RUN)
-    sharding_strategy: str = setting("FULL_SHARD", "fsdp: FULL_SHARD (params, grads, optimizer state sharded), "
-                                                   "SHARD_GRAD_OP (params kept after forward), NO_SHARD (like DDP), "
-                                                   "HYBRID_SHARD (shard within a group, replicate across groups)",
-                                     choices=SHARDING_STRATEGIES, **RUN)
-    sharding_group_size: int = setting(0, "HYBRID_SHARD: ranks that shard one replica; 0: the processes of one node",
-                                       at_least=0, **RUN)
-    replica_group_size: int = setting(0, "HYBRID_SHARD: number of replicas; 0: world size / sharding_group_size",
-                                      at_least=0, **RUN)
-    cpu_offload: bool = setting(False, "fsdp: keep sharded parameters, gradients and optimizer state in CPU memory",
-                                **RUN)
-    low_cpu_fsdp: bool = setting(False, "fsdp: only global rank 0 reads the weights; the others build on the meta "
-                                        "device", **RUN)
-    zero_stage: int = setting(2, "deepspeed: ZeRO stage 1 (optimizer state sharded), 2 (+ gradients), 3 (+ "
-                                 "parameters)", choices=(1, 2, 3), **RUN)
-    offload_optimizer: bool = setting(False, "deepspeed: keep the optimizer state (and its step) in CPU memory "
-                                             "(ZeRO-Offload)", **RUN)
+    strategy: str = setting(
+        "ddp",
+        "ddp (a whole model per process), fsdp (PyTorch FSDP2, fully_shard) or deepspeed "
+        "(ZeRO stage zero_stage; pip install 'shardtune[deepspeed]')",
+        choices=STRATEGIES,
+        **RUN,
+    )
+    sharding_strategy: str = setting(
+        "FULL_SHARD",
+        "fsdp: FULL_SHARD (params, grads, optimizer state sharded), "
+        "SHARD_GRAD_OP (params kept after forward), NO_SHARD (like DDP), "
+        "HYBRID_SHARD (shard within a group, replicate across groups)",
+        choices=SHARDING_STRATEGIES,
+        **RUN,
+    )
+    sharding_group_size: int = setting(
+        0, "HYBRID_SHARD: ranks that shard one replica; 0: the processes of one node", at_least=0, **RUN
+    )
+    replica_group_size: int = setting(
+        0, "HYBRID_SHARD: number of replicas; 0: world size / sharding_group_size", at_least=0, **RUN
+    )
+    cpu_offload: bool = setting(
+        False, "fsdp: keep sharded parameters, gradients and optimizer state in CPU memory", **RUN
+    )
+    low_cpu_fsdp: bool = setting(
+        False, "fsdp: only global rank 0 reads the weights; the others build on the meta device", **RUN
+    )
+    zero_stage: int = setting(
+        2,
+        "deepspeed: ZeRO stage 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)",
+        choices=(1, 2, 3),
+        **RUN,
+    )
+    offload_optimizer: bool = setting(
+        False, "deepspeed: keep the optimizer state (and its step) in CPU memory (ZeRO-Offload)", **RUN
+    )
     offload_param: bool = setting(False, "deepspeed: keep the sharded parameters in CPU memory (ZeRO-3 only)", **RUN)
-    deepspeed_config_file: str = setting("", "deepspeed: a DeepSpeed JSON config merged over the one built from these "
-                                             "settings (e.g. a TRL / HF Trainer ds_config.json); batch sizes and "
-                                             "accumulation must agree with ours or be \"auto\"")
-    activation_checkpointing: bool = setting(False, "recompute each decoder layer's activations in backward (every "
-                                                    "strategy; TRL: --gradient_checkpointing)", **RUN)
-    activation_offloading: bool = setting(False, "keep the activations saved for backward (with activation "
-                                                 "checkpointing: each checkpointed layer's input) in pinned CPU memory "
-                                                 "until backward (CUDA; on CPU they are in CPU memory anyway); same "
-                                                 "results", **RUN)
-    tiled_mlp: bool = setting(False, "run each decoder layer's MLP over sequence tiles of hidden_size tokens, "
-                                     "recomputed in backward (ALST): its (sequence x intermediate) activations never "
-                                     "exist for the whole sequence; same results", **RUN)
-    sequence_parallel_size: int = setting(1, "Ulysses sequence parallelism: each row of a micro-batch is split over "
-                                             "this many processes, which swap sequence slices for attention heads "
-                                             "around attention (must divide the attention heads); these processes "
-                                             "share their micro-batches, so they count once in the effective batch",
-                                          at_least=1, **RUN)
-    context_parallel_size: int = setting(1, "ring attention: each row is split over this many processes "
-                                            "(load-balanced causal chunks), K/V rotate around the ring; no head "
-                                            "limit; these processes share their micro-batches, so they count once in "
-                                            "the effective batch", at_least=1, **RUN)
-    one_gpu: bool = setting(False, "train in one process (llama-cookbook's single-GPU run); refused with more "
-                                   "processes", **RUN)
-    dist_timeout: int = setting(1800, "seconds a collective (all-reduce, barrier, checkpoint exchange) waits for the "
-                                      "other ranks before the job fails with a timeout error instead of hanging",
-                                above=0, **RUN)
+    deepspeed_config_file: str = setting(
+        "",
+        "deepspeed: a DeepSpeed JSON config merged over the one built from these "
+        "settings (e.g. a TRL / HF Trainer ds_config.json); batch sizes and "
+        'accumulation must agree with ours or be "auto"',
+    )
+    activation_checkpointing: bool = setting(
+        False,
+        "recompute each decoder layer's activations in backward (every strategy; TRL: --gradient_checkpointing)",
+        **RUN,
+    )
+    activation_offloading: bool = setting(
+        False,
+        "keep the activations saved for backward (with activation "
+        "checkpointing: each checkpointed layer's input) in pinned CPU memory "
+        "until backward (CUDA; on CPU they are in CPU memory anyway); same "
+        "results",
+        **RUN,
+    )
+    tiled_mlp: bool = setting(
+        False,
+        "run each decoder layer's MLP over sequence tiles of hidden_size tokens, "
+        "recomputed in backward (ALST): its (sequence x intermediate) activations never "
+        "exist for the whole sequence; same results",
+        **RUN,
+    )
+    sequence_parallel_size: int = setting(
+        1,
+        "Ulysses sequence parallelism: each row of a micro-batch is split over "
+        "this many processes, which swap sequence slices for attention heads "
+        "around attention (must divide the attention heads); these processes "
+        "share their micro-batches, so they count once in the effective batch",
+        at_least=1,
+        **RUN,
+    )
+    context_parallel_size: int = setting(
+        1,
+        "ring attention: each row is split over this many processes "
+        "(load-balanced causal chunks), K/V rotate around the ring; no head "
+        "limit; these processes share their micro-batches, so they count once in "
+        "the effective batch",
+        at_least=1,
+        **RUN,
+    )
+    one_gpu: bool = setting(
+        False, "train in one process (llama-cookbook's single-GPU run); refused with more processes", **RUN
+    )
+    dist_timeout: int = setting(
+        1800,
+        "seconds a collective (all-reduce, barrier, checkpoint exchange) waits for the "
+        "other ranks before the job fails with a timeout error instead of hanging",
+        above=0,
+        **RUN,
+    )
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------------------
@@ -327,52 +318,100 @@ CHECKPOINT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 
 @dataclass
 class CheckpointSettings:
-    save_steps: float = setting(0.0, "write a sharded checkpoint to output.dir/checkpoints/ every N optimizer steps (a "
-                                     "fraction in (0, 1): of the run's steps), at each epoch end and after the last "
-                                     "step; 0: none, unless checkpoint_type is set (then at epoch ends and after the "
-                                     "last step)", interval=True, **RUN)
-    save_total_limit: int = setting(0, "keep the last K checkpoints (and, with load_best_model_at_end, the best); 0: "
-                                       "keep all", at_least=0, **RUN)
-    save_optimizer: bool = setting(True, "checkpoints hold the optimizer state (resuming needs it); false: the model "
-                                         "only (smaller; such a checkpoint exports but does not resume)", **RUN)
-    checkpoint_type: str = setting("", "SHARDED_STATE_DICT (each rank writes its shard) or FULL_STATE_DICT (also a "
-                                       "gathered HF model in the checkpoint); setting it turns checkpoints on (at "
-                                       "epoch ends); empty: SHARDED_STATE_DICT when save_steps > 0, else no "
-                                       "checkpoints", choices=("", *CHECKPOINT_TYPES), **RUN)
-    resume: str = setting("", "latest (newest complete checkpoint of output.dir), a checkpoint folder, or another "
-                              "run's output dir: continue exactly where it stopped (any number of processes); auto: "
-                              "latest if output.dir has a checkpoint, else start (for jobs that requeue themselves); a "
-                              "worker group restarted by torchrun (--max_restarts) resumes from latest by itself",
-                          **RUN)
-    dist_checkpoint_root_folder: str = setting("", "write checkpoints to <root>/<dist_checkpoint_folder>-<model name> "
-                                                   "(llama-cookbook's FSDP layout; turns on epoch-end checkpoints) "
-                                                   "instead of output.dir/checkpoints; shardtune export reads it",
-                                               **RUN)
+    save_steps: float = setting(
+        0.0,
+        "write a sharded checkpoint to output.dir/checkpoints/ every N optimizer steps (a "
+        "fraction in (0, 1): of the run's steps), at each epoch end and after the last "
+        "step; 0: none, unless checkpoint_type is set (then at epoch ends and after the "
+        "last step)",
+        interval=True,
+        **RUN,
+    )
+    save_total_limit: int = setting(
+        0, "keep the last K checkpoints (and, with load_best_model_at_end, the best); 0: keep all", at_least=0, **RUN
+    )
+    save_optimizer: bool = setting(
+        True,
+        "checkpoints hold the optimizer state (resuming needs it); false: the model "
+        "only (smaller; such a checkpoint exports but does not resume)",
+        **RUN,
+    )
+    checkpoint_type: str = setting(
+        "",
+        "SHARDED_STATE_DICT (each rank writes its shard) or FULL_STATE_DICT (also a "
+        "gathered HF model in the checkpoint); setting it turns checkpoints on (at "
+        "epoch ends); empty: SHARDED_STATE_DICT when save_steps > 0, else no "
+        "checkpoints",
+        choices=("", *CHECKPOINT_TYPES),
+        **RUN,
+    )
+    resume: str = setting(
+        "",
+        "latest (newest complete checkpoint of output.dir), a checkpoint folder, or another "
+        "run's output dir: continue exactly where it stopped (any number of processes); auto: "
+        "latest if output.dir has a checkpoint, else start (for jobs that requeue themselves); a "
+        "worker group restarted by torchrun (--max_restarts) resumes from latest by itself",
+        **RUN,
+    )
+    dist_checkpoint_root_folder: str = setting(
+        "",
+        "write checkpoints to <root>/<dist_checkpoint_folder>-<model name> "
+        "(llama-cookbook's FSDP layout; turns on epoch-end checkpoints) "
+        "instead of output.dir/checkpoints; shardtune export reads it",
+        **RUN,
+    )
     dist_checkpoint_folder: str = setting("fine-tuned", "see dist_checkpoint_root_folder", **RUN)
 
 
 # -- evaluation ----------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class EvalSettings:
     enabled: bool = setting(True, "evaluate at the end of each epoch (and every eval.steps)", **RUN)
-    steps: float = setting(0.0, "also evaluate every N optimizer steps (a fraction in (0, 1): of the run's steps); 0: "
-                                "at epoch ends only", interval=True, **RUN)
-    on_start: bool = setting(False, "also evaluate the model before the first step of a run (a metrics row at step "
-                                    "0: the baseline; a resumed run has it already)", needs="eval.enabled", **RUN)
+    steps: float = setting(
+        0.0,
+        "also evaluate every N optimizer steps (a fraction in (0, 1): of the run's steps); 0: at epoch ends only",
+        interval=True,
+        **RUN,
+    )
+    on_start: bool = setting(
+        False,
+        "also evaluate the model before the first step of a run (a metrics row at step "
+        "0: the baseline; a resumed run has it already)",
+        needs="eval.enabled",
+        **RUN,
+    )
     batch_size: int = setting(1, "eval micro-batch size per device", at_least=1, **RUN)
     max_batches: int = setting(0, "evaluate on at most this many eval batches per rank; 0: all", at_least=0, **RUN)
-    log_samples: int = setting(0, "at each evaluation, write N greedy generated answers with their references to "
-                                  "output.dir/eval_samples.jsonl (and to the tracker); 0: none", at_least=0, **RUN)
-    load_best_model_at_end: bool = setting(False, "publish the model of the checkpoint with the best evaluation "
-                                                  "(metric_for_best_model) instead of the last step's; needs an "
-                                                  "evaluation at every checkpoint (checkpoint steps a multiple of "
-                                                  "eval.steps, or epoch ends)", **RUN)
-    metric_for_best_model: str = setting("eval_loss", "the eval row's metric that load_best_model_at_end compares "
-                                                      "(eval_loss, eval_ppl, eval_rouge1, ...; the eval_ prefix may "
-                                                      "be left out)", **RUN)
-    greater_is_better: bool | None = setting(None, "whether a higher metric_for_best_model is better; none: lower for "
-                                                   "a name ending in loss or ppl, else higher (as Trainer)", **RUN)
+    log_samples: int = setting(
+        0,
+        "at each evaluation, write N greedy generated answers with their references to "
+        "output.dir/eval_samples.jsonl (and to the tracker); 0: none",
+        at_least=0,
+        **RUN,
+    )
+    load_best_model_at_end: bool = setting(
+        False,
+        "publish the model of the checkpoint with the best evaluation "
+        "(metric_for_best_model) instead of the last step's; needs an "
+        "evaluation at every checkpoint (checkpoint steps a multiple of "
+        "eval.steps, or epoch ends)",
+        **RUN,
+    )
+    metric_for_best_model: str = setting(
+        "eval_loss",
+        "the eval row's metric that load_best_model_at_end compares "
+        "(eval_loss, eval_ppl, eval_rouge1, ...; the eval_ prefix may "
+        "be left out)",
+        **RUN,
+    )
+    greater_is_better: bool | None = setting(
+        None,
+        "whether a higher metric_for_best_model is better; none: lower for "
+        "a name ending in loss or ppl, else higher (as Trainer)",
+        **RUN,
+    )
 
 
 # -- logging, observability ----------------------------------------------------------------------------------------
@@ -388,140 +427,115 @@ class WandbConfig:
     tags: list[str] = setting([], "W&B tags", **RUN)
     group: str = setting("", "W&B group, to see related runs together", **RUN)
     notes: str = setting("", "W&B notes: a longer description of the run", **RUN)
-    mode: str = setting("", "online, offline or disabled; empty: online when api.wandb.ai answers and you are logged "
-                            "in, else offline (sync later with wandb sync)",
-                        choices=("", "online", "offline", "disabled"), **RUN)
+    mode: str = setting(
+        "",
+        "online, offline or disabled; empty: online when api.wandb.ai answers and you are logged "
+        "in, else offline (sync later with wandb sync)",
+        choices=("", "online", "offline", "disabled"),
+        **RUN,
+    )
 
 
 @dataclass
 class LoggingSettings:
-    report_to: list[str] = setting([], "where rank 0 also sends the metrics.jsonl rows: tensorboard (event files in "
-                                       "output.dir/tensorboard), wandb, trackio (each an optional extra: pip install "
-                                       "'shardtune[tensorboard]'); empty: none", choices=REPORT_TO, **RUN)
-    steps: float = setting(1.0, "the trackers (report_to) receive every Nth step row (a fraction in (0, 1): every "
-                                "ceil(F x the run's steps)th; eval rows: all); metrics.jsonl keeps every step",
-                           interval=True, above=0, **RUN)
+    report_to: list[str] = setting(
+        [],
+        "where rank 0 also sends the metrics.jsonl rows: tensorboard (event files in "
+        "output.dir/tensorboard), wandb, trackio (each an optional extra: pip install "
+        "'shardtune[tensorboard]'); empty: none",
+        choices=REPORT_TO,
+        **RUN,
+    )
+    steps: float = setting(
+        1.0,
+        "the trackers (report_to) receive every Nth step row (a fraction in (0, 1): every "
+        "ceil(F x the run's steps)th; eval rows: all); metrics.jsonl keeps every step",
+        interval=True,
+        above=0,
+        **RUN,
+    )
     wandb: WandbConfig = setting(WandbConfig(), "Weights & Biases settings")
-    profiler: bool = setting(False, "torch.profiler traces per rank in profiler_dir: steps 4-6 after 1 wait and 2 "
-                                    "warm-up steps (llama-cookbook's schedule); open in TensorBoard or "
-                                    "ui.perfetto.dev", **RUN)
+    profiler: bool = setting(
+        False,
+        "torch.profiler traces per rank in profiler_dir: steps 4-6 after 1 wait and 2 "
+        "warm-up steps (llama-cookbook's schedule); open in TensorBoard or "
+        "ui.perfetto.dev",
+        **RUN,
+    )
     profiler_dir: str = setting("", "where the profiler traces go; empty: output.dir/profiler", **RUN)
-    flop_counter: bool = setting(False, "measure the FLOPs of one optimizer step with torch's FlopCounterMode and "
-                                        "print them next to the analytic count (not with the profiler)", **RUN)
-    flop_counter_start: int = setting(3, "warm-up optimizer steps before the measured one (the measured step is the "
-                                         "next one)", at_least=0, **RUN)
+    flop_counter: bool = setting(
+        False,
+        "measure the FLOPs of one optimizer step with torch's FlopCounterMode and "
+        "print them next to the analytic count (not with the profiler)",
+        **RUN,
+    )
+    flop_counter_start: int = setting(
+        3, "warm-up optimizer steps before the measured one (the measured step is the next one)", at_least=0, **RUN
+    )
     save_metrics: bool = setting(True, "write metrics.jsonl to output.dir", **RUN)
-    save_plots: bool = setting(True, "at the end of the run, write PNG charts of metrics.jsonl to output.dir/plots "
-                                     "(what shardtune plot draws)", **RUN)
-
-
-# -- adapters ------------------------------------------------------------------------------------------------------
-
-PEFT_METHODS = ("", "lora", "llama_adapter", "prefix")
-
-
-@dataclass
-class LoraConfig:
-    r: int = setting(8, "LoRA rank", at_least=1)
-    alpha: int = setting(32, "LoRA scaling numerator (scale = alpha / r)", above=0)
-    target_modules: list[str] = setting(["q_proj", "v_proj"], "module names to adapt (or all-linear)")
-    dropout: float = setting(0.05, "dropout on the LoRA input", at_least=0, below=1)
-    bias: str = setting("none", "none, all or lora_only", choices=("none", "all", "lora_only"))
-    use_dora: bool = setting(False, "weight-decomposed LoRA (DoRA)")
-    use_rslora: bool = setting(False, "rank-stabilised LoRA: scale alpha / sqrt(r) instead of alpha / r")
-    modules_to_save: list[str] = setting([], "modules trained in full and saved with the adapter (e.g. lm_head)")
-
-
-@dataclass
-class LlamaAdapterConfig:
-    adapter_len: int = setting(10, "adaption prompt length", at_least=1)
-    adapter_layers: int = setting(30, "number of top layers adapted (clamped to the model's depth)", at_least=1)
-
-
-@dataclass
-class PrefixConfig:
-    num_virtual_tokens: int = setting(30, "prefix length", at_least=1)
-
-
-@dataclass
-class PeftSettings:
-    method: str = setting("", "train an adapter instead of all parameters: lora, llama_adapter or prefix; empty: "
-                              "full fine-tuning", choices=PEFT_METHODS, **REFERENCE)
-    from_checkpoint: str = setting("", "adapter directory to continue training from")
-    lora: LoraConfig = setting(LoraConfig(), "LoRA settings")
-    llama_adapter: LlamaAdapterConfig = setting(LlamaAdapterConfig(), "llama-adapter settings")
-    prefix: PrefixConfig = setting(PrefixConfig(), "prefix tuning settings")
+    save_plots: bool = setting(
+        True,
+        "at the end of the run, write PNG charts of metrics.jsonl to output.dir/plots (what shardtune plot draws)",
+        **RUN,
+    )
 
 
 # -- outputs and the run itself ------------------------------------------------------------------------------------
+
 
 @dataclass
 class OutputSettings:
     dir: str = setting("output", "where the model, config.yaml and metrics.jsonl are written", **RUN)
     overwrite: bool = setting(False, "allow a new run to replace the outputs of a previous run in output.dir", **RUN)
     save_model: bool = setting(True, "write the final model (or adapter) to output.dir", **RUN)
-    push_to_hub: bool = setting(False, "after the run, upload the published model (or adapter) folder to the Hugging "
-                                       "Face Hub repo hub_model_id (rank 0, through huggingface_hub); refused before "
-                                       "launch when offline or without a token", **RUN)
-    hub_model_id: str = setting("", "the push_to_hub repo (user/name or name); empty: output.dir's folder name, in "
-                                    "your namespace (as Trainer)", **RUN)
-    hub_private_repo: bool = setting(False, "create the push_to_hub repo private (an existing repo keeps its "
-                                            "visibility)", **RUN)
-    hub_token: str = setting("", "the push_to_hub token; empty: huggingface_hub's (HF_TOKEN or hf auth login); never "
-                                 "written to config.yaml", secret=True, **RUN)
+    push_to_hub: bool = setting(
+        False,
+        "after the run, upload the published model (or adapter) folder to the Hugging "
+        "Face Hub repo hub_model_id (rank 0, through huggingface_hub); refused before "
+        "launch when offline or without a token",
+        **RUN,
+    )
+    hub_model_id: str = setting(
+        "",
+        "the push_to_hub repo (user/name or name); empty: output.dir's folder name, in your namespace (as Trainer)",
+        **RUN,
+    )
+    hub_private_repo: bool = setting(
+        False, "create the push_to_hub repo private (an existing repo keeps its visibility)", **RUN
+    )
+    hub_token: str = setting(
+        "",
+        "the push_to_hub token; empty: huggingface_hub's (HF_TOKEN or hf auth login); never written to config.yaml",
+        secret=True,
+        **RUN,
+    )
 
 
 @dataclass
 class RunSettings:
     debug: bool = setting(False, "print tracebacks with errors, and where the start-up time went", **RUN)
-    dry_run: bool = setting(False, "build the model on the meta device, resolve the mesh for the world size (no GPU, "
-                                   "no process started, no weights or data read, nothing written), print the "
-                                   "per-rank shard sizes and the plan (shardtune plan; its --gpu / --gpu_memory / "
-                                   "--gpus_per_node flags too), and exit", **RUN)
-
-
-# -- objectives' own settings --------------------------------------------------------------------------------------
-
-# TRL 1.16's per-pair losses, and sft (the NLL of the chosen completions, RPO's term; with others: loss_weights)
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
-                  "apo_down", "discopop", "sigmoid_norm", "sft")
-F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
-
-
-@dataclass
-class DpoConfig:
-    """TRL's DPO settings, under TRL's names (read by shardtune dpo); see docs/dpo.md."""
-
-    beta: float = setting(0.1, "how far the policy may move from the reference (sigmoid, hinge, robust); ipo: the "
-                               "regularisation parameter tau", above=0)
-    loss_type: list[str] = setting(["sigmoid"], "the preference loss, or several summed with loss_weights (TRL 1.16's "
-                                                "names: sigmoid (DPO), ipo, hinge, robust, exo_pair, nca_pair, "
-                                                "bco_pair, sppo_hard, apo_zero, apo_down, discopop, sigmoid_norm, sft)",
-                                   choices=DPO_LOSS_TYPES)
-    loss_weights: list[float] = setting([], "one weight per loss_type (default: 1 each)")
-    label_smoothing: float = setting(0.0, "robust: the probability that a preference label is flipped, in [0, 0.5); "
-                                          "exo_pair: the epsilon of its target distribution, in (0, 0.5)")
-    f_divergence_type: str = setting("reverse_kl", "the divergence the log-ratios go through: reverse_kl (DPO), "
-                                                   "forward_kl, js_divergence, alpha_divergence",
-                                     choices=F_DIVERGENCES)
-    f_alpha_divergence_coef: float = setting(0.5, "alpha_divergence: its alpha")
-    discopop_tau: float = setting(0.05, "discopop: the temperature of its mixing of the logistic and exponential "
-                                        "losses")
-    precompute_ref_log_probs: bool = setting(False, "one reference pass over the train and test pairs before "
-                                                    "training, kept with each pair; the reference model is then freed "
-                                                    "(full fine-tuning: no second copy in memory while training)",
-                                             **RUN)
-    precompute_ref_batch_size: int = setting(0, "pairs per forward of the precompute_ref_log_probs pass, per device "
-                                                "(0: train.batch_size)", at_least=0, **RUN)
+    dry_run: bool = setting(
+        False,
+        "build the model on the meta device, resolve the mesh for the world size (no GPU, "
+        "no process started, no weights or data read, nothing written), print the "
+        "per-rank shard sizes and the plan (shardtune plan; its --gpu / --gpu_memory / "
+        "--gpus_per_node flags too), and exit",
+        **RUN,
+    )
 
 
 # -- the whole ----------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class TrainConfig:
-    objective: str = setting("sft", "what is trained: " + ", ".join(OBJECTIVES) + " (set by the command: shardtune "
-                                    "sft, shardtune dpo; shardtune.config.objectives)", choices=tuple(OBJECTIVES),
-                             **REFERENCE)
+    objective: str = setting(
+        "sft",
+        "what is trained: " + ", ".join(OBJECTIVES) + " (set by the command: shardtune "
+        "sft, shardtune dpo; shardtune.config.objectives)",
+        choices=tuple(OBJECTIVES),
+        **REFERENCE,
+    )
     model: ModelSettings = setting(ModelSettings(), "the model and how it is loaded")
     data: DataSettings = setting(DataSettings(), "the data and how it is batched")
     optim: OptimSettings = setting(OptimSettings(), "the optimizer and the learning-rate schedule")
@@ -543,6 +557,9 @@ def effective_batch_size(cfg: TrainConfig, dp_size: int) -> int:
 
 
 # Trackers: --report_to name -> (module to import, the optional extra that installs it)
-TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
-                    "trackio": ("trackio", "trackio")}
+TRACKER_PACKAGES = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "trackio": ("trackio", "trackio"),
+}
 PROFILER_SCHEDULE = {"wait": 1, "warmup": 2, "active": 3}  # llama-cookbook's torch.profiler schedule

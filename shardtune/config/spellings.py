@@ -7,8 +7,7 @@ from __future__ import annotations
 import difflib
 import functools
 
-from shardtune.config.dialects import Spelling
-from shardtune.config.dialects import cookbook, trl
+from shardtune.config.dialects import Spelling, cookbook, trl
 from shardtune.config.fields import flat_fields, is_list, optional
 from shardtune.config.schema import ConfigError
 
@@ -85,5 +84,8 @@ def default_spelling(key: str) -> str:
 
 def names_of(key: str, dialect: str) -> list[str]:
     """The names of ``dialect`` that set the canonical ``key`` (for --help and the docs)."""
-    return [name for name, spelling in DIALECTS[dialect].SPELLINGS.items()
-            if not spelling.refuse and key in spelling.target.replace("/", " ").split()]
+    return [
+        name
+        for name, spelling in DIALECTS[dialect].SPELLINGS.items()
+        if not spelling.refuse and key in spelling.target.replace("/", " ").split()
+    ]

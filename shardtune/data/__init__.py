@@ -11,8 +11,16 @@ The training loop uses::
     eval_batches(validation_examples, cfg, dp_rank, dp_size, pad_id, row_slice)
 """
 
-from shardtune.data.batching import (StepDataset, build_units, collate_flat, collate_padding, eval_batches, flattened,
-                                     steps_per_epoch, train_loader)
+from shardtune.data.batching import (
+    StepDataset,
+    build_units,
+    collate_flat,
+    collate_padding,
+    eval_batches,
+    flattened,
+    steps_per_epoch,
+    train_loader,
+)
 from shardtune.data.chat import apply_tokenizer_options
 from shardtune.data.report import DataError, DataReport
 from shardtune.data.sources import check_context_length, check_data_config, load_examples

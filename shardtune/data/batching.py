@@ -33,8 +33,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from shardtune.config.schema import TrainConfig, effective_batch_size
-from shardtune.data.report import DataError
 from shardtune.data.formatting import IGNORE_INDEX
+from shardtune.data.report import DataError
 
 # Per token of a training micro-batch: its example's global index in the units (-1: padding) and the whole example's
 # length, for LoRA dropout masks that do not depend on the rank layout (shardtune.model.lora_dropout)
@@ -48,15 +48,19 @@ class RowTransform(Protocol):
 
     def __call__(self, batch: dict[str, torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]: ...
 
+
 Example = dict[str, list[int]]
 Unit = list[Example]
 MicroBatch = dict[str, torch.Tensor]
 
 
 def unit_length(unit: Unit) -> int:
-    return sum(len(example["input_ids"]) if "input_ids" in example  # a preference pair: its longer sequence
-               else len(example["prompt_ids"]) + max(len(example["chosen_ids"]), len(example["rejected_ids"]))
-               for example in unit)
+    return sum(
+        len(example["input_ids"])
+        if "input_ids" in example  # a preference pair: its longer sequence
+        else len(example["prompt_ids"]) + max(len(example["chosen_ids"]), len(example["rejected_ids"]))
+        for example in unit
+    )
 
 
 def build_units(examples: list[Example], cfg: TrainConfig) -> list[Unit]:
@@ -96,10 +100,12 @@ def steps_per_epoch(num_units: int, cfg: TrainConfig, dp_size: int) -> int:
     steps = num_units // size
     if steps == 0:
         what = "packed blocks" if cfg.data.batching == "packing" else "examples"
-        raise DataError(f"dataset too small for effective batch {size} (batch_size_training "
-                        f"{cfg.train.batch_size} x {dp_size} data-parallel processes x gradient_accumulation_steps "
-                        f"{cfg.train.gradient_accumulation_steps}): it has {num_units} {what}: add data or lower "
-                        "--batch_size_training / --gradient_accumulation_steps")
+        raise DataError(
+            f"dataset too small for effective batch {size} (batch_size_training "
+            f"{cfg.train.batch_size} x {dp_size} data-parallel processes x gradient_accumulation_steps "
+            f"{cfg.train.gradient_accumulation_steps}): it has {num_units} {what}: add data or lower "
+            "--batch_size_training / --gradient_accumulation_steps"
+        )
     return steps
 
 
@@ -111,7 +117,7 @@ def epoch_order(units: list[Unit], cfg: TrainConfig, dp_size: int, epoch: int) -
     order = torch.randperm(len(units), generator=generator).tolist()[: num_steps * size]
     if cfg.data.batching == "padding":
         for start in range(0, len(order), size):
-            order[start:start + size] = sorted(order[start:start + size], key=lambda i: (unit_length(units[i]), i))
+            order[start : start + size] = sorted(order[start : start + size], key=lambda i: (unit_length(units[i]), i))
     return order
 
 
@@ -148,20 +154,29 @@ def collate_flat(examples: list[Example]) -> MicroBatch:
     """
     lengths = [len(example["input_ids"]) for example in examples]
     input_ids = torch.tensor([token for example in examples for token in example["input_ids"]], dtype=torch.long)
-    labels = torch.tensor([label for example in examples for label in [IGNORE_INDEX, *example["labels"][1:]]],
-                          dtype=torch.long)
+    labels = torch.tensor(
+        [label for example in examples for label in [IGNORE_INDEX, *example["labels"][1:]]], dtype=torch.long
+    )
     position_ids = torch.cat([torch.arange(n) for n in lengths])
     cu_seq_lens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu_seq_lens[1:] = torch.tensor(lengths).cumsum(0)
-    return {"input_ids": input_ids[None], "labels": labels[None], "position_ids": position_ids[None],
-            "cu_seq_lens": cu_seq_lens, "max_length": torch.tensor(max(lengths))}
+    return {
+        "input_ids": input_ids[None],
+        "labels": labels[None],
+        "position_ids": position_ids[None],
+        "cu_seq_lens": cu_seq_lens,
+        "max_length": torch.tensor(max(lengths)),
+    }
 
 
 def flattened(cfg: TrainConfig) -> bool:
     """Whether training micro-batches are padding-free rows: always with packing, with padding on request, and
     whenever rows are split over sequence / context parallel ranks (a split needs one row with boundaries)."""
-    return (cfg.data.batching == "packing" or cfg.data.padding_free
-            or cfg.parallel.sequence_parallel_size * cfg.parallel.context_parallel_size > 1)
+    return (
+        cfg.data.batching == "packing"
+        or cfg.data.padding_free
+        or cfg.parallel.sequence_parallel_size * cfg.parallel.context_parallel_size > 1
+    )
 
 
 def collate(units: list[Unit], cfg: TrainConfig, pad_id: int, example_ids: list[int] | None = None) -> MicroBatch:
@@ -174,8 +189,7 @@ def collate(units: list[Unit], cfg: TrainConfig, pad_id: int, example_ids: list[
     return batch
 
 
-def per_token_example_ids(examples: list[Example], example_ids: list[int], shape: torch.Size,
-                          flat: bool) -> MicroBatch:
+def per_token_example_ids(examples: list[Example], example_ids: list[int], shape: torch.Size, flat: bool) -> MicroBatch:
     """Per token: the global index of its example and the example's length (-1 and 0 on padding)."""
     ids, lengths = torch.full(shape, -1, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
     start = 0
@@ -191,9 +205,18 @@ class StepDataset(Dataset):
     """Item i: this rank's gradient_accumulation_steps micro-batches of optimizer step ``start_step + i``
     (with ``row_slice``: this rank's slice of each, for sequence / context parallelism)."""
 
-    def __init__(self, units: list[Unit], cfg: TrainConfig, dp_rank: int, dp_size: int, epoch: int, pad_id: int,
-                 start_step: int = 0, row_slice: RowTransform | None = None,
-                 collate_fn: Callable[[list[Unit], TrainConfig, int], MicroBatch] | None = None) -> None:
+    def __init__(
+        self,
+        units: list[Unit],
+        cfg: TrainConfig,
+        dp_rank: int,
+        dp_size: int,
+        epoch: int,
+        pad_id: int,
+        start_step: int = 0,
+        row_slice: RowTransform | None = None,
+        collate_fn: Callable[[list[Unit], TrainConfig, int], MicroBatch] | None = None,
+    ) -> None:
         self.units = units
         self.collate_fn = collate_fn
         self.cfg = cfg
@@ -225,14 +248,25 @@ class StepDataset(Dataset):
         chosen = self.order[micro_batch_slice(step, micro_step, self.dp_rank, self.cfg, self.dp_size)]
         example_ids = [self.first_example[i] + j for i in chosen for j in range(len(self.units[i]))]
         units = [self.units[i] for i in chosen]
-        batch = (collate(units, self.cfg, self.pad_id, example_ids) if self.collate_fn is None
-                 else self.collate_fn(units, self.cfg, self.pad_id))
+        batch = (
+            collate(units, self.cfg, self.pad_id, example_ids)
+            if self.collate_fn is None
+            else self.collate_fn(units, self.cfg, self.pad_id)
+        )
         return batch if self.row_slice is None else self.row_slice(batch, self.pad_id)
 
 
-def train_loader(units: list[Unit], cfg: TrainConfig, dp_rank: int, dp_size: int, epoch: int, pad_id: int,
-                 start_step: int = 0, row_slice: RowTransform | None = None,
-                 collate_fn: Callable[[list[Unit], TrainConfig, int], MicroBatch] | None = None) -> DataLoader:
+def train_loader(
+    units: list[Unit],
+    cfg: TrainConfig,
+    dp_rank: int,
+    dp_size: int,
+    epoch: int,
+    pad_id: int,
+    start_step: int = 0,
+    row_slice: RowTransform | None = None,
+    collate_fn: Callable[[list[Unit], TrainConfig, int], MicroBatch] | None = None,
+) -> DataLoader:
     """Yields one list of micro-batches per optimizer step (collated in workers when num_workers > 0); ``collate_fn``
     (units, cfg, pad_id) -> micro-batch replaces :func:`collate` (preference pairs).
 
@@ -240,10 +274,15 @@ def train_loader(units: list[Unit], cfg: TrainConfig, dp_rank: int, dp_size: int
     a checkpoint saves, so resuming mid-epoch continues the same random stream.
     """
     workers = cfg.data.num_workers
-    return DataLoader(StepDataset(units, cfg, dp_rank, dp_size, epoch, pad_id, start_step, row_slice, collate_fn),
-                      batch_size=None,
-                      shuffle=False, num_workers=workers, prefetch_factor=2 if workers > 0 else None,
-                      persistent_workers=False, generator=torch.Generator().manual_seed(cfg.train.seed + epoch))
+    return DataLoader(
+        StepDataset(units, cfg, dp_rank, dp_size, epoch, pad_id, start_step, row_slice, collate_fn),
+        batch_size=None,
+        shuffle=False,
+        num_workers=workers,
+        prefetch_factor=2 if workers > 0 else None,
+        persistent_workers=False,
+        generator=torch.Generator().manual_seed(cfg.train.seed + epoch),
+    )
 
 
 def eval_shares(items: list, cfg: TrainConfig, dp_rank: int, dp_size: int) -> tuple[list[list], int]:
@@ -251,15 +290,21 @@ def eval_shares(items: list, cfg: TrainConfig, dp_rank: int, dp_size: int) -> tu
     number of eval batches every rank runs (the same on all; at most --max_eval_step): a rank with fewer chunks
     makes up the difference with batches it does not count, because FSDP's forward is a collective."""
     size = cfg.eval.batch_size
-    chunks = [items[start:start + size] for start in range(0, len(items), size)]
+    chunks = [items[start : start + size] for start in range(0, len(items), size)]
     num_batches = math.ceil(len(chunks) / dp_size)
     if cfg.eval.max_batches > 0:
         num_batches = min(num_batches, cfg.eval.max_batches)
     return chunks[dp_rank::dp_size][:num_batches], num_batches
 
 
-def eval_batches(examples: list[Example], cfg: TrainConfig, dp_rank: int, dp_size: int, pad_id: int,
-                 row_slice: RowTransform | None = None) -> list[MicroBatch]:
+def eval_batches(
+    examples: list[Example],
+    cfg: TrainConfig,
+    dp_rank: int,
+    dp_size: int,
+    pad_id: int,
+    row_slice: RowTransform | None = None,
+) -> list[MicroBatch]:
     """This rank's eval micro-batches: the same count on every rank, each example on exactly one data-parallel rank.
 
     Examples keep their order and are cut into chunks of val_batch_size; chunk c goes to data-parallel rank

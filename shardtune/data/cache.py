@@ -63,24 +63,39 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     specials = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
-        tokenizer.chat_template, sort_keys=True)
+    template = (
+        tokenizer.chat_template
+        if isinstance(tokenizer.chat_template, str)
+        else json.dumps(tokenizer.chat_template, sort_keys=True)
+    )
     return hashlib.sha256((text + json.dumps(specials) + template).encode()).hexdigest()
 
 
 def cache_key(cfg: TrainConfig, tokenizer: Any, split: str, pairs: bool = False) -> str:
     """``pairs``: shardtune dpo's preference pairs (another layout; the truncation mode applies to every dataset)."""
     dataset_config = dataclasses.asdict(cfg.data.selected)
-    digest = hashlib.sha256(json.dumps({
-        "format": FORMAT_VERSION, "dataset": cfg.data.dataset, "dataset_config": dataset_config, "split": split,
-        "context_length": cfg.data.context_length, "seed": cfg.train.seed, "strict_data": cfg.data.strict,
-        "tokenizer": _tokenizer_fingerprint(tokenizer),
-        "trl_formats": dataclasses.asdict(cfg.data.trl_dataset) if pairs or uses_trl_formats(cfg) else None,
-        **({"pairs": 1} if pairs else {}),
-    }, sort_keys=True).encode())
+    digest = hashlib.sha256(
+        json.dumps(
+            {
+                "format": FORMAT_VERSION,
+                "dataset": cfg.data.dataset,
+                "dataset_config": dataset_config,
+                "split": split,
+                "context_length": cfg.data.context_length,
+                "seed": cfg.train.seed,
+                "strict_data": cfg.data.strict,
+                "tokenizer": _tokenizer_fingerprint(tokenizer),
+                "trl_formats": dataclasses.asdict(cfg.data.trl_dataset) if pairs or uses_trl_formats(cfg) else None,
+                **({"pairs": 1} if pairs else {}),
+            },
+            sort_keys=True,
+        ).encode()
+    )
     if dataset_config.get("data_path"):
         _hash_path(Path(dataset_config["data_path"]), digest)
-    if cfg.data.dataset == "trl_dataset":  # a local file or folder (a hub id hashes its name only, as samsum's hub data)
+    if (
+        cfg.data.dataset == "trl_dataset"
+    ):  # a local file or folder (a hub id hashes its name only, as samsum's hub data)
         _hash_path(Path(cfg.data.trl_dataset.dataset_name), digest)
     if cfg.data.dataset == "grammar_dataset":  # its split names are the paths of its files
         for path in (cfg.data.grammar_dataset.train_split, cfg.data.grammar_dataset.test_split):
@@ -118,10 +133,14 @@ def _write(entry: Path, examples: list[dict], report: DataReport) -> None:
     lengths = np.array([len(e["input_ids"]) for e in examples], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     tmp = _staging(entry)
-    np.save(tmp / "input_ids.npy", np.fromiter((t for e in examples for t in e["input_ids"]), dtype=np.int32,
-                                                count=int(offsets[-1])))
-    np.save(tmp / "labels.npy", np.fromiter((t for e in examples for t in e["labels"]), dtype=np.int32,
-                                             count=int(offsets[-1])))
+    np.save(
+        tmp / "input_ids.npy",
+        np.fromiter((t for e in examples for t in e["input_ids"]), dtype=np.int32, count=int(offsets[-1])),
+    )
+    np.save(
+        tmp / "labels.npy",
+        np.fromiter((t for e in examples for t in e["labels"]), dtype=np.int32, count=int(offsets[-1])),
+    )
     np.save(tmp / "offsets.npy", offsets)
     (tmp / "report.json").write_text(json.dumps(dataclasses.asdict(report)))
     _publish(tmp, entry)
@@ -179,8 +198,12 @@ def _through_cache(entry: Path, compute, write, read) -> tuple[list[dict], DataR
             try:
                 return _read_checked(entry, read)
             except DamagedEntry as e:  # under the lock: one process removes it and tokenises again
-                print(f"shardtune: note: the tokenised-data cache entry {entry} is damaged ({e}): removed, "
-                      "tokenising again", file=sys.stderr, flush=True)
+                print(
+                    f"shardtune: note: the tokenised-data cache entry {entry} is damaged ({e}): removed, "
+                    "tokenising again",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 shutil.rmtree(entry, ignore_errors=True)
         records, report = compute()
         write(entry, records, report)
@@ -194,8 +217,12 @@ def load_examples_cached(cfg: TrainConfig, tokenizer: Any, split: str, root: Pat
     """
     if cfg.data.dataset == "custom_dataset":
         return load_examples(cfg, tokenizer, split)
-    return _through_cache(root / "tokenized" / cache_key(cfg, tokenizer, split),
-                          lambda: load_examples(cfg, tokenizer, split), _write, _read)
+    return _through_cache(
+        root / "tokenized" / cache_key(cfg, tokenizer, split),
+        lambda: load_examples(cfg, tokenizer, split),
+        _write,
+        _read,
+    )
 
 
 def pairs_entry(cfg: TrainConfig, tokenizer: Any, split: str, root: Path) -> Path:
@@ -205,8 +232,9 @@ def pairs_entry(cfg: TrainConfig, tokenizer: Any, split: str, root: Path) -> Pat
 
 def load_pairs_cached(cfg: TrainConfig, tokenizer: Any, split: str, root: Path) -> tuple[list[dict], DataReport]:
     """``load_pairs`` (shardtune dpo's tokenised preference pairs) through the on-disk cache under ``root``."""
-    return _through_cache(pairs_entry(cfg, tokenizer, split, root), lambda: load_pairs(cfg, tokenizer, split),
-                          _write_pairs, _read_pairs)
+    return _through_cache(
+        pairs_entry(cfg, tokenizer, split, root), lambda: load_pairs(cfg, tokenizer, split), _write_pairs, _read_pairs
+    )
 
 
 def read_reference_log_probs(path: Path, num_pairs: int) -> np.ndarray | None:

@@ -31,8 +31,9 @@ PRESET_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif -%}"
 )
 TEMPLATE_SUFFIXES = (".jinja", ".j2")
-TRL_TRAINING_TEMPLATES_HINT = ("trl ships such templates for common model families in trl/chat_templates/"
-                               "*_training.jinja")
+TRL_TRAINING_TEMPLATES_HINT = (
+    "trl ships such templates for common model families in trl/chat_templates/*_training.jinja"
+)
 
 
 def has_generation_markers(template: str | dict | None) -> bool:
@@ -52,11 +53,14 @@ def read_chat_template(path: str) -> str:
 
         template = AutoTokenizer.from_pretrained(str(p)).chat_template
         if not template:
-            raise ConfigError(f"--chat_template_path {path}: that tokenizer has no chat template: pass a Jinja file "
-                              "(.jinja) or a tokenizer directory that has one")
+            raise ConfigError(
+                f"--chat_template_path {path}: that tokenizer has no chat template: pass a Jinja file "
+                "(.jinja) or a tokenizer directory that has one"
+            )
         return template
-    raise ConfigError(f"--chat_template_path {path}: no such Jinja file (.jinja, .j2) or tokenizer directory: pass "
-                      "one of them")
+    raise ConfigError(
+        f"--chat_template_path {path}: no such Jinja file (.jinja, .j2) or tokenizer directory: pass one of them"
+    )
 
 
 def apply_tokenizer_options(cfg: TrainConfig, tokenizer: Any) -> Any:
@@ -66,8 +70,10 @@ def apply_tokenizer_options(cfg: TrainConfig, tokenizer: Any) -> Any:
         tokenizer.chat_template = read_chat_template(tc.chat_template_path)
     if tc.eos_token:
         if tc.eos_token not in tokenizer.get_vocab():
-            raise ConfigError(f"--eos_token {tc.eos_token!r} is not a token of the tokenizer: pass one of its tokens "
-                              f"(its eos is {tokenizer.eos_token!r})")
+            raise ConfigError(
+                f"--eos_token {tc.eos_token!r} is not a token of the tokenizer: pass one of its tokens "
+                f"(its eos is {tokenizer.eos_token!r})"
+            )
         tokenizer.eos_token = tc.eos_token
     return tokenizer
 
@@ -76,13 +82,17 @@ def check_chat_template(cfg: TrainConfig, tokenizer: Any, what: str) -> None:
     """Conversational rows need a template; --assistant_only_loss needs its generation markers."""
     template = tokenizer.chat_template
     if not template:
-        raise ConfigError(f"{what} needs a chat template, and the tokenizer has none: pass --chat_template_path "
-                          "(a Jinja file, or a tokenizer directory whose template to use)")
+        raise ConfigError(
+            f"{what} needs a chat template, and the tokenizer has none: pass --chat_template_path "
+            "(a Jinja file, or a tokenizer directory whose template to use)"
+        )
     if cfg.data.trl_dataset.assistant_only_loss and not has_generation_markers(template):
-        raise ConfigError("--assistant_only_loss true needs a chat template that marks the assistant's text with "
-                          "{% generation %} ... {% endgeneration %}, and the tokenizer's has no such markers: pass "
-                          f"--chat_template_path with a template that has them ({TRL_TRAINING_TEMPLATES_HINT}), or "
-                          "--assistant_only_loss false")
+        raise ConfigError(
+            "--assistant_only_loss true needs a chat template that marks the assistant's text with "
+            "{% generation %} ... {% endgeneration %}, and the tokenizer's has no such markers: pass "
+            f"--chat_template_path with a template that has them ({TRL_TRAINING_TEMPLATES_HINT}), or "
+            "--assistant_only_loss false"
+        )
 
 
 def mirror_eos_token(cfg: TrainConfig, model: Any, tokenizer: Any) -> None:

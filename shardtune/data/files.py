@@ -62,8 +62,10 @@ def _read_json(path: Path, columns: tuple[str, ...]) -> list[Row]:
     except json.JSONDecodeError as e:
         if _first_line_is_json(text):
             return _read_jsonl_text(path, text)
-        raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}): fix the file, or save it as "
-                        "a list of objects or as JSON Lines (one object per line)") from None
+        raise DataError(
+            f"{path}: not valid JSON ({e.msg} at line {e.lineno}): fix the file, or save it as "
+            "a list of objects or as JSON Lines (one object per line)"
+        ) from None
     if isinstance(data, dict):
         return [(str(path), 1, data)]
     if not isinstance(data, list):
@@ -83,8 +85,10 @@ def _first_line_is_json(text: str) -> bool:
 
 
 def _missing_columns_error(path: Path, missing: list[str], found: list[str]) -> DataError:
-    return DataError(f"{path}: no column {', '.join(repr(c) for c in missing)} (found: {', '.join(found) or 'none'}): "
-                     "rename the columns or pass a file that has them")
+    return DataError(
+        f"{path}: no column {', '.join(repr(c) for c in missing)} (found: {', '.join(found) or 'none'}): "
+        "rename the columns or pass a file that has them"
+    )
 
 
 def _read_csv(path: Path, columns: tuple[str, ...]) -> list[Row]:
@@ -157,8 +161,10 @@ def _split_folder(flag: str, folder: Path, train_name: str, test_name: str) -> D
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in READERS)
     train = [p for p in files if train_name.lower() in p.stem.lower()]
     if not train:
-        raise DataError(f"--{flag} {folder}: no train file (a {', '.join(READERS)} file whose name contains "
-                        f"{train_name!r}; found: {', '.join(p.name for p in files) or 'none'}): add one")
+        raise DataError(
+            f"--{flag} {folder}: no train file (a {', '.join(READERS)} file whose name contains "
+            f"{train_name!r}; found: {', '.join(p.name for p in files) or 'none'}): add one"
+        )
     rest = [p for p in files if p not in train]
     for keyword in dict.fromkeys((test_name.lower(), *VALIDATION_KEYWORDS)):
         validation = [p for p in rest if keyword in p.stem.lower()]
@@ -172,8 +178,10 @@ def hold_out(rows: list[Row], fraction: float, seed: int, split: str) -> list[Ro
     num_validation = max(1, round(len(rows) * fraction))
     if num_validation >= len(rows):
         origin = rows[0][0] if rows else "the data"
-        raise DataError(f"{origin}: {len(rows)} rows are too few to hold out a validation fraction of {fraction}: "
-                        "add rows or a validation file")
+        raise DataError(
+            f"{origin}: {len(rows)} rows are too few to hold out a validation fraction of {fraction}: "
+            "add rows or a validation file"
+        )
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
     chosen = set(order[:num_validation])
     keep_validation = split == "validation"

@@ -22,11 +22,14 @@ from shardtune.data.report import RowFilter
 IGNORE_INDEX = -100  # a label that carries no loss (the value torch's cross_entropy ignores by default)
 
 SAMSUM_PROMPT = "Summarize this dialog:\n{dialog}\n---\nSummary:\n"
-ALPACA_PROMPT = ("Below is a task, together with input that gives it context. Write a response that carries "
-                 "out the task.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+ALPACA_PROMPT = (
+    "Below is a task, together with input that gives it context. Write a response that carries "
+    "out the task.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
 GRAMMAR_PROMPT = "Correct this to standard English: {input}\n---\nCorrected: "  # llama-cookbook's grammar_dataset
-ALPACA_PROMPT_NO_INPUT = ("Below is a task. Write a response that carries out the task.\n\n"
-                          "### Instruction:\n{instruction}\n\n### Response:\n")
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is a task. Write a response that carries out the task.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
 
 
 @dataclass
@@ -37,8 +40,9 @@ class TextPair:
     response: str
 
 
-def _text_field(record: Mapping, name: str, origin: str, row: int, filt: RowFilter, optional: bool = False
-                ) -> str | None:
+def _text_field(
+    record: Mapping, name: str, origin: str, row: int, filt: RowFilter, optional: bool = False
+) -> str | None:
     """The string field ``name`` of ``record``, or None after counting the row as bad."""
     value = record.get(name)
     if value is None:
@@ -104,8 +108,10 @@ def grammar_pairs(rows: list[Row], filt: RowFilter) -> list[TextPair]:
 def special_ids(tokenizer: Any) -> tuple[list[int], int]:
     """([bos] or [] when the tokenizer has none, eos)."""
     if tokenizer.eos_token_id is None:
-        raise ConfigError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no eos token: "
-                          "set tokenizer.eos_token (the model must learn where a response ends)")
+        raise ConfigError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no eos token: "
+            "set tokenizer.eos_token (the model must learn where a response ends)"
+        )
     bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
     return bos, tokenizer.eos_token_id
 
@@ -138,13 +144,17 @@ def tokenize_pairs(pairs: list[TextPair], tokenizer: Any, context_length: int, f
 def _too_long(num_tokens: int, context_length: int, origin: str, row: int, filt: RowFilter) -> bool:
     if num_tokens <= context_length:
         return False
-    filt.skip("too_long", origin, row, f"{num_tokens} tokens > --context_length {context_length}",
-              "raise --context_length, or drop --strict_data to skip such rows")
+    filt.skip(
+        "too_long",
+        origin,
+        row,
+        f"{num_tokens} tokens > --context_length {context_length}",
+        "raise --context_length, or drop --strict_data to skip such rows",
+    )
     return True
 
 
-def token_examples(rows: list[Any], origin: str, vocab_size: int, context_length: int, filt: RowFilter
-                   ) -> list[dict]:
+def token_examples(rows: list[Any], origin: str, vocab_size: int, context_length: int, filt: RowFilter) -> list[dict]:
     """Validate ready-made ``{input_ids, labels}`` rows (lists or 1-D tensors; other fields are ignored)."""
     examples = []
     for row_no, record in enumerate(rows, start=1):
@@ -180,8 +190,9 @@ def _token_example(record: Any, origin: str, row: int, vocab_size: int, filt: Ro
     return _check_token_ids(ids["input_ids"], ids["labels"], origin, row, vocab_size, filt)
 
 
-def _check_token_ids(input_ids: list[int], labels: list[int], origin: str, row: int, vocab_size: int,
-                     filt: RowFilter) -> dict | None:
+def _check_token_ids(
+    input_ids: list[int], labels: list[int], origin: str, row: int, vocab_size: int, filt: RowFilter
+) -> dict | None:
     if not input_ids:
         filt.skip("empty", origin, row, "input_ids is empty")
     elif len(labels) != len(input_ids):

@@ -30,7 +30,13 @@ from shardtune.data.batching import EXAMPLE_IDS, EXAMPLE_LENGTHS
 from shardtune.data.files import Row
 from shardtune.data.report import DataReport, RowFilter
 from shardtune.data.trl_formats import (
-    _BadRow, _is_message_list, _messages, _render, _string, _template_kwargs, common_prefix_length,
+    _BadRow,
+    _is_message_list,
+    _messages,
+    _render,
+    _string,
+    _template_kwargs,
+    common_prefix_length,
 )
 
 PREFERENCE, CHAT_PREFERENCE = "preference", "conversational preference"
@@ -39,8 +45,10 @@ PREFERENCE, CHAT_PREFERENCE = "preference", "conversational preference"
 def recognise_preference(columns: list[str], first: Mapping) -> tuple[str, bool]:
     """(the format's name, whether the prompt is implicit) of rows with these columns."""
     if "chosen" not in columns or "rejected" not in columns:
-        raise ConfigError(f"no preference format in the columns {', '.join(columns) or '(none)'}: expected chosen and "
-                          "rejected (and prompt, or a prompt shared as their prefix; see docs/dpo.md)")
+        raise ConfigError(
+            f"no preference format in the columns {', '.join(columns) or '(none)'}: expected chosen and "
+            "rejected (and prompt, or a prompt shared as their prefix; see docs/dpo.md)"
+        )
     conversational = _is_message_list(first.get("chosen"))
     implicit = "prompt" not in columns or _is_message_list(first.get("prompt")) != conversational
     kind = CHAT_PREFERENCE if conversational else PREFERENCE
@@ -80,12 +88,22 @@ def _tokenize_pair(record: Mapping, conversational: bool, implicit: bool, tokeni
         chosen_full = tokenizer(text=prompt + chosen)["input_ids"]
         rejected_full = tokenizer(text=prompt + rejected)["input_ids"]
     prompt_len = min(common_prefix_length(prompt_ids, chosen_full), common_prefix_length(prompt_ids, rejected_full))
-    return {"prompt_ids": prompt_ids[:prompt_len], "chosen_ids": chosen_full[prompt_len:],
-            "rejected_ids": rejected_full[prompt_len:]}
+    return {
+        "prompt_ids": prompt_ids[:prompt_len],
+        "chosen_ids": chosen_full[prompt_len:],
+        "rejected_ids": rejected_full[prompt_len:],
+    }
 
 
-def prepare_pairs(rows: list[Row], columns: list[str], tokenizer: Any, max_length: int, truncation_mode: str,
-                  filt: RowFilter, report: DataReport) -> list[dict]:
+def prepare_pairs(
+    rows: list[Row],
+    columns: list[str],
+    tokenizer: Any,
+    max_length: int,
+    truncation_mode: str,
+    filt: RowFilter,
+    report: DataReport,
+) -> list[dict]:
     """Tokenised pairs of ``rows`` (bad rows counted, or raised, through ``filt``); ``report.num_truncated``
     counts the pairs with a sequence longer than ``max_length`` (cut when collated)."""
     first = rows[0][2] if rows else {}
@@ -102,8 +120,13 @@ def prepare_pairs(rows: list[Row], columns: list[str], tokenizer: Any, max_lengt
             continue
         prompt_len = len(pair["prompt_ids"])
         if truncation_mode == "keep_start" and prompt_len >= max_length:
-            filt.skip("prompt_fills_max_length", origin, row_no, f"the prompt alone has {prompt_len} tokens, "
-                      f"--max_length is {max_length}", "raise --max_length, or shorten the prompt")
+            filt.skip(
+                "prompt_fills_max_length",
+                origin,
+                row_no,
+                f"the prompt alone has {prompt_len} tokens, --max_length is {max_length}",
+                "raise --max_length, or shorten the prompt",
+            )
             continue
         if not pair["chosen_ids"] or not pair["rejected_ids"]:
             filt.skip("empty_completion", origin, row_no, "a completion has no token")
@@ -114,11 +137,17 @@ def prepare_pairs(rows: list[Row], columns: list[str], tokenizer: Any, max_lengt
     return pairs
 
 
-def pair_sequences(pair: Mapping, max_length: int | None, truncation_mode: str = "keep_start"
-                   ) -> tuple[list[int], list[int], list[int], list[int]]:
+def pair_sequences(
+    pair: Mapping, max_length: int | None, truncation_mode: str = "keep_start"
+) -> tuple[list[int], list[int], list[int], list[int]]:
     """(chosen ids, chosen completion mask, rejected ids, rejected completion mask), each cut to max_length."""
-    cut = (slice(None) if max_length is None else slice(None, max_length) if truncation_mode == "keep_start"
-           else slice(-max_length, None))
+    cut = (
+        slice(None)
+        if max_length is None
+        else slice(None, max_length)
+        if truncation_mode == "keep_start"
+        else slice(-max_length, None)
+    )
     prompt = list(pair["prompt_ids"])
     out = []
     for name in ("chosen_ids", "rejected_ids"):
@@ -128,8 +157,9 @@ def pair_sequences(pair: Mapping, max_length: int | None, truncation_mode: str =
     return tuple(out)  # type: ignore[return-value]
 
 
-def collate_pairs(pairs: list[Mapping], pad_id: int, max_length: int | None, truncation_mode: str = "keep_start"
-                  ) -> dict[str, torch.Tensor]:
+def collate_pairs(
+    pairs: list[Mapping], pad_id: int, max_length: int | None, truncation_mode: str = "keep_start"
+) -> dict[str, torch.Tensor]:
     """A micro-batch of ``n`` pairs: rows 0..n-1 the chosen sequences, n..2n-1 the rejected, right-padded:
     ``input_ids``, ``attention_mask``, ``completion_mask`` (B = 2n, T = the longest); and ``ref_logps`` (n, 2) when
     the pairs carry their precomputed reference log-probabilities (--precompute_ref_log_probs)."""
@@ -140,17 +170,18 @@ def collate_pairs(pairs: list[Mapping], pad_id: int, max_length: int | None, tru
     attention = torch.zeros((len(rows), width), dtype=torch.long)
     completion = torch.zeros((len(rows), width), dtype=torch.long)
     for i, (ids, mask) in enumerate(rows):
-        input_ids[i, :len(ids)] = torch.tensor(ids)
-        attention[i, :len(ids)] = 1
-        completion[i, :len(ids)] = torch.tensor(mask)
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention[i, : len(ids)] = 1
+        completion[i, : len(ids)] = torch.tensor(mask)
     batch = {"input_ids": input_ids, "attention_mask": attention, "completion_mask": completion}
     if pairs and all("ref_logps" in p for p in pairs):
         batch["ref_logps"] = torch.tensor([p["ref_logps"] for p in pairs], dtype=torch.float32)
     return batch
 
 
-def collate_pairs_flat(pairs: list[Mapping], max_length: int | None, truncation_mode: str = "keep_start"
-                       ) -> dict[str, torch.Tensor]:
+def collate_pairs_flat(
+    pairs: list[Mapping], max_length: int | None, truncation_mode: str = "keep_start"
+) -> dict[str, torch.Tensor]:
     """A padding-free micro-batch of ``n`` pairs: ONE row holding the chosen sequences then the rejected ones back to
     back, no pad token, positions restarting at each sequence and ``cu_seq_lens`` marking where each starts (the
     layout of shardtune.data.batching.collate_flat, which the varlen attention keeps within each sequence)."""
@@ -161,10 +192,14 @@ def collate_pairs_flat(pairs: list[Mapping], max_length: int | None, truncation_
     completion = torch.tensor([m for _, mask in rows for m in mask], dtype=torch.long)
     cu_seq_lens = torch.zeros(len(rows) + 1, dtype=torch.int32)
     cu_seq_lens[1:] = torch.tensor(lengths).cumsum(0)
-    batch = {"input_ids": input_ids[None], "completion_mask": completion[None],
-             "position_ids": torch.cat([torch.arange(n) for n in lengths])[None], "cu_seq_lens": cu_seq_lens,
-             "max_length": torch.tensor(max(lengths)),
-             "completion_lengths": torch.tensor([sum(mask) for _, mask in rows], dtype=torch.long)}
+    batch = {
+        "input_ids": input_ids[None],
+        "completion_mask": completion[None],
+        "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+        "cu_seq_lens": cu_seq_lens,
+        "max_length": torch.tensor(max(lengths)),
+        "completion_lengths": torch.tensor([sum(mask) for _, mask in rows], dtype=torch.long),
+    }
     if pairs and all("ref_logps" in p for p in pairs):
         batch["ref_logps"] = torch.tensor([p["ref_logps"] for p in pairs], dtype=torch.float32)
     return batch
@@ -180,11 +215,17 @@ def synthetic_pair_rows(cfg: Any, split: str) -> tuple[str, list[Row], list[str]
     num = sd.num_train if split == "train" else sd.num_validation
     source = f"synthetic_dialogues: {num} generated {split} dialogues as preference pairs (seed {sd.seed})"
     dialogues = generate_dialogues(num, sd.seed, split, chatter=sd.chatter)
-    rows = [{"prompt": [{"role": "system", "content": SYNTHETIC_SYSTEM_PROMPT},
-                        {"role": "user", "content": d["dialogue"]}],
-             "chosen": [{"role": "assistant", "content": d["summary"]}],
-             "rejected": [{"role": "assistant", "content": dialogues[(i + 1) % len(dialogues)]["summary"]}]}
-            for i, d in enumerate(dialogues)]
+    rows = [
+        {
+            "prompt": [
+                {"role": "system", "content": SYNTHETIC_SYSTEM_PROMPT},
+                {"role": "user", "content": d["dialogue"]},
+            ],
+            "chosen": [{"role": "assistant", "content": d["summary"]}],
+            "rejected": [{"role": "assistant", "content": dialogues[(i + 1) % len(dialogues)]["summary"]}],
+        }
+        for i, d in enumerate(dialogues)
+    ]
     return source, [(source, i, r) for i, r in enumerate(rows, start=1)], ["prompt", "chosen", "rejected"]
 
 
@@ -200,20 +241,30 @@ def load_pairs(cfg: Any, tokenizer: Any, split: str) -> tuple[list[dict], DataRe
     elif cfg.data.dataset == "synthetic_dialogues":
         source, rows, columns = synthetic_pair_rows(cfg, split)
     else:
-        raise ConfigError(f"shardtune dpo reads preference pairs: --dataset_name (TRL's preference formats) or "
-                          f"--dataset synthetic_dialogues, not --dataset {cfg.data.dataset}")
+        raise ConfigError(
+            f"shardtune dpo reads preference pairs: --dataset_name (TRL's preference formats) or "
+            f"--dataset synthetic_dialogues, not --dataset {cfg.data.dataset}"
+        )
     if not rows:
         raise DataError(f"{source}: no rows: fix the data or pass another split")
     kind, _ = recognise_preference(columns, rows[0][2])
     if kind.endswith(CHAT_PREFERENCE):
         check_chat_template(cfg, tokenizer, f"{source} ({kind} rows)")
     report = DataReport(source=f"{source}: {kind} rows", num_rows=len(rows))
-    pairs = prepare_pairs(rows, columns, tokenizer, cfg.data.context_length, cfg.data.trl_dataset.truncation_mode,
-                          RowFilter(report, cfg.data.strict), report)
+    pairs = prepare_pairs(
+        rows,
+        columns,
+        tokenizer,
+        cfg.data.context_length,
+        cfg.data.trl_dataset.truncation_mode,
+        RowFilter(report, cfg.data.strict),
+        report,
+    )
     report.num_examples = len(pairs)
     if not pairs:
-        raise DataError(f"{report.summary()}: no usable {split} pair: fix the data (see the skip reasons) or raise "
-                        "--max_length")
+        raise DataError(
+            f"{report.summary()}: no usable {split} pair: fix the data (see the skip reasons) or raise --max_length"
+        )
     return pairs, report
 
 
@@ -222,7 +273,9 @@ def collate_pair_units(units: list[list[Mapping]], cfg: Any, pad_id: int) -> dic
     --max_length and truncation mode, or :func:`collate_pairs_flat` with --padding_free. Pairs that carry their
     place in the training data (``index``) get LoRA dropout's per-token keys too (:func:`pair_example_ids`)."""
     pairs = [pair for unit in units for pair in unit]
-    if cfg.data.padding_free or cfg.parallel.sequence_parallel_size * cfg.parallel.context_parallel_size > 1:  # split rows are flat
+    if (
+        cfg.data.padding_free or cfg.parallel.sequence_parallel_size * cfg.parallel.context_parallel_size > 1
+    ):  # split rows are flat
         batch = collate_pairs_flat(pairs, cfg.data.context_length, cfg.data.trl_dataset.truncation_mode)
     else:
         batch = collate_pairs(pairs, pad_id, cfg.data.context_length, cfg.data.trl_dataset.truncation_mode)
@@ -238,11 +291,15 @@ def pair_example_ids(batch: dict[str, torch.Tensor], indices: list[int]) -> dict
     ids = [2 * i for i in indices] + [2 * i + 1 for i in indices]  # chosen rows first, then rejected
     if "cu_seq_lens" in batch:
         lengths = batch["cu_seq_lens"].diff().long()
-        return {EXAMPLE_IDS: torch.repeat_interleave(torch.tensor(ids), lengths)[None],
-                EXAMPLE_LENGTHS: torch.repeat_interleave(lengths, lengths)[None]}
+        return {
+            EXAMPLE_IDS: torch.repeat_interleave(torch.tensor(ids), lengths)[None],
+            EXAMPLE_LENGTHS: torch.repeat_interleave(lengths, lengths)[None],
+        }
     rows, width = batch["input_ids"].shape
     real = batch["attention_mask"].bool()
     lengths = real.sum(dim=1, keepdim=True).expand(rows, width)
-    return {EXAMPLE_IDS: torch.where(real, torch.tensor(ids)[:, None], -1),
-            EXAMPLE_LENGTHS: torch.where(real, lengths, 0),
-            "position_ids": torch.arange(width).expand(rows, width).clone()}
+    return {
+        EXAMPLE_IDS: torch.where(real, torch.tensor(ids)[:, None], -1),
+        EXAMPLE_LENGTHS: torch.where(real, lengths, 0),
+        "position_ids": torch.arange(width).expand(rows, width).clone(),
+    }

@@ -13,8 +13,17 @@ from typing import Any, Callable
 
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.files import DataFiles, Row, hold_out, locate, read_rows
-from shardtune.data.formatting import (ALPACA_PROMPT_NO_INPUT, GRAMMAR_PROMPT, SAMSUM_PROMPT, alpaca_pairs,
-                                       grammar_pairs, samsum_pairs, template_length, token_examples, tokenize_pairs)
+from shardtune.data.formatting import (
+    ALPACA_PROMPT_NO_INPUT,
+    GRAMMAR_PROMPT,
+    SAMSUM_PROMPT,
+    alpaca_pairs,
+    grammar_pairs,
+    samsum_pairs,
+    template_length,
+    token_examples,
+    tokenize_pairs,
+)
 from shardtune.data.report import DataError, DataReport, RowFilter
 from shardtune.data.trl_loading import check_trl_config, trl_examples, uses_trl_formats
 
@@ -42,15 +51,21 @@ def check_data_config(cfg: TrainConfig) -> None:
 
 def check_context_length(cfg: TrainConfig, tokenizer: Any) -> None:
     """ConfigError if no example could fit: the fixed prompt template + bos + eos + one response token."""
-    template = {"synthetic_dialogues": SAMSUM_PROMPT, "samsum_dataset": SAMSUM_PROMPT,
-                "alpaca_dataset": ALPACA_PROMPT_NO_INPUT, "grammar_dataset": GRAMMAR_PROMPT}.get(cfg.data.dataset)
+    template = {
+        "synthetic_dialogues": SAMSUM_PROMPT,
+        "samsum_dataset": SAMSUM_PROMPT,
+        "alpaca_dataset": ALPACA_PROMPT_NO_INPUT,
+        "grammar_dataset": GRAMMAR_PROMPT,
+    }.get(cfg.data.dataset)
     if template is None or uses_trl_formats(cfg):  # TRL's formats truncate long rows instead
         return
     needed = template_length(tokenizer, template) + 1
     if cfg.data.context_length < needed:
-        raise ConfigError(f"--context_length {cfg.data.context_length} is shorter than the {cfg.data.dataset} prompt "
-                          f"template with bos, eos and one response token ({needed} tokens): "
-                          f"pass --context_length {needed} or more")
+        raise ConfigError(
+            f"--context_length {cfg.data.context_length} is shorter than the {cfg.data.dataset} prompt "
+            f"template with bos, eos and one response token ({needed} tokens): "
+            f"pass --context_length {needed} or more"
+        )
 
 
 def load_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[dict], DataReport]:
@@ -65,13 +80,17 @@ def load_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[di
         source, rows = _text_rows(cfg, split)
         report = DataReport(source=source, num_rows=len(rows))
         filt = RowFilter(report, cfg.data.strict)
-        to_pairs = {"alpaca_dataset": alpaca_pairs, "grammar_dataset": grammar_pairs}.get(cfg.data.dataset, samsum_pairs)
+        to_pairs = {"alpaca_dataset": alpaca_pairs, "grammar_dataset": grammar_pairs}.get(
+            cfg.data.dataset, samsum_pairs
+        )
         pairs = to_pairs(rows, filt)
         examples = tokenize_pairs(pairs, tokenizer, cfg.data.context_length, filt)
     report.num_examples = len(examples)
     if not examples:
-        raise DataError(f"{report.summary()}: no usable {split} example: fix the data (see the skip reasons) "
-                        "or raise --context_length")
+        raise DataError(
+            f"{report.summary()}: no usable {split} example: fix the data (see the skip reasons) "
+            "or raise --context_length"
+        )
     return examples, report
 
 
@@ -79,14 +98,26 @@ def _text_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row]]:
     if cfg.data.dataset == "synthetic_dialogues":
         return _synthetic_rows(cfg, split)
     if cfg.data.dataset == "alpaca_dataset":
-        return _file_rows("alpaca_dataset", _alpaca_files(cfg), cfg.data.alpaca_dataset.validation_fraction, cfg.train.seed,
-                          split, ALPACA_COLUMNS)
+        return _file_rows(
+            "alpaca_dataset",
+            _alpaca_files(cfg),
+            cfg.data.alpaca_dataset.validation_fraction,
+            cfg.train.seed,
+            split,
+            ALPACA_COLUMNS,
+        )
     if cfg.data.dataset == "grammar_dataset":
         path = grammar_files(cfg)[0 if split == "train" else 1]
         return f"grammar_dataset: {path}", read_rows([path], GRAMMAR_COLUMNS)
     if cfg.data.samsum_dataset.data_path:
-        return _file_rows("samsum_dataset", _samsum_files(cfg), cfg.data.samsum_dataset.validation_fraction, cfg.train.seed,
-                          split, SAMSUM_COLUMNS)
+        return _file_rows(
+            "samsum_dataset",
+            _samsum_files(cfg),
+            cfg.data.samsum_dataset.validation_fraction,
+            cfg.train.seed,
+            split,
+            SAMSUM_COLUMNS,
+        )
     return _hub_rows(cfg, split)
 
 
@@ -99,8 +130,10 @@ def _check_synthetic(cfg: TrainConfig) -> None:
     if sd.num_train <= 0:
         raise ConfigError(f"--synthetic_dialogues.num_train {sd.num_train} must be positive")
     if cfg.eval.enabled and sd.num_validation <= 0:
-        raise ConfigError(f"--synthetic_dialogues.num_validation {sd.num_validation} must be positive when "
-                          "--run_validation is on: pass a count or --run_validation false")
+        raise ConfigError(
+            f"--synthetic_dialogues.num_validation {sd.num_validation} must be positive when "
+            "--run_validation is on: pass a count or --run_validation false"
+        )
 
 
 def _synthetic_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row]]:
@@ -122,34 +155,44 @@ def _samsum_files(cfg: TrainConfig) -> DataFiles:
     sc = cfg.data.samsum_dataset
     files = locate("samsum_dataset.data_path", sc.data_path, sc.train_split, sc.test_split)
     if files.validation and sc.validation_fraction > 0:
-        raise DataError(f"--samsum_dataset.validation_fraction {sc.validation_fraction} would be ignored: "
-                        f"{sc.data_path} has a validation file ({files.validation[0].name}): set it to 0 "
-                        "or remove the file")
+        raise DataError(
+            f"--samsum_dataset.validation_fraction {sc.validation_fraction} would be ignored: "
+            f"{sc.data_path} has a validation file ({files.validation[0].name}): set it to 0 "
+            "or remove the file"
+        )
     if not files.validation and sc.validation_fraction == 0 and cfg.eval.enabled:
         naming = f"a file whose name contains {sc.test_split!r}, 'val', 'dev' or 'test'"
         if Path(sc.data_path).expanduser().is_file():  # one file is the train data, whatever its name says
-            raise DataError(f"--samsum_dataset.data_path {sc.data_path} is one file, the train data: pass a folder "
-                            f"holding a train file and a validation file ({naming}), or set "
-                            "--samsum_dataset.validation_fraction (e.g. 0.05), or --run_validation false")
-        raise DataError(f"--samsum_dataset.data_path {sc.data_path}: no validation file: add one ({naming}) or set "
-                        "--samsum_dataset.validation_fraction (e.g. 0.05)")
+            raise DataError(
+                f"--samsum_dataset.data_path {sc.data_path} is one file, the train data: pass a folder "
+                f"holding a train file and a validation file ({naming}), or set "
+                "--samsum_dataset.validation_fraction (e.g. 0.05), or --run_validation false"
+            )
+        raise DataError(
+            f"--samsum_dataset.data_path {sc.data_path}: no validation file: add one ({naming}) or set "
+            "--samsum_dataset.validation_fraction (e.g. 0.05)"
+        )
     return files
 
 
 def _alpaca_files(cfg: TrainConfig) -> DataFiles:
     ac = cfg.data.alpaca_dataset
     if not ac.data_path:
-        raise DataError("--alpaca_dataset.data_path is empty: pass a JSON or JSONL file of "
-                        "{instruction, input, output} rows")
+        raise DataError(
+            "--alpaca_dataset.data_path is empty: pass a JSON or JSONL file of {instruction, input, output} rows"
+        )
     files = locate("alpaca_dataset.data_path", ac.data_path, "train", "validation", allow_folder=False)
     if ac.validation_fraction == 0 and cfg.eval.enabled:
-        raise DataError("--alpaca_dataset.validation_fraction is 0 but --run_validation is on: set a fraction "
-                        "(e.g. 0.05) or pass --run_validation false")
+        raise DataError(
+            "--alpaca_dataset.validation_fraction is 0 but --run_validation is on: set a fraction "
+            "(e.g. 0.05) or pass --run_validation false"
+        )
     return files
 
 
-def _file_rows(name: str, files: DataFiles, fraction: float, seed: int, split: str, columns: tuple[str, ...]
-               ) -> tuple[str, list[Row]]:
+def _file_rows(
+    name: str, files: DataFiles, fraction: float, seed: int, split: str, columns: tuple[str, ...]
+) -> tuple[str, list[Row]]:
     if files.validation and split == "validation":
         return f"{name}: {_names(files.validation)}", read_rows(files.validation, columns)
     rows = read_rows(files.train, columns)
@@ -169,8 +212,10 @@ def grammar_files(cfg: TrainConfig) -> tuple[Path, Path]:
     for name, value in splits.items():
         path = Path(value).expanduser()
         if path.suffix.lower() != ".csv" or not path.is_file():
-            raise DataError(f"--grammar_dataset.{name} {value}: no such CSV file: pass the path of a CSV file with "
-                            f"columns {', '.join(GRAMMAR_COLUMNS)}")
+            raise DataError(
+                f"--grammar_dataset.{name} {value}: no such CSV file: pass the path of a CSV file with "
+                f"columns {', '.join(GRAMMAR_COLUMNS)}"
+            )
     return Path(gc.train_split).expanduser(), Path(gc.test_split).expanduser()
 
 
@@ -188,9 +233,11 @@ def _hub_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row]]:
 
         rows = list(datasets.load_dataset(sc.hub_name, split=hub_split))
     except Exception as e:  # network, authentication, missing dataset or split: all mean "use local files"
-        raise DataError(f"{source}: could not be loaded from the Hugging Face hub ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}): pass --samsum_dataset.data_path "
-                        "with a local file or folder") from e
+        raise DataError(
+            f"{source}: could not be loaded from the Hugging Face hub ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}): pass --samsum_dataset.data_path "
+            "with a local file or folder"
+        ) from e
     return source, [(source, i, row) for i, row in enumerate(rows, start=1)]
 
 
@@ -219,12 +266,15 @@ def load_custom_function(spec: str) -> Callable[..., Any]:
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:  # user code: report it as one line naming the file
-        raise ConfigError(f"--custom_dataset.file {spec}: importing {path} failed ({type(e).__name__}: {e}): "
-                          "fix the file") from e
+        raise ConfigError(
+            f"--custom_dataset.file {spec}: importing {path} failed ({type(e).__name__}: {e}): fix the file"
+        ) from e
     fn = getattr(module, function, None)
     if not callable(fn):
-        raise ConfigError(f"--custom_dataset.file {spec}: {path} defines no function {function!r}: define it "
-                          "or name yours with path.py:function")
+        raise ConfigError(
+            f"--custom_dataset.file {spec}: {path} defines no function {function!r}: define it "
+            "or name yours with path.py:function"
+        )
     return fn
 
 
@@ -236,8 +286,10 @@ def _custom_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list
     try:
         rows = list(fn(cc, tokenizer, custom_split))
     except Exception as e:  # user code
-        raise DataError(f"{source}: the dataset function failed ({type(e).__name__}: {e}): fix "
-                        f"{cc.file} (it must return an iterable of dicts with input_ids and labels)") from e
+        raise DataError(
+            f"{source}: the dataset function failed ({type(e).__name__}: {e}): fix "
+            f"{cc.file} (it must return an iterable of dicts with input_ids and labels)"
+        ) from e
     report = DataReport(source=source, num_rows=len(rows))
     filt = RowFilter(report, cfg.data.strict)
     return token_examples(rows, source, len(tokenizer), cfg.data.context_length, filt), report

@@ -19,9 +19,45 @@ PROMPT_PREFIX = "Summarize this dialog:\n"
 PROMPT_SUFFIX = "\n---\nSummary:\n"
 
 NAMES = (
-    "Anna", "Tom", "Kate", "Ben", "Lucy", "Mark", "Emma", "Jack", "Sophie", "Dan", "Olivia", "Sam", "Mia", "Leo",
-    "Grace", "Adam", "Chloe", "Ryan", "Julia", "Nick", "Laura", "Paul", "Hannah", "Oscar", "Ella", "Victor",
-    "Nora", "Peter", "Zoe", "Igor", "Alice", "Henry", "Maya", "Felix", "Rosa", "Simon", "Ivy", "Karl", "Lena",
+    "Anna",
+    "Tom",
+    "Kate",
+    "Ben",
+    "Lucy",
+    "Mark",
+    "Emma",
+    "Jack",
+    "Sophie",
+    "Dan",
+    "Olivia",
+    "Sam",
+    "Mia",
+    "Leo",
+    "Grace",
+    "Adam",
+    "Chloe",
+    "Ryan",
+    "Julia",
+    "Nick",
+    "Laura",
+    "Paul",
+    "Hannah",
+    "Oscar",
+    "Ella",
+    "Victor",
+    "Nora",
+    "Peter",
+    "Zoe",
+    "Igor",
+    "Alice",
+    "Henry",
+    "Maya",
+    "Felix",
+    "Rosa",
+    "Simon",
+    "Ivy",
+    "Karl",
+    "Lena",
     "Omar",
 )
 
@@ -53,34 +89,87 @@ ACTIVITIES = {
 }
 DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
 HOURS = tuple(range(9, 22))  # 9 am .. 9 pm, each on the hour or at half past
-ITEMS = ("snacks", "drinks", "a blanket", "the tickets", "a ball", "some cake", "sandwiches", "a speaker",
-         "fruit", "water")
+ITEMS = (
+    "snacks",
+    "drinks",
+    "a blanket",
+    "the tickets",
+    "a ball",
+    "some cake",
+    "sandwiches",
+    "a speaker",
+    "fruit",
+    "water",
+)
 
-GREETINGS = ("Hi {who}!", "Hey {who}", "Hello {who}!", "Hey {who}, got a minute?", "Morning {who}!",
-             "Hi {who}, quick question")
+GREETINGS = (
+    "Hi {who}!",
+    "Hey {who}",
+    "Hello {who}!",
+    "Hey {who}, got a minute?",
+    "Morning {who}!",
+    "Hi {who}, quick question",
+)
 SMALL_TALK_ASK = ("Hi! How are you?", "Hey, what's up?", "Hello! All good?", "Hi, long time no see!")
-SMALL_TALK_REPLY = ("All good, thanks!", "Pretty good, busy week though.", "Fine, finally some free time.",
-                    "Great, thanks for asking.")
-PROPOSALS = ("Do you want to {act} on {day}?", "Anyone up for a plan? I'd like to {act} on {day}.",
-             "Shall we {act} on {day}?", "How about we {act} on {day}?", "Would you like to {act} on {day}?")
+SMALL_TALK_REPLY = (
+    "All good, thanks!",
+    "Pretty good, busy week though.",
+    "Fine, finally some free time.",
+    "Great, thanks for asking.",
+)
+PROPOSALS = (
+    "Do you want to {act} on {day}?",
+    "Anyone up for a plan? I'd like to {act} on {day}.",
+    "Shall we {act} on {day}?",
+    "How about we {act} on {day}?",
+    "Would you like to {act} on {day}?",
+)
 OPEN_QUESTIONS = ("Is anyone free on {day}?", "What are you doing on {day}?", "Any plans for {day}?")
 WHAT_FOR = ("Why, what's the plan?", "Maybe, what do you have in mind?", "Not sure yet, why?")
 OPEN_ANSWERS = ("I thought we could {act}.", "I'd like to {act}.", "Let's {act}!")
-PLACE_TIME = ("How about {place} at {time}?", "I was thinking {place}, {time}.", "We could meet at {place} at {time}.",
-              "Let's say {place} at {time}.")
+PLACE_TIME = (
+    "How about {place} at {time}?",
+    "I was thinking {place}, {time}.",
+    "We could meet at {place} at {time}.",
+    "Let's say {place} at {time}.",
+)
 ASK_WHERE = ("Where and when?", "Sounds fun! Where?", "Where exactly?", "Nice idea, where do we meet?")
 ANSWER_WHERE = ("At {place}. Say {time}?", "At {place}, around {time}.", "I'd say {place} at {time}.")
-YES = ("I'm in!", "Count me in.", "Sounds great, I'll come.", "Sure, why not!", "Yes, I'd love to!",
-       "Works for me.", "Great idea, see you there.")
-NO = ("Sorry, I can't make it, {reason}.", "I'd love to but {reason}.", "Not this time, {reason}.",
-      "Oh no, {reason}. Have fun without me!")
-REASONS = ("I have to work late", "my parents are visiting", "I have an exam the next morning",
-           "I'm looking after my niece", "I'm still sick", "I'm away that weekend", "I promised to help a friend move")
+YES = (
+    "I'm in!",
+    "Count me in.",
+    "Sounds great, I'll come.",
+    "Sure, why not!",
+    "Yes, I'd love to!",
+    "Works for me.",
+    "Great idea, see you there.",
+)
+NO = (
+    "Sorry, I can't make it, {reason}.",
+    "I'd love to but {reason}.",
+    "Not this time, {reason}.",
+    "Oh no, {reason}. Have fun without me!",
+)
+REASONS = (
+    "I have to work late",
+    "my parents are visiting",
+    "I have an exam the next morning",
+    "I'm looking after my niece",
+    "I'm still sick",
+    "I'm away that weekend",
+    "I promised to help a friend move",
+)
 DECLINE_REPLIES = ("No worries, next time!", "Too bad!", "Oh, that's a pity.", "Okay, maybe next time.")
-CHANGE_LATER = ("Can we make it {time} instead? I finish work late.", "Could we do {time}? I'll be busy before that.",
-                "Is {time} okay too? I can't be there earlier.")
-CHANGE_EARLIER = ("Can we make it {time} instead? I need to be home early.",
-                  "Could we do {time}? I have something later that evening.", "What about {time}? Earlier is better for me.")
+CHANGE_LATER = (
+    "Can we make it {time} instead? I finish work late.",
+    "Could we do {time}? I'll be busy before that.",
+    "Is {time} okay too? I can't be there earlier.",
+)
+CHANGE_EARLIER = (
+    "Can we make it {time} instead? I need to be home early.",
+    "Could we do {time}? I have something later that evening.",
+    "What about {time}? Earlier is better for me.",
+)
 CHANGE_ACCEPT = ("Sure, {time} then.", "Fine by me, {time} it is.", "Okay, let's do {time}.")
 BRING = ("I'll bring {item}.", "I can bring {item}.", "Don't worry, I'll bring {item}.")
 BRING_REPLY = ("Perfect!", "Great, thanks!", "Lovely.", "Good idea.")
@@ -89,36 +178,63 @@ CLOSINGS = ("See you on {day}!", "Great, see you there!", "Can't wait!", "Perfec
 # Off-topic exchanges (an opener and its possible replies) that --synthetic_dialogues.chatter mixes into about
 # half of the dialogues. They name no person, day, time, place or activity, so the summary does not change.
 CHATTER = (
-    ("Did you watch the game last night?", ("Yes, what a finish!", "No, I missed it. Who won?",
-                                             "Only the second half, I fell asleep.")),
-    ("How's the new job going?", ("Busy, but I like the team.", "Tiring, there is so much to learn.",
-                                  "Great so far, thanks for asking!")),
-    ("Have you finished the book I lent you?", ("Almost, two chapters left.", "Not yet, sorry!",
-                                                 "Yes, I loved the ending.")),
+    (
+        "Did you watch the game last night?",
+        ("Yes, what a finish!", "No, I missed it. Who won?", "Only the second half, I fell asleep."),
+    ),
+    (
+        "How's the new job going?",
+        ("Busy, but I like the team.", "Tiring, there is so much to learn.", "Great so far, thanks for asking!"),
+    ),
+    (
+        "Have you finished the book I lent you?",
+        ("Almost, two chapters left.", "Not yet, sorry!", "Yes, I loved the ending."),
+    ),
     ("My sister just got a puppy!", ("Aww, send pictures!", "What breed is it?", "So cute, lucky her.")),
-    ("The weather has been terrible this week.", ("I know, rain every single day.", "Tell me about it.",
-                                                  "At least it's not cold.")),
-    ("I started learning Spanish.", ("Cool, how is it going?", "Good luck with that!",
-                                     "I tried once, the verbs killed me.")),
-    ("I'm so tired, I worked the whole weekend.", ("You need a break.", "Poor you, get some sleep.",
-                                                   "Same here, it never ends.")),
-    ("Have you seen the new series everyone is talking about?", ("Yes, I watched it in two nights!",
-                                                                 "Not yet, no spoilers please.",
-                                                                 "I didn't like the first episode.")),
+    (
+        "The weather has been terrible this week.",
+        ("I know, rain every single day.", "Tell me about it.", "At least it's not cold."),
+    ),
+    (
+        "I started learning Spanish.",
+        ("Cool, how is it going?", "Good luck with that!", "I tried once, the verbs killed me."),
+    ),
+    (
+        "I'm so tired, I worked the whole weekend.",
+        ("You need a break.", "Poor you, get some sleep.", "Same here, it never ends."),
+    ),
+    (
+        "Have you seen the new series everyone is talking about?",
+        ("Yes, I watched it in two nights!", "Not yet, no spoilers please.", "I didn't like the first episode."),
+    ),
     ("My phone died again.", ("Time for a new one.", "Did you try a new battery?", "That's why you never answer!")),
     ("Guess what, I passed my driving test!", ("Congrats!!", "Finally, well done!", "Amazing, you deserve it.")),
-    ("I need a new laptop, any ideas?", ("What's your budget?", "Mine is great, I'll send you the link.",
-                                         "Wait for the sales next month.")),
-    ("The traffic this morning was crazy.", ("I took the bike, much faster.", "Roadworks again?",
-                                             "I was late too.")),
+    (
+        "I need a new laptop, any ideas?",
+        ("What's your budget?", "Mine is great, I'll send you the link.", "Wait for the sales next month."),
+    ),
+    ("The traffic this morning was crazy.", ("I took the bike, much faster.", "Roadworks again?", "I was late too.")),
     ("I cooked pasta from scratch yesterday.", ("Wow, chef!", "Was it good?", "Teach me one day.")),
     ("Our neighbours are renovating again.", ("Oh no, the drilling?", "Noise every morning?", "Buy earplugs.")),
     ("I can't find my keys anywhere.", ("Check your jacket.", "Again? haha", "Did you leave them at work?")),
-    ("My parents want to sell the house.", ("Wow, big change.", "How do you feel about it?",
-                                            "Where would they move?")),
+    ("My parents want to sell the house.", ("Wow, big change.", "How do you feel about it?", "Where would they move?")),
 )
-REACTIONS = ("haha", "lol", "Really?", "No way!", "Nice!", "True.", "Oh no.", "Same here.", "Exactly!", ":)",
-             "Wow.", "I know, right?", "Fair enough.", "Ha, typical.")
+REACTIONS = (
+    "haha",
+    "lol",
+    "Really?",
+    "No way!",
+    "Nice!",
+    "True.",
+    "Oh no.",
+    "Same here.",
+    "Exactly!",
+    ":)",
+    "Wow.",
+    "I know, right?",
+    "Fair enough.",
+    "Ha, typical.",
+)
 MAX_TURNS = 30  # SAMSum's dialogues have 3 to 30 utterances
 
 # Ordinary English the dialogues do not contain, so that other data (alpaca-style instructions) still
@@ -164,8 +280,19 @@ class Plan:
 
     def key(self) -> str:
         """Everything but the phrasing: two plans with the same key are the same example for split purposes."""
-        return "|".join((",".join(self.participants), self.activity, self.place, self.day, self.time,
-                         self.first_time, ",".join(self.absent), self.bringer, self.item))
+        return "|".join(
+            (
+                ",".join(self.participants),
+                self.activity,
+                self.place,
+                self.day,
+                self.time,
+                self.first_time,
+                ",".join(self.absent),
+                self.bringer,
+                self.item,
+            )
+        )
 
 
 def format_time(hour: int, minute: int) -> str:
@@ -244,9 +371,11 @@ def _proposal(plan: Plan, rng: random.Random) -> list[tuple[str, str]]:
     organiser, others = plan.participants[0], plan.participants[1:]
     place_time = {"place": plan.place, "time": _spoken_time(rng, plan.first_time)}
     if rng.random() < 0.3:
-        turns = [(organiser, rng.choice(OPEN_QUESTIONS).format(day=plan.day)),
-                 (rng.choice(others), rng.choice(WHAT_FOR)),
-                 (organiser, rng.choice(OPEN_ANSWERS).format(act=plan.activity))]
+        turns = [
+            (organiser, rng.choice(OPEN_QUESTIONS).format(day=plan.day)),
+            (rng.choice(others), rng.choice(WHAT_FOR)),
+            (organiser, rng.choice(OPEN_ANSWERS).format(act=plan.activity)),
+        ]
     else:
         turns = [(organiser, rng.choice(PROPOSALS).format(act=plan.activity, day=plan.day))]
     if rng.random() < 0.5:
@@ -342,8 +471,10 @@ def generate_plans(num_examples: int, seed: int, split: str = "train") -> list[P
 
 def generate_dialogues(num_examples: int, seed: int, split: str = "train", chatter: bool = False) -> list[dict]:
     """SAMSum-style rows ``{"id", "dialogue", "summary"}``; splits never share a plan (hence a dialogue)."""
-    return [{"id": f"{split}-{seed}-{i:06d}", "dialogue": render_dialogue(plan, chatter), "summary": summarize(plan)}
-            for i, plan in enumerate(generate_plans(num_examples, seed, split))]
+    return [
+        {"id": f"{split}-{seed}-{i:06d}", "dialogue": render_dialogue(plan, chatter), "summary": summarize(plan)}
+        for i, plan in enumerate(generate_plans(num_examples, seed, split))
+    ]
 
 
 def corpus_for_tokenizer(seed: int, num_dialogues: int = 2000) -> Iterator[str]:

@@ -40,8 +40,13 @@ from shardtune.data.formatting import IGNORE_INDEX, _as_ids, _check_token_ids
 from shardtune.data.report import DataReport, RowFilter
 
 TOKENIZED, SHAREGPT, PROMPT_COMPLETION, CHAT_PROMPT_COMPLETION, MESSAGES, TEXT = (
-    "tokenized", "ShareGPT conversations", "prompt-completion", "conversational prompt-completion",
-    "conversational", "language modelling")
+    "tokenized",
+    "ShareGPT conversations",
+    "prompt-completion",
+    "conversational prompt-completion",
+    "conversational",
+    "language modelling",
+)
 CONVERSATIONAL = (SHAREGPT, CHAT_PROMPT_COMPLETION, MESSAGES)
 KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
@@ -89,9 +94,11 @@ def recognise(columns: list[str], first: Mapping, text_field: str) -> RowFormat:
         return RowFormat(MESSAGES, ("messages",))
     if text_field in columns:
         return RowFormat(TEXT, (text_field,))
-    raise ConfigError(f"no known format in the columns {', '.join(columns) or '(none)'}: expected {text_field!r} "
-                      "(or set --dataset_text_field), prompt + completion, messages, conversations or input_ids "
-                      "(see docs/data-formats.md)")
+    raise ConfigError(
+        f"no known format in the columns {', '.join(columns) or '(none)'}: expected {text_field!r} "
+        "(or set --dataset_text_field), prompt + completion, messages, conversations or input_ids "
+        "(see docs/data-formats.md)"
+    )
 
 
 def with_extras(fmt: RowFormat, columns: list[str]) -> RowFormat:
@@ -109,8 +116,10 @@ def completion_only(options: LossOptions, fmt: RowFormat, columns: list[str]) ->
 
 def check_options(options: LossOptions, fmt: RowFormat) -> None:
     if options.assistant_only_loss and not fmt.conversational:
-        raise ConfigError(f"--assistant_only_loss true needs conversational rows (messages, conversations, or "
-                          f"prompt / completion message lists), but these are {fmt.describe()}: drop the flag")
+        raise ConfigError(
+            f"--assistant_only_loss true needs conversational rows (messages, conversations, or "
+            f"prompt / completion message lists), but these are {fmt.describe()}: drop the flag"
+        )
 
 
 class _BadRow(Exception):
@@ -119,8 +128,15 @@ class _BadRow(Exception):
         self.reason = reason
 
 
-def prepare_rows(rows: list[Row], fmt: RowFormat, columns: list[str], tokenizer: Any, options: LossOptions,
-                 filt: RowFilter, report: DataReport) -> list[dict]:
+def prepare_rows(
+    rows: list[Row],
+    fmt: RowFormat,
+    columns: list[str],
+    tokenizer: Any,
+    options: LossOptions,
+    filt: RowFilter,
+    report: DataReport,
+) -> list[dict]:
     """Tokenised ``{input_ids, labels}`` examples of ``rows``; bad rows counted (or raised) through ``filt``."""
     check_options(options, fmt)
     mask_completion = completion_only(options, fmt, columns)
@@ -137,8 +153,11 @@ def prepare_rows(rows: list[Row], fmt: RowFormat, columns: list[str], tokenizer:
             filt.skip(bad.reason, origin, row_no, str(bad))
             continue
         if len(input_ids) > options.max_length:
-            cut = slice(None, options.max_length) if options.truncation_mode == "keep_start" \
+            cut = (
+                slice(None, options.max_length)
+                if options.truncation_mode == "keep_start"
                 else slice(-options.max_length, None)
+            )
             input_ids, labels = input_ids[cut], labels[cut]
             report.num_truncated += 1
         example = _check_token_ids(input_ids, labels, origin, row_no, len(tokenizer), filt)
@@ -154,9 +173,10 @@ def _labels(input_ids: list[int], masks: list[list[int]]) -> list[int]:
 def _ids(record: Mapping, name: str) -> list[int]:
     ids = _as_ids(record.get(name))
     if ids is None:
-        raise _BadRow("not_token_ids" if name in record else "missing_field",
-                      f"field {name!r} is not a 1-D sequence of integers" if name in record
-                      else f"field {name!r} is missing")
+        raise _BadRow(
+            "not_token_ids" if name in record else "missing_field",
+            f"field {name!r} is not a 1-D sequence of integers" if name in record else f"field {name!r} is missing",
+        )
     return ids
 
 
@@ -195,8 +215,9 @@ def _messages(record: Mapping, name: str, keys: tuple[str, str] = ("role", "cont
             message = {"role": SHAREGPT_ROLES.get(role, role), "content": message.pop(keys[1], None), **message}
         role, content = message.get("role"), message.get("content")
         if role not in KNOWN_ROLES:
-            raise _BadRow("unknown_role", f"message {number} of {name!r} has the role {role!r} (known: "
-                                          f"{', '.join(KNOWN_ROLES)})")
+            raise _BadRow(
+                "unknown_role", f"message {number} of {name!r} has the role {role!r} (known: {', '.join(KNOWN_ROLES)})"
+            )
         if content is not None and not isinstance(content, str):
             raise _BadRow("not_a_string", f"message {number} of {name!r}: content is a {type(content).__name__}")
         if role == "assistant" and not (content or "").strip() and not message.get("tool_calls"):
@@ -224,8 +245,9 @@ def _render(tokenizer: Any, messages: list[dict], kwargs: dict, **options: Any) 
         raise _BadRow("template_error", f"the chat template rejects the row ({type(e).__name__}: {e})") from None
 
 
-def _tokenize_row(record: Mapping, fmt: RowFormat, tokenizer: Any, options: LossOptions, mask_completion: bool
-                  ) -> tuple[list[int], list[int]]:
+def _tokenize_row(
+    record: Mapping, fmt: RowFormat, tokenizer: Any, options: LossOptions, mask_completion: bool
+) -> tuple[list[int], list[int]]:
     eos = tokenizer.eos_token
     assistant_mask = {"return_assistant_tokens_mask": options.assistant_only_loss}
     if fmt.kind == TEXT:
@@ -245,8 +267,9 @@ def _tokenize_row(record: Mapping, fmt: RowFormat, tokenizer: Any, options: Loss
         rendered = _render(tokenizer, prompt + completion, kwargs, **assistant_mask)
         masks = _assistant_masks(rendered, options)
         return rendered["input_ids"], _completion_labels(prompt_ids, rendered["input_ids"], masks, mask_completion)
-    messages = _messages(record, "conversations", ("from", "value")) if fmt.kind == SHAREGPT \
-        else _messages(record, "messages")
+    messages = (
+        _messages(record, "conversations", ("from", "value")) if fmt.kind == SHAREGPT else _messages(record, "messages")
+    )
     rendered = _render(tokenizer, messages, kwargs, **assistant_mask)
     return rendered["input_ids"], _labels(rendered["input_ids"], _assistant_masks(rendered, options))
 
@@ -256,13 +279,17 @@ def _assistant_masks(rendered: Mapping, options: LossOptions) -> list[list[int]]
         return []
     mask = list(rendered["assistant_masks"])
     if 1 not in mask:
-        raise _BadRow("no_assistant_tokens", "the chat template marks no assistant token in this row (no assistant "
-                                             "turn, or no {% generation %} span around it)")
+        raise _BadRow(
+            "no_assistant_tokens",
+            "the chat template marks no assistant token in this row (no assistant "
+            "turn, or no {% generation %} span around it)",
+        )
     return [mask]
 
 
-def _completion_labels(prompt_ids: list[int], input_ids: list[int], masks: list[list[int]], mask_completion: bool
-                       ) -> list[int]:
+def _completion_labels(
+    prompt_ids: list[int], input_ids: list[int], masks: list[list[int]], mask_completion: bool
+) -> list[int]:
     """The completion starts where the tokenised prompt and prompt + completion first differ."""
     prompt_len = common_prefix_length(prompt_ids, input_ids)
     if mask_completion:

@@ -25,37 +25,48 @@ SYNTHETIC_SYSTEM_PROMPT = "Summarize the dialog."
 
 def uses_trl_formats(cfg: TrainConfig) -> bool:
     """The datasets whose rows go through TRL's formats (and so read the --dataset_name options)."""
-    return cfg.data.dataset == "trl_dataset" or (cfg.data.dataset == "synthetic_dialogues" and cfg.data.synthetic_dialogues.messages)
+    return cfg.data.dataset == "trl_dataset" or (
+        cfg.data.dataset == "synthetic_dialogues" and cfg.data.synthetic_dialogues.messages
+    )
 
 
 def check_trl_config(cfg: TrainConfig) -> None:
     """Before launch, without a tokenizer: the data exists and no option is set where it would be ignored."""
     tc, defaults = cfg.data.trl_dataset, TrlDatasetConfig()
     if cfg.data.dataset != "trl_dataset" and tc.dataset_name:
-        raise ConfigError(f"--dataset_name {tc.dataset_name} and --dataset {cfg.data.dataset} both name the data: drop "
-                          "one of them")
+        raise ConfigError(
+            f"--dataset_name {tc.dataset_name} and --dataset {cfg.data.dataset} both name the data: drop one of them"
+        )
     if not uses_trl_formats(cfg):
         changed = [k for k in vars(defaults) if getattr(tc, k) != getattr(defaults, k)]
         if changed:
-            raise ConfigError(f"--{changed[0]} {getattr(tc, changed[0])} has no effect with --dataset {cfg.data.dataset}: "
-                              "use --dataset_name (or --synthetic_dialogues.messages true), or drop the flag")
+            raise ConfigError(
+                f"--{changed[0]} {getattr(tc, changed[0])} has no effect with --dataset {cfg.data.dataset}: "
+                "use --dataset_name (or --synthetic_dialogues.messages true), or drop the flag"
+            )
         return
     if cfg.data.dataset == "trl_dataset":
         if not tc.dataset_name:
             raise ConfigError("--dataset trl_dataset needs --dataset_name: a local data file or folder, or a hub id")
         path = Path(tc.dataset_name).expanduser()
         if path.is_file() and path.suffix.lower() not in BUILDERS:
-            raise DataError(f"--dataset_name {tc.dataset_name}: unknown format {path.suffix!r}: pass a "
-                            f"{', '.join(BUILDERS)} file or a folder of them")
+            raise DataError(
+                f"--dataset_name {tc.dataset_name}: unknown format {path.suffix!r}: pass a "
+                f"{', '.join(BUILDERS)} file or a folder of them"
+            )
         if not path.exists() and (tc.dataset_name.startswith(("/", ".", "~")) or path.suffix.lower() in BUILDERS):
             raise DataError(f"--dataset_name {tc.dataset_name}: no such file or folder")
 
 
 def loss_options(cfg: TrainConfig) -> LossOptions:
     tc = cfg.data.trl_dataset
-    return LossOptions(text_field=tc.dataset_text_field, completion_only_loss=tc.completion_only_loss,
-                       assistant_only_loss=tc.assistant_only_loss, max_length=cfg.data.context_length,
-                       truncation_mode=tc.truncation_mode)
+    return LossOptions(
+        text_field=tc.dataset_text_field,
+        completion_only_loss=tc.completion_only_loss,
+        assistant_only_loss=tc.assistant_only_loss,
+        max_length=cfg.data.context_length,
+        truncation_mode=tc.truncation_mode,
+    )
 
 
 @functools.lru_cache(maxsize=4)
@@ -71,9 +82,10 @@ def _load(name: str, config: str) -> Any:
     except Exception as e:  # network, authentication, missing dataset, unreadable files: one line with the fix
         where = "local data" if path.exists() else "the Hugging Face hub (offline? HF_DATASETS_OFFLINE set?)"
         reason = (str(e).strip().splitlines() or [""])[0]
-        raise DataError(f"--dataset_name {name}: could not be loaded from {where} ({type(e).__name__}: {reason}): "
-                        "pass a local JSON / JSONL / CSV / Parquet / Arrow file or folder, or a reachable hub id"
-                        ) from e
+        raise DataError(
+            f"--dataset_name {name}: could not be loaded from {where} ({type(e).__name__}: {reason}): "
+            "pass a local JSON / JSONL / CSV / Parquet / Arrow file or folder, or a reachable hub id"
+        ) from e
 
 
 def _split_name(cfg: TrainConfig, split: str) -> str:
@@ -85,7 +97,9 @@ def validation_available(cfg: TrainConfig) -> bool:
     """False when the data has no --dataset_test_split (then there is no evaluation)."""
     if cfg.data.dataset != "trl_dataset":
         return True
-    return cfg.data.trl_dataset.dataset_test_split in _load(cfg.data.trl_dataset.dataset_name, cfg.data.trl_dataset.dataset_config)
+    return cfg.data.trl_dataset.dataset_test_split in _load(
+        cfg.data.trl_dataset.dataset_name, cfg.data.trl_dataset.dataset_config
+    )
 
 
 def _dataset_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row], list[str]]:
@@ -94,13 +108,17 @@ def _dataset_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row], list[st
     name = _split_name(cfg, split)
     if name not in loaded:
         flag = "--dataset_train_split" if split == "train" else "--dataset_test_split"
-        raise DataError(f"--dataset_name {tc.dataset_name} has no split {name!r} (it has: {', '.join(loaded)}): "
-                        f"pass {flag}")
+        raise DataError(
+            f"--dataset_name {tc.dataset_name} has no split {name!r} (it has: {', '.join(loaded)}): pass {flag}"
+        )
     path = Path(tc.dataset_name).expanduser()
     origin = str(path) if path.is_file() else f"{tc.dataset_name} split {name}"
     rows = loaded[name].to_list()
-    return f"{tc.dataset_name} split {name}", [(origin, i, r) for i, r in enumerate(rows, start=1)], \
-        list(loaded[name].column_names)
+    return (
+        f"{tc.dataset_name} split {name}",
+        [(origin, i, r) for i, r in enumerate(rows, start=1)],
+        list(loaded[name].column_names),
+    )
 
 
 def synthetic_message_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row], list[str]]:
@@ -109,10 +127,16 @@ def synthetic_message_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row]
     sd = cfg.data.synthetic_dialogues
     num = sd.num_train if split == "train" else sd.num_validation
     source = f"synthetic_dialogues: {num} generated {split} dialogues as messages (seed {sd.seed})"
-    rows = [{"messages": [{"role": "system", "content": SYNTHETIC_SYSTEM_PROMPT},
-                          {"role": "user", "content": row["dialogue"]},
-                          {"role": "assistant", "content": row["summary"]}]}
-            for row in generate_dialogues(num, sd.seed, split, chatter=sd.chatter)]
+    rows = [
+        {
+            "messages": [
+                {"role": "system", "content": SYNTHETIC_SYSTEM_PROMPT},
+                {"role": "user", "content": row["dialogue"]},
+                {"role": "assistant", "content": row["summary"]},
+            ]
+        }
+        for row in generate_dialogues(num, sd.seed, split, chatter=sd.chatter)
+    ]
     return source, [(source, i, r) for i, r in enumerate(rows, start=1)], ["messages"]
 
 
@@ -135,7 +159,6 @@ def trl_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[dic
     return prepare_rows(rows, fmt, columns, tokenizer, loss_options(cfg), filt, report), report
 
 
-
 def drop_absent_validation(cfg: TrainConfig, say: bool) -> None:
     """No --dataset_test_split in the data: train without evaluation (``say``: tell it, in the one process that
     talks before launch)."""
@@ -143,5 +166,8 @@ def drop_absent_validation(cfg: TrainConfig, say: bool) -> None:
         cfg.eval.enabled = False
         if say:
             tc = cfg.data.trl_dataset
-            print(f"shardtune: --dataset_name {tc.dataset_name} has no split {tc.dataset_test_split!r}: training "
-                  "without evaluation (pass --dataset_test_split to evaluate on another split)", flush=True)
+            print(
+                f"shardtune: --dataset_name {tc.dataset_name} has no split {tc.dataset_test_split!r}: training "
+                "without evaluation (pass --dataset_test_split to evaluate on another split)",
+                flush=True,
+            )

@@ -114,8 +114,15 @@ def counting_backend(backend: str) -> str:
         handler_class = _handler_class()
 
         def create(params: RendezvousParameters):
-            inner = RendezvousParameters(backend, params.endpoint, params.run_id, params.min_nodes,
-                                         params.max_nodes, params.local_addr, **params.config)
+            inner = RendezvousParameters(
+                backend,
+                params.endpoint,
+                params.run_id,
+                params.min_nodes,
+                params.max_nodes,
+                params.local_addr,
+                **params.config,
+            )
             if backend == "c10d" and params.max_nodes == 1:  # nobody else to meet: loopback only
                 from shardtune.launch.rendezvous_loopback import loopback_c10d_handler
 

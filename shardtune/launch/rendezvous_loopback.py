@@ -27,8 +27,14 @@ def loopback_store(port: int, timeout_s: float = 60):
     sock.bind((LOOPBACK, port))
     sock.listen(1024)
     bound_port = sock.getsockname()[1]
-    return dist.TCPStore(LOOPBACK, bound_port, is_master=True, multi_tenant=True,
-                         timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach())
+    return dist.TCPStore(
+        LOOPBACK,
+        bound_port,
+        is_master=True,
+        multi_tenant=True,
+        timeout=timedelta(seconds=timeout_s),
+        master_listen_fd=sock.detach(),
+    )
 
 
 def loopback_c10d_handler(params):

@@ -27,8 +27,17 @@ from dataclasses import dataclass, field
 from shardtune.config.schema import ConfigError
 
 # torchrun flags that place this node among the others; given any of them, the environment's nodes are ignored
-NODE_FLAGS = ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "master_addr",
-              "master_port", "standalone")
+NODE_FLAGS = (
+    "nnodes",
+    "node_rank",
+    "rdzv_backend",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "rdzv_conf",
+    "master_addr",
+    "master_port",
+    "standalone",
+)
 # processes per node when --nproc_per_node is not given: torchrun's, SLURM's and SkyPilot's word for it
 NPROC_VARIABLES = ("PET_NPROC_PER_NODE", "SLURM_GPUS_ON_NODE", "SKYPILOT_NUM_GPUS_PER_NODE")
 DEFAULT_RDZV_PORT = "29500"  # torchrun's default master port; MASTER_PORT in the environment overrides it
@@ -58,12 +67,15 @@ class Topology:
             where = "1 node (standalone)"
         else:
             endpoint = self.node_args.get("rdzv_endpoint") or "{}:{}".format(
-                self.node_args.get("master_addr", "?"), self.node_args.get("master_port", DEFAULT_RDZV_PORT))
+                self.node_args.get("master_addr", "?"), self.node_args.get("master_port", DEFAULT_RDZV_PORT)
+            )
             backend = self.node_args.get("rdzv_backend", "static")
             rank = self.node_args.get("node_rank")
-            where = (f"{self.node_args.get('nnodes', self.num_nodes)} nodes"
-                     + (f", this is node {rank}" if rank is not None else "")
-                     + f", {backend} rendezvous at {endpoint}")
+            where = (
+                f"{self.node_args.get('nnodes', self.num_nodes)} nodes"
+                + (f", this is node {rank}" if rank is not None else "")
+                + f", {backend} rendezvous at {endpoint}"
+            )
         processes = "1 process" if self.nproc_per_node == 1 else f"{self.nproc_per_node} processes"
         return f"topology: {where}, {processes} per node, from {self.source}"
 
@@ -119,19 +131,26 @@ def from_slurm(environ: Mapping[str, str]) -> tuple[dict[str, str | None], str] 
     if num_nodes == 1:
         return {}, "SLURM (1 node)"
     if not in_step:
-        raise ConfigError(f"this SLURM job has {num_nodes} nodes but shardtune runs outside srun, on one of "
-                          "them: start it with `srun --ntasks-per-node=1 shardtune sft ...` (one launcher per "
-                          "node), or pass --standalone to train on this node alone")
+        raise ConfigError(
+            f"this SLURM job has {num_nodes} nodes but shardtune runs outside srun, on one of "
+            "them: start it with `srun --ntasks-per-node=1 shardtune sft ...` (one launcher per "
+            "node), or pass --standalone to train on this node alone"
+        )
     num_tasks = int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", num_nodes)))
     if num_tasks != num_nodes:
-        raise ConfigError(f"srun started {num_tasks} tasks on {num_nodes} nodes: shardtune sft starts the "
-                          "processes of a node itself, so run one task per node (srun --ntasks-per-node=1)")
+        raise ConfigError(
+            f"srun started {num_tasks} tasks on {num_nodes} nodes: shardtune sft starts the "
+            "processes of a node itself, so run one task per node (srun --ntasks-per-node=1)"
+        )
     node_list = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ["SLURM_NODELIST"]
     first_node = expand_hostlist(node_list)[0]
     node_rank = environ["SLURM_NODEID"]
     node_args = c10d_args(num_nodes, node_rank, first_node, environ, rdzv_id=environ["SLURM_JOB_ID"])
-    names = ", ".join(f"{k}={environ[k]}" for k in ("SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST",
-                                                     "SLURM_GPUS_ON_NODE") if k in environ)
+    names = ", ".join(
+        f"{k}={environ[k]}"
+        for k in ("SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST", "SLURM_GPUS_ON_NODE")
+        if k in environ
+    )
     return node_args, f"SLURM ({names})"
 
 
@@ -144,21 +163,28 @@ def from_skypilot(environ: Mapping[str, str]) -> tuple[dict[str, str | None], st
     if num_nodes == 1:
         return {}, "SkyPilot (1 node)"
     node_rank = environ["SKYPILOT_NODE_RANK"]
-    node_args = c10d_args(num_nodes, node_rank, ips[0], environ,
-                          rdzv_id=environ.get("SKYPILOT_TASK_ID", "shardtune"))
-    return node_args, (f"SkyPilot (SKYPILOT_NUM_NODES={num_nodes}, SKYPILOT_NODE_RANK={node_rank}, first of "
-                       f"SKYPILOT_NODE_IPS {ips[0]})")
+    node_args = c10d_args(num_nodes, node_rank, ips[0], environ, rdzv_id=environ.get("SKYPILOT_TASK_ID", "shardtune"))
+    return node_args, (
+        f"SkyPilot (SKYPILOT_NUM_NODES={num_nodes}, SKYPILOT_NODE_RANK={node_rank}, first of "
+        f"SKYPILOT_NODE_IPS {ips[0]})"
+    )
 
 
-def c10d_args(num_nodes: int, node_rank: str, first_node: str, environ: Mapping[str, str],
-              rdzv_id: str) -> dict[str, str | None]:
+def c10d_args(
+    num_nodes: int, node_rank: str, first_node: str, environ: Mapping[str, str], rdzv_id: str
+) -> dict[str, str | None]:
     """c10d rendezvous on ``first_node``; node rank 0 is that node and hosts the store."""
     if not 0 <= int(node_rank) < num_nodes:
         raise ConfigError(f"node rank {node_rank} is outside 0..{num_nodes - 1}")
     port = environ.get("MASTER_PORT", DEFAULT_RDZV_PORT)
-    return {"nnodes": str(num_nodes), "node_rank": node_rank, "rdzv_backend": "c10d",
-            "rdzv_endpoint": f"{first_node}:{port}", "rdzv_id": rdzv_id,
-            "rdzv_conf": f"is_host={int(int(node_rank) == 0)}"}
+    return {
+        "nnodes": str(num_nodes),
+        "node_rank": node_rank,
+        "rdzv_backend": "c10d",
+        "rdzv_endpoint": f"{first_node}:{port}",
+        "rdzv_id": rdzv_id,
+        "rdzv_conf": f"is_host={int(int(node_rank) == 0)}",
+    }
 
 
 def expand_hostlist(node_list: str) -> list[str]:
@@ -166,8 +192,9 @@ def expand_hostlist(node_list: str) -> list[str]:
     available, else our own reading of the bracket forms."""
     if shutil.which("scontrol"):
         try:
-            out = subprocess.run(["scontrol", "show", "hostnames", node_list], capture_output=True, text=True,
-                                 timeout=30, check=True).stdout.split()
+            out = subprocess.run(
+                ["scontrol", "show", "hostnames", node_list], capture_output=True, text=True, timeout=30, check=True
+            ).stdout.split()
             if out:
                 return out
         except (subprocess.SubprocessError, OSError):
@@ -213,8 +240,10 @@ def resolve_nproc(value: str | None, num_gpus: int) -> int:
     if nproc <= 0:
         raise ConfigError(f"--nproc_per_node {nproc} must be positive")
     if num_gpus and nproc > num_gpus:
-        raise ConfigError(f"--nproc_per_node {nproc} exceeds the {num_gpus} visible GPUs: pass at most {num_gpus} "
-                          "(one process per GPU)")
+        raise ConfigError(
+            f"--nproc_per_node {nproc} exceeds the {num_gpus} visible GPUs: pass at most {num_gpus} "
+            "(one process per GPU)"
+        )
     return nproc
 
 

@@ -19,13 +19,17 @@ from shardtune.launch.topology import Topology, resolve_topology
 def sft_help_text(command: str = "sft") -> str:
     """``shardtune sft --help`` (or ``dpo``), answered without importing torch: the training flags and the torchrun
     flags."""
-    return "\n".join([
-        help_text(command), "",
-        "torchrun flags, passed to torch.distributed.run unchanged (see torchrun --help):",
-        "  " + " ".join(f"--{name} VALUE" for name in TORCHRUN_VALUE_FLAGS),
-        "  " + " ".join(f"--{name}" for name in TORCHRUN_SWITCHES),
-        "  --nproc_per_node defaults to one process per visible GPU (1 without GPUs). A run of one process on one",
-        "  node with no other torchrun flag runs in place, without torchrun (same code, rank 0 of 1)."])
+    return "\n".join(
+        [
+            help_text(command),
+            "",
+            "torchrun flags, passed to torch.distributed.run unchanged (see torchrun --help):",
+            "  " + " ".join(f"--{name} VALUE" for name in TORCHRUN_VALUE_FLAGS),
+            "  " + " ".join(f"--{name}" for name in TORCHRUN_SWITCHES),
+            "  --nproc_per_node defaults to one process per visible GPU (1 without GPUs). A run of one process on one",
+            "  node with no other torchrun flag runs in place, without torchrun (same code, rank 0 of 1).",
+        ]
+    )
 
 
 def resolve_here(flags: dict[str, str | None]) -> Topology:
@@ -46,9 +50,16 @@ def in_place_worker_env() -> dict[str, str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    return {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": os.environ.get(
-                "GLOO_SOCKET_IFNAME") or "lo"}
+    return {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "GROUP_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME") or "lo",
+    }
 
 
 # torchrun's default --rdzv_conf join_timeout
@@ -61,10 +72,12 @@ def rendezvous_timeout_message(args, error: BaseException) -> str:
     wanted = args.nnodes.split(":")[0]
     joined = nodes_joined(error)
     count = f"{joined} of {wanted}" if joined is not None else f"fewer than {wanted}"
-    return (f"rendezvous at {args.rdzv_endpoint or 'localhost'} (--rdzv_id {args.rdzv_id}): {count} nodes joined "
-            f"within {conf.get('join_timeout', DEFAULT_JOIN_TIMEOUT_S)} s (--rdzv_conf join_timeout=SECONDS): start "
-            "the same command on every node with the same --nnodes and --rdzv_id, and check that the endpoint's "
-            "host name resolves to its address on every node (not 127.0.1.1) and that its port is open (firewall)")
+    return (
+        f"rendezvous at {args.rdzv_endpoint or 'localhost'} (--rdzv_id {args.rdzv_id}): {count} nodes joined "
+        f"within {conf.get('join_timeout', DEFAULT_JOIN_TIMEOUT_S)} s (--rdzv_conf join_timeout=SECONDS): start "
+        "the same command on every node with the same --nnodes and --rdzv_id, and check that the endpoint's "
+        "host name resolves to its address on every node (not 127.0.1.1) and that its port is open (firewall)"
+    )
 
 
 def nodes_joined(error: BaseException) -> int | None:
@@ -90,7 +103,9 @@ def launch(topology: Topology, module: str, module_args: list[str], what: str = 
     print(topology.describe(), flush=True)
     torchrun_args = topology.torchrun_argv()
     if "signals_to_handle" not in topology.other_args:
-        torchrun_args.append(f"--signals_to_handle={TORCHRUN_SIGNALS}")  # SIGTERM / SIGUSR1: shardtune/runtime/preemption.py
+        torchrun_args.append(
+            f"--signals_to_handle={TORCHRUN_SIGNALS}"
+        )  # SIGTERM / SIGUSR1: shardtune/runtime/preemption.py
     args = get_args_parser().parse_args([*torchrun_args, "-m", module, *module_args])
     if topology.num_nodes == 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # one node: gloo's connections between the workers stay on loopback
@@ -122,11 +137,16 @@ def run_torchrun(args, what: str) -> int:
         return 1
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        if os.path.isfile(failure.error_file):  # one line recorded by the worker (shardtune.training.worker.record_worker_error)
+        if os.path.isfile(
+            failure.error_file
+        ):  # one line recorded by the worker (shardtune.training.worker.record_worker_error)
             print(f"shardtune: error: {failure.message}", file=sys.stderr)
         else:
-            print(f"shardtune: {what} failed: rank {rank} exited with code {failure.exitcode} "
-                  "(its error is printed above)", file=sys.stderr)
+            print(
+                f"shardtune: {what} failed: rank {rank} exited with code {failure.exitcode} "
+                "(its error is printed above)",
+                file=sys.stderr,
+            )
         return 1
     except KeyboardInterrupt:
         print("shardtune: interrupted", file=sys.stderr)

@@ -36,7 +36,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 VARLEN = "shardtune_varlen"
-VARLEN_EAGER = "shardtune_varlen_eager"  # the same, each example's attention by the eager formula (--attn_implementation eager)
+VARLEN_EAGER = (
+    "shardtune_varlen_eager"  # the same, each example's attention by the eager formula (--attn_implementation eager)
+)
 NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3")  # transformers runs these varlen from the same keywords
 
 
@@ -72,8 +74,10 @@ def use_varlen_attention(model: nn.Module, eager: bool = False) -> str:
     model.set_attn_implementation(VARLEN_EAGER if eager else VARLEN)
     if eager:
         return "padding-free batches: attention within each example, by the eager formula (--attn_implementation eager)"
-    return "padding-free batches: attention within each example (FlashAttention varlen on CUDA, SDPA per example " \
-           "otherwise)"
+    return (
+        "padding-free batches: attention within each example (FlashAttention varlen on CUDA, SDPA per example "
+        "otherwise)"
+    )
 
 
 @functools.cache
@@ -92,9 +96,18 @@ def varlen_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                             is_causal: bool | None = None, eager: bool = False, **kwargs) -> tuple[torch.Tensor, None]:
+def varlen_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    eager: bool = False,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """Transformers' attention-function contract: q (B, H, T, D), k / v (B, H_kv, S, D) -> (B, T, H, D).
 
     The layer's ``sliding_window`` (Mistral, Qwen2, Gemma 2/3 sliding layers: a query sees itself and the
@@ -107,9 +120,22 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         positions = position_ids.expand(query.shape[0], -1)
         if query.shape[0] > 1 and bool((positions[:, 1:] == 0).any()):  # several packed rows: one at a time
             others = {k: v for k, v in kwargs.items() if k != "position_ids"}
-            rows = [varlen_attention_forward(module, query[b:b + 1], key[b:b + 1], value[b:b + 1], None, dropout,
-                                             scaling, is_causal, eager, position_ids=positions[b:b + 1], **others)[0]
-                    for b in range(query.shape[0])]
+            rows = [
+                varlen_attention_forward(
+                    module,
+                    query[b : b + 1],
+                    key[b : b + 1],
+                    value[b : b + 1],
+                    None,
+                    dropout,
+                    scaling,
+                    is_causal,
+                    eager,
+                    position_ids=positions[b : b + 1],
+                    **others,
+                )[0]
+                for b in range(query.shape[0])
+            ]
             return torch.cat(rows), None
         cu = _boundaries_from_positions(positions)
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
@@ -121,15 +147,27 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         return _per_example_after_prefix(query, key, value, cu, num_prefix, dropout, scaling, eager), None
     if attention_mask is not None or query.shape[2] != key.shape[2]:  # padded batches: the mask holds the window
         if softcap is None and not eager:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                          scaling=scaling, is_causal=is_causal, **kwargs)
-        return _attend(query, key, value, attention_mask, dropout, scaling, window, softcap,
-                       eager).transpose(1, 2), None
+            return sdpa_attention_forward(
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                dropout=dropout,
+                scaling=scaling,
+                is_causal=is_causal,
+                **kwargs,
+            )
+        return _attend(query, key, value, attention_mask, dropout, scaling, window, softcap, eager).transpose(
+            1, 2
+        ), None
     if cu is None:  # plain sequences (one per row): each row is one example
         cu = torch.tensor([0, query.shape[2]], dtype=torch.int32)
     elif query.shape[0] != 1:  # cu_seq_lens index one row: batches of several rows are flattened first
-        raise ValueError(f"cu_seq_lens describe one flattened row, but the batch has {query.shape[0]} rows: put the "
-                         "examples in one row (shardtune.data.batching.collate_flat)")
+        raise ValueError(
+            f"cu_seq_lens describe one flattened row, but the batch has {query.shape[0]} rows: put the "
+            "examples in one row (shardtune.data.batching.collate_flat)"
+        )
     max_length = kwargs.get("max_length_q")
     if max_length is None:
         max_length = int(cu.diff().max())
@@ -163,8 +201,12 @@ def _compute_dtype(query: torch.Tensor) -> torch.dtype:
 
 
 def _kernel_applies(device: torch.device, dtype: torch.dtype, dropout: float) -> bool:
-    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and dropout == 0.0
-            and _torch_varlen() is not None)
+    return (
+        device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and dropout == 0.0
+        and _torch_varlen() is not None
+    )
 
 
 @functools.cache
@@ -181,9 +223,16 @@ def _torch_varlen_parameters() -> frozenset[str]:
     return frozenset(inspect.signature(_torch_varlen()).parameters)
 
 
-def flash_varlen_arguments(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
-                           max_length: int, scaling: float | None, sliding_window: int | None,
-                           accepted: frozenset[str] | None = None) -> tuple[tuple, dict] | None:
+def flash_varlen_arguments(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu: torch.Tensor,
+    max_length: int,
+    scaling: float | None,
+    sliding_window: int | None,
+    accepted: frozenset[str] | None = None,
+) -> tuple[tuple, dict] | None:
     """The arguments of torch's FlashAttention ``varlen_attn`` for one flattened row (q (1, H, T, D), k / v
     (1, H_kv, T, D)): ``(args, keywords)``, or None when a kernel taking only ``accepted`` keywords (the installed
     one's by default) cannot express the window. Built apart from the call so that a CPU test can feed them to a
@@ -220,19 +269,39 @@ def _window_bites(sliding_window: int | None, length: int) -> bool:
 
 
 @torch.compiler.disable  # a loop over data-dependent boundaries: run eagerly inside a compiled layer
-def _per_example(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, dropout: float,
-                 scaling: float | None, sliding_window: int | None, softcap: float | None,
-                 eager: bool = False) -> torch.Tensor:
+def _per_example(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    eager: bool = False,
+) -> torch.Tensor:
     """Causal attention within each example of the rows (boundaries ``cu``), on views: (B, T, H, D)."""
     bounds = cu.tolist()
-    outputs = [_attend(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, dropout, scaling, sliding_window,
-                       softcap, eager) for s, e in zip(bounds[:-1], bounds[1:])]
+    outputs = [
+        _attend(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, dropout, scaling, sliding_window, softcap, eager
+        )
+        for s, e in zip(bounds[:-1], bounds[1:])
+    ]
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
 
 
-def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, dropout: float,
-            scaling: float | None, sliding_window: int | None, softcap: float | None,
-            eager: bool = False) -> torch.Tensor:
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    eager: bool = False,
+) -> torch.Tensor:
     """Attention of one sequence (or rows of one length): (B, H, T, D) -> (B, H, T, D). Without ``mask``, causal
     within ``sliding_window``; a boolean mask is True where a query sees a key, a float one is added."""
     if softcap is not None or eager:
@@ -249,12 +318,20 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
         gqa = {"enable_gqa": True}
     elif groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-                                          scale=scaling, **gqa)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scaling, **gqa
+    )
 
 
-def _eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                     dropout: float, scaling: float | None, softcap: float | None = None) -> torch.Tensor:
+def _eager_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """The eager formula, softmax(q k^T * scaling + mask) v with the softmax in fp32, as transformers' eager
     attention computes it; with ``softcap`` (Gemma 2, which SDPA cannot compute) the logits are soft-capped first:
     softcap * tanh(q k^T * scaling / softcap)."""
@@ -271,8 +348,9 @@ def _eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return weights @ value
 
 
-def causal_window_mask(num_queries: int, num_keys: int, sliding_window: int | None,
-                       device: torch.device) -> torch.Tensor:
+def causal_window_mask(
+    num_queries: int, num_keys: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
     """(num_queries, num_keys) booleans, True where a query (the last ``num_queries`` positions) sees a key:
     earlier or itself, and, with a window, fewer than ``sliding_window`` positions back."""
     query_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
@@ -284,9 +362,16 @@ def causal_window_mask(num_queries: int, num_keys: int, sliding_window: int | No
 
 
 @torch.compiler.disable
-def _per_example_after_prefix(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
-                              num_prefix: int, dropout: float, scaling: float | None,
-                              eager: bool = False) -> torch.Tensor:
+def _per_example_after_prefix(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu: torch.Tensor,
+    num_prefix: int,
+    dropout: float,
+    scaling: float | None,
+    eager: bool = False,
+) -> torch.Tensor:
     """Prefix tuning on a flattened row: peft puts the learned prefix in the cache, so the first ``num_prefix``
     keys / values are the prefix and the rest is the row. Each example's queries attend to the whole prefix and
     causally to their own example (keys: num_prefix + n), as that example alone with its prefix does."""
@@ -299,8 +384,15 @@ def _per_example_after_prefix(query: torch.Tensor, key: torch.Tensor, value: tor
         own = slice(num_prefix + start, num_prefix + end)
         allowed = torch.ones(end - start, num_prefix + end - start, dtype=torch.bool, device=query.device)
         allowed[:, num_prefix:].tril_()
-        keys, values = torch.cat([prefix_key, key[:, :, own]], dim=2), torch.cat([prefix_value, value[:, :, own]], dim=2)
-        outputs.append(_eager_attention(query[:, :, start:end], keys, values, allowed, dropout, scaling) if eager
-                       else F.scaled_dot_product_attention(query[:, :, start:end], keys, values, attn_mask=allowed,
-                                                           dropout_p=dropout, scale=scaling))
+        keys, values = (
+            torch.cat([prefix_key, key[:, :, own]], dim=2),
+            torch.cat([prefix_value, value[:, :, own]], dim=2),
+        )
+        outputs.append(
+            _eager_attention(query[:, :, start:end], keys, values, allowed, dropout, scaling)
+            if eager
+            else F.scaled_dot_product_attention(
+                query[:, :, start:end], keys, values, attn_mask=allowed, dropout_p=dropout, scale=scaling
+            )
+        )
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()

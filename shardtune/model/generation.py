@@ -28,8 +28,9 @@ def inference_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if bf16_compute_available(device) else torch.float32
 
 
-def load_for_inference(model_name: str, adapter: str = "", device: torch.device | None = None,
-                       trust_remote_code: bool = False):
+def load_for_inference(
+    model_name: str, adapter: str = "", device: torch.device | None = None, trust_remote_code: bool = False
+):
     """(model in eval mode, tokenizer): ``model_name`` + optional ``adapter`` (peft loads it; nothing merged).
     ``trust_remote_code``: the model's own code (auto_map) may run."""
     from shardtune.model.loading import load_model, load_tokenizer
@@ -37,9 +38,13 @@ def load_for_inference(model_name: str, adapter: str = "", device: torch.device 
 
     model_name, adapter = resolve_model_and_adapter(model_name, adapter, trust_remote_code)
     device = device or inference_device()
-    model = load_model(model_name, dtype=inference_dtype(device), device=device,
-                       config=adapter_base_config(model_name, adapter, trust_remote_code),
-                       trust_remote_code=trust_remote_code)
+    model = load_model(
+        model_name,
+        dtype=inference_dtype(device),
+        device=device,
+        config=adapter_base_config(model_name, adapter, trust_remote_code),
+        trust_remote_code=trust_remote_code,
+    )
     tokenizer_dir = adapter if adapter and (Path(adapter) / "tokenizer_config.json").is_file() else model_name
     if adapter:
         import peft
@@ -55,9 +60,16 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
 
 
 @torch.no_grad()
-def generate_ids(model: nn.Module, tokenizer, prompt_ids: list[int], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                 do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-                 stop_at_eos: bool = True) -> list[int]:
+def generate_ids(
+    model: nn.Module,
+    tokenizer,
+    prompt_ids: list[int],
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    stop_at_eos: bool = True,
+) -> list[int]:
     """The generated continuation (prompt stripped) up to eos (not included) or max_new_tokens.
 
     ``stop_at_eos=False`` runs all max_new_tokens steps (the text is still cut at the first eos): sharded models
@@ -65,13 +77,21 @@ def generate_ids(model: nn.Module, tokenizer, prompt_ids: list[int], max_new_tok
     """
     device = next(model.parameters()).device
     input_ids = torch.tensor([prompt_ids], device=device)
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if do_sample else \
-        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                         max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id if stop_at_eos else None,
-                         pad_token_id=tokenizer.pad_token_id, **sampling)
-    new = out[0, len(prompt_ids):].tolist()
-    return new[:new.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in new else new
+    sampling = (
+        dict(do_sample=True, temperature=temperature, top_p=top_p)
+        if do_sample
+        else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    )
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id if stop_at_eos else None,
+        pad_token_id=tokenizer.pad_token_id,
+        **sampling,
+    )
+    new = out[0, len(prompt_ids) :].tolist()
+    return new[: new.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in new else new
 
 
 def rouge_scores(references: list[str], predictions: list[str]) -> list[dict[str, float]]:
@@ -89,16 +109,21 @@ def split_example(example: dict) -> tuple[list[int], list[int]]:
     return example["input_ids"][:num_prompt], [t for t in labels[num_prompt:-1] if t != IGNORE_INDEX]
 
 
-def generate_for_examples(model: nn.Module, tokenizer, examples: list[dict], max_new_tokens: int,
-                          stop_at_eos: bool = True) -> list[dict[str, str]]:
+def generate_for_examples(
+    model: nn.Module, tokenizer, examples: list[dict], max_new_tokens: int, stop_at_eos: bool = True
+) -> list[dict[str, str]]:
     """Greedy continuations of tokenised examples' prompts: {prompt, reference, prediction} per example."""
     rows = []
     for example in examples:
         prompt_ids, reference_ids = split_example(example)
         generated = generate_ids(model, tokenizer, prompt_ids, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos)
-        rows.append({"prompt": tokenizer.decode(prompt_ids, skip_special_tokens=True),
-                     "reference": tokenizer.decode(reference_ids, skip_special_tokens=True).strip(),
-                     "prediction": tokenizer.decode(generated, skip_special_tokens=True).strip()})
+        rows.append(
+            {
+                "prompt": tokenizer.decode(prompt_ids, skip_special_tokens=True),
+                "reference": tokenizer.decode(reference_ids, skip_special_tokens=True).strip(),
+                "prediction": tokenizer.decode(generated, skip_special_tokens=True).strip(),
+            }
+        )
     return rows
 
 

@@ -19,11 +19,11 @@ from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
 from tokenizers.models import BPE
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
-from shardtune.model.attention import attention_implementation
-from shardtune.publishing.saving import already_unwrapped
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.chat import PRESET_CHAT_TEMPLATE
 from shardtune.data.synthetic import corpus_for_tokenizer
+from shardtune.model.attention import attention_implementation
+from shardtune.publishing.saving import already_unwrapped
 
 PRESET_PREFIX = "preset:"
 DEFAULT_PRESET = "demo"
@@ -33,26 +33,73 @@ TOKENIZER_SEED = 0  # every preset shares one tokenizer, whatever the model's in
 
 BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
 
-_COMMON = dict(max_position_embeddings=2048, tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=500000.0,
-               hidden_act="silu", attention_bias=False, mlp_bias=False)
+_COMMON = dict(
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    hidden_act="silu",
+    attention_bias=False,
+    mlp_bias=False,
+)
 PRESETS: dict[str, dict] = {
-    "tiny": dict(_COMMON, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=176),
-    "demo": dict(_COMMON, hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
-                 intermediate_size=704),
+    "tiny": dict(
+        _COMMON,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=176,
+    ),
+    "demo": dict(
+        _COMMON,
+        hidden_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=704,
+    ),
     # the demo's shape with a Llama-2-sized 32k vocabulary (~21M parameters): the output layer then costs what it
     # costs in real fine-tunes (bench/: the workload of issue 23's measurement)
-    "demo-32k": dict(_COMMON, hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
-                     intermediate_size=704, vocab_size=32000),
-    "llama-1b-shape": dict(_COMMON, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
-                           num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
-                           max_position_embeddings=8192, tie_word_embeddings=True),
-    "llama-8b-shape": dict(_COMMON, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                           num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
-                           max_position_embeddings=8192),
+    "demo-32k": dict(
+        _COMMON,
+        hidden_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=704,
+        vocab_size=32000,
+    ),
+    "llama-1b-shape": dict(
+        _COMMON,
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
+    "llama-8b-shape": dict(
+        _COMMON,
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+    ),
     # ~76M parameters, ~300 MB in fp32: big enough to see rank-0-only loading in host memory (bench/)
-    "bench-300mb": dict(_COMMON, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                        num_key_value_heads=4, intermediate_size=2048),
+    "bench-300mb": dict(
+        _COMMON,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+    ),
 }
 # The benchmark shapes are far too large for float32 on disk; they are built directly in bfloat16.
 PRESET_BUILD_DTYPES: dict[str, torch.dtype] = {"llama-1b-shape": torch.bfloat16, "llama-8b-shape": torch.bfloat16}
@@ -70,12 +117,24 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE, seed: int = TOKENIZE
     bpe = Tokenizer(BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[UNK, BOS, EOS, PAD],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[UNK, BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     bpe.train_from_iterator(corpus_for_tokenizer(seed), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-                                   unk_token=UNK, padding_side="right", model_max_length=1_000_000,
-                                   clean_up_tokenization_spaces=False, chat_template=PRESET_CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        padding_side="right",
+        model_max_length=1_000_000,
+        clean_up_tokenization_spaces=False,
+        chat_template=PRESET_CHAT_TEMPLATE,
+    )
 
 
 def init_model(preset: str, out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
@@ -94,8 +153,9 @@ def init_model(preset: str, out_dir: str | Path, seed: int = 0, dtype: torch.dty
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     except OSError as e:
-        raise ValueError(f"init_model: cannot write {out_dir} ({e.strerror}): pick a directory you can write to") \
-            from None
+        raise ValueError(
+            f"init_model: cannot write {out_dir} ({e.strerror}): pick a directory you can write to"
+        ) from None
     tokenizer = train_tokenizer()
     model = _random_model(preset, tokenizer, seed, dtype)
     with already_unwrapped():
@@ -115,10 +175,10 @@ def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
     config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _random_model(preset: str, tokenizer: PreTrainedTokenizerFast, seed: int,
-                  dtype: torch.dtype) -> torch.nn.Module:
-    special_ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                       pad_token_id=tokenizer.pad_token_id)
+def _random_model(preset: str, tokenizer: PreTrainedTokenizerFast, seed: int, dtype: torch.dtype) -> torch.nn.Module:
+    special_ids = dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     kwargs = {"vocab_size": len(tokenizer), **PRESETS[preset], **special_ids}
     config = LlamaConfig(**kwargs, attn_implementation="sdpa")
     with torch.random.fork_rng(devices=[]):
@@ -155,9 +215,18 @@ def preset_fingerprint(name: str) -> str:
 
     from shardtune.data import synthetic
 
-    digest = hashlib.sha256(json.dumps({
-        "config": PRESETS[name], "seed": 0, "dtype": str(PRESET_BUILD_DTYPES.get(name, torch.float32)),
-        "torch": torch.__version__, "transformers": transformers.__version__}, sort_keys=True).encode())
+    digest = hashlib.sha256(
+        json.dumps(
+            {
+                "config": PRESETS[name],
+                "seed": 0,
+                "dtype": str(PRESET_BUILD_DTYPES.get(name, torch.float32)),
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+            },
+            sort_keys=True,
+        ).encode()
+    )
     for source in (__file__, synthetic.__file__):
         digest.update(Path(source).read_bytes())
     return digest.hexdigest()[:12]
@@ -165,8 +234,10 @@ def preset_fingerprint(name: str) -> str:
 
 def _check_preset(name: str, what: str) -> None:
     if name not in PRESETS:
-        raise ConfigError(f"--{what} {PRESET_PREFIX}{name}: unknown preset: choose one of "
-                          + ", ".join(PRESET_PREFIX + p for p in PRESETS))
+        raise ConfigError(
+            f"--{what} {PRESET_PREFIX}{name}: unknown preset: choose one of "
+            + ", ".join(PRESET_PREFIX + p for p in PRESETS)
+        )
 
 
 def _looks_like_path(value: str) -> bool:
@@ -181,7 +252,8 @@ REVISION_IGNORED_FILES = ("original/*", "*.pth", "*.pt", "*.gguf", "*.msgpack", 
 def _hub_cache() -> str | None:
     """huggingface_hub reads its cache location once, at import: honour HF_HUB_CACHE / HF_HOME set later too."""
     return os.environ.get("HF_HUB_CACHE") or (
-        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None)
+        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None
+    )
 
 
 def resolve_revision(model_name: str, revision: str) -> str:
@@ -191,20 +263,29 @@ def resolve_revision(model_name: str, revision: str) -> str:
     if not revision:
         return model_name
     if not model_name or model_name.startswith(PRESET_PREFIX) or _looks_like_path(model_name):
-        raise ConfigError(f"--model_revision {revision} names a revision of a hub id, but --model_name "
-                          f"{model_name or '(empty: the demo preset)'} is local: drop --model_revision")
+        raise ConfigError(
+            f"--model_revision {revision} names a revision of a hub id, but --model_name "
+            f"{model_name or '(empty: the demo preset)'} is local: drop --model_revision"
+        )
     from huggingface_hub import snapshot_download
 
     offline = _hub_offline()
     try:
-        return snapshot_download(model_name, revision=revision, local_files_only=offline, cache_dir=_hub_cache(),
-                                 ignore_patterns=list(REVISION_IGNORED_FILES))
+        return snapshot_download(
+            model_name,
+            revision=revision,
+            local_files_only=offline,
+            cache_dir=_hub_cache(),
+            ignore_patterns=list(REVISION_IGNORED_FILES),
+        )
     except Exception as e:  # any failure (network, auth, unknown revision, not cached) means the same fix
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
         hint = "HF_HUB_OFFLINE is set and the Hugging Face cache does not hold it" if offline else "offline?"
-        raise ConfigError(f"--model_name {model_name} --model_revision {revision} could not be fetched ({reason}); "
-                          f"{hint}: download it first (hf download {model_name} --revision {revision} --local-dir "
-                          "DIR) and pass --model_name DIR") from None
+        raise ConfigError(
+            f"--model_name {model_name} --model_revision {revision} could not be fetched ({reason}); "
+            f"{hint}: download it first (hf download {model_name} --revision {revision} --local-dir "
+            "DIR) and pass --model_name DIR"
+        ) from None
 
 
 def weights_identity(model_name: str, revision: str = "") -> str | None:
@@ -246,19 +327,25 @@ def check_model_source(model_name: str, what: str = "model_name", trust_remote_c
     elif _HUB_ID.match(model_name):
         _check_hub_id(model_name, what, trust_remote_code)
     else:
-        raise ConfigError(f"--{what} {model_name!r} is neither a directory nor a hub id (org/name): "
-                          "pass a local model directory, a hub id or preset:NAME")
+        raise ConfigError(
+            f"--{what} {model_name!r} is neither a directory nor a hub id (org/name): "
+            "pass a local model directory, a hub id or preset:NAME"
+        )
 
 
 def _check_directory(model_name: str, what: str, trust_remote_code: bool) -> None:
     path = Path(model_name).expanduser()
     if not path.is_dir():
-        raise ConfigError(f"--{what} {model_name}: no such directory: pass a Hugging Face model directory "
-                          f"(with config.json), a hub id or {PRESET_PREFIX}NAME")
+        raise ConfigError(
+            f"--{what} {model_name}: no such directory: pass a Hugging Face model directory "
+            f"(with config.json), a hub id or {PRESET_PREFIX}NAME"
+        )
     needed = ("tokenizer_config.json", "tokenizer.json") if what == "tokenizer_name" else ("config.json",)
     if not any((path / f).is_file() for f in needed):
-        raise ConfigError(f"--{what} {model_name}: the directory has no {' or '.join(needed)}: pass the directory "
-                          "that save_pretrained wrote (or the snapshot folder of a download)")
+        raise ConfigError(
+            f"--{what} {model_name}: the directory has no {' or '.join(needed)}: pass the directory "
+            "that save_pretrained wrote (or the snapshot folder of a download)"
+        )
     if what != "tokenizer_name":
         _check_config_file(path / "config.json", what, trust_remote_code)
 
@@ -272,16 +359,20 @@ def _check_config_file(config_file: Path, what: str = "model_name", trust_remote
     except (OSError, ValueError) as e:
         raise ConfigError(f"{config_file} is not valid JSON ({e}): restore it from the model's source") from None
     if not trust_remote_code and _needs_remote_code(config):
-        raise ConfigError(f"--{what} {config_file.parent}: its architecture ({config.get('model_type')}) is the "
-                          "model's own Python code (auto_map in config.json), which shardtune runs only when asked: "
-                          "pass --trust_remote_code if you trust that code (it runs as you: docs/security.md), or "
-                          "use a model of an architecture transformers ships")
+        raise ConfigError(
+            f"--{what} {config_file.parent}: its architecture ({config.get('model_type')}) is the "
+            "model's own Python code (auto_map in config.json), which shardtune runs only when asked: "
+            "pass --trust_remote_code if you trust that code (it runs as you: docs/security.md), or "
+            "use a model of an architecture transformers ships"
+        )
     try:
         auto_config(config_file.parent, trust_remote_code)
     except (ValueError, KeyError, OSError, TypeError) as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"{config_file} cannot be read as a model config ({reason}): fix its model_type, or "
-                          "update transformers if the architecture is newer than it") from None
+        raise ConfigError(
+            f"{config_file} cannot be read as a model config ({reason}): fix its model_type, or "
+            "update transformers if the architecture is newer than it"
+        ) from None
 
 
 def _hub_offline() -> bool:
@@ -302,14 +393,18 @@ def _check_hub_id(model_name: str, what: str, trust_remote_code: bool = False) -
     except Exception as e:  # any failure (network, auth, missing repo) means the same fix for the user
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
         if "trust_remote_code" in reason and not trust_remote_code:
-            raise ConfigError(f"--{what} {model_name}: its architecture is the model's own Python code, which "
-                              "shardtune runs only when asked: pass --trust_remote_code if you trust that code (it "
-                              "runs as you: docs/security.md), or use a model of an architecture transformers "
-                              "ships") from None
+            raise ConfigError(
+                f"--{what} {model_name}: its architecture is the model's own Python code, which "
+                "shardtune runs only when asked: pass --trust_remote_code if you trust that code (it "
+                "runs as you: docs/security.md), or use a model of an architecture transformers "
+                "ships"
+            ) from None
         hint = "HF_HUB_OFFLINE is set:" if offline else "offline?"
-        raise ConfigError(f"--{what} {model_name!r} is not a local directory and could not be loaded from the "
-                          f"Hugging Face Hub ({reason}); {hint} download it first "
-                          f"(hf download {model_name} --local-dir DIR) or pass a local path") from None
+        raise ConfigError(
+            f"--{what} {model_name!r} is not a local directory and could not be loaded from the "
+            f"Hugging Face Hub ({reason}); {hint} download it first "
+            f"(hf download {model_name} --local-dir DIR) or pass a local path"
+        ) from None
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerFast:
@@ -320,17 +415,20 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     return tokenizer
 
 
-def check_tokenizer_fits(model_name: str, tokenizer: PreTrainedTokenizerFast, tokenizer_name: str,
-                         trust_remote_code: bool = False) -> None:
+def check_tokenizer_fits(
+    model_name: str, tokenizer: PreTrainedTokenizerFast, tokenizer_name: str, trust_remote_code: bool = False
+) -> None:
     """A token id without a row in the model's embedding fails mid-step (IndexError on every rank): refuse it here.
     Typical cause: a tokenizer (class) that adds a pad or chat token, saved without resizing the model."""
     num_rows = auto_config(model_name, trust_remote_code).get_text_config().vocab_size
     if len(tokenizer) > num_rows:
         source = f"--tokenizer_name {tokenizer_name}" if tokenizer_name else f"the tokenizer of {model_name}"
-        raise ConfigError(f"{source} has {len(tokenizer)} tokens, but the model's embedding has {num_rows} rows "
-                          f"(vocab_size in its config.json), so ids {num_rows} and up cannot be embedded: use the "
-                          "model's own tokenizer, or resize the embedding first (model.resize_token_embeddings("
-                          "len(tokenizer)), then save_pretrained both)")
+        raise ConfigError(
+            f"{source} has {len(tokenizer)} tokens, but the model's embedding has {num_rows} rows "
+            f"(vocab_size in its config.json), so ids {num_rows} and up cannot be embedded: use the "
+            "model's own tokenizer, or resize the embedding first (model.resize_token_embeddings("
+            "len(tokenizer)), then save_pretrained both)"
+        )
 
 
 def training_model_config(cfg: TrainConfig):
@@ -345,24 +443,37 @@ def training_model_config(cfg: TrainConfig):
     return config
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               config=None, trust_remote_code: bool = False) -> torch.nn.Module:
+def load_model(
+    name_or_path: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    config=None,
+    trust_remote_code: bool = False,
+) -> torch.nn.Module:
     """The model's weights from ``name_or_path``, built with ``config`` (default: its own config.json)."""
     config = config or auto_config(name_or_path, trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=dtype,
-                                                 attn_implementation=attention_implementation(config),
-                                                 trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        name_or_path,
+        config=config,
+        dtype=dtype,
+        attn_implementation=attention_implementation(config),
+        trust_remote_code=trust_remote_code,
+    )
     return model.to(device)
 
 
-def build_model_on_meta(name_or_path: str, dtype: torch.dtype = torch.float32, config=None,
-                        trust_remote_code: bool = False) -> torch.nn.Module:
+def build_model_on_meta(
+    name_or_path: str, dtype: torch.dtype = torch.float32, config=None, trust_remote_code: bool = False
+) -> torch.nn.Module:
     """The model's structure without memory, for sharding first and loading weights (on rank 0) afterwards."""
     config = config or auto_config(name_or_path, trust_remote_code)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                attn_implementation=attention_implementation(config),
-                                                trust_remote_code=trust_remote_code)
+        return AutoModelForCausalLM.from_config(
+            config,
+            dtype=dtype,
+            attn_implementation=attention_implementation(config),
+            trust_remote_code=trust_remote_code,
+        )
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

@@ -27,13 +27,20 @@ from shardtune.runtime.distributed import print0
 
 def rope_config_overrides(cfg: TrainConfig, model_config=None) -> dict:
     """Model-config keywords for --rope_scaling (empty when it is off), applied to ``model_config`` (default: the
-    model's config.json) by :func:`shardtune.model.loading.training_model_config`, which every loading path builds from."""
+    model's config.json) by :func:`shardtune.model.loading.training_model_config`, which every loading path builds
+    from."""
     if not cfg.model.rope_scaling:
         return {}
-    model_config = model_config or AutoConfig.from_pretrained(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
+    model_config = model_config or AutoConfig.from_pretrained(
+        cfg.model.name, trust_remote_code=cfg.model.trust_remote_code
+    )
     original = model_config.max_position_embeddings
-    rope = dict(model_config.rope_parameters, rope_type=cfg.model.rope_scaling, factor=float(cfg.model.rope_factor),
-                original_max_position_embeddings=original)
+    rope = dict(
+        model_config.rope_parameters,
+        rope_type=cfg.model.rope_scaling,
+        factor=float(cfg.model.rope_factor),
+        original_max_position_embeddings=original,
+    )
     return {"rope_parameters": rope, "max_position_embeddings": int(original * cfg.model.rope_factor)}
 
 
@@ -42,11 +49,15 @@ def check_rope_scaling(cfg: TrainConfig) -> None:
     what the pretrained positions mean)."""
     if not cfg.model.rope_scaling:
         return
-    rope = AutoConfig.from_pretrained(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code).rope_parameters or {}
+    rope = (
+        AutoConfig.from_pretrained(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code).rope_parameters or {}
+    )
     if rope.get("rope_type", "default") != "default":
-        raise ConfigError(f"--rope_scaling {cfg.model.rope_scaling}: {cfg.model.name} already uses RoPE scaling "
-                          f"{rope.get('rope_type')!r} (factor {rope.get('factor')}): drop --rope_scaling, or start "
-                          "from a model with plain RoPE")
+        raise ConfigError(
+            f"--rope_scaling {cfg.model.rope_scaling}: {cfg.model.name} already uses RoPE scaling "
+            f"{rope.get('rope_type')!r} (factor {rope.get('factor')}): drop --rope_scaling, or start "
+            "from a model with plain RoPE"
+        )
 
 
 def apply_memory_levers(model: nn.Module, cfg: TrainConfig, device: torch.device) -> list[str]:
@@ -58,9 +69,11 @@ def apply_memory_levers(model: nn.Module, cfg: TrainConfig, device: torch.device
         notes.append(offload_activations(model, device))
     if cfg.model.rope_scaling:
         rope = model.config.rope_parameters
-        notes.append(f"RoPE scaling {rope['rope_type']} x{rope['factor']:g}: positions up to "
-                     f"{model.config.max_position_embeddings:,} (trained at "
-                     f"{rope['original_max_position_embeddings']:,})")
+        notes.append(
+            f"RoPE scaling {rope['rope_type']} x{rope['factor']:g}: positions up to "
+            f"{model.config.max_position_embeddings:,} (trained at "
+            f"{rope['original_max_position_embeddings']:,})"
+        )
     for line in notes:
         print0(f"long sequences: {line}")
     return notes
@@ -68,12 +81,15 @@ def apply_memory_levers(model: nn.Module, cfg: TrainConfig, device: torch.device
 
 # -- tiled MLP ------------------------------------------------------------------------------------------------------
 
+
 def tile_mlps(model: nn.Module) -> str:
     layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not all(isinstance(getattr(l, "mlp", None), nn.Module)
-                                                         for l in layers):
-        raise ConfigError(f"--tiled_mlp: {type(model).__name__} has no model.layers[i].mlp: drop --tiled_mlp for "
-                          "this model")
+    if not isinstance(layers, nn.ModuleList) or not all(
+        isinstance(getattr(layer, "mlp", None), nn.Module) for layer in layers
+    ):
+        raise ConfigError(
+            f"--tiled_mlp: {type(model).__name__} has no model.layers[i].mlp: drop --tiled_mlp for this model"
+        )
     tile_tokens = model.config.hidden_size
     for layer in layers:
         layer.mlp.forward = functools.partial(_tiled_forward, layer.mlp, layer.mlp.forward, tile_tokens)
@@ -115,7 +131,7 @@ class _TiledMLP(torch.autograd.Function):
             inputs = ([tile] if wants_input_grad else []) + list(ctx.params)
             grads = list(torch.autograd.grad(out, inputs, grad_tile, allow_unused=True))
             if wants_input_grad:
-                grad_hidden[:, start:start + tile.shape[1]] = grads.pop(0)
+                grad_hidden[:, start : start + tile.shape[1]] = grads.pop(0)
             for i, grad in enumerate(grads):
                 if grad is not None:
                     grad_params[i] = grad if grad_params[i] is None else grad_params[i] + grad
@@ -124,6 +140,7 @@ class _TiledMLP(torch.autograd.Function):
 
 
 # -- activation offloading ------------------------------------------------------------------------------------------
+
 
 def offload_activations(model: nn.Module, device: torch.device) -> str:
     pin_memory = device.type == "cuda"

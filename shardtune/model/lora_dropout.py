@@ -8,7 +8,8 @@ whether it sits in a padded row, in a padding-free row with other examples, or s
 (a token's row is found by its position in its example). Activation checkpointing recomputes the same mask.
 
 The training loop states where the examples are (``keyed_masks(batch, step)``) around each micro-batch's forward
-and backward; the batch carries per token the example's global index and full length (shardtune.data.batching: EXAMPLE_IDS, EXAMPLE_LENGTHS).
+and backward; the batch carries per token the example's global index and full length (shardtune.data.batching:
+EXAMPLE_IDS, EXAMPLE_LENGTHS).
 Outside that (a forward with no example index) the layer falls back to plain dropout.
 """
 
@@ -27,9 +28,9 @@ from shardtune.data.batching import EXAMPLE_IDS, EXAMPLE_LENGTHS
 class _Layout:
     seed: int
     step: int
-    example_ids: torch.Tensor      # (rows, tokens)
+    example_ids: torch.Tensor  # (rows, tokens)
     example_lengths: torch.Tensor  # (rows, tokens)
-    positions: torch.Tensor        # (rows, tokens): position of each token in its example
+    positions: torch.Tensor  # (rows, tokens): position of each token in its example
 
 
 _current: _Layout | None = None
@@ -42,8 +43,10 @@ def keyed_masks(batch: dict[str, torch.Tensor], seed: int, step: int):
     if EXAMPLE_IDS not in batch:
         yield
         return
-    previous, _current = _current, _Layout(seed, step, batch[EXAMPLE_IDS], batch[EXAMPLE_LENGTHS],
-                                           batch["position_ids"])
+    previous, _current = (
+        _current,
+        _Layout(seed, step, batch[EXAMPLE_IDS], batch[EXAMPLE_LENGTHS], batch["position_ids"]),
+    )
     try:
         yield
     finally:
@@ -70,8 +73,7 @@ class ExampleKeyedDropout(nn.Module):
         return x * self.mask(layout, x.shape[-1], x.device).to(x.dtype)
 
     def mask(self, layout: _Layout, features: int, device: torch.device) -> torch.Tensor:
-        ids, lengths, positions = (t.to(device) for t in (layout.example_ids, layout.example_lengths,
-                                                          layout.positions))
+        ids, lengths, positions = (t.to(device) for t in (layout.example_ids, layout.example_lengths, layout.positions))
         mask = torch.ones((*ids.shape, features), device=device)
         keep = 1.0 - self.p
         for example in ids.unique().tolist():
@@ -79,7 +81,8 @@ class ExampleKeyedDropout(nn.Module):
                 continue
             where = ids == example
             generator = torch.Generator(device=device).manual_seed(
-                _generator_seed(layout.seed, layout.step, example, self.layer))
+                _generator_seed(layout.seed, layout.step, example, self.layer)
+            )
             length = int(lengths[where][0])
             example_mask = (torch.rand((length, features), generator=generator, device=device) < keep) / keep
             mask[where] = example_mask[positions[where]]

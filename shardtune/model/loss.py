@@ -79,8 +79,14 @@ def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: tor
     return result["output"]
 
 
-def sequence_log_prob_sums(model: nn.Module, batch: dict[str, torch.Tensor], targets: torch.Tensor,
-                           segments: torch.Tensor, num_segments: int, device: torch.device) -> torch.Tensor:
+def sequence_log_prob_sums(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    targets: torch.Tensor,
+    segments: torch.Tensor,
+    num_segments: int,
+    device: torch.device,
+) -> torch.Tensor:
     """Per segment (a sequence of the micro-batch), the sum of log p(target) over its positions that have a target:
     (num_segments,) in fp32, with its graph. ``targets`` (rows, T) holds each position's next token (IGNORE_INDEX
     where none is scored), ``segments`` (rows, T) the segment of each position (padded rows: the row). The lean path
@@ -95,6 +101,7 @@ def sequence_log_prob_sums(model: nn.Module, batch: dict[str, torch.Tensor], tar
         logits = model(**model_inputs(batch, device), use_cache=False).logits.float()
         per_token = torch.gather(logits.log_softmax(-1), 2, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)[keep]
     else:
+
         def forward(hidden: torch.Tensor) -> torch.Tensor:
             chunk_rows = default_chunk_rows(hidden.device.type, head.weight.size(0))
             return RowwiseLinearCrossEntropy.apply(hidden[keep], head.weight, targets[keep], chunk_rows)
@@ -102,7 +109,9 @@ def sequence_log_prob_sums(model: nn.Module, batch: dict[str, torch.Tensor], tar
         with head_computes(head, forward) as result:
             model(**model_inputs(batch, device), use_cache=False)
         per_token = -result["output"]
-    if num_segments == targets.shape[0] and bool((segments == torch.arange(num_segments, device=device)[:, None]).all()):
+    if num_segments == targets.shape[0] and bool(
+        (segments == torch.arange(num_segments, device=device)[:, None]).all()
+    ):
         return torch.zeros(targets.shape, dtype=per_token.dtype, device=device).masked_scatter(keep, per_token).sum(1)
     return torch.zeros(num_segments, dtype=per_token.dtype, device=device).index_add(0, segments[keep], per_token)
 
@@ -176,8 +185,9 @@ def head_computes(head: nn.Linear, compute) -> Iterator[dict[str, torch.Tensor]]
         del head.forward
 
 
-def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                             chunk_rows: int | None = None) -> torch.Tensor:
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int | None = None
+) -> torch.Tensor:
     """sum over labelled positions of cross_entropy(hidden @ weight.T, target), without full logits.
 
     hidden (B, T, H), targets (B, T) with IGNORE_INDEX where no loss is taken; weight (V, H).
@@ -205,8 +215,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                chunk_rows: int) -> torch.Tensor:
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int) -> torch.Tensor:
         need_rows_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         compute_dtype = rows.dtype
         w = weight.to(compute_dtype)
@@ -214,8 +223,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_rows = torch.empty_like(rows) if need_rows_grad else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
         for start in range(0, rows.size(0), chunk_rows):
-            chunk = rows[start:start + chunk_rows]
-            target = targets[start:start + chunk_rows]
+            chunk = rows[start : start + chunk_rows]
+            target = targets[start : start + chunk_rows]
             logits = (chunk @ w.t()).float()
             lse = torch.logsumexp(logits, dim=-1)
             loss += (lse - logits.gather(1, target[:, None]).squeeze(1)).sum()
@@ -223,7 +232,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 dlogits = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
                 dlogits[torch.arange(chunk.size(0), device=chunk.device), target] -= 1.0
                 if need_rows_grad:
-                    grad_rows[start:start + chunk_rows] = (dlogits.to(compute_dtype) @ w).to(rows.dtype)
+                    grad_rows[start : start + chunk_rows] = (dlogits.to(compute_dtype) @ w).to(rows.dtype)
                 if need_weight_grad and compute_dtype == torch.float32:
                     grad_weight.addmm_(dlogits.t(), chunk)
                 elif need_weight_grad:  # bf16 / fp16 matmul, accumulated across chunks in fp32
@@ -250,15 +259,15 @@ class RowwiseLinearCrossEntropy(torch.autograd.Function):
     than the full-logits path."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int
-                ) -> torch.Tensor:
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int) -> torch.Tensor:
         w = weight.to(rows.dtype)
         losses = torch.empty(rows.size(0), dtype=torch.float32, device=rows.device)
         for start in range(0, rows.size(0), chunk_rows):
-            logits = (rows[start:start + chunk_rows] @ w.t()).float()
-            target = targets[start:start + chunk_rows]
-            losses[start:start + chunk_rows] = (torch.logsumexp(logits, dim=-1)
-                                                - logits.gather(1, target[:, None]).squeeze(1))
+            logits = (rows[start : start + chunk_rows] @ w.t()).float()
+            target = targets[start : start + chunk_rows]
+            losses[start : start + chunk_rows] = torch.logsumexp(logits, dim=-1) - logits.gather(
+                1, target[:, None]
+            ).squeeze(1)
             del logits
         ctx.save_for_backward(rows, targets)
         ctx.weight, ctx.chunk_rows = weight, chunk_rows  # the parameter itself: re-gathered by its wrapper's hooks
@@ -274,13 +283,13 @@ class RowwiseLinearCrossEntropy(torch.autograd.Function):
         grad_rows = torch.empty_like(rows) if need_rows_grad else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
         for start in range(0, rows.size(0), chunk_rows):
-            chunk = rows[start:start + chunk_rows]
+            chunk = rows[start : start + chunk_rows]
             logits = (chunk @ w.t()).float()
             dlogits = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True)).exp_()
-            dlogits[torch.arange(chunk.size(0), device=chunk.device), targets[start:start + chunk_rows]] -= 1.0
-            dlogits.mul_(grad_losses[start:start + chunk_rows, None].float())
+            dlogits[torch.arange(chunk.size(0), device=chunk.device), targets[start : start + chunk_rows]] -= 1.0
+            dlogits.mul_(grad_losses[start : start + chunk_rows, None].float())
             if need_rows_grad:
-                grad_rows[start:start + chunk_rows] = (dlogits.to(compute_dtype) @ w).to(rows.dtype)
+                grad_rows[start : start + chunk_rows] = (dlogits.to(compute_dtype) @ w).to(rows.dtype)
             if need_weight_grad and compute_dtype == torch.float32:
                 grad_weight.addmm_(dlogits.t(), chunk)
             elif need_weight_grad:

@@ -34,14 +34,28 @@ BASE_OVERRIDES = "base_config_overrides.json"
 QLORA_INSTALL = "pip install 'shardtune[qlora]'"
 # peft_type names as written in adapter_config.json, per --peft_method
 PEFT_TYPES = {"lora": "LORA", "llama_adapter": "ADAPTION_PROMPT", "prefix": "PREFIX_TUNING"}
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-          "float32": torch.float32, "fp32": torch.float32}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
 # config.json fields that must agree between the base an adapter was trained on and --model_name
-SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "vocab_size")
+SHAPE_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+)
 
 
 # -- configuration -------------------------------------------------------------------------------------------------
+
 
 def peft_config(cfg: TrainConfig, num_layers: int):
     """The peft config object for --peft_method, with llama-cookbook's field names and defaults."""
@@ -51,14 +65,22 @@ def peft_config(cfg: TrainConfig, num_layers: int):
         lc = cfg.peft.lora
         # all-linear (TRL's spelling too): peft expands it to every linear layer but the output head
         targets = "all-linear" if list(lc.target_modules) == ["all-linear"] else list(lc.target_modules)
-        return peft.LoraConfig(r=lc.r, lora_alpha=lc.alpha, target_modules=targets,
-                               lora_dropout=lc.dropout, bias=lc.bias, use_dora=lc.use_dora,
-                               use_rslora=lc.use_rslora, modules_to_save=list(lc.modules_to_save) or None,
-                               task_type="CAUSAL_LM")
+        return peft.LoraConfig(
+            r=lc.r,
+            lora_alpha=lc.alpha,
+            target_modules=targets,
+            lora_dropout=lc.dropout,
+            bias=lc.bias,
+            use_dora=lc.use_dora,
+            use_rslora=lc.use_rslora,
+            modules_to_save=list(lc.modules_to_save) or None,
+            task_type="CAUSAL_LM",
+        )
     if cfg.peft.method == "llama_adapter":
         ac = cfg.peft.llama_adapter
-        return peft.AdaptionPromptConfig(adapter_len=ac.adapter_len, adapter_layers=min(ac.adapter_layers, num_layers),
-                                         task_type="CAUSAL_LM")
+        return peft.AdaptionPromptConfig(
+            adapter_len=ac.adapter_len, adapter_layers=min(ac.adapter_layers, num_layers), task_type="CAUSAL_LM"
+        )
     return peft.PrefixTuningConfig(num_virtual_tokens=cfg.peft.prefix.num_virtual_tokens, task_type="CAUSAL_LM")
 
 
@@ -85,9 +107,13 @@ def quantization_config(cfg: TrainConfig, device: torch.device):
     if cfg.model.quantization == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
     qc, dtype = cfg.model, compute_dtype(cfg, device)
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=qc.quant_type,
-                              bnb_4bit_use_double_quant=qc.double_quant, bnb_4bit_compute_dtype=dtype,
-                              bnb_4bit_quant_storage=dtype if shards_parameters(cfg) else torch.uint8)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=qc.quant_type,
+        bnb_4bit_use_double_quant=qc.double_quant,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=dtype if shards_parameters(cfg) else torch.uint8,
+    )
 
 
 def load_quantized_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
@@ -98,11 +124,15 @@ def load_quantized_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
     from shardtune.model.loading import training_model_config
 
     config = training_model_config(cfg)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.name, config=config,
-                                                 quantization_config=quantization_config(cfg, device),
-                                                 dtype=compute_dtype(cfg, device), device_map={"": device},
-                                                 attn_implementation=attention_implementation(config),
-                                                 trust_remote_code=cfg.model.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.model.name,
+        config=config,
+        quantization_config=quantization_config(cfg, device),
+        dtype=compute_dtype(cfg, device),
+        device_map={"": device},
+        attn_implementation=attention_implementation(config),
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
     if device.type == "cpu":
         use_generic_cpu_kernels(model)
     return model
@@ -119,17 +149,22 @@ def use_generic_cpu_kernels(model: nn.Module) -> None:
 
 # -- checks before any process group ---------------------------------------------------------------------------------
 
+
 def check_peft(cfg: TrainConfig) -> None:
     """Every PEFT / quantisation problem that can be found without a process group, as one-line errors.
     ``cfg.model.name`` is already resolved to a directory or hub id."""
     if cfg.model.quantization:
         _check_bitsandbytes(cfg)
         if not bool(cfg.peft.method):
-            raise ConfigError(f"--quantization {cfg.model.quantization} without --use_peft: quantised weights cannot be "
-                              "trained directly; add --use_peft (QLoRA) or drop --quantization")
+            raise ConfigError(
+                f"--quantization {cfg.model.quantization} without --use_peft: quantised weights cannot be "
+                "trained directly; add --use_peft (QLoRA) or drop --quantization"
+            )
     if cfg.peft.from_checkpoint and not bool(cfg.peft.method):
-        raise ConfigError(f"--from_peft_checkpoint {cfg.peft.from_checkpoint} needs --use_peft (and the adapter's "
-                          "--peft_method): add them, or drop --from_peft_checkpoint")
+        raise ConfigError(
+            f"--from_peft_checkpoint {cfg.peft.from_checkpoint} needs --use_peft (and the adapter's "
+            "--peft_method): add them, or drop --from_peft_checkpoint"
+        )
     if not bool(cfg.peft.method):
         return
     _check_method_settings(cfg)
@@ -151,12 +186,15 @@ def _check_bitsandbytes(cfg: TrainConfig) -> None:
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        raise ConfigError(f"--quantization {cfg.model.quantization} needs bitsandbytes, which is not installed: "
-                          f"{QLORA_INSTALL}") from None
+        raise ConfigError(
+            f"--quantization {cfg.model.quantization} needs bitsandbytes, which is not installed: {QLORA_INSTALL}"
+        ) from None
     name = cfg.model.quant_compute_dtype
     if name and name not in DTYPES:
-        raise ConfigError(f"--quantization_config.compute_dtype {name!r} is not a dtype: use bfloat16, float16 or "
-                          "float32 (or leave it empty: bf16 on GPU, fp32 on CPU)")
+        raise ConfigError(
+            f"--quantization_config.compute_dtype {name!r} is not a dtype: use bfloat16, float16 or "
+            "float32 (or leave it empty: bf16 on GPU, fp32 on CPU)"
+        )
 
 
 def _check_method_settings(cfg: TrainConfig) -> None:
@@ -176,8 +214,7 @@ def _check_target_modules(model: nn.Module, targets: list[str], setting: str) ->
         if not any(_module_matches(n, target) for n in names):
             close = difflib.get_close_matches(target, linear_leaves, n=1)
             hint = f"did you mean {close[0]}?" if close else "its linear layers are " + ", ".join(linear_leaves)
-            raise ConfigError(f"--lora_config.{setting} {target!r} matches no module of "
-                              f"{type(model).__name__}: {hint}")
+            raise ConfigError(f"--lora_config.{setting} {target!r} matches no module of {type(model).__name__}: {hint}")
 
 
 def _check_adapter_architecture(model: nn.Module) -> None:
@@ -185,16 +222,20 @@ def _check_adapter_architecture(model: nn.Module) -> None:
 
     model_type = model.config.model_type
     if model_type not in TRANSFORMERS_MODEL_CONFIG:
-        raise ConfigError(f"--peft_method llama_adapter does not support model type {model_type!r} (peft's adaption "
-                          f"prompt supports {', '.join(sorted(TRANSFORMERS_MODEL_CONFIG))}): use --peft_method lora "
-                          "or prefix")
+        raise ConfigError(
+            f"--peft_method llama_adapter does not support model type {model_type!r} (peft's adaption "
+            f"prompt supports {', '.join(sorted(TRANSFORMERS_MODEL_CONFIG))}): use --peft_method lora "
+            "or prefix"
+        )
 
 
 def read_adapter_config(adapter_dir: str | Path, flag: str = "--from_peft_checkpoint") -> dict[str, Any]:
     path = Path(adapter_dir).expanduser()
     if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
-        raise ConfigError(f"{flag} {adapter_dir}: not a PEFT adapter directory (needs {ADAPTER_CONFIG} and "
-                          f"{ADAPTER_WEIGHTS}): pass the --output_dir of a --use_peft run")
+        raise ConfigError(
+            f"{flag} {adapter_dir}: not a PEFT adapter directory (needs {ADAPTER_CONFIG} and "
+            f"{ADAPTER_WEIGHTS}): pass the --output_dir of a --use_peft run"
+        )
     return json.loads((path / ADAPTER_CONFIG).read_text())
 
 
@@ -207,8 +248,9 @@ def base_config_dict(name_or_path: str, trust_remote_code: bool = False) -> dict
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(name_or_path, local_files_only=True,
-                                          trust_remote_code=trust_remote_code).to_dict()
+        return AutoConfig.from_pretrained(
+            name_or_path, local_files_only=True, trust_remote_code=trust_remote_code
+        ).to_dict()
     except Exception:  # noqa: BLE001 - unreadable base: the shape check below decides
         return None
 
@@ -220,8 +262,10 @@ def _check_adapter_base(cfg: TrainConfig, model: nn.Module) -> None:
     want = PEFT_TYPES[cfg.peft.method]
     if adapter.get("peft_type") != want:
         method = {v: k for k, v in PEFT_TYPES.items()}.get(adapter.get("peft_type"), adapter.get("peft_type"))
-        raise ConfigError(f"--from_peft_checkpoint {cfg.peft.from_checkpoint} holds a {method} adapter, but "
-                          f"--peft_method is {cfg.peft.method}: pass --peft_method {method}")
+        raise ConfigError(
+            f"--from_peft_checkpoint {cfg.peft.from_checkpoint} holds a {method} adapter, but "
+            f"--peft_method is {cfg.peft.method}: pass --peft_method {method}"
+        )
     base = adapter.get("base_model_name_or_path") or ""
     if base and _same_path(base, cfg.model.name):
         return
@@ -230,11 +274,16 @@ def _check_adapter_base(cfg: TrainConfig, model: nn.Module) -> None:
     if theirs is not None:
         diffs = [f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in SHAPE_FIELDS if theirs.get(k) != ours.get(k)]
         if diffs:
-            raise ConfigError(f"--from_peft_checkpoint {cfg.peft.from_checkpoint} was trained on {base}, which "
-                              f"differs from --model_name {cfg.model.name} ({'; '.join(diffs)}): pass --model_name "
-                              f"{base}")
-    warnings.warn(f"--from_peft_checkpoint: the adapter was trained on {base or 'an unrecorded base'}; continuing on "
-                  f"{cfg.model.name}, which has the same architecture and shapes")
+            raise ConfigError(
+                f"--from_peft_checkpoint {cfg.peft.from_checkpoint} was trained on {base}, which "
+                f"differs from --model_name {cfg.model.name} ({'; '.join(diffs)}): pass --model_name "
+                f"{base}"
+            )
+    warnings.warn(
+        f"--from_peft_checkpoint: the adapter was trained on {base or 'an unrecorded base'}; continuing on "
+        f"{cfg.model.name}, which has the same architecture and shapes",
+        stacklevel=2,
+    )
 
 
 def _dry_run(model: nn.Module, cfg: TrainConfig) -> None:
@@ -246,19 +295,27 @@ def _dry_run(model: nn.Module, cfg: TrainConfig) -> None:
             _attach(model, cfg, num_layers=model.config.num_hidden_layers)
     except (ValueError, RuntimeError, KeyError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        source = f"--from_peft_checkpoint {cfg.peft.from_checkpoint}" if cfg.peft.from_checkpoint else \
-            f"--peft_method {cfg.peft.method}"
+        source = (
+            f"--from_peft_checkpoint {cfg.peft.from_checkpoint}"
+            if cfg.peft.from_checkpoint
+            else f"--peft_method {cfg.peft.method}"
+        )
         raise ConfigError(f"{source} does not fit --model_name {cfg.model.name}: {first}") from None
 
 
 # -- building ------------------------------------------------------------------------------------------------------
 
+
 def _attach(model: nn.Module, cfg: TrainConfig, num_layers: int) -> nn.Module:
     import peft
 
     if cfg.peft.from_checkpoint:
-        return peft.PeftModel.from_pretrained(model, cfg.peft.from_checkpoint, is_trainable=True,
-                                              low_cpu_mem_usage=any(p.is_meta for p in model.parameters()))
+        return peft.PeftModel.from_pretrained(
+            model,
+            cfg.peft.from_checkpoint,
+            is_trainable=True,
+            low_cpu_mem_usage=any(p.is_meta for p in model.parameters()),
+        )
     return peft.get_peft_model(model, peft_config(cfg, num_layers))
 
 
@@ -269,8 +326,10 @@ def apply_peft(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     num_layers = model.config.num_hidden_layers
     ac = cfg.peft.llama_adapter
     if cfg.peft.method == "llama_adapter" and ac.adapter_layers > num_layers and not cfg.peft.from_checkpoint:
-        warn0(f"--llama_adapter_config.adapter_layers {ac.adapter_layers} > the model's {num_layers} layers: "
-              f"adapting all {num_layers}")
+        warn0(
+            f"--llama_adapter_config.adapter_layers {ac.adapter_layers} > the model's {num_layers} layers: "
+            f"adapting all {num_layers}"
+        )
     if cfg.model.quantization and not shards_parameters(cfg):
         import peft
 
@@ -283,12 +342,15 @@ def apply_peft(model: nn.Module, cfg: TrainConfig) -> nn.Module:
         use_example_keyed_dropout(model)
     trainable, total = model.get_nb_trainable_parameters()
     what = f"from {cfg.peft.from_checkpoint}" if cfg.peft.from_checkpoint else "new"
-    print0(f"peft: {cfg.peft.method} ({what}), {trainable:,} trainable of {total:,} parameters "
-           f"({100 * trainable / total:.3f}%)")
+    print0(
+        f"peft: {cfg.peft.method} ({what}), {trainable:,} trainable of {total:,} parameters "
+        f"({100 * trainable / total:.3f}%)"
+    )
     return model
 
 
 # -- saving --------------------------------------------------------------------------------------------------------
+
 
 def adapter_state_dict(model: nn.Module, trainable_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors of adapter_model.safetensors, from the gathered trainable parameters (full names)."""
@@ -302,13 +364,15 @@ def adapter_state_dict(model: nn.Module, trainable_state: dict[str, torch.Tensor
     # peft finds the adapter's tensors by the modules' names, which carry activation checkpointing's wrappers (the
     # state dict's names do not): keyed as the modules are for peft, and back to the state dict's names after
     modules_name = {unwrapped_name(name): name for name, _ in model.named_parameters()}
-    selected = get_peft_model_state_dict(model, state_dict={modules_name.get(k, k): v
-                                                             for k, v in trainable_state.items()})
+    selected = get_peft_model_state_dict(
+        model, state_dict={modules_name.get(k, k): v for k, v in trainable_state.items()}
+    )
     return {unwrapped_name(k): v for k, v in selected.items()}
 
 
-def save_adapter(model: nn.Module, trainable_state: dict[str, torch.Tensor], base_name: str, tokenizer,
-                 out_dir: Path) -> list[str]:
+def save_adapter(
+    model: nn.Module, trainable_state: dict[str, torch.Tensor], base_name: str, tokenizer, out_dir: Path
+) -> list[str]:
     """Rank 0: write a PEFT directory (adapter_config.json last, atomically) that PeftModel.from_pretrained loads;
     returns the names of the files written."""
     from safetensors.torch import save_file
@@ -355,21 +419,29 @@ def adapter_base_config(base: str, adapter_dir: str | Path = "", trust_remote_co
 
 # -- merging -------------------------------------------------------------------------------------------------------
 
-def merge_adapter(adapter_dir: str, out_dir: str | Path, base: str = "", dtype: torch.dtype | None = None,
-                  trust_remote_code: bool = False) -> tuple[str, list[str]]:
+
+def merge_adapter(
+    adapter_dir: str,
+    out_dir: str | Path,
+    base: str = "",
+    dtype: torch.dtype | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[str, list[str]]:
     """Write base + LoRA adapter, merged, as a plain Hugging Face directory in ``dtype`` (default: the base
     model's, from its config.json), with the tokenizer. Returns (the base used, the files written). Merged in
     fp32."""
     import peft
     from transformers import AutoConfig
 
-    from shardtune.publishing.saving import save_hf_model
     from shardtune.model.loading import load_model, load_tokenizer
+    from shardtune.publishing.saving import save_hf_model
 
     peft_type = read_adapter_config(adapter_dir, "--merge").get("peft_type")
     if peft_type != PEFT_TYPES["lora"]:
-        raise ConfigError(f"--merge {adapter_dir}: a {peft_type} adapter has no weights to merge (only LoRA adapters "
-                          "do): load it on its base instead, e.g. shardtune generate --adapter " + str(adapter_dir))
+        raise ConfigError(
+            f"--merge {adapter_dir}: a {peft_type} adapter has no weights to merge (only LoRA adapters "
+            "do): load it on its base instead, e.g. shardtune generate --adapter " + str(adapter_dir)
+        )
     base, adapter = resolve_model_and_adapter(base, adapter_dir, trust_remote_code)
     trust = {"trust_remote_code": trust_remote_code}
     dtype = dtype or AutoConfig.from_pretrained(base, **trust).dtype or torch.float32

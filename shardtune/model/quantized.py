@@ -28,8 +28,12 @@ def load_quantized_on_rank0(cfg: TrainConfig, env: DistEnv) -> nn.Module:
     dist.broadcast_object_list(layout, src=0)
     if model is not None:
         return model
-    model = build_model_on_meta(cfg.model.name, dtype=compute_dtype(cfg, env.device), config=training_model_config(cfg),
-                                trust_remote_code=cfg.model.trust_remote_code)
+    model = build_model_on_meta(
+        cfg.model.name,
+        dtype=compute_dtype(cfg, env.device),
+        config=training_model_config(cfg),
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
     for name, (shape, storage, quant_state) in layout[0].items():
         _replace_with_meta_4bit(model, name, shape, storage, quant_state, env.device)
     model.is_loaded_in_4bit = True  # what peft reads to treat the base as quantised
@@ -45,14 +49,17 @@ def quantized_layout(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch
     layout = {}
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
-            state = {k: v.cpu() if torch.is_tensor(v) else v
-                     for k, v in module.weight.quant_state.as_dict(packed=True).items()}
+            state = {
+                k: v.cpu() if torch.is_tensor(v) else v
+                for k, v in module.weight.quant_state.as_dict(packed=True).items()
+            }
             layout[name] = (tuple(module.weight.shape), module.weight.dtype, state)
     return layout
 
 
-def _replace_with_meta_4bit(model: nn.Module, name: str, shape: tuple[int, ...], storage: torch.dtype,
-                            quant_state: dict, device: torch.device) -> None:
+def _replace_with_meta_4bit(
+    model: nn.Module, name: str, shape: tuple[int, ...], storage: torch.dtype, quant_state: dict, device: torch.device
+) -> None:
     import bitsandbytes as bnb
     from bitsandbytes.functional import QuantState
 
@@ -60,13 +67,26 @@ def _replace_with_meta_4bit(model: nn.Module, name: str, shape: tuple[int, ...],
     parent = model.get_submodule(parent_name)
     linear = getattr(parent, child_name)
     state = QuantState.from_dict(quant_state, device=device)
-    layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                              compute_dtype=linear.weight.dtype, quant_type=state.quant_type, quant_storage=storage,
-                              device="meta")
-    layer.weight = bnb.nn.Params4bit(torch.empty(shape, dtype=storage, device="meta"), requires_grad=False,
-                                     quant_state=state, blocksize=state.blocksize,
-                                     compress_statistics=state.nested, quant_type=state.quant_type,
-                                     quant_storage=storage, module=layer, bnb_quantized=True)
+    layer = bnb.nn.Linear4bit(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        compute_dtype=linear.weight.dtype,
+        quant_type=state.quant_type,
+        quant_storage=storage,
+        device="meta",
+    )
+    layer.weight = bnb.nn.Params4bit(
+        torch.empty(shape, dtype=storage, device="meta"),
+        requires_grad=False,
+        quant_state=state,
+        blocksize=state.blocksize,
+        compress_statistics=state.nested,
+        quant_type=state.quant_type,
+        quant_storage=storage,
+        module=layer,
+        bnb_quantized=True,
+    )
     layer.quant_state = state
     if linear.bias is not None:
         layer.bias = linear.bias

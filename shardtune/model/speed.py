@@ -57,25 +57,32 @@ def check_attention_fits(cfg: TrainConfig, config) -> None:
     if cfg.model.attn_implementation in ("", "eager"):
         return
     if soft_caps_logits(config):
-        raise ConfigError(f"--attn_implementation {cfg.model.attn_implementation} cannot compute {config.model_type}'s "
-                          "soft-capped attention logits: pass --attn_implementation eager, or drop the flag")
+        raise ConfigError(
+            f"--attn_implementation {cfg.model.attn_implementation} cannot compute {config.model_type}'s "
+            "soft-capped attention logits: pass --attn_implementation eager, or drop the flag"
+        )
 
 
 def check_attn_implementation(cfg: TrainConfig, world_size: int) -> None:
     if cfg.model.attn_implementation != "flash_attention_2":
         return
     if importlib.util.find_spec("flash_attn") is None:
-        raise ConfigError("--attn_implementation flash_attention_2 needs the flash-attn package (pip install "
-                          "flash-attn, CUDA): install it, or drop the flag (SDPA)")
+        raise ConfigError(
+            "--attn_implementation flash_attention_2 needs the flash-attn package (pip install "
+            "flash-attn, CUDA): install it, or drop the flag (SDPA)"
+        )
     if not torch.cuda.is_available():
-        raise ConfigError("--attn_implementation flash_attention_2 needs CUDA GPUs, and this machine has none: drop "
-                          "the flag (SDPA)")
+        raise ConfigError(
+            "--attn_implementation flash_attention_2 needs CUDA GPUs, and this machine has none: drop the flag (SDPA)"
+        )
 
 
 def apply_fast_kernels(model: nn.Module, device: torch.device) -> list[str]:
     if device.type != "cuda":
-        return ["fast kernels: on CPU the fastest attention is PyTorch SDPA (already in use); flash-attention and "
-                "liger-kernel need CUDA"]
+        return [
+            "fast kernels: on CPU the fastest attention is PyTorch SDPA (already in use); flash-attention and "
+            "liger-kernel need CUDA"
+        ]
     notes = []
     if importlib.util.find_spec("flash_attn") is not None:
         model.set_attn_implementation("flash_attention_2")
@@ -95,8 +102,9 @@ def apply_liger(model: nn.Module) -> str:
     patch = getattr(liger, f"apply_liger_kernel_to_{model_type}", None)
     if patch is None:
         return f"fused kernels: none (liger-kernel has no kernels for model type {model_type!r})"
-    wanted = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False,
-                  model=model)
+    wanted = dict(
+        rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False, model=model
+    )
     accepted = inspect.signature(patch).parameters
     patch(**{k: v for k, v in wanted.items() if k in accepted})
     return "fused kernels: liger-kernel RMSNorm, SwiGLU, RoPE"

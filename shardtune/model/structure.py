@@ -24,8 +24,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The outermost modules whose class is a no-split block: the units FSDP wraps one by one."""
     names = no_split_class_names(model)
     if not names:
-        raise ValueError(f"{type(model).__name__} declares no _no_split_modules: shardtune cannot tell its decoder "
-                         "layer class; use a Hugging Face causal LM that declares it")
+        raise ValueError(
+            f"{type(model).__name__} declares no _no_split_modules: shardtune cannot tell its decoder "
+            "layer class; use a Hugging Face causal LM that declares it"
+        )
     layers: list[nn.Module] = []
     inside: set[int] = set()
     for module in model.modules():
@@ -43,8 +45,10 @@ def layer_list(model: nn.Module) -> nn.ModuleList:
     """The ``model.layers`` list of a transformers causal LM (what --compile compiles layer by layer)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"--compile: {type(model).__name__} has no model.layers list of decoder layers: drop "
-                         "--compile for this model")
+        raise ValueError(
+            f"--compile: {type(model).__name__} has no model.layers list of decoder layers: drop "
+            "--compile for this model"
+        )
     return layers
 
 
@@ -58,8 +62,9 @@ def check_model_structure(cfg: TrainConfig) -> None:
         try:
             decoder_layers(model)
         except ValueError as e:
-            raise ConfigError(f"--enable_fsdp: {e}; or train it with DDP or --enable_deepspeed, which need no "
-                              "layer class") from None
+            raise ConfigError(
+                f"--enable_fsdp: {e}; or train it with DDP or --enable_deepspeed, which need no layer class"
+            ) from None
     if cfg.model.compile:
         try:
             layer_list(model)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from shardtune.config.schema import TrainConfig
-from shardtune.runtime.distributed import DistEnv
 from shardtune.parallel.base import Strategy
+from shardtune.runtime.distributed import DistEnv
 
 
 def make_strategy(cfg: TrainConfig, env: DistEnv) -> Strategy:

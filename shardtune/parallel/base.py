@@ -14,16 +14,21 @@ from typing import Callable, ContextManager
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     get_state_dict, set_optimizer_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardtune.config.schema import TrainConfig
-from shardtune.runtime.distributed import DistEnv
-from shardtune.parallel.dims import ParallelDims
-from shardtune.runtime.precision import bf16_compute_available
 from shardtune.model.structure import unwrapped_name
-
+from shardtune.parallel.dims import ParallelDims
+from shardtune.runtime.distributed import DistEnv
+from shardtune.runtime.precision import bf16_compute_available
 
 # Checkpoints hold what training changes: frozen base weights (PEFT) are left out.
 TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
@@ -99,9 +104,13 @@ class Strategy(ABC):
 
         return build_optimizer(model, self.cfg)
 
-    def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
-                      allow_step: Callable[[torch.Tensor | float | None], bool]
-                      ) -> tuple[torch.Tensor | float | None, bool]:
+    def clip_and_step(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | None,
+        allow_step: Callable[[torch.Tensor | float | None], bool],
+    ) -> tuple[torch.Tensor | float | None, bool]:
         """Clip to max_norm (None: no clipping), ask allow_step(global norm before clipping, a device tensor) whether
         to update (it raises to stop; False skips the update and drops the gradients), then step.
         Returns (grad norm or None, whether the weights were updated)."""
@@ -134,8 +143,11 @@ class Strategy(ABC):
             options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
             state = get_model_state_dict(inner, options=options)
         trainable = {unwrapped_name(name) for name, p in inner.named_parameters() if p.requires_grad}
-        return {unwrapped_name(k): v for k, v in state.items() if unwrapped_name(k) in trainable} \
-            if self.env.rank == 0 else None
+        return (
+            {unwrapped_name(k): v for k, v in state.items() if unwrapped_name(k) in trainable}
+            if self.env.rank == 0
+            else None
+        )
 
     def _state_from_parameters(self) -> bool:
         """bitsandbytes' 8-bit layers add state-dict entries that are not attributes (SCB, weight_format), which
@@ -152,8 +164,10 @@ class Strategy(ABC):
         """
         if self._state_from_parameters():
             model_state = {k: p.detach() for k, p in self._trainable_parameters(model).items()}
-            return {"model": model_state, "optimizer": get_optimizer_state_dict(model, optimizer,
-                                                                                options=TRAINABLE_ONLY)}
+            return {
+                "model": model_state,
+                "optimizer": get_optimizer_state_dict(model, optimizer, options=TRAINABLE_ONLY),
+            }
         model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
         return {"model": without_quantization_state(model_state), "optimizer": optimizer_state}
 
@@ -169,8 +183,13 @@ class Strategy(ABC):
                     p.copy_(state["model"][name])
             set_optimizer_state_dict(model, optimizer, state["optimizer"], options=TRAINABLE_ONLY)
             return
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=StateDictOptions(ignore_frozen_params=True, strict=False))
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(ignore_frozen_params=True, strict=False),
+        )
 
     def save_training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
         """Every rank writes its part of the model and optimizer state into ``directory`` (a checkpoint's staging
@@ -182,8 +201,9 @@ class Strategy(ABC):
             del state["optimizer"]
         dcp.save(state, checkpoint_id=directory)
 
-    def load_training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path,
-                            saved: dict) -> None:
+    def load_training_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, saved: dict
+    ) -> None:
         """Every rank reads back what save_training_state wrote (``saved``: the checkpoint's trainer_state; a
         DeepSpeed checkpoint never gets here, --resume refuses it before launch)."""
         import torch.distributed.checkpoint as dcp
@@ -201,22 +221,27 @@ class Strategy(ABC):
         return {}
 
     def describe(self) -> str:
-        return (f"{self.name}, world size {self.env.world_size}{self.describe_split()}, compute dtype "
-                f"{dtype_name(self.compute_dtype)}"
-                + (", activation checkpointing" if self.cfg.parallel.activation_checkpointing else ""))
+        return (
+            f"{self.name}, world size {self.env.world_size}{self.describe_split()}, compute dtype "
+            f"{dtype_name(self.compute_dtype)}"
+            + (", activation checkpointing" if self.cfg.parallel.activation_checkpointing else "")
+        )
 
     def describe_split(self) -> str:
         """How rows are split (empty when they are not): part of every strategy's start line."""
         if not self.dims.sequence_split:
             return ""
-        return (f", rows split over context parallel {self.dims.cp} x sequence parallel {self.dims.sp} "
-                f"(data parallel {self.dims.dp_size})")
+        return (
+            f", rows split over context parallel {self.dims.cp} x sequence parallel {self.dims.sp} "
+            f"(data parallel {self.dims.dp_size})"
+        )
 
 
 def without_quantization_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop bitsandbytes' 4-bit statistics (``...weight.absmax``, ``.quant_map``, ``.quant_state.*``): they belong to
     the frozen base, come back with it when it is loaded, and only unsharded (DDP) layers list them, so a checkpoint
     that held them could not be read under FSDP, nor an FSDP one under DDP."""
+
     def is_quantization_state(key: str) -> bool:
         _, found, rest = key.rpartition(".weight.")
         return bool(found) and (rest in QUANT_STATE_KEYS or rest.startswith("quant_state."))
@@ -225,8 +250,22 @@ def without_quantization_state(state: dict[str, torch.Tensor]) -> dict[str, torc
 
 
 # the entries bitsandbytes' QuantState.as_dict adds after "weight." (bitsandbytes.functional.QuantState.valid_qs_keys)
-QUANT_STATE_KEYS = frozenset({"absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state", "quant_type",
-                              "blocksize", "dtype", "shape", "nested_blocksize", "nested_dtype", "nested_offset"})
+QUANT_STATE_KEYS = frozenset(
+    {
+        "absmax",
+        "quant_map",
+        "nested_absmax",
+        "nested_quant_map",
+        "quant_state",
+        "quant_type",
+        "blocksize",
+        "dtype",
+        "shape",
+        "nested_blocksize",
+        "nested_dtype",
+        "nested_offset",
+    }
+)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

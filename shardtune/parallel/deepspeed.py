@@ -23,12 +23,12 @@ from torch import nn
 
 from shardtune.config.dialects.deepspeed import DEEPSPEED_OWNED_KEYS, deepspeed_file_config
 from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
-from shardtune.runtime.distributed import DistEnv
-from shardtune.runtime.errors import CheckpointError, TrainingStopped
-from shardtune.parallel.optim import build_optimizer
 from shardtune.model.structure import unwrapped_name
 from shardtune.parallel.base import Strategy, dtype_name
 from shardtune.parallel.fsdp import checkpoint_activations
+from shardtune.parallel.optim import build_optimizer
+from shardtune.runtime.distributed import DistEnv
+from shardtune.runtime.errors import CheckpointError, TrainingStopped
 
 DEEPSPEED_TAG = "deepspeed"  # the sub-folder of a checkpoint that DeepSpeed's save_checkpoint writes
 
@@ -40,8 +40,10 @@ def import_deepspeed():
     try:
         import deepspeed
     except ImportError as e:
-        raise ConfigError(f"--enable_deepspeed needs DeepSpeed ({e}): pip install --no-build-isolation "
-                          "'shardtune[deepspeed]' (its build needs torch), or drop the flag") from None
+        raise ConfigError(
+            f"--enable_deepspeed needs DeepSpeed ({e}): pip install --no-build-isolation "
+            "'shardtune[deepspeed]' (its build needs torch), or drop the flag"
+        ) from None
     return deepspeed
 
 
@@ -107,8 +109,9 @@ class DeepSpeedStrategy(Strategy):
         checkpoint_activations(model, self.cfg)
         self.optimizer = build_optimizer(model, self.cfg)
         config = deepspeed_config(self.cfg, self.env.world_size, self.compute_dtype)
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=config,
-                                                    dist_init_required=False)
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=self.optimizer, config=config, dist_init_required=False
+        )
         return self.engine
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -141,8 +144,13 @@ class DeepSpeedStrategy(Strategy):
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)
 
-    def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
-                      allow_step: Callable[[float | None], bool]) -> tuple[float | None, bool]:
+    def clip_and_step(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | None,
+        allow_step: Callable[[float | None], bool],
+    ) -> tuple[float | None, bool]:
         """DeepSpeed reduces, measures, clips and updates in one step(): the loss is checked before it, the grad norm
         (the engine's, over all partitions, before clipping) after it."""
         if not allow_step(None):  # a non-finite loss: stop raised before the update (nan_policy skip is refused)
@@ -154,10 +162,12 @@ class DeepSpeedStrategy(Strategy):
         norm = float(norm) if norm is not None else None
         # fp16: DeepSpeed's loss scaler skips overflowing steps itself (as the GradScaler does for DDP / FSDP)
         if norm is not None and not math.isfinite(norm) and self.compute_dtype != torch.float16:
-            raise TrainingStopped(f"non-finite gradient norm {norm} at optimizer step {self.engine.global_steps}, "
-                                  "found by DeepSpeed's step, which clips and updates in one call, so the weights "
-                                  "took that update: lower --lr, or use --enable_fsdp with --nan_policy stop to stop "
-                                  "before the update")
+            raise TrainingStopped(
+                f"non-finite gradient norm {norm} at optimizer step {self.engine.global_steps}, "
+                "found by DeepSpeed's step, which clips and updates in one call, so the weights "
+                "took that update: lower --lr, or use --enable_fsdp with --nan_policy stop to stop "
+                "before the update"
+            )
         return norm, True
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -166,21 +176,29 @@ class DeepSpeedStrategy(Strategy):
     def save_training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
         """DeepSpeed's own checkpoint (each rank its ZeRO partitions) under ``directory/deepspeed``; frozen base
         weights (PEFT) are left out, as in the other strategies' checkpoints."""
-        self.engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG, save_latest=False,
-                                    exclude_frozen_parameters=bool(self.cfg.peft.method))
+        self.engine.save_checkpoint(
+            str(directory), tag=DEEPSPEED_TAG, save_latest=False, exclude_frozen_parameters=bool(self.cfg.peft.method)
+        )
 
-    def load_training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path,
-                            saved: dict) -> None:
+    def load_training_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, saved: dict
+    ) -> None:
         """--resume was checked before launch; this catches a torchrun restart on another number of nodes."""
         problem = deepspeed_resume_problem(directory, saved, self.env.world_size, self.zero_stage)
         if problem:
             raise CheckpointError(problem)
-        loaded, _ = self.engine.load_checkpoint(str(directory), tag=DEEPSPEED_TAG,
-                                                load_module_strict=not bool(self.cfg.peft.method),
-                                                load_optimizer_states=True, load_lr_scheduler_states=False)
+        loaded, _ = self.engine.load_checkpoint(
+            str(directory),
+            tag=DEEPSPEED_TAG,
+            load_module_strict=not bool(self.cfg.peft.method),
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+        )
         if loaded is None:
-            raise CheckpointError(f"DeepSpeed found no checkpoint in {directory / DEEPSPEED_TAG}: the checkpoint is "
-                                  "incomplete; resume from an earlier one (--resume PATH)")
+            raise CheckpointError(
+                f"DeepSpeed found no checkpoint in {directory / DEEPSPEED_TAG}: the checkpoint is "
+                "incomplete; resume from an earlier one (--resume PATH)"
+            )
 
     def checkpoint_state(self) -> dict:
         return {"zero_stage": self.zero_stage}
@@ -220,8 +238,10 @@ class DeepSpeedStrategy(Strategy):
     def describe(self) -> str:
         dc = self.cfg.parallel
         offload = [what for what, on in (("optimizer", dc.offload_optimizer), ("parameters", dc.offload_param)) if on]
-        text = (f"deepspeed ZeRO-{self.zero_stage}, world size {self.env.world_size}{self.describe_split()}, "
-                f"compute dtype {dtype_name(self.compute_dtype)}")
+        text = (
+            f"deepspeed ZeRO-{self.zero_stage}, world size {self.env.world_size}{self.describe_split()}, "
+            f"compute dtype {dtype_name(self.compute_dtype)}"
+        )
         text += f", {' and '.join(offload)} offloaded to CPU" if offload else ""
         return text + (", activation checkpointing" if self.cfg.parallel.activation_checkpointing else "")
 
@@ -231,6 +251,8 @@ def deepspeed_resume_problem(path: Path, saved: dict, world_size: int, zero_stag
     stage = saved.get("zero_stage")
     if saved["world_size"] == world_size and stage == zero_stage:
         return None
-    return (f"{path} holds DeepSpeed ZeRO-{stage} partitions of {saved['world_size']} processes, and this run is "
-            f"ZeRO-{zero_stage} on {world_size}: resume with --nproc_per_node {saved['world_size']} (x nodes) and "
-            f"--deepspeed_config.zero_stage {stage}, or start a new run from its export (shardtune export)")
+    return (
+        f"{path} holds DeepSpeed ZeRO-{stage} partitions of {saved['world_size']} processes, and this run is "
+        f"ZeRO-{zero_stage} on {world_size}: resume with --nproc_per_node {saved['world_size']} (x nodes) and "
+        f"--deepspeed_config.zero_stage {stage}, or start a new run from its export (shardtune export)"
+    )

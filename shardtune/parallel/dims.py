@@ -53,8 +53,10 @@ class ParallelDims:
         if cp < 1 or sp < 1:
             raise ConfigError(f"--context_parallel_size {cp} and --sequence_parallel_size {sp} must be >= 1")
         if world_size % (cp * sp):
-            raise ConfigError(f"--context_parallel_size {cp} x --sequence_parallel_size {sp} = {cp * sp} does not "
-                              f"divide the world size {world_size}: pick sizes whose product divides {world_size}")
+            raise ConfigError(
+                f"--context_parallel_size {cp} x --sequence_parallel_size {sp} = {cp * sp} does not "
+                f"divide the world size {world_size}: pick sizes whose product divides {world_size}"
+            )
         dp = world_size // (cp * sp)
         replicas = data_parallel_replicas(cfg, world_size, local_world_size or world_size, cp * sp)
         return cls(dp_replicate=replicas, dp_shard=dp // replicas, cp=cp, sp=sp)
@@ -109,9 +111,11 @@ def data_parallel_replicas(cfg: TrainConfig, world_size: int, local_world_size: 
     if not shard_group:
         shard_group = world_size // fc.replica_group_size if fc.replica_group_size else local_world_size
     if shard_group % sequence_ranks or world_size % shard_group:
-        raise ConfigError(f"the HYBRID_SHARD sharding group of {shard_group} processes must hold whole context x "
-                          f"sequence parallel groups of {sequence_ranks} and divide the world size {world_size}: "
-                          "set --fsdp_config.sharding_group_size to such a multiple")
+        raise ConfigError(
+            f"the HYBRID_SHARD sharding group of {shard_group} processes must hold whole context x "
+            f"sequence parallel groups of {sequence_ranks} and divide the world size {world_size}: "
+            "set --fsdp_config.sharding_group_size to such a multiple"
+        )
     return world_size // shard_group
 
 
@@ -129,11 +133,18 @@ def check_parallel_dims(cfg: TrainConfig, world_size: int) -> None:
     dims = ParallelDims.from_config(cfg, world_size)
     if not dims.sequence_split:
         return
-    flags = " / ".join(f"--{name} {value}" for name, value in (("sequence_parallel_size", dims.sp),
-                                                                ("context_parallel_size", dims.cp)) if value > 1)
+    flags = " / ".join(
+        f"--{name} {value}"
+        for name, value in (("sequence_parallel_size", dims.sp), ("context_parallel_size", dims.cp))
+        if value > 1
+    )
     if bool(cfg.peft.method) and cfg.peft.method in ("prefix", "llama_adapter"):
-        raise ConfigError(f"{flags} cannot split rows with --peft_method {cfg.peft.method} (its virtual tokens are "
-                          "attended outside the split attention): use --peft_method lora, or drop the flag")
+        raise ConfigError(
+            f"{flags} cannot split rows with --peft_method {cfg.peft.method} (its virtual tokens are "
+            "attended outside the split attention): use --peft_method lora, or drop the flag"
+        )
     if cfg.model.compile:
-        raise ConfigError(f"{flags} is not supported with --compile yet (the all-to-all around attention is not "
-                          "compiled): drop one of them")
+        raise ConfigError(
+            f"{flags} is not supported with --compile yet (the all-to-all around attention is not "
+            "compiled): drop one of them"
+        )

@@ -28,33 +28,37 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-from shardtune.config.schema import TrainConfig
 from shardtune.accounting.memory import human_bytes, local_state_bytes
+from shardtune.config.schema import TrainConfig
 from shardtune.model.structure import decoder_layers
 from shardtune.parallel.base import Strategy, dtype_name
 from shardtune.parallel.dims import fsdp_mesh
-from shardtune.runtime.distributed import DistEnv, print0
+from shardtune.runtime.distributed import DistEnv, peak_memory_bytes, print0
 from shardtune.runtime.precision import bf16_compute_available
-from shardtune.runtime.distributed import peak_memory_bytes
 
-PURE_BF16_COST = ("pure bf16: weights, gradients and AdamW state in bf16 (8 significant bits): updates smaller "
-                  "than ~1/256 of a weight are rounded away, so small learning rates train less well than with "
-                  "fp32 master weights")
+PURE_BF16_COST = (
+    "pure bf16: weights, gradients and AdamW state in bf16 (8 significant bits): updates smaller "
+    "than ~1/256 of a weight are rounded away, so small learning rates train less well than with "
+    "fp32 master weights"
+)
 
 
 # -- precision -----------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Precision:
-    load_dtype: torch.dtype          # dtype of the weights as loaded (and of optimizer state)
-    policy: MixedPrecisionPolicy     # what FSDP2 casts to for compute and for the gradient reduction
+    load_dtype: torch.dtype  # dtype of the weights as loaded (and of optimizer state)
+    policy: MixedPrecisionPolicy  # what FSDP2 casts to for compute and for the gradient reduction
     use_grad_scaler: bool
 
     def describe(self) -> str:
         compute = self.policy.param_dtype or self.load_dtype
         reduce = self.policy.reduce_dtype or compute
-        text = (f"weights {dtype_name(self.load_dtype)}, compute {dtype_name(compute)}, "
-                f"gradient reduction {dtype_name(reduce)}")
+        text = (
+            f"weights {dtype_name(self.load_dtype)}, compute {dtype_name(compute)}, "
+            f"gradient reduction {dtype_name(reduce)}"
+        )
         if self.use_grad_scaler:
             text += ", sharded gradient scaler"
         if self.load_dtype == torch.bfloat16:
@@ -68,11 +72,13 @@ def resolve_precision(cfg: TrainConfig, device: torch.device) -> Precision:
     if cfg.train.precision == "pure_bf16":
         return Precision(torch.bfloat16, MixedPrecisionPolicy(), False)
     if cfg.train.precision == "fp16":
-        return Precision(torch.float32, MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32),
-                         True)
+        return Precision(
+            torch.float32, MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32), True
+        )
     if cfg.train.precision == "auto" and bf16_compute_available(device):
-        return Precision(torch.float32, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-                         False)
+        return Precision(
+            torch.float32, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), False
+        )
     return Precision(torch.float32, MixedPrecisionPolicy(), False)
 
 
@@ -81,6 +87,7 @@ def load_dtype(cfg: TrainConfig) -> torch.dtype:
 
 
 # -- units ---------------------------------------------------------------------------------------------------------
+
 
 def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
     """Replace each decoder layer by a non-reentrant checkpoint wrapper; returns the wrappers."""
@@ -109,8 +116,8 @@ def checkpoint_activations(model: nn.Module, cfg) -> None:
 
 # -- low_cpu_fsdp ----------------------------------------------------------------------------------------------------
 
-def materialize_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | None,
-                           device: torch.device) -> None:
+
+def materialize_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | None, device: torch.device) -> None:
     """After sharding a model that is on the meta device on every rank but 0: allocate the local shards, fill them
     with rank 0's weights (broadcast, each rank keeps its shard), and broadcast rank 0's buffers, which covers the
     non-persistent ones no state dict carries (e.g. rotary inv_freq)."""
@@ -122,8 +129,9 @@ def materialize_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor]
     is_rank0 = dist.get_rank() == 0
     rank0_buffers = [b.detach().clone() for b in model.buffers()] if is_rank0 else []
     model.to_empty(device=device)
-    set_model_state_dict(model, full_state if is_rank0 else {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(
+        model, full_state if is_rank0 else {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
     with torch.no_grad():
         for i, buf in enumerate(model.buffers()):
             if is_rank0:
@@ -148,6 +156,7 @@ def gather_peak_host_memory() -> list[int]:
 
 # -- the strategy ----------------------------------------------------------------------------------------------------
 
+
 class FSDPStrategy(Strategy):
     name = "fsdp"
 
@@ -170,9 +179,13 @@ class FSDPStrategy(Strategy):
         if fc.activation_checkpointing:
             layers = apply_activation_checkpointing(model, layers)
         reshard = fc.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
-        kwargs = dict(mesh=self.fsdp_mesh, mp_policy=self.precision.policy,
-                      offload_policy=CPUOffloadPolicy(pin_memory=self.env.device.type == "cuda") if self.offload
-                      else OffloadPolicy())
+        kwargs = dict(
+            mesh=self.fsdp_mesh,
+            mp_policy=self.precision.policy,
+            offload_policy=CPUOffloadPolicy(pin_memory=self.env.device.type == "cuda")
+            if self.offload
+            else OffloadPolicy(),
+        )
         for layer in layers:
             fully_shard(layer, reshard_after_forward=reshard, **kwargs)
         fully_shard(model, reshard_after_forward=reshard, **kwargs)
@@ -190,8 +203,10 @@ class FSDPStrategy(Strategy):
             materialize_from_rank0(model, full_state, torch.device("cpu") if self.offload else self.env.device)
             del full_state
         peaks = gather_peak_host_memory()
-        print0("fsdp: peak host memory per rank after loading and sharding: "
-               + ", ".join(f"rank {r} {b / 2**20:,.0f} MiB" for r, b in enumerate(peaks)))
+        print0(
+            "fsdp: peak host memory per rank after loading and sharding: "
+            + ", ".join(f"rank {r} {b / 2**20:,.0f} MiB" for r, b in enumerate(peaks))
+        )
         if self.precision.use_grad_scaler:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -243,18 +258,30 @@ class FSDPStrategy(Strategy):
         fc = self.cfg.parallel
         assert self.fsdp_mesh is not None, "describe() after wrap()"
         shape = f"replicate {self.dims.dp_replicate} x shard {self.fsdp_mesh.shape[-1]}"
-        extras = [x for x, on in (("activation checkpointing", fc.activation_checkpointing),
-                                  ("CPU offload", self.offload), ("low_cpu_fsdp", self.cfg.parallel.low_cpu_fsdp)) if on]
-        return (f"fsdp2 {fc.sharding_strategy}, world size {self.env.world_size}, mesh ({shape})"
-                f"{self.describe_split()}, "
-                f"{self.precision.describe()}" + "".join(f", {x}" for x in extras))
+        extras = [
+            x
+            for x, on in (
+                ("activation checkpointing", fc.activation_checkpointing),
+                ("CPU offload", self.offload),
+                ("low_cpu_fsdp", self.cfg.parallel.low_cpu_fsdp),
+            )
+            if on
+        ]
+        return (
+            f"fsdp2 {fc.sharding_strategy}, world size {self.env.world_size}, mesh ({shape})"
+            f"{self.describe_split()}, "
+            f"{self.precision.describe()}" + "".join(f", {x}" for x in extras)
+        )
 
 
 def per_rank_state_line(model: nn.Module) -> str:
-    """The start log's line: this rank's training state, from the local shards it holds (shardtune.accounting.memory)."""
+    """The start log's line: this rank's training state, from the local shards it holds
+    (shardtune.accounting.memory)."""
     state = local_state_bytes(model)
-    return (f"fsdp: per-rank training state (rank 0's local shards): params {human_bytes(state.params)}, "
-            f"grads {human_bytes(state.grads)}, AdamW state {human_bytes(state.optimizer)}")
+    return (
+        f"fsdp: per-rank training state (rank 0's local shards): params {human_bytes(state.params)}, "
+        f"grads {human_bytes(state.grads)}, AdamW state {human_bytes(state.optimizer)}"
+    )
 
 
 @contextlib.contextmanager

@@ -18,13 +18,21 @@ def no_decay(name: str, param: nn.Parameter) -> bool:
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if cfg.optim.weight_decay:
-        params: list = [{"params": [p for n, p in named if not no_decay(n, p)], "weight_decay": cfg.optim.weight_decay},
-                        {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0}]
+        params: list = [
+            {"params": [p for n, p in named if not no_decay(n, p)], "weight_decay": cfg.optim.weight_decay},
+            {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0},
+        ]
     else:  # one group, as checkpoints written before weight decay was split hold
         params = [p for _, p in named]
-    hyper = dict(lr=cfg.optim.lr, betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2), eps=cfg.optim.adam_epsilon,
-                 weight_decay=cfg.optim.weight_decay)
-    if cfg.optim.optimizer in EIGHT_BIT:  # bitsandbytes' blockwise 8-bit moments (tensors under 4096 values keep 32-bit ones)
+    hyper = dict(
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2),
+        eps=cfg.optim.adam_epsilon,
+        weight_decay=cfg.optim.weight_decay,
+    )
+    if (
+        cfg.optim.optimizer in EIGHT_BIT
+    ):  # bitsandbytes' blockwise 8-bit moments (tensors under 4096 values keep 32-bit ones)
         import bitsandbytes as bnb
 
         eight_bit = bnb.optim.PagedAdamW8bit if cfg.optim.optimizer == "paged_adamw_8bit" else bnb.optim.AdamW8bit
@@ -41,14 +49,18 @@ def check_optim(cfg: TrainConfig, world_size: int) -> None:
     if cfg.optim.optimizer not in EIGHT_BIT:
         return
     if cfg.parallel.strategy == "fsdp" or cfg.parallel.strategy == "deepspeed":
-        raise ConfigError(f"--optim {cfg.optim.optimizer} runs under DDP (bitsandbytes steps whole tensors, not FSDP's or "
-                          "ZeRO's shards): drop --enable_fsdp / --enable_deepspeed, or use --optim adamw_torch "
-                          "(its state is sharded there)")
+        raise ConfigError(
+            f"--optim {cfg.optim.optimizer} runs under DDP (bitsandbytes steps whole tensors, not FSDP's or "
+            "ZeRO's shards): drop --enable_fsdp / --enable_deepspeed, or use --optim adamw_torch "
+            "(its state is sharded there)"
+        )
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        raise ConfigError(f"--optim {cfg.optim.optimizer} needs bitsandbytes: pip install 'shardtune[qlora]' (or "
-                          "bitsandbytes), or use --optim adamw_torch") from None
+        raise ConfigError(
+            f"--optim {cfg.optim.optimizer} needs bitsandbytes: pip install 'shardtune[qlora]' (or "
+            "bitsandbytes), or use --optim adamw_torch"
+        ) from None
 
 
 def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
@@ -84,23 +96,30 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_st
         return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.optim.gamma), "epoch"
     steps_per_epoch = steps_per_epoch or total_steps
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(cfg, step, total_steps, steps_per_epoch)), "step"
+        optimizer, lambda step: lr_factor(cfg, step, total_steps, steps_per_epoch)
+    ), "step"
 
 
 def check_schedule(cfg: TrainConfig, world_size: int) -> None:
     if cfg.optim.lr_scheduler == "constant" and cfg.optim.warmup_steps:
-        raise ConfigError("--lr_scheduler constant has no warm-up, but a warm-up is set: use --lr_scheduler "
-                          "constant_with_warmup, or drop --warmup_steps / --warmup_ratio")
+        raise ConfigError(
+            "--lr_scheduler constant has no warm-up, but a warm-up is set: use --lr_scheduler "
+            "constant_with_warmup, or drop --warmup_steps / --warmup_ratio"
+        )
     floors = {"min_lr_rate": cfg.optim.min_lr_rate, "min_lr": cfg.optim.min_lr}
     if cfg.optim.lr_scheduler != "cosine_with_min_lr":
         for name, value in floors.items():
             if value:
-                raise ConfigError(f"--{name} {value} has no effect with --lr_scheduler {cfg.optim.lr_scheduler}: use "
-                                  "--lr_scheduler cosine_with_min_lr, or drop it")
+                raise ConfigError(
+                    f"--{name} {value} has no effect with --lr_scheduler {cfg.optim.lr_scheduler}: use "
+                    "--lr_scheduler cosine_with_min_lr, or drop it"
+                )
         return
     if bool(cfg.optim.min_lr_rate) == bool(cfg.optim.min_lr):
-        raise ConfigError("--lr_scheduler cosine_with_min_lr needs exactly one of --min_lr_rate and --min_lr "
-                          "(TRL: --lr_scheduler_kwargs '{\"min_lr_rate\": 0.1}')")
+        raise ConfigError(
+            "--lr_scheduler cosine_with_min_lr needs exactly one of --min_lr_rate and --min_lr "
+            "(TRL: --lr_scheduler_kwargs '{\"min_lr_rate\": 0.1}')"
+        )
     if cfg.optim.min_lr >= cfg.optim.lr:
         raise ConfigError(f"--min_lr {cfg.optim.min_lr} must be below --lr {cfg.optim.lr}")
 
@@ -110,7 +129,9 @@ def apply_settings_on_resume(optimizer: torch.optim.Optimizer, scheduler, cfg: T
     replace the checkpoint's (the moments are kept), and the schedule continues at its position with the new peak
     lr (each group's lr keeps its ratio to the schedule's peak). Without this the restored state silently puts the
     checkpoint's hyperparameters back while config.yaml records the new ones."""
-    bases = list(getattr(scheduler, "base_lrs", [])) or [g.get("initial_lr", cfg.optim.lr) for g in optimizer.param_groups]
+    bases = list(getattr(scheduler, "base_lrs", [])) or [
+        g.get("initial_lr", cfg.optim.lr) for g in optimizer.param_groups
+    ]
     for group, base in zip(optimizer.param_groups, bases):
         group["lr"] = cfg.optim.lr * (group["lr"] / base) if base else cfg.optim.lr
         group["initial_lr"] = cfg.optim.lr

@@ -37,9 +37,17 @@ def load_balanced_chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
     return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
-def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, group: dist.ProcessGroup | None,
-                   cu_seq_lens: torch.Tensor, chunk_ids: tuple[int, int], chunk_len: int,
-                   scaling: float | None = None) -> torch.Tensor:
+def ring_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None,
+    cu_seq_lens: torch.Tensor,
+    chunk_ids: tuple[int, int],
+    chunk_len: int,
+    scaling: float | None = None,
+) -> torch.Tensor:
     """Causal attention of this rank's tokens against the whole row, within documents.
 
     query (1, H, T, D), key / value (1, H_kv, T, D) with ``T = 2 * chunk_len``: this rank's chunks ``chunk_ids``
@@ -49,16 +57,20 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if query.shape[0] != 1:
         raise ValueError(f"ring attention takes one row (batch 1), got a batch of {query.shape[0]}")
     if query.shape[2] != 2 * chunk_len or key.shape[2] != query.shape[2] or value.shape != key.shape:
-        raise ValueError(f"ring attention: q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)} "
-                         f"do not hold two chunks of {chunk_len} tokens")
+        raise ValueError(
+            f"ring attention: q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)} "
+            f"do not hold two chunks of {chunk_len} tokens"
+        )
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"ring attention: {query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     layout = _Layout(group, tuple(chunk_ids), chunk_len, tuple(int(b) for b in cu_seq_lens.tolist()))
     row_tokens = 2 * layout.size * chunk_len
     if layout.bounds[0] != 0 or layout.bounds[-1] != row_tokens:
-        raise ValueError(f"ring attention: cu_seq_lens must run from 0 to the whole row's {row_tokens} tokens "
-                         f"(padding included), got {layout.bounds[0]} .. {layout.bounds[-1]}")
+        raise ValueError(
+            f"ring attention: cu_seq_lens must run from 0 to the whole row's {row_tokens} tokens "
+            f"(padding included), got {layout.bounds[0]} .. {layout.bounds[-1]}"
+        )
     out = _RingAttention.apply(query[0], key[0], value[0], layout, scale)
     return out.transpose(0, 1).unsqueeze(0).contiguous()
 
@@ -101,7 +113,7 @@ class _Layout:
         k_hi = k_lo + length
         pairs = []
         first = max(bisect.bisect_right(self.bounds, k_lo) - 1, 0)
-        for doc_start, doc_end in zip(self.bounds[first:-1], self.bounds[first + 1:]):
+        for doc_start, doc_end in zip(self.bounds[first:-1], self.bounds[first + 1 :]):
             if doc_start >= q_hi:
                 break
             qs, qe, ks, ke = max(doc_start, q_lo), min(doc_end, q_hi), max(doc_start, k_lo), min(doc_end, k_hi)
@@ -129,8 +141,11 @@ def _local_pairs(layout: _Layout, q_chunks: tuple[int, int], k_chunks: tuple[int
     for qi, q_chunk in enumerate(q_chunks):
         for ki, k_chunk in enumerate(k_chunks):
             for q_rows, k_rows, causal in layout.segment_pairs(q_chunk, k_chunk):
-                yield (slice(q_rows.start + qi * length, q_rows.stop + qi * length),
-                       slice(k_rows.start + ki * length, k_rows.stop + ki * length), causal)
+                yield (
+                    slice(q_rows.start + qi * length, q_rows.stop + qi * length),
+                    slice(k_rows.start + ki * length, k_rows.stop + ki * length),
+                    causal,
+                )
 
 
 def _row_tiles(num_rows: int, num_heads: int, num_keys: int, device: torch.device):
@@ -154,8 +169,9 @@ def _grouped(t: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return t.reshape(num_kv_heads, t.shape[0] // num_kv_heads, *t.shape[1:])
 
 
-def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                   pairs, scale: float) -> None:
+def _block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, pairs, scale: float
+) -> None:
     """Merge the attention of q (H_kv, G, T, D) onto one held K/V block into out / lse (fp32, in place)."""
     for q_rows, k_rows, causal in pairs:
         k_seg, v_seg = k[:, k_rows], v[:, k_rows]
@@ -166,8 +182,9 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
             block_lse = torch.logsumexp(scores, dim=-1)
             block_out = torch.matmul(torch.exp(scores - block_lse.unsqueeze(-1)), v_seg[:, keys].unsqueeze(1))
             merged = torch.logaddexp(lse[:, :, rows], block_lse)
-            out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged).unsqueeze(-1)
-                               + block_out * torch.exp(block_lse - merged).unsqueeze(-1))
+            out[:, :, rows] = out[:, :, rows] * torch.exp(lse[:, :, rows] - merged).unsqueeze(
+                -1
+            ) + block_out * torch.exp(block_lse - merged).unsqueeze(-1)
             lse[:, :, rows] = merged
 
 

@@ -38,9 +38,9 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from shardtune.model.attention import varlen_attention_forward, varlen_mask
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.batching import EXAMPLE_IDS, EXAMPLE_LENGTHS
+from shardtune.model.attention import varlen_attention_forward, varlen_mask
 from shardtune.model.loss import IGNORE_INDEX, SEQUENCE_LAYOUT, SHIFT_LABELS, shift_labels
 from shardtune.parallel.dims import ParallelDims
 
@@ -54,9 +54,11 @@ PER_SEQUENCE_KEYS = ("ref_logps", "completion_lengths")
 
 # -- data side -------------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class RowSlice:
     """Which slice of every row this rank computes."""
+
     cp_rank: int
     cp_size: int
     sp_rank: int
@@ -89,8 +91,9 @@ class RowSlice:
 @dataclass(frozen=True)
 class SequenceLayout:
     """What attention needs to know about the whole row a split micro-batch is a slice of."""
+
     cu_seq_lens: torch.Tensor  # int32 document boundaries of the whole padded row, in global token indices
-    max_length: int            # longest document
+    max_length: int  # longest document
     chunk_ids: tuple[int, int]  # the row's chunks (of 2 x cp) this context-parallel rank holds
     chunk_len: int
 
@@ -125,13 +128,17 @@ def split_row(batch: dict[str, torch.Tensor], row_slice: RowSlice, pad_id: int) 
     start = row_slice.sp_rank * slice_len
 
     def mine(row: torch.Tensor) -> torch.Tensor:
-        shard = torch.cat([row[:, c * chunk_len:(c + 1) * chunk_len] for c in chunk_ids], dim=1)
-        return shard[:, start:start + slice_len].contiguous()
+        shard = torch.cat([row[:, c * chunk_len : (c + 1) * chunk_len] for c in chunk_ids], dim=1)
+        return shard[:, start : start + slice_len].contiguous()
 
     sequence = torch.repeat_interleave(torch.arange(len(cu_seq_lens) - 1), cu_seq_lens.diff().long())[None]
-    split = {"input_ids": mine(input_ids), "position_ids": mine(position_ids), SHIFT_LABELS: mine(targets),
-             SEQUENCE_INDEX: mine(sequence),
-             SEQUENCE_LAYOUT: SequenceLayout(cu_seq_lens, max_length, chunk_ids, chunk_len)}
+    split = {
+        "input_ids": mine(input_ids),
+        "position_ids": mine(position_ids),
+        SHIFT_LABELS: mine(targets),
+        SEQUENCE_INDEX: mine(sequence),
+        SEQUENCE_LAYOUT: SequenceLayout(cu_seq_lens, max_length, chunk_ids, chunk_len),
+    }
     split.update({key: batch[key] for key in PER_SEQUENCE_KEYS if key in batch})
     for key, fill in ((EXAMPLE_IDS, -1), (EXAMPLE_LENGTHS, 0)):  # LoRA dropout's keys (shardtune.model.lora_dropout)
         if key in batch:
@@ -142,9 +149,11 @@ def split_row(batch: dict[str, torch.Tensor], row_slice: RowSlice, pad_id: int) 
 
 # -- attention side --------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class SequenceGroups:
     """The process groups of this rank's sequence-parallel and context-parallel dimensions (from the mesh)."""
+
     sp_group: dist.ProcessGroup | None
     sp_size: int
     cp_group: dist.ProcessGroup | None
@@ -165,16 +174,27 @@ def use_sequence_attention(model: nn.Module, groups: SequenceGroups) -> str:
     return "long rows split over ranks: " + ", ".join(parts)
 
 
-def sequence_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                       is_causal: bool | None = None, *, groups: SequenceGroups,
-                       sequence_layout: SequenceLayout | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def sequence_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    *,
+    groups: SequenceGroups,
+    sequence_layout: SequenceLayout | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """Attention of a split row: q (1, H, T/sp, D), k / v (1, H_kv, T/sp, D) -> (1, T/sp, H, D).
 
     Without a layout (evaluation, generation: whole rows) it is the varlen attention function."""
     if sequence_layout is None:
-        return varlen_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal,
-                                        **kwargs)
+        return varlen_attention_forward(
+            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
+        )
     layout = sequence_layout
     sp = groups.sp_size
     if sp > 1:
@@ -184,16 +204,37 @@ def sequence_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
         from shardtune.parallel.ring import ring_attention
 
         if module.training and dropout > 0:
-            raise ValueError(f"ring attention has no attention dropout, and this model asks for {dropout}: set the "
-                             "model's attention_dropout to 0, or use --sequence_parallel_size instead")
+            raise ValueError(
+                f"ring attention has no attention dropout, and this model asks for {dropout}: set the "
+                "model's attention_dropout to 0, or use --sequence_parallel_size instead"
+            )
 
-        out = ring_attention(query, key, value, group=groups.cp_group, cu_seq_lens=layout.cu_seq_lens,
-                             chunk_ids=layout.chunk_ids, chunk_len=layout.chunk_len, scaling=scaling)
+        out = ring_attention(
+            query,
+            key,
+            value,
+            group=groups.cp_group,
+            cu_seq_lens=layout.cu_seq_lens,
+            chunk_ids=layout.chunk_ids,
+            chunk_len=layout.chunk_len,
+            scaling=scaling,
+        )
     else:
         cu = layout.cu_seq_lens
-        out, _ = varlen_attention_forward(module, query, key, value, None, dropout, scaling, is_causal,
-                                          cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=layout.max_length,
-                                          max_length_k=layout.max_length)
+        out, _ = varlen_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            None,
+            dropout,
+            scaling,
+            is_causal,
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=layout.max_length,
+            max_length_k=layout.max_length,
+        )
     if sp > 1:
         out = sequence_for_heads(out, groups.sp_group, sp)
     return out, None
@@ -232,19 +273,24 @@ def all_to_all(send: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 # -- checks before launch --------------------------------------------------------------------------------------------
 
+
 def check_sequence_split(cfg: TrainConfig, model_config) -> None:
     """What the model's shape allows (read from its config.json in prepare(), before any process starts)."""
     sp, cp = cfg.parallel.sequence_parallel_size, cfg.parallel.context_parallel_size
     heads = getattr(model_config, "num_attention_heads", None)
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     if sp > 1 and heads is not None and heads % sp:
-        raise ConfigError(f"--sequence_parallel_size {sp} must divide the model's {heads} attention heads "
-                          f"({kv_heads} KV heads, repeated when fewer than {sp}): pick a divisor of {heads}, or "
-                          "use --context_parallel_size for the rest")
+        raise ConfigError(
+            f"--sequence_parallel_size {sp} must divide the model's {heads} attention heads "
+            f"({kv_heads} KV heads, repeated when fewer than {sp}): pick a divisor of {heads}, or "
+            "use --context_parallel_size for the rest"
+        )
     if cp > 1 and uses_sliding_window(model_config):
-        raise ConfigError(f"--context_parallel_size {cp}: the model attends within a sliding window "
-                          f"({model_config.sliding_window} tokens), which ring attention cannot express: use "
-                          "--sequence_parallel_size instead")
+        raise ConfigError(
+            f"--context_parallel_size {cp}: the model attends within a sliding window "
+            f"({model_config.sliding_window} tokens), which ring attention cannot express: use "
+            "--sequence_parallel_size instead"
+        )
 
 
 def uses_sliding_window(model_config) -> bool:

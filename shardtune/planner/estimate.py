@@ -18,7 +18,7 @@ from shardtune.accounting.memory import ADAM_STATES_PER_PARAM, GIB
 from shardtune.planner.hardware import Device
 from shardtune.planner.shapes import Adapter, Arch
 
-# -- the configuration ---------------------------------------------------------------------------------------------------
+# -- the configuration ---------------------------------------------------------------------------------------------
 
 STRATEGIES = ("DDP", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "ZERO1", "ZERO2", "ZERO3")
 FSDP_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")  # activation checkpointing: FSDP only
@@ -30,20 +30,20 @@ class Setup:
     strategy: str = "DDP"
     num_nodes: int = 1
     gpus_per_node: int = 8
-    sharding_group_size: int = 0          # HYBRID_SHARD: 0 = one node
-    batch_size: int = 1                   # micro-batch, in units (packed blocks or examples)
-    seq_len: int = 4096                   # tokens per unit
+    sharding_group_size: int = 0  # HYBRID_SHARD: 0 = one node
+    batch_size: int = 1  # micro-batch, in units (packed blocks or examples)
+    seq_len: int = 4096  # tokens per unit
     activation_checkpointing: bool = False
-    cpu_offload: bool = False             # FSDP params+grads+optimizer, or ZeRO optimizer (and params for ZeRO-3)
+    cpu_offload: bool = False  # FSDP params+grads+optimizer, or ZeRO optimizer (and params for ZeRO-3)
     pure_bf16: bool = False
-    compute_bytes: int = 2                # 2: bf16/fp16 compute; 4: fp32 (CPU)
+    compute_bytes: int = 2  # 2: bf16/fp16 compute; 4: fp32 (CPU)
     adapter: Adapter = field(default_factory=Adapter)
-    quantization: str = ""                # "", 4bit, 8bit
+    quantization: str = ""  # "", 4bit, 8bit
     sequence_parallel: int = 1
     context_parallel: int = 1
     low_cpu_fsdp: bool = False
-    rows_per_unit: int = 1                # rows the model computes per unit of batch (DPO: a pair's two)
-    reference_model: bool = False         # a frozen copy beside the policy (DPO's full fine-tuning reference)
+    rows_per_unit: int = 1  # rows the model computes per unit of batch (DPO: a pair's two)
+    reference_model: bool = False  # a frozen copy beside the policy (DPO's full fine-tuning reference)
 
     @property
     def world_size(self) -> int:
@@ -56,8 +56,9 @@ class Setup:
     @property
     def tokens_per_rank(self) -> int:
         """Tokens one rank computes per micro-batch (a long sequence is split over sp x cp ranks)."""
-        return math.ceil(self.rows_per_unit * self.batch_size * self.seq_len
-                         / (self.sequence_parallel * self.context_parallel))
+        return math.ceil(
+            self.rows_per_unit * self.batch_size * self.seq_len / (self.sequence_parallel * self.context_parallel)
+        )
 
     @property
     def shard_group(self) -> int:
@@ -79,15 +80,15 @@ class Breakdown:
     """Bytes per GPU (the largest rank) by what holds them, and the peak of a step; plus host memory."""
 
     params: float = 0.0
-    grads: float = 0.0           # gradient tensors: they exist from backward to the optimizer step
-    optimizer: float = 0.0       # AdamW state (and ZeRO's fp32 master copy)
-    buffers: float = 0.0         # communication buffers (DDP's gradient buckets, DeepSpeed's reduce bucket)
-    gathered: float = 0.0        # parameters all-gathered for compute (FSDP / ZeRO-3 units, the root, autocast copies)
-    activations: float = 0.0     # saved for backward at the end of the forward, one micro-batch
-    loss_buffers: float = 0.0    # lean chunked cross-entropy (one chunk of fp32 logits, the head's fp32 gradient)
-    backward: float = 0.0        # what a layer's backward (and its recomputation under checkpointing) adds
-    host_state: float = 0.0      # per rank, CPU memory of offloaded state
-    host_loading: float = 0.0    # per NODE, CPU memory to load the weights (all ranks of the node together)
+    grads: float = 0.0  # gradient tensors: they exist from backward to the optimizer step
+    optimizer: float = 0.0  # AdamW state (and ZeRO's fp32 master copy)
+    buffers: float = 0.0  # communication buffers (DDP's gradient buckets, DeepSpeed's reduce bucket)
+    gathered: float = 0.0  # parameters all-gathered for compute (FSDP / ZeRO-3 units, the root, autocast copies)
+    activations: float = 0.0  # saved for backward at the end of the forward, one micro-batch
+    loss_buffers: float = 0.0  # lean chunked cross-entropy (one chunk of fp32 logits, the head's fp32 gradient)
+    backward: float = 0.0  # what a layer's backward (and its recomputation under checkpointing) adds
+    host_state: float = 0.0  # per rank, CPU memory of offloaded state
+    host_loading: float = 0.0  # per NODE, CPU memory to load the weights (all ranks of the node together)
 
     @property
     def state(self) -> float:
@@ -104,10 +105,16 @@ class Breakdown:
         return resident + max(self.activations + self.loss_buffers, checkpointed + self.grads + self.backward)
 
     def rows(self) -> list[tuple[str, float]]:
-        return [("parameters", self.params), ("gradients", self.grads), ("optimizer state", self.optimizer),
-                ("communication buffers", self.buffers), ("gathered parameters", self.gathered),
-                ("activations", self.activations), ("loss buffers", self.loss_buffers),
-                ("backward working memory", self.backward)]
+        return [
+            ("parameters", self.params),
+            ("gradients", self.grads),
+            ("optimizer state", self.optimizer),
+            ("communication buffers", self.buffers),
+            ("gathered parameters", self.gathered),
+            ("activations", self.activations),
+            ("loss buffers", self.loss_buffers),
+            ("backward working memory", self.backward),
+        ]
 
 
 def usable_bytes(device: Device) -> float:
@@ -148,16 +155,19 @@ BACKWARD_LAYERS = 0.0
 BACKWARD_LAYERS_CHECKPOINTED = 1.0  # the recomputed layer's saved tensors; its backward reuses what it frees
 
 
-def layer_activation_bytes(arch: Arch, compute_bytes: int, adapter: Adapter = Adapter(),
-                           linear_inputs_always_saved: bool = False) -> float:
+def layer_activation_bytes(
+    arch: Arch, compute_bytes: int, adapter: Adapter = Adapter(), linear_inputs_always_saved: bool = False
+) -> float:
     """Bytes a decoder layer saves for backward, per token (no activation checkpointing).
 
     Counted tensor by tensor on Hugging Face's Llama layer (c = compute dtype bytes, d hidden, q / kv the query /
     key-value widths, f intermediate, H heads):
-      2 RMSNorms    each keeps its input in fp32 (4 d) and its normalised output (c d), + an fp32 rstd   2 (4 + c) d + 8
-      attention     rotated q (c q), k and v (2 c kv), the attention output and its log-sum-exp (c q + 4 H), the
-                    o_proj input (c q), and the head-major copies the attention kernel works on (2 c q)     5 c q + 2 c kv + 4 H
-      MLP           gate, SiLU(gate), up and their product                                                 4 c f
+      2 RMSNorms    each keeps its input in fp32 (4 d) and its normalised output (c d),
+                    + an fp32 rstd                                                          2 (4 + c) d + 8
+      attention     rotated q (c q), k and v (2 c kv), the attention output and its
+                    log-sum-exp (c q + 4 H), the o_proj input (c q), and the head-major
+                    copies the attention kernel works on (2 c q)                            5 c q + 2 c kv + 4 H
+      MLP           gate, SiLU(gate), up and their product                                  4 c f
       LoRA          per target with dropout: the dropped input (c in) and its mask (in), the rank-r output (c r)
     A frozen base (PEFT) saves no linear's input for a weight gradient: the norms' outputs (2 c d), the o_proj
     input (c q) and the down_proj input (c f) go, unless a LoRA target without dropout reads them, or ZeRO-3's linear
@@ -177,8 +187,12 @@ def layer_activation_bytes(arch: Arch, compute_bytes: int, adapter: Adapter = Ad
     if adapter.method and not linear_inputs_always_saved:
         no_dropout = adapter.method == "lora" and not adapter.lora_dropout
         no_dropout_targets = set(adapter.lora_targets) if no_dropout else set()
-        for size, readers in ((c * d, ("q_proj", "k_proj", "v_proj")), (c * q, ("o_proj",)),
-                              (c * d, ("gate_proj", "up_proj")), (c * arch.intermediate_size, ("down_proj",))):
+        for size, readers in (
+            (c * d, ("q_proj", "k_proj", "v_proj")),
+            (c * q, ("o_proj",)),
+            (c * d, ("gate_proj", "up_proj")),
+            (c * arch.intermediate_size, ("down_proj",)),
+        ):
             if not no_dropout_targets.intersection(readers):
                 frozen_inputs += size
     return norms + attention + mlp + lora - frozen_inputs
@@ -191,8 +205,8 @@ def outside_layers_bytes(arch: Arch, compute_bytes: int) -> float:
 
 
 def loss_buffer_bytes(arch: Arch, num_labels: int) -> float:
-    """The lean loss (shardtune.model.loss.ChunkedLinearCrossEntropy): the head's gradient in fp32 (4 V d), and one chunk
-    of fp32 logits with its softmax (2 x 4 V per row)."""
+    """The lean loss (shardtune.model.loss.ChunkedLinearCrossEntropy): the head's gradient in fp32 (4 V d), and one
+    chunk of fp32 logits with its softmax (2 x 4 V per row)."""
     chunk_rows = min(num_labels, max(16, LOSS_CHUNK_ELEMENTS // arch.vocab_size))
     return 4 * arch.vocab_size * arch.hidden_size + 2 * 4 * arch.vocab_size * chunk_rows
 
@@ -205,15 +219,20 @@ def estimate(setup: Setup) -> Breakdown:
     quantized_linear = arch.num_layers * arch.layer_linear_params if s.quantization else 0
     # frozen base weights: quantised linears, the rest in the compute dtype (PEFT keeps a frozen base in bf16 on GPU)
     quant_key = "4bit-double" if s.quantization == "4bit" else s.quantization
-    frozen_bytes = (quantized_linear * QUANT_BYTES_PER_PARAM[quant_key] + (frozen - quantized_linear) * c
-                    if s.quantization else frozen * (c if s.adapter.method and c < 4 else m))
+    frozen_bytes = (
+        quantized_linear * QUANT_BYTES_PER_PARAM[quant_key] + (frozen - quantized_linear) * c
+        if s.quantization
+        else frozen * (c if s.adapter.method and c < 4 else m)
+    )
     out = Breakdown()
     group = s.shard_group
     strategy = s.strategy
     layer_unsharded = arch.layer_params * c
     if s.quantization:  # a quantised layer is gathered packed
-        layer_unsharded = (arch.layer_linear_params * QUANT_BYTES_PER_PARAM[quant_key]
-                           + (arch.layer_params - arch.layer_linear_params) * c)
+        layer_unsharded = (
+            arch.layer_linear_params * QUANT_BYTES_PER_PARAM[quant_key]
+            + (arch.layer_params - arch.layer_linear_params) * c
+        )
     if strategy.startswith("ZERO"):
         stage = int(strategy[-1])
         n = s.world_size

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from shardtune.accounting.memory import GIB
 from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.schema import ConfigError, TrainConfig
-from shardtune.accounting.memory import GIB
 from shardtune.planner.estimate import (
     FSDP_STRATEGIES,
     STRATEGIES,
@@ -24,6 +24,7 @@ from shardtune.planner.shapes import Adapter, Arch, read_arch
 from shardtune.planner.speed import step_time_s
 
 # -- alternatives, limits and the recommendation ---------------------------------------------------------------------
+
 
 def fits(setup: Setup, device: Device) -> bool:
     """The peak fits a GPU and the node's processes fit its host memory (offloaded state, loading the weights)."""
@@ -41,8 +42,9 @@ def sequence_splits(arch: Arch, world_size: int, gpus_per_node: int) -> list[tup
     for product in range(2, world_size + 1):
         if world_size % product:
             continue
-        sp = max(d for d in range(1, product + 1)
-                 if product % d == 0 and arch.num_heads % d == 0 and d <= gpus_per_node)
+        sp = max(
+            d for d in range(1, product + 1) if product % d == 0 and arch.num_heads % d == 0 and d <= gpus_per_node
+        )
         for pair in ((sp, product // sp), (1, product)):
             if pair not in pairs and (pair[1] == 1 or arch.sliding_window is None):
                 pairs.append(pair)
@@ -61,18 +63,27 @@ def alternatives(setup: Setup) -> list[Setup]:
             continue
         if split and strategy.startswith("ZERO"):  # DeepSpeed counts every rank as data parallel (config.py)
             continue
-        for ac in ((False, True) if strategy in FSDP_STRATEGIES else (False,)):
+        for ac in (False, True) if strategy in FSDP_STRATEGIES else (False,):
             offloads = (False, True) if strategy in ("FULL_SHARD", "ZERO2", "ZERO3") else (False,)
             for offload in offloads:
                 candidate = replace(setup, strategy=strategy, activation_checkpointing=ac, cpu_offload=offload)
                 if candidate not in out:
                     out.append(candidate)
-    if setup.batch_size * setup.seq_len >= LONG_CONTEXT_TOKENS and setup.quantization != "8bit" \
-            and setup.adapter.method in ("", "lora"):
+    if (
+        setup.batch_size * setup.seq_len >= LONG_CONTEXT_TOKENS
+        and setup.quantization != "8bit"
+        and setup.adapter.method in ("", "lora")
+    ):
         for sp, cp in sequence_splits(setup.arch, setup.world_size, setup.gpus_per_node):
             for ac in (False, True):
-                candidate = replace(setup, strategy="FULL_SHARD", activation_checkpointing=ac, cpu_offload=False,
-                                    sequence_parallel=sp, context_parallel=cp)
+                candidate = replace(
+                    setup,
+                    strategy="FULL_SHARD",
+                    activation_checkpointing=ac,
+                    cpu_offload=False,
+                    sequence_parallel=sp,
+                    context_parallel=cp,
+                )
                 if candidate not in out:
                     out.append(candidate)
     return out
@@ -120,23 +131,37 @@ def setup_from_config(cfg: TrainConfig, values: dict[str, str], device: Device) 
         strategy = "DDP"
     adapter = Adapter()
     if bool(cfg.peft.method):
-        adapter = Adapter(method=cfg.peft.method, lora_r=cfg.peft.lora.r,
-                          lora_targets=tuple(cfg.peft.lora.target_modules),
-                          lora_dropout=cfg.peft.lora.dropout,
-                          adapter_len=cfg.peft.llama_adapter.adapter_len,
-                          adapter_layers=cfg.peft.llama_adapter.adapter_layers,
-                          num_virtual_tokens=cfg.peft.prefix.num_virtual_tokens)
+        adapter = Adapter(
+            method=cfg.peft.method,
+            lora_r=cfg.peft.lora.r,
+            lora_targets=tuple(cfg.peft.lora.target_modules),
+            lora_dropout=cfg.peft.lora.dropout,
+            adapter_len=cfg.peft.llama_adapter.adapter_len,
+            adapter_layers=cfg.peft.llama_adapter.adapter_layers,
+            num_virtual_tokens=cfg.peft.prefix.num_virtual_tokens,
+        )
     quantization = cfg.model.quantization
     objective = OBJECTIVES[cfg.objective]
-    return Setup(arch=read_arch(cfg.model.name or "preset:demo"), strategy=strategy, num_nodes=nnodes,
-                 gpus_per_node=per_node, sharding_group_size=fc.sharding_group_size,
-                 batch_size=cfg.train.batch_size, seq_len=cfg.data.context_length,
-                 activation_checkpointing=fc.activation_checkpointing,
-                 cpu_offload=fc.cpu_offload or dc.offload_optimizer, pure_bf16=cfg.train.precision == "pure_bf16",
-                 compute_bytes=device.compute_bytes, adapter=adapter, quantization=quantization,
-                 sequence_parallel=cfg.parallel.sequence_parallel_size, context_parallel=cfg.parallel.context_parallel_size,
-                 low_cpu_fsdp=cfg.parallel.low_cpu_fsdp, rows_per_unit=objective.rows_per_unit,
-                 reference_model=objective.frozen_reference(cfg))
+    return Setup(
+        arch=read_arch(cfg.model.name or "preset:demo"),
+        strategy=strategy,
+        num_nodes=nnodes,
+        gpus_per_node=per_node,
+        sharding_group_size=fc.sharding_group_size,
+        batch_size=cfg.train.batch_size,
+        seq_len=cfg.data.context_length,
+        activation_checkpointing=fc.activation_checkpointing,
+        cpu_offload=fc.cpu_offload or dc.offload_optimizer,
+        pure_bf16=cfg.train.precision == "pure_bf16",
+        compute_bytes=device.compute_bytes,
+        adapter=adapter,
+        quantization=quantization,
+        sequence_parallel=cfg.parallel.sequence_parallel_size,
+        context_parallel=cfg.parallel.context_parallel_size,
+        low_cpu_fsdp=cfg.parallel.low_cpu_fsdp,
+        rows_per_unit=objective.rows_per_unit,
+        reference_model=objective.frozen_reference(cfg),
+    )
 
 
 def check_split(cfg: TrainConfig, setup: Setup) -> None:
@@ -150,8 +175,14 @@ def check_split(cfg: TrainConfig, setup: Setup) -> None:
     check_parallel_dims(cfg, setup.world_size)
     ParallelDims.from_config(cfg, setup.world_size, setup.gpus_per_node)
     arch = setup.arch
-    check_sequence_split(cfg, SimpleNamespace(num_attention_heads=arch.num_heads, num_key_value_heads=arch.num_kv_heads,
-                                              sliding_window=arch.sliding_window))
+    check_sequence_split(
+        cfg,
+        SimpleNamespace(
+            num_attention_heads=arch.num_heads,
+            num_key_value_heads=arch.num_kv_heads,
+            sliding_window=arch.sliding_window,
+        ),
+    )
 
 
 def plan(setup: Setup, device: Device, accumulation: int) -> dict:
@@ -161,29 +192,52 @@ def plan(setup: Setup, device: Device, accumulation: int) -> dict:
         b = estimate(candidate)
         seconds, compute_s, comm_s = step_time_s(candidate, device, accumulation)
         tokens = candidate.batch_size * candidate.seq_len * accumulation * candidate.data_parallel
-        rows.append({"setup": describe_setup(candidate), "flags": command_flags(candidate),
-                     "peak_bytes": b.peak, "fits": fits(candidate, device), "step_s": seconds,
-                     "compute_s": compute_s, "communication_s": comm_s, "tokens_per_s_per_gpu":
-                     tokens / seconds / candidate.world_size, "host_state_bytes": b.host_state,
-                     "host_bytes_per_node": host_bytes_per_node(candidate),
-                     "_setup": candidate})
+        rows.append(
+            {
+                "setup": describe_setup(candidate),
+                "flags": command_flags(candidate),
+                "peak_bytes": b.peak,
+                "fits": fits(candidate, device),
+                "step_s": seconds,
+                "compute_s": compute_s,
+                "communication_s": comm_s,
+                "tokens_per_s_per_gpu": tokens / seconds / candidate.world_size,
+                "host_state_bytes": b.host_state,
+                "host_bytes_per_node": host_bytes_per_node(candidate),
+                "_setup": candidate,
+            }
+        )
     fitting = [r for r in rows if r["fits"]]
     # by tokens/s: a row split over sp x cp ranks trains fewer rows per step, so its step time is not comparable
     best = max(fitting, key=lambda r: r["tokens_per_s_per_gpu"]) if fitting else None
     smallest = min(rows, key=lambda r: r["peak_bytes"])
     given = estimate(setup)
-    return {"model": setup.arch.name, "parameters": setup.arch.num_params,
-            "trainable_parameters": setup.adapter.trainable_params(setup.arch), "device": device.describe(),
-            "usable_bytes": usable_bytes(device), "usable_host_bytes": usable_host_bytes(device),
-            "world_size": setup.world_size, "nnodes": setup.num_nodes, "gpus_per_node": setup.gpus_per_node,
-            "given": {"setup": describe_setup(setup), "breakdown": dict(given.rows()), "peak_bytes": given.peak,
-                      "fits": fits(setup, device), "host_loading_bytes_per_node": given.host_loading,
-                      "host_state_bytes_per_rank": given.host_state,
-                      "host_bytes_per_node": host_bytes_per_node(setup)},
-            "alternatives": rows, "recommended": best, "smallest": None if best else smallest,
-            "would_fit": None if best else would_fit(setup, device),
-            "largest_micro_batch": largest_batch(best["_setup"] if best else setup, device),
-            "longest_sequence": longest_sequence(best["_setup"] if best else setup, device)}
+    return {
+        "model": setup.arch.name,
+        "parameters": setup.arch.num_params,
+        "trainable_parameters": setup.adapter.trainable_params(setup.arch),
+        "device": device.describe(),
+        "usable_bytes": usable_bytes(device),
+        "usable_host_bytes": usable_host_bytes(device),
+        "world_size": setup.world_size,
+        "nnodes": setup.num_nodes,
+        "gpus_per_node": setup.gpus_per_node,
+        "given": {
+            "setup": describe_setup(setup),
+            "breakdown": dict(given.rows()),
+            "peak_bytes": given.peak,
+            "fits": fits(setup, device),
+            "host_loading_bytes_per_node": given.host_loading,
+            "host_state_bytes_per_rank": given.host_state,
+            "host_bytes_per_node": host_bytes_per_node(setup),
+        },
+        "alternatives": rows,
+        "recommended": best,
+        "smallest": None if best else smallest,
+        "would_fit": None if best else would_fit(setup, device),
+        "largest_micro_batch": largest_batch(best["_setup"] if best else setup, device),
+        "longest_sequence": longest_sequence(best["_setup"] if best else setup, device),
+    }
 
 
 def would_fit(setup: Setup, device: Device, max_nodes: int = 128) -> dict:

@@ -12,24 +12,61 @@ from shardtune.config.schema import ConfigError
 
 # -- architectures ---------------------------------------------------------------------------------------------------
 
-_LLAMA3 = dict(model_type="llama", vocab_size=128256, rms_norm_eps=1e-5, tie_word_embeddings=False,
-               max_position_embeddings=131072)
+_LLAMA3 = dict(
+    model_type="llama", vocab_size=128256, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072
+)
 BUILTIN_SHAPES: dict[str, dict] = {
-    "llama3.2-1b": dict(_LLAMA3, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
-                        num_key_value_heads=8, intermediate_size=8192, tie_word_embeddings=True),
-    "llama3.2-3b": dict(_LLAMA3, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24,
-                        num_key_value_heads=8, intermediate_size=8192, tie_word_embeddings=True),
-    "llama3-8b": dict(_LLAMA3, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                      intermediate_size=14336),
-    "llama3-70b": dict(_LLAMA3, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
-                       num_key_value_heads=8, intermediate_size=28672),
-    "llama3.1-405b": dict(_LLAMA3, hidden_size=16384, num_hidden_layers=126, num_attention_heads=128,
-                          num_key_value_heads=8, intermediate_size=53248),
+    "llama3.2-1b": dict(
+        _LLAMA3,
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        tie_word_embeddings=True,
+    ),
+    "llama3.2-3b": dict(
+        _LLAMA3,
+        hidden_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        tie_word_embeddings=True,
+    ),
+    "llama3-8b": dict(
+        _LLAMA3,
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+    ),
+    "llama3-70b": dict(
+        _LLAMA3,
+        hidden_size=8192,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        intermediate_size=28672,
+    ),
+    "llama3.1-405b": dict(
+        _LLAMA3,
+        hidden_size=16384,
+        num_hidden_layers=126,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+        intermediate_size=53248,
+    ),
 }
 # the hub ids a recommended command line names for the built-in shapes
-HUB_IDS = {"llama3.2-1b": "meta-llama/Llama-3.2-1B-Instruct", "llama3.2-3b": "meta-llama/Llama-3.2-3B-Instruct",
-           "llama3-8b": "meta-llama/Llama-3.1-8B-Instruct", "llama3-70b": "meta-llama/Llama-3.1-70B-Instruct",
-           "llama3.1-405b": "meta-llama/Llama-3.1-405B-Instruct"}
+HUB_IDS = {
+    "llama3.2-1b": "meta-llama/Llama-3.2-1B-Instruct",
+    "llama3.2-3b": "meta-llama/Llama-3.2-3B-Instruct",
+    "llama3-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "llama3-70b": "meta-llama/Llama-3.1-70B-Instruct",
+    "llama3.1-405b": "meta-llama/Llama-3.1-405B-Instruct",
+}
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -55,21 +92,38 @@ class Arch:
         text = config.get("text_config") or config
         heads = text["num_attention_heads"]
         hidden = text["hidden_size"]
-        return cls(name=name or text.get("_name_or_path", "") or text.get("model_type", "model"),
-                   model_type=text.get("model_type", "llama"), vocab_size=text["vocab_size"], hidden_size=hidden,
-                   num_layers=text["num_hidden_layers"], num_heads=heads,
-                   num_kv_heads=text.get("num_key_value_heads") or heads,
-                   head_dim=text.get("head_dim") or hidden // heads, intermediate_size=text["intermediate_size"],
-                   tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
-                   attention_bias=bool(text.get("attention_bias", text.get("model_type") == "qwen2")),
-                   sliding_window=text.get("sliding_window") if text.get("use_sliding_window", True) else None)
+        return cls(
+            name=name or text.get("_name_or_path", "") or text.get("model_type", "model"),
+            model_type=text.get("model_type", "llama"),
+            vocab_size=text["vocab_size"],
+            hidden_size=hidden,
+            num_layers=text["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=text.get("num_key_value_heads") or heads,
+            head_dim=text.get("head_dim") or hidden // heads,
+            intermediate_size=text["intermediate_size"],
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+            attention_bias=bool(text.get("attention_bias", text.get("model_type") == "qwen2")),
+            sliding_window=text.get("sliding_window") if text.get("use_sliding_window", True) else None,
+        )
 
     # shapes (in, out) of each linear layer of one decoder layer
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        d, q, kv, f = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
-            self.intermediate_size
-        return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, f),
-                "up_proj": (d, f), "down_proj": (f, d)}
+        d, q, kv, f = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+            self.intermediate_size,
+        )
+        return {
+            "q_proj": (d, q),
+            "k_proj": (d, kv),
+            "v_proj": (d, kv),
+            "o_proj": (q, d),
+            "gate_proj": (d, f),
+            "up_proj": (d, f),
+            "down_proj": (f, d),
+        }
 
     @property
     def layer_linear_params(self) -> int:
@@ -105,8 +159,9 @@ def read_arch(model: str) -> Arch:
 
         name = model.removeprefix("preset:") or "demo"
         if name not in PRESETS:
-            raise ConfigError(f"--model_name {model}: unknown preset: choose one of "
-                              + ", ".join(f"preset:{p}" for p in PRESETS))
+            raise ConfigError(
+                f"--model_name {model}: unknown preset: choose one of " + ", ".join(f"preset:{p}" for p in PRESETS)
+            )
         return Arch.from_config({"vocab_size": TOKENIZER_VOCAB_SIZE, "model_type": "llama", **PRESETS[name]}, model)
     path = Path(model).expanduser()
     if path.is_dir():
@@ -114,26 +169,30 @@ def read_arch(model: str) -> Arch:
     if path.is_file():
         return Arch.from_config(json.loads(path.read_text()), str(model))
     if path.parent != Path(".") and not path.parent.exists() or model.startswith(("/", ".", "~")):
-        raise ConfigError(f"--model_name {model}: no such directory or config.json: pass a model directory, a "
-                          "hub id, or a built-in shape: " + ", ".join(BUILTIN_SHAPES))
+        raise ConfigError(
+            f"--model_name {model}: no such directory or config.json: pass a model directory, a "
+            "hub id, or a built-in shape: " + ", ".join(BUILTIN_SHAPES)
+        )
     try:
         from transformers import AutoConfig
 
         return Arch.from_config(AutoConfig.from_pretrained(model).to_dict(), model)
     except Exception as e:  # offline, unknown repo, gated: the same fix for the user
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"--model_name {model}: not a local directory and its config could not be read from the "
-                          f"hub ({reason}): pass a local directory with config.json or a built-in shape: "
-                          + ", ".join(BUILTIN_SHAPES)) from None
+        raise ConfigError(
+            f"--model_name {model}: not a local directory and its config could not be read from the "
+            f"hub ({reason}): pass a local directory with config.json or a built-in shape: " + ", ".join(BUILTIN_SHAPES)
+        ) from None
 
 
 # -- what is trained ---------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Adapter:
     """The trainable part: everything (method ""), or a PEFT adapter."""
 
-    method: str = ""                      # "", lora, llama_adapter, prefix
+    method: str = ""  # "", lora, llama_adapter, prefix
     lora_r: int = 8
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
     lora_dropout: float = 0.05

@@ -16,6 +16,7 @@ from shardtune.planner.hardware import (
 
 # -- communication and time ------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Traffic:
     """Bytes one GPU sends per optimizer step, inside its node and across nodes."""
@@ -82,8 +83,10 @@ def sequence_traffic_per_step(setup: Setup, accumulation_steps: int = 1) -> tupl
     ring = ring_passes * kv_chunk * (cp - 1) if cp > 1 else 0.0
     crosses_sp = sp > s.gpus_per_node
     crosses_cp = cp * sp > s.gpus_per_node
-    return (Traffic(0.0 if crosses_sp else ulysses, ulysses if crosses_sp else 0.0),
-            Traffic(0.0 if crosses_cp else ring, ring if crosses_cp else 0.0))
+    return (
+        Traffic(0.0 if crosses_sp else ulysses, ulysses if crosses_sp else 0.0),
+        Traffic(0.0 if crosses_cp else ring, ring if crosses_cp else 0.0),
+    )
 
 
 def step_time_s(setup: Setup, device: Device, accumulation_steps: int = 1) -> tuple[float, float, float]:

@@ -34,8 +34,7 @@ def check_push_to_hub(cfg: TrainConfig, world_size: int = 0) -> None:
             raise ConfigError(f"{given[0]} only applies with --push_to_hub: add --push_to_hub, or drop {given[0]}")
         return
     if not cfg.output.save_model:
-        raise ConfigError("--push_to_hub uploads the final model, but --save_model false writes none: drop one of "
-                          "them")
+        raise ConfigError("--push_to_hub uploads the final model, but --save_model false writes none: drop one of them")
     check_can_upload(hub_repo_id(cfg), cfg.output.dir, cfg.output.hub_token)
 
 
@@ -43,13 +42,17 @@ def check_can_upload(repo_id: str, folder: str | Path, token: str = "", after: s
     """Offline, or no token: the upload could not happen; one line, with how to upload by hand later."""
     by_hand = f"or drop --push_to_hub and upload later (hf upload {repo_id} {folder})"
     if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
-        raise ConfigError(f"--push_to_hub: HF_HUB_OFFLINE is set, so the upload {after} could not happen: "
-                          f"unset HF_HUB_OFFLINE, {by_hand}")
+        raise ConfigError(
+            f"--push_to_hub: HF_HUB_OFFLINE is set, so the upload {after} could not happen: "
+            f"unset HF_HUB_OFFLINE, {by_hand}"
+        )
     from huggingface_hub import get_token
 
     if not token and get_token() is None:
-        raise ConfigError(f"--push_to_hub: no Hugging Face token (none in HF_TOKEN, none saved by hf auth login): "
-                          f"log in with hf auth login, set HF_TOKEN or pass --hub_token, {by_hand}")
+        raise ConfigError(
+            f"--push_to_hub: no Hugging Face token (none in HF_TOKEN, none saved by hf auth login): "
+            f"log in with hf auth login, set HF_TOKEN or pass --hub_token, {by_hand}"
+        )
 
 
 def push_model(cfg: TrainConfig, files: list[str]) -> str:
@@ -65,10 +68,16 @@ def push_folder(folder: Path, repo_id: str, files: list[str], private: bool = Fa
     try:
         api = HfApi(token=token or None)
         repo_id = api.create_repo(repo_id, private=True if private else None, exist_ok=True).repo_id
-        commit = api.upload_folder(repo_id=repo_id, folder_path=out_dir, allow_patterns=sorted(files),
-                                   commit_message="Upload model trained with shardtune")
+        commit = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=out_dir,
+            allow_patterns=sorted(files),
+            commit_message="Upload model trained with shardtune",
+        )
     except Exception as e:  # noqa: BLE001 - network, auth, permissions, quota: the same way out for the user
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
-        raise HubUploadError(f"--push_to_hub: uploading to {repo_id} failed ({reason}); the trained model is "
-                             f"unharmed in {out_dir}: upload it by hand with hf upload {repo_id} {out_dir}") from None
+        raise HubUploadError(
+            f"--push_to_hub: uploading to {repo_id} failed ({reason}); the trained model is "
+            f"unharmed in {out_dir}: upload it by hand with hf upload {repo_id} {out_dir}"
+        ) from None
     return commit.commit_url

@@ -21,8 +21,15 @@ class UnsafeCheckpointError(ValueError):
 
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+        "Metadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
@@ -36,8 +43,10 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
             return getattr(torch, name)
-        raise UnsafeCheckpointError(f"its .metadata names {module}.{name}, which is not a record of "
-                                    "torch.distributed.checkpoint: not loaded (a pickle that names other code runs it)")
+        raise UnsafeCheckpointError(
+            f"its .metadata names {module}.{name}, which is not a record of "
+            "torch.distributed.checkpoint: not loaded (a pickle that names other code runs it)"
+        )
 
 
 class SafeFileSystemReader(FileSystemReader):

@@ -61,9 +61,13 @@ def init_distributed(timeout_s: float = 1800.0) -> DistEnv:
     if backend == "nccl":
         os.environ.update(nccl_watchdog_env(timeout_s, os.environ))  # read when the process group is created
         if os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] in ("0", "2") and rank == 0:
-            print(f"shardtune: warning: TORCH_NCCL_ASYNC_ERROR_HANDLING={os.environ['TORCH_NCCL_ASYNC_ERROR_HANDLING']}"
-                  " does not end the process when a collective fails or times out: a dead peer can hang the job; "
-                  "unset it (shardtune then sets 3)", file=sys.stderr, flush=True)
+            print(
+                f"shardtune: warning: TORCH_NCCL_ASYNC_ERROR_HANDLING={os.environ['TORCH_NCCL_ASYNC_ERROR_HANDLING']}"
+                " does not end the process when a collective fails or times out: a dead peer can hang the job; "
+                "unset it (shardtune then sets 3)",
+                file=sys.stderr,
+                flush=True,
+            )
     if not dist.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
         timeout = timedelta(seconds=timeout_s)
@@ -95,8 +99,11 @@ def nccl_watchdog_env(dist_timeout_s: float, environ: Mapping[str, str]) -> dict
       heartbeat from it: --dist_timeout, but at least 60 s and at most torch's default 480 s.
     """
     heartbeat_s = int(min(NCCL_HEARTBEAT_MAX_S, max(NCCL_HEARTBEAT_MIN_S, dist_timeout_s)))
-    defaults = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_ENABLE_MONITORING": "1",
-                "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(heartbeat_s)}
+    defaults = {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "TORCH_NCCL_ENABLE_MONITORING": "1",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(heartbeat_s),
+    }
     return {k: v for k, v in defaults.items() if not environ.get(k)}
 
 
@@ -112,8 +119,9 @@ def attempt_store(world_size: int, timeout: timedelta) -> dist.Store | None:
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=False, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
     return dist.PrefixStore(f"shardtune/attempt_{worker_group_attempt()}", store)
 
 

@@ -13,8 +13,16 @@ LAST_FILES = ("config.json", "adapter_config.json")
 # What a loader reads as the model in a published directory (a full model or a PEFT adapter): when a new model is
 # published, those of an earlier one that the new one does not replace are removed (a full fine-tune over a LoRA
 # run's directory must not leave adapter_config.json behind, which from_pretrained would apply to the new weights).
-MODEL_FILE_PATTERNS = ("config.json", "adapter_config.json", "*.safetensors", "*.safetensors.index.json",
-                       "pytorch_model*.bin", "adapter_model.bin", "*.bin.index.json", "generation_config.json")
+MODEL_FILE_PATTERNS = (
+    "config.json",
+    "adapter_config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "pytorch_model*.bin",
+    "adapter_model.bin",
+    "*.bin.index.json",
+    "generation_config.json",
+)
 
 
 def staging_dir(out_dir: Path, what: str) -> Path:

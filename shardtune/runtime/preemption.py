@@ -51,6 +51,7 @@ def exit_status(signal_name: str) -> int:
     """The status a run stopped by ``signal_name`` (with its checkpoint written) exits with."""
     return EXIT_INTERRUPTED if signal_name == "SIGINT" else EXIT_PREEMPTED
 
+
 _received: list[int] = []  # signals this worker process received (set by the handler)
 
 
@@ -59,8 +60,10 @@ class Preempted(Exception):
 
     def __init__(self, signal_name: str, step: int, checkpoint: Path):
         self.status = exit_status(signal_name)
-        super().__init__(f"stopped by {signal_name} after step {step}: checkpoint {checkpoint} written; the run "
-                         f"continues with --resume latest (or --resume auto), exit status {self.status}")
+        super().__init__(
+            f"stopped by {signal_name} after step {step}: checkpoint {checkpoint} written; the run "
+            f"continues with --resume latest (or --resume auto), exit status {self.status}"
+        )
         self.checkpoint = checkpoint
 
 
@@ -131,9 +134,12 @@ def stop_signals_forwarded() -> Iterator[Path]:
             raise SignalException(f"second {name}: terminating the workers", sigval=signal.Signals(signum))
         request.write_text(str(signum), encoding="utf-8")
         again = "press Ctrl-C again" if signum == signal.SIGINT else "send it again"
-        print(f"shardtune: {name} received: every rank finishes its optimizer step and writes a checkpoint, then "
-              f"the job exits with status {exit_status(name)} ({again} to terminate now)", file=sys.stderr,
-              flush=True)
+        print(
+            f"shardtune: {name} received: every rank finishes its optimizer step and writes a checkpoint, then "
+            f"the job exits with status {exit_status(name)} ({again} to terminate now)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
     os.environ[CONTROL_DIR_ENV] = str(control_dir)

@@ -26,7 +26,7 @@ from pathlib import Path
 LOCK_FILE = ".shardtune.lock"
 JOB_ID_VARS = ("SLURM_JOB_ID", "SKYPILOT_TASK_ID", "JOB_ID")
 HEARTBEAT_S = 30.0  # the holder rewrites its record this often
-LEASE_S = 120.0     # a record from another host with a younger heartbeat is a live run
+LEASE_S = 120.0  # a record from another host with a younger heartbeat is a live run
 
 
 class RunLocked(RuntimeError):
@@ -51,9 +51,11 @@ def _live_elsewhere(record: dict | None, now: float | None = None) -> float | No
 
 
 def _leased(path: Path, holder: dict, age: float) -> str:
-    return (f"--output_dir {path.parent} is in use by another run ({describe_holder(holder)}, whose heartbeat in "
-            f"{path.name} is {max(age, 0):.0f} s old; this file system does not share the lock between hosts): wait "
-            "for it to end, stop it, or pass another --output_dir")
+    return (
+        f"--output_dir {path.parent} is in use by another run ({describe_holder(holder)}, whose heartbeat in "
+        f"{path.name} is {max(age, 0):.0f} s old; this file system does not share the lock between hosts): wait "
+        "for it to end, stop it, or pass another --output_dir"
+    )
 
 
 def describe_holder(record: dict) -> str:
@@ -62,8 +64,10 @@ def describe_holder(record: dict) -> str:
 
 
 def _in_use(path: Path, holder: dict) -> str:
-    return (f"--output_dir {path.parent} is in use by another run ({describe_holder(holder)}, holding {path.name}): "
-            "wait for it to end, stop it, or pass another --output_dir")
+    return (
+        f"--output_dir {path.parent} is in use by another run ({describe_holder(holder)}, holding {path.name}): "
+        "wait for it to end, stop it, or pass another --output_dir"
+    )
 
 
 def _read_record(fh) -> dict | None:
@@ -120,8 +124,10 @@ class RunLock:
                 state = f"its heartbeat stopped {time.time() - float(previous['heartbeat']):.0f} s ago"
             else:
                 state = "its lock was released"
-            note = (f"{self.path} named {describe_holder(previous)}, which did not end cleanly ({state}): taking "
-                    "the lock over")
+            note = (
+                f"{self.path} named {describe_holder(previous)}, which did not end cleanly ({state}): taking "
+                "the lock over"
+            )
         self._fh = fh
         self._write_record()
         self._stop.clear()

@@ -49,5 +49,4 @@ def phase_report() -> str:
     for phase, at in _marks:
         parts.append(f"{phase} {max(at - previous, 0.0):.2f}")
         previous = at
-    return (f"start-up: first step at {time.time() - start:.2f} s since the command ("
-            + ", ".join(parts) + " s)")
+    return f"start-up: first step at {time.time() - start:.2f} s since the command (" + ", ".join(parts) + " s)"

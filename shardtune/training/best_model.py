@@ -33,12 +33,15 @@ def higher_is_better(cfg: TrainConfig) -> bool:
 def check_intervals(cfg: TrainConfig, world_size: int) -> None:
     """The settings alone: evaluation intervals that would be ignored, and what --load_best_model_at_end needs."""
     if cfg.eval.steps and not cfg.eval.enabled:
-        raise ConfigError(f"{spelling_of(cfg, 'eval.steps')} {cfg.eval.steps:g} has no effect with --run_validation "
-                          "false: drop one")
+        raise ConfigError(
+            f"{spelling_of(cfg, 'eval.steps')} {cfg.eval.steps:g} has no effect with --run_validation false: drop one"
+        )
     if not cfg.eval.load_best_model_at_end:
         if cfg.eval.metric_for_best_model != "eval_loss" or cfg.eval.greater_is_better is not None:
-            raise ConfigError("--metric_for_best_model / --greater_is_better choose the model --load_best_model_at_end "
-                              "publishes: add --load_best_model_at_end, or drop them")
+            raise ConfigError(
+                "--metric_for_best_model / --greater_is_better choose the model --load_best_model_at_end "
+                "publishes: add --load_best_model_at_end, or drop them"
+            )
         return
     flag = "--load_best_model_at_end"
     if not cfg.eval.enabled:
@@ -47,18 +50,26 @@ def check_intervals(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"{flag} chooses the model to publish, and --save_model false publishes none: drop one")
     save, evaluate = cfg.checkpoint.save_steps, cfg.eval.steps
     if not (save or cfg.checkpoint.checkpoint_type or cfg.checkpoint.dist_checkpoint_root_folder):
-        raise ConfigError(f"{flag} chooses among checkpoints, and none are written: pass --save_steps N (a multiple of "
-                          "--eval_steps) or --save_strategy epoch")
+        raise ConfigError(
+            f"{flag} chooses among checkpoints, and none are written: pass --save_steps N (a multiple of "
+            "--eval_steps) or --save_strategy epoch"
+        )
     if save >= 1 and not (evaluate >= 1 and save % evaluate == 0) and not 0 < evaluate < 1:
-        raise ConfigError(f"{flag}: a checkpoint every {save:g} steps needs an evaluation at each: pass "
-                          f"--eval_steps {save:g} (or a divisor of it), as Trainer requires")
+        raise ConfigError(
+            f"{flag}: a checkpoint every {save:g} steps needs an evaluation at each: pass "
+            f"--eval_steps {save:g} (or a divisor of it), as Trainer requires"
+        )
     names = objective_class(cfg.objective).eval_metric_names
     if metric_key(cfg) not in names:
-        raise ConfigError(f"--metric_for_best_model {cfg.eval.metric_for_best_model} is not an evaluation metric of "
-                          f"shardtune {cfg.objective}: choose one of {', '.join(names)}")
+        raise ConfigError(
+            f"--metric_for_best_model {cfg.eval.metric_for_best_model} is not an evaluation metric of "
+            f"shardtune {cfg.objective}: choose one of {', '.join(names)}"
+        )
     if metric_key(cfg).startswith("eval_rouge") and not cfg.eval.log_samples:
-        raise ConfigError(f"--metric_for_best_model {cfg.eval.metric_for_best_model} is measured on generated answers: "
-                          "add --log_eval_samples N")
+        raise ConfigError(
+            f"--metric_for_best_model {cfg.eval.metric_for_best_model} is measured on generated answers: "
+            "add --log_eval_samples N"
+        )
 
 
 class BestModel:
@@ -70,14 +81,18 @@ class BestModel:
         save_every = every(cfg.checkpoint.save_steps, total_steps)
         eval_every = every(cfg.eval.steps, total_steps)
         if save_every and (not eval_every or save_every % eval_every):
-            raise ConfigError(f"--load_best_model_at_end: checkpoints every {save_every} steps and evaluations every "
-                              f"{eval_every or 'epoch'} of this run's {total_steps}: make the checkpoint interval a "
-                              "multiple of the evaluation interval")
+            raise ConfigError(
+                f"--load_best_model_at_end: checkpoints every {save_every} steps and evaluations every "
+                f"{eval_every or 'epoch'} of this run's {total_steps}: make the checkpoint interval a "
+                "multiple of the evaluation interval"
+            )
 
     def record(self, step: int, row: dict) -> None:
         if self.key not in row:
-            raise ConfigError(f"--metric_for_best_model {self.key} is not in this run's evaluation (it has "
-                              f"{', '.join(k for k in row if k.startswith('eval_'))}): choose one of those")
+            raise ConfigError(
+                f"--metric_for_best_model {self.key} is not in this run's evaluation (it has "
+                f"{', '.join(k for k in row if k.startswith('eval_'))}): choose one of those"
+            )
         self.scores[step] = float(row[self.key])
 
     def choose(self, checkpoints: list[Path]) -> tuple[Path, float] | None:
@@ -108,15 +123,19 @@ def load_best(model, strategy, optimizer, checkpointer, best: BestModel, result)
     chosen = best.choose(complete_checkpoints(checkpointer.root)) if checkpointer.env.is_main else None
     chosen = broadcast_from_main(chosen)
     if chosen is None:
-        raise ConfigError(f"--load_best_model_at_end: no checkpoint was evaluated at its step (scores at steps "
-                          f"{sorted(best.scores)}): the last model is not published; export a checkpoint with "
-                          "shardtune export")
+        raise ConfigError(
+            f"--load_best_model_at_end: no checkpoint was evaluated at its step (scores at steps "
+            f"{sorted(best.scores)}): the last model is not published; export a checkpoint with "
+            "shardtune export"
+        )
     path, score = chosen
     step = checkpoint_step(path)
     if step == result.steps:
         print0(f"load_best_model_at_end: the last step's model is the best ({best.key} {score:.4f})")
         return
     strategy.load_training_state(model, optimizer, path, read_trainer_state(path))
-    print0(f"load_best_model_at_end: publishing the model of {path} ({best.key} {score:.4f}, the best of "
-           f"{len(best.scores)} evaluations), not the last step's ({best.key} "
-           f"{best.scores.get(result.steps, float('nan')):.4f})")
+    print0(
+        f"load_best_model_at_end: publishing the model of {path} ({best.key} {score:.4f}, the best of "
+        f"{len(best.scores)} evaluations), not the last step's ({best.key} "
+        f"{best.scores.get(result.steps, float('nan')):.4f})"
+    )

@@ -21,5 +21,7 @@ def build_model(cfg: TrainConfig, env: DistEnv) -> torch.nn.Module:
         return load_quantized_model(cfg, env.device)
     config = training_model_config(cfg)  # with --rope_scaling; the 4-bit paths build from it too
     if cfg.parallel.low_cpu_fsdp and env.rank != 0:
-        return build_model_on_meta(cfg.model.name, dtype=dtype, config=config, trust_remote_code=cfg.model.trust_remote_code)
+        return build_model_on_meta(
+            cfg.model.name, dtype=dtype, config=config, trust_remote_code=cfg.model.trust_remote_code
+        )
     return load_model(cfg.model.name, dtype=dtype, config=config, trust_remote_code=cfg.model.trust_remote_code)

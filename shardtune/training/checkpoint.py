@@ -23,9 +23,9 @@ from shardtune.config.fields import settings_by
 from shardtune.config.flags import flat_settings, from_dict, spelling_of, to_yaml
 from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
 from shardtune.model.loading import training_model_config
-from shardtune.publishing.saving import save_hf_model
 from shardtune.parallel.deepspeed import deepspeed_resume_problem
 from shardtune.parallel.optim import apply_settings_on_resume
+from shardtune.publishing.saving import save_hf_model
 from shardtune.runtime.distributed import (
     DistEnv,
     all_reduce_sum,
@@ -39,7 +39,6 @@ from shardtune.runtime.errors import CheckpointError
 from shardtune.runtime.files import fsync_dir, write_text_atomic
 from shardtune.runtime.preemption import Preempted, stop_signal_anywhere
 from shardtune.training.best_model import BestModel
-from shardtune.training.intervals import every, num_epochs
 from shardtune.training.checkpoint_files import (
     remove_checkpoint,
     verify_checkpoint,
@@ -58,6 +57,7 @@ from shardtune.training.checkpoint_layout import (
     resolve_checkpoint,
     unfinished_saves,
 )
+from shardtune.training.intervals import every, num_epochs
 
 # Settings that may change between a run and its resumption without changing what is trained (run control), and
 # the optimizer hyperparameters a resume applies to the restored optimizer (parallel/optim.apply_settings_on_resume):
@@ -68,21 +68,32 @@ RUN_CONTROL_SETTINGS = settings_by(lambda info: info.affects == "run")
 
 def check_checkpointing(cfg: TrainConfig, world_size: int) -> None:
     # sizes only: the worker's rank 0 checks the hashes (and says which checkpoints it skipped) before loading
-    path = resolve_checkpoint(cfg.checkpoint.resume, checkpoint_root(cfg), hashes=False) if cfg.checkpoint.resume else None
-    if cfg.checkpoint.resume == "auto" and path is None:  # nothing to resume: a new run, refused over a previous one like any
+    path = (
+        resolve_checkpoint(cfg.checkpoint.resume, checkpoint_root(cfg), hashes=False) if cfg.checkpoint.resume else None
+    )
+    if (
+        cfg.checkpoint.resume == "auto" and path is None
+    ):  # nothing to resume: a new run, refused over a previous one like any
         check_previous_run(cfg, resuming=False)
     if path is not None:
         saved = read_trainer_state(path)
         if not saved.get("optimizer_saved", True):
-            raise ConfigError(f"--resume {cfg.checkpoint.resume}: {path} was saved with --save_optimizer false and holds no "
-                              "optimizer state: start a new run from its export (shardtune export), or resume from "
-                              "a checkpoint saved with the optimizer")
+            raise ConfigError(
+                f"--resume {cfg.checkpoint.resume}: {path} was saved with --save_optimizer false and holds no "
+                "optimizer state: start a new run from its export (shardtune export), or resume from "
+                "a checkpoint saved with the optimizer"
+            )
         by_deepspeed = saved.get("strategy") == "deepspeed"
         if by_deepspeed != (cfg.parallel.strategy == "deepspeed"):
-            how, fix = (("by DeepSpeed ZeRO, whose files only DeepSpeed reads", "add") if by_deepspeed else
-                        ("without DeepSpeed", "drop"))
-            raise ConfigError(f"--resume {cfg.checkpoint.resume}: {path} was saved {how}: {fix} --enable_deepspeed, or start a "
-                              "new run from its export (shardtune export)")
+            how, fix = (
+                ("by DeepSpeed ZeRO, whose files only DeepSpeed reads", "add")
+                if by_deepspeed
+                else ("without DeepSpeed", "drop")
+            )
+            raise ConfigError(
+                f"--resume {cfg.checkpoint.resume}: {path} was saved {how}: {fix} --enable_deepspeed, or start a "
+                "new run from its export (shardtune export)"
+            )
         problem = by_deepspeed and deepspeed_resume_problem(path, saved, world_size, cfg.parallel.zero_stage)
         if problem:
             raise ConfigError(f"--resume {cfg.checkpoint.resume}: {problem}")
@@ -91,8 +102,11 @@ def check_checkpointing(cfg: TrainConfig, world_size: int) -> None:
 def checkpointing_enabled(cfg: TrainConfig) -> bool:
     """Checkpoints are written when --save_steps N > 0, a --checkpoint_type or a --dist_checkpoint_root_folder is
     given."""
-    return (cfg.checkpoint.save_steps > 0 or bool(cfg.checkpoint.checkpoint_type)
-            or bool(cfg.checkpoint.dist_checkpoint_root_folder))
+    return (
+        cfg.checkpoint.save_steps > 0
+        or bool(cfg.checkpoint.checkpoint_type)
+        or bool(cfg.checkpoint.dist_checkpoint_root_folder)
+    )
 
 
 def checkpoint_bytes_estimate(model: nn.Module, full_model: bool) -> int:
@@ -118,9 +132,11 @@ def config_hash(cfg: TrainConfig) -> str:
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     """This process's random generators as tensors (so that reading them needs no unpickling)."""
     version, internal, gauss = random.getstate()
-    state = {"torch": torch.get_rng_state(),
-             "python": torch.tensor([version, *internal], dtype=torch.int64),
-             "python_gauss": torch.tensor([float("nan") if gauss is None else gauss], dtype=torch.float64)}
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": torch.tensor([version, *internal], dtype=torch.int64),
+        "python_gauss": torch.tensor([float("nan") if gauss is None else gauss], dtype=torch.float64),
+    }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -158,6 +174,7 @@ def _all_ok(ok: bool, device: torch.device) -> bool:
 @dataclass
 class Position:
     """Where training stands: optimizer steps done in all, the epoch, and the steps done within it."""
+
     step: int = 0
     epoch: int = 0
     step_in_epoch: int = 0
@@ -181,7 +198,9 @@ class Checkpointer:
         self.training: tuple | None = None
         self.bytes_needed = 0
         self.last_saved: Path | None = self.resume_from
-        self.best: BestModel | None = None  # --load_best_model_at_end: the scores (set by the loop with the run's steps)
+        self.best: BestModel | None = (
+            None  # --load_best_model_at_end: the scores (set by the loop with the run's steps)
+        )
         self.save_every = cfg.checkpoint.save_steps
         if env.is_main:
             for stale in unfinished_saves(self.root):
@@ -218,8 +237,10 @@ class Checkpointer:
             if latest is not None:
                 print0(f"restart {self.attempt} of the worker group: resuming automatically from {latest}")
             else:
-                print0(f"restart {self.attempt} of the worker group: no complete checkpoint in {self.root}, "
-                       "training starts over")
+                print0(
+                    f"restart {self.attempt} of the worker group: no complete checkpoint in {self.root}, "
+                    "training starts over"
+                )
             return latest
         return None
 
@@ -238,8 +259,7 @@ class Checkpointer:
         return True
 
     # -- start: space check and restore -------------------------------------------------------------------------
-    def start(self, model: nn.Module, optimizer, scheduler, result, steps_per_epoch: int, total_steps: int
-              ) -> Position:
+    def start(self, model: nn.Module, optimizer, scheduler, result, steps_per_epoch: int, total_steps: int) -> Position:
         self.training = (model, optimizer, scheduler, result)
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
         self.save_every = every(self.cfg.checkpoint.save_steps, total_steps)
@@ -253,7 +273,9 @@ class Checkpointer:
         need = self.bytes_needed = checkpoint_bytes_estimate(model, self.full_model)
         planned = 1 + self.total_steps // self.save_every if self.save_every else 1
         planned += num_epochs(self.cfg)
-        keep = min(planned, self.cfg.checkpoint.save_total_limit + 1) if self.cfg.checkpoint.save_total_limit else planned
+        keep = (
+            min(planned, self.cfg.checkpoint.save_total_limit + 1) if self.cfg.checkpoint.save_total_limit else planned
+        )
         ok = True
         if self.env.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -261,12 +283,16 @@ class Checkpointer:
             if free < need:
                 ok = False
             elif free < need * keep:
-                warn0(f"{self.root} has {free / 1e6:,.1f} MB free; {keep} checkpoints of about {need / 1e6:,.1f} MB "
-                      f"each may be on disk at once: free space, or lower --save_total_limit")
+                warn0(
+                    f"{self.root} has {free / 1e6:,.1f} MB free; {keep} checkpoints of about {need / 1e6:,.1f} MB "
+                    f"each may be on disk at once: free space, or lower --save_total_limit"
+                )
         if not _all_ok(ok, self.env.device):
-            raise CheckpointError(f"{self.root} has {shutil.disk_usage(self.root).free / 1e6:,.1f} MB free, less "
-                                  f"than one checkpoint (about {need / 1e6:,.1f} MB): free space or pass another "
-                                  "--output_dir")
+            raise CheckpointError(
+                f"{self.root} has {shutil.disk_usage(self.root).free / 1e6:,.1f} MB free, less "
+                f"than one checkpoint (about {need / 1e6:,.1f} MB): free space or pass another "
+                "--output_dir"
+            )
 
     def _restore(self) -> Position:
         model, optimizer, scheduler, result = self.training  # type: ignore[misc]
@@ -278,21 +304,33 @@ class Checkpointer:
             applied = [k for k in changed if k in OPTIMIZER_SETTINGS]
             then, now = flat_settings(from_dict(saved_cfg)), flat_settings(self.cfg)
             names = {k: spelling_of(self.cfg, k).removeprefix("--") for k in changed}
-            how = (f"; applied from step {state['step'] + 1} on: " + ", ".join(
-                f"{names[k]} {then[k]} -> {now[k]}" for k in applied)
-                + " (the optimizer's moments and the schedule's position are kept)") if applied else ""
-            warn0(f"resuming with settings that differ from the checkpoint's ({', '.join(names.values())}): the run "
-                  f"will not equal an uninterrupted one{how}")
+            how = (
+                (
+                    f"; applied from step {state['step'] + 1} on: "
+                    + ", ".join(f"{names[k]} {then[k]} -> {now[k]}" for k in applied)
+                    + " (the optimizer's moments and the schedule's position are kept)"
+                )
+                if applied
+                else ""
+            )
+            warn0(
+                f"resuming with settings that differ from the checkpoint's ({', '.join(names.values())}): the run "
+                f"will not equal an uninterrupted one{how}"
+            )
         planned = state.get("total_steps")
         if self.cfg.optim.lr_scheduler == "cosine" and planned is not None and planned != self.total_steps:
-            warn0(f"the cosine schedule now spans {self.total_steps} steps instead of the checkpoint's {planned} "
-                  f"(--max_train_step / --num_epochs / batch changed): the learning rate from step {state['step']} "
-                  "on differs from the uninterrupted run's")
+            warn0(
+                f"the cosine schedule now spans {self.total_steps} steps instead of the checkpoint's {planned} "
+                f"(--max_train_step / --num_epochs / batch changed): the learning rate from step {state['step']} "
+                "on differs from the uninterrupted run's"
+            )
         try:  # torch's CheckpointException is a BaseException: caught here by name, so that it is one line
             self.strategy.load_training_state(model, optimizer, path, state)
         except (Exception, CheckpointException) as e:
-            raise CheckpointError(f"{path} could not be loaded ({failure_reason(e)}): resume from another checkpoint "
-                                  "(--resume CHECKPOINT_FOLDER), or start a new run") from e
+            raise CheckpointError(
+                f"{path} could not be loaded ({failure_reason(e)}): resume from another checkpoint "
+                "(--resume CHECKPOINT_FOLDER), or start a new run"
+            ) from e
         scheduler.load_state_dict(state["scheduler"])
         apply_settings_on_resume(optimizer, scheduler, self.cfg)  # this run's lr & co., not the checkpoint's
         own_rng = rng_file(path, self.env.rank)
@@ -308,12 +346,16 @@ class Checkpointer:
         if global_batch == state["global_batch_size"]:
             order = f"data order kept (global batch {global_batch} unchanged): continuing at {where}"
         else:
-            order = (f"data order recomputed: global batch {state['global_batch_size']} -> {global_batch}, so "
-                     f"epoch {position.epoch + 1} restarts at its first step")
+            order = (
+                f"data order recomputed: global batch {state['global_batch_size']} -> {global_batch}, so "
+                f"epoch {position.epoch + 1} restarts at its first step"
+            )
             position.step_in_epoch = 0
         rng_note = "" if own_rng.is_file() else f"; ranks >= {state['world_size']} start their RNG from the seed"
-        print0(f"resumed from {path} (step {position.step}, saved by {state['world_size']} processes, now "
-               f"{self.env.world_size}): {order}{rng_note}")
+        print0(
+            f"resumed from {path} (step {position.step}, saved by {state['world_size']} processes, now "
+            f"{self.env.world_size}): {order}{rng_note}"
+        )
         return position
 
     # -- when to save --------------------------------------------------------------------------------------------
@@ -337,8 +379,11 @@ class Checkpointer:
         if signal_name is None:
             return
         step = self.training[3].steps  # type: ignore[index]
-        saved = self.last_saved if self.last_saved is not None and checkpoint_step(self.last_saved) == step else (
-            self.save(Position(step, epoch, done_in_epoch)))
+        saved = (
+            self.last_saved
+            if self.last_saved is not None and checkpoint_step(self.last_saved) == step
+            else (self.save(Position(step, epoch, done_in_epoch)))
+        )
         raise Preempted(signal_name, step, saved)
 
     # -- writing -------------------------------------------------------------------------------------------------
@@ -391,7 +436,9 @@ class Checkpointer:
             save_hf_model(model, full_state, self.tokenizer, tmp / "hf_model")
         # the source's dtype (not the fp32 master's), with what training changes (--rope_scaling): export rebuilds it
         training_model_config(self.cfg).save_pretrained(tmp / "hf_config")
-        if self.cfg.model.trust_remote_code:  # the model's own modeling code (the config's is saved with it): export runs it
+        if (
+            self.cfg.model.trust_remote_code
+        ):  # the model's own modeling code (the config's is saved with it): export runs it
             from transformers.dynamic_module_utils import custom_object_save
 
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -402,17 +449,27 @@ class Checkpointer:
         metrics = Path(self.cfg.output.dir) / "metrics.jsonl"
         state = {
             "format_version": FORMAT_VERSION,
-            "step": position.step, "epoch": position.epoch, "step_in_epoch": position.step_in_epoch,
-            "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
+            "step": position.step,
+            "epoch": position.epoch,
+            "step_in_epoch": position.step_in_epoch,
+            "steps_per_epoch": self.steps_per_epoch,
+            "total_steps": self.total_steps,
             "global_batch_size": effective_batch_size(self.cfg, self.strategy.dims.dp_size),
-            "world_size": self.env.world_size, "seed": self.cfg.train.seed, "strategy": self.strategy.name,
-            "model_name": self.cfg.model.name, "adapter_only": bool(bool(self.cfg.peft.method)),
+            "world_size": self.env.world_size,
+            "seed": self.cfg.train.seed,
+            "strategy": self.strategy.name,
+            "model_name": self.cfg.model.name,
+            "adapter_only": bool(bool(self.cfg.peft.method)),
             "checkpoint_type": self.cfg.checkpoint.checkpoint_type or "SHARDED_STATE_DICT",
             "optimizer_saved": self.cfg.checkpoint.save_optimizer,
             "scheduler": scheduler.state_dict(),
-            "num_tokens": result.num_tokens, "train_time_s": result.train_time_s,
-            "metrics_rows": (sum(1 for _ in metrics.open(encoding="utf-8"))
-                             if self.cfg.logging.save_metrics and metrics.is_file() else None),
+            "num_tokens": result.num_tokens,
+            "train_time_s": result.train_time_s,
+            "metrics_rows": (
+                sum(1 for _ in metrics.open(encoding="utf-8"))
+                if self.cfg.logging.save_metrics and metrics.is_file()
+                else None
+            ),
             "config_hash": config_hash(self.cfg),
             **({"best_model": self.best.state()} if self.best is not None else {}),
             **self.strategy.checkpoint_state(),
@@ -432,7 +489,7 @@ class Checkpointer:
             step = checkpoint_step(final)
             older = [p for p in complete_checkpoints(self.root) if checkpoint_step(p) <= step]  # type: ignore
             best = self.best.choose(older) if self.best is not None else None
-            for stale in older[:-self.cfg.checkpoint.save_total_limit]:
+            for stale in older[: -self.cfg.checkpoint.save_total_limit]:
                 if best is None or stale != best[0]:  # --load_best_model_at_end: the best one stays
                     remove_checkpoint(stale)
 
@@ -440,18 +497,25 @@ class Checkpointer:
         free = shutil.disk_usage(self.root).free
         reason = failure_reason(error) if error is not None else "another rank failed to write its part"
         if free < self.bytes_needed:  # whatever layer reported it (DCP, torch.save), the disk is full
-            reason = (f"No space left on device: {free / 1e6:,.1f} MB free, a checkpoint needs about "
-                      f"{self.bytes_needed / 1e6:,.1f} MB")
+            reason = (
+                f"No space left on device: {free / 1e6:,.1f} MB free, a checkpoint needs about "
+                f"{self.bytes_needed / 1e6:,.1f} MB"
+            )
         if self.env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         barrier()
         kept = f"the previous checkpoint {self.last_saved} is kept" if self.last_saved else "no earlier checkpoint"
-        raise CheckpointError(f"checkpoint {name} could not be written ({reason}): {kept}; free space in "
-                              f"{self.root} (or pass another --output_dir) and resume with --resume latest")
+        raise CheckpointError(
+            f"checkpoint {name} could not be written ({reason}): {kept}; free space in "
+            f"{self.root} (or pass another --output_dir) and resume with --resume latest"
+        )
 
     def describe_last(self) -> str:
-        return (f"the last good checkpoint is {self.last_saved} (resume with --resume latest)" if self.last_saved
-                else "no checkpoint was written")
+        return (
+            f"the last good checkpoint is {self.last_saved} (resume with --resume latest)"
+            if self.last_saved
+            else "no checkpoint was written"
+        )
 
 
 def dir_bytes(path: Path) -> int:
@@ -466,8 +530,10 @@ def check_resume_fits(cfg: TrainConfig) -> None:
         return
     saved, flag = read_trainer_state(path), f"--resume {cfg.checkpoint.resume}"
     if saved.get("adapter_only") and not bool(cfg.peft.method):
-        raise ConfigError(f"{flag}: {path} holds a PEFT adapter's training state: add --use_peft (and the run's "
-                          "--peft_method / --lora_config), or start a new run")
+        raise ConfigError(
+            f"{flag}: {path} holds a PEFT adapter's training state: add --use_peft (and the run's "
+            "--peft_method / --lora_config), or start a new run"
+        )
     if not saved.get("adapter_only", bool(cfg.peft.method)) and bool(cfg.peft.method):
         raise ConfigError(f"{flag}: {path} holds a full model's training state: drop --use_peft, or start a new run")
     from transformers import AutoConfig
@@ -475,13 +541,17 @@ def check_resume_fits(cfg: TrainConfig) -> None:
     from shardtune.model.peft import SHAPE_FIELDS
 
     trust = {"trust_remote_code": cfg.model.trust_remote_code}
-    theirs, ours = (AutoConfig.from_pretrained(path / "hf_config", **trust).to_dict(),
-                    AutoConfig.from_pretrained(cfg.model.name, **trust).to_dict())
+    theirs, ours = (
+        AutoConfig.from_pretrained(path / "hf_config", **trust).to_dict(),
+        AutoConfig.from_pretrained(cfg.model.name, **trust).to_dict(),
+    )
     diffs = [f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in SHAPE_FIELDS if theirs.get(k) != ours.get(k)]
     if diffs:
-        raise ConfigError(f"{flag}: {path} was trained from {saved.get('model_name')}, whose shapes differ from "
-                          f"--model_name {cfg.model.name} ({'; '.join(diffs)}): pass --model_name "
-                          f"{saved.get('model_name')}")
+        raise ConfigError(
+            f"{flag}: {path} was trained from {saved.get('model_name')}, whose shapes differ from "
+            f"--model_name {cfg.model.name} ({'; '.join(diffs)}): pass --model_name "
+            f"{saved.get('model_name')}"
+        )
     if bool(cfg.peft.method):
         before = flat_settings(from_dict(yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))))
         now = flat_settings(cfg)
@@ -489,6 +559,7 @@ def check_resume_fits(cfg: TrainConfig) -> None:
         keys = ["peft.method", *(shaped if cfg.peft.method == "lora" else ())]
         changed = [f"{spelling_of(cfg, k)} {before[k]} -> {now[k]}" for k in keys if before[k] != now[k]]
         if changed:
-            raise ConfigError(f"{flag}: {path} holds another adapter ({', '.join(changed)}): pass the checkpoint's "
-                              "values, or start a new run")
-
+            raise ConfigError(
+                f"{flag}: {path} holds another adapter ({', '.join(changed)}): pass the checkpoint's "
+                "values, or start a new run"
+            )

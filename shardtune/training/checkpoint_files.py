@@ -86,8 +86,10 @@ def verify_checkpoint(folder: Path, hashes: bool = True) -> str | None:
         manifest = json.loads((folder / MANIFEST_FILE).read_text(encoding="utf-8"))
         files = manifest["files"]
     except FileNotFoundError:
-        return (f"no {MANIFEST_FILE} (an unfinished save, a partly deleted folder, or a checkpoint written before "
-                "shardtune wrote manifests)")
+        return (
+            f"no {MANIFEST_FILE} (an unfinished save, a partly deleted folder, or a checkpoint written before "
+            "shardtune wrote manifests)"
+        )
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{MANIFEST_FILE} is damaged ({type(e).__name__})"
     for name, entry in files.items():

@@ -33,6 +33,8 @@ LATEST_FILE = "latest"
 STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 2  # 2: manifest.json
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
 def checkpoints_dir(where: str | Path) -> Path:
     """The folder of step-NNNNNN checkpoints: ``where`` itself when it is one (it holds ``latest`` or step
     folders, as llama-cookbook's checkpoint folder does), else ``where``/checkpoints (an output dir)."""
@@ -46,7 +48,10 @@ def checkpoint_root(cfg: TrainConfig) -> Path:
     """Where this run writes its checkpoints: llama-cookbook's <dist_checkpoint_root_folder>/
     <dist_checkpoint_folder>-<model_name> when the root folder is given, else output_dir/checkpoints."""
     if cfg.checkpoint.dist_checkpoint_root_folder:
-        return Path(cfg.checkpoint.dist_checkpoint_root_folder) / f"{cfg.checkpoint.dist_checkpoint_folder}-{cfg.model.name}"
+        return (
+            Path(cfg.checkpoint.dist_checkpoint_root_folder)
+            / f"{cfg.checkpoint.dist_checkpoint_folder}-{cfg.model.name}"
+        )
     return Path(cfg.output.dir) / CHECKPOINTS_DIR
 
 
@@ -98,14 +103,16 @@ def _named_by_latest(root: Path, notes: list[str]) -> Path | None:
     except OSError:
         return None
     if not _STEP_DIR.match(name):
-        notes.append(f"checkpoint: {root / LATEST_FILE} names {name[:80]!r}, not a step-NNNNNN folder of {root}: "
-                     "ignored")
+        notes.append(
+            f"checkpoint: {root / LATEST_FILE} names {name[:80]!r}, not a step-NNNNNN folder of {root}: ignored"
+        )
         return None
     return root / name
 
 
-def newest_verified_checkpoint(output_dir: str | Path, hashes: bool = True,
-                               notes: list[str] | None = None) -> Path | None:
+def newest_verified_checkpoint(
+    output_dir: str | Path, hashes: bool = True, notes: list[str] | None = None
+) -> Path | None:
     """The checkpoint ``latest`` names if it verifies, else the newest one that does; ``notes`` receives one line
     per checkpoint skipped, with the reason."""
     notes = [] if notes is None else notes
@@ -127,8 +134,9 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return newest_verified_checkpoint(output_dir, hashes=False)
 
 
-def resolve_checkpoint(where: str, output_dir: str | Path, hashes: bool = True,
-                       notes: list[str] | None = None, resume: bool = True) -> Path | None:
+def resolve_checkpoint(
+    where: str, output_dir: str | Path, hashes: bool = True, notes: list[str] | None = None, resume: bool = True
+) -> Path | None:
     """``latest`` (of output_dir, or of a checkpoints folder), a checkpoint folder, or an output dir or checkpoints
     folder (its latest checkpoint); ``auto``: latest if there is a complete checkpoint, else None (a new run; for
     jobs that requeue or restart themselves). Only a checkpoint that verifies (checkpoint_problem) is returned;
@@ -139,26 +147,30 @@ def resolve_checkpoint(where: str, output_dir: str | Path, hashes: bool = True,
         if path is None and where == "latest":
             # an output dir named "checkpoints" is not the checkpoints folder itself: name the folder it is
             looked_in = output_dir if Path(output_dir).name == CHECKPOINTS_DIR else checkpoints_dir(output_dir)
-            raise ConfigError(f"--resume latest: no complete checkpoint in {looked_in}: drop --resume to start a "
-                              "new run, or pass a checkpoint folder")
+            raise ConfigError(
+                f"--resume latest: no complete checkpoint in {looked_in}: drop --resume to start a "
+                "new run, or pass a checkpoint folder"
+            )
         return path
     path = Path(where)
     if checkpoint_step(path) is not None and path.is_dir():
         problem = checkpoint_problem(path, hashes)
         if problem is not None:
             newest = "--resume latest" if resume else "the run's output dir"
-            raise ConfigError(f"{'--resume ' if resume else ''}{where}: the checkpoint does not verify ({problem}): "
-                              f"pass another checkpoint, or {newest} (the newest one that verifies)")
+            raise ConfigError(
+                f"{'--resume ' if resume else ''}{where}: the checkpoint does not verify ({problem}): "
+                f"pass another checkpoint, or {newest} (the newest one that verifies)"
+            )
         return path
     if checkpoints_dir(path).is_dir():
         found = newest_verified_checkpoint(path, hashes, notes)
         if found is not None:
             return found
-    raise ConfigError(f"{where} is not a complete checkpoint (a step-NNNNNN folder with {MANIFEST_FILE}, or an "
-                      f"output dir holding checkpoints/): pass one{', or --resume latest' if resume else ''}")
+    raise ConfigError(
+        f"{where} is not a complete checkpoint (a step-NNNNNN folder with {MANIFEST_FILE}, or an "
+        f"output dir holding checkpoints/): pass one{', or --resume latest' if resume else ''}"
+    )
 
 
 def read_trainer_state(path: Path) -> dict:
     return json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-
-

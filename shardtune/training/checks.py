@@ -15,16 +15,21 @@ from shardtune.config.checks import CONFIG_CHECKS
 from shardtune.config.schema import TrainConfig
 from shardtune.model.freezing import check_freeze_layers
 from shardtune.model.loading import (
-    auto_config, check_model_source, check_tokenizer_fits, load_tokenizer, resolve_model_name, resolve_revision,
+    auto_config,
+    check_model_source,
+    check_tokenizer_fits,
+    load_tokenizer,
+    resolve_model_name,
+    resolve_revision,
 )
-from shardtune.publishing.hub import check_push_to_hub
 from shardtune.model.longseq import check_rope_scaling
-from shardtune.model.speed import check_attention_fits, check_attn_implementation
 from shardtune.model.peft import check_peft
+from shardtune.model.speed import check_attention_fits, check_attn_implementation
 from shardtune.model.structure import check_model_structure
 from shardtune.parallel.dims import ParallelDims, check_parallel_dims
 from shardtune.parallel.optim import check_optim, check_schedule
 from shardtune.parallel.sequence import check_sequence_split
+from shardtune.publishing.hub import check_push_to_hub
 from shardtune.runtime.distributed import is_torchrun_worker
 from shardtune.training.best_model import check_intervals
 from shardtune.training.checkpoint import check_checkpointing, check_resume_fits
@@ -32,9 +37,17 @@ from shardtune.training.objective import check_objective, objective_class
 
 # Settings alone, in order: the objective's (it may settle the batching), the config floor's own, then those owned by
 # the floors above.
-SETTING_CHECKS = (check_objective, *CONFIG_CHECKS, check_parallel_dims, check_schedule,
-                  check_optim, check_checkpointing, check_intervals, check_attn_implementation,
-                  check_push_to_hub)
+SETTING_CHECKS = (
+    check_objective,
+    *CONFIG_CHECKS,
+    check_parallel_dims,
+    check_schedule,
+    check_optim,
+    check_checkpointing,
+    check_intervals,
+    check_attn_implementation,
+    check_push_to_hub,
+)
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
@@ -77,8 +90,9 @@ def prepare(cfg: TrainConfig, world_size: int) -> None:
     if cfg.model.tokenizer:
         check_model_source(cfg.model.tokenizer, "tokenizer_name", cfg.model.trust_remote_code)
     data.check_data_config(cfg)
-    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.model.tokenizer or cfg.model.name,
-                                                                 cfg.model.trust_remote_code))
+    tokenizer = data.apply_tokenizer_options(
+        cfg, load_tokenizer(cfg.model.tokenizer or cfg.model.name, cfg.model.trust_remote_code)
+    )
     data.drop_absent_validation(cfg, say=not is_torchrun_worker())
     check_tokenizer_fits(cfg.model.name, tokenizer, cfg.model.tokenizer, cfg.model.trust_remote_code)
     data.check_context_length(cfg, tokenizer)

@@ -20,18 +20,23 @@ import torch
 from torch import nn
 
 from shardtune import data
+from shardtune.accounting.flops import ModelShape, num_input_tokens, preference_micro_batch_flops
 from shardtune.config.schema import ConfigError, DpoConfig
 from shardtune.data.batching import eval_shares
 from shardtune.data.cache import load_pairs_cached, pairs_entry
 from shardtune.data.preference import collate_pair_units
-from shardtune.accounting.flops import ModelShape, num_input_tokens, preference_micro_batch_flops
 from shardtune.model.loading import cache_dir
 from shardtune.model.speed import apply_speed_features
 from shardtune.parallel.sequence import RowSlice, SequenceGroups, use_sequence_attention
 from shardtune.runtime.distributed import all_reduce_sum, print0
 from shardtune.training.building import build_model
 from shardtune.training.dpo_logps import (
-    SplitRows, chosen_completion_targets, completion_lengths, num_completion_targets, num_pairs, pair_logps,
+    SplitRows,
+    chosen_completion_targets,
+    completion_lengths,
+    num_completion_targets,
+    num_pairs,
+    pair_logps,
     reference_logps,
 )
 from shardtune.training.dpo_loss import check_loss_options, preference_losses, sft_weight
@@ -40,19 +45,39 @@ from shardtune.training.objective import COUNTS, Objective
 from shardtune.training.sft import data_splits
 
 # The metrics of a step, TRL's names; each the mean over the step's global pairs.
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected")
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
 # Sums over a micro-batch's pairs: the pair losses, the metrics' numerators, the chosen completions' NLL (sft's term).
 STATS = ("loss_sum", *METRICS, "chosen_nll")
 
 
-def pair_stats(losses: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
-               ref_rejected: torch.Tensor, beta: float) -> torch.Tensor:
+def pair_stats(
+    losses: torch.Tensor,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+) -> torch.Tensor:
     """The sums of STATS over the pairs of a micro-batch, on the device (float64)."""
     chosen_rewards = beta * (chosen - ref_chosen).detach()
     rejected_rewards = beta * (rejected - ref_rejected).detach()
-    values = (losses.detach(), chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).float(),
-              chosen_rewards - rejected_rewards, chosen.detach(), rejected.detach(), -chosen.detach())
+    values = (
+        losses.detach(),
+        chosen_rewards,
+        rejected_rewards,
+        (chosen_rewards > rejected_rewards).float(),
+        chosen_rewards - rejected_rewards,
+        chosen.detach(),
+        rejected.detach(),
+        -chosen.detach(),
+    )
     return torch.stack([v.double().sum() for v in values])
 
 
@@ -64,10 +89,16 @@ def pair_means(sums: list[float], num_pairs: float, chosen_tokens: float = 0, sf
     return {"loss": loss, **{name: sums[i + 1] / n for i, name in enumerate(METRICS)}}
 
 
-def micro_batch_loss(policy: nn.Module, ref_model: nn.Module | None, peft_model: nn.Module | None,
-                     batch: dict[str, torch.Tensor], dpo: DpoConfig, device: torch.device,
-                     split: SplitRows | None = None, sft_scale: torch.Tensor | float | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def micro_batch_loss(
+    policy: nn.Module,
+    ref_model: nn.Module | None,
+    peft_model: nn.Module | None,
+    batch: dict[str, torch.Tensor],
+    dpo: DpoConfig,
+    device: torch.device,
+    split: SplitRows | None = None,
+    sft_scale: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(the SUM of the micro-batch's pair losses with its graph, plus with an ``sft`` term its weight x the chosen
     completions' NLL x ``sft_scale`` (pairs per chosen completion token of the step: the term is then a mean over
     tokens, not pairs, once the engine divides by the pairs; None: this micro-batch's, as TRL for one batch);
@@ -100,17 +131,23 @@ class DPO(Objective):
         --cp_size are always padding-free), evaluation on the test split's pairs."""
         check_loss_options(cfg.dpo)
         if cfg.dpo.precompute_ref_batch_size and not cfg.dpo.precompute_ref_log_probs:
-            raise ConfigError(f"--precompute_ref_batch_size {cfg.dpo.precompute_ref_batch_size} has no effect "
-                              "without --precompute_ref_log_probs: add it, or drop the flag")
+            raise ConfigError(
+                f"--precompute_ref_batch_size {cfg.dpo.precompute_ref_batch_size} has no effect "
+                "without --precompute_ref_log_probs: add it, or drop the flag"
+            )
         if cfg.dpo.precompute_ref_batch_size < 0:
-            raise ConfigError(f"--precompute_ref_batch_size {cfg.dpo.precompute_ref_batch_size}: pass a positive "
-                              "number (0: --batch_size_training)")
+            raise ConfigError(
+                f"--precompute_ref_batch_size {cfg.dpo.precompute_ref_batch_size}: pass a positive "
+                "number (0: --batch_size_training)"
+            )
         # a micro-batch's pairs are collated chosen-then-rejected, never packed into blocks: padded rows, or one
         # padding-free row with --padding_free
         cfg.data.batching = "padding"
         if cfg.eval.log_samples:
-            raise ConfigError("--log_eval_samples generates summaries, an SFT evaluation: shardtune dpo evaluates the "
-                              "test split's pairs (eval_loss, eval_rewards/*); drop the flag")
+            raise ConfigError(
+                "--log_eval_samples generates summaries, an SFT evaluation: shardtune dpo evaluates the "
+                "test split's pairs (eval_loss, eval_rewards/*); drop the flag"
+            )
 
     @classmethod
     def prepare_data(cls, cfg, tokenizer, dp_size: int) -> None:
@@ -142,20 +179,33 @@ class DPO(Objective):
         cfg, env, split = self.cfg, self.env, self.split
         train_pairs = [unit[0] for unit in units]
         key = reference_key(cfg, self.strategy.compute_dtype, env.device)
-        jobs = [(pairs, pairs_entry(cfg, self.tokenizer, name, cache_dir()) / f"reference-{key}.npy" if key else None)
-                for name, pairs in (("train", train_pairs), ("validation", eval_items)) if pairs]
+        jobs = [
+            (pairs, pairs_entry(cfg, self.tokenizer, name, cache_dir()) / f"reference-{key}.npy" if key else None)
+            for name, pairs in (("train", train_pairs), ("validation", eval_items))
+            if pairs
+        ]
         missing = [(pairs, file) for pairs, file in jobs if not read_cached_reference(pairs, file, env)]
         if missing:
             reference = self.build_reference()
             for pairs, file in missing:
-                compute_and_cache_reference(pairs, file, model, self.strategy, cfg, env, self.pad_id, **reference,
-                                            split=split)
-        how = ("read from the tokenised-data cache (an earlier run of this reference; no reference model is loaded)"
-               if not missing else "computed before training" + (
-                   ", kept in the tokenised-data cache" if key else
-                   " (not cached: the hub id's snapshot is not in the local cache)") + "; the reference model is freed")
-        print0(f"reference: log-probabilities of {len(train_pairs):,} train and {len(eval_items):,} test pairs "
-               f"{how} (--precompute_ref_log_probs)")
+                compute_and_cache_reference(
+                    pairs, file, model, self.strategy, cfg, env, self.pad_id, **reference, split=split
+                )
+        how = (
+            "read from the tokenised-data cache (an earlier run of this reference; no reference model is loaded)"
+            if not missing
+            else "computed before training"
+            + (
+                ", kept in the tokenised-data cache"
+                if key
+                else " (not cached: the hub id's snapshot is not in the local cache)"
+            )
+            + "; the reference model is freed"
+        )
+        print0(
+            f"reference: log-probabilities of {len(train_pairs):,} train and {len(eval_items):,} test pairs "
+            f"{how} (--precompute_ref_log_probs)"
+        )
 
     def build_reference(self) -> dict:
         if bool(self.cfg.peft.method):
@@ -172,18 +222,34 @@ class DPO(Objective):
         return self.split.size if self.split else 1
 
     def counts(self, micro_batches: list[dict], shape: ModelShape | None) -> list[float]:
-        flops = ([preference_micro_batch_flops(shape, mb, num_completion_targets(mb)) for mb in micro_batches]
-                 if shape is not None else [(0, 0)])
-        return [sum(num_pairs(mb) for mb in micro_batches) / self.copies,
-                sum(num_completion_targets(mb) for mb in micro_batches),
-                sum(num_input_tokens(mb) for mb in micro_batches), sum(f for f, _ in flops),
-                sum(p for _, p in flops), sum(chosen_completion_targets(mb) for mb in micro_batches)]
+        flops = (
+            [preference_micro_batch_flops(shape, mb, num_completion_targets(mb)) for mb in micro_batches]
+            if shape is not None
+            else [(0, 0)]
+        )
+        return [
+            sum(num_pairs(mb) for mb in micro_batches) / self.copies,
+            sum(num_completion_targets(mb) for mb in micro_batches),
+            sum(num_input_tokens(mb) for mb in micro_batches),
+            sum(f for f, _ in flops),
+            sum(p for _, p in flops),
+            sum(chosen_completion_targets(mb) for mb in micro_batches),
+        ]
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], totals: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], totals: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         sft_scale = totals[0] / totals[-1].clamp(min=1)  # the sft term: a mean over the step's chosen tokens
-        return micro_batch_loss(model, self.reference.get("ref_model"), self.reference.get("peft_model"), batch,
-                                self.cfg.dpo, self.env.device, self.split, sft_scale)
+        return micro_batch_loss(
+            model,
+            self.reference.get("ref_model"),
+            self.reference.get("peft_model"),
+            batch,
+            self.cfg.dpo,
+            self.env.device,
+            self.split,
+            sft_scale,
+        )
 
     def step_metrics(self, totals: dict[str, float], stats: list[float]) -> dict[str, float]:
         sums = [value / self.copies for value in stats]
@@ -195,14 +261,24 @@ class DPO(Objective):
         """The test split's loss and TRL's reward metrics, each the mean over all its pairs (all ranks), with TRL's
         ``eval_`` prefix; the pairs shared out as SFT's eval examples are (shardtune.data.batching.eval_shares), a
         rank short of chunks running a pair it does not count."""
-        return dpo_evaluate(model, self.strategy, self.cfg, self.env, self.eval_pairs, self.pad_id,
-                            **self.reference, split=self.split), []
+        return dpo_evaluate(
+            model, self.strategy, self.cfg, self.env, self.eval_pairs, self.pad_id, **self.reference, split=self.split
+        ), []
 
 
 @torch.no_grad()
-def dpo_evaluate(model: nn.Module, strategy, cfg, env, eval_pairs: list[dict], pad_id: int, *,
-                 ref_model: nn.Module | None = None, peft_model: nn.Module | None = None,
-                 split: SplitRows | None = None) -> dict[str, float]:
+def dpo_evaluate(
+    model: nn.Module,
+    strategy,
+    cfg,
+    env,
+    eval_pairs: list[dict],
+    pad_id: int,
+    *,
+    ref_model: nn.Module | None = None,
+    peft_model: nn.Module | None = None,
+    split: SplitRows | None = None,
+) -> dict[str, float]:
     """:meth:`DPO.evaluate` with its reference given."""
     mine, num_batches = eval_shares(eval_pairs, cfg, strategy.dims.dp_rank(env.rank), strategy.dims.dp_size)
     sums = torch.zeros(len(STATS), dtype=torch.float64, device=env.device)
@@ -220,10 +296,11 @@ def dpo_evaluate(model: nn.Module, strategy, cfg, env, eval_pairs: list[dict], p
             chosen_tokens += chosen_completion_targets(batch)
     model.train()
     copies = split.size if split else 1  # the ranks of a split group evaluate the same pairs
-    summed = all_reduce_sum(torch.cat([sums, torch.tensor([counted, chosen_tokens], dtype=torch.float64,
-                                                          device=env.device)]), env.device).tolist()
+    summed = all_reduce_sum(
+        torch.cat([sums, torch.tensor([counted, chosen_tokens], dtype=torch.float64, device=env.device)]), env.device
+    ).tolist()
     total = int(summed[-2]) // copies  # a split row's chosen tokens are spread over its slices: summed as they are
-    row = pair_means([v / copies for v in summed[:len(STATS)]], total, summed[-1], sft_weight(cfg.dpo))
+    row = pair_means([v / copies for v in summed[: len(STATS)]], total, summed[-1], sft_weight(cfg.dpo))
     return {f"eval_{name}": value for name, value in row.items()} | {"eval_num_pairs": total}
 
 

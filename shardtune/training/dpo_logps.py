@@ -31,6 +31,7 @@ from shardtune.parallel.sequence import SEQUENCE_INDEX
 class SplitRows:
     """The ranks that split each row (a context x sequence parallel group): its process group, its size, and this
     rank's slice of a collated row (shardtune.parallel.sequence.RowSlice)."""
+
     group: dist.ProcessGroup
     size: int
     row_slice: object
@@ -90,14 +91,15 @@ def completion_targets(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, to
     return targets, segments, n
 
 
-def pair_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device,
-               split: SplitRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_logps(
+    model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, split: SplitRows | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) log-probabilities of the micro-batch's pairs, each (n,) in fp32, from one forward (of
     2n padded rows, or of one padding-free row, or of this rank's slice of it: ``split``)."""
     targets, segments, num_segments = completion_targets(batch)
     sums = sequence_log_prob_sums(model, batch, targets, segments, num_segments, device)
     if SHIFT_LABELS in batch:  # a slice's sums are partial: all-reduced over the split group
-        return SummedOverSplit.apply(sums[:2 * num_pairs(batch)], split.group).chunk(2, dim=0)
+        return SummedOverSplit.apply(sums[: 2 * num_pairs(batch)], split.group).chunk(2, dim=0)
     return sums.chunk(2, dim=0)
 
 
@@ -117,9 +119,14 @@ def adapter_disabled(model: nn.Module) -> contextlib.AbstractContextManager:
 
 
 @torch.no_grad()
-def reference_logps(policy: nn.Module, ref_model: nn.Module | None, peft_model: nn.Module | None,
-                    batch: dict[str, torch.Tensor], device: torch.device, split: SplitRows | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_logps(
+    policy: nn.Module,
+    ref_model: nn.Module | None,
+    peft_model: nn.Module | None,
+    batch: dict[str, torch.Tensor],
+    device: torch.device,
+    split: SplitRows | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's (chosen, rejected) log-probabilities: those the batch carries (--precompute_ref_log_probs),
     else ``ref_model``'s when given, else the policy's with the adapter of ``peft_model`` (the unwrapped PEFT model)
     switched off."""
@@ -143,7 +150,7 @@ def chosen_completion_targets(batch: dict[str, torch.Tensor]) -> int:
     mask = predicted_completion(batch)
     if "cu_seq_lens" not in batch:
         return int(mask[:n].sum())
-    return int(mask[0, :int(batch["cu_seq_lens"][n]) - 1].sum())  # targets of the row's first n sequences
+    return int(mask[0, : int(batch["cu_seq_lens"][n]) - 1].sum())  # targets of the row's first n sequences
 
 
 def num_completion_targets(batch: dict[str, torch.Tensor]) -> int:

@@ -47,8 +47,14 @@ def divergence_scores(logratios: torch.Tensor, dpo: DpoConfig) -> torch.Tensor:
 F_DIVERGENCE_LOSSES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"}
 
 
-def preference_losses(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
-                      ref_rejected: torch.Tensor, lengths: torch.Tensor, dpo: DpoConfig) -> torch.Tensor:
+def preference_losses(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    lengths: torch.Tensor,
+    dpo: DpoConfig,
+) -> torch.Tensor:
     """Per-pair losses (n,), as TRL 1.16 computes them: each --loss_type's term times its weight, summed (``sft``,
     a mean over tokens rather than pairs, is added by the caller: :func:`sft_weight`). ``lengths``: the micro-batch's
     completion lengths (2n,) (:func:`completion_lengths`), for ipo's and sigmoid_norm's per-token normalisation."""
@@ -71,11 +77,15 @@ def preference_losses(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: 
         elif loss_type == "robust":
             loss = (-(1 - eps) * F.logsigmoid(margin) + eps * F.logsigmoid(-margin)) / (1 - 2 * eps)
         elif loss_type == "exo_pair":  # KL(p_theta || p_target) over {chosen, rejected}, target (1 - eps, eps)
-            loss = (torch.sigmoid(margin) * (F.logsigmoid(margin) - math.log1p(-eps))
-                    + torch.sigmoid(-margin) * (F.logsigmoid(-margin) - math.log(eps)))
+            loss = torch.sigmoid(margin) * (F.logsigmoid(margin) - math.log1p(-eps)) + torch.sigmoid(-margin) * (
+                F.logsigmoid(-margin) - math.log(eps)
+            )
         elif loss_type == "nca_pair":
-            loss = (-F.logsigmoid(beta * chosen_ratio) - 0.5 * F.logsigmoid(-beta * chosen_ratio)
-                    - 0.5 * F.logsigmoid(-beta * rejected_ratio))
+            loss = (
+                -F.logsigmoid(beta * chosen_ratio)
+                - 0.5 * F.logsigmoid(-beta * chosen_ratio)
+                - 0.5 * F.logsigmoid(-beta * rejected_ratio)
+            )
         elif loss_type == "bco_pair":
             loss = -F.logsigmoid(beta * chosen_ratio) - F.logsigmoid(-beta * rejected_ratio)
         elif loss_type == "sppo_hard":  # the winner's log-ratio pulled to 1 / (2 beta), the loser's to -1 / (2 beta)
@@ -105,12 +115,16 @@ def check_loss_options(dpo: DpoConfig) -> None:
     if not types:
         raise ConfigError("--loss_type is empty: name at least one loss (TRL's default: sigmoid)")
     for loss_type in {"aot", "aot_unpaired"} & set(types):
-        raise ConfigError(f"--loss_type {loss_type} sorts the log-ratios within a device's batch, so its loss would "
-                          "change with the number of processes (the guarantee of docs/dpo.md): not built; use "
-                          "sigmoid, or another of TRL's per-pair losses")
+        raise ConfigError(
+            f"--loss_type {loss_type} sorts the log-ratios within a device's batch, so its loss would "
+            "change with the number of processes (the guarantee of docs/dpo.md): not built; use "
+            "sigmoid, or another of TRL's per-pair losses"
+        )
     if dpo.loss_weights and len(dpo.loss_weights) != len(types):
-        raise ConfigError(f"--loss_weights has {len(dpo.loss_weights)} weights for {len(types)} loss types "
-                          f"({', '.join(types)}): give one weight per --loss_type")
+        raise ConfigError(
+            f"--loss_weights has {len(dpo.loss_weights)} weights for {len(types)} loss types "
+            f"({', '.join(types)}): give one weight per --loss_type"
+        )
     if not all(math.isfinite(w) for w in dpo.loss_weights):
         raise ConfigError(f"--loss_weights {dpo.loss_weights}: every weight must be a finite number")
     if "robust" in types and not 0 <= eps < 0.5:
@@ -118,15 +132,21 @@ def check_loss_options(dpo: DpoConfig) -> None:
     if "exo_pair" in types and not 0 < eps < 1:
         raise ConfigError(f"--label_smoothing {eps}: exo_pair needs it above 0 (the EXO paper recommends 1e-3)")
     if eps and not {"robust", "exo_pair"} & set(types):
-        raise ConfigError(f"--label_smoothing {eps} has no effect with --loss_type {','.join(types)} (TRL 1.16 "
-                          "smooths labels in robust and exo_pair only): pass one of them, or drop the flag")
+        raise ConfigError(
+            f"--label_smoothing {eps} has no effect with --loss_type {','.join(types)} (TRL 1.16 "
+            "smooths labels in robust and exo_pair only): pass one of them, or drop the flag"
+        )
     if dpo.f_divergence_type != "reverse_kl" and not set(types) <= F_DIVERGENCE_LOSSES:
-        raise ConfigError(f"--f_divergence_type {dpo.f_divergence_type} applies to "
-                          f"{', '.join(sorted(F_DIVERGENCE_LOSSES))} only (the others have no f-DPO form), not to "
-                          f"{', '.join(sorted(set(types) - F_DIVERGENCE_LOSSES))}: use reverse_kl with them")
+        raise ConfigError(
+            f"--f_divergence_type {dpo.f_divergence_type} applies to "
+            f"{', '.join(sorted(F_DIVERGENCE_LOSSES))} only (the others have no f-DPO form), not to "
+            f"{', '.join(sorted(set(types) - F_DIVERGENCE_LOSSES))}: use reverse_kl with them"
+        )
     if dpo.f_alpha_divergence_coef != 0.5 and dpo.f_divergence_type != "alpha_divergence":
-        raise ConfigError(f"--f_alpha_divergence_coef {dpo.f_alpha_divergence_coef} has no effect with "
-                          f"--f_divergence_type {dpo.f_divergence_type}: pass alpha_divergence, or drop the flag")
+        raise ConfigError(
+            f"--f_alpha_divergence_coef {dpo.f_alpha_divergence_coef} has no effect with "
+            f"--f_divergence_type {dpo.f_divergence_type}: pass alpha_divergence, or drop the flag"
+        )
     if "discopop" in types and not dpo.discopop_tau > 0:
         raise ConfigError(f"--discopop_tau {dpo.discopop_tau}: must be positive (TRL's default: 0.05)")
     if dpo.discopop_tau != 0.05 and "discopop" not in types:

@@ -21,9 +21,18 @@ from shardtune.training.dpo_logps import SplitRows, reference_logps
 
 
 @torch.no_grad()
-def precompute_reference(pairs: list[dict], policy: nn.Module, strategy, cfg, env, pad_id: int, *,
-                         ref_model: nn.Module | None = None, peft_model: nn.Module | None = None,
-                         split: SplitRows | None = None) -> torch.Tensor:
+def precompute_reference(
+    pairs: list[dict],
+    policy: nn.Module,
+    strategy,
+    cfg,
+    env,
+    pad_id: int,
+    *,
+    ref_model: nn.Module | None = None,
+    peft_model: nn.Module | None = None,
+    split: SplitRows | None = None,
+) -> torch.Tensor:
     """--precompute_ref_log_probs: every pair's reference (chosen, rejected) log-probabilities, computed once before
     training and stored in the pair (``ref_logps``), which :func:`collate_pairs` carries into each batch; returned
     as (pairs, 2) float64, the same on every rank. Data-parallel rank r of D takes pairs r, r + D, ... in chunks of
@@ -37,7 +46,7 @@ def precompute_reference(pairs: list[dict], policy: nn.Module, strategy, cfg, en
     values = torch.zeros(len(pairs), 2, dtype=torch.float64)
     policy.eval()
     for c in range(num_chunks):
-        chunk = mine[c * size:(c + 1) * size]
+        chunk = mine[c * size : (c + 1) * size]
         batch = collate_pair_units([[pairs[i]] for i in chunk or [0]], cfg, pad_id)
         batch = split(batch, pad_id) if split else batch
         with strategy.autocast():
@@ -64,13 +73,27 @@ def reference_key(cfg, compute_dtype: torch.dtype, device: torch.device) -> str 
     weights = weights_identity(cfg.model.name, cfg.model.revision)
     if weights is None:
         return None
-    return hashlib.sha256(json.dumps({
-        "weights": weights, "quantization": [cfg.model.quantization, cfg.model.quant_type, cfg.model.double_quant,
-                                       cfg.model.quant_compute_dtype],
-        "rope": [cfg.model.rope_scaling, cfg.model.rope_factor], "dtype": str(compute_dtype),
-        "pure_bf16": cfg.parallel.strategy == "fsdp" and cfg.train.precision == "pure_bf16",
-        "attention": [cfg.model.attn_implementation, cfg.model.fast_kernels, cfg.data.padding_free], "device": device.type,
-        "torch": torch.__version__, "transformers": transformers.__version__}, sort_keys=True).encode()).hexdigest()[:24]
+    return hashlib.sha256(
+        json.dumps(
+            {
+                "weights": weights,
+                "quantization": [
+                    cfg.model.quantization,
+                    cfg.model.quant_type,
+                    cfg.model.double_quant,
+                    cfg.model.quant_compute_dtype,
+                ],
+                "rope": [cfg.model.rope_scaling, cfg.model.rope_factor],
+                "dtype": str(compute_dtype),
+                "pure_bf16": cfg.parallel.strategy == "fsdp" and cfg.train.precision == "pure_bf16",
+                "attention": [cfg.model.attn_implementation, cfg.model.fast_kernels, cfg.data.padding_free],
+                "device": device.type,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+            },
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()[:24]
 
 
 def read_cached_reference(pairs: list[dict], cache_file, env) -> bool:
@@ -85,8 +108,9 @@ def read_cached_reference(pairs: list[dict], cache_file, env) -> bool:
     return True
 
 
-def compute_and_cache_reference(pairs: list[dict], cache_file, policy: nn.Module, strategy, cfg, env, pad_id: int,
-                                **reference) -> None:
+def compute_and_cache_reference(
+    pairs: list[dict], cache_file, policy: nn.Module, strategy, cfg, env, pad_id: int, **reference
+) -> None:
     """:func:`precompute_reference`, then each node's first rank writes the values to ``cache_file`` (when not
     None); a failed write is a note: the run goes on with the values in memory."""
     values = precompute_reference(pairs, policy, strategy, cfg, env, pad_id, **reference)
@@ -94,6 +118,9 @@ def compute_and_cache_reference(pairs: list[dict], cache_file, policy: nn.Module
         try:
             write_reference_log_probs(cache_file, values.numpy())
         except OSError as e:
-            print(f"shardtune: note: the reference's log-probabilities could not be cached in {cache_file.parent} "
-                  f"({e}); this run goes on with them in memory, the next computes them again", file=sys.stderr,
-                  flush=True)
+            print(
+                f"shardtune: note: the reference's log-probabilities could not be cached in {cache_file.parent} "
+                f"({e}); this run goes on with them in memory, the next computes them again",
+                file=sys.stderr,
+                flush=True,
+            )

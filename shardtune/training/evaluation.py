@@ -13,8 +13,14 @@ from shardtune.training.objective import Objective
 
 
 class Evaluator:
-    def __init__(self, objective: Objective, model: nn.Module, writer: MetricsWriter, best: BestModel | None,
-                 say: Callable[[str], None]):
+    def __init__(
+        self,
+        objective: Objective,
+        model: nn.Module,
+        writer: MetricsWriter,
+        best: BestModel | None,
+        say: Callable[[str], None],
+    ):
         self.objective, self.model, self.writer, self.best, self.say = objective, model, writer, best, say
         self.last: dict[str, float] = {}
 

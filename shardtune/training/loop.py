@@ -46,9 +46,15 @@ class TrainResult:
         return self.num_tokens / self.train_time_s if self.train_time_s > 0 else 0.0
 
 
-def train(model: nn.Module, strategy: Strategy, objective: Objective, units: list, writer: MetricsWriter,
-          checkpointer: Checkpointer | None = None, publish: Callable[[TrainResult], None] | None = None
-          ) -> TrainResult:
+def train(
+    model: nn.Module,
+    strategy: Strategy,
+    objective: Objective,
+    units: list,
+    writer: MetricsWriter,
+    checkpointer: Checkpointer | None = None,
+    publish: Callable[[TrainResult], None] | None = None,
+) -> TrainResult:
     """Trains to the end. ``publish`` (writing the final model) is called once, when the last step is done and
     before the final evaluation (a failure there never costs the trained model); with --load_best_model_at_end
     after it, with the best checkpoint's weights."""
@@ -66,8 +72,12 @@ def train(model: nn.Module, strategy: Strategy, objective: Objective, units: lis
                 break
             done_in_epoch += 1
             run.step(micro_batches, epoch, done_in_epoch)
-            if run.eval_every and result.steps % run.eval_every == 0 and done_in_epoch < run.steps_per_epoch \
-                    and result.steps < run.total_steps:  # --eval_steps; the epoch's end evaluates anyway
+            if (
+                run.eval_every
+                and result.steps % run.eval_every == 0
+                and done_in_epoch < run.steps_per_epoch
+                and result.steps < run.total_steps
+            ):  # --eval_steps; the epoch's end evaluates anyway
                 run.evaluate(epoch, done_in_epoch, f"step {result.steps}")
             if checkpointer:
                 checkpointer.after_step(epoch, done_in_epoch)
@@ -82,18 +92,33 @@ class Run:
     """One run's training state and the units the loop calls: optimizer and schedule, resume position, the step,
     the evaluator, the step reporter, publishing."""
 
-    def __init__(self, model: nn.Module, strategy: Strategy, objective: Objective, units: list,
-                 writer: MetricsWriter, checkpointer: Checkpointer | None, publish: Callable | None):
+    def __init__(
+        self,
+        model: nn.Module,
+        strategy: Strategy,
+        objective: Objective,
+        units: list,
+        writer: MetricsWriter,
+        checkpointer: Checkpointer | None,
+        publish: Callable | None,
+    ):
         cfg, env = objective.cfg, objective.env
         self.model, self.strategy, self.objective, self.units, self.cfg, self.env = (
-            model, strategy, objective, units, cfg, env)
+            model,
+            strategy,
+            objective,
+            units,
+            cfg,
+            env,
+        )
         self.checkpointer, self.publish = checkpointer, publish
         dims = strategy.dims  # the sampler sees data-parallel ranks; the ranks of one cp x sp group split each row
         self.optimizer = strategy.build_optimizer(model)
         self.steps_per_epoch = data.steps_per_epoch(len(units), cfg, dims.dp_size)
         self.total_steps = planned_steps(cfg, len(units), dims.dp_size)
-        self.scheduler, self.scheduler_unit = build_scheduler(self.optimizer, cfg, self.total_steps,
-                                                              self.steps_per_epoch)
+        self.scheduler, self.scheduler_unit = build_scheduler(
+            self.optimizer, cfg, self.total_steps, self.steps_per_epoch
+        )
         self.shape = model_shape(model)
         peak = PeakMeter(env.device, strategy.compute_dtype, lambda t: all_reduce_sum(t, env.device))
         print0(peak.describe())
@@ -103,8 +128,13 @@ class Run:
         self.best = BestModel(cfg, self.total_steps) if cfg.eval.load_best_model_at_end and checkpointer else None
         if checkpointer:
             checkpointer.best = self.best
-        self.start = (checkpointer.start(model, self.optimizer, self.scheduler, self.result, self.steps_per_epoch,
-                                         self.total_steps) if checkpointer else Position())
+        self.start = (
+            checkpointer.start(
+                model, self.optimizer, self.scheduler, self.result, self.steps_per_epoch, self.total_steps
+            )
+            if checkpointer
+            else Position()
+        )
         startup.mark("optimizer, eval batches, checkpoint")
         if cfg.run.debug:  # before the progress bar, so that the line stands alone
             print0(startup.phase_report())
@@ -115,20 +145,32 @@ class Run:
 
     def batches(self, epoch: int, first: int):
         dims = self.strategy.dims
-        return data.train_loader(self.units, self.cfg, dims.dp_rank(self.env.rank), dims.dp_size, epoch,
-                                 self.objective.pad_id, first, self.row_slice, self.objective.collate_fn)
+        return data.train_loader(
+            self.units,
+            self.cfg,
+            dims.dp_rank(self.env.rank),
+            dims.dp_size,
+            epoch,
+            self.objective.pad_id,
+            first,
+            self.row_slice,
+            self.objective.collate_fn,
+        )
 
     def step(self, micro_batches: list[dict], epoch: int, done_in_epoch: int) -> None:
         step, lr = self.result.steps + 1, self.optimizer.param_groups[0]["lr"]
         try:
             with self.probe.step(step):
-                stats = train_step(self.model, self.strategy, self.optimizer, self.objective, micro_batches, step,
-                                   self.shape)
+                stats = train_step(
+                    self.model, self.strategy, self.optimizer, self.objective, micro_batches, step, self.shape
+                )
         except NonFiniteLossError as e:
             last = self.checkpointer.describe_last() if self.checkpointer else "no checkpoint"
-            raise TrainingStopped(f"non-finite {e} at step {step} (epoch {epoch + 1}), found before the optimizer "
-                                  f"step, so the weights were not touched; {last}: lower --lr or enable "
-                                  "--gradient_clipping, or pass --nan_policy skip") from None
+            raise TrainingStopped(
+                f"non-finite {e} at step {step} (epoch {epoch + 1}), found before the optimizer "
+                f"step, so the weights were not touched; {last}: lower --lr or enable "
+                "--gradient_clipping, or pass --nan_policy skip"
+            ) from None
         if self.scheduler_unit == "step":
             self.scheduler.step()
         self.result.steps = step

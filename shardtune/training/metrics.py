@@ -19,8 +19,9 @@ class MetricsWriter:
     """Appends JSON lines and flushes each one, so a crash keeps every step logged so far; the trackers (rank 0's
     --report_to sinks) receive the same rows."""
 
-    def __init__(self, path: Path | None, append: bool = False, trackers: Sequence[Tracker] = (),
-                 tracker_every: int = 1):
+    def __init__(
+        self, path: Path | None, append: bool = False, trackers: Sequence[Tracker] = (), tracker_every: int = 1
+    ):
         self.path = path
         self.trackers = list(trackers)
         self.tracker_every = tracker_every  # --logging_steps: step rows sent to the trackers (eval rows: all)
@@ -64,8 +65,14 @@ NON_FINITE_STRINGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.
 
 
 def strict_json_row(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: (("NaN" if math.isnan(v) else "Infinity" if v > 0 else "-Infinity")
-                if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+    return {
+        k: (
+            ("NaN" if math.isnan(v) else "Infinity" if v > 0 else "-Infinity")
+            if isinstance(v, float) and not math.isfinite(v)
+            else v
+        )
+        for k, v in row.items()
+    }
 
 
 def _float_back(row: dict[str, Any]) -> dict[str, Any]:

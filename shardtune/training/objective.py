@@ -24,9 +24,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from shardtune.accounting.flops import ModelShape
 from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.schema import ConfigError, TrainConfig
-from shardtune.accounting.flops import ModelShape
 from shardtune.runtime.distributed import DistEnv
 
 # The counts every objective gives for a step (per rank, summed over ranks by the engine), in this order; an objective
@@ -39,9 +39,9 @@ class Objective(ABC):
 
     name: ClassVar[str]
     count_names: ClassVar[tuple[str, ...]] = COUNTS
-    stat_names: ClassVar[tuple[str, ...]]              # what a micro-batch's loss returns beside its sum, summed
+    stat_names: ClassVar[tuple[str, ...]]  # what a micro-batch's loss returns beside its sum, summed
     step_metric_names: ClassVar[tuple[str, ...]] = ()  # keys its step rows carry beyond the engine's
-    eval_metric_names: ClassVar[tuple[str, ...]]       # keys of its evaluation rows (--metric_for_best_model)
+    eval_metric_names: ClassVar[tuple[str, ...]]  # keys of its evaluation rows (--metric_for_best_model)
 
     # -- before launch (no process group) -----------------------------------------------------------------------
     @classmethod
@@ -73,8 +73,9 @@ class Objective(ABC):
         """This rank's counts of the step, in ``count_names`` order (flops 0 without a shape)."""
 
     @abstractmethod
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], totals: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], totals: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the micro-batch's loss SUM with its graph, its statistics in ``stat_names`` order, detached, on the
         device). ``totals``: the step's global counts (``count_names``), on the device."""
 
@@ -116,6 +117,5 @@ def check_objective(cfg: TrainConfig, world_size: int) -> None:
     """The objective's own checks, and no other objective's flag given."""
     foreign = foreign_setting(cfg)
     if foreign:
-        raise ConfigError(f"--{foreign[1]} is a flag of shardtune {foreign[0]}: run shardtune {foreign[0]}, or drop "
-                          "it")
+        raise ConfigError(f"--{foreign[1]} is a flag of shardtune {foreign[0]}: run shardtune {foreign[0]}, or drop it")
     objective_class(cfg.objective).check(cfg, world_size)

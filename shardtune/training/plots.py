@@ -36,11 +36,13 @@ class Panel:
     scale: float = 1.0
 
 
-PANELS = (Panel("lr.png", "learning rate", "lr", "lr"),
-          Panel("tokens_per_s.png", "throughput", "tokens_per_s", "labelled tokens / s"),
-          Panel("mfu.png", "model FLOPs utilisation (as computed)", "mfu", "MFU %", 100.0),
-          Panel("memory.png", "peak memory (rank 0)", "peak_memory_bytes", "GiB", 1 / GIB),
-          Panel("grad_norm.png", "gradient norm", "grad_norm", "global grad norm"))
+PANELS = (
+    Panel("lr.png", "learning rate", "lr", "lr"),
+    Panel("tokens_per_s.png", "throughput", "tokens_per_s", "labelled tokens / s"),
+    Panel("mfu.png", "model FLOPs utilisation (as computed)", "mfu", "MFU %", 100.0),
+    Panel("memory.png", "peak memory (rank 0)", "peak_memory_bytes", "GiB", 1 / GIB),
+    Panel("grad_norm.png", "gradient norm", "grad_norm", "global grad norm"),
+)
 
 
 def read_run(path: Path, name: str) -> Run:
@@ -77,8 +79,10 @@ def cookbook_run(data: dict, name: str, path: Path) -> Run:
 def run_names(paths: list[Path]) -> list[str]:
     """Each run's directory name; parent/name where two runs share a name."""
     names = [(p if p.is_dir() else p.parent).resolve().name or str(p) for p in paths]
-    return [f"{(p if p.is_dir() else p.parent).resolve().parent.name}/{n}" if names.count(n) > 1 else n
-            for p, n in zip(paths, names)]
+    return [
+        f"{(p if p.is_dir() else p.parent).resolve().parent.name}/{n}" if names.count(n) > 1 else n
+        for p, n in zip(paths, names)
+    ]
 
 
 def smoothed(values: list[float], weight: float) -> list[float]:
@@ -87,7 +91,7 @@ def smoothed(values: list[float], weight: float) -> list[float]:
     out, average = [], 0.0
     for i, value in enumerate(values, start=1):
         average = weight * average + (1 - weight) * value
-        out.append(average / (1 - weight ** i) if weight < 1 else value)
+        out.append(average / (1 - weight**i) if weight < 1 else value)
     return out
 
 
@@ -97,13 +101,26 @@ def draw_loss(ax, runs: list[Run], smoothing: float) -> bool:
         steps = [r["step"] for r in run.steps]
         losses = [r["loss"] for r in run.steps]
         ax.plot(steps, losses, color=color, alpha=0.25, linewidth=0.8)
-        ax.plot(steps, smoothed(losses, smoothing), color=color, linewidth=1.6, label=f"{run.name} (train)",
-                linestyle=LINE_STYLES[i % len(LINE_STYLES)])
+        ax.plot(
+            steps,
+            smoothed(losses, smoothing),
+            color=color,
+            linewidth=1.6,
+            label=f"{run.name} (train)",
+            linestyle=LINE_STYLES[i % len(LINE_STYLES)],
+        )
         if run.evals:
-            ax.plot([r["step"] for r in run.evals], [r["eval_loss"] for r in run.evals], color=color, marker="o",
-                    linestyle="none", markersize=7 - 2 * (i % 2), markeredgecolor="black", label=f"{run.name} (eval)")
-    ax.set(title=f"loss (faint: raw; bold: smoothed {smoothing}; dots: eval)", xlabel="optimizer step",
-           ylabel="loss")
+            ax.plot(
+                [r["step"] for r in run.evals],
+                [r["eval_loss"] for r in run.evals],
+                color=color,
+                marker="o",
+                linestyle="none",
+                markersize=7 - 2 * (i % 2),
+                markeredgecolor="black",
+                label=f"{run.name} (eval)",
+            )
+    ax.set(title=f"loss (faint: raw; bold: smoothed {smoothing}; dots: eval)", xlabel="optimizer step", ylabel="loss")
     return any(run.steps for run in runs)
 
 
@@ -112,8 +129,14 @@ def draw_panel(ax, runs: list[Run], panel: Panel) -> bool:
     for i, run in enumerate(runs):
         points = [(r["step"], r[panel.key] * panel.scale) for r in run.steps if r.get(panel.key) is not None]
         if points:
-            ax.plot(*zip(*points), color=f"C{i}", linewidth=1.4, marker="." if len(points) < 50 else None,
-                    linestyle=LINE_STYLES[i % len(LINE_STYLES)], label=run.name)
+            ax.plot(
+                *zip(*points),
+                color=f"C{i}",
+                linewidth=1.4,
+                marker="." if len(points) < 50 else None,
+                linestyle=LINE_STYLES[i % len(LINE_STYLES)],
+                label=run.name,
+            )
             drawn = True
     ax.set(title=panel.title, xlabel="optimizer step", ylabel=panel.ylabel)
     return drawn

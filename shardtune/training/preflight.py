@@ -26,12 +26,12 @@ from pathlib import Path
 import torch.distributed as dist
 
 import shardtune
-from shardtune.config.schema import TrainConfig
 from shardtune.config.flags import flatten_dict, to_dict
+from shardtune.config.schema import TrainConfig
 from shardtune.data.cache import cache_key
 from shardtune.data.chat import apply_tokenizer_options
-from shardtune.runtime.distributed import DistEnv, print0
 from shardtune.model.loading import load_tokenizer
+from shardtune.runtime.distributed import DistEnv, print0
 
 PACKAGE_DIR = Path(shardtune.__file__).resolve().parent
 LIBRARIES = ("torch", "transformers", "peft", "deepspeed")
@@ -54,14 +54,20 @@ def run_preflight(cfg: TrainConfig, env: DistEnv) -> None:
     check_fingerprints(fingerprints)
     check_shared_output_dir(Path(cfg.output.dir), env)
     hosts = list(dict.fromkeys(f["host"] for f in fingerprints))
-    print0(f"preflight: {env.num_nodes} nodes ({', '.join(hosts)}), {env.world_size} processes agree on code, "
-           "library versions, config and data; output_dir is shared")
+    print0(
+        f"preflight: {env.num_nodes} nodes ({', '.join(hosts)}), {env.world_size} processes agree on code, "
+        "library versions, config and data; output_dir is shared"
+    )
 
 
 def fingerprint(cfg: TrainConfig, env: DistEnv) -> dict[str, str]:
     """What must be equal on every rank, in the order mismatches are reported (``host`` only names the node)."""
-    fields = {"host": socket.gethostname(), "shardtune version": package_version("shardtune"),
-              "shardtune git commit": git_commit(), "shardtune source": source_digest()}
+    fields = {
+        "host": socket.gethostname(),
+        "shardtune version": package_version("shardtune"),
+        "shardtune git commit": git_commit(),
+        "shardtune source": source_digest(),
+    }
     fields.update({f"{name} version": package_version(name) for name in LIBRARIES})
     fields.update({"processes per node": str(env.local_world_size), "device type": env.device.type})
     fields.update({f"--{key}": json.dumps(value) for key, value in flatten_dict(to_dict(cfg)).items()})
@@ -77,7 +83,8 @@ def check_fingerprints(fingerprints: list[dict[str, str]]) -> None:
                 raise PreflightError(
                     f"preflight: the nodes differ in {name}: {reference['host']} (rank 0) has {value}, "
                     f"{other['host']} (rank {rank}) has {other.get(name)}; start every node with the same "
-                    "code, libraries, command and data")
+                    "code, libraries, command and data"
+                )
 
 
 def check_shared_output_dir(output_dir: Path, env: DistEnv) -> None:
@@ -99,7 +106,8 @@ def check_shared_output_dir(output_dir: Path, env: DistEnv) -> None:
         raise PreflightError(
             f"preflight: --output_dir {output_dir} is not shared: {', '.join(blind)} cannot see the file "
             f"{sightings[0][0]} (rank 0) wrote there, so checkpoints and the model would be split across nodes; "
-            "put --output_dir on a file system every node mounts at the same path (NFS, Lustre, ...)")
+            "put --output_dir on a file system every node mounts at the same path (NFS, Lustre, ...)"
+        )
 
 
 def token_path(output_dir: Path, token: str) -> Path:
@@ -125,8 +133,9 @@ def package_version(name: str) -> str:
 def git_commit() -> str:
     """The commit of the checkout shardtune runs from, or "none" (an installed wheel, no git)."""
     try:
-        out = subprocess.run(["git", "-C", str(PACKAGE_DIR), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
+        out = subprocess.run(
+            ["git", "-C", str(PACKAGE_DIR), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.SubprocessError):
         return "none"
     return out.stdout.strip() if out.returncode == 0 else "none"
@@ -143,6 +152,7 @@ def source_digest() -> str:
 
 def data_fingerprint(cfg: TrainConfig) -> str:
     """The tokenised-data cache key of the training split: dataset settings, data files' contents, tokenizer."""
-    tokenizer = apply_tokenizer_options(cfg, load_tokenizer(cfg.model.tokenizer or cfg.model.name,
-                                                            cfg.model.trust_remote_code))
+    tokenizer = apply_tokenizer_options(
+        cfg, load_tokenizer(cfg.model.tokenizer or cfg.model.name, cfg.model.trust_remote_code)
+    )
     return cache_key(cfg, tokenizer, "train")

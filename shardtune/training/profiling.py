@@ -9,9 +9,9 @@ from typing import Iterator
 
 import torch
 
+from shardtune.accounting.flops import flop_counter
 from shardtune.config.schema import PROFILER_SCHEDULE, TrainConfig
 from shardtune.runtime.distributed import DistEnv, all_reduce_sum, warn0
-from shardtune.accounting.flops import flop_counter
 
 
 def profiler_dir(cfg: TrainConfig) -> Path:
@@ -24,9 +24,13 @@ def start_profiler(cfg: TrainConfig, env: DistEnv) -> torch.profiler.profile:
     if env.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     profiler = torch.profiler.profile(
-        activities=activities, schedule=torch.profiler.schedule(**PROFILER_SCHEDULE, repeat=1),
+        activities=activities,
+        schedule=torch.profiler.schedule(**PROFILER_SCHEDULE, repeat=1),
         on_trace_ready=torch.profiler.tensorboard_trace_handler(str(profiler_dir(cfg)), worker_name=f"rank{env.rank}"),
-        record_shapes=True, profile_memory=True, with_stack=False)
+        record_shapes=True,
+        profile_memory=True,
+        with_stack=False,
+    )
     profiler.start()
     return profiler
 
@@ -38,8 +42,10 @@ class StepProbe:
         self.env = env
         self.flop_step = cfg.logging.flop_counter_start + 1 if cfg.logging.flop_counter else None
         if self.flop_step is not None and self.flop_step > total_steps:
-            warn0(f"--flop_counter: the run has {total_steps} steps, so step {self.flop_step} (after "
-                  f"--flop_counter_start {cfg.logging.flop_counter_start}) is never measured: lower --flop_counter_start")
+            warn0(
+                f"--flop_counter: the run has {total_steps} steps, so step {self.flop_step} (after "
+                f"--flop_counter_start {cfg.logging.flop_counter_start}) is never measured: lower --flop_counter_start"
+            )
         self.profiler = start_profiler(cfg, env) if cfg.logging.profiler else None
         self.measured_flops: int | None = None
 
@@ -61,10 +67,12 @@ class StepProbe:
         if step != self.flop_step or self.measured_flops is None:
             return None
         row["measured_flops"] = self.measured_flops
-        return (f"flop counter, step {step}: {self.measured_flops / 1e9:,.3f} GFLOP measured (torch FlopCounterMode, "
-                f"all ranks; attention counted as the full square, backward with recomputation), analytic "
-                f"{stats['flops'] / 1e9:,.3f} GFLOP as computed (mfu), {stats['palm_flops'] / 1e9:,.3f} GFLOP PaLM "
-                "convention (mfu_palm)")
+        return (
+            f"flop counter, step {step}: {self.measured_flops / 1e9:,.3f} GFLOP measured (torch FlopCounterMode, "
+            f"all ranks; attention counted as the full square, backward with recomputation), analytic "
+            f"{stats['flops'] / 1e9:,.3f} GFLOP as computed (mfu), {stats['palm_flops'] / 1e9:,.3f} GFLOP PaLM "
+            "convention (mfu_palm)"
+        )
 
     def close(self) -> None:
         if self.profiler is not None:

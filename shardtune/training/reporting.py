@@ -16,12 +16,19 @@ from shardtune.training.step import StepResult
 
 
 class StepReporter:
-    def __init__(self, env: DistEnv, writer: MetricsWriter, peak: PeakMeter, probe: StepProbe, total_steps: int,
-                 done_steps: int):
+    def __init__(
+        self, env: DistEnv, writer: MetricsWriter, peak: PeakMeter, probe: StepProbe, total_steps: int, done_steps: int
+    ):
         self.env, self.writer, self.peak, self.probe = env, writer, peak, probe
         self.startup_s: float | None = startup.seconds_since_command()  # to this process's first step; first row
-        self.bar = tqdm(total=total_steps, initial=done_steps, desc="train", unit="step", disable=not env.is_main,
-                        dynamic_ncols=True)
+        self.bar = tqdm(
+            total=total_steps,
+            initial=done_steps,
+            desc="train",
+            unit="step",
+            disable=not env.is_main,
+            dynamic_ncols=True,
+        )
         self.tick = time.perf_counter()
 
     def say(self, line: str) -> None:
@@ -38,13 +45,22 @@ class StepReporter:
         flops, palm_flops = stats.counts["flops"], stats.counts["palm_flops"]
         peak_flops = self.peak.after_step(step, flops / step_time_s)
         self.tick += time.perf_counter() - now  # a peak measurement is not part of the next step
-        row = {"step": step, "epoch": epoch, "loss": stats.loss, "num_tokens": int(stats.counts["num_tokens"]),
-               "lr": lr, "tokens_per_s": stats.counts["num_tokens"] / step_time_s,
-               "input_tokens_per_s": stats.counts["input_tokens"] / step_time_s, "step_time_s": step_time_s,
-               "peak_memory_bytes": peak_memory_bytes(self.env.device), "model_flops_per_s": flops / step_time_s,
-               "mfu": flops / step_time_s / peak_flops, "mfu_palm": palm_flops / step_time_s / peak_flops,
-               "peak_flops_per_s": peak_flops,
-               **{name: value for name, value in stats.metrics.items() if name != "loss"}}
+        row = {
+            "step": step,
+            "epoch": epoch,
+            "loss": stats.loss,
+            "num_tokens": int(stats.counts["num_tokens"]),
+            "lr": lr,
+            "tokens_per_s": stats.counts["num_tokens"] / step_time_s,
+            "input_tokens_per_s": stats.counts["input_tokens"] / step_time_s,
+            "step_time_s": step_time_s,
+            "peak_memory_bytes": peak_memory_bytes(self.env.device),
+            "model_flops_per_s": flops / step_time_s,
+            "mfu": flops / step_time_s / peak_flops,
+            "mfu_palm": palm_flops / step_time_s / peak_flops,
+            "peak_flops_per_s": peak_flops,
+            **{name: value for name, value in stats.metrics.items() if name != "loss"},
+        }
         if self.startup_s is not None:
             row["startup_s"], self.startup_s = self.startup_s, None
         if stats.grad_norm is not None:
@@ -56,8 +72,9 @@ class StepReporter:
         if flop_report:
             self.say(flop_report)
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", mfu=f"{row['mfu']:.1%}",
-                             refresh=False)
+        self.bar.set_postfix(
+            loss=f"{stats.loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", mfu=f"{row['mfu']:.1%}", refresh=False
+        )
         return row
 
     def close(self) -> None:

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from shardtune import data
-from shardtune.data.cache import load_examples_cached
 from shardtune.accounting.flops import ModelShape, micro_batch_flops, num_input_tokens, palm_micro_batch_flops
+from shardtune.data.cache import load_examples_cached
 from shardtune.model.generation import ROUGE_TYPES, EvalSampler, mean_rouge
 from shardtune.model.loading import cache_dir
 from shardtune.model.loss import batch_label_tokens, token_loss_sum
@@ -45,10 +45,12 @@ class SFT(Objective):
     def attach(self, model: nn.Module, units: list, eval_items: list) -> None:
         cfg, dims = self.cfg, self.strategy.dims
         row_slice = RowSlice.of_rank(dims, self.env.rank)  # eval rows are split like training rows
-        self.eval_batches = (data.eval_batches(eval_items, cfg, dims.dp_rank(self.env.rank), dims.dp_size,
-                                               self.pad_id, row_slice) if cfg.eval.enabled else [])
-        self.sampler = (EvalSampler(eval_items[:cfg.eval.log_samples], self.tokenizer)
-                        if cfg.eval.log_samples else None)
+        self.eval_batches = (
+            data.eval_batches(eval_items, cfg, dims.dp_rank(self.env.rank), dims.dp_size, self.pad_id, row_slice)
+            if cfg.eval.enabled
+            else []
+        )
+        self.sampler = EvalSampler(eval_items[: cfg.eval.log_samples], self.tokenizer) if cfg.eval.log_samples else None
 
     def counts(self, micro_batches: list[dict], shape: ModelShape | None) -> list[float]:
         tokens = sum(batch_label_tokens(mb) for mb in micro_batches)
@@ -56,8 +58,9 @@ class SFT(Objective):
         palm = sum(palm_micro_batch_flops(shape, mb) for mb in micro_batches) if shape is not None else 0
         return [tokens, tokens, sum(num_input_tokens(mb) for mb in micro_batches), flops, palm]
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], totals: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], totals: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         loss_sum = token_loss_sum(model, batch, self.env.device)
         return loss_sum, loss_sum.detach().reshape(1)
 
@@ -82,8 +85,12 @@ class SFT(Objective):
                 samples = self.sampler(strategy.unwrap(model))
         model.train()
         loss = loss_sum / num_tokens if num_tokens else float("nan")
-        return {"eval_loss": loss, "eval_ppl": perplexity(loss), "eval_num_tokens": int(num_tokens),
-                **mean_rouge(samples)}, samples
+        return {
+            "eval_loss": loss,
+            "eval_ppl": perplexity(loss),
+            "eval_num_tokens": int(num_tokens),
+            **mean_rouge(samples),
+        }, samples
 
     def describe_eval(self, row: dict[str, float]) -> str:
         return f"eval loss {row['eval_loss']:.4f}, perplexity {row['eval_ppl']:.2f}"

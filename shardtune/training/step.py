@@ -40,6 +40,7 @@ class NonFiniteLossError(RuntimeError):
 class StepResult:
     """A step's global figures: the objective's metrics (``loss`` first), its counts, the gradient norm before
     clipping (None without clipping), and whether the weights were updated."""
+
     metrics: dict[str, float]
     counts: dict[str, float]
     grad_norm: float | None
@@ -50,9 +51,15 @@ class StepResult:
         return self.metrics["loss"]
 
 
-def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer, objective: Objective,
-               micro_batches: list[dict[str, torch.Tensor]], step: int = 1, shape: ModelShape | None = None
-               ) -> StepResult:
+def train_step(
+    model: nn.Module,
+    strategy: Strategy,
+    optimizer: torch.optim.Optimizer,
+    objective: Objective,
+    micro_batches: list[dict[str, torch.Tensor]],
+    step: int = 1,
+    shape: ModelShape | None = None,
+) -> StepResult:
     """Optimizer step number ``step`` over this rank's micro-batches. LoRA dropout masks are keyed by the step and
     each example's global index (shardtune.model.lora_dropout), so they do not depend on which rank holds it."""
     cfg, device = objective.cfg, objective.env.device
@@ -76,8 +83,11 @@ def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Opti
         norm = None if grad_norm is None else torch.as_tensor(grad_norm, dtype=torch.float64, device=device)
         values = torch.cat([totals, stats, norm.reshape(1) if norm is not None else stats[:0]]).tolist()
         counts = dict(zip(objective.count_names, values))
-        decided.update(counts=counts, norm=values[-1] if norm is not None else None,
-                       metrics=objective.step_metrics(counts, values[len(totals):len(totals) + len(stats)]))
+        decided.update(
+            counts=counts,
+            norm=values[-1] if norm is not None else None,
+            metrics=objective.step_metrics(counts, values[len(totals) : len(totals) + len(stats)]),
+        )
         loss, norm_value = decided["metrics"]["loss"], decided["norm"]
         if math.isfinite(loss) and (norm_value is None or strategy.scaler is not None or math.isfinite(norm_value)):
             return True

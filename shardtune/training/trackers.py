@@ -12,13 +12,20 @@ import socket
 from pathlib import Path
 from typing import Any, Protocol
 
-from shardtune.config.schema import TrainConfig
 from shardtune.config.flags import to_dict, to_yaml
+from shardtune.config.schema import TrainConfig
 
 # metrics.jsonl key -> tracker name; other numeric keys of a step row go under train/, of an eval row under eval/
-TRACKER_NAMES = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-                 "tokens_per_s": "train/tokens_per_s", "mfu": "train/mfu", "peak_memory_bytes": "train/peak_memory",
-                 "eval_loss": "eval/loss", "eval_ppl": "eval/ppl"}
+TRACKER_NAMES = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "train/tokens_per_s",
+    "mfu": "train/mfu",
+    "peak_memory_bytes": "train/peak_memory",
+    "eval_loss": "eval/loss",
+    "eval_ppl": "eval/ppl",
+}
 NOT_LOGGED = ("step", "skipped")
 
 
@@ -57,7 +64,8 @@ class TensorBoardTracker:
         columns = ("prompt", "prediction", "reference")
         cells = [[s[k].replace("|", "\\|").replace("\n", " ") for k in columns] for s in samples]
         table = "| prompt | prediction | reference |\n|---|---|---|\n" + "\n".join(
-            "| " + " | ".join(row) + " |" for row in cells)
+            "| " + " | ".join(row) + " |" for row in cells
+        )
         self.writer.add_text("eval/samples", table, global_step=step)
 
     def close(self) -> None:
@@ -74,8 +82,11 @@ def wandb_mode(cfg: TrainConfig) -> str:
         return "online"
     from shardtune.runtime.distributed import print0
 
-    print0("wandb: offline (" + ("api.wandb.ai is not reachable" if logged_in else "not logged in")
-           + f"): the run is kept in {Path(cfg.output.dir) / 'wandb'}; upload it later with wandb sync")
+    print0(
+        "wandb: offline ("
+        + ("api.wandb.ai is not reachable" if logged_in else "not logged in")
+        + f"): the run is kept in {Path(cfg.output.dir) / 'wandb'}; upload it later with wandb sync"
+    )
     return "offline"
 
 
@@ -95,9 +106,17 @@ class WandbTracker:
         import wandb
 
         wc = cfg.logging.wandb
-        self.run = wandb.init(project=wc.project, entity=wc.entity or None, job_type=wc.job_type or None,
-                              tags=wc.tags or None, group=wc.group or None, notes=wc.notes or None,
-                              mode=wandb_mode(cfg), dir=str(Path(cfg.output.dir)), config=to_dict(cfg))
+        self.run = wandb.init(
+            project=wc.project,
+            entity=wc.entity or None,
+            job_type=wc.job_type or None,
+            tags=wc.tags or None,
+            group=wc.group or None,
+            notes=wc.notes or None,
+            mode=wandb_mode(cfg),
+            dir=str(Path(cfg.output.dir)),
+            config=to_dict(cfg),
+        )
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)
@@ -106,8 +125,9 @@ class WandbTracker:
         import wandb
 
         columns = ["prompt", "prediction", "reference"]
-        self.run.log({"eval/samples": wandb.Table(columns=columns, data=[[s[c] for c in columns] for s in samples])},
-                     step=step)
+        self.run.log(
+            {"eval/samples": wandb.Table(columns=columns, data=[[s[c] for c in columns] for s in samples])}, step=step
+        )
 
     def close(self) -> None:
         self.run.finish()
@@ -127,9 +147,10 @@ class TrackioTracker:
 
     def log_samples(self, samples: list[dict[str, str]], step: int) -> None:
         columns = ["prompt", "prediction", "reference"]
-        self.trackio.log({"eval/samples": self.trackio.Table(columns=columns,
-                                                           data=[[s[c] for c in columns] for s in samples])},
-                         step=step)
+        self.trackio.log(
+            {"eval/samples": self.trackio.Table(columns=columns, data=[[s[c] for c in columns] for s in samples])},
+            step=step,
+        )
 
     def close(self) -> None:
         self.trackio.finish()

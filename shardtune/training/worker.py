@@ -16,21 +16,22 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardtune import data
+from shardtune.accounting.memory import cross_node_summary
 from shardtune.config.flags import to_yaml
 from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
 from shardtune.data.chat import mirror_eos_token
 from shardtune.model.freezing import freeze_first_layers
 from shardtune.model.loading import count_parameters, load_tokenizer
-from shardtune.publishing.hub import HubUploadError, hub_repo_id, push_model
 from shardtune.model.longseq import apply_memory_levers
 from shardtune.model.loss import hf_model
-from shardtune.accounting.memory import cross_node_summary
 from shardtune.model.peft import apply_peft, save_adapter
-from shardtune.publishing.saving import save_hf_model
 from shardtune.model.speed import apply_speed_features
 from shardtune.parallel import make_strategy
 from shardtune.parallel.dims import ParallelDims
 from shardtune.parallel.sequence import SequenceGroups, use_sequence_attention
+from shardtune.publishing.hub import HubUploadError, hub_repo_id, push_model
+from shardtune.publishing.saving import save_hf_model
+from shardtune.runtime import startup
 from shardtune.runtime.distributed import (
     DistEnv,
     all_reduce_sum,
@@ -42,7 +43,6 @@ from shardtune.runtime.distributed import (
     shutdown,
 )
 from shardtune.runtime.errors import CheckpointError, TrainingStopped, fail
-from shardtune.runtime import startup
 from shardtune.runtime.files import remove_stale_staging, write_text_atomic
 from shardtune.runtime.preemption import (
     Preempted,
@@ -50,8 +50,8 @@ from shardtune.runtime.preemption import (
     report_stopped,
 )
 from shardtune.runtime.run_lock import RunLock, RunLocked
-from shardtune.training.checkpoint import Checkpointer, failure_reason
 from shardtune.training.building import build_model
+from shardtune.training.checkpoint import Checkpointer, failure_reason
 from shardtune.training.checks import prepare
 from shardtune.training.intervals import every, planned_steps
 from shardtune.training.loop import TrainResult, train
@@ -62,8 +62,9 @@ from shardtune.training.preflight import PreflightError, run_preflight
 from shardtune.training.trackers import open_trackers
 
 
-def check_finite_weights(state: dict[str, torch.Tensor] | None, env: DistEnv, cfg: TrainConfig,
-                         result: TrainResult) -> None:
+def check_finite_weights(
+    state: dict[str, torch.Tensor] | None, env: DistEnv, cfg: TrainConfig, result: TrainResult
+) -> None:
     """Collective: a model with a NaN / Inf weight is not published (an overflowing last step leaves a finite loss
     behind it, and --nan_policy skip carries on past non-finite steps). ``state`` is the gathered state dict on
     global rank 0 and None elsewhere (rank 0 judges; every rank joins the all-reduce)."""
@@ -71,15 +72,21 @@ def check_finite_weights(state: dict[str, torch.Tensor] | None, env: DistEnv, cf
     if int(all_reduce_sum(torch.tensor([0.0 if finite else 1.0]), env.device)[0]) == 0:
         return
     bad = next((i + 1 for i, loss in enumerate(result.losses) if not math.isfinite(loss)), None)
-    when = (f"the loss became non-finite at step {bad}" if bad is not None else
-            f"the loss was finite at every step (1-{result.steps}): an update overflowed, or a weight the data "
-            "never reaches was not finite in the base model already")
-    raise TrainingStopped(f"the trained weights are not all finite, so no model was written to {cfg.output.dir}: "
-                          f"{when}; lower --lr (now {cfg.optim.lr}) or enable --gradient_clipping")
+    when = (
+        f"the loss became non-finite at step {bad}"
+        if bad is not None
+        else f"the loss was finite at every step (1-{result.steps}): an update overflowed, or a weight the data "
+        "never reaches was not finite in the base model already"
+    )
+    raise TrainingStopped(
+        f"the trained weights are not all finite, so no model was written to {cfg.output.dir}: "
+        f"{when}; lower --lr (now {cfg.optim.lr}) or enable --gradient_clipping"
+    )
 
 
-def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, tokenizer,
-                 result: TrainResult) -> list[str]:
+def save_outputs(
+    cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, tokenizer, result: TrainResult
+) -> list[str]:
     """Rank 0 writes the final model; the state is gathered by the strategy (nobody else materialises it). Returns
     the names of the model's files (on rank 0; [] elsewhere)."""
     written: list[str] = []
@@ -87,8 +94,9 @@ def save_outputs(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Modul
         adapter_state = strategy.trainable_state_dict(model)
         check_finite_weights(adapter_state, env, cfg, result)
         if env.is_main:
-            written = save_adapter(strategy.unwrap(model), adapter_state, cfg.model.name, tokenizer,
-                                   Path(cfg.output.dir))
+            written = save_adapter(
+                strategy.unwrap(model), adapter_state, cfg.model.name, tokenizer, Path(cfg.output.dir)
+            )
         barrier()
         return written
     state_dict = strategy.full_state_dict(model)
@@ -136,8 +144,9 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         print0(f"trust_remote_code: running the model's own code from {cfg.model.name}")
     if cfg.output.push_to_hub:
         print0(f"push_to_hub: after the run, the model goes to the hub repo {hub_repo_id(cfg)}")
-    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(cfg.model.tokenizer or cfg.model.name,
-                                                                 cfg.model.trust_remote_code))
+    tokenizer = data.apply_tokenizer_options(
+        cfg, load_tokenizer(cfg.model.tokenizer or cfg.model.name, cfg.model.trust_remote_code)
+    )
     strategy = make_strategy(cfg, env)
     objective = objective_class(cfg.objective)(cfg, env, strategy, tokenizer)
     units, eval_items = objective.load_data()
@@ -162,8 +171,12 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.logging.save_metrics else None
     total_steps = planned_steps(cfg, len(units), strategy.dims.dp_size)
     append = metrics_path is not None and checkpointer.keep_metrics_rows(metrics_path, total_steps)
-    writer = MetricsWriter(metrics_path, append=append, trackers=open_trackers(cfg) if env.is_main else (),
-                           tracker_every=every(cfg.logging.steps, total_steps))
+    writer = MetricsWriter(
+        metrics_path,
+        append=append,
+        trackers=open_trackers(cfg) if env.is_main else (),
+        tracker_every=every(cfg.logging.steps, total_steps),
+    )
     published = False
     model_files: list[str] = []  # the published model's files (rank 0): what --push_to_hub uploads
 
@@ -173,7 +186,9 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         published = True
 
     try:
-        result = train(model, strategy, objective, units, writer, checkpointer, publish if cfg.output.save_model else None)
+        result = train(
+            model, strategy, objective, units, writer, checkpointer, publish if cfg.output.save_model else None
+        )
     except Exception:
         if published:
             print0(f"the trained model was written to {out_dir.resolve()} before this failure")
@@ -188,8 +203,9 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     return result
 
 
-def describe_run(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, num_params: int,
-                 num_trainable: int) -> str:
+def describe_run(
+    cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Module, num_params: int, num_trainable: int
+) -> str:
     """The start log's model, strategy and effective batch lines (and the cross-node traffic of a many-node run)."""
     quantized = ""
     if cfg.model.quantization == "4bit":
@@ -198,35 +214,50 @@ def describe_run(cfg: TrainConfig, env: DistEnv, strategy, model: torch.nn.Modul
     elif cfg.model.quantization:
         quantized = "; frozen base weights in 8-bit"
     dp_size = strategy.dims.dp_size
-    split = (f" ({env.world_size} processes / {env.world_size // dp_size} that split each row)"
-             if strategy.dims.sequence_split else "")
-    lines = [f"model: {cfg.model.name} ({num_params:,} parameters, {num_trainable:,} trainable{quantized})",
-             f"strategy: {strategy.describe()}",
-             f"effective batch: {cfg.train.batch_size} per device x {dp_size} data-parallel devices{split} x "
-             f"{cfg.train.gradient_accumulation_steps} accumulation = {effective_batch_size(cfg, dp_size)} "
-             f"{'packed blocks' if cfg.data.batching == 'packing' else 'examples'} per step"]
+    split = (
+        f" ({env.world_size} processes / {env.world_size // dp_size} that split each row)"
+        if strategy.dims.sequence_split
+        else ""
+    )
+    lines = [
+        f"model: {cfg.model.name} ({num_params:,} parameters, {num_trainable:,} trainable{quantized})",
+        f"strategy: {strategy.describe()}",
+        f"effective batch: {cfg.train.batch_size} per device x {dp_size} data-parallel devices{split} x "
+        f"{cfg.train.gradient_accumulation_steps} accumulation = {effective_batch_size(cfg, dp_size)} "
+        f"{'packed blocks' if cfg.data.batching == 'packing' else 'examples'} per step",
+    ]
     if env.num_nodes > 1 and cfg.parallel.strategy != "deepspeed":
         lines.append(cross_node_traffic(cfg, env, model, strategy, num_params, num_trainable))
     return "\n".join(lines)
 
 
-def cross_node_traffic(cfg: TrainConfig, env: DistEnv, model: torch.nn.Module, strategy, num_params: int,
-                       num_trainable: int) -> str:
-    """The formula of shardtune/accounting/memory.py with this run's sizes: all parameters are gathered in the compute dtype,
-    trainable ones reduced in the dtype of the master weights."""
+def cross_node_traffic(
+    cfg: TrainConfig, env: DistEnv, model: torch.nn.Module, strategy, num_params: int, num_trainable: int
+) -> str:
+    """The formula of shardtune/accounting/memory.py with this run's sizes: all parameters are gathered in the compute
+    dtype, trainable ones reduced in the dtype of the master weights."""
     master = next(p for p in model.parameters() if p.requires_grad)
     chosen = cfg.parallel.sharding_strategy if cfg.parallel.strategy == "fsdp" else "DDP"
     dims = ParallelDims.from_config(cfg, env.world_size, env.local_world_size)
     shard_group_size = dims.dp_shard * dims.cp * dims.sp if cfg.parallel.strategy == "fsdp" else 0
-    return cross_node_summary(chosen, env.num_nodes, env.local_world_size, num_params=num_params,
-                              num_trainable=num_trainable, micro_batches=cfg.train.gradient_accumulation_steps,
-                              shard_group_size=shard_group_size, compute_bytes=strategy.compute_dtype.itemsize,
-                              grad_bytes=master.element_size())
+    return cross_node_summary(
+        chosen,
+        env.num_nodes,
+        env.local_world_size,
+        num_params=num_params,
+        num_trainable=num_trainable,
+        micro_batches=cfg.train.gradient_accumulation_steps,
+        shard_group_size=shard_group_size,
+        compute_bytes=strategy.compute_dtype.itemsize,
+        grad_bytes=master.element_size(),
+    )
 
 
 def report(result: TrainResult, cfg: TrainConfig) -> str:
-    lines = [f"done: {result.steps} steps, {result.num_tokens:,} label tokens in {result.train_time_s:.1f} s "
-             f"({result.tokens_per_s:,.0f} tokens/s)"]
+    lines = [
+        f"done: {result.steps} steps, {result.num_tokens:,} label tokens in {result.train_time_s:.1f} s "
+        f"({result.tokens_per_s:,.0f} tokens/s)"
+    ]
     if result.losses:
         lines.append(f"  loss: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}")
     if result.eval_loss is not None:
@@ -238,8 +269,10 @@ def report(result: TrainResult, cfg: TrainConfig) -> str:
 
 
 # Faults with a known fix, by exception class name.
-KNOWN_FIXES = {"OutOfMemoryError": "lower --batch_size_training or --context_length, or shard with --enable_fsdp "
-                                   "(and --fsdp_config.fsdp_activation_checkpointing true)"}
+KNOWN_FIXES = {
+    "OutOfMemoryError": "lower --batch_size_training or --context_length, or shard with --enable_fsdp "
+    "(and --fsdp_config.fsdp_activation_checkpointing true)"
+}
 
 
 def unexpected_error_line(e: BaseException, rank: int) -> str:

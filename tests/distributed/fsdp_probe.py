@@ -15,10 +15,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
 
 from shardtune.config.flags import config_from
-from shardtune.runtime.distributed import init_distributed, shutdown
 from shardtune.model.loading import load_model
 from shardtune.model.structure import decoder_layers
 from shardtune.parallel.fsdp import FSDPStrategy
+from shardtune.runtime.distributed import init_distributed, shutdown
 from shardtune.training.building import build_model
 
 
@@ -71,12 +71,23 @@ def main(model_dir: str, out_dir: Path) -> None:
     low = low_strategy.wrap(built)
     gathered = low_strategy.full_state_dict(low)
 
-    offload_cfg = config_from({"model_name": model_dir, "enable_fsdp": True,
-                               "fsdp_config.sharding_strategy": "SHARD_GRAD_OP", "fsdp_config.fsdp_cpu_offload": True})
+    offload_cfg = config_from(
+        {
+            "model_name": model_dir,
+            "enable_fsdp": True,
+            "fsdp_config.sharding_strategy": "SHARD_GRAD_OP",
+            "fsdp_config.fsdp_cpu_offload": True,
+        }
+    )
     offloaded = offload_facts(FSDPStrategy(offload_cfg, env).wrap(build_model(offload_cfg, env)))
     result = {
-        "rank": env.rank, "world_size": env.world_size, "total_numel": total_numel, "layer_numel": layer_numel,
-        "local_numel": sharded_numel, "low_cpu_local_numel": local_numel(low), "built_on_meta": built_on_meta,
+        "rank": env.rank,
+        "world_size": env.world_size,
+        "total_numel": total_numel,
+        "layer_numel": layer_numel,
+        "local_numel": sharded_numel,
+        "low_cpu_local_numel": local_numel(low),
+        "built_on_meta": built_on_meta,
         "low_cpu_buffers_equal": all(torch.equal(a, b) for a, b in zip(low.buffers(), reference.buffers())),
         "low_cpu_logits_max_abs_diff": float((logits(low) - ref_logits).abs().max()),
         "sharded_logits_max_abs_diff": float((logits(sharded) - ref_logits).abs().max()),
@@ -84,8 +95,9 @@ def main(model_dir: str, out_dir: Path) -> None:
     result.update(offloaded=offloaded, not_offloaded=offload_facts(sharded))  # trains them: after their logits
     if gathered is not None:
         expected = reference.state_dict()
-        result["low_cpu_weights_equal"] = (gathered.keys() == expected.keys()
-                                           and all(torch.equal(gathered[k], expected[k]) for k in expected))
+        result["low_cpu_weights_equal"] = gathered.keys() == expected.keys() and all(
+            torch.equal(gathered[k], expected[k]) for k in expected
+        )
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps(result))
     shutdown()
 

@@ -26,16 +26,23 @@ ROWS = {"packed": [0, 700, 2000, 2037, 2592, 3072], "single": [0, ROW_TOKENS]}
 def make_row(seed: int) -> dict[str, torch.Tensor]:
     """q (1, H, L, D), k / v (1, H_kv, L, D) and an output gradient (1, L, H, D) for a whole row."""
     gen = torch.Generator().manual_seed(seed)
-    shapes = {"query": (1, NUM_HEADS, ROW_TOKENS, HEAD_DIM), "key": (1, NUM_KV_HEADS, ROW_TOKENS, HEAD_DIM),
-              "value": (1, NUM_KV_HEADS, ROW_TOKENS, HEAD_DIM), "grad_out": (1, ROW_TOKENS, NUM_HEADS, HEAD_DIM)}
+    shapes = {
+        "query": (1, NUM_HEADS, ROW_TOKENS, HEAD_DIM),
+        "key": (1, NUM_KV_HEADS, ROW_TOKENS, HEAD_DIM),
+        "value": (1, NUM_KV_HEADS, ROW_TOKENS, HEAD_DIM),
+        "grad_out": (1, ROW_TOKENS, NUM_HEADS, HEAD_DIM),
+    }
     return {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
 
 
-def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        bounds: list[int]) -> torch.Tensor:
+def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int]) -> torch.Tensor:
     """One process, the whole row: causal SDPA per document, (1, L, H, D)."""
-    outputs = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True,
-                                              enable_gqa=True) for s, e in zip(bounds[:-1], bounds[1:])]
+    outputs = [
+        F.scaled_dot_product_attention(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, enable_gqa=True
+        )
+        for s, e in zip(bounds[:-1], bounds[1:])
+    ]
     return torch.cat(outputs, dim=2).transpose(1, 2)
 
 
@@ -43,16 +50,28 @@ def local_tokens(t: torch.Tensor, chunk_ids: tuple[int, int], chunk_len: int, di
     return torch.cat([t.narrow(dim, c * chunk_len, chunk_len) for c in chunk_ids], dim=dim)
 
 
-def run_ring(row: dict[str, torch.Tensor], bounds: list[int], chunk_ids: tuple[int, int],
-             claimed_chunk_ids: tuple[int, int], chunk_len: int) -> dict[str, torch.Tensor]:
+def run_ring(
+    row: dict[str, torch.Tensor],
+    bounds: list[int],
+    chunk_ids: tuple[int, int],
+    claimed_chunk_ids: tuple[int, int],
+    chunk_len: int,
+) -> dict[str, torch.Tensor]:
     """Ring attention on this rank's ``chunk_ids`` tokens, told they are ``claimed_chunk_ids``."""
-    inputs = {name: local_tokens(row[name], chunk_ids, chunk_len, 2).requires_grad_()
-              for name in ("query", "key", "value")}
+    inputs = {
+        name: local_tokens(row[name], chunk_ids, chunk_len, 2).requires_grad_() for name in ("query", "key", "value")
+    }
     # key and value as the model passes them: transposed views, not contiguous
     key, value = (inputs[n].transpose(1, 2).contiguous().transpose(1, 2) for n in ("key", "value"))
-    out = ring_attention(inputs["query"], key, value, group=None,
-                         cu_seq_lens=torch.tensor(bounds, dtype=torch.int32), chunk_ids=claimed_chunk_ids,
-                         chunk_len=chunk_len)
+    out = ring_attention(
+        inputs["query"],
+        key,
+        value,
+        group=None,
+        cu_seq_lens=torch.tensor(bounds, dtype=torch.int32),
+        chunk_ids=claimed_chunk_ids,
+        chunk_len=chunk_len,
+    )
     out.backward(local_tokens(row["grad_out"], chunk_ids, chunk_len, 1))
     return {"out": out.detach(), **{f"d{name[0]}": t.grad for name, t in inputs.items()}}
 

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from shardtune.model.attention import use_varlen_attention
 from shardtune.data.batching import collate_flat
+from shardtune.model.attention import use_varlen_attention
 from shardtune.model.loss import SEQUENCE_LAYOUT, full_logits_loss_sum, model_inputs
 from shardtune.parallel.dims import ParallelDims
 from shardtune.parallel.sequence import RowSlice, SequenceGroups, split_row, use_sequence_attention
@@ -34,7 +34,7 @@ def packed_row(vocab_size: int) -> dict:
     examples = []
     for n in DOCUMENT_LENGTHS:
         ids = torch.randint(4, vocab_size, (n,), generator=generator).tolist()
-        examples.append({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3:]})  # prompt masked
+        examples.append({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3 :]})  # prompt masked
     return collate_flat(examples)
 
 
@@ -78,10 +78,12 @@ def compare(whole_model, split_model, row: dict, split: dict, positions: torch.T
             grad = p.grad.clone()
             dist.all_reduce(grad)
             gradient_differences[name] = relative(grad, p_ref.grad)
-    return {"logits_max_abs_diff": float((split_logits - reference_logits).abs().max()),
-            "loss_relative_diff": abs(float(total) - reference_loss.item()) / reference_loss.item(),
-            "grad_max_relative_diff": max(gradient_differences.values()),
-            "num_trainable": len(gradient_differences)}
+    return {
+        "logits_max_abs_diff": float((split_logits - reference_logits).abs().max()),
+        "loss_relative_diff": abs(float(total) - reference_loss.item()) / reference_loss.item(),
+        "grad_max_relative_diff": max(gradient_differences.values()),
+        "num_trainable": len(gradient_differences),
+    }
 
 
 def main() -> None:
@@ -99,13 +101,22 @@ def main() -> None:
     row = packed_row(whole.config.vocab_size)
     split = split_row(row, row_slice, PAD_ID)
     positions = global_positions(row, row_slice)
-    result = {"rank": rank, "row_length": row["input_ids"].shape[1], "slice_length": split["input_ids"].shape[1],
-              "full": compare(whole, split_model, row, split, positions)}
+    result = {
+        "rank": rank,
+        "row_length": row["input_ids"].shape[1],
+        "slice_length": split["input_ids"].shape[1],
+        "full": compare(whole, split_model, row, split, positions),
+    }
 
     from peft import LoraConfig, get_peft_model
 
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                      init_lora_weights=False)  # non-zero B, so every LoRA matrix has a gradient
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        init_lora_weights=False,
+    )  # non-zero B, so every LoRA matrix has a gradient
     whole_lora = get_peft_model(whole, lora)
     split_lora = get_peft_model(split_model, copy.deepcopy(lora))
     split_lora.load_state_dict(whole_lora.state_dict())
@@ -114,13 +125,21 @@ def main() -> None:
     result["lora"] = compare(whole_lora, split_lora, row, split, positions)
 
     # control: a layout that forgets the documents (one causal sequence over the whole row) must show up
-    one_document = replace(split[SEQUENCE_LAYOUT], cu_seq_lens=torch.tensor([0, split[SEQUENCE_LAYOUT].chunk_len
-                                                                              * 2 * cp], dtype=torch.int32))
+    one_document = replace(
+        split[SEQUENCE_LAYOUT],
+        cu_seq_lens=torch.tensor([0, split[SEQUENCE_LAYOUT].chunk_len * 2 * cp], dtype=torch.int32),
+    )
     with torch.no_grad():
         result["control_logits_max_abs_diff"] = float(
-            (gathered_logits(split_lora, {**split, SEQUENCE_LAYOUT: one_document}, positions,
-                             row["input_ids"].shape[1])
-             - gathered_logits(split_lora, split, positions, row["input_ids"].shape[1])).abs().max())
+            (
+                gathered_logits(
+                    split_lora, {**split, SEQUENCE_LAYOUT: one_document}, positions, row["input_ids"].shape[1]
+                )
+                - gathered_logits(split_lora, split, positions, row["input_ids"].shape[1])
+            )
+            .abs()
+            .max()
+        )
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

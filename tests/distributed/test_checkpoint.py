@@ -20,15 +20,40 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardtune.training.checkpoint_layout import checkpoint_step, complete_checkpoints, latest_checkpoint, read_trainer_state, unfinished_saves
 from shardtune.runtime.preemption import EXIT_PREEMPTED
+from shardtune.training.checkpoint_layout import (
+    checkpoint_step,
+    complete_checkpoints,
+    latest_checkpoint,
+    read_trainer_state,
+    unfinished_saves,
+)
 from tests.conftest import REPO, cli_env, shardtune_argv
 from tests.helpers import eval_rows, max_relative_difference, step_rows
 
 # 48 dialogues pack into ~34 blocks: 8 steps per epoch at global batch 4, 16 steps in all.
-COMMON = ("--batch_size_training", 2, "--context_length", 256, "--synthetic_dialogues.num_train", 48,
-          "--synthetic_dialogues.num_validation", 8, "--num_epochs", 2, "--lr", 3e-3, "--gradient_clipping", "true",
-          "--num_workers_dataloader", 0, "--save_steps", 2, "--save_total_limit", 2)
+COMMON = (
+    "--batch_size_training",
+    2,
+    "--context_length",
+    256,
+    "--synthetic_dialogues.num_train",
+    48,
+    "--synthetic_dialogues.num_validation",
+    8,
+    "--num_epochs",
+    2,
+    "--lr",
+    3e-3,
+    "--gradient_clipping",
+    "true",
+    "--num_workers_dataloader",
+    0,
+    "--save_steps",
+    2,
+    "--save_total_limit",
+    2,
+)
 
 
 STRATEGIES = [
@@ -47,17 +72,31 @@ def final_tensors(out_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def run_shardtune(cache_dir: Path, *args, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(shardtune_argv(*args), capture_output=True, text=True,
-                          timeout=600, env=cli_env(cache_dir), cwd=REPO)
+    proc = subprocess.run(
+        shardtune_argv(*args), capture_output=True, text=True, timeout=600, env=cli_env(cache_dir), cwd=REPO
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"shardtune {' '.join(map(str, args))} exited {proc.returncode}\n"
-                             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"shardtune {' '.join(map(str, args))} exited {proc.returncode}\n"
+            f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
 def sft(cache_dir, model, out, *extra, nproc=2, check=True) -> subprocess.CompletedProcess:
-    return run_shardtune(cache_dir, "sft", "--nproc_per_node", nproc, "--model_name", model, "--output_dir", out,
-                         *COMMON, *extra, check=check)
+    return run_shardtune(
+        cache_dir,
+        "sft",
+        "--nproc_per_node",
+        nproc,
+        "--model_name",
+        model,
+        "--output_dir",
+        out,
+        *COMMON,
+        *extra,
+        check=check,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +122,15 @@ def assert_same_rows(ref: Path, other: Path, rel: float = 0.0) -> None:
         assert o["loss"] == pytest.approx(r["loss"], rel=rel, abs=0), r["step"]
         assert o["grad_norm"] == pytest.approx(r["grad_norm"], rel=max(rel, 1e-12), abs=0), r["step"]
     assert [r["step"] for r in eval_rows(other)] == [r["step"] for r in eval_rows(ref)] == [8, 16]
-    assert [r["eval_loss"] for r in eval_rows(other)] == pytest.approx([r["eval_loss"] for r in eval_rows(ref)],
-                                                                      rel=max(rel, 1e-12))
+    assert [r["eval_loss"] for r in eval_rows(other)] == pytest.approx(
+        [r["eval_loss"] for r in eval_rows(ref)], rel=max(rel, 1e-12)
+    )
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_resumed_run_equals_uninterrupted_run(strategy, reference, tiny_model, cache_dir, tmp_path, capsys,
-                                              cli_in_process):
+def test_resumed_run_equals_uninterrupted_run(
+    strategy, reference, tiny_model, cache_dir, tmp_path, capsys, cli_in_process
+):
     ref = reference(strategy)
     out = tmp_path / "run"
     sft(cache_dir, tiny_model, out, *strategy, "--max_train_step", 5)  # stops mid-epoch 1, checkpoint at step 5
@@ -103,8 +144,19 @@ def test_resumed_run_equals_uninterrupted_run(strategy, reference, tiny_model, c
     written = [(out / name).read_text() for name in ("config.yaml", "metrics.jsonl")]
     misfit = ("--use_peft",) if strategy == () else () if strategy == ("--use_peft",) else None
     if misfit is not None:
-        refused = cli_in_process("sft", "--nproc_per_node", 2, "--model_name", tiny_model, "--output_dir", out,
-                                 *COMMON, *misfit, "--resume", "latest")  # refused before launch: in this process
+        refused = cli_in_process(
+            "sft",
+            "--nproc_per_node",
+            2,
+            "--model_name",
+            tiny_model,
+            "--output_dir",
+            out,
+            *COMMON,
+            *misfit,
+            "--resume",
+            "latest",
+        )  # refused before launch: in this process
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
         assert "--resume latest" in refused.stderr and ("--use_peft" in refused.stderr.strip().splitlines()[-1])
         assert [(out / name).read_text() for name in ("config.yaml", "metrics.jsonl")] == written
@@ -126,8 +178,11 @@ def test_resumed_run_equals_uninterrupted_run(strategy, reference, tiny_model, c
         from shardtune.commands.export import main as export_main
 
         (tmp_path / "a-file").write_text("x")
-        for target, why in ((tmp_path / "exported", "--overwrite"), (out, "--overwrite"), (tmp_path / "a-file",
-                                                                                          "is a file")):
+        for target, why in (
+            (tmp_path / "exported", "--overwrite"),
+            (out, "--overwrite"),
+            (tmp_path / "a-file", "is a file"),
+        ):
             assert export_main([str(out), str(target)]) == 2
             lines = capsys.readouterr().err.strip().splitlines()
             assert len(lines) == 1 and str(target) in lines[0] and why in lines[0], lines
@@ -161,9 +216,15 @@ def worker_pids(launcher_pid: int) -> dict[int, int]:
 
 def start_sft(cache_dir, model, out, *extra) -> subprocess.Popen:
     args = ["sft", "--nproc_per_node", 2, "--model_name", model, "--output_dir", out, *COMMON, *extra]
-    return subprocess.Popen(shardtune_argv(*args), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=cli_env(cache_dir), cwd=REPO,
-                            start_new_session=True)
+    return subprocess.Popen(
+        shardtune_argv(*args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(cache_dir),
+        cwd=REPO,
+        start_new_session=True,
+    )
 
 
 def wait_for(condition, proc: subprocess.Popen, what: str, poll_s: float = 0.002):
@@ -208,8 +269,9 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(reference, tiny_model,
         wait_for(lambda: True if logged_steps(out) >= 2 else None, proc, "step 2")
         workers = wait_for(lambda: worker_pids(proc.pid) or None, proc, "the workers were found")
         # SIGKILL the whole job (launcher and workers) while a checkpoint is being written
-        unfinished = wait_for(lambda: unfinished_saves(out) or None, proc, "a save was caught in progress",
-                              poll_s=0.0005)
+        unfinished = wait_for(
+            lambda: unfinished_saves(out) or None, proc, "a save was caught in progress", poll_s=0.0005
+        )
     finally:
         for pid in [proc.pid, *workers.values()]:  # torchrun's workers do not share the launcher's group
             with contextlib.suppress(ProcessLookupError):
@@ -229,10 +291,22 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(reference, tiny_model,
 def test_two_processes_resume_a_four_process_checkpoint(strategy, tiny_model, cache_dir, tmp_path):
     """Global batch 4 = 4 processes x 1 = 2 processes x 2: the state is resharded and the data order is kept."""
     four, two = tmp_path / "four", tmp_path / "two"
-    sft(cache_dir, tiny_model, four, *strategy, "--batch_size_training", 1, "--max_train_step", 4,
-        "--checkpoint_type", "FULL_STATE_DICT", nproc=4)
-    resumed = sft(cache_dir, tiny_model, two, *strategy, "--max_train_step", 4,
-                  "--resume", four / "checkpoints" / "step-000002")
+    sft(
+        cache_dir,
+        tiny_model,
+        four,
+        *strategy,
+        "--batch_size_training",
+        1,
+        "--max_train_step",
+        4,
+        "--checkpoint_type",
+        "FULL_STATE_DICT",
+        nproc=4,
+    )
+    resumed = sft(
+        cache_dir, tiny_model, two, *strategy, "--max_train_step", 4, "--resume", four / "checkpoints" / "step-000002"
+    )
     assert "saved by 4 processes, now 2" in resumed.stdout and "data order kept" in resumed.stdout
     four_rows, two_rows = step_rows(four), step_rows(two)
     assert [r["step"] for r in two_rows] == [3, 4]
@@ -285,7 +359,7 @@ def test_resume_with_another_lr_trains_with_it_and_says_so(reference, tiny_model
 
 def error_lines(stderr: str) -> list[str]:
     """shardtune's one-line errors (a progress bar may precede one on its line: it writes no newline)."""
-    return [line[line.index("shardtune: error:"):] for line in stderr.splitlines() if "shardtune: error:" in line]
+    return [line[line.index("shardtune: error:") :] for line in stderr.splitlines() if "shardtune: error:" in line]
 
 
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_model, cache_dir, tmp_path):
@@ -303,8 +377,23 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_m
 
 def test_nan_policy_skip_leaves_the_weights_of_the_last_finite_step(tiny_model, cache_dir, tmp_path):
     out = tmp_path / "run"
-    sft(cache_dir, tiny_model, out, "--lr", 1e30, "--save_steps", 1, "--save_total_limit", 0, "--max_train_step", 3,
-        "--nan_policy", "skip", "--run_validation", "false")
+    sft(
+        cache_dir,
+        tiny_model,
+        out,
+        "--lr",
+        1e30,
+        "--save_steps",
+        1,
+        "--save_total_limit",
+        0,
+        "--max_train_step",
+        3,
+        "--nan_policy",
+        "skip",
+        "--run_validation",
+        "false",
+    )
     rows = step_rows(out)
     assert [r.get("skipped", False) for r in rows] == [False, True, True]
     assert not math.isfinite(rows[1]["loss"])
@@ -320,8 +409,9 @@ def small_tmpfs(tmp_path):
     def mount(size_kib: int) -> Path:
         path = tmp_path / f"tmpfs-{size_kib}k"
         path.mkdir()
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(path)],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(path)], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip()}): the disk-full test needs root")
         mounted.append(path)
@@ -336,8 +426,7 @@ def test_a_full_disk_fails_the_save_cleanly_and_keeps_the_previous_checkpoint(ti
     # one checkpoint of the tiny model is ~2.9 MB: 4.5 MB hold one, not the second (the older one is deleted
     # only after the new one is complete)
     out = small_tmpfs(4608) / "run"
-    proc = sft(cache_dir, tiny_model, out, "--save_total_limit", 1, "--run_validation", "false", nproc=1,
-               check=False)
+    proc = sft(cache_dir, tiny_model, out, "--save_total_limit", 1, "--run_validation", "false", nproc=1, check=False)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "checkpoints of about" in proc.stderr  # the warning before training
     message = error_lines(proc.stderr)
@@ -373,12 +462,40 @@ def start_two_nodes(cache_dir, model, out, *extra) -> list[subprocess.Popen]:
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = []
     for node_rank in (0, 1):
-        args = ["sft", "--nnodes", 2, "--node_rank", node_rank, "--nproc_per_node", 1, "--rdzv_backend", "c10d",
-                "--rdzv_endpoint", endpoint, "--rdzv_id", "two-nodes", "--rdzv_conf", f"is_host={int(node_rank == 0)}",
-                "--model_name", model, "--output_dir", out, *COMMON, *extra]
-        nodes.append(subprocess.Popen(shardtune_argv(*args), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
-                                      env={**cli_env(cache_dir), "OMP_NUM_THREADS": "1"}))  # 2 processes, 2 cores
+        args = [
+            "sft",
+            "--nnodes",
+            2,
+            "--node_rank",
+            node_rank,
+            "--nproc_per_node",
+            1,
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            endpoint,
+            "--rdzv_id",
+            "two-nodes",
+            "--rdzv_conf",
+            f"is_host={int(node_rank == 0)}",
+            "--model_name",
+            model,
+            "--output_dir",
+            out,
+            *COMMON,
+            *extra,
+        ]
+        nodes.append(
+            subprocess.Popen(
+                shardtune_argv(*args),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=REPO,
+                start_new_session=True,
+                env={**cli_env(cache_dir), "OMP_NUM_THREADS": "1"},
+            )
+        )  # 2 processes, 2 cores
     return nodes
 
 
@@ -396,7 +513,8 @@ def finish(nodes: list[subprocess.Popen], timeout_s: float = 300) -> list[tuple[
 
 
 def test_sigusr1_to_one_node_stops_every_node_with_a_checkpoint_and_the_rerun_ends_like_no_stop(
-        reference, tiny_model, cache_dir, tmp_path):
+    reference, tiny_model, cache_dir, tmp_path
+):
     """SLURM's time-limit warning (or a preemption) reaching only node 1's launcher, with --save_steps 0."""
     ref = reference(())
     out = tmp_path / "run"
@@ -418,7 +536,6 @@ def test_sigusr1_to_one_node_stops_every_node_with_a_checkpoint_and_the_rerun_en
     assert f"resumed from {stopped}" in resumed.stdout
     assert_same_rows(ref, out, rel=1e-6)
     assert max_relative_difference(final_tensors(ref), final_tensors(out)) <= 1e-6
-
 
 
 def test_eight_bit_adamw_checkpoints_its_8_bit_moments_and_resumes_exactly(tiny_model, cache_dir, tmp_path):

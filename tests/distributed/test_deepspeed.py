@@ -14,7 +14,10 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from tests.helpers import (
-    assert_plain_hf_directory, assert_same_training, max_relative_difference, step_rows,
+    assert_plain_hf_directory,
+    assert_same_training,
+    max_relative_difference,
+    step_rows,
 )
 
 pytest.importorskip("deepspeed", reason="pip install --no-build-isolation 'shardtune[deepspeed]'")
@@ -23,25 +26,67 @@ DS = ("--enable_deepspeed",)
 # name -> flags; offload and a HF-Trainer-style config file ride along with ZeRO-1 to keep launches few.
 VARIANTS = {
     "ddp": (),
-    "zero1+offload_optimizer+config_file": (*DS, "--deepspeed_config.zero_stage", "1",
-                                            "--deepspeed_config.offload_optimizer", "true"),
+    "zero1+offload_optimizer+config_file": (
+        *DS,
+        "--deepspeed_config.zero_stage",
+        "1",
+        "--deepspeed_config.offload_optimizer",
+        "true",
+    ),
     "zero2": (*DS, "--deepspeed_config.zero_stage", "2"),
     "zero3": (*DS, "--deepspeed_config.zero_stage", "3"),
     "lora_ddp": ("--use_peft", "--peft_method", "lora"),
     "lora_zero3": ("--use_peft", "--peft_method", "lora", *DS, "--deepspeed_config.zero_stage", "3"),
     "qlora_ddp": ("--use_peft", "--peft_method", "lora", "--quantization", "4bit"),
-    "qlora_zero3": ("--use_peft", "--peft_method", "lora", "--quantization", "4bit", *DS,
-                    "--deepspeed_config.zero_stage", "3"),
+    "qlora_zero3": (
+        "--use_peft",
+        "--peft_method",
+        "lora",
+        "--quantization",
+        "4bit",
+        *DS,
+        "--deepspeed_config.zero_stage",
+        "3",
+    ),
 }
 # the kind of file TRL / HF Trainer users have: "auto" entries, our accumulation repeated, a bucket size
-TRAINER_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2,
-                  "bf16": {"enabled": "auto"}, "gradient_clipping": "auto",
-                  "zero_optimization": {"stage": 1, "reduce_bucket_size": 500_000, "overlap_comm": "auto"}}
-TRAIN_ARGS = ("--nproc_per_node", 2, "--batch_size_training", 2, "--gradient_accumulation_steps", 2,
-              "--batching_strategy", "packing", "--context_length", 256, "--synthetic_dialogues.num_train", 96,
-              "--synthetic_dialogues.num_validation", 16, "--max_train_step", 4, "--lr", 3e-3,
-              "--lr_scheduler", "cosine", "--warmup_steps", 1, "--gradient_clipping", "true",
-              "--num_workers_dataloader", 0, "--val_batch_size", 4)
+TRAINER_CONFIG = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": 2,
+    "bf16": {"enabled": "auto"},
+    "gradient_clipping": "auto",
+    "zero_optimization": {"stage": 1, "reduce_bucket_size": 500_000, "overlap_comm": "auto"},
+}
+TRAIN_ARGS = (
+    "--nproc_per_node",
+    2,
+    "--batch_size_training",
+    2,
+    "--gradient_accumulation_steps",
+    2,
+    "--batching_strategy",
+    "packing",
+    "--context_length",
+    256,
+    "--synthetic_dialogues.num_train",
+    96,
+    "--synthetic_dialogues.num_validation",
+    16,
+    "--max_train_step",
+    4,
+    "--lr",
+    3e-3,
+    "--lr_scheduler",
+    "cosine",
+    "--warmup_steps",
+    1,
+    "--gradient_clipping",
+    "true",
+    "--num_workers_dataloader",
+    0,
+    "--val_batch_size",
+    4,
+)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +119,7 @@ def test_zero_stage_trains_like_ddp(variant, runs, run_cli, tiny_model):
     difference = assert_same_training(ddp, out, variant)
     assert [r["lr"] for r in step_rows(out)] == [r["lr"] for r in rows]
     stage = variant[len("zero")]
-    assert f"strategy: deepspeed ZeRO-{stage}, world size 2, compute dtype float32" in \
-        (out / "stdout.log").read_text()
+    assert f"strategy: deepspeed ZeRO-{stage}, world size 2, compute dtype float32" in (out / "stdout.log").read_text()
     print(f"{variant}: max relative weight difference to DDP {difference:.2e}")
 
 
@@ -90,10 +134,23 @@ def test_non_finite_loss_stops_a_deepspeed_run_before_its_step(run_cli, tiny_mod
     """lr 1e30: step 1 is finite and makes the weights huge, step 2's loss overflows; the loop stops before
     DeepSpeed's step, with one error line, and every rank exits (nobody is left waiting in a collective)."""
     out = tmp_path / "run"
-    proc = run_cli("sft", "--model_name", tiny_model, "--output_dir", out, *TRAIN_ARGS, *VARIANTS["zero2"],
-                   "--lr", 1e30, timeout=300, check=False)
+    proc = run_cli(
+        "sft",
+        "--model_name",
+        tiny_model,
+        "--output_dir",
+        out,
+        *TRAIN_ARGS,
+        *VARIANTS["zero2"],
+        "--lr",
+        1e30,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 1
-    errors = [line[line.index("shardtune: error:"):] for line in proc.stderr.splitlines() if "shardtune: error:" in line]
+    errors = [
+        line[line.index("shardtune: error:") :] for line in proc.stderr.splitlines() if "shardtune: error:" in line
+    ]
     assert len(errors) == 1 and "non-finite loss" in errors[0] and "at step 2" in errors[0], proc.stderr[-3000:]
     assert [r["step"] for r in step_rows(out)] == [1]
 
@@ -118,13 +175,28 @@ def test_lora_under_zero3_trains_like_lora_under_ddp(method, runs, run_cli, tiny
 
 
 # 2 epochs of 3 steps, StepLR (the lr changes at the epoch boundary: the scheduler's state must come back)
-RESUME_ARGS = ("--save_steps", 2, "--save_total_limit", 2, "--max_train_step", 0, "--num_epochs", 2,
-               "--synthetic_dialogues.num_train", 48, "--lr_scheduler", "step", "--gamma", 0.5)
+RESUME_ARGS = (
+    "--save_steps",
+    2,
+    "--save_total_limit",
+    2,
+    "--max_train_step",
+    0,
+    "--num_epochs",
+    2,
+    "--synthetic_dialogues.num_train",
+    48,
+    "--lr_scheduler",
+    "step",
+    "--gamma",
+    0.5,
+)
 
 
 @pytest.mark.parametrize("variant", ["zero2", "lora_zero3"])
-def test_a_resumed_deepspeed_run_equals_the_uninterrupted_one_and_exports(variant, run_cli, cli_in_process, tiny_model,
-                                                                        tmp_path):
+def test_a_resumed_deepspeed_run_equals_the_uninterrupted_one_and_exports(
+    variant, run_cli, cli_in_process, tiny_model, tmp_path
+):
     """DeepSpeed writes its own partitions into our checkpoint folder; resume continues the same data order,
     schedule and optimizer state; export consolidates the partitions into the same model (or adapter)."""
     from safetensors.torch import load_file
@@ -137,10 +209,23 @@ def test_a_resumed_deepspeed_run_equals_the_uninterrupted_one_and_exports(varian
     run_cli("sft", "--model_name", tiny_model, "--output_dir", out, *flags, "--max_train_step", 4)
     state = read_trainer_state(latest_checkpoint(out))
     assert (state["step"], state["strategy"], state["zero_stage"]) == (4, "deepspeed", int(variant[-1]))
-    wrong = cli_in_process("sft", "--model_name", tiny_model, "--output_dir", out, *flags, "--resume", "latest",
-                           "--nproc_per_node", 1, "--gradient_accumulation_steps", 4)  # refused before launch
-    assert wrong.returncode != 0 and "partitions of 2 processes" in wrong.stderr and "--nproc_per_node 2" in \
-        wrong.stderr, wrong.stderr[-2000:]
+    wrong = cli_in_process(
+        "sft",
+        "--model_name",
+        tiny_model,
+        "--output_dir",
+        out,
+        *flags,
+        "--resume",
+        "latest",
+        "--nproc_per_node",
+        1,
+        "--gradient_accumulation_steps",
+        4,
+    )  # refused before launch
+    assert (
+        wrong.returncode != 0 and "partitions of 2 processes" in wrong.stderr and "--nproc_per_node 2" in wrong.stderr
+    ), wrong.stderr[-2000:]
     resumed = run_cli("sft", "--model_name", tiny_model, "--output_dir", out, *flags, "--resume", "latest")
     assert "data order kept" in resumed.stdout
     ref_rows, rows = step_rows(ref), step_rows(out)

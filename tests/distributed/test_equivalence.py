@@ -17,12 +17,38 @@ PADDING_CONFIGS = [(1, 8, 1), (1, 2, 4, "padding_free"), (2, 2, 2), (2, 2, 2, "p
 
 
 def sft(run_cli, model, out, nproc, batch, accum, batching, *extra):
-    run_cli("sft", "--nproc_per_node", nproc, "--model_name", model, "--output_dir", out,
-            "--batch_size_training", batch, "--gradient_accumulation_steps", accum,
-            "--batching_strategy", batching, "--context_length", 256,
-            "--synthetic_dialogues.num_train", 96, "--synthetic_dialogues.num_validation", 16,
-            "--max_train_step", 4, "--lr", 3e-3, "--gradient_clipping", "true", "--num_workers_dataloader", 0,
-            "--val_batch_size", 4, *extra)
+    run_cli(
+        "sft",
+        "--nproc_per_node",
+        nproc,
+        "--model_name",
+        model,
+        "--output_dir",
+        out,
+        "--batch_size_training",
+        batch,
+        "--gradient_accumulation_steps",
+        accum,
+        "--batching_strategy",
+        batching,
+        "--context_length",
+        256,
+        "--synthetic_dialogues.num_train",
+        96,
+        "--synthetic_dialogues.num_validation",
+        16,
+        "--max_train_step",
+        4,
+        "--lr",
+        3e-3,
+        "--gradient_clipping",
+        "true",
+        "--num_workers_dataloader",
+        0,
+        "--val_batch_size",
+        4,
+        *extra,
+    )
     return out
 
 

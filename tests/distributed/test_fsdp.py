@@ -17,7 +17,11 @@ import pytest
 
 from tests.conftest import REPO, cli_env, shardtune_argv
 from tests.helpers import (
-    assert_plain_hf_directory, assert_same_training, step_rows, train_once, weights,
+    assert_plain_hf_directory,
+    assert_same_training,
+    step_rows,
+    train_once,
+    weights,
 )
 
 FSDP = ("--enable_fsdp",)
@@ -26,19 +30,67 @@ FSDP = ("--enable_fsdp",)
 VARIANTS = {
     "ddp": (2, 4, ()),
     "full_shard+activation_checkpointing+low_cpu_fsdp": (
-        2, 4, (*FSDP, "--fsdp_config.sharding_strategy", "FULL_SHARD", "--fsdp_config.fsdp_activation_checkpointing",
-               "true", "--low_cpu_fsdp")),
+        2,
+        4,
+        (
+            *FSDP,
+            "--fsdp_config.sharding_strategy",
+            "FULL_SHARD",
+            "--fsdp_config.fsdp_activation_checkpointing",
+            "true",
+            "--low_cpu_fsdp",
+        ),
+    ),
     "shard_grad_op+cpu_offload+accumulation": (
-        2, 2, (*FSDP, "--fsdp_config.sharding_strategy", "SHARD_GRAD_OP", "--fsdp_cpu_offload", "true",
-               "--gradient_accumulation_steps", "2")),
+        2,
+        2,
+        (
+            *FSDP,
+            "--fsdp_config.sharding_strategy",
+            "SHARD_GRAD_OP",
+            "--fsdp_cpu_offload",
+            "true",
+            "--gradient_accumulation_steps",
+            "2",
+        ),
+    ),
     "no_shard": (2, 4, (*FSDP, "--fsdp_config.sharding_strategy", "NO_SHARD")),
     "hybrid_shard_2x2": (
-        4, 2, (*FSDP, "--fsdp_config.sharding_strategy", "HYBRID_SHARD", "--fsdp_config.hsdp", "true",
-               "--fsdp_config.sharding_group_size", "2")),
+        4,
+        2,
+        (
+            *FSDP,
+            "--fsdp_config.sharding_strategy",
+            "HYBRID_SHARD",
+            "--fsdp_config.hsdp",
+            "true",
+            "--fsdp_config.sharding_group_size",
+            "2",
+        ),
+    ),
 }
-TRAIN_ARGS = ("--gradient_accumulation_steps", 1, "--batching_strategy", "packing", "--context_length", 256,
-              "--synthetic_dialogues.num_train", 96, "--synthetic_dialogues.num_validation", 16, "--max_train_step", 4,
-              "--lr", 3e-3, "--gradient_clipping", "true", "--num_workers_dataloader", 0, "--val_batch_size", 4)
+TRAIN_ARGS = (
+    "--gradient_accumulation_steps",
+    1,
+    "--batching_strategy",
+    "packing",
+    "--context_length",
+    256,
+    "--synthetic_dialogues.num_train",
+    96,
+    "--synthetic_dialogues.num_validation",
+    16,
+    "--max_train_step",
+    4,
+    "--lr",
+    3e-3,
+    "--gradient_clipping",
+    "true",
+    "--num_workers_dataloader",
+    0,
+    "--val_batch_size",
+    4,
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +101,19 @@ def runs(tmp_path_factory) -> dict:
 
 def trained(name: str, runs: dict, run_cli, model) -> Path:
     nproc, batch, flags = VARIANTS[name]
-    return train_once(runs, name, run_cli, "--nproc_per_node", nproc, "--model_name", model, "--batch_size_training",
-                      batch, *TRAIN_ARGS, *flags)
+    return train_once(
+        runs,
+        name,
+        run_cli,
+        "--nproc_per_node",
+        nproc,
+        "--model_name",
+        model,
+        "--batch_size_training",
+        batch,
+        *TRAIN_ARGS,
+        *flags,
+    )
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "ddp"])
@@ -64,8 +127,10 @@ def test_sharding_strategy_trains_like_ddp(variant, runs, run_cli, tiny_model):
 
 def test_start_log_states_strategy_mesh_and_per_rank_state(runs, run_cli, tiny_model):
     log = (trained("hybrid_shard_2x2", runs, run_cli, tiny_model) / "stdout.log").read_text()
-    assert "strategy: fsdp2 HYBRID_SHARD, world size 4, mesh (replicate 2 x shard 2), weights float32, compute " \
-           "float32, gradient reduction float32" in log
+    assert (
+        "strategy: fsdp2 HYBRID_SHARD, world size 4, mesh (replicate 2 x shard 2), weights float32, compute "
+        "float32, gradient reduction float32" in log
+    )
     assert "fsdp: per-rank training state (rank 0's local shards): params" in log
     assert "fsdp: peak host memory per rank after loading and sharding: rank 0" in log
 
@@ -80,8 +145,20 @@ def test_dry_run_reports_the_per_rank_state_of_the_real_run(runs, run_cli, tiny_
     real = per_rank_state((trained("hybrid_shard_2x2", runs, run_cli, tiny_model) / "stdout.log").read_text())
     nproc, batch, flags = VARIANTS["hybrid_shard_2x2"]
     out = tmp_path / "dry"
-    proc = run_cli("sft", "--dry_run", "--nproc_per_node", nproc, "--model_name", tiny_model, "--output_dir", out,
-                   "--batch_size_training", batch, *TRAIN_ARGS, *flags)
+    proc = run_cli(
+        "sft",
+        "--dry_run",
+        "--nproc_per_node",
+        nproc,
+        "--model_name",
+        tiny_model,
+        "--output_dir",
+        out,
+        "--batch_size_training",
+        batch,
+        *TRAIN_ARGS,
+        *flags,
+    )
     assert per_rank_state(proc.stdout) == real
     num_params = int(re.search(r"meta model: .* \(([\d,]+) parameters", proc.stdout).group(1).replace(",", ""))
     assert f"params {num_params * 4 / 2 / 1024:.1f} KiB" in real  # control: fp32 shards of 2 ranks, not 1 or 4
@@ -101,13 +178,41 @@ def test_hybrid_shard_across_two_nodes_matches_one_node(runs, run_cli, cache_dir
     endpoint = f"127.0.0.1:{free_port()}"
     procs = []
     for node_rank in (0, 1):
-        args = ["sft", "--nnodes", "2", "--node_rank", str(node_rank), "--nproc_per_node", "2",
-                "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", "fsdp-test",
-                "--model_name", str(tiny_model), "--output_dir", str(tmp_path / "two-nodes"),
-                "--batch_size_training", "2", *map(str, TRAIN_ARGS), "--enable_fsdp",
-                "--fsdp_config.sharding_strategy", "HYBRID_SHARD"]
-        procs.append(subprocess.Popen(shardtune_argv(*args), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, env=cli_env(cache_dir), cwd=REPO))
+        args = [
+            "sft",
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(node_rank),
+            "--nproc_per_node",
+            "2",
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            endpoint,
+            "--rdzv_id",
+            "fsdp-test",
+            "--model_name",
+            str(tiny_model),
+            "--output_dir",
+            str(tmp_path / "two-nodes"),
+            "--batch_size_training",
+            "2",
+            *map(str, TRAIN_ARGS),
+            "--enable_fsdp",
+            "--fsdp_config.sharding_strategy",
+            "HYBRID_SHARD",
+        ]
+        procs.append(
+            subprocess.Popen(
+                shardtune_argv(*args),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=cli_env(cache_dir),
+                cwd=REPO,
+            )
+        )
     outputs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outputs):
         assert p.returncode == 0, f"--- stdout\n{out[-3000:]}\n--- stderr\n{err[-5000:]}"
@@ -131,10 +236,24 @@ def test_full_shard_ranks_hold_their_share_and_low_cpu_fsdp_loads_rank0_weights(
     On a CPU device that placement is where everything is anyway: what offloading moves on a GPU (and that its loss
     equals the GPU-resident run's) is checked by bench/gpu_smoke.sh (check fsdp_cpu_offload)."""
     world_size = 4
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
-                    "tests/distributed/fsdp_probe.py", str(tiny_model), str(tmp_path)],
-                   check=True, capture_output=True, text=True, env={**cli_env(cache_dir), "OMP_NUM_THREADS": "1"},
-                   cwd=REPO, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(world_size),
+            "tests/distributed/fsdp_probe.py",
+            str(tiny_model),
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**cli_env(cache_dir), "OMP_NUM_THREADS": "1"},
+        cwd=REPO,
+        timeout=300,
+    )
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
     total = ranks[0]["total_numel"]
     for r in ranks:

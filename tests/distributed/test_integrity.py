@@ -41,13 +41,32 @@ def three_checkpoints(tiny_model, cache_dir, tmp_path_factory):
     """One in-place run with a checkpoint after each of 3 steps, traced with strace (fsync and rename calls)."""
     out = tmp_path_factory.mktemp("three") / "run"
     trace = out.parent / "strace.txt"
-    args = ["sft", "--nproc_per_node", 1, "--model_name", tiny_model, "--output_dir", out,
-            "--batch_size_training", 2, "--context_length", 256, "--synthetic_dialogues.num_train", 48,
-            "--num_workers_dataloader", 0, *SHORT]
-    prefix = (["strace", "-f", "-qq", "-y", "-e", "trace=fsync,rename,renameat,renameat2", "-o", str(trace)]
-              if shutil.which("strace") else [])
-    proc = subprocess.run([*prefix, *shardtune_argv(*args)], capture_output=True,
-                          text=True, timeout=600, env=cli_env(cache_dir), cwd=REPO)
+    args = [
+        "sft",
+        "--nproc_per_node",
+        1,
+        "--model_name",
+        tiny_model,
+        "--output_dir",
+        out,
+        "--batch_size_training",
+        2,
+        "--context_length",
+        256,
+        "--synthetic_dialogues.num_train",
+        48,
+        "--num_workers_dataloader",
+        0,
+        *SHORT,
+    ]
+    prefix = (
+        ["strace", "-f", "-qq", "-y", "-e", "trace=fsync,rename,renameat,renameat2", "-o", str(trace)]
+        if shutil.which("strace")
+        else []
+    )
+    proc = subprocess.run(
+        [*prefix, *shardtune_argv(*args)], capture_output=True, text=True, timeout=600, env=cli_env(cache_dir), cwd=REPO
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, trace if prefix else None
 
@@ -82,12 +101,15 @@ def test_checkpoint_files_and_folders_are_fsynced_before_and_after_each_rename(t
     manifest = json.loads((ckpts / "step-000003" / "manifest.json").read_text())
     assert manifest["hash"] == "sha256" and "__0_0.distcp" in manifest["files"]
     data = ckpts / "step-000003" / "__0_0.distcp"
-    assert manifest["files"]["__0_0.distcp"] == {"bytes": data.stat().st_size,
-                                                 "sha256": hashlib.sha256(data.read_bytes()).hexdigest()}
+    assert manifest["files"]["__0_0.distcp"] == {
+        "bytes": data.stat().st_size,
+        "sha256": hashlib.sha256(data.read_bytes()).hexdigest(),
+    }
 
 
 def test_resume_takes_the_newest_checkpoint_that_verifies_and_says_what_it_skipped(
-        three_checkpoints, tiny_model, cache_dir, tmp_path):
+    three_checkpoints, tiny_model, cache_dir, tmp_path
+):
     """A cut data file (step 3), an emptied trainer_state.json (step 2, what a power cut leaves) and a ``latest``
     naming another run's checkpoint: --resume auto takes step 1, in one line per skipped checkpoint."""
     out = copy_run(three_checkpoints[0], tmp_path / "run")
@@ -102,8 +124,9 @@ def test_resume_takes_the_newest_checkpoint_that_verifies_and_says_what_it_skipp
     assert f"resumed from {ckpts / 'step-000001'} (step 1" in resumed.stdout
     notes = [line for line in resumed.stderr.splitlines() if "checkpoint:" in line]
     assert any("latest names '../../other/checkpoints/step-000009'" in n and "ignored" in n for n in notes), notes
-    assert any(f"skipped {ckpts / 'step-000003'}: __0_0.distcp is 1,000 bytes, the manifest says" in n
-               for n in notes), notes
+    assert any(
+        f"skipped {ckpts / 'step-000003'}: __0_0.distcp is 1,000 bytes, the manifest says" in n for n in notes
+    ), notes
     assert any(f"skipped {ckpts / 'step-000002'}: trainer_state.json is 0 bytes" in n for n in notes), notes
     assert "Traceback" not in resumed.stderr
     assert [r["step"] for r in step_rows(out)] == [1, 2, 3, 4]
@@ -111,8 +134,18 @@ def test_resume_takes_the_newest_checkpoint_that_verifies_and_says_what_it_skipp
     with open(ckpts / "step-000004" / "__0_0.distcp", "r+b") as fh:
         fh.seek(100)
         fh.write(b"\0" * 64)  # same size, other bytes: only the hash sees it
-    proc = sft(cache_dir, tiny_model, out, *SHORT, "--max_train_step", 5, "--resume", ckpts / "step-000004", nproc=1,
-               check=False)
+    proc = sft(
+        cache_dir,
+        tiny_model,
+        out,
+        *SHORT,
+        "--max_train_step",
+        5,
+        "--resume",
+        ckpts / "step-000004",
+        nproc=1,
+        check=False,
+    )
     assert proc.returncode != 0 and len(error_lines(proc.stderr)) == 1, proc.stderr[-3000:]
     assert "does not match its SHA-256" in error_lines(proc.stderr)[0] and "Traceback" not in proc.stderr
 
@@ -133,13 +166,16 @@ def plant(checkpoint: Path, marker: Path) -> None:
     metadata.write_bytes(pickle.dumps(Payload(marker)))
     manifest_path = checkpoint / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    manifest["files"][".metadata"] = {"bytes": metadata.stat().st_size,
-                                      "sha256": hashlib.sha256(metadata.read_bytes()).hexdigest()}
+    manifest["files"][".metadata"] = {
+        "bytes": metadata.stat().st_size,
+        "sha256": hashlib.sha256(metadata.read_bytes()).hexdigest(),
+    }
     manifest_path.write_text(json.dumps(manifest))
 
 
 def test_a_pickle_planted_in_a_checkpoint_runs_neither_on_export_nor_on_resume(
-        three_checkpoints, tiny_model, cache_dir, tmp_path):
+    three_checkpoints, tiny_model, cache_dir, tmp_path
+):
     out = copy_run(three_checkpoints[0], tmp_path / "run")
     checkpoint = out / "checkpoints" / "step-000003"
     marker = tmp_path / "payload-ran"
@@ -148,8 +184,9 @@ def test_a_pickle_planted_in_a_checkpoint_runs_neither_on_export_nor_on_resume(
     assert not marker.exists(), "the payload ran on export"
     assert exported.returncode != 0 and len(error_lines(exported.stderr)) == 1, exported.stderr[-3000:]
     assert "names io.open" in error_lines(exported.stderr)[0] and "Traceback" not in exported.stderr
-    resumed = sft(cache_dir, tiny_model, out, *SHORT, "--max_train_step", 4, "--resume", checkpoint, nproc=1,
-                  check=False)
+    resumed = sft(
+        cache_dir, tiny_model, out, *SHORT, "--max_train_step", 4, "--resume", checkpoint, nproc=1, check=False
+    )
     assert not marker.exists(), "the payload ran on resume"
     assert resumed.returncode != 0 and len(error_lines(resumed.stderr)) == 1, resumed.stderr[-3000:]
     assert "names io.open" in error_lines(resumed.stderr)[0] and "Traceback" not in resumed.stderr
@@ -175,9 +212,10 @@ def listening_addresses(pids: list[int]) -> list[str]:
                 hex_addr, hex_port = fields[1].split(":")
                 raw = bytes.fromhex(hex_addr)
                 if family == socket.AF_INET6:  # four little-endian 32-bit words
-                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
-                found.append(f"{socket.inet_ntop(family, raw[::-1] if family == socket.AF_INET else raw)}:"
-                             f"{int(hex_port, 16)}")
+                    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+                found.append(
+                    f"{socket.inet_ntop(family, raw[::-1] if family == socket.AF_INET else raw)}:{int(hex_port, 16)}"
+                )
     return found
 
 
@@ -187,12 +225,35 @@ def is_loopback(address: str) -> bool:
 
 
 def start(cache_dir, model, out, *extra, nproc: int) -> subprocess.Popen:
-    args = ["sft", "--nproc_per_node", nproc, "--model_name", model, "--output_dir", out, "--batch_size_training", 2,
-            "--context_length", 256, "--synthetic_dialogues.num_train", 48, "--num_workers_dataloader", 0,
-            "--run_validation", "false", *extra]
-    return subprocess.Popen(shardtune_argv(*args), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=cli_env(cache_dir), cwd=REPO,
-                            start_new_session=True)
+    args = [
+        "sft",
+        "--nproc_per_node",
+        nproc,
+        "--model_name",
+        model,
+        "--output_dir",
+        out,
+        "--batch_size_training",
+        2,
+        "--context_length",
+        256,
+        "--synthetic_dialogues.num_train",
+        48,
+        "--num_workers_dataloader",
+        0,
+        "--run_validation",
+        "false",
+        *extra,
+    ]
+    return subprocess.Popen(
+        shardtune_argv(*args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(cache_dir),
+        cwd=REPO,
+        start_new_session=True,
+    )
 
 
 def kill_if_running(proc: subprocess.Popen) -> None:
@@ -215,11 +276,23 @@ def test_one_run_per_output_dir_loopback_only_and_a_stopped_lone_process_exits_7
     on loopback only, a second run on the same output_dir is refused (also with --resume auto), SIGUSR1 stops it
     with status 75; the requeued run takes over a stale lock, and what it publishes has no adapter left in it."""
     out = tmp_path / "run"
-    sft(cache_dir, tiny_model, out, "--use_peft", "--max_train_step", 2, "--save_steps", 0, "--run_validation",
-        "false", nproc=1)
+    sft(
+        cache_dir,
+        tiny_model,
+        out,
+        "--use_peft",
+        "--max_train_step",
+        2,
+        "--save_steps",
+        0,
+        "--run_validation",
+        "false",
+        nproc=1,
+    )
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
-    first = start(cache_dir, tiny_model, out, "--overwrite_output_dir", "true", "--num_epochs", 1000, "--save_steps",
-                  0, nproc=1)
+    first = start(
+        cache_dir, tiny_model, out, "--overwrite_output_dir", "true", "--num_epochs", 1000, "--save_steps", 0, nproc=1
+    )
     try:
         # the LoRA run's metrics.jsonl is still there: wait for the new run's lock (its process group is up by then)
         wait_for(lambda: True if f'"pid": {first.pid},' in lock_record(out) else None, first, "the lock was taken")
@@ -241,10 +314,23 @@ def test_one_run_per_output_dir_loopback_only_and_a_stopped_lone_process_exits_7
     dead = subprocess.Popen(["true"])
     dead.wait()
     (out / ".shardtune.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "job": ""}))
-    resumed = sft(cache_dir, tiny_model, out, "--resume", "auto", "--num_epochs", 1000, "--save_steps", 0,
-                  "--max_train_step", stopped_at + 1, nproc=1)
+    resumed = sft(
+        cache_dir,
+        tiny_model,
+        out,
+        "--resume",
+        "auto",
+        "--num_epochs",
+        1000,
+        "--save_steps",
+        0,
+        "--max_train_step",
+        stopped_at + 1,
+        nproc=1,
+    )
     assert f"named pid {dead.pid} on {socket.gethostname()}, which did not end cleanly (no longer running)" in (
-        resumed.stdout)
+        resumed.stdout
+    )
     assert not (out / "adapter_config.json").exists() and not (out / "adapter_model.safetensors").exists()
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     assert (out / ".shardtune.lock").read_text() == ""  # released cleanly
@@ -254,7 +340,8 @@ def test_one_run_per_output_dir_loopback_only_and_a_stopped_lone_process_exits_7
 
 
 def test_a_one_node_run_of_two_processes_listens_on_loopback_only_and_ctrl_c_stops_it_like_sigterm(
-        tiny_model, cache_dir, tmp_path):
+    tiny_model, cache_dir, tmp_path
+):
     """Ctrl-C (SIGINT to the launcher and both workers at once, as a terminal sends it): the same stop as SIGTERM,
     a checkpoint after the step, one line and status 130, no KeyboardInterrupt traceback from any rank."""
     out = tmp_path / "run"
@@ -313,8 +400,19 @@ def test_weights_that_are_not_finite_are_not_published(tiny_model, cache_dir, tm
     weights["model.embed_tokens.weight"][0] = float("nan")  # token 0: <unk>
     save_file(weights, str(damaged / "model.safetensors"), metadata={"format": "pt"})
     out = tmp_path / "run"
-    proc = sft(cache_dir, damaged, out, "--max_train_step", 2, "--save_steps", 0, "--run_validation", "false",
-               nproc=1, check=False)
+    proc = sft(
+        cache_dir,
+        damaged,
+        out,
+        "--max_train_step",
+        2,
+        "--save_steps",
+        0,
+        "--run_validation",
+        "false",
+        nproc=1,
+        check=False,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     message = error_lines(proc.stderr)
     assert len(message) == 1 and "not all finite, so no model was written" in message[0], proc.stderr[-3000:]

@@ -8,11 +8,37 @@ from tests.helpers import assert_same_training
 
 
 def sft(run_cli, model, out, *extra):
-    return run_cli("sft", "--nproc_per_node", 2, "--model_name", model, "--output_dir", out, "--enable_fsdp",
-                   "--fsdp_config.fsdp_activation_checkpointing", "true", "--batch_size_training", 2,
-                   "--context_length", 256, "--synthetic_dialogues.num_train", 64,
-                   "--synthetic_dialogues.num_validation", 8, "--run_validation", "false", "--max_train_step", 4,
-                   "--lr", 3e-3, "--gradient_clipping", "true", "--num_workers_dataloader", 0, *extra)
+    return run_cli(
+        "sft",
+        "--nproc_per_node",
+        2,
+        "--model_name",
+        model,
+        "--output_dir",
+        out,
+        "--enable_fsdp",
+        "--fsdp_config.fsdp_activation_checkpointing",
+        "true",
+        "--batch_size_training",
+        2,
+        "--context_length",
+        256,
+        "--synthetic_dialogues.num_train",
+        64,
+        "--synthetic_dialogues.num_validation",
+        8,
+        "--run_validation",
+        "false",
+        "--max_train_step",
+        4,
+        "--lr",
+        3e-3,
+        "--gradient_clipping",
+        "true",
+        "--num_workers_dataloader",
+        0,
+        *extra,
+    )
 
 
 def test_tiled_mlp_and_activation_offloading_train_identically(tiny_model, run_cli, tmp_path):

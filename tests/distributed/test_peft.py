@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 from shardtune import data
 from shardtune.config.flags import from_dict
-from shardtune.model.loss import full_logits_loss_sum, num_label_tokens
 from shardtune.model.loading import load_model, load_tokenizer
+from shardtune.model.loss import full_logits_loss_sum, num_label_tokens
 from tests.conftest import shardtune_argv
 from tests.helpers import eval_rows, max_relative_difference, step_rows
 
@@ -28,21 +28,63 @@ METHODS = {
     "lora": (["--peft_method", "lora", "--lora_config.lora_dropout", "0"], 2e-2),
     "llama_adapter": (["--peft_method", "llama_adapter"], 1e-1),
     "prefix": (["--peft_method", "prefix", "--prefix_config.num_virtual_tokens", "8"], 2e-1),
-    "qlora": (["--peft_method", "lora", "--lora_config.lora_dropout", "0", "--quantization", "4bit", "--save_steps",
-               NUM_STEPS // 2], 2e-2),
+    "qlora": (
+        [
+            "--peft_method",
+            "lora",
+            "--lora_config.lora_dropout",
+            "0",
+            "--quantization",
+            "4bit",
+            "--save_steps",
+            NUM_STEPS // 2,
+        ],
+        2e-2,
+    ),
 }
-STRATEGIES = {"ddp": [], "fsdp": ["--enable_fsdp"],
-              "zero3": ["--enable_deepspeed", "--deepspeed_config.zero_stage", "3"]}
+STRATEGIES = {
+    "ddp": [],
+    "fsdp": ["--enable_fsdp"],
+    "zero3": ["--enable_deepspeed", "--deepspeed_config.zero_stage", "3"],
+}
 NUM_SAMPLES = 1  # --log_eval_samples: every run generates at its evaluation
 
 
 def sft_args(model: Path, out: Path, method: str, strategy: str, *extra) -> list:
     flags, lr = METHODS[method]
-    return ["sft", "--nproc_per_node", 2, "--model_name", model, "--output_dir", out, "--use_peft", *flags,
-            *STRATEGIES[strategy], "--lr", lr, "--batching_strategy", "padding", "--batch_size_training", 4,
-            "--context_length", 256, "--synthetic_dialogues.num_train", 64, "--synthetic_dialogues.num_validation", 8,
-            "--max_train_step", NUM_STEPS, "--val_batch_size", 4, "--num_workers_dataloader", 0,
-            "--log_eval_samples", NUM_SAMPLES, *extra]
+    return [
+        "sft",
+        "--nproc_per_node",
+        2,
+        "--model_name",
+        model,
+        "--output_dir",
+        out,
+        "--use_peft",
+        *flags,
+        *STRATEGIES[strategy],
+        "--lr",
+        lr,
+        "--batching_strategy",
+        "padding",
+        "--batch_size_training",
+        4,
+        "--context_length",
+        256,
+        "--synthetic_dialogues.num_train",
+        64,
+        "--synthetic_dialogues.num_validation",
+        8,
+        "--max_train_step",
+        NUM_STEPS,
+        "--val_batch_size",
+        4,
+        "--num_workers_dataloader",
+        0,
+        "--log_eval_samples",
+        NUM_SAMPLES,
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +169,15 @@ def load_base(model_dir: str, quantized: bool) -> torch.nn.Module:
 
     from shardtune.model.peft import use_generic_cpu_kernels
 
-    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                             bnb_4bit_compute_dtype=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=bnb, dtype=torch.float32,
-                                                 device_map={"": "cpu"})
+    bnb = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, quantization_config=bnb, dtype=torch.float32, device_map={"": "cpu"}
+    )
     use_generic_cpu_kernels(model)
     return model
 
@@ -148,8 +195,9 @@ def reference_eval_loss(model: torch.nn.Module, out: Path) -> float:
     return total / count
 
 
-@pytest.mark.parametrize("method,strategy", [("lora", "fsdp"), ("llama_adapter", "fsdp"), ("prefix", "ddp"),
-                                             ("qlora", "fsdp")])
+@pytest.mark.parametrize(
+    "method,strategy", [("lora", "fsdp"), ("llama_adapter", "fsdp"), ("prefix", "ddp"), ("qlora", "fsdp")]
+)
 def test_saved_adapter_reloads_into_the_model_training_ended_with(method, strategy, trained):
     """The last eval of the run is computed by the in-memory model after its final step; plain peft loading the
     saved adapter on the untouched base must reproduce it. Were any base weight changed by training (or an
@@ -183,8 +231,10 @@ def test_merged_export_matches_base_plus_adapter(trained, tiny_model, run_cli, t
     assert difference <= 1e-5
     assert merged.dtype == load_model(str(tiny_model)).dtype == torch.float32
     # the merge touches exactly the adapted projections; the base on disk is untouched by training
-    base, merged_weights = load_file(str(tiny_model / "model.safetensors")), load_file(
-        str(merged_dir / "model.safetensors"))
+    base, merged_weights = (
+        load_file(str(tiny_model / "model.safetensors")),
+        load_file(str(merged_dir / "model.safetensors")),
+    )
     changed = {k for k in base if not torch.equal(base[k], merged_weights[k])}
     assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed)
 
@@ -213,8 +263,21 @@ def test_eval_rouge_matches_rouge_score_and_generate_matches_eval(trained, run_c
 
     out, _ = trained("lora", "ddp")
     report_path = tmp_path / "report.json"
-    proc = run_cli("eval", "--model_name", out, "--synthetic_dialogues.num_validation", 8, "--context_length", 256,
-                   "--max_examples", 4, "--max_new_tokens", 12, "--report_path", report_path)
+    proc = run_cli(
+        "eval",
+        "--model_name",
+        out,
+        "--synthetic_dialogues.num_validation",
+        8,
+        "--context_length",
+        256,
+        "--max_examples",
+        4,
+        "--max_new_tokens",
+        12,
+        "--report_path",
+        report_path,
+    )
     assert "ROUGE-1" in proc.stdout and "[generated]" in proc.stdout
     report = json.loads(report_path.read_text())
     assert report["num_examples"] == len(report["examples"]) == 4
@@ -234,13 +297,30 @@ def test_a_qlora_checkpoint_written_under_fsdp_resumes_under_ddp_on_one_process(
     DDP process (batch 8: the same global batch) and ends where the uninterrupted two-process FSDP run ended."""
     fsdp, _ = trained("qlora", "fsdp")
     out = tmp_path / "resumed"
-    run_cli(*sft_args(tiny_model, out, "qlora", "ddp", "--nproc_per_node", 1, "--batch_size_training", 8,
-                      "--resume", fsdp / "checkpoints" / "step-000004", "--log_eval_samples", 0, "--save_steps", 0))
+    run_cli(
+        *sft_args(
+            tiny_model,
+            out,
+            "qlora",
+            "ddp",
+            "--nproc_per_node",
+            1,
+            "--batch_size_training",
+            8,
+            "--resume",
+            fsdp / "checkpoints" / "step-000004",
+            "--log_eval_samples",
+            0,
+            "--save_steps",
+            0,
+        )
+    )
     resumed = step_rows(out)
     assert [r["step"] for r in resumed] == [5, 6, 7, 8]
     assert [r["loss"] for r in resumed] == pytest.approx(losses(fsdp)[4:], rel=1e-5)
-    difference = max_relative_difference(load_file(str(fsdp / "adapter_model.safetensors")),
-                                         load_file(str(out / "adapter_model.safetensors")))
+    difference = max_relative_difference(
+        load_file(str(fsdp / "adapter_model.safetensors")), load_file(str(out / "adapter_model.safetensors"))
+    )
     print(f"qlora fsdp x2 -> ddp x1 resumed: adapter difference {difference:.2e}")
     assert difference <= 1e-4
 

@@ -2,10 +2,10 @@
 tolerance; and DoRA trains under FSDP2 exactly as under DDP.
 
 GPUs compute in bf16 (or fp16); a CPU run computes in fp32. The test-only switch SHARDTUNE_TEST_LOW_PRECISION_ON_CPU
-(shardtune/runtime/precision.py) makes the CPU take the GPU's precision decisions, so these runs execute the code a GPU runs
-after that decision: DDP's autocast (with torch's GradScaler for fp16), FSDP2's MixedPrecisionPolicy (with the sharded
-gradient scaler for fp16), pure bf16 FSDP2, and DeepSpeed ZeRO-3's bf16 engine (DeepSpeed's CPU accelerator has no
-fp16 here: ZeRO with fp16 is checked by bench/gpu_smoke.sh).
+(shardtune/runtime/precision.py) makes the CPU take the GPU's precision decisions, so these runs execute the code a GPU
+runs after that decision: DDP's autocast (with torch's GradScaler for fp16), FSDP2's MixedPrecisionPolicy (with the
+sharded gradient scaler for fp16), pure bf16 FSDP2, and DeepSpeed ZeRO-3's bf16 engine (DeepSpeed's CPU accelerator has
+no fp16 here: ZeRO with fp16 is checked by bench/gpu_smoke.sh).
 
 Each run: the real CLI, 2 gloo processes, the tiny preset, 3 optimizer steps, compared with the fp32 DDP run:
 - losses at every step within LOSS_RTOL, grad norms within GRAD_NORM_RTOL (a gradient scaler that did not unscale
@@ -47,20 +47,55 @@ VARIANTS = {
     "ddp_autocast_bf16": ("bf16", (), "ddp, world size 2, compute dtype bfloat16"),
     "ddp_autocast_fp16_grad_scaler": ("fp16", ("--use_fp16",), "ddp, world size 2, compute dtype float16"),
     "fsdp_mixed_bf16": ("bf16", FSDP, "weights float32, compute bfloat16, gradient reduction float32"),
-    "fsdp_fp16_sharded_grad_scaler": ("fp16", (*FSDP, "--use_fp16"),
-                                      "weights float32, compute float16, gradient reduction float32, sharded "
-                                      "gradient scaler"),
-    "fsdp_pure_bf16": ("bf16", (*FSDP, "--pure_bf16"), "weights bfloat16, compute bfloat16, gradient reduction "
-                                                        "bfloat16"),
-    "zero3_bf16": ("bf16", ("--enable_deepspeed", "--deepspeed_config.zero_stage", "3"),
-                   "deepspeed ZeRO-3, world size 2, compute dtype bfloat16"),
+    "fsdp_fp16_sharded_grad_scaler": (
+        "fp16",
+        (*FSDP, "--use_fp16"),
+        "weights float32, compute float16, gradient reduction float32, sharded gradient scaler",
+    ),
+    "fsdp_pure_bf16": (
+        "bf16",
+        (*FSDP, "--pure_bf16"),
+        "weights bfloat16, compute bfloat16, gradient reduction bfloat16",
+    ),
+    "zero3_bf16": (
+        "bf16",
+        ("--enable_deepspeed", "--deepspeed_config.zero_stage", "3"),
+        "deepspeed ZeRO-3, world size 2, compute dtype bfloat16",
+    ),
 }
-TRAIN_ARGS = ("--nproc_per_node", 2, "--batch_size_training", 4, "--batching_strategy", "packing",
-              "--context_length", 256, "--synthetic_dialogues.num_train", 64, "--synthetic_dialogues.num_validation", 8,
-              "--max_train_step", 3, "--gradient_clipping", "true", "--num_workers_dataloader", 0,
-              "--run_validation", "false")
-DORA = ("--use_peft", "--peft_method", "lora", "--lora_config.use_dora", "true", "--lora_config.lora_dropout", "0",
-        "--lr", 2e-2)
+TRAIN_ARGS = (
+    "--nproc_per_node",
+    2,
+    "--batch_size_training",
+    4,
+    "--batching_strategy",
+    "packing",
+    "--context_length",
+    256,
+    "--synthetic_dialogues.num_train",
+    64,
+    "--synthetic_dialogues.num_validation",
+    8,
+    "--max_train_step",
+    3,
+    "--gradient_clipping",
+    "true",
+    "--num_workers_dataloader",
+    0,
+    "--run_validation",
+    "false",
+)
+DORA = (
+    "--use_peft",
+    "--peft_method",
+    "lora",
+    "--lora_config.use_dora",
+    "true",
+    "--lora_config.lora_dropout",
+    "0",
+    "--lr",
+    2e-2,
+)
 
 
 @pytest.fixture(scope="module")

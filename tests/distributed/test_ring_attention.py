@@ -32,10 +32,24 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def launch_ring(world_size: int, out_dir, cache_dir) -> list[dict]:
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                    str(world_size), "tests/distributed/ring_probe.py", str(out_dir)], check=True,
-                   capture_output=True, text=True, env={**cli_env(cache_dir), "OMP_NUM_THREADS": "1"}, cwd=REPO,
-                   timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(world_size),
+            "tests/distributed/ring_probe.py",
+            str(out_dir),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**cli_env(cache_dir), "OMP_NUM_THREADS": "1"},
+        cwd=REPO,
+        timeout=300,
+    )
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
 
 

@@ -20,13 +20,29 @@ import pytest
 
 from tests.conftest import REPO, cli_env
 from tests.helpers import (
-    assert_same_training, eval_rows, max_relative_difference, step_rows, train_once, weights,
+    assert_same_training,
+    eval_rows,
+    max_relative_difference,
+    step_rows,
+    train_once,
+    weights,
 )
 
 ROWS_8K = ("--context_length", 8192, "--synthetic_dialogues.num_train", 540)  # 8 full rows and a partial one
 # LoRA dropout off: each rank draws its own masks, so a split run could not equal the reference with it
-LORA_ROWS_16K = ("--context_length", 16384, "--synthetic_dialogues.num_train", 540, "--use_peft",
-                 "--peft_method", "lora", "--lora_config.lora_dropout", 0, "--lr", 2e-2)
+LORA_ROWS_16K = (
+    "--context_length",
+    16384,
+    "--synthetic_dialogues.num_train",
+    540,
+    "--use_peft",
+    "--peft_method",
+    "lora",
+    "--lora_config.lora_dropout",
+    0,
+    "--lr",
+    2e-2,
+)
 FSDP_SP2 = ("--enable_fsdp", "--fsdp_config.fsdp_activation_checkpointing", "true", "--sp_size", 2)
 LEVERS = ("--tiled_mlp", "true", "--activation_offloading", "true")
 # name -> (processes, per-device batch, flags); effective batch = batch x processes / (sp x cp) x accumulation
@@ -34,16 +50,42 @@ VARIANTS = {
     # checkpoints at steps 2 and 4: the step-2 one is resumed with sp 2 below
     "reference": (1, 2, (*ROWS_8K, "--save_steps", 2)),
     "sp4_kv_heads_repeated": (4, 2, (*ROWS_8K, "--sequence_parallel_size", 4)),
-    "zero3_cp2_accumulation": (2, 1, (*ROWS_8K, "--enable_deepspeed", "--deepspeed_config.zero_stage", 3,
-                                      "--cp_size", 2, "--gradient_accumulation_steps", 2)),
+    "zero3_cp2_accumulation": (
+        2,
+        1,
+        (
+            *ROWS_8K,
+            "--enable_deepspeed",
+            "--deepspeed_config.zero_stage",
+            3,
+            "--cp_size",
+            2,
+            "--gradient_accumulation_steps",
+            2,
+        ),
+    ),
     "sp2_cp2_tiled_mlp_activation_offloading": (4, 2, (*ROWS_8K, "--sp_size", 2, "--cp_size", 2, *LEVERS)),
     # checkpoints at steps 2 and 4: the step-2 one is resumed on a single process without a split below
     "fsdp_sp2_dp2_activation_checkpointing": (4, 1, (*ROWS_8K, *FSDP_SP2, "--save_steps", 2)),
     "lora_reference": (1, 1, LORA_ROWS_16K),
     "lora_cp4": (4, 1, (*LORA_ROWS_16K, "--cp_size", 4)),
 }
-TRAIN_ARGS = ("--batching_strategy", "packing", "--synthetic_dialogues.num_validation", 8, "--max_train_step", 4,
-              "--lr", 3e-3, "--gradient_clipping", "true", "--num_workers_dataloader", 0, "--val_batch_size", 4)
+TRAIN_ARGS = (
+    "--batching_strategy",
+    "packing",
+    "--synthetic_dialogues.num_validation",
+    8,
+    "--max_train_step",
+    4,
+    "--lr",
+    3e-3,
+    "--gradient_clipping",
+    "true",
+    "--num_workers_dataloader",
+    0,
+    "--val_batch_size",
+    4,
+)
 
 
 def reference_of(variant: str) -> str:
@@ -57,8 +99,19 @@ def runs(tmp_path_factory) -> dict:
 
 def trained(name: str, runs: dict, run_cli, model) -> Path:
     nproc, batch, flags = VARIANTS[name]
-    return train_once(runs, name, run_cli, "--nproc_per_node", nproc, "--model_name", model, "--batch_size_training",
-                      batch, *TRAIN_ARGS, *flags)
+    return train_once(
+        runs,
+        name,
+        run_cli,
+        "--nproc_per_node",
+        nproc,
+        "--model_name",
+        model,
+        "--batch_size_training",
+        batch,
+        *TRAIN_ARGS,
+        *flags,
+    )
 
 
 def assert_same_evaluation(reference: Path, other: Path, label: str) -> None:
@@ -95,8 +148,10 @@ def test_the_runs_are_what_their_names_say(runs, run_cli, tiny_model):
     assert "long sequences: MLP of each of the 2 decoder layers over tiles of 64 tokens" in levers
     assert "long sequences: activation offloading" in levers
     if "zero3_cp2_accumulation" in runs:
-        assert ("strategy: deepspeed ZeRO-3, world size 2, rows split over context parallel 2 x sequence parallel 1 "
-                "(data parallel 1)") in (runs["zero3_cp2_accumulation"] / "stdout.log").read_text()
+        assert (
+            "strategy: deepspeed ZeRO-3, world size 2, rows split over context parallel 2 x sequence parallel 1 "
+            "(data parallel 1)"
+        ) in (runs["zero3_cp2_accumulation"] / "stdout.log").read_text()
     lora = trained("lora_cp4", runs, run_cli, tiny_model)
     assert sum(n > 15_000 for n in input_tokens(lora)) >= 3  # one 16k row per step
     assert "ring context parallel 4" in (lora / "stdout.log").read_text()
@@ -105,16 +160,34 @@ def test_the_runs_are_what_their_names_say(runs, run_cli, tiny_model):
 
 def test_start_log_states_the_split_and_the_data_parallel_batch(runs, run_cli, tiny_model):
     log = (trained("fsdp_sp2_dp2_activation_checkpointing", runs, run_cli, tiny_model) / "stdout.log").read_text()
-    assert ("strategy: fsdp2 FULL_SHARD, world size 4, mesh (replicate 1 x shard 4), rows split over context "
-            "parallel 1 x sequence parallel 2 (data parallel 2)") in log
-    assert ("effective batch: 1 per device x 2 data-parallel devices (4 processes / 2 that split each row) x 1 "
-            "accumulation = 2 packed blocks per step") in log
+    assert (
+        "strategy: fsdp2 FULL_SHARD, world size 4, mesh (replicate 1 x shard 4), rows split over context "
+        "parallel 1 x sequence parallel 2 (data parallel 2)"
+    ) in log
+    assert (
+        "effective batch: 1 per device x 2 data-parallel devices (4 processes / 2 that split each row) x 1 "
+        "accumulation = 2 packed blocks per step"
+    ) in log
 
 
 def resumed(run_cli, model, out: Path, checkpoint: Path, nproc: int, *flags):
     """Steps 3 and 4 from ``checkpoint`` (written at step 2), on rows of 8k tokens, 2 rows per step."""
-    return run_cli("sft", "--nproc_per_node", nproc, "--model_name", model, "--output_dir", out,
-                   "--batch_size_training", 2, *TRAIN_ARGS, *ROWS_8K, *flags, "--resume", checkpoint)
+    return run_cli(
+        "sft",
+        "--nproc_per_node",
+        nproc,
+        "--model_name",
+        model,
+        "--output_dir",
+        out,
+        "--batch_size_training",
+        2,
+        *TRAIN_ARGS,
+        *ROWS_8K,
+        *flags,
+        "--resume",
+        checkpoint,
+    )
 
 
 def assert_continues_the_reference(reference: Path, out: Path) -> None:
@@ -131,8 +204,16 @@ def test_a_checkpoint_written_with_sp2_resumes_on_one_process(runs, run_cli, tin
     reference = trained("reference", runs, run_cli, tiny_model)
     split = trained("fsdp_sp2_dp2_activation_checkpointing", runs, run_cli, tiny_model)
     out = tmp_path / "resumed"
-    proc = resumed(run_cli, tiny_model, out, split / "checkpoints" / "step-000002", 1, "--enable_fsdp",
-                   "--fsdp_config.fsdp_activation_checkpointing", "true")
+    proc = resumed(
+        run_cli,
+        tiny_model,
+        out,
+        split / "checkpoints" / "step-000002",
+        1,
+        "--enable_fsdp",
+        "--fsdp_config.fsdp_activation_checkpointing",
+        "true",
+    )
     assert "saved by 4 processes, now 1" in proc.stdout and "data order kept" in proc.stdout
     assert "differ from the checkpoint" not in proc.stderr  # the split is not a training setting
     assert_continues_the_reference(reference, out)
@@ -153,10 +234,26 @@ def test_split_row_logits_loss_and_gradients_equal_the_whole_row(cache_dir, tiny
     """One packed row (6 documents, padded by the split) on cp 2 x sp 2 ranks against the whole row: logits of
     every token, the loss and every gradient (full model and LoRA). Control: a layout that forgets the
     documents' boundaries changes the logits, so the comparison can fail."""
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-                    "tests/distributed/sequence_probe.py", str(tiny_model), str(tmp_path), "2", "2"],
-                   check=True, capture_output=True, text=True, env={**cli_env(cache_dir), "OMP_NUM_THREADS": "1"},
-                   cwd=REPO, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "4",
+            "tests/distributed/sequence_probe.py",
+            str(tiny_model),
+            str(tmp_path),
+            "2",
+            "2",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**cli_env(cache_dir), "OMP_NUM_THREADS": "1"},
+        cwd=REPO,
+        timeout=300,
+    )
     for rank in range(4):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["row_length"] % 8 and result["slice_length"] * 4 > result["row_length"], "no padding tested"

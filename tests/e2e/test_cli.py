@@ -15,8 +15,20 @@ from tests.conftest import REPO, cli_env, main_in_process
 from tests.helpers import eval_rows, step_rows, write_remote_code_model
 from tests.hub_standin import HubStandIn
 
-SMALL_RUN = ("--context_length", 256, "--synthetic_dialogues.num_train", 48, "--synthetic_dialogues.num_validation",
-             8, "--batch_size_training", 2, "--num_workers_dataloader", 0, "--val_batch_size", 4)
+SMALL_RUN = (
+    "--context_length",
+    256,
+    "--synthetic_dialogues.num_train",
+    48,
+    "--synthetic_dialogues.num_validation",
+    8,
+    "--batch_size_training",
+    2,
+    "--num_workers_dataloader",
+    0,
+    "--val_batch_size",
+    4,
+)
 
 
 def test_help_lists_every_flag_with_its_default(run_cli):
@@ -29,13 +41,27 @@ def test_help_lists_every_flag_with_its_default(run_cli):
 def test_sft_writes_model_config_and_metrics(tiny_model, run_cli, tmp_path):
     out = tmp_path / "run"
     with HubStandIn() as hub:  # --push_to_hub: rank 0 uploads the published model after the run
-        proc = run_cli("sft", "--nproc_per_node", 2, "--model_name", tiny_model, "--output_dir", out, *SMALL_RUN,
-                       "--gradient_clipping", "true", "--push_to_hub",
-                       env={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_standin"})
+        proc = run_cli(
+            "sft",
+            "--nproc_per_node",
+            2,
+            "--model_name",
+            tiny_model,
+            "--output_dir",
+            out,
+            *SMALL_RUN,
+            "--gradient_clipping",
+            "true",
+            "--push_to_hub",
+            env={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_standin"},
+        )
     # the repo is output_dir's name in the token's namespace; it received the model folder, byte for byte
     assert hub.created == [{"name": "run", "organization": None}]
-    model_files = {p.name: p.read_bytes() for p in out.iterdir()
-                   if p.is_file() and not p.name.startswith(".") and p.name not in ("config.yaml", "metrics.jsonl")}
+    model_files = {
+        p.name: p.read_bytes()
+        for p in out.iterdir()
+        if p.is_file() and not p.name.startswith(".") and p.name not in ("config.yaml", "metrics.jsonl")
+    }
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= model_files.keys()
     assert hub.received("tester/run") == model_files
     assert "pushed to the hub: " in proc.stdout
@@ -62,14 +88,32 @@ def test_yaml_recipe_with_flag_override(tiny_model, run_cli, tmp_path):
     # the tiny model as an architecture of its own code (auto_map), which TRL's trust_remote_code lets run
     model = write_remote_code_model(tiny_model, tmp_path / "remote")
     # empty values (a key left blank in a recipe) mean the default, not the string "None"
-    recipe.write_text(f"model_name: {model}\ntrust_remote_code: true\nbatching_strategy: padding\nlr: 0.5\n"
-                      "tokenizer_name:\n"
-                      "warmup_steps:\nsynthetic_dialogues:\n  num_train: 16\n  num_validation: 4\n"
-                      "samsum_dataset:\n  data_path:\n")
+    recipe.write_text(
+        f"model_name: {model}\ntrust_remote_code: true\nbatching_strategy: padding\nlr: 0.5\n"
+        "tokenizer_name:\n"
+        "warmup_steps:\nsynthetic_dialogues:\n  num_train: 16\n  num_validation: 4\n"
+        "samsum_dataset:\n  data_path:\n"
+    )
     out = tmp_path / "run"
-    proc = run_cli("sft", "--config", recipe, "--lr", "0.001", "--output_dir", out, "--max_train_step", 2,
-                   "--num_workers_dataloader", 0, "--run_validation", "false", "--save_model", "false",
-                   "--save_steps", 2)
+    proc = run_cli(
+        "sft",
+        "--config",
+        recipe,
+        "--lr",
+        "0.001",
+        "--output_dir",
+        out,
+        "--max_train_step",
+        2,
+        "--num_workers_dataloader",
+        0,
+        "--run_validation",
+        "false",
+        "--save_model",
+        "false",
+        "--save_steps",
+        2,
+    )
     # one process runs in place (no torchrun), and its start log still begins with where the topology came from
     assert proc.stdout.startswith("topology: 1 node (standalone), 1 process per node"), proc.stdout[:300]
     import yaml
@@ -86,18 +130,35 @@ def test_yaml_recipe_with_flag_override(tiny_model, run_cli, tmp_path):
     # its checkpoint keeps the model's code, and export runs it as the run did (config.yaml says trust_remote_code)
     exported = main_in_process("export", out, tmp_path / "exported")
     assert exported.returncode == 0, exported.stderr[-2000:]
-    assert (tmp_path / "exported" / "modeling_remote_llama.py").read_text() == (model / "modeling_remote_llama.py"
-                                                                                ).read_text()
-    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "exported", trust_remote_code=True)).__name__ == \
-        "RemoteLlamaForCausalLM"
+    assert (tmp_path / "exported" / "modeling_remote_llama.py").read_text() == (
+        model / "modeling_remote_llama.py"
+    ).read_text()
+    assert (
+        type(AutoModelForCausalLM.from_pretrained(tmp_path / "exported", trust_remote_code=True)).__name__
+        == "RemoteLlamaForCausalLM"
+    )
 
 
 def test_torchrun_module_path_runs_in_place(tiny_model, cache_dir, tmp_path):
     """`torchrun --nproc_per_node 2 -m shardtune.sft ...` as in the llama-cookbook recipe."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-           "shardtune.sft", "--model_name", str(tiny_model), "--output_dir", str(out), "--max_train_step", "2",
-           *map(str, SMALL_RUN)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "shardtune.sft",
+        "--model_name",
+        str(tiny_model),
+        "--output_dir",
+        str(out),
+        "--max_train_step",
+        "2",
+        *map(str, SMALL_RUN),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(cache_dir), cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(step_rows(out)) == 2 and (out / "model.safetensors").is_file()

@@ -12,22 +12,50 @@ from safetensors.torch import load_file
 
 from tests.helpers import eval_rows, step_rows
 
-RUN = ("--context_length", 256, "--synthetic_dialogues.num_train", 12, "--synthetic_dialogues.num_validation", 6,
-       "--val_batch_size", 2, "--num_workers_dataloader", 0,
-       "--max_train_step", 3, "--lr", 1e-3, "--beta", 0.5, "--seed", 7)
+RUN = (
+    "--context_length",
+    256,
+    "--synthetic_dialogues.num_train",
+    12,
+    "--synthetic_dialogues.num_validation",
+    6,
+    "--val_batch_size",
+    2,
+    "--num_workers_dataloader",
+    0,
+    "--max_train_step",
+    3,
+    "--lr",
+    1e-3,
+    "--beta",
+    0.5,
+    "--seed",
+    7,
+)
 PRECOMPUTED = "reference: log-probabilities of 12 train and 6 test pairs"
-REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected")
+REWARDS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 ZERO = ("--enable_deepspeed", "--deepspeed_config.zero_stage")
 STOP_AT_2 = ("--save_steps", 1, "--max_train_step", 2)
 # name -> (processes, pairs per process, flags, resumed: stopped after step 2, then resumed from its checkpoint)
-LAYOUTS = {"one": (1, 4, (), False), "ddp": (2, 2, ("--padding_free", "true"), False),
-           "fsdp": (2, 2, ("--enable_fsdp", "--low_cpu_fsdp"), True), "zero2": (2, 2, (*ZERO, 2), False),
-           # each row of 4 pairs split over 2 ranks: Ulysses under DDP, ring attention under FSDP
-           "sp": (2, 4, ("--sp_size", 2), False), "cp_fsdp": (2, 4, ("--cp_size", 2, "--enable_fsdp"), False),
-           "zero3": (2, 2, (*ZERO, 3, "--precompute_ref_log_probs"), True)}  # last: its log is checked below
+LAYOUTS = {
+    "one": (1, 4, (), False),
+    "ddp": (2, 2, ("--padding_free", "true"), False),
+    "fsdp": (2, 2, ("--enable_fsdp", "--low_cpu_fsdp"), True),
+    "zero2": (2, 2, (*ZERO, 2), False),
+    # each row of 4 pairs split over 2 ranks: Ulysses under DDP, ring attention under FSDP
+    "sp": (2, 4, ("--sp_size", 2), False),
+    "cp_fsdp": (2, 4, ("--cp_size", 2, "--enable_fsdp"), False),
+    "zero3": (2, 2, (*ZERO, 3, "--precompute_ref_log_probs"), True),
+}  # last: its log is checked below
 SPLIT = ("--sp_size", "--cp_size")
 
 
@@ -45,8 +73,19 @@ def test_dpo_one_by_four_equals_two_by_two_under_ddp_fsdp_and_zero(tiny_model, r
     initial = load_file(tiny_model / "model.safetensors")
     for name, (nproc, batch, extra, resumed) in LAYOUTS.items():
         out = tmp_path / name
-        args = ("dpo", "--nproc_per_node", nproc, "--batch_size_training", batch, "--model_name", tiny_model,
-                "--output_dir", out, *RUN, *extra)
+        args = (
+            "dpo",
+            "--nproc_per_node",
+            nproc,
+            "--batch_size_training",
+            batch,
+            "--model_name",
+            tiny_model,
+            "--output_dir",
+            out,
+            *RUN,
+            *extra,
+        )
         proc = run_cli(*args, *(STOP_AT_2 if resumed else ()))
         assert "preference pairs" in proc.stdout and "done:" in proc.stdout
         if set(SPLIT) & set(extra):  # each is what its name says
@@ -66,8 +105,10 @@ def test_dpo_one_by_four_equals_two_by_two_under_ddp_fsdp_and_zero(tiny_model, r
     # padding-free rows sum each sequence's log-probabilities in another order: rewards (differences of sums) agree to
     # ~5e-6 there, to ~1e-7 between the padded layouts. Precomputed reference log-probabilities come from forwards of
     # other batches than the policy's, so their rounding no longer cancels the policy's in the rewards: ~5e-6 too
-    near = {name: 2e-5 if {"--padding_free", "--precompute_ref_log_probs", *SPLIT} & set(LAYOUTS[name][2]) else 1e-6
-            for name in LAYOUTS}
+    near = {
+        name: 2e-5 if {"--padding_free", "--precompute_ref_log_probs", *SPLIT} & set(LAYOUTS[name][2]) else 1e-6
+        for name in LAYOUTS
+    }
     for name, e in evals.items():
         for metric in ("eval_loss", *(f"eval_{m}" for m in REWARDS)):
             assert e[metric] == pytest.approx(evals["one"][metric], rel=1e-4, abs=near[name]), (name, metric)
@@ -97,9 +138,29 @@ def test_dpo_one_by_four_equals_two_by_two_under_ddp_fsdp_and_zero(tiny_model, r
                 assert (weights[name][key] - value).abs().max() < 1e-5 * (1 + 2 * (near[name] > 1e-6)), (name, key)
     out = tmp_path / "fsdp-qlora"  # 4-bit base, padding-free: another reference key, so computed here (each rank
     # joins each forward)
-    proc = run_cli("dpo", "--nproc_per_node", 2, "--batch_size_training", 2, "--model_name", tiny_model,
-                   "--output_dir", out, *RUN, "--enable_fsdp", "--use_peft", "--quantization", "4bit", "--lr", 1e-2,
-                   "--precompute_ref_log_probs", "--padding_free", "true", "--sp_size", 2)
+    proc = run_cli(
+        "dpo",
+        "--nproc_per_node",
+        2,
+        "--batch_size_training",
+        2,
+        "--model_name",
+        tiny_model,
+        "--output_dir",
+        out,
+        *RUN,
+        "--enable_fsdp",
+        "--use_peft",
+        "--quantization",
+        "4bit",
+        "--lr",
+        1e-2,
+        "--precompute_ref_log_probs",
+        "--padding_free",
+        "true",
+        "--sp_size",
+        2,
+    )
     assert "trainable; frozen base weights in 4-bit nf4 (double quantised))" in proc.stdout
     assert "long rows split over ranks: Ulysses sequence parallel 2" in proc.stdout
     assert f"{PRECOMPUTED} computed before training, kept in the tokenised-data cache" in proc.stdout

@@ -13,8 +13,14 @@ from tests.conftest import REPO, cli_env
 
 
 def test_gpu_benchmark_cpu_smoke_mode_reports_throughput_mfu_and_memory(cache_dir):
-    proc = subprocess.run(["bash", "bench/gpu.sh", "--cpu-smoke"], capture_output=True, text=True, cwd=REPO,
-                          env=cli_env(cache_dir), timeout=480)
+    proc = subprocess.run(
+        ["bash", "bench/gpu.sh", "--cpu-smoke"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=cli_env(cache_dir),
+        timeout=480,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["config"] for r in rows] == ["full", "lora", "long-128k", "long-512k", "long-1m"]
@@ -37,8 +43,10 @@ def test_long_rows_of_the_gpu_benchmark_are_planned_to_fit_an_h200_or_skipped_wi
     from shardtune.model.loading import PRESETS
 
     config = dict(PRESETS["llama-8b-shape"])
-    plans = {name: plan_long_row(config, tokens, 2, device_gib=139.8, host_gib=120, flops_per_s=3e14,
-                                 seconds_left=400) for name, tokens in LONG.items()}
+    plans = {
+        name: plan_long_row(config, tokens, 2, device_gib=139.8, host_gib=120, flops_per_s=3e14, seconds_left=400)
+        for name, tokens in LONG.items()
+    }
     assert plans["long-128k"].run and not plans["long-128k"].offload, plans["long-128k"]
     assert 40 < plans["long-128k"].device_gib < 120
     assert not plans["long-512k"].run and "host memory" in plans["long-512k"].reason
@@ -50,9 +58,14 @@ def test_long_rows_of_the_gpu_benchmark_are_planned_to_fit_an_h200_or_skipped_wi
 
 def test_varlen_check_of_the_gpu_smoke_suite_passes_in_its_cpu_mode(cache_dir):
     """bench/gpu_smoke.sh runs it on CUDA in bf16 (flash varlen kernel); on CPU it takes SDPA per example."""
-    proc = subprocess.run([sys.executable, "-m", "bench.varlen_check", "--device", "cpu", "--dtype", "float32",
-                           "--preset", "tiny"], capture_output=True, text=True, cwd=REPO, env=cli_env(cache_dir),
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.varlen_check", "--device", "cpu", "--dtype", "float32", "--preset", "tiny"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=cli_env(cache_dir),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["ok"] and result["kernel"] == "SDPA per example" and result["loss_rel_diff"] <= 1e-5
@@ -61,10 +74,22 @@ def test_varlen_check_of_the_gpu_smoke_suite_passes_in_its_cpu_mode(cache_dir):
 def test_gpu_smoke_suite_compares_losses_in_its_cpu_mode(cache_dir, tmp_path):
     """bench/gpu_smoke.sh's CPU mode: FSDP2 in bf16 (the test-only switch) against the fp32 run, for shardtune sft and
     shardtune dpo (the bf16 reference starts at ln 2 as the fp32 one), a table at the end."""
-    proc = subprocess.run(["bash", "bench/gpu_smoke.sh", "--cpu-smoke", "--only",
-                           "fsdp2_bf16_vs_fp32,dpo_fsdp2_bf16_vs_fp32",
-                           "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO, env=cli_env(cache_dir),
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            "bash",
+            "bench/gpu_smoke.sh",
+            "--cpu-smoke",
+            "--only",
+            "fsdp2_bf16_vs_fp32,dpo_fsdp2_bf16_vs_fp32",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=cli_env(cache_dir),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| check | result | max loss rel diff | tolerance | note |" in proc.stdout
     for check in ("fsdp2_bf16_vs_fp32", "dpo_fsdp2_bf16_vs_fp32"):
@@ -93,8 +118,14 @@ def test_gpu_benchmark_runs_the_peers_side_by_side_in_its_cpu_mode(cache_dir, tm
     (tiny model, 16 dialogues, CPU), the table with the ratios against the faster peer and the eval losses."""
     pytest.importorskip("trl")
     env = {**cli_env(cache_dir), "PEERS_RESULTS_DIR": str(tmp_path)}
-    proc = subprocess.run(["bash", "bench/gpu.sh", "--peers-only", "--cpu-smoke"], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=960)
+    proc = subprocess.run(
+        ["bash", "bench/gpu.sh", "--peers-only", "--cpu-smoke"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=960,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     trainer = json.loads((tmp_path / "peers_smoke.json").read_text())["trainer"]["plain"]
     assert trainer["fastest_peer"] in ("hf_trainer", "trl_sft")

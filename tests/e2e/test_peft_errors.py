@@ -24,11 +24,14 @@ def sft(run, model, tmp_path, *flags, **kwargs):
     return run(*args, check=False, **kwargs) if kwargs else run(*args)
 
 
-@pytest.mark.parametrize("flags,fragments", [
-    (["--peft_method", "lorra"], ["--peft_method 'lorra'", "did you mean lora?"]),
-    (["--lora_config.target_modules", "q_proj,qv_proj"], ["'qv_proj' matches no module", "did you mean"]),
-    (["--enable_fsdp", "--quantization", "8bit"], ["--quantization 8bit", "--enable_fsdp"]),
-])
+@pytest.mark.parametrize(
+    "flags,fragments",
+    [
+        (["--peft_method", "lorra"], ["--peft_method 'lorra'", "did you mean lora?"]),
+        (["--lora_config.target_modules", "q_proj,qv_proj"], ["'qv_proj' matches no module", "did you mean"]),
+        (["--enable_fsdp", "--quantization", "8bit"], ["--quantization 8bit", "--enable_fsdp"]),
+    ],
+)
 def test_bad_peft_settings_are_refused_before_training(flags, fragments, cli_in_process, tiny_model, tmp_path):
     assert_refused(sft(cli_in_process, tiny_model, tmp_path, *flags), *fragments)
 
@@ -46,8 +49,14 @@ def test_llama_adapter_on_an_unsupported_architecture(cli_in_process, tiny_model
     from transformers import Qwen2Config
 
     other = tmp_path / "qwen2-tiny"
-    Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=128, vocab_size=1024).save_pretrained(other)
+    Qwen2Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=1024,
+    ).save_pretrained(other)
     proc = sft(cli_in_process, other, tmp_path, "--peft_method", "llama_adapter", "--tokenizer_name", tiny_model)
     assert_refused(proc, "llama_adapter does not support model type 'qwen2'", "--peft_method lora")
 
@@ -73,6 +82,15 @@ def test_adapter_of_another_base_is_refused(cli_in_process, tiny_model, tiny_ada
     config.save_pretrained(deeper)
     proc = sft(cli_in_process, deeper, tmp_path, "--from_peft_checkpoint", tiny_adapter, "--tokenizer_name", tiny_model)
     assert_refused(proc, f"was trained on {tiny_model}", "num_hidden_layers 2 vs 3")
-    proc = sft(cli_in_process, tiny_model, tmp_path, "--from_peft_checkpoint", tiny_adapter, "--peft_method", "prefix",
-               "--batching_strategy", "padding")
+    proc = sft(
+        cli_in_process,
+        tiny_model,
+        tmp_path,
+        "--from_peft_checkpoint",
+        tiny_adapter,
+        "--peft_method",
+        "prefix",
+        "--batching_strategy",
+        "padding",
+    )
     assert_refused(proc, "holds a lora adapter", "--peft_method lora")

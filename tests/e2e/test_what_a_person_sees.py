@@ -14,9 +14,26 @@ import pytest
 from shardtune.training.metrics import read_metrics
 from shardtune.training.trackers import tracker_scalars
 
-RUN = ("--model_name", "preset:tiny", "--nproc_per_node", "1", "--max_train_step", "3", "--context_length", "128",
-       "--batch_size_training", "2", "--synthetic_dialogues.num_train", "64",
-       "--synthetic_dialogues.num_validation", "8", "--num_workers_dataloader", "0", "--save_model", "false")
+RUN = (
+    "--model_name",
+    "preset:tiny",
+    "--nproc_per_node",
+    "1",
+    "--max_train_step",
+    "3",
+    "--context_length",
+    "128",
+    "--batch_size_training",
+    "2",
+    "--synthetic_dialogues.num_train",
+    "64",
+    "--synthetic_dialogues.num_validation",
+    "8",
+    "--num_workers_dataloader",
+    "0",
+    "--save_model",
+    "false",
+)
 
 
 def tensorboard_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
@@ -38,11 +55,11 @@ def wandb_records(path: Path) -> list:
         if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0:
             pos += block - pos % block
             continue
-        pending += data[pos + 7:pos + 7 + length]
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
@@ -59,15 +76,32 @@ def wandb_history(run_file: Path) -> dict[int, dict[str, float]]:
             # a name with "/" is stored as nested_key
             items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             rows.setdefault(int(items["_step"]), {}).update(
-                {k: v for k, v in items.items() if not k.startswith("_") and isinstance(v, (int, float))})
+                {k: v for k, v in items.items() if not k.startswith("_") and isinstance(v, (int, float))}
+            )
     return rows
 
 
 def test_a_run_reports_to_tensorboard_and_wandb_writes_eval_samples_counts_flops_and_plots(run_cli, tmp_path):
     out = tmp_path / "run"
-    proc = run_cli("sft", *RUN, "--output_dir", out, "--report_to", "tensorboard", "--use_wandb",
-                   "--wandb_config.mode", "offline", "--wandb_config.tags", "a,b", "--log_eval_samples", "2",
-                   "--flop_counter", "--flop_counter_start", "1", "--debug")
+    proc = run_cli(
+        "sft",
+        *RUN,
+        "--output_dir",
+        out,
+        "--report_to",
+        "tensorboard",
+        "--use_wandb",
+        "--wandb_config.mode",
+        "offline",
+        "--wandb_config.tags",
+        "a,b",
+        "--log_eval_samples",
+        "2",
+        "--flop_counter",
+        "--flop_counter_start",
+        "1",
+        "--debug",
+    )
     rows = read_metrics(out / "metrics.jsonl")
     steps, evals = [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r]
     assert len(steps) == 3 and len(evals) == 1
@@ -78,8 +112,16 @@ def test_a_run_reports_to_tensorboard_and_wandb_writes_eval_samples_counts_flops
     for row in rows:
         for name, value in tracker_scalars(row).items():
             expected.setdefault(name, {})[row["step"]] = value
-    for name in ("train/loss", "train/lr", "train/tokens_per_s", "train/mfu", "train/peak_memory", "eval/loss",
-                 "eval/ppl", "eval/rouge1"):
+    for name in (
+        "train/loss",
+        "train/lr",
+        "train/tokens_per_s",
+        "train/mfu",
+        "train/peak_memory",
+        "eval/loss",
+        "eval/ppl",
+        "eval/rouge1",
+    ):
         assert name in expected
     assert scalars.keys() == expected.keys()
     for name, by_step in expected.items():
@@ -134,5 +176,6 @@ def test_a_tracker_that_is_not_installed_is_named_with_its_install_line_before_l
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"shardtune: error: --report_to {missing[0]} needs {missing[0]}, which is not installed: "
-        f"pip install 'shardtune[{missing[0]}]', or drop the flag"]
+        f"pip install 'shardtune[{missing[0]}]', or drop the flag"
+    ]
     assert not (tmp_path / "run").exists()

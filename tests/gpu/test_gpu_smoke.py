@@ -13,6 +13,7 @@ from tests.conftest import REPO, cli_env
 
 @pytest.mark.gpu
 def test_gpu_smoke_suite_passes_on_the_gpu(cache_dir):
-    proc = subprocess.run(["bash", "bench/gpu_smoke.sh"], capture_output=True, text=True, cwd=REPO,
-                          env=cli_env(cache_dir), timeout=420)
+    proc = subprocess.run(
+        ["bash", "bench/gpu_smoke.sh"], capture_output=True, text=True, cwd=REPO, env=cli_env(cache_dir), timeout=420
+    )
     assert proc.returncode == 0, f"{proc.returncode} check(s) failed\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"

@@ -42,12 +42,22 @@ def two_hosts(two_hosts_session):
 def launch_on_two_hosts(two_hosts, cache_dir):
     """``launch(argvs, env_per_host=None, node_local_dirs=None, timeout=300)`` runs argvs[i] on host i."""
 
-    def launch(argvs: list[list[str]], env_per_host: list[dict] | None = None,
-               node_local_dirs: list[list[Path]] | None = None, timeout: float = 300,
-               ) -> list[tuple[int, str, str]]:
-        procs = [two_hosts.popen(host, argv, env={**cli_env(cache_dir), **(env_per_host or [{}, {}])[host]},
-                                 node_local_dirs=(node_local_dirs or [[], []])[host], cwd=REPO)
-                 for host, argv in enumerate(argvs)]
+    def launch(
+        argvs: list[list[str]],
+        env_per_host: list[dict] | None = None,
+        node_local_dirs: list[list[Path]] | None = None,
+        timeout: float = 300,
+    ) -> list[tuple[int, str, str]]:
+        procs = [
+            two_hosts.popen(
+                host,
+                argv,
+                env={**cli_env(cache_dir), **(env_per_host or [{}, {}])[host]},
+                node_local_dirs=(node_local_dirs or [[], []])[host],
+                cwd=REPO,
+            )
+            for host, argv in enumerate(argvs)
+        ]
         return two_hosts.wait(procs, timeout)
 
     return launch
@@ -55,10 +65,29 @@ def launch_on_two_hosts(two_hosts, cache_dir):
 
 def sft_argvs(two_hosts, nproc_per_node: int, args: list, args_per_host: list[list] | None = None) -> list[list[str]]:
     """``shardtune sft`` for each host with torchrun's multi-node flags, c10d rendezvous on host A."""
-    return [[sys.executable, "-m", "shardtune", "sft", "--nnodes", "2", "--nproc_per_node", str(nproc_per_node),
-             "--node_rank", str(host), "--rdzv_backend", "c10d", "--rdzv_id", "two-hosts",
-             "--rdzv_endpoint", f"{two_hosts.hostnames[0]}:{RDZV_PORT}", *map(str, args),
-             *map(str, (args_per_host or [[], []])[host])] for host in (0, 1)]
+    return [
+        [
+            sys.executable,
+            "-m",
+            "shardtune",
+            "sft",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            str(nproc_per_node),
+            "--node_rank",
+            str(host),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_id",
+            "two-hosts",
+            "--rdzv_endpoint",
+            f"{two_hosts.hostnames[0]}:{RDZV_PORT}",
+            *map(str, args),
+            *map(str, (args_per_host or [[], []])[host]),
+        ]
+        for host in (0, 1)
+    ]
 
 
 @pytest.fixture
@@ -66,8 +95,9 @@ def sft_on_two_hosts(launch_on_two_hosts, two_hosts):
     """``sft(nproc_per_node, args, args_per_host=None, **launch_kwargs)``: ``shardtune sft`` on both hosts
     with torchrun's multi-node flags, c10d rendezvous on host A; returns [(returncode, stdout, stderr)] x 2."""
 
-    def sft(nproc_per_node: int, args: list[str], args_per_host: list[list[str]] | None = None,
-            **launch_kwargs) -> list[tuple[int, str, str]]:
+    def sft(
+        nproc_per_node: int, args: list[str], args_per_host: list[list[str]] | None = None, **launch_kwargs
+    ) -> list[tuple[int, str, str]]:
         return launch_on_two_hosts(sft_argvs(two_hosts, nproc_per_node, args, args_per_host), **launch_kwargs)
 
     return sft

@@ -27,8 +27,10 @@ REQUEUE_DELAY_S = 10
 # empty), and a cgroup v1 / v2 mix ("hybrid") is not supported: v2 alone where the machine is v2 only,
 # else the v1 controllers slurmd looks at
 MOUNT_CGROUP_V2 = "mount -t cgroup2 none /sys/fs/cgroup"
-MOUNT_CGROUP_V1 = ("mount -t tmpfs cgroups /sys/fs/cgroup && for c in freezer cpuset memory devices; do "
-                   "mkdir -p /sys/fs/cgroup/$c && mount -t cgroup -o $c cgroup /sys/fs/cgroup/$c; done")
+MOUNT_CGROUP_V1 = (
+    "mount -t tmpfs cgroups /sys/fs/cgroup && for c in freezer cpuset memory devices; do "
+    "mkdir -p /sys/fs/cgroup/$c && mount -t cgroup -o $c cgroup /sys/fs/cgroup/$c; done"
+)
 
 
 def cgroup_v2_only() -> bool:
@@ -55,13 +57,18 @@ class SlurmCluster:
         mount = MOUNT_CGROUP_V2 if cgroup_v2_only() else MOUNT_CGROUP_V1
         self.daemons.append(self.hosts.popen(0, ["slurmctld", "-D", "-i"], env=self.env, stdout=log, stderr=log))
         for host, name in enumerate(self.hosts.hostnames):
-            self.daemons.append(self.hosts.popen(host, ["sh", "-c", f'{mount} && exec slurmd -D -N {name}'],
-                                                 env=self.env, stdout=log, stderr=log))
+            self.daemons.append(
+                self.hosts.popen(
+                    host, ["sh", "-c", f"{mount} && exec slurmd -D -N {name}"], env=self.env, stdout=log, stderr=log
+                )
+            )
         deadline = time.monotonic() + timeout_s
         while self.node_states() != ["idle", "idle"]:
             if time.monotonic() > deadline or any(p.poll() is not None for p in self.daemons):
-                raise RuntimeError(f"SLURM did not come up (node states {self.node_states()}):\n"
-                                   + (self.root / "daemons.log").read_text()[-3000:])
+                raise RuntimeError(
+                    f"SLURM did not come up (node states {self.node_states()}):\n"
+                    + (self.root / "daemons.log").read_text()[-3000:]
+                )
             time.sleep(1)
 
     def node_states(self) -> list[str]:
@@ -70,8 +77,12 @@ class SlurmCluster:
 
     def submit(self, args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
         """``sbatch --wait ARGS`` started on host A; ``finish`` waits for it."""
-        return self.hosts.popen(0, ["sbatch", "--wait", f"--output={self.root / 'job.out'}", *args],
-                                env={**env, **self.env, "PATH": env["PATH"]}, cwd=cwd)
+        return self.hosts.popen(
+            0,
+            ["sbatch", "--wait", f"--output={self.root / 'job.out'}", *args],
+            env={**env, **self.env, "PATH": env["PATH"]},
+            cwd=cwd,
+        )
 
     def finish(self, proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
         """The exit status of ``sbatch --wait`` (the job's, after any requeue) and its output and the job's."""
@@ -103,9 +114,20 @@ class SlurmCluster:
         key.write_bytes(secrets.token_bytes(1024))
         key.chmod(0o400)
         pid_file = self.root / "munged.pid"
-        subprocess.run(["munged", "--force", f"--socket={self.root / 'munge.socket'}", f"--key-file={key}",
-                        f"--pid-file={pid_file}", f"--log-file={self.root / 'munged.log'}",
-                        f"--seed-file={self.root / 'munged.seed'}"], check=True, capture_output=True, timeout=30)
+        subprocess.run(
+            [
+                "munged",
+                "--force",
+                f"--socket={self.root / 'munge.socket'}",
+                f"--key-file={key}",
+                f"--pid-file={pid_file}",
+                f"--log-file={self.root / 'munged.log'}",
+                f"--seed-file={self.root / 'munged.seed'}",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
         self.munged_pid = int(pid_file.read_text())
 
     def write_config(self) -> None:
@@ -119,8 +141,10 @@ class SlurmCluster:
             if not device.exists():
                 os.mknod(device, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
             devices.append(str(device))
-        nodes = "".join(f"NodeName={h} NodeAddr={a} CPUs=2 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN\n"
-                        for h, a in zip(self.hosts.hostnames, self.hosts.addresses))
+        nodes = "".join(
+            f"NodeName={h} NodeAddr={a} CPUs=2 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN\n"
+            for h, a in zip(self.hosts.hostnames, self.hosts.addresses)
+        )
         self.conf.write_text(
             f"ClusterName=shardtune-test\nSlurmctldHost={self.hosts.hostnames[0]}({self.hosts.addresses[0]})\n"
             "SlurmUser=root\nSlurmdUser=root\nAuthType=auth/munge\nCredType=cred/munge\n"
@@ -132,7 +156,10 @@ class SlurmCluster:
             f"StateSaveLocation={root / 'state'}\nSlurmdSpoolDir={root}/spool-%n\n"
             f"SlurmctldPidFile={root / 'slurmctld.pid'}\nSlurmdPidFile={root}/slurmd-%n.pid\n"
             f"SlurmctldLogFile={root / 'slurmctld.log'}\nSlurmdLogFile={root}/slurmd-%n.log\n"
-            f"{nodes}PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n")
-        (root / "gres.conf").write_text("AutoDetect=off\n" + "".join(
-            f"NodeName={h} Name=gpu File={','.join(devices)}\n" for h in self.hosts.hostnames))
+            f"{nodes}PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n"
+        )
+        (root / "gres.conf").write_text(
+            "AutoDetect=off\n"
+            + "".join(f"NodeName={h} Name=gpu File={','.join(devices)}\n" for h in self.hosts.hostnames)
+        )
         (root / "cgroup.conf").write_text(f"CgroupPlugin=cgroup/{'v2' if cgroup_v2_only() else 'v1'}\n")

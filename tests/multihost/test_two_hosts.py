@@ -22,51 +22,106 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.training.checkpoint_layout import latest_checkpoint
 from shardtune.runtime.preemption import EXIT_PREEMPTED
+from shardtune.training.checkpoint_layout import latest_checkpoint
 from tests.conftest import REPO, cli_env
 from tests.helpers import assert_same_training, step_rows
 from tests.multihost.conftest import RDZV_PORT, assert_succeeded, sft_argvs
 from tests.multihost.slurm import SlurmCluster, missing_programs
 from tests.netns import INTERFACE
 
-TRAIN_ARGS = ("--config", "recipes/demo.yaml", "--batch_size_training", 2, "--context_length", 256,
-              "--synthetic_dialogues.num_train", 96, "--synthetic_dialogues.num_validation", 8,
-              "--max_train_step", 4, "--lr", 3e-3, "--warmup_steps", 0, "--num_workers_dataloader", 0,
-              "--run_validation", "false")
+TRAIN_ARGS = (
+    "--config",
+    "recipes/demo.yaml",
+    "--batch_size_training",
+    2,
+    "--context_length",
+    256,
+    "--synthetic_dialogues.num_train",
+    96,
+    "--synthetic_dialogues.num_validation",
+    8,
+    "--max_train_step",
+    4,
+    "--lr",
+    3e-3,
+    "--warmup_steps",
+    0,
+    "--num_workers_dataloader",
+    0,
+    "--run_validation",
+    "false",
+)
 
 
 @pytest.fixture(scope="module")
 def one_host(tmp_path_factory, tiny_model, cache_dir) -> Path:
     """The reference: one host, 4 processes, DDP."""
     out = tmp_path_factory.mktemp("one-host") / "ddp4"
-    subprocess.run([sys.executable, "-m", "shardtune", "sft", "--nproc_per_node", "4", "--model_name", str(tiny_model),
-                    "--output_dir", str(out), *map(str, TRAIN_ARGS)], check=True, capture_output=True, text=True,
-                   env=cli_env(cache_dir), cwd=REPO, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardtune",
+            "sft",
+            "--nproc_per_node",
+            "4",
+            "--model_name",
+            str(tiny_model),
+            "--output_dir",
+            str(out),
+            *map(str, TRAIN_ARGS),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=cli_env(cache_dir),
+        cwd=REPO,
+        timeout=300,
+    )
     losses = [r["loss"] for r in step_rows(out)]
     assert losses[-1] < losses[0], "the model did not learn: the comparisons would be vacuous"
     return out
 
 
 def test_the_rig_gives_each_host_its_own_name_and_address(two_hosts):
-    names = [two_hosts.run(i, ["sh", "-c", "hostname; getent hosts hostA hostB"], env={}).stdout.split()
-             for i in (0, 1)]
+    names = [
+        two_hosts.run(i, ["sh", "-c", "hostname; getent hosts hostA hostB"], env={}).stdout.split() for i in (0, 1)
+    ]
     assert names[0][0] == "hostA" and names[1][0] == "hostB"
     assert names[0][1:] == names[1][1:] == ["10.77.0.1", "hostA", "10.77.0.2", "hostB"]
 
 
-def test_kubeflow_pods_with_only_pet_variables_train_like_one_host(launch_on_two_hosts, one_host, tiny_model,
-                                                                    tmp_path):
+def test_kubeflow_pods_with_only_pet_variables_train_like_one_host(launch_on_two_hosts, one_host, tiny_model, tmp_path):
     """No launcher flags: PET_* as Kubeflow's TrainJob sets them (static rendezvous at the master pod)."""
     out = tmp_path / "kubeflow"
-    pet = [{"PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": str(i), "PET_MASTER_ADDR": "hostA",
-            "PET_MASTER_PORT": str(RDZV_PORT)} for i in (0, 1)]
-    argv = [sys.executable, "-m", "shardtune", "sft", "--model_name", str(tiny_model), "--output_dir", str(out),
-            *map(str, TRAIN_ARGS)]
+    pet = [
+        {
+            "PET_NNODES": "2",
+            "PET_NPROC_PER_NODE": "2",
+            "PET_NODE_RANK": str(i),
+            "PET_MASTER_ADDR": "hostA",
+            "PET_MASTER_PORT": str(RDZV_PORT),
+        }
+        for i in (0, 1)
+    ]
+    argv = [
+        sys.executable,
+        "-m",
+        "shardtune",
+        "sft",
+        "--model_name",
+        str(tiny_model),
+        "--output_dir",
+        str(out),
+        *map(str, TRAIN_ARGS),
+    ]
     results = launch_on_two_hosts([argv, argv], env_per_host=pet)
     assert_succeeded(results)
-    assert ("topology: 2 nodes, this is node 1, static rendezvous at hostA:29500, 2 processes per node, from "
-            "torchrun's environment (PET_NNODES=2") in results[1][1]
+    assert (
+        "topology: 2 nodes, this is node 1, static rendezvous at hostA:29500, 2 processes per node, from "
+        "torchrun's environment (PET_NNODES=2"
+    ) in results[1][1]
     assert "strategy: ddp, world size 4" in results[0][1] + results[1][1]
     assert "preflight: 2 nodes (" in results[0][1] and "output_dir is shared" in results[0][1]
     difference = assert_same_training(one_host, out, "kubeflow ddp 2x2")
@@ -86,16 +141,33 @@ def torchrun_workers(two_hosts, host: int) -> list[int]:
     return found
 
 
-def test_hybrid_shard_with_c10d_flags_resumes_on_every_node_after_a_lost_node(two_hosts, cache_dir, one_host,
-                                                                             tiny_model, tmp_path):
+def test_hybrid_shard_with_c10d_flags_resumes_on_every_node_after_a_lost_node(
+    two_hosts, cache_dir, one_host, tiny_model, tmp_path
+):
     """The TRL guide's manual commands (c10d rendezvous on host A), HYBRID_SHARD: one shard group per host; and a
     lost node: host B's workers are SIGKILLed after the first checkpoint, with --max_restarts 1. Host B's agent
     restarts them, host A's agent restarts its own for the membership change (without counting a restart of its
-    own), and every worker resumes from the same checkpoint because all agree on the restart (shardtune/runtime/elastic.py)."""
+    own), and every worker resumes from the same checkpoint because all agree on the restart
+    (shardtune/runtime/elastic.py)."""
     out = tmp_path / "hsdp"
-    argvs = sft_argvs(two_hosts, 2, ["--model_name", tiny_model, "--output_dir", out, *TRAIN_ARGS, "--enable_fsdp",
-                                     "--fsdp_config.sharding_strategy", "HYBRID_SHARD", "--save_steps", 1,
-                                     "--max_restarts", 1])
+    argvs = sft_argvs(
+        two_hosts,
+        2,
+        [
+            "--model_name",
+            tiny_model,
+            "--output_dir",
+            out,
+            *TRAIN_ARGS,
+            "--enable_fsdp",
+            "--fsdp_config.sharding_strategy",
+            "HYBRID_SHARD",
+            "--save_steps",
+            1,
+            "--max_restarts",
+            1,
+        ],
+    )
     procs = [two_hosts.popen(host, argv, env=cli_env(cache_dir), cwd=REPO) for host, argv in enumerate(argvs)]
     killed: list[int] = []
     try:
@@ -117,8 +189,10 @@ def test_hybrid_shard_with_c10d_flags_resumes_on_every_node_after_a_lost_node(tw
     resumed = re.findall(r"restart 1 of the worker group: resuming automatically from \S+/step-(\d+)", logs)
     assert len(resumed) == 1 and 1 <= int(resumed[0]) < 4, logs[-3000:]
     difference = assert_same_training(one_host, out, "hybrid shard 2x2, node lost and restarted")
-    print(f"HYBRID_SHARD 2 hosts x 2, host B's workers killed after step {int(resumed[0])}'s checkpoint, all "
-          f"resumed: max relative weight difference to one host {difference:.2e}")
+    print(
+        f"HYBRID_SHARD 2 hosts x 2, host B's workers killed after step {int(resumed[0])}'s checkpoint, all "
+        f"resumed: max relative weight difference to one host {difference:.2e}"
+    )
 
 
 def bin_dir_with_shardtune(bin_dir: Path) -> Path:
@@ -136,26 +210,49 @@ def write_executable(path: Path, text: str) -> None:
 def stand_in_srun(two_hosts, bin_dir: Path) -> None:
     """``srun`` standing in for SLURM's where slurm-wlm is not installed: one task per test host with the
     variables srun sets for a step."""
-    step_env = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2",
-                "SLURM_STEP_NODELIST": "hostA,hostB", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
+    step_env = {
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_NODELIST": "hostA,hostB",
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": "0",
+    }
     tasks = []
     for node in (0, 1):
         variables = {**step_env, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node)}
         assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in variables.items())
         tasks.append(f'env {assignments} {shlex.join(two_hosts.command(node, []))} "${{argv[@]}}" & pids+=($!)')
-    write_executable(bin_dir / "srun", "\n".join([
-        "#!/bin/bash",
-        "# stand-in srun: drop srun's own options, start the command once on each test host",
-        'while [[ $# -gt 0 && $1 == -* ]]; do shift; done',
-        'argv=("$@"); pids=()', *tasks,
-        'status=0; for pid in "${pids[@]}"; do wait "$pid" || status=$?; done; exit $status', ""]))
+    write_executable(
+        bin_dir / "srun",
+        "\n".join(
+            [
+                "#!/bin/bash",
+                "# stand-in srun: drop srun's own options, start the command once on each test host",
+                "while [[ $# -gt 0 && $1 == -* ]]; do shift; done",
+                'argv=("$@"); pids=()',
+                *tasks,
+                'status=0; for pid in "${pids[@]}"; do wait "$pid" || status=$?; done; exit $status',
+                "",
+            ]
+        ),
+    )
 
 
 def stand_in_scontrol(bin_dir: Path, record: Path) -> None:
     """``scontrol`` standing in for SLURM's: records ``scontrol requeue ID`` (what the recipe calls); anything
     else fails (``scontrol show hostnames``: shardtune then reads the host list itself)."""
-    write_executable(bin_dir / "scontrol", "\n".join([
-        "#!/bin/bash", f'if [ "$1" = requeue ]; then echo "$*" >> {shlex.quote(str(record))}; exit 0; fi', "exit 1", ""]))
+    write_executable(
+        bin_dir / "scontrol",
+        "\n".join(
+            [
+                "#!/bin/bash",
+                f'if [ "$1" = requeue ]; then echo "$*" >> {shlex.quote(str(record))}; exit 0; fi',
+                "exit 1",
+                "",
+            ]
+        ),
+    )
 
 
 def launchers(two_hosts, host: int) -> list[int]:
@@ -188,8 +285,9 @@ def logged_steps(out: Path) -> int:
         return 0
 
 
-def submit_slurm_recipe_and_stop_it(two_hosts, args: list[str], env: dict[str, str], root: Path
-                                    ) -> tuple[int, str, str]:
+def submit_slurm_recipe_and_stop_it(
+    two_hosts, args: list[str], env: dict[str, str], root: Path
+) -> tuple[int, str, str]:
     """``sbatch recipes/multinode.slurm ARGS`` on a real SLURM cluster on the two hosts (slurmctld + one slurmd
     per host) when slurm-wlm is installed, SIGUSR1 to the job's tasks after its first step as SLURM sends it
     before a time limit: the recipe requeues the job and SLURM starts it again, which resumes. Without slurm-wlm,
@@ -204,8 +302,9 @@ def submit_slurm_recipe_and_stop_it(two_hosts, args: list[str], env: dict[str, s
         try:
             cluster.start()
             # the recipe is written for 8 GPUs and 32 CPUs per node; these hosts have 2 and 2
-            proc = cluster.submit(["--gpus-per-node=2", "--cpus-per-task=1", "recipes/multinode.slurm", *args],
-                                  env=env, cwd=REPO)
+            proc = cluster.submit(
+                ["--gpus-per-node=2", "--cpus-per-task=1", "recipes/multinode.slurm", *args], env=env, cwd=REPO
+            )
             job_id = wait_for_first_step(runs, proc).name.rsplit("-", 1)[1]
             cluster.signal(job_id, "USR1")
             code, output = cluster.finish(proc, timeout=600)
@@ -218,10 +317,22 @@ def submit_slurm_recipe_and_stop_it(two_hosts, args: list[str], env: dict[str, s
     stand_in_srun(two_hosts, bin_dir)
     stand_in_scontrol(bin_dir, root / "scontrol.log")
     job_id = "4242"
-    batch = {"SLURM_JOB_ID": job_id, "SLURM_JOB_NAME": "shardtune", "SLURM_NNODES": "2",
-             "SLURM_JOB_NODELIST": "hostA,hostB", "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "2"}
-    proc = subprocess.Popen(["bash", "recipes/multinode.slurm", *args], env={**env, **batch}, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    batch = {
+        "SLURM_JOB_ID": job_id,
+        "SLURM_JOB_NAME": "shardtune",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "hostA,hostB",
+        "SLURM_NODEID": "0",
+        "SLURM_GPUS_ON_NODE": "2",
+    }
+    proc = subprocess.Popen(
+        ["bash", "recipes/multinode.slurm", *args],
+        env={**env, **batch},
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     wait_for_first_step(runs, proc)
     for host in (0, 1):  # SLURM signals every task of the step
         for pid in launchers(two_hosts, host):
@@ -229,42 +340,65 @@ def submit_slurm_recipe_and_stop_it(two_hosts, args: list[str], env: dict[str, s
     first, _ = proc.communicate(timeout=480)
     assert proc.returncode == EXIT_PREEMPTED, first[-3000:]
     assert (root / "scontrol.log").read_text() == f"requeue {job_id}\n"
-    again = subprocess.run(["bash", "recipes/multinode.slurm", *args], env={**env, **batch, "SLURM_RESTART_COUNT": "1"},
-                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=480)
+    again = subprocess.run(
+        ["bash", "recipes/multinode.slurm", *args],
+        env={**env, **batch, "SLURM_RESTART_COUNT": "1"},
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=480,
+    )
     return again.returncode, first + again.stdout, job_id
 
 
 def test_slurm_recipe_runs_as_it_is_with_deepspeed_zero3_and_requeues_itself_when_stopped(
-        two_hosts, cache_dir, one_host, tiny_model, tmp_path):
+    two_hosts, cache_dir, one_host, tiny_model, tmp_path
+):
     """recipes/multinode.slurm submitted unmodified; no torchrun flags: the topology comes from SLURM. SIGUSR1
     mid-run (a time limit or a preemption): checkpoint, exit 75, the recipe's requeue, the requeued job resumes
     (--resume auto) and ends like the uninterrupted run."""
     bin_dir = bin_dir_with_shardtune(tmp_path / "bin")
-    env = {**cli_env(cache_dir), "PATH": f"{bin_dir}:{os.environ['PATH']}", "SHARED": str(tmp_path / "shared"),
-           "STRATEGY": "deepspeed", "GLOO_SOCKET_IFNAME": INTERFACE}
+    env = {
+        **cli_env(cache_dir),
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SHARED": str(tmp_path / "shared"),
+        "STRATEGY": "deepspeed",
+        "GLOO_SOCKET_IFNAME": INTERFACE,
+    }
     code, output, job_id = submit_slurm_recipe_and_stop_it(
-        two_hosts, ["--model_name", str(tiny_model), *map(str, TRAIN_ARGS[2:])], env, tmp_path)
+        two_hosts, ["--model_name", str(tiny_model), *map(str, TRAIN_ARGS[2:])], env, tmp_path
+    )
     assert code == 0, output[-6000:]
     assert "c10d rendezvous at hostA:29500, 2 processes per node, from SLURM (SLURM_NNODES=2" in output, output[-3000:]
     assert "processes per node from SLURM_GPUS_ON_NODE" in output
     assert "ZeRO-3" in output, output[-3000:]
     out = tmp_path / "shared" / "runs" / f"shardtune-{job_id}"
-    stopped = re.search(rf"stopped by SIGUSR1 after step (\d+): checkpoint {re.escape(str(out))}/checkpoints/"
-                        r"(step-\d+) written", output)
+    stopped = re.search(
+        rf"stopped by SIGUSR1 after step (\d+): checkpoint {re.escape(str(out))}/checkpoints/"
+        r"(step-\d+) written",
+        output,
+    )
     assert stopped and 1 <= int(stopped[1]) < 4, output[-6000:]  # stopped before the end: steps were left
     assert f"requeueing job {job_id}" in output
     assert f"resumed from {out / 'checkpoints' / stopped[2]}" in output, output[-3000:]
     assert (tmp_path / "shared" / "cache").is_dir()  # SHARDTUNE_CACHE on the shared path
     difference = assert_same_training(one_host, out, "slurm recipe zero3 2x2, stopped and requeued")
-    print(f"SLURM recipe (ZeRO-3, 2 hosts x 2) stopped by SIGUSR1 after step {stopped[1]}, requeued, resumed: max "
-          f"relative weight difference to one host {difference:.2e}")
+    print(
+        f"SLURM recipe (ZeRO-3, 2 hosts x 2) stopped by SIGUSR1 after step {stopped[1]}, requeued, resumed: max "
+        f"relative weight difference to one host {difference:.2e}"
+    )
 
 
 def test_a_node_with_another_config_stops_every_node_naming_the_field(sft_on_two_hosts, tiny_model, tmp_path):
-    results = sft_on_two_hosts(1, ["--model_name", tiny_model, "--output_dir", tmp_path / "out", *TRAIN_ARGS],
-                               args_per_host=[[], ["--lr", "0.002"]], timeout=180)
+    results = sft_on_two_hosts(
+        1,
+        ["--model_name", tiny_model, "--output_dir", tmp_path / "out", *TRAIN_ARGS],
+        args_per_host=[[], ["--lr", "0.002"]],
+        timeout=180,
+    )
     expected = "preflight: the nodes differ in --lr: "
-    for code, out, err in results:
+    for code, _out, err in results:
         assert code != 0
         lines = [line for line in err.splitlines() if expected in line]
         assert len(lines) == 1, err[-3000:]  # one line per node, not one per rank or a traceback
@@ -277,9 +411,13 @@ def test_a_node_with_another_config_stops_every_node_naming_the_field(sft_on_two
 def test_a_node_local_output_dir_stops_every_node_with_the_fix(sft_on_two_hosts, tiny_model, tmp_path):
     """Host B gets its own (tmpfs) directory at the output_dir's path: a node-local disk."""
     local = tmp_path / "node-local"
-    results = sft_on_two_hosts(1, ["--model_name", tiny_model, "--output_dir", local / "out", *TRAIN_ARGS],
-                               node_local_dirs=[[], [local]], timeout=180)
-    for code, out, err in results:
+    results = sft_on_two_hosts(
+        1,
+        ["--model_name", tiny_model, "--output_dir", local / "out", *TRAIN_ARGS],
+        node_local_dirs=[[], [local]],
+        timeout=180,
+    )
+    for code, _out, err in results:
         assert code != 0
         lines = [line for line in err.splitlines() if "is not shared" in line]
         assert len(lines) == 1, err[-3000:]

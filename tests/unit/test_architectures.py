@@ -12,22 +12,42 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import (
-    AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
     Qwen3Config,
 )
 
-from shardtune.model.attention import (
-    _per_example, attention_implementation, flash_varlen_arguments, use_varlen_attention, varlen_kwargs,
-)
 from shardtune.data.batching import collate_flat, collate_padding
+from shardtune.model.attention import (
+    _per_example,
+    attention_implementation,
+    flash_varlen_arguments,
+    use_varlen_attention,
+    varlen_kwargs,
+)
 from shardtune.model.loss import IGNORE_INDEX, model_inputs, token_loss_sum
 
 CPU = torch.device("cpu")
 WINDOW = 4  # shorter than most examples below, so that the window changes what a query sees
 LENGTHS = (9, 14, 3, 1, 20)
 # initializer_range 0.2: attention far from uniform, so a dropped window or soft-cap shows in the numbers
-_SHAPE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8, max_position_embeddings=64, initializer_range=0.2, pad_token_id=0)
+_SHAPE = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+    pad_token_id=0,
+)
 CONFIGS = {
     "llama": LlamaConfig(**_SHAPE),
     "qwen2": Qwen2Config(**_SHAPE, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
@@ -35,8 +55,9 @@ CONFIGS = {
     "mistral": MistralConfig(**_SHAPE, sliding_window=WINDOW),
     # sliding and full layers alternate; logits soft-capped at 1.0 so that tanh bends the scores measurably
     "gemma2": Gemma2Config(**_SHAPE, sliding_window=WINDOW, attn_logit_softcapping=1.0, query_pre_attn_scalar=8),
-    "gemma3": Gemma3TextConfig(**_SHAPE, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
-                               query_pre_attn_scalar=8),
+    "gemma3": Gemma3TextConfig(
+        **_SHAPE, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=8
+    ),
     "phi3": Phi3Config(**_SHAPE, sliding_window=WINDOW),
 }
 WINDOWED = ("qwen2", "mistral", "gemma2", "gemma3", "phi3")
@@ -53,7 +74,7 @@ def examples(lengths=LENGTHS, seed=1) -> list[dict]:
     out = []
     for n in lengths:
         ids = [rng.randint(1, 127) for _ in range(n)]
-        out.append({"input_ids": ids, "labels": [IGNORE_INDEX] * (n // 2) + ids[n // 2:]})
+        out.append({"input_ids": ids, "labels": [IGNORE_INDEX] * (n // 2) + ids[n // 2 :]})
     return out
 
 
@@ -133,14 +154,29 @@ def test_windowed_plain_sequences_and_generation_compute_as_the_models_own_atten
     last = varlen(input_ids=sequence[:, -3:], cache=cache).logits
     torch.testing.assert_close(last, expected[:, -3:], atol=1e-5, rtol=0)
     prompt = sequence[:, :6]
-    assert torch.equal(varlen.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0),
-                       eager.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0))
+    assert torch.equal(
+        varlen.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0),
+        eager.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0),
+    )
 
 
 # -- the FlashAttention varlen call that CUDA makes, its arguments checked here --------------------------------------
 
-def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
-                          enable_gqa=False, is_causal=False):
+
+def reference_varlen_attn(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    is_causal=False,
+):
     """torch.nn.attention.varlen.varlen_attn's documented semantics, one SDPA per sequence: (T, H, D) tensors;
     query i of a sequence sees its keys j with i - left <= j <= i + right (-1: unbounded); ``is_causal`` (older
     torch) means window (-1, 0); grouped-query attention only when ``enable_gqa``."""
@@ -159,8 +195,13 @@ def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *
 
 
 @pytest.mark.parametrize("window", [None, 3, 64])
-@pytest.mark.parametrize("accepted", [frozenset({"scale", "window_size", "enable_gqa"}),  # torch 2.13
-                                      frozenset({"scale", "is_causal"})])  # an older varlen_attn
+@pytest.mark.parametrize(
+    "accepted",
+    [
+        frozenset({"scale", "window_size", "enable_gqa"}),  # torch 2.13
+        frozenset({"scale", "is_causal"}),
+    ],
+)  # an older varlen_attn
 def test_flash_varlen_arguments_mean_causal_windowed_gqa_attention_per_example(window, accepted):
     torch.manual_seed(0)
     batch = collate_flat(examples())

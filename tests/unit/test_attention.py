@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shardtune.model.attention import VARLEN, use_varlen_attention, varlen_kwargs
 from shardtune.data.batching import collate_flat, collate_padding
+from shardtune.model.attention import VARLEN, use_varlen_attention, varlen_kwargs
 from shardtune.model.loss import IGNORE_INDEX, token_loss_sum
 
 CPU = torch.device("cpu")
@@ -17,9 +17,16 @@ CPU = torch.device("cpu")
 
 def tiny_llama(varlen: bool = True) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
     model = LlamaForCausalLM(config).float().eval()
     if varlen:
         use_varlen_attention(model)
@@ -31,7 +38,7 @@ def block(lengths=(9, 14, 5, 1), seed=1) -> list[dict]:
     examples = []
     for n in lengths:
         ids = [rng.randint(1, 127) for _ in range(n)]
-        examples.append({"input_ids": ids, "labels": [IGNORE_INDEX] * (n // 2) + ids[n // 2:]})
+        examples.append({"input_ids": ids, "labels": [IGNORE_INDEX] * (n // 2) + ids[n // 2 :]})
     return examples
 
 
@@ -61,15 +68,17 @@ def test_boundaries_come_from_position_ids_when_no_cu_seq_lens_is_given():
     model = tiny_llama()
     first, second = collate_flat(block((6, 10, 4), seed=2)), collate_flat(block((12, 8), seed=3))
     for batch in (first, second):
-        with_cu = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                        **varlen_kwargs(batch)).logits
+        with_cu = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **varlen_kwargs(batch)).logits
         without = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         torch.testing.assert_close(without, with_cu, atol=1e-6, rtol=0)
-    two_rows = model(input_ids=torch.cat([first["input_ids"], second["input_ids"]]),
-                     position_ids=torch.cat([first["position_ids"], second["position_ids"]])).logits
+    two_rows = model(
+        input_ids=torch.cat([first["input_ids"], second["input_ids"]]),
+        position_ids=torch.cat([first["position_ids"], second["position_ids"]]),
+    ).logits
     for row, batch in enumerate((first, second)):
-        expected = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                         **varlen_kwargs(batch)).logits[0]
+        expected = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], **varlen_kwargs(batch)
+        ).logits[0]
         torch.testing.assert_close(two_rows[row], expected, atol=1e-5, rtol=0)
 
 
@@ -84,8 +93,10 @@ def test_padded_batches_and_plain_sequences_compute_as_sdpa():
     single = torch.tensor([block()[1]["input_ids"]])
     torch.testing.assert_close(varlen(input_ids=single).logits, sdpa(input_ids=single).logits, atol=1e-6, rtol=0)
     prompt = single[:, :6]
-    assert torch.equal(varlen.generate(prompt, max_new_tokens=5, do_sample=False),
-                       sdpa.generate(prompt, max_new_tokens=5, do_sample=False))
+    assert torch.equal(
+        varlen.generate(prompt, max_new_tokens=5, do_sample=False),
+        sdpa.generate(prompt, max_new_tokens=5, do_sample=False),
+    )
 
 
 @pytest.mark.parametrize("lengths", [(9, 14, 5, 1), (30, 3, 17)])
@@ -110,8 +121,9 @@ def test_llama_adapter_on_padding_free_rows_equals_padding():
     """peft's adapted attention wraps the model's own (now varlen) attention and adds the adapter per token."""
     import peft
 
-    model = peft.get_peft_model(tiny_llama(), peft.AdaptionPromptConfig(adapter_len=4, adapter_layers=2,
-                                                                        task_type="CAUSAL_LM"))
+    model = peft.get_peft_model(
+        tiny_llama(), peft.AdaptionPromptConfig(adapter_len=4, adapter_layers=2, task_type="CAUSAL_LM")
+    )
     for name, p in model.named_parameters():
         if "adaption_gate" in name:  # gates start at 0: open them so the adapter changes the numbers
             torch.nn.init.constant_(p, 0.5)
@@ -174,8 +186,15 @@ def test_an_attention_kernel_this_machine_or_model_cannot_run_is_refused_before_
     with pytest.raises(ConfigError, match="flash_attention_2 needs") as error:  # no flash-attn, no CUDA here
         validate(parse_args(["--attn_implementation", "flash_attention_2", "--output_dir", str(tmp_path)]), 1)
     assert "\n" not in str(error.value)
-    gemma2 = Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    gemma2 = Gemma2Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     with pytest.raises(ConfigError, match="soft-capped attention logits: pass --attn_implementation eager"):
         check_attention_fits(parse_args(["--attn_implementation", "sdpa"]), gemma2)
     check_attention_fits(parse_args(["--attn_implementation", "eager"]), gemma2)

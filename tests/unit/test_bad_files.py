@@ -42,11 +42,16 @@ def test_metrics_jsonl_is_strict_json_with_non_finite_numbers_as_strings(tmp_pat
     assert math.isnan(back["loss"]) and back["grad_norm"] == math.inf and back["lr"] == -math.inf
 
 
-@pytest.mark.parametrize("text,needle", [
-    ('{"model_type": "llama", ', "is not valid JSON"),
-    ('{"model_type": "no_such_model"}', ("cannot be read as a model config (The checkpoint you are trying to load "
-                                         "has model type `no_such_model`")),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ('{"model_type": "llama", ', "is not valid JSON"),
+        (
+            '{"model_type": "no_such_model"}',
+            ("cannot be read as a model config (The checkpoint you are trying to load has model type `no_such_model`"),
+        ),
+    ],
+)
 def test_a_broken_config_json_is_one_line_naming_the_file(tmp_path, text, needle):
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(ConfigError) as e:

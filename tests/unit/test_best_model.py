@@ -13,8 +13,8 @@ from shardtune.config.flags import parse_args
 from shardtune.config.schema import ConfigError
 from shardtune.parallel.optim import build_optimizer
 from shardtune.training.best_model import BestModel
-from shardtune.training.intervals import every
 from shardtune.training.checks import validate
+from shardtune.training.intervals import every
 
 
 def cfg_of(*argv, world_size: int = 1):
@@ -43,39 +43,60 @@ def test_best_checkpoint_is_the_first_best_score_among_evaluated_checkpoints():
     folders = [Path(f"step-{s:06d}") for s in (2, 4, 6, 8, 10)]  # step 10: never evaluated, never chosen
     assert best.choose(folders) == (Path("step-000004"), 0.5)
     assert best.choose(folders[:1]) == (Path("step-000002"), 0.9)
-    higher = BestModel(cfg_of("--save_steps", 2, "--eval_steps", 2, "--load_best_model_at_end",
-                              "--greater_is_better", "true"), 8)
+    higher = BestModel(
+        cfg_of("--save_steps", 2, "--eval_steps", 2, "--load_best_model_at_end", "--greater_is_better", "true"), 8
+    )
     higher.scores = dict(best.scores)
     assert higher.choose(folders)[0] == Path("step-000002")
     # the scores travel with a checkpoint; another metric's are not taken
     again = BestModel(cfg, 8)
     again.restore(best.state())
     assert again.scores == best.scores
-    ppl = BestModel(cfg_of("--save_steps", 2, "--eval_steps", 2, "--load_best_model_at_end",
-                           "--metric_for_best_model", "ppl"), 8)
+    ppl = BestModel(
+        cfg_of("--save_steps", 2, "--eval_steps", 2, "--load_best_model_at_end", "--metric_for_best_model", "ppl"), 8
+    )
     ppl.restore(best.state())
     assert ppl.scores == {} and ppl.key == "eval_ppl" and not ppl.higher
     with pytest.raises(ConfigError, match="eval_rouge1 is not in this run's evaluation"):
-        BestModel(cfg_of("--save_steps", 2, "--eval_steps", 2, "--load_best_model_at_end", "--metric_for_best_model",
-                         "rouge1", "--log_eval_samples", 2), 8).record(2, {"eval_loss": 1.0})
+        BestModel(
+            cfg_of(
+                "--save_steps",
+                2,
+                "--eval_steps",
+                2,
+                "--load_best_model_at_end",
+                "--metric_for_best_model",
+                "rouge1",
+                "--log_eval_samples",
+                2,
+            ),
+            8,
+        ).record(2, {"eval_loss": 1.0})
 
 
-@pytest.mark.parametrize("argv,named", [
-    (("--load_best_model_at_end",), "none are written"),
-    (("--load_best_model_at_end", "--save_steps", 4, "--eval_steps", 3), "--eval_steps 4"),
-    (("--load_best_model_at_end", "--save_steps", 4, "--run_validation", "false"), "needs evaluations"),
-    (("--load_best_model_at_end", "--save_steps", 4, "--eval_steps", 2, "--save_model", "false"), "publishes none"),
-    (("--load_best_model_at_end", "--save_steps", 2, "--eval_steps", 2, "--metric_for_best_model", "accuracy"),
-     "not an evaluation metric"),
-    (("--load_best_model_at_end", "--save_steps", 2, "--eval_steps", 2, "--metric_for_best_model", "rougeL"),
-     "--log_eval_samples"),
-    (("--metric_for_best_model", "eval_ppl"), "add --load_best_model_at_end"),
-    (("--save_fraction", 1.5), "neither a whole number"),
-    (("--save_steps", 1.5), "neither a whole number"),
-    (("--eval_steps", 2, "--run_validation", "false"), "no effect with --run_validation false"),
-    (("--optim", "adamw_8bit", "--enable_fsdp"), "runs under DDP"),
-    (("--optim", "paged_adamw_8bit", "--enable_deepspeed"), "runs under DDP"),
-])
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (("--load_best_model_at_end",), "none are written"),
+        (("--load_best_model_at_end", "--save_steps", 4, "--eval_steps", 3), "--eval_steps 4"),
+        (("--load_best_model_at_end", "--save_steps", 4, "--run_validation", "false"), "needs evaluations"),
+        (("--load_best_model_at_end", "--save_steps", 4, "--eval_steps", 2, "--save_model", "false"), "publishes none"),
+        (
+            ("--load_best_model_at_end", "--save_steps", 2, "--eval_steps", 2, "--metric_for_best_model", "accuracy"),
+            "not an evaluation metric",
+        ),
+        (
+            ("--load_best_model_at_end", "--save_steps", 2, "--eval_steps", 2, "--metric_for_best_model", "rougeL"),
+            "--log_eval_samples",
+        ),
+        (("--metric_for_best_model", "eval_ppl"), "add --load_best_model_at_end"),
+        (("--save_fraction", 1.5), "neither a whole number"),
+        (("--save_steps", 1.5), "neither a whole number"),
+        (("--eval_steps", 2, "--run_validation", "false"), "no effect with --run_validation false"),
+        (("--optim", "adamw_8bit", "--enable_fsdp"), "runs under DDP"),
+        (("--optim", "paged_adamw_8bit", "--enable_deepspeed"), "runs under DDP"),
+    ],
+)
 def test_what_cannot_be_honoured_is_refused_in_one_line(argv, named):
     with pytest.raises(ConfigError, match=named) as error:
         cfg_of(*argv, world_size=2)
@@ -91,8 +112,11 @@ def test_intervals_that_resolve_to_no_evaluation_at_a_checkpoint_are_refused_at_
 
 def test_eight_bit_adamw_keeps_8_bit_moments_with_hugging_face_weight_decay_groups():
     model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.LayerNorm(64))
-    for name, step_as in (("adamw_8bit", "AdamW8bit"), ("adamw_bnb_8bit", "AdamW8bit"),
-                          ("paged_adamw_8bit", "PagedAdamW8bit")):
+    for name, step_as in (
+        ("adamw_8bit", "AdamW8bit"),
+        ("adamw_bnb_8bit", "AdamW8bit"),
+        ("paged_adamw_8bit", "PagedAdamW8bit"),
+    ):
         cfg = cfg_of("--optim", name, "--weight_decay", 0.1, "--lr", 1e-2)
         optimizer = build_optimizer(model, cfg)
         assert type(optimizer).__name__ == step_as

@@ -10,22 +10,25 @@ from shardtune.accounting.memory import cross_node_bytes_per_step, cross_node_su
 SIZES = dict(num_params=1e9, num_trainable=1e9, num_nodes=2, gpus_per_node=8)
 
 
-@pytest.mark.parametrize("strategy, extra, expected_gb", [
-    # all-reduce of 4 GB of gradients over a 16-rank ring: 2 x 15/16 x 4
-    ("DDP", {}, 7.5),
-    ("NO_SHARD", {}, 7.5),
-    # two all-gathers of 2 GB of bf16 parameters (15/16 each) + one reduce-scatter of 4 GB (15/16)
-    ("FULL_SHARD", {}, 2 * 15 / 16 * 2 + 15 / 16 * 4),
-    # 4 micro-batches: the gathers repeat per micro-batch, the gradients are reduced once
-    ("FULL_SHARD", {"micro_batches": 4}, 4 * 2 * 15 / 16 * 2 + 15 / 16 * 4),
-    ("SHARD_GRAD_OP", {}, 15 / 16 * 2 + 15 / 16 * 4),
-    # shard within a node: 8 rings of 2 replicas, each all-reducing a 4/8 GB shard: 8 x 2 x 1/2 x 0.5
-    ("HYBRID_SHARD", {}, 4.0),
-    # a shard group of 16 ranks is FULL_SHARD over both nodes, with a single replica
-    ("HYBRID_SHARD", {"shard_group_size": 16}, 7.5),
-    # shard groups of 4 ranks: 4 replicas (2 per node); 4 rings per node, each 2 x 3/4 x 1 GB
-    ("HYBRID_SHARD", {"shard_group_size": 4}, 6.0),
-])
+@pytest.mark.parametrize(
+    "strategy, extra, expected_gb",
+    [
+        # all-reduce of 4 GB of gradients over a 16-rank ring: 2 x 15/16 x 4
+        ("DDP", {}, 7.5),
+        ("NO_SHARD", {}, 7.5),
+        # two all-gathers of 2 GB of bf16 parameters (15/16 each) + one reduce-scatter of 4 GB (15/16)
+        ("FULL_SHARD", {}, 2 * 15 / 16 * 2 + 15 / 16 * 4),
+        # 4 micro-batches: the gathers repeat per micro-batch, the gradients are reduced once
+        ("FULL_SHARD", {"micro_batches": 4}, 4 * 2 * 15 / 16 * 2 + 15 / 16 * 4),
+        ("SHARD_GRAD_OP", {}, 15 / 16 * 2 + 15 / 16 * 4),
+        # shard within a node: 8 rings of 2 replicas, each all-reducing a 4/8 GB shard: 8 x 2 x 1/2 x 0.5
+        ("HYBRID_SHARD", {}, 4.0),
+        # a shard group of 16 ranks is FULL_SHARD over both nodes, with a single replica
+        ("HYBRID_SHARD", {"shard_group_size": 16}, 7.5),
+        # shard groups of 4 ranks: 4 replicas (2 per node); 4 rings per node, each 2 x 3/4 x 1 GB
+        ("HYBRID_SHARD", {"shard_group_size": 4}, 6.0),
+    ],
+)
 def test_bytes_sent_by_each_node_per_step(strategy, extra, expected_gb):
     assert cross_node_bytes_per_step(strategy, **SIZES, **extra) == pytest.approx(expected_gb * 1e9, rel=1e-9)
 

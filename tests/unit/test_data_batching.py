@@ -10,8 +10,16 @@ import torch
 
 from shardtune.config.flags import config_from
 from shardtune.config.schema import TrainConfig
-from shardtune.data import (DataError, StepDataset, build_units, collate_flat, collate_padding, eval_batches,
-                            steps_per_epoch, train_loader)
+from shardtune.data import (
+    DataError,
+    StepDataset,
+    build_units,
+    collate_flat,
+    collate_padding,
+    eval_batches,
+    steps_per_epoch,
+    train_loader,
+)
 from shardtune.data.formatting import IGNORE_INDEX
 
 PAD_ID = 0
@@ -31,8 +39,9 @@ def make_examples(num: int, seed: int = 0, max_len: int = 40) -> list[dict]:
 
 def make_cfg(strategy: str, batch_size: int = 2, accumulation: int = 1, **overrides) -> TrainConfig:
     settings = {"context_length": 64, "seed": 3, "num_workers_dataloader": 0, **overrides}
-    return config_from(batching_strategy=strategy, batch_size_training=batch_size,
-                       gradient_accumulation_steps=accumulation, **settings)
+    return config_from(
+        batching_strategy=strategy, batch_size_training=batch_size, gradient_accumulation_steps=accumulation, **settings
+    )
 
 
 def example_ids(micro_batch: dict) -> list[int]:
@@ -65,9 +74,11 @@ def test_packed_blocks_fit_hold_every_example_once_and_ignore_batch_settings():
 
 
 def test_flat_collation_restarts_positions_marks_boundaries_and_holds_no_pad():
-    examples = [{"input_ids": [1000, 5, 6], "labels": [1000, 5, 6]},
-                {"input_ids": [1001, 7], "labels": [IGNORE_INDEX, 7]},
-                {"input_ids": [1002], "labels": [1002]}]
+    examples = [
+        {"input_ids": [1000, 5, 6], "labels": [1000, 5, 6]},
+        {"input_ids": [1001, 7], "labels": [IGNORE_INDEX, 7]},
+        {"input_ids": [1002], "labels": [1002]},
+    ]
     batch = collate_flat(examples)
     assert batch["input_ids"].tolist() == [[1000, 5, 6, 1001, 7, 1002]]
     assert batch["labels"].tolist() == [[-100, 5, 6, -100, 7, -100]]  # nothing predicted across a boundary
@@ -78,15 +89,19 @@ def test_flat_collation_restarts_positions_marks_boundaries_and_holds_no_pad():
 
 def test_packing_and_padding_free_collate_flat_rows_padding_pads():
     examples = make_examples(12)
-    for strategy, extra, flat in (("packing", {}, True), ("padding", {"padding_free": True}, True),
-                                  ("padding", {}, False)):
+    for strategy, extra, flat in (
+        ("packing", {}, True),
+        ("padding", {"padding_free": True}, True),
+        ("padding", {}, False),
+    ):
         cfg = make_cfg(strategy, batch_size=3, **extra)
         units = build_units(examples, cfg)
         micro_batch = StepDataset(units, cfg, 0, 1, 0, PAD_ID)[0][0]
         assert ("cu_seq_lens" in micro_batch) == flat and ("attention_mask" in micro_batch) != flat
         if flat:
-            chosen = [ex for unit in (units[i] for i in StepDataset(units, cfg, 0, 1, 0, PAD_ID).order[:3])
-                      for ex in unit]
+            chosen = [
+                ex for unit in (units[i] for i in StepDataset(units, cfg, 0, 1, 0, PAD_ID).order[:3]) for ex in unit
+            ]
             assert micro_batch["input_ids"].shape == (1, sum(len(ex["input_ids"]) for ex in chosen))
 
 
@@ -113,7 +128,8 @@ def steps_by_layout(units: list, strategy: str, epoch: int, seed: int = 3) -> di
         unit_of = {example["input_ids"][0] - FIRST_ID: u for u, unit in enumerate(units) for example in unit}
         out[(world, batch_size, accumulation)] = [
             [[key for mb in ds[step] for key in unit_keys(mb, unit_of)] for ds in per_rank]
-            for step in range(len(per_rank[0]))]
+            for step in range(len(per_rank[0]))
+        ]
     return out
 
 

@@ -19,8 +19,7 @@ import torch
 from shardtune.config.flags import config_from
 from shardtune.config.schema import ConfigError, SamsumDatasetConfig, TrainConfig
 from shardtune.data import DataError, check_context_length, check_data_config, load_examples
-from shardtune.data.formatting import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, SAMSUM_PROMPT
-from shardtune.data.formatting import IGNORE_INDEX
+from shardtune.data.formatting import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, IGNORE_INDEX, SAMSUM_PROMPT
 from shardtune.model.loading import train_tokenizer
 
 ROWS = [
@@ -55,9 +54,15 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
 
 def samsum_cfg(data_path: Path, **overrides) -> TrainConfig:
     samsum = {f.name for f in dataclasses.fields(SamsumDatasetConfig)}
-    return config_from({"dataset": "samsum_dataset", "context_length": 512, "run_validation": False,
-                        "samsum_dataset.data_path": str(data_path),
-                        **{f"samsum_dataset.{k}" if k in samsum else k: v for k, v in overrides.items()}})
+    return config_from(
+        {
+            "dataset": "samsum_dataset",
+            "context_length": 512,
+            "run_validation": False,
+            "samsum_dataset.data_path": str(data_path),
+            **{f"samsum_dataset.{k}" if k in samsum else k: v for k, v in overrides.items()},
+        }
+    )
 
 
 def summaries(examples: list[dict], tokenizer) -> list[str]:
@@ -139,7 +144,8 @@ def test_one_file_named_validation_is_still_the_train_data_and_the_hint_says_so(
     assert str(caught.value) == (
         f"--samsum_dataset.data_path {path} is one file, the train data: pass a folder holding a train file and a "
         "validation file (a file whose name contains 'validation', 'val', 'dev' or 'test'), or set "
-        "--samsum_dataset.validation_fraction (e.g. 0.05), or --run_validation false")
+        "--samsum_dataset.validation_fraction (e.g. 0.05), or --run_validation false"
+    )
 
 
 def test_validation_fraction_next_to_a_validation_file_is_refused(tmp_path):
@@ -168,8 +174,9 @@ def test_validation_fraction_hold_out_is_deterministic_and_disjoint(tmp_path, to
     path = write_rows(tmp_path / "all.jsonl", rows)
 
     def split(seed: int, name: str) -> list[str]:
-        return summaries(load_examples(samsum_cfg(path, validation_fraction=0.25, seed=seed), tokenizer, name)[0],
-                         tokenizer)
+        return summaries(
+            load_examples(samsum_cfg(path, validation_fraction=0.25, seed=seed), tokenizer, name)[0], tokenizer
+        )
 
     train, validation = split(7, "train"), split(7, "validation")
     assert len(validation) == 5 and len(train) == 15
@@ -196,8 +203,14 @@ def test_bad_rows_are_counted_and_skipped(tmp_path, tokenizer):
     examples, report = load_examples(cfg, tokenizer, "train")
     assert summaries(examples, tokenizer) == [ROWS[0]["summary"], ROWS[1]["summary"]]
     assert (report.num_rows, report.num_examples) == (8, 2)
-    assert report.skipped == {"missing_field": 1, "not_a_string": 1, "empty_dialogue": 1, "empty_summary": 1,
-                              "too_long": 1, "not_an_object": 1}
+    assert report.skipped == {
+        "missing_field": 1,
+        "not_a_string": 1,
+        "empty_dialogue": 1,
+        "empty_summary": 1,
+        "too_long": 1,
+        "not_an_object": 1,
+    }
     assert "2 of 8 rows kept; skipped 6" in report.summary()
 
 
@@ -216,13 +229,16 @@ def test_no_usable_example_is_an_error(tmp_path, tokenizer):
         load_examples(samsum_cfg(path), tokenizer, "train")
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("train.json", '[{"dialogue": "a", "summary": "b"},', "not valid JSON"),
-    ("train.json", '{"rows": 3} 7', "not valid JSON"),
-    ("train.jsonl", '{"dialogue": "a", "summary": "b"}\n{"dialogue": \n', "line 2: not valid JSON"),
-    ("train.csv", "dialogue,text\nhi,there\n", "no column 'summary' \\(found: dialogue, text\\)"),
-    ("train.parquet", "not parquet at all", "not a readable Parquet file"),
-])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("train.json", '[{"dialogue": "a", "summary": "b"},', "not valid JSON"),
+        ("train.json", '{"rows": 3} 7', "not valid JSON"),
+        ("train.jsonl", '{"dialogue": "a", "summary": "b"}\n{"dialogue": \n', "line 2: not valid JSON"),
+        ("train.csv", "dialogue,text\nhi,there\n", "no column 'summary' \\(found: dialogue, text\\)"),
+        ("train.parquet", "not parquet at all", "not a readable Parquet file"),
+    ],
+)
 def test_malformed_file_is_one_error_naming_the_file(tmp_path, tokenizer, name, content, message):
     path = tmp_path / name
     path.write_text(content)
@@ -275,18 +291,22 @@ def test_context_length_must_hold_the_prompt_template(tokenizer):
 
 
 def test_alpaca_masks_the_prompt_with_and_without_input(tmp_path, tokenizer):
-    rows = [{"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
-            {"instruction": "Name a colour.", "input": "", "output": "Blue."},
-            {"instruction": "Say hi.", "output": "Hi!"},
-            {"instruction": "", "output": "nothing"}]
+    rows = [
+        {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+        {"instruction": "Name a colour.", "input": "", "output": "Blue."},
+        {"instruction": "Say hi.", "output": "Hi!"},
+        {"instruction": "", "output": "nothing"},
+    ]
     path = write_rows(tmp_path / "alpaca.json", rows * 5)
     cfg = config_from(dataset="alpaca_dataset", context_length=256)
     cfg.data.alpaca_dataset.data_path, cfg.data.alpaca_dataset.validation_fraction = str(path), 0.2
     check_data_config(cfg)
     examples, report = load_examples(cfg, tokenizer, "train")
     assert report.skipped == {"empty_instruction": report.num_rows - len(examples)}
-    prompts = {r["output"]: (ALPACA_PROMPT.format(**r) if r.get("input") else ALPACA_PROMPT_NO_INPUT.format(**r))
-               for r in rows[:3]}
+    prompts = {
+        r["output"]: (ALPACA_PROMPT.format(**r) if r.get("input") else ALPACA_PROMPT_NO_INPUT.format(**r))
+        for r in rows[:3]
+    }
     for ex in examples:
         labelled = [t for t in ex["labels"] if t != IGNORE_INDEX]
         output = tokenizer.decode(labelled[:-1])
@@ -327,8 +347,13 @@ def test_custom_dataset_default_function_rows_are_validated(tmp_path, tokenizer)
     ids = tokenizer("validation from somewhere", add_special_tokens=False)["input_ids"]
     assert examples == [{"input_ids": ids, "labels": [-100] + ids[1:]}, {"input_ids": ids, "labels": ids}]
     assert report.num_rows == 7
-    assert report.skipped == {"length_mismatch": 1, "missing_field": 1, "no_labels": 1, "bad_token_id": 1,
-                              "not_an_object": 1}
+    assert report.skipped == {
+        "length_mismatch": 1,
+        "missing_field": 1,
+        "no_labels": 1,
+        "bad_token_id": 1,
+        "not_an_object": 1,
+    }
     with pytest.raises(DataError, match=rf"split validation row 3: {len(ids)} input_ids but {len(ids) - 1} labels"):
         load_examples(custom_cfg(str(tmp_path / "my_data.py"), strict_data=True), tokenizer, "validation")
 
@@ -355,8 +380,9 @@ def test_custom_dataset_errors_name_the_file(tmp_path):
 
 
 def test_tensor_rows_from_custom_function_become_lists(tmp_path, tokenizer):
-    (tmp_path / "t.py").write_text("import torch\ndef f(c, t, s):\n"
-                                   "    return [{'input_ids': torch.arange(3, 9), 'labels': torch.arange(3, 9)}]\n")
+    (tmp_path / "t.py").write_text(
+        "import torch\ndef f(c, t, s):\n    return [{'input_ids': torch.arange(3, 9), 'labels': torch.arange(3, 9)}]\n"
+    )
     examples, _ = load_examples(custom_cfg(f"{tmp_path / 't.py'}:f"), tokenizer, "train")
     assert examples == [{"input_ids": list(range(3, 9)), "labels": list(range(3, 9))}]
     assert isinstance(examples[0]["input_ids"][0], int) and not isinstance(examples[0]["input_ids"], torch.Tensor)
@@ -370,5 +396,6 @@ def test_synthetic_chatter_flag_lengthens_the_loaded_dialogues_not_their_labels(
     chatty, report = load_examples(cfg, tokenizer, "train")
     assert len(chatty) == len(plain) == 200 and "chatter" in report.source
     assert sum(len(e["input_ids"]) for e in chatty) > 1.2 * sum(len(e["input_ids"]) for e in plain)
-    assert [[t for t in e["labels"] if t != IGNORE_INDEX] for e in chatty] == \
-        [[t for t in e["labels"] if t != IGNORE_INDEX] for e in plain]
+    assert [[t for t in e["labels"] if t != IGNORE_INDEX] for e in chatty] == [
+        [t for t in e["labels"] if t != IGNORE_INDEX] for e in plain
+    ]

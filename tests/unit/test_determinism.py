@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from shardtune.model.attention import use_varlen_attention
 from shardtune.data.batching import collate_flat
-from shardtune.model.loss import IGNORE_INDEX, token_loss_sum
+from shardtune.model.attention import use_varlen_attention
 from shardtune.model.loading import load_model
+from shardtune.model.loss import IGNORE_INDEX, token_loss_sum
 
 
 def rows(num: int, seed: int) -> list[dict]:
@@ -17,7 +17,7 @@ def rows(num: int, seed: int) -> list[dict]:
     for _ in range(num):
         length = int(torch.randint(60, 200, (1,), generator=gen))
         ids = torch.randint(4, 1000, (length,), generator=gen).tolist()
-        out.append({"input_ids": ids, "labels": [IGNORE_INDEX] * (length // 2) + ids[length // 2:]})
+        out.append({"input_ids": ids, "labels": [IGNORE_INDEX] * (length // 2) + ids[length // 2 :]})
     return out
 
 

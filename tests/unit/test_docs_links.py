@@ -68,6 +68,11 @@ def test_every_relative_link_resolves(page):
 
 
 def test_the_anchor_rule_is_githubs():
-    assert _anchor("Many nodes: time limits and preemption, no hangs") == "many-nodes-time-limits-and-preemption-no-hangs"
+    assert (
+        _anchor("Many nodes: time limits and preemption, no hangs") == "many-nodes-time-limits-and-preemption-no-hangs"
+    )
     assert _anchor("`shardtune doctor`") == "shardtune-doctor"
-    assert _anchor("Sharding, precision and the effective batch: DDP, FSDP2") == "sharding-precision-and-the-effective-batch-ddp-fsdp2"
+    assert (
+        _anchor("Sharding, precision and the effective batch: DDP, FSDP2")
+        == "sharding-precision-and-the-effective-batch-ddp-fsdp2"
+    )

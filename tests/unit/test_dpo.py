@@ -34,10 +34,13 @@ def dpo_step(cfg: TrainConfig, env, strategy, model, optimizer, micro: list[dict
     objective.attach(model, [], [])
     return train_step(model, strategy, optimizer, objective, micro, step=1).metrics
 
+
 SYSTEM = {"role": "system", "content": "Summarize the dialog."}
-DIALOGUES = [("Anna: cinema at 7? Tom: sure!", "Anna and Tom go to the cinema.", "Ben can't have lunch."),
-             ("Kate: lunch? Ben: can't today.", "Ben can't have lunch with Kate.", "Lucy brings cake."),
-             ("Lucy: I'll bring cake. Mark: fruit!", "Lucy brings cake and Mark fruit.", "Tom goes to the cinema.")]
+DIALOGUES = [
+    ("Anna: cinema at 7? Tom: sure!", "Anna and Tom go to the cinema.", "Ben can't have lunch."),
+    ("Kate: lunch? Ben: can't today.", "Ben can't have lunch with Kate.", "Lucy brings cake."),
+    ("Lucy: I'll bring cake. Mark: fruit!", "Lucy brings cake and Mark fruit.", "Tom goes to the cinema."),
+]
 
 
 def chat(user: str, answer: str) -> list[dict]:
@@ -46,10 +49,11 @@ def chat(user: str, answer: str) -> list[dict]:
 
 ROWS = {
     "text": [{"prompt": f"Summarize: {d}\nSummary:", "chosen": f" {c}", "rejected": f" {r}"} for d, c, r in DIALOGUES],
-    "chat": [{"prompt": chat(d, c)[:2], "chosen": chat(d, c)[2:], "rejected": chat(d, r)[2:]}
-             for d, c, r in DIALOGUES],
-    "implicit_text": [{"chosen": f"Summarize: {d}\nSummary: {c}", "rejected": f"Summarize: {d}\nSummary: {r}"}
-                      for d, c, r in DIALOGUES],
+    "chat": [{"prompt": chat(d, c)[:2], "chosen": chat(d, c)[2:], "rejected": chat(d, r)[2:]} for d, c, r in DIALOGUES],
+    "implicit_text": [
+        {"chosen": f"Summarize: {d}\nSummary: {c}", "rejected": f"Summarize: {d}\nSummary: {r}"}
+        for d, c, r in DIALOGUES
+    ],
     "implicit_chat": [{"chosen": chat(d, c), "rejected": chat(d, r)} for d, c, r in DIALOGUES],
 }
 
@@ -85,18 +89,34 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def trl_trainer(cfg: TrainConfig, model_dir: Path, tokenizer, tmp_path: Path, dpo: DpoConfig = DpoConfig()):
+def trl_trainer(cfg: TrainConfig, model_dir: Path, tokenizer, tmp_path: Path, dpo: DpoConfig | None = None):
+    dpo = dpo or DpoConfig()
     from trl import DPOConfig, DPOTrainer
 
     types = loss_types(dpo)
-    args = DPOConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, save_strategy="no",
-                     max_length=cfg.data.context_length, truncation_mode=cfg.data.trl_dataset.truncation_mode,
-                     beta=dpo.beta, loss_type=types, label_smoothing=dpo.label_smoothing,
-                     loss_weights=list(dpo.loss_weights) or None, f_divergence_type=dpo.f_divergence_type,
-                     f_alpha_divergence_coef=dpo.f_alpha_divergence_coef, discopop_tau=dpo.discopop_tau)
+    args = DPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        max_length=cfg.data.context_length,
+        truncation_mode=cfg.data.trl_dataset.truncation_mode,
+        beta=dpo.beta,
+        loss_type=types,
+        label_smoothing=dpo.label_smoothing,
+        loss_weights=list(dpo.loss_weights) or None,
+        f_divergence_type=dpo.f_divergence_type,
+        f_alpha_divergence_coef=dpo.f_alpha_divergence_coef,
+        discopop_tau=dpo.discopop_tau,
+    )
     dataset = load_dataset("json", data_files=cfg.data.trl_dataset.dataset_name, split="train")
-    return DPOTrainer(model=load_model(str(model_dir)), ref_model=load_model(str(model_dir)), args=args,
-                      train_dataset=dataset, processing_class=copy.deepcopy(tokenizer))
+    return DPOTrainer(
+        model=load_model(str(model_dir)),
+        ref_model=load_model(str(model_dir)),
+        args=args,
+        train_dataset=dataset,
+        processing_class=copy.deepcopy(tokenizer),
+    )
 
 
 def trl_and_our_policy(dpo: DpoConfig, tiny: Path, tokenizer, tmp_path: Path):
@@ -150,16 +170,21 @@ def test_implicit_prompt_is_the_shared_prefix_without_the_space():
 
 def test_a_prompt_that_fills_max_length_is_dropped_and_counted(tokenizer, tmp_path):
     cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["chat"]), 30)
-    rows = ROWS["chat"] + [{"prompt": chat("x " * 80, "")[:2], "chosen": chat("", "a")[2:],
-                            "rejected": chat("", "b")[2:]}]
+    rows = ROWS["chat"] + [
+        {"prompt": chat("x " * 80, "")[:2], "chosen": chat("", "a")[2:], "rejected": chat("", "b")[2:]}
+    ]
     write_jsonl(tmp_path / "pairs.jsonl", rows)
     cfg.data.context_length = 60
     pairs, report = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
     assert len(pairs) == 3 and report.skipped == {"prompt_fills_max_length": 1}
 
 
-LOSSES = [DpoConfig(), DpoConfig(beta=0.5, loss_type="ipo"), DpoConfig(beta=0.3, loss_type="hinge"),
-          DpoConfig(beta=0.2, loss_type="robust", label_smoothing=0.1)]
+LOSSES = [
+    DpoConfig(),
+    DpoConfig(beta=0.5, loss_type="ipo"),
+    DpoConfig(beta=0.3, loss_type="hinge"),
+    DpoConfig(beta=0.2, loss_type="robust", label_smoothing=0.1),
+]
 
 
 @pytest.mark.parametrize("dpo", LOSSES, ids=lambda d: str(d.loss_type))
@@ -192,8 +217,14 @@ def test_first_loss_is_ln2_when_policy_is_the_reference(tiny, tokenizer, tmp_pat
     cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["text"]))
     pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
     model = load_model(str(tiny))
-    loss_sum, _ = micro_batch_loss(model, load_model(str(tiny)), None,
-                                   collate_pairs(pairs, tokenizer.pad_token_id, 1024), DpoConfig(), torch.device("cpu"))
+    loss_sum, _ = micro_batch_loss(
+        model,
+        load_model(str(tiny)),
+        None,
+        collate_pairs(pairs, tokenizer.pad_token_id, 1024),
+        DpoConfig(),
+        torch.device("cpu"),
+    )
     assert float(loss_sum) / len(pairs) == pytest.approx(math.log(2), abs=1e-6)
     loss_sum.backward()  # the graph reaches the policy's weights
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
@@ -216,18 +247,21 @@ def process_group(tmp_path_factory):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("losses", [DpoConfig(), DpoConfig(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5])],
-                         ids=["sigmoid", "sigmoid+sft"])
-def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(losses, process_group, tiny, tokenizer,
-                                                                     tmp_path):
+@pytest.mark.parametrize(
+    "losses",
+    [DpoConfig(), DpoConfig(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5])],
+    ids=["sigmoid", "sigmoid+sft"],
+)
+def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(losses, process_group, tiny, tokenizer, tmp_path):
     """1 x 4 x 1, 1 x 2 x 2 and 1 x 1 x 4 (processes x pairs x accumulation): the same loss, metrics and weights
     after one step (the pair count is all-reduced like the SFT loop's token count; the launch test does 2 ranks);
     with an sft term too (a mean over the step's chosen completion tokens, which micro-batches hold unequally)."""
     from shardtune.parallel import make_strategy
     from shardtune.runtime.distributed import DistEnv
 
-    rows = ROWS["text"] + [{"prompt": "Summarize: Tom: hi!\nSummary:", "chosen": " Tom says hi.",
-                            "rejected": " Kate brings cake."}]
+    rows = ROWS["text"] + [
+        {"prompt": "Summarize: Tom: hi!\nSummary:", "chosen": " Tom says hi.", "rejected": " Kate brings cake."}
+    ]
     cfg0 = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", rows))
     pairs, _ = load_pairs(cfg0, copy.deepcopy(tokenizer), "train")
     env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend="gloo")
@@ -240,8 +274,9 @@ def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(losses, pro
         strategy = make_strategy(cfg, env)
         model = strategy.wrap(load_model(str(tiny)))
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        micro = [collate_pairs(pairs[i:i + batch_size], tokenizer.pad_token_id, 1024)
-                 for i in range(0, 4, batch_size)]
+        micro = [
+            collate_pairs(pairs[i : i + batch_size], tokenizer.pad_token_id, 1024) for i in range(0, 4, batch_size)
+        ]
         stats = dpo_step(cfg, env, strategy, model, optimizer, micro, tokenizer)
         results.append((stats, strategy.unwrap(model).state_dict()))
     (first, weights), others = results[0], results[1:]
@@ -262,19 +297,24 @@ def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(losses, pro
     cfg.eval.batch_size = 3
     policy, reference = load_model(str(tiny)), load_model(str(tiny))
     policy.load_state_dict(weights)
-    evaluated = dpo_evaluate(strategy.wrap(policy), strategy, cfg, env, pairs, tokenizer.pad_token_id,
-                             ref_model=reference)
+    evaluated = dpo_evaluate(
+        strategy.wrap(policy), strategy, cfg, env, pairs, tokenizer.pad_token_id, ref_model=reference
+    )
     whole = collate_pairs(pairs, tokenizer.pad_token_id, 1024)
     _, direct = micro_batch_loss(policy, reference, None, whole, cfg.dpo, torch.device("cpu"))
-    assert evaluated["eval_num_pairs"] == 4 and set(evaluated) == {"eval_num_pairs", "eval_loss",
-                                                                  *(f"eval_{m}" for m in METRICS)}
+    assert evaluated["eval_num_pairs"] == 4 and set(evaluated) == {
+        "eval_num_pairs",
+        "eval_loss",
+        *(f"eval_{m}" for m in METRICS),
+    }
     for name, value in pair_means(direct.tolist(), 4, chosen_completion_targets(whole), sft_weight(losses)).items():
         assert evaluated[f"eval_{name}"] == pytest.approx(value, rel=1e-5, abs=1e-6), name
     assert evaluated["eval_loss"] != pytest.approx(math.log(2), abs=1e-4), "the trained policy is not the reference"
 
 
-def test_precomputed_reference_log_probabilities_give_the_live_references_loss(process_group, tiny, tokenizer,
-                                                                                 tmp_path):
+def test_precomputed_reference_log_probabilities_give_the_live_references_loss(
+    process_group, tiny, tokenizer, tmp_path
+):
     """--precompute_ref_log_probs: one pass stores each pair's reference log-probabilities; a batch of such pairs
     needs no reference model and gives the loss and metrics of the live reference (batch composition aside)."""
     from shardtune.parallel import make_strategy
@@ -289,13 +329,13 @@ def test_precomputed_reference_log_probabilities_give_the_live_references_loss(p
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
-    precompute_reference(pairs, policy, make_strategy(cfg, env), cfg, env, tokenizer.pad_token_id,
-                         ref_model=reference)
+    precompute_reference(pairs, policy, make_strategy(cfg, env), cfg, env, tokenizer.pad_token_id, ref_model=reference)
     assert all(len(p["ref_logps"]) == 2 for p in pairs)
     batch = collate_pairs(pairs, tokenizer.pad_token_id, cfg.data.context_length)
     assert batch["ref_logps"].shape == (3, 2)
-    live_loss, live = micro_batch_loss(policy, reference, None, {k: v for k, v in batch.items() if k != "ref_logps"},
-                                       cfg.dpo, torch.device("cpu"))
+    live_loss, live = micro_batch_loss(
+        policy, reference, None, {k: v for k, v in batch.items() if k != "ref_logps"}, cfg.dpo, torch.device("cpu")
+    )
     stored_loss, stored = micro_batch_loss(policy, None, None, batch, cfg.dpo, torch.device("cpu"))
     assert float(stored_loss) == pytest.approx(float(live_loss), rel=1e-5)
     torch.testing.assert_close(stored, live, rtol=1e-5, atol=1e-5)
@@ -326,9 +366,9 @@ def test_padding_free_pairs_give_the_padded_losses_and_gradients(rows, tiny, tok
     """--padding_free: the micro-batch's chosen then rejected sequences in ONE row, no pad token, attention kept in
     each sequence (shardtune_varlen): the same log-probabilities, losses (every loss type, ipo's per-token lengths
     too), metrics and policy gradients as the padded rows; the same pair and completion-token counts."""
+    from shardtune.accounting.flops import model_shape, preference_micro_batch_flops
     from shardtune.data.preference import collate_pairs_flat
     from shardtune.model.attention import use_varlen_attention
-    from shardtune.accounting.flops import model_shape, preference_micro_batch_flops
     from shardtune.training.dpo_logps import num_completion_targets, num_pairs, predicted_completion
 
     cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS[rows]))
@@ -340,8 +380,10 @@ def test_padding_free_pairs_give_the_padded_losses_and_gradients(rows, tiny, tok
     assert int(predicted_completion(flat).sum()) == int(predicted_completion(padded).sum())
     policy, reference = load_model(str(tiny)), load_model(str(tiny))
     shape = model_shape(policy)  # the model FLOPs (mfu) count the same tokens and attention
-    assert preference_micro_batch_flops(shape, flat, num_completion_targets(flat))[0] == \
-        preference_micro_batch_flops(shape, padded, num_completion_targets(padded))[0]
+    assert (
+        preference_micro_batch_flops(shape, flat, num_completion_targets(flat))[0]
+        == preference_micro_batch_flops(shape, padded, num_completion_targets(padded))[0]
+    )
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
@@ -359,8 +401,10 @@ def test_padding_free_pairs_give_the_padded_losses_and_gradients(rows, tiny, tok
             grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
             means.append(pair_means(sums.tolist(), len(pairs)))
         for name, value in means[0].items():
-            assert means[1][name] == pytest.approx(value, rel=1e-5, abs=logp_resolution(means[0])), \
-                (dpo.loss_type, name)
+            assert means[1][name] == pytest.approx(value, rel=1e-5, abs=logp_resolution(means[0])), (
+                dpo.loss_type,
+                name,
+            )
         torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5 * float(grads[0].abs().max()))
     assert abs(means[0]["rewards/margins"]) > 0.01, "the policy must differ from the reference"
 
@@ -374,7 +418,10 @@ def test_pairs_and_their_reference_log_probabilities_are_cached_with_the_tokenis
     import numpy as np
 
     from shardtune.data.cache import (
-        load_pairs_cached, pairs_entry, read_reference_log_probs, write_reference_log_probs,
+        load_pairs_cached,
+        pairs_entry,
+        read_reference_log_probs,
+        write_reference_log_probs,
     )
     from shardtune.training.dpo_reference import reference_key
 
@@ -397,8 +444,12 @@ def test_pairs_and_their_reference_log_probabilities_are_cached_with_the_tokenis
     layout.batch_size_training, layout.gradient_accumulation_steps, layout.enable_fsdp = 1, 4, True
     assert reference_key(layout, fp32, cpu) == key, "the layout changes rounding only"
     assert reference_key(cfg, torch.bfloat16, cpu) != key
-    for change in ({"padding_free": True}, {"attn_implementation": "eager"}, {"quantization": "4bit"},
-                   {"rope_scaling": "yarn", "rope_factor": 2.0}):
+    for change in (
+        {"padding_free": True},
+        {"attn_implementation": "eager"},
+        {"quantization": "4bit"},
+        {"rope_scaling": "yarn", "rope_factor": 2.0},
+    ):
         assert reference_key(with_settings(cfg, change), fp32, cpu) != key, change
     weights = tiny / "model.safetensors"
     stat = weights.stat()
@@ -444,8 +495,9 @@ def test_lora_dropout_masks_follow_the_pair_not_the_layout(padding_free, process
     from shardtune.parallel import make_strategy
     from shardtune.runtime.distributed import DistEnv
 
-    rows = ROWS["text"] + [{"prompt": "Summarize: Tom: hi!\nSummary:", "chosen": " Tom says hi.",
-                            "rejected": " Kate brings cake."}]
+    rows = ROWS["text"] + [
+        {"prompt": "Summarize: Tom: hi!\nSummary:", "chosen": " Tom says hi.", "rejected": " Kate brings cake."}
+    ]
     cfg0 = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", rows))
     pairs, _ = load_pairs(cfg0, copy.deepcopy(tokenizer), "train")
     for index, pair in enumerate(pairs):
@@ -454,20 +506,27 @@ def test_lora_dropout_masks_follow_the_pair_not_the_layout(padding_free, process
     adapters = []
     for batch_size, accumulation in ((4, 1), (2, 2), (1, 4)):
         cfg = dpo_cfg(tmp_path / "pairs.jsonl")
-        cfg.train.batch_size, cfg.train.gradient_accumulation_steps, cfg.data.padding_free = batch_size, accumulation, padding_free
+        cfg.train.batch_size, cfg.train.gradient_accumulation_steps, cfg.data.padding_free = (
+            batch_size,
+            accumulation,
+            padding_free,
+        )
         cfg.peft.method, cfg.peft.lora.dropout, cfg.objective = "lora", 0.3, "dpo"
         torch.manual_seed(0)  # the same adapter init in every layout
         strategy = make_strategy(cfg, env)
         model = strategy.wrap(apply_peft(load_model(str(tiny)), cfg))
         trained = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(trained, lr=1.0)
-        micro = [collate_pair_units([[pair] for pair in pairs[i:i + batch_size]], cfg, tokenizer.pad_token_id)
-                 for i in range(0, 4, batch_size)]
+        micro = [
+            collate_pair_units([[pair] for pair in pairs[i : i + batch_size]], cfg, tokenizer.pad_token_id)
+            for i in range(0, 4, batch_size)
+        ]
         assert all("example_ids" in mb and "position_ids" in mb for mb in micro)
         stats = dpo_step(cfg, env, strategy, model, optimizer, micro, tokenizer)
         assert stats["loss"] == pytest.approx(math.log(2), abs=1e-6)
-        adapters.append({n: p.detach().clone() for n, p in strategy.unwrap(model).named_parameters()
-                         if p.requires_grad})
+        adapters.append(
+            {n: p.detach().clone() for n, p in strategy.unwrap(model).named_parameters() if p.requires_grad}
+        )
     first = adapters[0]
     assert any(("lora_B" in n and v.abs().max() > 0) for n, v in first.items()), "the step moved lora_B"
     for other in adapters[1:]:
@@ -476,16 +535,17 @@ def test_lora_dropout_masks_follow_the_pair_not_the_layout(padding_free, process
 
 
 @pytest.mark.parametrize("cp,sp", [(1, 2), (2, 1), (2, 2)])
-def test_the_slices_of_a_split_row_of_pairs_add_up_to_the_whole_rows_log_probabilities(cp, sp, tiny, tokenizer,
-                                                                                        tmp_path):
+def test_the_slices_of_a_split_row_of_pairs_add_up_to_the_whole_rows_log_probabilities(
+    cp, sp, tiny, tokenizer, tmp_path
+):
     """--sp_size / --cp_size: each rank of a cp x sp group holds a slice of the row of pairs (shardtune.parallel.
     sequence.split_row: targets shifted before the split, the row padded to a multiple of 2 cp sp, context-parallel
     chunks load-balanced); its per-sequence partial sums over all ranks add up to the whole row's log-probabilities,
     and every slice keeps the pairs' per-sequence values (completion lengths, precomputed reference)."""
     from shardtune.data.preference import collate_pair_units
+    from shardtune.model.loss import sequence_log_prob_sums
     from shardtune.parallel.dims import ParallelDims
     from shardtune.parallel.sequence import RowSlice
-    from shardtune.model.loss import sequence_log_prob_sums
     from shardtune.training.dpo_logps import completion_lengths, completion_targets, num_completion_targets, num_pairs
 
     cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["chat"]))
@@ -516,23 +576,29 @@ def test_the_slices_of_a_split_row_of_pairs_add_up_to_the_whole_rows_log_probabi
         held = row_slice(positions, tokenizer.pad_token_id)["input_ids"][0].clamp(max=logits.shape[1] - 1)
         assert num_pairs(part) == len(pairs) and torch.equal(part["ref_logps"], whole["ref_logps"])
         assert torch.equal(completion_lengths(part), completion_lengths(whole))
-        total += sequence_log_prob_sums(Logits(held), part, *completion_targets(part), cpu)[:len(expected)]
+        total += sequence_log_prob_sums(Logits(held), part, *completion_targets(part), cpu)[: len(expected)]
         targets += num_completion_targets(part)
     torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-4)
     assert targets == num_completion_targets(whole)
 
 
-TRL_LOSSES = [DpoConfig(loss_type=["exo_pair"], label_smoothing=1e-3), DpoConfig(beta=0.3, loss_type=["nca_pair"]),
-              DpoConfig(beta=0.3, loss_type=["bco_pair"]), DpoConfig(beta=0.5, loss_type=["sppo_hard"]),
-              DpoConfig(beta=0.3, loss_type=["apo_zero"]), DpoConfig(beta=0.3, loss_type=["apo_down"]),
-              DpoConfig(beta=0.3, loss_type=["discopop"], discopop_tau=0.1),
-              DpoConfig(beta=0.5, loss_type=["sigmoid_norm"]), DpoConfig(loss_type=["sft"]),
-              DpoConfig(beta=0.3, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5]),  # RPO
-              DpoConfig(beta=0.3, loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0]),
-              DpoConfig(beta=0.3, f_divergence_type="forward_kl"),
-              DpoConfig(beta=0.3, f_divergence_type="js_divergence"),
-              DpoConfig(beta=0.3, f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.3),
-              DpoConfig(beta=0.5, loss_type=["ipo"], f_divergence_type="js_divergence")]
+TRL_LOSSES = [
+    DpoConfig(loss_type=["exo_pair"], label_smoothing=1e-3),
+    DpoConfig(beta=0.3, loss_type=["nca_pair"]),
+    DpoConfig(beta=0.3, loss_type=["bco_pair"]),
+    DpoConfig(beta=0.5, loss_type=["sppo_hard"]),
+    DpoConfig(beta=0.3, loss_type=["apo_zero"]),
+    DpoConfig(beta=0.3, loss_type=["apo_down"]),
+    DpoConfig(beta=0.3, loss_type=["discopop"], discopop_tau=0.1),
+    DpoConfig(beta=0.5, loss_type=["sigmoid_norm"]),
+    DpoConfig(loss_type=["sft"]),
+    DpoConfig(beta=0.3, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5]),  # RPO
+    DpoConfig(beta=0.3, loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0]),
+    DpoConfig(beta=0.3, f_divergence_type="forward_kl"),
+    DpoConfig(beta=0.3, f_divergence_type="js_divergence"),
+    DpoConfig(beta=0.3, f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.3),
+    DpoConfig(beta=0.5, loss_type=["ipo"], f_divergence_type="js_divergence"),
+]
 
 
 @pytest.mark.parametrize("dpo", TRL_LOSSES, ids=lambda d: "+".join(d.loss_type) + "-" + d.f_divergence_type)
@@ -567,16 +633,19 @@ def test_every_trl_loss_and_divergence_equals_trl_on_the_same_reference(dpo, tin
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
 
 
-@pytest.mark.parametrize("flags,message", [
-    (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0]), "1 weights for 2 loss types"),
-    (dict(loss_type=["exo_pair"]), "exo_pair needs it above 0"),
-    (dict(loss_type=["sigmoid"], label_smoothing=0.1), "has no effect with --loss_type sigmoid"),
-    (dict(loss_type=["bco_pair"], f_divergence_type="js_divergence"), "no f-DPO form"),
-    (dict(f_alpha_divergence_coef=0.3), "--f_alpha_divergence_coef 0.3 has no effect"),
-    (dict(discopop_tau=0.1), "--discopop_tau 0.1 has no effect"),
-    (dict(loss_type=[]), "--loss_type is empty"),
-    (dict(loss_type=["aot"]), "sorts the log-ratios within a device's batch"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0]), "1 weights for 2 loss types"),
+        (dict(loss_type=["exo_pair"]), "exo_pair needs it above 0"),
+        (dict(loss_type=["sigmoid"], label_smoothing=0.1), "has no effect with --loss_type sigmoid"),
+        (dict(loss_type=["bco_pair"], f_divergence_type="js_divergence"), "no f-DPO form"),
+        (dict(f_alpha_divergence_coef=0.3), "--f_alpha_divergence_coef 0.3 has no effect"),
+        (dict(discopop_tau=0.1), "--discopop_tau 0.1 has no effect"),
+        (dict(loss_type=[]), "--loss_type is empty"),
+        (dict(loss_type=["aot"]), "sorts the log-ratios within a device's batch"),
+    ],
+)
 def test_a_loss_flag_that_a_loss_would_ignore_is_refused(flags, message):
     with pytest.raises(ConfigError, match=message):
         check_loss_options(DpoConfig(**flags))

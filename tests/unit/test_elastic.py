@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 from torch.distributed.run import get_args_parser
 
+from shardtune.launch.rendezvous import agree_on_attempt, count_attempts_across_nodes, counting_backend
 from shardtune.runtime.distributed import nccl_watchdog_env
 from shardtune.runtime.elastic import ATTEMPT_ENV, worker_group_attempt
-from shardtune.launch.rendezvous import agree_on_attempt, count_attempts_across_nodes, counting_backend
 
 
 def test_every_agent_of_a_round_gets_the_same_attempt_and_later_rounds_larger_ones():
@@ -29,8 +29,14 @@ def test_every_agent_of_a_round_gets_the_same_attempt_and_later_rounds_larger_on
     for round_ in range(3):
         store = dist.PrefixStore(f"torch.rendezvous.job.{round_}", base)  # as the dynamic rendezvous prefixes it
         answers: dict[int, int] = {}
-        waiting = [threading.Thread(target=lambda r=r: answers.__setitem__(r, agree_on_attempt(store, r, "job")))
-                   for r in (1, 2)]
+        waiting = [
+            threading.Thread(
+                target=lambda r=r, answers=answers, store=store: answers.__setitem__(
+                    r, agree_on_attempt(store, r, "job")
+                )
+            )
+            for r in (1, 2)
+        ]
         for thread in waiting:
             thread.start()
         answers[0] = agree_on_attempt(store, 0, "job")
@@ -59,7 +65,10 @@ def test_the_launcher_counts_with_dynamic_rendezvous_and_leaves_static_alone():
     standalone = parsed("--standalone", "--nproc_per_node=2")
     count_attempts_across_nodes(standalone)
     assert (standalone.standalone, standalone.rdzv_backend, standalone.rdzv_endpoint) == (
-        False, "shardtune-c10d", "localhost:0")
+        False,
+        "shardtune-c10d",
+        "localhost:0",
+    )
     c10d = parsed("--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=hostA:29500", "--rdzv_id=7")
     count_attempts_across_nodes(c10d)
     count_attempts_across_nodes(c10d)  # idempotent
@@ -72,8 +81,17 @@ def test_the_launcher_counts_with_dynamic_rendezvous_and_leaves_static_alone():
 def test_the_wrapped_c10d_handler_sets_the_attempt_after_each_rendezvous(monkeypatch):
     """torchrun's own c10d rendezvous, one node, in this process: each next_rendezvous is a new round."""
     monkeypatch.delenv(ATTEMPT_ENV, raising=False)
-    params = RendezvousParameters(counting_backend("c10d"), "localhost:0", "unit-test", 1, 1, is_host=True,
-                                  join_timeout=20, last_call_timeout=1, close_timeout=5)
+    params = RendezvousParameters(
+        counting_backend("c10d"),
+        "localhost:0",
+        "unit-test",
+        1,
+        1,
+        is_host=True,
+        join_timeout=20,
+        last_call_timeout=1,
+        close_timeout=5,
+    )
     handler = rendezvous_handler_registry.create_handler(params)
     try:
         assert handler.get_backend() == "shardtune-c10d" and handler.get_run_id() == "unit-test"
@@ -92,9 +110,11 @@ def test_the_wrapped_c10d_handler_sets_the_attempt_after_each_rendezvous(monkeyp
 def test_nccl_watchdog_ends_a_process_with_a_dead_peer_within_the_timeout(dist_timeout, heartbeat):
     """Unit only: no GPUs here to watch NCCL's watchdog fire."""
     assert nccl_watchdog_env(dist_timeout, {}) == {
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_ENABLE_MONITORING": "1",
-        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": heartbeat}
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "TORCH_NCCL_ENABLE_MONITORING": "1",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": heartbeat,
+    }
     # what the user (or torchrun's agent) set is kept
-    assert nccl_watchdog_env(dist_timeout, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-                                            "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "900"}) == {
-        "TORCH_NCCL_ENABLE_MONITORING": "1"}
+    assert nccl_watchdog_env(
+        dist_timeout, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "900"}
+    ) == {"TORCH_NCCL_ENABLE_MONITORING": "1"}

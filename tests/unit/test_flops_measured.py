@@ -6,14 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardtune.model.attention import use_varlen_attention
-from shardtune.data.batching import collate_flat, collate_padding
 from shardtune.accounting.flops import (
-    causal_attention_flops, flop_counter, matmul_flops_per_token, micro_batch_flops, model_shape, num_input_tokens,
-    palm_micro_batch_flops, sequence_lengths,
+    causal_attention_flops,
+    flop_counter,
+    matmul_flops_per_token,
+    micro_batch_flops,
+    model_shape,
+    num_input_tokens,
+    palm_micro_batch_flops,
+    sequence_lengths,
 )
-from shardtune.model.loss import IGNORE_INDEX, token_loss_sum
+from shardtune.data.batching import collate_flat, collate_padding
+from shardtune.model.attention import use_varlen_attention
 from shardtune.model.loading import load_model
+from shardtune.model.loss import IGNORE_INDEX, token_loss_sum
 
 CPU = torch.device("cpu")
 # both sides are exact integer counts of the same matmuls: they must agree to float rounding of the sum
@@ -82,17 +88,21 @@ def test_dpo_flops_count_the_policy_step_and_the_reference_forward_on_the_lean_h
     only; the analytic count equals torch's to rounding, less the pad tokens, the attention squares the kernels
     compute beyond the causal triangle, and the lean head's recomputation of its logits in backward (as activation
     checkpointing's recomputation, not model FLOPs)."""
-    from shardtune.data.preference import collate_pairs
     from shardtune.accounting.flops import preference_micro_batch_flops
+    from shardtune.data.preference import collate_pairs
     from shardtune.training.dpo_logps import num_completion_targets, pair_logps
 
     policy, reference = load_model(str(tiny_model)), load_model(str(tiny_model))
     reference.requires_grad_(False)
     gen = torch.Generator().manual_seed(3)
-    pairs = [{"prompt_ids": torch.randint(4, 1000, (int(n),), generator=gen).tolist(),
-              "chosen_ids": torch.randint(4, 1000, (int(c),), generator=gen).tolist(),
-              "rejected_ids": torch.randint(4, 1000, (int(r),), generator=gen).tolist()}
-             for n, c, r in ((9, 5, 7), (14, 3, 6), (6, 8, 4))]
+    pairs = [
+        {
+            "prompt_ids": torch.randint(4, 1000, (int(n),), generator=gen).tolist(),
+            "chosen_ids": torch.randint(4, 1000, (int(c),), generator=gen).tolist(),
+            "rejected_ids": torch.randint(4, 1000, (int(r),), generator=gen).tolist(),
+        }
+        for n, c, r in ((9, 5, 7), (14, 3, 6), (6, 8, 4))
+    ]
     batch = collate_pairs(pairs, pad_id=3, max_length=None)
     shape = model_shape(policy)
     assert shape.lean_loss
@@ -107,11 +117,13 @@ def test_dpo_flops_count_the_policy_step_and_the_reference_forward_on_the_lean_h
     flops, palm = preference_micro_batch_flops(shape, batch, scored)
     causal = causal_attention_flops(shape, sequence_lengths(batch))
     pad = batch["input_ids"].numel() - num_input_tokens(batch)
-    wasted = pad * (matmul_flops_per_token(shape.num_body_params, shape.num_trainable_body_params)
-                    + 2 * shape.num_body_params)
+    wasted = pad * (
+        matmul_flops_per_token(shape.num_body_params, shape.num_trainable_body_params) + 2 * shape.num_body_params
+    )
     recomputed = 2 * shape.num_head_params * scored  # the lean head's logits, recomputed in backward
-    assert pad > 0 and abs((flops - causal - causal // 3 + wasted + recomputed) - (total - attention)) <= \
-        TOLERANCE * total
+    assert (
+        pad > 0 and abs((flops - causal - causal // 3 + wasted + recomputed) - (total - attention)) <= TOLERANCE * total
+    )
     # torch: 14 per pair and feature for the policy (forward, recomputed scores, backward), 4 for the reference
     assert attention == 18 * shape.num_layers * shape.attention_size * attention_squares(batch)
     assert 0 < flops < total and flops < palm

@@ -42,8 +42,9 @@ def test_push_to_hub_is_refused_before_launch_when_it_cannot_work(tiny_model, ca
     assert "no Hugging Face token" in line and "--hub_token" in line
     assert not out.exists()  # refused before anything ran
     # a hub setting without --push_to_hub would be accepted and ignored: refused
-    assert "only applies with --push_to_hub" in _one_line_error(main_in_process(
-        "sft", "--model_name", tiny_model, "--output_dir", out, "--hub_model_id", "me/model"))
+    assert "only applies with --push_to_hub" in _one_line_error(
+        main_in_process("sft", "--model_name", tiny_model, "--output_dir", out, "--hub_model_id", "me/model")
+    )
 
 
 def test_the_hub_token_is_never_written_to_config_yaml():

@@ -10,11 +10,11 @@ from peft import LoraConfig, get_peft_model
 
 from shardtune.config.flags import config_from
 from shardtune.config.schema import ConfigError
-from shardtune.training.checks import validate
+from shardtune.model.loading import build_model_on_meta, load_model, training_model_config
 from shardtune.model.longseq import apply_memory_levers, check_rope_scaling
 from shardtune.model.loss import hf_model, token_loss_sum
-from shardtune.model.loading import build_model_on_meta, load_model, training_model_config
 from shardtune.model.peft import load_quantized_model
+from shardtune.training.checks import validate
 
 CPU = torch.device("cpu")
 ROW_TOKENS = 300  # the tiny preset's hidden size is 64: four whole tiles and a partial one
@@ -30,8 +30,11 @@ def loss_and_grads(model: torch.nn.Module, batch: dict) -> tuple[float, dict[str
     model.zero_grad(set_to_none=True)
     loss = token_loss_sum(model, batch, CPU) / ROW_TOKENS
     loss.backward()
-    return float(loss.detach()), {n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
-                                  for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), {
+        n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
 
 
 def assert_same_loss_and_grads(reference: torch.nn.Module, other: torch.nn.Module) -> float:
@@ -74,8 +77,9 @@ def test_tiled_mlp_same_loss_and_gradients_without_a_full_length_intermediate(ti
 
 
 def test_activation_offloading_same_loss_and_gradients(tiny_model):
-    assert_same_loss_and_grads(load_model(str(tiny_model)),
-                               with_levers(load_model(str(tiny_model)), activation_offloading=True))
+    assert_same_loss_and_grads(
+        load_model(str(tiny_model)), with_levers(load_model(str(tiny_model)), activation_offloading=True)
+    )
 
 
 def test_tiled_mlp_and_offloading_under_activation_checkpointing_same_gradients(tiny_model):
@@ -97,8 +101,9 @@ def test_yarn_rope_scaling_builds_scaled_positions_that_train(tiny_model, tmp_pa
     assert not torch.allclose(scaled.model.rotary_emb.inv_freq, plain.model.rotary_emb.inv_freq)
     batch = row()
     with torch.no_grad():  # same weights, other positions: other logits
-        assert not torch.allclose(plain(input_ids=batch["input_ids"]).logits,
-                                  scaled(input_ids=batch["input_ids"]).logits)
+        assert not torch.allclose(
+            plain(input_ids=batch["input_ids"]).logits, scaled(input_ids=batch["input_ids"]).logits
+        )
     optimizer = torch.optim.SGD(scaled.parameters(), lr=0.5)
     losses = []
     for _ in range(3):
@@ -117,8 +122,9 @@ def test_every_loading_path_builds_the_yarn_scaled_model(tiny_model):
     """Full weights, 4-bit (QLoRA, also rank 0 of --low_cpu_fsdp) and the meta-device structure of the other ranks
     of --low_cpu_fsdp all build from training_model_config: the same scaled positions (inv_freq, and YaRN's
     attention scaling, which is an attribute the meta ranks compute themselves, not a buffer rank 0 could send)."""
-    cfg = config_from(model_name=str(tiny_model), rope_scaling="yarn", rope_factor=4.0, use_peft=True,
-                      quantization="4bit")
+    cfg = config_from(
+        model_name=str(tiny_model), rope_scaling="yarn", rope_factor=4.0, use_peft=True, quantization="4bit"
+    )
     full = load_model(str(tiny_model), config=training_model_config(cfg)).model.rotary_emb
     quantized = load_quantized_model(cfg, CPU)
     meta = build_model_on_meta(str(tiny_model), config=training_model_config(cfg)).model.rotary_emb
@@ -129,15 +135,20 @@ def test_every_loading_path_builds_the_yarn_scaled_model(tiny_model):
         assert rotary.attention_scaling == full.attention_scaling > plain.attention_scaling
         assert rotary.rope_type == "yarn"
     assert torch.equal(quantized.model.rotary_emb.inv_freq.float(), full.inv_freq)
-    assert training_model_config(config_from(model_name=str(tiny_model))).to_dict() == load_model(
-        str(tiny_model)).config.to_dict()  # without the flag: the model's own config
+    assert (
+        training_model_config(config_from(model_name=str(tiny_model))).to_dict()
+        == load_model(str(tiny_model)).config.to_dict()
+    )  # without the flag: the model's own config
 
 
-@pytest.mark.parametrize("flags, message", [
-    (dict(rope_scaling="yarn"), "--rope_factor 1.0 must be > 1"),
-    (dict(rope_factor=4.0), "--rope_factor 4.0 has no effect without --rope_scaling"),
-    (dict(rope_scaling="ntk", rope_factor=4.0), "--rope_scaling 'ntk' is not valid"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(rope_scaling="yarn"), "--rope_factor 1.0 must be > 1"),
+        (dict(rope_factor=4.0), "--rope_factor 4.0 has no effect without --rope_scaling"),
+        (dict(rope_scaling="ntk", rope_factor=4.0), "--rope_scaling 'ntk' is not valid"),
+    ],
+)
 def test_rope_scaling_bad_flags_are_one_line_errors(flags, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
         validate(config_from(output_dir=str(tmp_path / "out"), **flags), world_size=1)

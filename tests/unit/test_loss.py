@@ -12,11 +12,17 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from shardtune.model.attention import use_varlen_attention
 from shardtune.data.batching import collate_flat, collate_padding
-from shardtune.model.loss import (IGNORE_INDEX, default_chunk_rows, full_logits_loss_sum, lean_head,
-                            linear_cross_entropy_sum, token_loss_sum)
+from shardtune.model.attention import use_varlen_attention
 from shardtune.model.loading import load_model
+from shardtune.model.loss import (
+    IGNORE_INDEX,
+    default_chunk_rows,
+    full_logits_loss_sum,
+    lean_head,
+    linear_cross_entropy_sum,
+    token_loss_sum,
+)
 
 CPU = torch.device("cpu")
 
@@ -113,8 +119,11 @@ def test_lean_loss_under_fsdp2(tiny_model, process_group):
 def test_lean_loss_under_peft(method, tiny_model):
     import peft
 
-    config = (peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"], task_type="CAUSAL_LM")
-              if method == "lora" else peft.PrefixTuningConfig(num_virtual_tokens=5, task_type="CAUSAL_LM"))
+    config = (
+        peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"], task_type="CAUSAL_LM")
+        if method == "lora"
+        else peft.PrefixTuningConfig(num_virtual_tokens=5, task_type="CAUSAL_LM")
+    )
     torch.manual_seed(0)
     model = peft.get_peft_model(load_model(str(tiny_model)), config)
     if method == "lora":
@@ -133,7 +142,8 @@ def test_eval_without_gradients_gives_the_same_loss(tiny_model):
     batch = BATCHES["packing"]()
     with torch.no_grad():
         assert token_loss_sum(model, batch, CPU).item() == pytest.approx(
-            full_logits_loss_sum(model, batch, CPU).item(), rel=1e-6)
+            full_logits_loss_sum(model, batch, CPU).item(), rel=1e-6
+        )
 
 
 # relative precision of each format (unit roundoff): 8 and 11 significant bits

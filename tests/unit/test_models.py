@@ -10,9 +10,20 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shardtune.config.schema import ConfigError
 from shardtune.data.synthetic import PROMPT_PREFIX, PROMPT_SUFFIX, generate_dialogues
-from shardtune.model.loading import (PRESET_VERSION, PRESETS, build_model_on_meta, cache_dir, check_model_source,
-                                     count_parameters, init_model, load_model, load_tokenizer, preset_fingerprint,
-                                     resolve_model_name, train_tokenizer)
+from shardtune.model.loading import (
+    PRESET_VERSION,
+    PRESETS,
+    build_model_on_meta,
+    cache_dir,
+    check_model_source,
+    count_parameters,
+    init_model,
+    load_model,
+    load_tokenizer,
+    preset_fingerprint,
+    resolve_model_name,
+    train_tokenizer,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -99,7 +110,8 @@ def test_empty_model_name_means_the_demo_preset():
 
 
 def test_a_preset_is_the_same_bytes_in_any_fresh_cache_and_a_cache_left_by_other_code_is_not_reused(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """What a fresh clone builds is what a warm cache holds: the demo's figures cannot depend on the cache."""
     stale = cache_dir() / "presets" / f"tiny-{PRESET_VERSION}"  # its name before it carried the fingerprint
     stale.mkdir(parents=True)

@@ -1,5 +1,5 @@
-"""The peak MFU divides by (shardtune/accounting/peak_flops.py): data-sheet peaks looked up by the names torch reports, in the
-compute dtype; on CPU a measured peak that a busy machine at measurement time does not leave too low."""
+"""The peak MFU divides by (shardtune/accounting/peak_flops.py): data-sheet peaks looked up by the names torch
+reports, in the compute dtype; on CPU a measured peak that a busy machine at measurement time does not leave too low."""
 
 from __future__ import annotations
 
@@ -11,31 +11,39 @@ import pytest
 import torch
 
 from shardtune.accounting.peak_flops import (
-    DATA_SHEET_TFLOPS, PeakMeter, data_sheet_peak, is_remeasure_step, matmul_key, measure_matmul_flops,
+    DATA_SHEET_TFLOPS,
+    PeakMeter,
+    data_sheet_peak,
+    is_remeasure_step,
+    matmul_key,
+    measure_matmul_flops,
 )
 
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("name, key, tflops, gpu", [
-    ("NVIDIA H100 80GB HBM3", "bf16", 989, "NVIDIA H100 SXM"),
-    ("NVIDIA H100 PCIe", "bf16", 756, "NVIDIA H100 PCIe"),
-    ("NVIDIA H100 NVL", "bf16", 835.5, "NVIDIA H100 NVL"),
-    ("NVIDIA H200", "bf16", 989, "NVIDIA H200 SXM"),
-    ("NVIDIA H200", "tf32", 494.5, "NVIDIA H200 SXM"),
-    ("NVIDIA H200", "fp32", 67, "NVIDIA H200 SXM"),
-    ("NVIDIA A100-SXM4-80GB", "bf16", 312, "NVIDIA A100"),
-    ("NVIDIA A100-PCIE-40GB", "tf32", 156, "NVIDIA A100"),
-    ("NVIDIA A100 80GB PCIe", "fp32", 19.5, "NVIDIA A100"),
-    ("NVIDIA L40S", "bf16", 362, "NVIDIA L40S"),
-    ("NVIDIA L40", "bf16", 181, "NVIDIA L40"),
-    ("NVIDIA L4", "bf16", 121, "NVIDIA L4"),
-    ("NVIDIA A10G", "bf16", 125, "NVIDIA A10"),
-    ("NVIDIA A10", "fp32", 31.2, "NVIDIA A10"),
-    ("Tesla V100-SXM2-16GB", "fp16", 125, "NVIDIA V100 SXM2"),
-    ("Tesla V100-PCIE-32GB", "fp16", 112, "NVIDIA V100 PCIe"),
-    ("Tesla T4", "fp32", 8.1, "NVIDIA T4"),
-])
+@pytest.mark.parametrize(
+    "name, key, tflops, gpu",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989, "NVIDIA H100 SXM"),
+        ("NVIDIA H100 PCIe", "bf16", 756, "NVIDIA H100 PCIe"),
+        ("NVIDIA H100 NVL", "bf16", 835.5, "NVIDIA H100 NVL"),
+        ("NVIDIA H200", "bf16", 989, "NVIDIA H200 SXM"),
+        ("NVIDIA H200", "tf32", 494.5, "NVIDIA H200 SXM"),
+        ("NVIDIA H200", "fp32", 67, "NVIDIA H200 SXM"),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312, "NVIDIA A100"),
+        ("NVIDIA A100-PCIE-40GB", "tf32", 156, "NVIDIA A100"),
+        ("NVIDIA A100 80GB PCIe", "fp32", 19.5, "NVIDIA A100"),
+        ("NVIDIA L40S", "bf16", 362, "NVIDIA L40S"),
+        ("NVIDIA L40", "bf16", 181, "NVIDIA L40"),
+        ("NVIDIA L4", "bf16", 121, "NVIDIA L4"),
+        ("NVIDIA A10G", "bf16", 125, "NVIDIA A10"),
+        ("NVIDIA A10", "fp32", 31.2, "NVIDIA A10"),
+        ("Tesla V100-SXM2-16GB", "fp16", 125, "NVIDIA V100 SXM2"),
+        ("Tesla V100-PCIE-32GB", "fp16", 112, "NVIDIA V100 PCIe"),
+        ("Tesla T4", "fp32", 8.1, "NVIDIA T4"),
+    ],
+)
 def test_a_gpu_is_looked_up_by_the_name_torch_reports(name, key, tflops, gpu):
     peak = data_sheet_peak(name, key)
     assert peak is not None and peak.flops_per_s == tflops * 1e12 and peak.gpu == gpu and peak.key == key
@@ -88,7 +96,7 @@ def matmul_step(size: int = 1024, count: int = 4) -> tuple[int, float]:
     start = time.perf_counter()
     for _ in range(count):
         a @ b
-    return 2 * count * size ** 3, time.perf_counter() - start
+    return 2 * count * size**3, time.perf_counter() - start
 
 
 def test_mfu_stays_at_most_100_percent_when_the_machine_is_busy_while_the_peak_is_measured():

@@ -4,7 +4,6 @@ row of it here)."""
 
 from __future__ import annotations
 
-
 import json
 import subprocess
 import sys
@@ -14,13 +13,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from shardtune.planner.shapes import Adapter, Arch, read_arch
 from shardtune.planner.estimate import Setup, estimate, host_loading_bytes
-from shardtune.planner.speed import Traffic, sequence_traffic_per_step, step_time_s, traffic_per_step
-from shardtune.planner.search import alternatives, fits, sequence_splits
 from shardtune.planner.hardware import DEVICES
+from shardtune.planner.search import alternatives, fits, sequence_splits
+from shardtune.planner.shapes import Adapter, Arch, read_arch
+from shardtune.planner.speed import Traffic, sequence_traffic_per_step, step_time_s, traffic_per_step
 from tests.conftest import main_in_process
-
 
 GIB = 2**30
 
@@ -31,14 +29,37 @@ def real_count(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("config", [
-    LlamaConfig(vocab_size=1024, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=176),
-    LlamaConfig(vocab_size=1024, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-                intermediate_size=128, tie_word_embeddings=True),
-    Qwen2Config(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=96),
-], ids=["llama-gqa", "llama-tied", "qwen2-bias"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        LlamaConfig(
+            vocab_size=1024,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=176,
+        ),
+        LlamaConfig(
+            vocab_size=1024,
+            hidden_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            intermediate_size=128,
+            tie_word_embeddings=True,
+        ),
+        Qwen2Config(
+            vocab_size=512,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=96,
+        ),
+    ],
+    ids=["llama-gqa", "llama-tied", "qwen2-bias"],
+)
 def test_parameter_count_from_config_equals_the_real_model(config):
     assert Arch.from_config(config.to_dict()).num_params == real_count(config)
 
@@ -70,17 +91,30 @@ def test_full_fine_tuning_state_is_16_bytes_per_parameter():
 
 def test_anchors_8b_full_fsdp_on_8_gpus_and_70b_qlora_on_4():
     h100 = DEVICES["H100"]
-    llama8 = Setup(arch=read_arch("llama3-8b"), strategy="FULL_SHARD", gpus_per_node=8, batch_size=4, seq_len=2048,
-                   activation_checkpointing=True)
+    llama8 = Setup(
+        arch=read_arch("llama3-8b"),
+        strategy="FULL_SHARD",
+        gpus_per_node=8,
+        batch_size=4,
+        seq_len=2048,
+        activation_checkpointing=True,
+    )
     assert fits(llama8, h100)
     assert not fits(Setup(arch=llama8.arch, strategy="DDP", gpus_per_node=8, seq_len=2048), h100)  # 16 B x 8B > 80 GB
-    qlora = Setup(arch=read_arch("llama3-70b"), strategy="FULL_SHARD", gpus_per_node=4, seq_len=2048,
-                  activation_checkpointing=True, adapter=Adapter(method="lora", lora_r=16,
-                                                                  lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")),
-                  quantization="4bit")
+    qlora = Setup(
+        arch=read_arch("llama3-70b"),
+        strategy="FULL_SHARD",
+        gpus_per_node=4,
+        seq_len=2048,
+        activation_checkpointing=True,
+        adapter=Adapter(method="lora", lora_r=16, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")),
+        quantization="4bit",
+    )
     assert fits(qlora, h100)
-    assert not fits(Setup(arch=qlora.arch, strategy="FULL_SHARD", gpus_per_node=4, seq_len=2048,
-                          activation_checkpointing=True), h100)  # the same 70B fully fine-tuned does not
+    assert not fits(
+        Setup(arch=qlora.arch, strategy="FULL_SHARD", gpus_per_node=4, seq_len=2048, activation_checkpointing=True),
+        h100,
+    )  # the same 70B fully fine-tuned does not
 
 
 def test_low_cpu_fsdp_host_memory_of_70b_on_an_8_gpu_node():
@@ -113,8 +147,10 @@ def test_plan_recommends_a_fitting_command_and_reports_limits():
     text = plan_cli("--model_name", "llama3-8b", "--gpus_per_node", "8", "--gpu", "H100").stdout
     # the model as the user named it, with the process count; a built-in shape says which weights to give sft
     assert "recommended:" in text and "shardtune sft --nproc_per_node 8 --model_name llama3-8b " in text
-    assert "(llama3-8b is a shape the planner knows, not weights: give sft a model directory or a hub id, e.g. " \
-           "--model_name meta-llama/Llama-3.1-8B-Instruct)" in text
+    assert (
+        "(llama3-8b is a shape the planner knows, not weights: give sft a model directory or a hub id, e.g. "
+        "--model_name meta-llama/Llama-3.1-8B-Instruct)" in text
+    )
 
 
 def test_host_memory_is_a_constraint_like_gpu_memory():
@@ -156,9 +192,26 @@ def test_predicted_peak_within_10_percent_of_measured_for_ddp_fsdp_and_zero():
     from bench.plan_check import Row, predict, predicted_total
 
     strategies = ("DDP", "FULL_SHARD", "ZERO2")
-    measured = run_json([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                         "bench.plan_check", "--worker", "--shape", "tiny", "--seq_len", "2048", "--strategy",
-                         ",".join(strategies)], timeout=600, OMP_NUM_THREADS="1")
+    measured = run_json(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "bench.plan_check",
+            "--worker",
+            "--shape",
+            "tiny",
+            "--seq_len",
+            "2048",
+            "--strategy",
+            ",".join(strategies),
+        ],
+        timeout=600,
+        OMP_NUM_THREADS="1",
+    )
     for strategy in strategies:
         predicted = predicted_total(predict(Row("tiny", 2, strategy)))
         assert predicted == pytest.approx(measured[strategy]["peak_bytes"], rel=0.10), strategy
@@ -170,14 +223,22 @@ def test_predicted_peak_within_10_percent_of_measured_for_ddp_fsdp_and_zero():
     assert measured["ZERO2"]["peak_bytes"] > 10 * fsdp["peak_bytes"]
 
 
-
 # -- sequence / context parallel -------------------------------------------------------------------------------------
+
 
 def test_sequence_splits_are_valid_for_the_heads_and_the_world():
     """Ulysses' degree divides the query heads and stays in a node; every product divides the world; a model with
     12 heads on 8 GPUs takes Ulysses 4 and a ring of 2 for a split of 8, and the pure ring of 8."""
-    arch = Arch.from_config(dict(vocab_size=1024, hidden_size=768, num_hidden_layers=2, num_attention_heads=12,
-                                 num_key_value_heads=4, intermediate_size=2048))
+    arch = Arch.from_config(
+        dict(
+            vocab_size=1024,
+            hidden_size=768,
+            num_hidden_layers=2,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            intermediate_size=2048,
+        )
+    )
     pairs = sequence_splits(arch, world_size=8, gpus_per_node=8)
     assert all(arch.num_heads % sp == 0 and 8 % (sp * cp) == 0 and sp <= 8 for sp, cp in pairs)
     assert (4, 2) in pairs and (1, 8) in pairs and (8, 1) not in pairs
@@ -190,8 +251,9 @@ def test_activations_are_divided_by_the_sequence_split_and_kv_heads_repeat_beyon
     base = Setup(arch=arch, strategy="FULL_SHARD", gpus_per_node=16, seq_len=65536)
     whole = estimate(base).activations
     for sp, cp in ((4, 1), (1, 4), (2, 2), (8, 2)):
-        assert estimate(replace(base, sequence_parallel=sp, context_parallel=cp)).activations == \
-            pytest.approx(whole / (sp * cp))
+        assert estimate(replace(base, sequence_parallel=sp, context_parallel=cp)).activations == pytest.approx(
+            whole / (sp * cp)
+        )
     # Ulysses 16 > 8 KV heads: each rank holds one (repeated) KV head of the whole row instead of half of one
     sp16 = estimate(replace(base, sequence_parallel=16)).activations
     repeated = arch.num_layers * 2 * 2 * arch.head_dim * 65536 * (1 - arch.num_kv_heads / 16)  # K and V, bf16
@@ -218,8 +280,13 @@ def test_128k_tokens_on_8_h100_fit_with_a_sequence_split_which_is_recommended():
     from shardtune.planner.search import plan
 
     h100 = DEVICES["H100"]
-    setup = Setup(arch=read_arch("llama3-8b"), strategy="FULL_SHARD", gpus_per_node=8, seq_len=131072,
-                  activation_checkpointing=True)
+    setup = Setup(
+        arch=read_arch("llama3-8b"),
+        strategy="FULL_SHARD",
+        gpus_per_node=8,
+        seq_len=131072,
+        activation_checkpointing=True,
+    )
     result = plan(setup, h100, 1)
     unsplit = [r for r in result["alternatives"] if r["_setup"].sequence_parallel * r["_setup"].context_parallel == 1]
     # without a split only host offload (parameters, gradients and AdamW state in CPU memory) fits, at PCIe speed
@@ -233,8 +300,20 @@ def test_128k_tokens_on_8_h100_fit_with_a_sequence_split_which_is_recommended():
 
 
 def test_plan_takes_sft_sequence_flags_and_refuses_an_impossible_mesh_like_sft():
-    proc = plan_cli("--model_name", "llama3-8b", "--enable_fsdp", "--gpus_per_node", "8", "--sp_size", "4",
-                    "--cp_size", "2", "--context_length", "65536", "--json")
+    proc = plan_cli(
+        "--model_name",
+        "llama3-8b",
+        "--enable_fsdp",
+        "--gpus_per_node",
+        "8",
+        "--sp_size",
+        "4",
+        "--cp_size",
+        "2",
+        "--context_length",
+        "65536",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["given"]["setup"] == "FULL_SHARD sp 4 cp 2"
     bad = plan_cli("--model_name", "llama3-8b", "--enable_fsdp", "--gpus_per_node", "8", "--sp_size", "16")
@@ -245,8 +324,8 @@ def test_plan_takes_sft_sequence_flags_and_refuses_an_impossible_mesh_like_sft()
 def test_nothing_fits_names_the_miss_and_the_gpus_that_would_fit():
     """1M tokens of llama3-8b on 8 x 80 GB: no split of 8 fits; the smallest world that fits is named (and it fits
     there), next to the GPU memory the smallest configuration needs."""
-    from shardtune.planner.search import plan
     from shardtune.planner.render import render
+    from shardtune.planner.search import plan
 
     h100 = DEVICES["H100"]
     setup = Setup(arch=read_arch("llama3-8b"), strategy="FULL_SHARD", gpus_per_node=8, seq_len=1 << 20)
@@ -285,7 +364,8 @@ def test_dpo_plans_two_rows_a_pair_and_the_reference_sharded_like_the_policy(tin
         assert dpo.loss_buffers == loss_buffer_bytes(arch, 2 * 2 * 1024)  # the lean head's chunks, on both rows
     offloaded = estimate(Setup(arch=arch, strategy="ZERO3", cpu_offload=True, **dpo_setup))
     assert offloaded.params == 0 and offloaded.host_state == pytest.approx(
-        estimate(Setup(arch=arch, strategy="ZERO3", cpu_offload=True)).host_state + arch.num_params * 2 / 8)
+        estimate(Setup(arch=arch, strategy="ZERO3", cpu_offload=True)).host_state + arch.num_params * 2 / 8
+    )
     assert {"ZERO1", "ZERO2", "ZERO3"} <= {s.strategy for s in alternatives(Setup(arch=arch, **dpo_setup))}
     from shardtune.config.flags import config_from
 
@@ -307,8 +387,9 @@ def plan_json(*flags) -> dict:
     return json.loads(proc.stdout)
 
 
-@pytest.mark.parametrize("strategy", [("--enable_fsdp",), ("--enable_deepspeed", "--deepspeed_config.zero_stage", 3)],
-                         ids=["fsdp", "zero3"])
+@pytest.mark.parametrize(
+    "strategy", [("--enable_fsdp",), ("--enable_deepspeed", "--deepspeed_config.zero_stage", 3)], ids=["fsdp", "zero3"]
+)
 def test_plan_objective_dpo_adds_the_reference_weights_per_shard_for_full_fine_tuning_only(strategy):
     """``shardtune plan --objective dpo``: the full fine-tuning plan's per-GPU parameters exceed SFT's by the frozen
     reference's bytes per shard (8 shards; fp32 master under FSDP, the bf16 engine's under ZeRO-3); LoRA and
@@ -328,8 +409,10 @@ def test_plan_objective_dpo_adds_the_reference_weights_per_shard_for_full_fine_t
     assert given(*lora, "--objective", "dpo")["breakdown"]["parameters"] == given(*lora)["breakdown"]["parameters"]
     proc = main_in_process("plan", "--model_name", "llama3-8b", "--gpus_per_node", 8, "--objective", "dpo", *strategy)
     assert "\n  shardtune dpo --nproc_per_node 8 --model_name llama3-8b " in proc.stdout
-    assert "one of shardtune dpo's flags: add --objective dpo" in main_in_process(
-        "plan", "--model_name", "llama3-8b", "--precompute_ref_log_probs").stderr
+    assert (
+        "one of shardtune dpo's flags: add --objective dpo"
+        in main_in_process("plan", "--model_name", "llama3-8b", "--precompute_ref_log_probs").stderr
+    )
 
 
 @pytest.mark.parametrize("preset,vocab", [("demo", 1024), ("demo-32k", 32000), ("llama-8b-shape", 128256)])

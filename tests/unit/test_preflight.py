@@ -8,8 +8,13 @@ from shardtune.training.preflight import PreflightError, check_fingerprints
 
 
 def fingerprints(**changes_on_rank_3: str) -> list[dict[str, str]]:
-    base = {"host": "hostA", "torch version": "2.13.0", "processes per node": "2", "--lr": "0.003",
-            "training data": "ab12"}
+    base = {
+        "host": "hostA",
+        "torch version": "2.13.0",
+        "processes per node": "2",
+        "--lr": "0.003",
+        "training data": "ab12",
+    }
     ranks = [dict(base), dict(base), {**base, "host": "hostB"}, {**base, "host": "hostB"}]
     ranks[3].update(changes_on_rank_3)
     return ranks
@@ -22,8 +27,9 @@ def test_identical_fingerprints_on_two_hosts_pass():
 def test_a_difference_names_the_field_both_nodes_and_both_values():
     with pytest.raises(PreflightError) as caught:
         check_fingerprints(fingerprints(**{"--lr": "0.002"}))
-    assert str(caught.value).startswith("preflight: the nodes differ in --lr: hostA (rank 0) has 0.003, hostB "
-                                        "(rank 3) has 0.002; ")
+    assert str(caught.value).startswith(
+        "preflight: the nodes differ in --lr: hostA (rank 0) has 0.003, hostB (rank 3) has 0.002; "
+    )
     assert "\n" not in str(caught.value)
 
 

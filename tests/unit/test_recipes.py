@@ -11,8 +11,9 @@ from shardtune.config.flags import parse_args
 from shardtune.training.checks import validate
 
 CLUSTER_SPECS = ("skypilot.yaml",)  # a SkyPilot task, not a training recipe: checked below
-RECIPES = sorted(p for p in (Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml")
-                 if p.name not in CLUSTER_SPECS)
+RECIPES = sorted(
+    p for p in (Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml") if p.name not in CLUSTER_SPECS
+)
 
 
 def target_world_size(path: Path) -> int:

@@ -15,8 +15,17 @@ from shardtune.runtime.run_lock import LEASE_S, LOCK_FILE, RunLock, RunLocked, c
 
 
 def other_host_record(path, heartbeat_age_s: float) -> None:
-    path.write_text(json.dumps({"host": f"not-{socket.gethostname()}", "pid": 4242, "job": "SLURM_JOB_ID=7",
-                                "heartbeat": time.time() - heartbeat_age_s}) + "\n")
+    path.write_text(
+        json.dumps(
+            {
+                "host": f"not-{socket.gethostname()}",
+                "pid": 4242,
+                "job": "SLURM_JOB_ID=7",
+                "heartbeat": time.time() - heartbeat_age_s,
+            }
+        )
+        + "\n"
+    )
 
 
 def test_a_live_lease_from_another_host_is_refused_before_launch_and_at_the_lock(tmp_path):

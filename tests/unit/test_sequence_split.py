@@ -25,10 +25,13 @@ def test_ranks_of_one_cp_x_sp_group_share_their_data_parallel_rank():
     assert [dims.cp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert [dims.sp_rank(r) for r in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
     hsdp = config(enable_fsdp=True, sequence_parallel_size=2, sharding_strategy="HYBRID_SHARD")
-    assert ParallelDims.from_config(hsdp, world_size=8, local_world_size=4).describe() == \
-        "dp_replicate 2 x dp_shard 2 x cp 1 x sp 2"
-    with pytest.raises(ConfigError, match="--context_parallel_size 3 x --sequence_parallel_size 1 = 3 does not "
-                                          "divide the world size 4"):
+    assert (
+        ParallelDims.from_config(hsdp, world_size=8, local_world_size=4).describe()
+        == "dp_replicate 2 x dp_shard 2 x cp 1 x sp 2"
+    )
+    with pytest.raises(
+        ConfigError, match="--context_parallel_size 3 x --sequence_parallel_size 1 = 3 does not divide the world size 4"
+    ):
         ParallelDims.from_config(config(context_parallel_size=3), world_size=4)
 
 
@@ -52,8 +55,9 @@ def test_slices_cover_the_padded_row_once_with_labels_shifted_before_the_split(c
     assert sorted(tokens.tolist()) == [0] * (padded - 23) + list(range(10, 33))
     # the target of every real token is the next token of its own document; documents' last tokens and padding
     # predict nothing; positions restart per document, padding included
-    targets = {int(t): int(y) for piece in slices for t, y in zip(piece["input_ids"][0], piece[SHIFT_LABELS][0])
-               if t != 0}
+    targets = {
+        int(t): int(y) for piece in slices for t, y in zip(piece["input_ids"][0], piece[SHIFT_LABELS][0]) if t != 0
+    }
     last_of_document = {14, 23, 26, 32}
     assert targets == {t: (IGNORE_INDEX if t in last_of_document else t + 1) for t in range(10, 33)}
     assert all((piece[SHIFT_LABELS][0][piece["input_ids"][0] == 0] == IGNORE_INDEX).all() for piece in slices)
@@ -73,27 +77,36 @@ def test_eval_rows_are_split_like_training_rows_by_the_ranks_of_a_group():
     dims = ParallelDims.from_config(cfg, world_size=8)
     examples = packed([5, 9, 3, 6, 4, 8, 7])
     cu = examples["cu_seq_lens"].tolist()
-    examples = [{"input_ids": examples["input_ids"][0, a:b].tolist(), "labels": examples["labels"][0, a:b].tolist()}
-                for a, b in zip(cu, cu[1:])]
-    per_rank = [eval_batches(examples, cfg, dims.dp_rank(r), dims.dp_size, 0, RowSlice.of_rank(dims, r))
-                for r in range(8)]
+    examples = [
+        {"input_ids": examples["input_ids"][0, a:b].tolist(), "labels": examples["labels"][0, a:b].tolist()}
+        for a, b in zip(cu, cu[1:])
+    ]
+    per_rank = [
+        eval_batches(examples, cfg, dims.dp_rank(r), dims.dp_size, 0, RowSlice.of_rank(dims, r)) for r in range(8)
+    ]
     assert {len(batches) for batches in per_rank} == {2}  # 4 chunks over 2 data-parallel ranks
     unsplit = [mb for dp in range(2) for mb in eval_batches(examples, cfg, dp, 2, 0)]
-    assert sum(batch_label_tokens(mb) for batches in per_rank for mb in batches) == \
-        sum(batch_label_tokens(mb) for mb in unsplit) > 0
+    assert (
+        sum(batch_label_tokens(mb) for batches in per_rank for mb in batches)
+        == sum(batch_label_tokens(mb) for mb in unsplit)
+        > 0
+    )
     for dp in range(2):
-        group = per_rank[4 * dp:4 * dp + 4]
+        group = per_rank[4 * dp : 4 * dp + 4]
         for i in range(2):  # the group's slices of batch i cover its row once (the chunk of examples 2i, 2i + 1)
             tokens = sorted(t for batches in group for t in batches[i]["input_ids"][0].tolist() if t)
-            expected = sorted(t for e in examples[2 * (2 * i + dp):2 * (2 * i + dp) + 2] for t in e["input_ids"])
+            expected = sorted(t for e in examples[2 * (2 * i + dp) : 2 * (2 * i + dp) + 2] for t in e["input_ids"])
             assert tokens == expected and all(SEQUENCE_LAYOUT in batches[i] for batches in group)
 
 
 def test_model_checks_name_the_head_counts_and_refuse_sliding_windows_for_the_ring():
     llama8b = LlamaConfig(num_attention_heads=32, num_key_value_heads=8)
     check_sequence_split(config(sequence_parallel_size=32), llama8b)  # KV heads repeated beyond 8
-    with pytest.raises(ConfigError, match="--sequence_parallel_size 3 must divide the model's 32 attention heads "
-                                          r"\(8 KV heads"):
+    with pytest.raises(
+        ConfigError,
+        match="--sequence_parallel_size 3 must divide the model's 32 attention heads "
+        r"\(8 KV heads",
+    ):
         check_sequence_split(config(sequence_parallel_size=3), llama8b)
     windowed = MistralConfig(sliding_window=4096)
     with pytest.raises(ConfigError, match="sliding window .4096 tokens"):

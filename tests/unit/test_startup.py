@@ -17,8 +17,13 @@ def test_this_process_started_before_now_and_a_child_inherits_the_command_start(
     monkeypatch.delenv(startup.COMMAND_START_ENV, raising=False)
     start = startup.command_start()
     assert os.environ[startup.COMMAND_START_ENV] == repr(start)
-    child = subprocess.run([sys.executable, "-c", "from shardtune.runtime import startup; print(startup.command_start())"],
-                           capture_output=True, text=True, check=True, env={**os.environ})
+    child = subprocess.run(
+        [sys.executable, "-c", "from shardtune.runtime import startup; print(startup.command_start())"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ},
+    )
     assert float(child.stdout) == start
 
 
@@ -76,6 +81,11 @@ exit_without_teardown(3)
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=False)
     assert "torn down" not in done.stderr, "the interpreter's teardown ran"
     assert done.returncode == 3 and done.stdout == "buffered exit handler ran\n" and marker.is_file(), done
-    control = subprocess.run([sys.executable, "-c", program.replace("exit_without_teardown(3)", "sys.exit(3)")],
-                             capture_output=True, text=True, timeout=60, check=False)
+    control = subprocess.run(
+        [sys.executable, "-c", program.replace("exit_without_teardown(3)", "sys.exit(3)")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert "torn down" in control.stderr and control.returncode == 3  # the check above can see a teardown

@@ -46,26 +46,39 @@ def tiny(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def pairs_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "pairs.jsonl"
-    rows = [{"prompt": f"Summarize: {a} meets {b}.\nSummary:", "chosen": f" {a} and {b} meet.",
-             "rejected": f" {b} stays home."} for a, b in (("Anna", "Tom"), ("Kate", "Ben"), ("Lucy", "Mark"),
-                                                          ("Tom", "Kate"))]
+    rows = [
+        {
+            "prompt": f"Summarize: {a} meets {b}.\nSummary:",
+            "chosen": f" {a} and {b} meet.",
+            "rejected": f" {b} stays home.",
+        }
+        for a, b in (("Anna", "Tom"), ("Kate", "Ben"), ("Lucy", "Mark"), ("Tom", "Kate"))
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
 def config(objective: str, strategy: str, tiny: Path, pairs_file: Path, **settings) -> TrainConfig:
     data = {"dataset_name": str(pairs_file)} if objective == "dpo" else {}
-    return config_from({"objective": objective, "model_name": str(tiny), "run_validation": False,
-                        **STRATEGIES[strategy], **data, **settings})
+    return config_from(
+        {
+            "objective": objective,
+            "model_name": str(tiny),
+            "run_validation": False,
+            **STRATEGIES[strategy],
+            **data,
+            **settings,
+        }
+    )
 
 
 def micro_batches(cfg: TrainConfig, tokenizer) -> list[dict]:
     """Two micro-batches of two units: pairs for DPO, labelled rows for SFT."""
     if cfg.objective == "dpo":
         pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
-        return [collate_pair_units([[p] for p in pairs[i:i + 2]], cfg, tokenizer.pad_token_id) for i in (0, 2)]
+        return [collate_pair_units([[p] for p in pairs[i : i + 2]], cfg, tokenizer.pad_token_id) for i in (0, 2)]
     rows = [{"input_ids": list(range(5 + i, 20 + 2 * i)), "labels": list(range(5 + i, 20 + 2 * i))} for i in range(4)]
-    return [collate_padding(rows[i:i + 2], tokenizer.pad_token_id) for i in (0, 2)]
+    return [collate_padding(rows[i : i + 2], tokenizer.pad_token_id) for i in (0, 2)]
 
 
 class InfiniteGradient(torch.autograd.Function):
@@ -98,8 +111,11 @@ def one_step(cfg: TrainConfig, tiny: Path, fault: str):
     optimizer = strategy.build_optimizer(model)
 
     def weights() -> dict[str, torch.Tensor]:
-        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                for n, p in strategy.unwrap(model).named_parameters() if p.requires_grad}
+        return {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in strategy.unwrap(model).named_parameters()
+            if p.requires_grad
+        }
 
     before = weights()
     try:
@@ -115,8 +131,9 @@ def same_weights(before: dict, after: dict) -> bool:
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("objective", ["sft", "dpo"])
-def test_nan_policy_is_the_engines_alike_for_every_objective_and_strategy(objective, strategy, process_group, tiny,
-                                                                          pairs_file, monkeypatch):
+def test_nan_policy_is_the_engines_alike_for_every_objective_and_strategy(
+    objective, strategy, process_group, tiny, pairs_file, monkeypatch
+):
     """A NaN loss stops the run before the update (stop, the default) or skips the update (skip); with clipping, a
     finite loss whose gradient norm is infinite does the same; under every strategy and for SFT and DPO alike (DPO
     stepped on an infinite gradient norm, skipped a NaN silently under stop, and failed with an AssertionError under
@@ -174,8 +191,7 @@ def test_a_finite_step_updates_and_reports_the_objectives_metrics(objective, pro
         assert result.counts["num_tokens"] == sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
 
 
-def test_the_evaluator_writes_the_objectives_row_and_records_the_best_score(process_group, tiny, pairs_file,
-                                                                            tmp_path):
+def test_the_evaluator_writes_the_objectives_row_and_records_the_best_score(process_group, tiny, pairs_file, tmp_path):
     """The evaluator runs the objective's evaluation (SFT: token-weighted loss and perplexity over the rank's eval
     batches), writes one metrics row with the step and epoch, records the score --load_best_model_at_end compares
     and says one line."""

@@ -5,8 +5,18 @@ import re
 
 import pytest
 
-from shardtune.data.synthetic import (ACTIVITIES, DAYS, NAMES, PROMPT_PREFIX, PROMPT_SUFFIX, corpus_for_tokenizer,
-                                      generate_dialogues, generate_plans, render_dialogue, summarize)
+from shardtune.data.synthetic import (
+    ACTIVITIES,
+    DAYS,
+    NAMES,
+    PROMPT_PREFIX,
+    PROMPT_SUFFIX,
+    corpus_for_tokenizer,
+    generate_dialogues,
+    generate_plans,
+    render_dialogue,
+    summarize,
+)
 
 
 def test_same_seed_same_rows_and_different_seed_different_rows():

@@ -16,20 +16,31 @@ import torch
 import yaml
 
 from shardtune.config.argv import split_argv
+from shardtune.config.checks import check_fields
 from shardtune.config.dialects.accelerate import read_accelerate
 from shardtune.config.dialects.trl import PROFILES
 from shardtune.config.flags import build_config, parse_args, recipe_launch_settings
 from shardtune.config.help import flag_table
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.parallel.optim import build_optimizer, build_scheduler
-from shardtune.config.checks import check_fields
 from shardtune.training.checks import validate
 
 REPO = Path(__file__).resolve().parents[2]
 # TRL's accelerate keys (examples/accelerate_configs/*.yaml), written here for the tests
-COMMON = {"compute_environment": "LOCAL_MACHINE", "debug": False, "downcast_bf16": "no", "machine_rank": 0,
-          "main_training_function": "main", "num_machines": 1, "rdzv_backend": "static", "same_network": True,
-          "tpu_env": [], "tpu_use_cluster": False, "tpu_use_sudo": False, "use_cpu": False}
+COMMON = {
+    "compute_environment": "LOCAL_MACHINE",
+    "debug": False,
+    "downcast_bf16": "no",
+    "machine_rank": 0,
+    "main_training_function": "main",
+    "num_machines": 1,
+    "rdzv_backend": "static",
+    "same_network": True,
+    "tpu_env": [],
+    "tpu_use_cluster": False,
+    "tpu_use_sudo": False,
+    "use_cpu": False,
+}
 
 
 def write(folder: Path, name: str, content: dict) -> str:
@@ -50,12 +61,15 @@ def test_max_grad_norm_given_turns_clipping_on_at_that_norm():
     assert parse_args(["--max_grad_norm", "0"]).optim.max_grad_norm is None  # HF: 0 means no clipping
     assert parse_args([]).optim.max_grad_norm is None
     # llama-cookbook's two flags for the one setting, in either order
-    assert parse_args(["--gradient_clipping_threshold", "0.5", "--gradient_clipping", "true"]).optim.max_grad_norm \
-        == parse_args(["--gradient_clipping", "true", "--gradient_clipping_threshold", "0.5"]).optim.max_grad_norm \
+    assert (
+        parse_args(["--gradient_clipping_threshold", "0.5", "--gradient_clipping", "true"]).optim.max_grad_norm
+        == parse_args(["--gradient_clipping", "true", "--gradient_clipping_threshold", "0.5"]).optim.max_grad_norm
         == 0.5
+    )
     assert parse_args(["--gradient_clipping", "true"]).optim.max_grad_norm == 1.0
-    assert parse_args(["--gradient_clipping", "false", "--gradient_clipping_threshold", "0.5"]).optim.max_grad_norm \
-        is None
+    assert (
+        parse_args(["--gradient_clipping", "false", "--gradient_clipping_threshold", "0.5"]).optim.max_grad_norm is None
+    )
 
 
 @pytest.mark.parametrize("scheduler", ["step", "linear", "cosine", "cosine_with_min_lr", "constant_with_warmup"])
@@ -82,19 +96,29 @@ def test_warmup_is_honoured_under_every_scheduler(scheduler):
 
 
 def test_warmup_that_would_be_ignored_is_refused_in_one_line(tmp_path):
-    for argv, named in [(["--lr_scheduler_type", "constant", "--warmup_steps", "3"], "constant_with_warmup"),
-                        (["--warmup_steps", "3.5"], "neither a whole number"),
-                        (["--lr_scheduler_type", "cosine_with_min_lr"], "min_lr_rate"),
-                        (["--lr_scheduler_type", "polynomial"], "not built"),
-                        (["--min_lr_rate", "0.1"], "no effect")]:
+    for argv, named in [
+        (["--lr_scheduler_type", "constant", "--warmup_steps", "3"], "constant_with_warmup"),
+        (["--warmup_steps", "3.5"], "neither a whole number"),
+        (["--lr_scheduler_type", "cosine_with_min_lr"], "min_lr_rate"),
+        (["--lr_scheduler_type", "polynomial"], "not built"),
+        (["--min_lr_rate", "0.1"], "no effect"),
+    ]:
         with pytest.raises(ConfigError, match=named) as error:
             validate(parse_args([*argv, "--output_dir", str(tmp_path / "o")]), 1)
         assert "\n" not in str(error.value)
 
 
 def test_cosine_with_min_lr_ends_at_the_floor():
-    cfg = parse_args(["--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}',
-                      "--learning_rate", "1.0"])
+    cfg = parse_args(
+        [
+            "--lr_scheduler_type",
+            "cosine_with_min_lr",
+            "--lr_scheduler_kwargs",
+            '{"min_lr_rate": 0.1}',
+            "--learning_rate",
+            "1.0",
+        ]
+    )
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     scheduler, _ = build_scheduler(optimizer, cfg, total_steps=10)
     for _ in range(10):
@@ -104,8 +128,9 @@ def test_cosine_with_min_lr_ends_at_the_floor():
 
 def test_weight_decay_skips_biases_and_norm_weights_and_adam_settings_are_honoured():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    cfg = parse_args(["--weight_decay", "0.1", "--adam_beta1", "0.8", "--adam_epsilon", "1e-6", "--optim",
-                      "adamw_torch_fused"])
+    cfg = parse_args(
+        ["--weight_decay", "0.1", "--adam_beta1", "0.8", "--adam_epsilon", "1e-6", "--optim", "adamw_torch_fused"]
+    )
     optimizer = build_optimizer(model, cfg)
     decayed, plain = optimizer.param_groups
     assert [p.shape for p in decayed["params"]] == [torch.Size([4, 4])] and decayed["weight_decay"] == 0.1
@@ -115,8 +140,13 @@ def test_weight_decay_skips_biases_and_norm_weights_and_adam_settings_are_honour
 
 def test_recipe_wins_over_the_accelerate_file_and_a_disagreement_is_said_in_one_line(tmp_path):
     recipe = write(tmp_path, "recipe.yaml", {"gradient_accumulation_steps": 8, "learning_rate": 3e-4})
-    zero1 = {**COMMON, "distributed_type": "DEEPSPEED", "mixed_precision": "bf16", "num_processes": 2,
-             "deepspeed_config": {"gradient_accumulation_steps": 1, "zero_stage": 1}}
+    zero1 = {
+        **COMMON,
+        "distributed_type": "DEEPSPEED",
+        "mixed_precision": "bf16",
+        "num_processes": 2,
+        "deepspeed_config": {"gradient_accumulation_steps": 1, "zero_stage": 1},
+    }
     launch, cfg, notes = settings(tmp_path, zero1, ["--config", recipe])
     assert cfg.train.gradient_accumulation_steps == 8 and cfg.parallel.strategy == "deepspeed" and cfg.optim.lr == 3e-4
     assert len(notes) == 1 and recipe in notes[0] and "8" in notes[0] and "1" in notes[0] and "\n" not in notes[0]
@@ -125,35 +155,74 @@ def test_recipe_wins_over_the_accelerate_file_and_a_disagreement_is_said_in_one_
 
 
 def test_single_gpu_file_starts_one_process_whatever_num_processes_says(tmp_path):
-    launch, cfg, _ = settings(tmp_path, {**COMMON, "distributed_type": "NO", "mixed_precision": "bf16",
-                                         "num_processes": 8})
-    assert launch == {"nproc_per_node": "1"} and cfg.parallel.strategy != "fsdp" and cfg.parallel.strategy != "deepspeed"
+    launch, cfg, _ = settings(
+        tmp_path, {**COMMON, "distributed_type": "NO", "mixed_precision": "bf16", "num_processes": 8}
+    )
+    assert (
+        launch == {"nproc_per_node": "1"} and cfg.parallel.strategy != "fsdp" and cfg.parallel.strategy != "deepspeed"
+    )
 
 
 def test_parallelism_config_maps_onto_the_mesh(tmp_path):
-    sizes = {"parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 1,
-             "parallelism_config_tp_size": 1, "parallelism_config_cp_size": 2}
-    fsdp = {**COMMON, "distributed_type": "FSDP", "mixed_precision": "bf16", "num_processes": 2,
-            "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": True}}
+    sizes = {
+        "parallelism_config_dp_replicate_size": 1,
+        "parallelism_config_dp_shard_size": 1,
+        "parallelism_config_tp_size": 1,
+        "parallelism_config_cp_size": 2,
+    }
+    fsdp = {
+        **COMMON,
+        "distributed_type": "FSDP",
+        "mixed_precision": "bf16",
+        "num_processes": 2,
+        "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": True},
+    }
     launch, cfg, _ = settings(tmp_path, {**fsdp, "parallelism_config": sizes})  # context_parallel_2gpu
-    assert launch == {"nproc_per_node": "2"} and cfg.parallel.context_parallel_size == 2 and cfg.parallel.strategy == "fsdp"
-    ulysses = {**COMMON, "distributed_type": "DEEPSPEED", "mixed_precision": "bf16", "num_processes": 4,
-               "deepspeed_config": {"zero_stage": 3, "seq_parallel_communication_data_type": "bf16"},
-               "parallelism_config": {**sizes, "parallelism_config_dp_shard_size": 2,
-                                      "parallelism_config_cp_backend": "deepspeed",
-                                      "parallelism_config_cp_seq_length_is_variable": True,
-                                      "parallelism_config_cp_attn_implementation": "flash_attention_2"}}
+    assert (
+        launch == {"nproc_per_node": "2"}
+        and cfg.parallel.context_parallel_size == 2
+        and cfg.parallel.strategy == "fsdp"
+    )
+    ulysses = {
+        **COMMON,
+        "distributed_type": "DEEPSPEED",
+        "mixed_precision": "bf16",
+        "num_processes": 4,
+        "deepspeed_config": {"zero_stage": 3, "seq_parallel_communication_data_type": "bf16"},
+        "parallelism_config": {
+            **sizes,
+            "parallelism_config_dp_shard_size": 2,
+            "parallelism_config_cp_backend": "deepspeed",
+            "parallelism_config_cp_seq_length_is_variable": True,
+            "parallelism_config_cp_attn_implementation": "flash_attention_2",
+        },
+    }
     launch, cfg, _ = settings(tmp_path, ulysses)  # alst_ulysses_4gpu: ALST's cp is Ulysses
-    assert launch == {"nproc_per_node": "4"} and cfg.parallel.sequence_parallel_size == 2 and cfg.parallel.context_parallel_size == 1
-    sp = {**ulysses, "parallelism_config": {"parallelism_config_sp_size": 4, "parallelism_config_sp_backend":
-                                            "deepspeed", "parallelism_config_dp_replicate_size": 1}}
+    assert (
+        launch == {"nproc_per_node": "4"}
+        and cfg.parallel.sequence_parallel_size == 2
+        and cfg.parallel.context_parallel_size == 1
+    )
+    sp = {
+        **ulysses,
+        "parallelism_config": {
+            "parallelism_config_sp_size": 4,
+            "parallelism_config_sp_backend": "deepspeed",
+            "parallelism_config_dp_replicate_size": 1,
+        },
+    }
     assert settings(tmp_path, sp)[1].parallel.sequence_parallel_size == 4
-    hsdp = {**fsdp, "num_processes": 4, "parallelism_config": {"parallelism_config_dp_replicate_size": 2,
-                                                               "parallelism_config_dp_shard_size": 2}}
+    hsdp = {
+        **fsdp,
+        "num_processes": 4,
+        "parallelism_config": {"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2},
+    }
     cfg = settings(tmp_path, hsdp)[1]
     assert cfg.parallel.sharding_strategy == "HYBRID_SHARD" and cfg.parallel.replica_group_size == 2
-    for bad, named in [({**sizes, "parallelism_config_tp_size": 2}, "tensor parallelism"),
-                       ({**sizes, "parallelism_config_cp_size": 4}, "num_processes is 2")]:
+    for bad, named in [
+        ({**sizes, "parallelism_config_tp_size": 2}, "tensor parallelism"),
+        ({**sizes, "parallelism_config_cp_size": 4}, "num_processes is 2"),
+    ]:
         with pytest.raises(ConfigError, match=named) as error:
             settings(tmp_path, {**fsdp, "parallelism_config": bad})
         assert "\n" not in str(error.value)
@@ -163,27 +232,78 @@ def test_packaged_profiles_are_accepted_by_name():
     for name in PROFILES:
         launch, train = read_accelerate(name)
         cfg = parse_args([], train)
-        assert (cfg.parallel.strategy == "deepspeed") == name.startswith("zero") and (cfg.parallel.strategy == "fsdp") == name.startswith("fsdp")
+        assert (cfg.parallel.strategy == "deepspeed") == name.startswith("zero") and (
+            cfg.parallel.strategy == "fsdp"
+        ) == name.startswith("fsdp")
         assert launch == ({"nproc_per_node": "1"} if name == "single_gpu" else {})
     assert parse_args([], read_accelerate("zero3")[1]).parallel.zero_stage == 3
 
 
 def test_trl_names_have_trls_meaning():
-    cfg = parse_args(["--model_name_or_path", "m", "--use_peft", "--lora_r", "4", "--lora_alpha", "8",
-                      "--lora_target_modules", "all-linear", "--lora_modules_to_save", "lm_head", "--use_rslora",
-                      "--load_in_4bit", "--bnb_4bit_quant_type", "fp4", "--packing", "false", "--bf16",
-                      "--gradient_checkpointing", "--num_train_epochs", "2.0", "--max_steps", "-1",
-                      "--per_device_train_batch_size", "3", "--resume_from_checkpoint", "--report_to",
-                      "tensorboard,wandb", "--eval_strategy", "steps", "--eval_steps", "5", "--save_strategy", "steps",
-                      "--save_steps", "10", "--dtype", "bfloat16", "--packing_strategy", "bfd"])
+    cfg = parse_args(
+        [
+            "--model_name_or_path",
+            "m",
+            "--use_peft",
+            "--lora_r",
+            "4",
+            "--lora_alpha",
+            "8",
+            "--lora_target_modules",
+            "all-linear",
+            "--lora_modules_to_save",
+            "lm_head",
+            "--use_rslora",
+            "--load_in_4bit",
+            "--bnb_4bit_quant_type",
+            "fp4",
+            "--packing",
+            "false",
+            "--bf16",
+            "--gradient_checkpointing",
+            "--num_train_epochs",
+            "2.0",
+            "--max_steps",
+            "-1",
+            "--per_device_train_batch_size",
+            "3",
+            "--resume_from_checkpoint",
+            "--report_to",
+            "tensorboard,wandb",
+            "--eval_strategy",
+            "steps",
+            "--eval_steps",
+            "5",
+            "--save_strategy",
+            "steps",
+            "--save_steps",
+            "10",
+            "--dtype",
+            "bfloat16",
+            "--packing_strategy",
+            "bfd",
+        ]
+    )
     lc = cfg.peft.lora
-    assert (cfg.model.name, cfg.peft.method, lc.r, lc.alpha, lc.target_modules, lc.modules_to_save,
-            lc.use_rslora) == ("m", "lora", 4, 8, ["all-linear"], ["lm_head"], True)
+    assert (cfg.model.name, cfg.peft.method, lc.r, lc.alpha, lc.target_modules, lc.modules_to_save, lc.use_rslora) == (
+        "m",
+        "lora",
+        4,
+        8,
+        ["all-linear"],
+        ["lm_head"],
+        True,
+    )
     assert cfg.model.quantization == "4bit" and cfg.model.quant_type == "fp4"
     assert not cfg.model.double_quant  # TRL's default for --use_bnb_nested_quant
     assert cfg.data.batching == "padding" and cfg.train.precision == "auto"
     assert cfg.parallel.activation_checkpointing and cfg.parallel.strategy != "fsdp"  # under DDP too
-    assert (cfg.train.num_epochs, cfg.train.max_steps, cfg.train.batch_size, cfg.checkpoint.resume) == (2, 0, 3, "latest")
+    assert (cfg.train.num_epochs, cfg.train.max_steps, cfg.train.batch_size, cfg.checkpoint.resume) == (
+        2,
+        0,
+        3,
+        "latest",
+    )
     assert cfg.logging.report_to == ["tensorboard", "wandb"] and cfg.eval.steps == 5 and cfg.checkpoint.save_steps == 10
     assert parse_args(["--packing"]).data.batching == "packing"
     assert parse_args(["--resume_from_checkpoint", "out/step-000002"]).checkpoint.resume == "out/step-000002"
@@ -204,19 +324,29 @@ def test_a_fractional_num_train_epochs_stops_where_trainer_stops_and_the_schedul
 
 
 def test_flags_that_cannot_be_honoured_are_refused_in_one_line():
-    for argv, named in [(["--num_train_epochs", "-1"], "must be positive"), (["--optim", "sgd"], "adamw_8bit"),
-                        (["--hub_strategy", "every_save"], "use end"),
-                        (["--packing_strategy", "wrapped"], "bfd"), (["--eval_strategy", "steps"], "--eval_steps"),
-                        (["--attn_implementation", "flash_attention_3"], "not built"),
-                        (["--save_strategy", "steps"], "--save_steps N")]:
+    for argv, named in [
+        (["--num_train_epochs", "-1"], "must be positive"),
+        (["--optim", "sgd"], "adamw_8bit"),
+        (["--hub_strategy", "every_save"], "use end"),
+        (["--packing_strategy", "wrapped"], "bfd"),
+        (["--eval_strategy", "steps"], "--eval_steps"),
+        (["--attn_implementation", "flash_attention_3"], "not built"),
+        (["--save_strategy", "steps"], "--save_steps N"),
+    ]:
         with pytest.raises(ConfigError, match=named) as error:
             parse_args(argv)
         assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("typo,suggested", [("packng", "packing"), ("bf61", "bf16"),
-                                            ("gradient_checkpointng", "gradient_checkpointing"),
-                                            ("resume_from_checkpont", "resume_from_checkpoint")])
+@pytest.mark.parametrize(
+    "typo,suggested",
+    [
+        ("packng", "packing"),
+        ("bf61", "bf16"),
+        ("gradient_checkpointng", "gradient_checkpointing"),
+        ("resume_from_checkpont", "resume_from_checkpoint"),
+    ],
+)
 def test_a_mistyped_trl_flag_gets_the_right_suggestion(typo, suggested):
     with pytest.raises(ConfigError, match=f"did you mean --{suggested}\\?"):
         parse_args([f"--{typo}", "1"])
@@ -228,8 +358,9 @@ def test_a_trl_recipe_names_every_unknown_key_at_once_and_reads_env_and_accelera
         parse_args(["--config", bad])
     message = str(error.value)
     assert all(k in message for k in ("lernin_rate", "packng", "zzz_qqq")) and "\n" not in message
-    good = write(tmp_path, "good.yaml", {"learning_rate": 1e-4, "env": {"WANDB_MODE": "offline"},
-                                         "accelerate_config": "zero2"})
+    good = write(
+        tmp_path, "good.yaml", {"learning_rate": 1e-4, "env": {"WANDB_MODE": "offline"}, "accelerate_config": "zero2"}
+    )
     assert recipe_launch_settings(good) == ({"WANDB_MODE": "offline"}, "zero2")
     assert parse_args(["--config", good]).optim.lr == 1e-4
 
@@ -259,15 +390,17 @@ def test_eval_on_start_is_trls_flag_and_needs_evaluation():
     naming the flag as typed (what it does in a run: tests/e2e/test_trl_recipe.py)."""
     assert parse_args(["--eval_on_start"]).eval.on_start and not parse_args([]).eval.on_start
     for off in (["--eval_strategy", "no"], ["--run_validation", "false"]):
-        with pytest.raises(ConfigError, match=f"--eval_on_start needs {off[0]} on, and it is off: turn it on, or "
-                                              "drop --eval_on_start"):
+        with pytest.raises(
+            ConfigError, match=f"--eval_on_start needs {off[0]} on, and it is off: turn it on, or drop --eval_on_start"
+        ):
             check_fields(parse_args(["--eval_on_start", *off]), 1)
     check_fields(parse_args(["--eval_on_start", "--eval_strategy", "epoch"]), 1)
 
 
 def test_docs_flag_table_is_current():
-    assert (REPO / "docs" / "flags.md").read_text() == flag_table(), \
+    assert (REPO / "docs" / "flags.md").read_text() == flag_table(), (
         "docs/flags.md is stale: python -m shardtune.config.help > docs/flags.md"
+    )
 
 
 def test_help_lists_the_trl_names_beside_ours():
@@ -277,8 +410,9 @@ def test_help_lists_the_trl_names_beside_ours():
     assert "TRL: --max_grad_norm" in text and "TRL: --learning_rate" in text and "TRL: --gradient_checkpointing" in text
     assert "--optim.lr FLOAT" in text and "llama-cookbook: --lr" in text
     assert text.startswith("usage: shardtune sft ")
-    dpo = subprocess.run([sys.executable, "-m", "shardtune", "dpo", "--help"], capture_output=True, text=True,
-                         cwd=REPO, check=True).stdout
+    dpo = subprocess.run(
+        [sys.executable, "-m", "shardtune", "dpo", "--help"], capture_output=True, text=True, cwd=REPO, check=True
+    ).stdout
     assert dpo.startswith("usage: shardtune dpo ") and "--beta, --loss_type, --loss_weights" in dpo
 
 
@@ -297,8 +431,14 @@ def test_plan_takes_sfts_topology_flags():
 
 
 def test_cookbook_checkpoint_folders_without_output_dir_are_the_runs_directory():
-    cookbook = ["--dist_checkpoint_root_folder", "model_checkpoints", "--dist_checkpoint_folder", "fine-tuned",
-                "--model_name", "meta-llama/Llama-3.2-1B"]
+    cookbook = [
+        "--dist_checkpoint_root_folder",
+        "model_checkpoints",
+        "--dist_checkpoint_folder",
+        "fine-tuned",
+        "--model_name",
+        "meta-llama/Llama-3.2-1B",
+    ]
     assert parse_args(cookbook).output.dir == "model_checkpoints/fine-tuned-meta-llama/Llama-3.2-1B"
     assert parse_args([*cookbook, "--output_dir", "mine"]).output.dir == "mine"
 
@@ -311,8 +451,9 @@ def test_plot_works_after_the_default_install():
 
 
 def test_more_trl_training_names():
-    cfg = parse_args(["--use_liger_kernel", "--save_only_model", "--gradient_checkpointing_kwargs",
-                      '{"use_reentrant": false}'])
+    cfg = parse_args(
+        ["--use_liger_kernel", "--save_only_model", "--gradient_checkpointing_kwargs", '{"use_reentrant": false}']
+    )
     assert cfg.model.fast_kernels and not cfg.checkpoint.save_optimizer
     with pytest.raises(ConfigError, match="use_reentrant"):
         parse_args(["--gradient_checkpointing_kwargs", '{"preserve_rng_state": true}'])
@@ -335,15 +476,30 @@ def test_model_revision_reads_that_snapshot_from_the_hugging_face_cache_offline(
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("SHARDTUNE_CACHE", str(tmp_path / "cache"))
-    cfg = parse_args(["--model_name", "shardtune-tests/tiny", "--model_revision", "v2", "--output_dir",
-                      str(tmp_path / "run"), "--synthetic_dialogues.num_train", "64",
-                      "--synthetic_dialogues.num_validation", "4"])
+    cfg = parse_args(
+        [
+            "--model_name",
+            "shardtune-tests/tiny",
+            "--model_revision",
+            "v2",
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--synthetic_dialogues.num_train",
+            "64",
+            "--synthetic_dialogues.num_validation",
+            "4",
+        ]
+    )
     prepare(cfg, 1)
     assert Path(cfg.model.name) == repo / "snapshots" / commit and cfg.model.revision == ""
     assert parse_args(["--model_revision", "main"]).model.revision == ""  # TRL's default: the hub id as it is
-    for argv, needle in ((["--model_name", str(tiny_model), "--model_revision", "v2"], "is local: drop"),
-                         (["--model_name", "shardtune-tests/tiny", "--model_revision", "v3"],
-                          "--model_revision v3 could not be fetched")):
+    for argv, needle in (
+        (["--model_name", str(tiny_model), "--model_revision", "v2"], "is local: drop"),
+        (
+            ["--model_name", "shardtune-tests/tiny", "--model_revision", "v3"],
+            "--model_revision v3 could not be fetched",
+        ),
+    ):
         with pytest.raises(ConfigError, match=needle):
             prepare(parse_args([*argv, "--output_dir", str(tmp_path / "other")]), 1)
     for command in (["sft", "--dry_run"], ["plan"]):
@@ -381,18 +537,55 @@ def test_config_yaml_reads_back_to_the_same_config_and_an_earlier_releases_flat_
     config.yaml of an earlier release (llama-cookbook's names) reads into the same canonical settings."""
     from shardtune.config.flags import flat_settings, from_dict, to_yaml
 
-    cfg = parse_args(["--learning_rate", "3e-4", "--optim", "adamw_torch_fused", "--max_grad_norm", "0.5",
-                      "--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}',
-                      "--use_peft", "--lora_target_modules", "q_proj", "v_proj", "--report_to", "tensorboard",
-                      "--enable_fsdp", "--fsdp_config.pure_bf16", "--eval_on_start", "--save_steps", "0.25",
-                      "--synthetic_dialogues.num_train", "12", "--loss_type", "sigmoid", "sft"])
+    cfg = parse_args(
+        [
+            "--learning_rate",
+            "3e-4",
+            "--optim",
+            "adamw_torch_fused",
+            "--max_grad_norm",
+            "0.5",
+            "--lr_scheduler_type",
+            "cosine_with_min_lr",
+            "--lr_scheduler_kwargs",
+            '{"min_lr_rate": 0.1}',
+            "--use_peft",
+            "--lora_target_modules",
+            "q_proj",
+            "v_proj",
+            "--report_to",
+            "tensorboard",
+            "--enable_fsdp",
+            "--fsdp_config.pure_bf16",
+            "--eval_on_start",
+            "--save_steps",
+            "0.25",
+            "--synthetic_dialogues.num_train",
+            "12",
+            "--loss_type",
+            "sigmoid",
+            "sft",
+        ]
+    )
     again = from_dict(yaml.safe_load(to_yaml(cfg)))
     assert flat_settings(again) == flat_settings(cfg)
-    earlier = {"lr": 3e-4, "gradient_clipping": True, "gradient_clipping_threshold": 0.5, "enable_fsdp": True,
-               "fsdp_config": {"pure_bf16": True, "sharding_strategy": "SHARD_GRAD_OP"}, "use_peft": False,
-               "peft_method": "lora", "num_epochs": 2, "synthetic_dialogues": {"num_train": 12}}
+    earlier = {
+        "lr": 3e-4,
+        "gradient_clipping": True,
+        "gradient_clipping_threshold": 0.5,
+        "enable_fsdp": True,
+        "fsdp_config": {"pure_bf16": True, "sharding_strategy": "SHARD_GRAD_OP"},
+        "use_peft": False,
+        "peft_method": "lora",
+        "num_epochs": 2,
+        "synthetic_dialogues": {"num_train": 12},
+    }
     read = from_dict(earlier)
-    assert (read.optim.lr, read.optim.max_grad_norm, read.parallel.strategy, read.train.precision) == \
-        (3e-4, 0.5, "fsdp", "pure_bf16")
+    assert (read.optim.lr, read.optim.max_grad_norm, read.parallel.strategy, read.train.precision) == (
+        3e-4,
+        0.5,
+        "fsdp",
+        "pure_bf16",
+    )
     assert (read.parallel.sharding_strategy, read.peft.method, read.train.num_epochs) == ("SHARD_GRAD_OP", "", 2)
     assert read.data.synthetic_dialogues.num_train == 12

@@ -14,34 +14,45 @@ from pathlib import Path
 import pytest
 from datasets import load_dataset
 
-from shardtune.config.flags import parse_args
-from shardtune.config.flags import config_from
+from shardtune.config.flags import config_from, parse_args
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data import DataError, check_data_config, load_examples
 from shardtune.data.cache import cache_key
 from shardtune.data.chat import apply_tokenizer_options
-from shardtune.data.trl_loading import validation_available
 from shardtune.data.formatting import IGNORE_INDEX
+from shardtune.data.trl_loading import validation_available
 from shardtune.model.loading import train_tokenizer
 
 SYSTEM = {"role": "system", "content": "You plan outings. Be brief."}
 CHATS = [
-    [SYSTEM, {"role": "user", "content": "Anna wants the cinema at 7. Who comes?"},
-     {"role": "assistant", "content": "Tom and Kate come."},
-     {"role": "user", "content": "And where?"},
-     {"role": "assistant", "content": "At the Odeon."},
-     {"role": "user", "content": "Thanks!"},
-     {"role": "assistant", "content": "Have fun on Friday."}],
+    [
+        SYSTEM,
+        {"role": "user", "content": "Anna wants the cinema at 7. Who comes?"},
+        {"role": "assistant", "content": "Tom and Kate come."},
+        {"role": "user", "content": "And where?"},
+        {"role": "assistant", "content": "At the Odeon."},
+        {"role": "user", "content": "Thanks!"},
+        {"role": "assistant", "content": "Have fun on Friday."},
+    ],
     [{"role": "user", "content": "Lunch on Monday?"}, {"role": "assistant", "content": "Ben can't come."}],
-    [SYSTEM, {"role": "user", "content": "Bowling at Strike Zone?"},
-     {"role": "assistant", "content": "Sure, at 8 pm."}, {"role": "user", "content": "Bring snacks."},
-     {"role": "assistant", "content": "I will bring drinks too."}],
+    [
+        SYSTEM,
+        {"role": "user", "content": "Bowling at Strike Zone?"},
+        {"role": "assistant", "content": "Sure, at 8 pm."},
+        {"role": "user", "content": "Bring snacks."},
+        {"role": "assistant", "content": "I will bring drinks too."},
+    ],
 ]
-TEXTS = ["Anna and Tom go to the cinema at 7.", "Ben can't have lunch with Kate.</s>",
-         "Lucy brings cake to the picnic at Riverside Park on Sunday, and Mark brings fruit and water."]
-PAIRS = [("Summarize: Anna: cinema at 7? Tom: sure!\nSummary:", " Anna and Tom go to the cinema."),
-         ("Summarize: Kate: lunch? Ben: can't today.\nSummary:", " Ben can't have lunch with Kate."),
-         ("Summarize: Lucy: I'll bring cake.\nSummary:", " Lucy brings cake.")]
+TEXTS = [
+    "Anna and Tom go to the cinema at 7.",
+    "Ben can't have lunch with Kate.</s>",
+    "Lucy brings cake to the picnic at Riverside Park on Sunday, and Mark brings fruit and water.",
+]
+PAIRS = [
+    ("Summarize: Anna: cinema at 7? Tom: sure!\nSummary:", " Anna and Tom go to the cinema."),
+    ("Summarize: Kate: lunch? Ben: can't today.\nSummary:", " Ben can't have lunch with Kate."),
+    ("Summarize: Lucy: I'll bring cake.\nSummary:", " Lucy brings cake."),
+]
 PLACE = {"type": "object", "properties": {"place": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": "book", "description": "Book a table", "parameters": PLACE}}]
 
@@ -99,14 +110,30 @@ def trls(cfg: TrainConfig, tokenizer, tmp_path: Path) -> list[tuple[list[int], l
     if tc.chat_template_path:
         tokenizer.chat_template = Path(tc.chat_template_path).read_text()
     completion_only = {"auto": None, "true": True, "false": False}[tc.completion_only_loss]
-    args = SFTConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, packing=False,
-                     save_strategy="no", max_length=cfg.data.context_length, truncation_mode=tc.truncation_mode,
-                     dataset_text_field=tc.dataset_text_field, completion_only_loss=completion_only,
-                     assistant_only_loss=tc.assistant_only_loss, eos_token=tc.eos_token or None)
+    args = SFTConfig(
+        output_dir=str(tmp_path / "trl"),
+        report_to="none",
+        use_cpu=True,
+        packing=False,
+        save_strategy="no",
+        max_length=cfg.data.context_length,
+        truncation_mode=tc.truncation_mode,
+        dataset_text_field=tc.dataset_text_field,
+        completion_only_loss=completion_only,
+        assistant_only_loss=tc.assistant_only_loss,
+        eos_token=tc.eos_token or None,
+    )
     with torch.random.fork_rng(devices=[]):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16,
-                                                             num_hidden_layers=1, num_attention_heads=2,
-                                                             num_key_value_heads=1, intermediate_size=32))
+        model = AutoModelForCausalLM.from_config(
+            LlamaConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=16,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                intermediate_size=32,
+            )
+        )
     dataset = load_dataset("json", data_files=tc.dataset_name, split="train")
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     return [(row["input_ids"], row["labels"]) for row in trainer.train_dataset]
@@ -133,8 +160,11 @@ CASES = {  # name: (rows, max_length, options)
     "messages_assistant_only_truncated": ("messages", 40, {"assistant_only_loss": True}),
     "messages_keep_end": ("messages", 40, {"truncation_mode": "keep_end", "assistant_only_loss": True}),
     "chat_prompt_completion": ("chat_prompt_completion", 1024, {}),
-    "chat_prompt_completion_assistant_only": ("chat_prompt_completion", 1024,
-                                              {"assistant_only_loss": True, "completion_only_loss": "false"}),
+    "chat_prompt_completion_assistant_only": (
+        "chat_prompt_completion",
+        1024,
+        {"assistant_only_loss": True, "completion_only_loss": "false"},
+    ),
     "chat_prompt_completion_full_loss": ("chat_prompt_completion", 1024, {"completion_only_loss": "false"}),
     "sharegpt": ("sharegpt", 1024, {}),  # TRL refuses --assistant_only_loss on them; shardtune does not
     "tools": ("tools", 1024, {"assistant_only_loss": True}),
@@ -153,7 +183,7 @@ def test_tokens_and_loss_positions_equal_trl(case, tokenizer, tmp_path):
 def test_assistant_only_loss_trains_every_assistant_turn_and_nothing_else(tokenizer, tmp_path):
     """Three assistant turns after a system message: exactly their text and eos carry loss."""
     cfg = trl_cfg(write_jsonl(tmp_path / "chat.jsonl", ROWS["messages"][:1]), assistant_only_loss=True)
-    (ids, labels), = ours(cfg, tokenizer)
+    ((ids, labels),) = ours(cfg, tokenizer)
     trained = tokenizer.decode([label for label in labels if label != IGNORE_INDEX])
     assert trained == "Tom and Kate come.</s>At the Odeon.</s>Have fun on Friday.</s>"
     everything = ours(trl_cfg(cfg.data.trl_dataset.dataset_name), tokenizer)[0][1]
@@ -170,9 +200,10 @@ def test_the_comparison_sees_a_different_mask(tokenizer, tmp_path):
 
 
 def test_pretokenized_rows_use_their_masks_as_trl(tokenizer, tmp_path):
-    rows = [{"input_ids": [5, 6, 7, 8, 2], "completion_mask": [0, 0, 1, 1, 1],
-             "assistant_masks": [1, 1, 1, 1, 1]},
-            {"input_ids": [9, 10, 11, 2], "completion_mask": [0, 1, 1, 1], "assistant_masks": [0, 0, 1, 1]}]
+    rows = [
+        {"input_ids": [5, 6, 7, 8, 2], "completion_mask": [0, 0, 1, 1, 1], "assistant_masks": [1, 1, 1, 1, 1]},
+        {"input_ids": [9, 10, 11, 2], "completion_mask": [0, 1, 1, 1], "assistant_masks": [0, 0, 1, 1]},
+    ]
     path = write_jsonl(tmp_path / "ids.jsonl", rows)
     explicit = assert_same_as_trl(trl_cfg(path, completion_only_loss="true"), tokenizer, tmp_path)
     assert explicit[0][1] == [IGNORE_INDEX, IGNORE_INDEX, 7, 8, 2]
@@ -182,20 +213,29 @@ def test_pretokenized_rows_use_their_masks_as_trl(tokenizer, tmp_path):
 
 
 def test_sharegpt_speaker_names_become_roles(tokenizer, tmp_path):
-    named = [{"conversations": [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
-                                 "value": m["content"]} for m in chat]} for chat in CHATS]
+    named = [
+        {
+            "conversations": [
+                {"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"]}
+                for m in chat
+            ]
+        }
+        for chat in CHATS
+    ]
     by_name = ours(trl_cfg(write_jsonl(tmp_path / "a.jsonl", named), assistant_only_loss=True), tokenizer)
     by_role = ours(trl_cfg(write_jsonl(tmp_path / "b.jsonl", ROWS["messages"]), assistant_only_loss=True), tokenizer)
     assert by_name == by_role
 
 
 def test_start_log_names_the_format_and_its_columns(tokenizer, tmp_path):
-    expected = {"text": "language modelling rows (columns text)",
-                "prompt_completion": "prompt-completion rows (columns prompt, completion)",
-                "messages": "conversational rows (columns messages)",
-                "chat_prompt_completion": "conversational prompt-completion rows (columns prompt, completion)",
-                "sharegpt": "ShareGPT conversations rows (columns conversations)",
-                "tools": "conversational rows (columns messages, tools)"}
+    expected = {
+        "text": "language modelling rows (columns text)",
+        "prompt_completion": "prompt-completion rows (columns prompt, completion)",
+        "messages": "conversational rows (columns messages)",
+        "chat_prompt_completion": "conversational prompt-completion rows (columns prompt, completion)",
+        "sharegpt": "ShareGPT conversations rows (columns conversations)",
+        "tools": "conversational rows (columns messages, tools)",
+    }
     for name, description in expected.items():
         _, report = load_examples(trl_cfg(write_jsonl(tmp_path / f"{name}.jsonl", ROWS[name])), tokenizer, "train")
         assert report.summary().startswith(f"{tmp_path / name}.jsonl split train: {description}: 3 of 3 rows kept")
@@ -214,12 +254,17 @@ BAD_CHATS = [
 
 
 def test_bad_rows_are_counted_by_kind_and_strict_data_names_file_and_row(tokenizer, tmp_path):
-    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHATS[1]}, *({"messages": c} for c in BAD_CHATS),
-                                                  {"messages": None}])
+    path = write_jsonl(
+        tmp_path / "chat.jsonl", [{"messages": CHATS[1]}, *({"messages": c} for c in BAD_CHATS), {"messages": None}]
+    )
     examples, report = load_examples(trl_cfg(path, assistant_only_loss=True), tokenizer, "train")
     assert len(examples) == 1
-    assert report.skipped == {"unknown_role": 1, "empty_assistant_turn": 1, "no_assistant_tokens": 1,
-                              "missing_field": 1}
+    assert report.skipped == {
+        "unknown_role": 1,
+        "empty_assistant_turn": 1,
+        "no_assistant_tokens": 1,
+        "missing_field": 1,
+    }
     cfg = trl_cfg(path, assistant_only_loss=True)
     cfg.data.strict = True
     with pytest.raises(DataError, match=rf"^{path} row 2: message 1 of 'messages' has the role 'robot'"):
@@ -238,24 +283,39 @@ def test_templates_without_generation_markers_or_none_are_one_error(tokenizer, t
     with pytest.raises(ConfigError, match="has none: pass --chat_template_path"):
         load_examples(trl_cfg(path), bare, "train")
     with pytest.raises(ConfigError, match="needs conversational rows"):
-        load_examples(trl_cfg(write_jsonl(tmp_path / "t.jsonl", ROWS["text"]), assistant_only_loss=True),
-                      tokenizer, "train")
+        load_examples(
+            trl_cfg(write_jsonl(tmp_path / "t.jsonl", ROWS["text"]), assistant_only_loss=True), tokenizer, "train"
+        )
 
 
 def test_chat_template_path_file_is_the_template_trl_uses(tokenizer, tmp_path):
     template = tmp_path / "chat.jinja"
-    template.write_text(tokenizer.chat_template.replace("<|assistant|>", "[bot]").replace("<|", "[").replace(
-        "|>", "]"))
-    cfg = trl_cfg(write_jsonl(tmp_path / "chat.jsonl", ROWS["messages"]), assistant_only_loss=True,
-                  chat_template_path=str(template))
+    template.write_text(tokenizer.chat_template.replace("<|assistant|>", "[bot]").replace("<|", "[").replace("|>", "]"))
+    cfg = trl_cfg(
+        write_jsonl(tmp_path / "chat.jsonl", ROWS["messages"]),
+        assistant_only_loss=True,
+        chat_template_path=str(template),
+    )
     mine = assert_same_as_trl(cfg, tokenizer, tmp_path)
     assert tokenizer.decode(mine[1][0]).startswith("[user]\nLunch on Monday?")
 
 
 def test_dataset_name_flags_select_the_dataset_and_unused_options_are_refused(tmp_path):
     path = write_jsonl(tmp_path / "chat.jsonl", ROWS["messages"])
-    cfg = parse_args(["--dataset_name", str(path), "--assistant_only_loss", "true", "--completion_only_loss", "False",
-                      "--max_length", "256", "--dataset_test_split", "validation"])
+    cfg = parse_args(
+        [
+            "--dataset_name",
+            str(path),
+            "--assistant_only_loss",
+            "true",
+            "--completion_only_loss",
+            "False",
+            "--max_length",
+            "256",
+            "--dataset_test_split",
+            "validation",
+        ]
+    )
     assert cfg.data.dataset == "trl_dataset" and cfg.data.trl_dataset.assistant_only_loss
     assert cfg.data.trl_dataset.completion_only_loss == "false" and cfg.data.context_length == 256
     check_data_config(cfg)
@@ -279,10 +339,12 @@ def test_folder_splits_and_an_absent_test_split(tokenizer, tmp_path):
 
 def test_cache_key_follows_template_and_mask_options(tokenizer, tmp_path):
     path = write_jsonl(tmp_path / "chat.jsonl", ROWS["messages"])
-    keys = {cache_key(trl_cfg(path), tokenizer, "train"),
-            cache_key(trl_cfg(path, assistant_only_loss=True), tokenizer, "train"),
-            cache_key(trl_cfg(path, completion_only_loss="false"), tokenizer, "train"),
-            cache_key(trl_cfg(path, truncation_mode="keep_end"), tokenizer, "train")}
+    keys = {
+        cache_key(trl_cfg(path), tokenizer, "train"),
+        cache_key(trl_cfg(path, assistant_only_loss=True), tokenizer, "train"),
+        cache_key(trl_cfg(path, completion_only_loss="false"), tokenizer, "train"),
+        cache_key(trl_cfg(path, truncation_mode="keep_end"), tokenizer, "train"),
+    }
     other = copy.deepcopy(tokenizer)
     other.chat_template = tokenizer.chat_template.replace("<|assistant|>", "<|bot|>")
     keys.add(cache_key(trl_cfg(path), other, "train"))
@@ -296,8 +358,7 @@ def test_synthetic_dialogues_as_messages_train_on_the_summary_and_eos(tokenizer)
     check_data_config(cfg)
     examples, report = load_examples(cfg, tokenizer, "train")
     assert "generated train dialogues as messages" in report.source and len(examples) == 8
-    plain, _ = load_examples(config_from({"synthetic_dialogues.num_train": 8}),
-                             tokenizer, "train")
+    plain, _ = load_examples(config_from({"synthetic_dialogues.num_train": 8}), tokenizer, "train")
     for example, samsum in zip(examples, plain):
         summary = [t for t in samsum["labels"] if t != IGNORE_INDEX]
         assert [t for t in example["labels"] if t != IGNORE_INDEX] == summary  # summary + eos, as the samsum form
@@ -354,7 +415,9 @@ def test_chat_template_path_may_name_a_tokenizer_directory(tokenizer, tmp_path):
     cfg = trl_cfg(tmp_path / "unused.jsonl", chat_template_path=str(tmp_path / "other"))
     assert apply_tokenizer_options(cfg, copy.deepcopy(tokenizer)).chat_template == source.chat_template
     with pytest.raises(ConfigError, match="no such Jinja file"):
-        apply_tokenizer_options(trl_cfg(tmp_path / "unused.jsonl", chat_template_path=str(tmp_path / "nope.jinja")),
-                                copy.deepcopy(tokenizer))
+        apply_tokenizer_options(
+            trl_cfg(tmp_path / "unused.jsonl", chat_template_path=str(tmp_path / "nope.jinja")),
+            copy.deepcopy(tokenizer),
+        )
     with pytest.raises(ConfigError, match="--eos_token '<eot>' is not a token"):
         apply_tokenizer_options(trl_cfg(tmp_path / "unused.jsonl", eos_token="<eot>"), copy.deepcopy(tokenizer))

@@ -21,10 +21,10 @@ Pairs = list[tuple[str, Any]]
 
 @dataclass(frozen=True)
 class Spelling:
-    target: str                                       # the canonical setting(s) it sets, as the docs show them
-    meaning: str = ""                                 # what it does here (docs/flags.md)
-    to: Callable[[Any], Pairs] | None = None          # value -> settings; None: the value of ``target`` as it is
-    refuse: str = ""                                  # non-empty: refused, with this reason and fix
+    target: str  # the canonical setting(s) it sets, as the docs show them
+    meaning: str = ""  # what it does here (docs/flags.md)
+    to: Callable[[Any], Pairs] | None = None  # value -> settings; None: the value of ``target`` as it is
+    refuse: str = ""  # non-empty: refused, with this reason and fix
 
     @property
     def plain(self) -> bool:

@@ -27,34 +27,68 @@ FLAG = "accelerate_config"
 
 # Keys whose value does not change a shardtune run: Accelerate's environment, and FSDP / DeepSpeed knobs that
 # shardtune's FSDP2 wrapping or DeepSpeed setup decides itself (the value is accepted whatever it is).
-NO_EFFECT_KEYS = frozenset({
-    "compute_environment", "main_training_function", "same_network", "tpu_env", "tpu_use_cluster", "tpu_use_sudo",
-    "tpu_name", "tpu_zone", "commands", "command_file", "enable_cpu_affinity",
-    "fsdp_config.fsdp_version", "fsdp_config.fsdp_use_orig_params", "fsdp_config.fsdp_sync_module_states",
-    "fsdp_config.fsdp_forward_prefetch", "fsdp_config.fsdp_backward_prefetch",
-    "deepspeed_config.deepspeed_multinode_launcher", "deepspeed_config.zero3_init_flag",
-    "deepspeed_config.zero3_save_16bit_model",
-    # how Accelerate's context / sequence parallelism is implemented; shardtune's ring and Ulysses compute the same
-    "deepspeed_config.seq_parallel_communication_data_type",
-    "parallelism_config.parallelism_config_cp_comm_strategy", "parallelism_config.parallelism_config_cp_handler",
-    "parallelism_config.parallelism_config_cp_seq_length_is_variable",
-    "parallelism_config.parallelism_config_cp_attn_implementation",
-    "parallelism_config.parallelism_config_sp_seq_length", "parallelism_config.parallelism_config_sp_handler",
-    "parallelism_config.parallelism_config_sp_seq_length_is_variable",
-    "parallelism_config.parallelism_config_sp_attn_implementation",
-})
+NO_EFFECT_KEYS = frozenset(
+    {
+        "compute_environment",
+        "main_training_function",
+        "same_network",
+        "tpu_env",
+        "tpu_use_cluster",
+        "tpu_use_sudo",
+        "tpu_name",
+        "tpu_zone",
+        "commands",
+        "command_file",
+        "enable_cpu_affinity",
+        "fsdp_config.fsdp_version",
+        "fsdp_config.fsdp_use_orig_params",
+        "fsdp_config.fsdp_sync_module_states",
+        "fsdp_config.fsdp_forward_prefetch",
+        "fsdp_config.fsdp_backward_prefetch",
+        "deepspeed_config.deepspeed_multinode_launcher",
+        "deepspeed_config.zero3_init_flag",
+        "deepspeed_config.zero3_save_16bit_model",
+        # how Accelerate's context / sequence parallelism is implemented; shardtune's ring and Ulysses compute the same
+        "deepspeed_config.seq_parallel_communication_data_type",
+        "parallelism_config.parallelism_config_cp_comm_strategy",
+        "parallelism_config.parallelism_config_cp_handler",
+        "parallelism_config.parallelism_config_cp_seq_length_is_variable",
+        "parallelism_config.parallelism_config_cp_attn_implementation",
+        "parallelism_config.parallelism_config_sp_seq_length",
+        "parallelism_config.parallelism_config_sp_handler",
+        "parallelism_config.parallelism_config_sp_seq_length_is_variable",
+        "parallelism_config.parallelism_config_sp_attn_implementation",
+    }
+)
 # Keys accepted only with the value that means what shardtune does anyway.
 EXPECTED_VALUES: dict[str, tuple[Any, ...]] = {
-    "debug": (False,), "use_cpu": (False,), "downcast_bf16": ("no", False), "gpu_ids": ("all", None),
-    "rdzv_backend": ("static", "c10d"), "fsdp_config.fsdp_auto_wrap_policy": ("TRANSFORMER_BASED_WRAP",),
+    "debug": (False,),
+    "use_cpu": (False,),
+    "downcast_bf16": ("no", False),
+    "gpu_ids": ("all", None),
+    "rdzv_backend": ("static", "c10d"),
+    "fsdp_config.fsdp_auto_wrap_policy": ("TRANSFORMER_BASED_WRAP",),
     "dynamo_config.dynamo_backend": ("NO", "no"),
 }
-DISTRIBUTED_TYPES = {"NO": [], "MULTI_GPU": [], "MULTI_CPU": [], "FSDP": [("parallel.strategy", "fsdp")],
-                     "DEEPSPEED": [("parallel.strategy", "deepspeed")]}
-MIXED_PRECISION = {"no": [("train.precision", "fp32")], "bf16": [("train.precision", "auto")],
-                   "fp16": [("train.precision", "fp16")]}
-SHARDING_STRATEGIES = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
-                       "5": "HYBRID_SHARD"}
+DISTRIBUTED_TYPES = {
+    "NO": [],
+    "MULTI_GPU": [],
+    "MULTI_CPU": [],
+    "FSDP": [("parallel.strategy", "fsdp")],
+    "DEEPSPEED": [("parallel.strategy", "deepspeed")],
+}
+MIXED_PRECISION = {
+    "no": [("train.precision", "fp32")],
+    "bf16": [("train.precision", "auto")],
+    "fp16": [("train.precision", "fp16")],
+}
+SHARDING_STRATEGIES = {
+    "1": "FULL_SHARD",
+    "2": "SHARD_GRAD_OP",
+    "3": "NO_SHARD",
+    "4": "HYBRID_SHARD",
+    "5": "HYBRID_SHARD",
+}
 OFFLOAD_DEVICES = {"none": False, "cpu": True}
 
 
@@ -124,8 +158,10 @@ def read_accelerate_config(path: str) -> dict[str, Any]:
     """The file's keys, nested sections flattened to dotted names (fsdp_config.fsdp_offload_params)."""
     file = Path(profile_path(path)).expanduser()
     if not file.is_file():
-        raise ConfigError(f"--{FLAG} {path}: no such file: pass an Accelerate config file (accelerate config "
-                          f"writes one; TRL's are in examples/accelerate_configs/) or a profile: {', '.join(PROFILES)}")
+        raise ConfigError(
+            f"--{FLAG} {path}: no such file: pass an Accelerate config file (accelerate config "
+            f"writes one; TRL's are in examples/accelerate_configs/) or a profile: {', '.join(PROFILES)}"
+        )
     try:
         data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
@@ -144,8 +180,10 @@ def launch_flags(path: str, keys: dict[str, Any]) -> dict[str, str]:
     elif "num_processes" in keys:
         total = int(keys["num_processes"])
         if total % machines:
-            raise ConfigError(f"--{FLAG} {path}: num_processes {total} is not a multiple of num_machines {machines}: "
-                              "fix the file (Accelerate counts the processes of all machines)")
+            raise ConfigError(
+                f"--{FLAG} {path}: num_processes {total} is not a multiple of num_machines {machines}: "
+                "fix the file (Accelerate counts the processes of all machines)"
+            )
         flags["nproc_per_node"] = str(total // machines)
     if machines > 1:
         flags["nnodes"] = str(machines)
@@ -173,29 +211,44 @@ def parallelism_settings(path: str, keys: dict[str, Any]) -> Pairs:
     tp, cp, sp = (_size(path, keys, n) for n in ("tp_size", "cp_size", "sp_size"))
     replicate, shard = _size(path, keys, "dp_replicate_size"), _size(path, keys, "dp_shard_size")
     if tp > 1:
-        raise ConfigError(f"--{FLAG} {path}: parallelism_config_tp_size {tp}: tensor parallelism is not built: use "
-                          "FSDP (distributed_type: FSDP) to fit the model, and set tp_size to 1")
-    backends = {"cp_backend": keys.get(PARALLELISM + "cp_backend", "torch"),
-                "sp_backend": keys.get(PARALLELISM + "sp_backend", "deepspeed")}
+        raise ConfigError(
+            f"--{FLAG} {path}: parallelism_config_tp_size {tp}: tensor parallelism is not built: use "
+            "FSDP (distributed_type: FSDP) to fit the model, and set tp_size to 1"
+        )
+    backends = {
+        "cp_backend": keys.get(PARALLELISM + "cp_backend", "torch"),
+        "sp_backend": keys.get(PARALLELISM + "sp_backend", "deepspeed"),
+    }
     if backends["cp_backend"] not in ("torch", "deepspeed") or backends["sp_backend"] != "deepspeed":
-        raise ConfigError(f"--{FLAG} {path}: parallelism_config cp_backend {backends['cp_backend']!r} / sp_backend "
-                          f"{backends['sp_backend']!r}: shardtune has torch's (ring) context parallelism and "
-                          "DeepSpeed's (Ulysses) sequence parallelism")
+        raise ConfigError(
+            f"--{FLAG} {path}: parallelism_config cp_backend {backends['cp_backend']!r} / sp_backend "
+            f"{backends['sp_backend']!r}: shardtune has torch's (ring) context parallelism and "
+            "DeepSpeed's (Ulysses) sequence parallelism"
+        )
     if backends["cp_backend"] == "deepspeed":  # ALST: Ulysses under the name cp
         cp, sp = 1, sp * cp
     distributed = keys.get("distributed_type", "NO")
     if replicate > 1 and distributed == "DEEPSPEED":
-        raise ConfigError(f"--{FLAG} {path}: parallelism_config_dp_replicate_size {replicate}: ZeRO partitions over "
-                          "all processes (no replica groups): set it to 1, or use distributed_type: FSDP (HSDP)")
+        raise ConfigError(
+            f"--{FLAG} {path}: parallelism_config_dp_replicate_size {replicate}: ZeRO partitions over "
+            "all processes (no replica groups): set it to 1, or use distributed_type: FSDP (HSDP)"
+        )
     if shard > 1 and distributed not in ("FSDP", "DEEPSPEED"):
-        raise ConfigError(f"--{FLAG} {path}: parallelism_config_dp_shard_size {shard} needs distributed_type FSDP or "
-                          f"DEEPSPEED (not {distributed}): set one, or dp_shard_size 1")
+        raise ConfigError(
+            f"--{FLAG} {path}: parallelism_config_dp_shard_size {shard} needs distributed_type FSDP or "
+            f"DEEPSPEED (not {distributed}): set one, or dp_shard_size 1"
+        )
     total = replicate * shard * cp * sp
     if "num_processes" in keys and int(keys["num_processes"]) != total and distributed != "NO":
-        raise ConfigError(f"--{FLAG} {path}: parallelism_config dp_replicate {replicate} x dp_shard {shard} x cp {cp} "
-                          f"x sp {sp} = {total}, but num_processes is {keys['num_processes']}: make them agree")
-    pairs: Pairs = [(f"parallel.{name}", size) for name, size in (("context_parallel_size", cp),
-                                                                  ("sequence_parallel_size", sp)) if size > 1]
+        raise ConfigError(
+            f"--{FLAG} {path}: parallelism_config dp_replicate {replicate} x dp_shard {shard} x cp {cp} "
+            f"x sp {sp} = {total}, but num_processes is {keys['num_processes']}: make them agree"
+        )
+    pairs: Pairs = [
+        (f"parallel.{name}", size)
+        for name, size in (("context_parallel_size", cp), ("sequence_parallel_size", sp))
+        if size > 1
+    ]
     if replicate > 1 and distributed == "FSDP":
         pairs += [("parallel.sharding_strategy", "HYBRID_SHARD"), ("parallel.replica_group_size", replicate)]
     return pairs
@@ -207,17 +260,28 @@ def train_settings(path: str, keys: dict[str, Any]) -> Pairs:
         if key in LAUNCH_KEYS or key in NO_EFFECT_KEYS:
             continue
         if key.startswith(PARALLELISM) and key.removeprefix(PARALLELISM) in (
-                "tp_size", "cp_size", "sp_size", "dp_replicate_size", "dp_shard_size", "cp_backend", "sp_backend"):
+            "tp_size",
+            "cp_size",
+            "sp_size",
+            "dp_replicate_size",
+            "dp_shard_size",
+            "cp_backend",
+            "sp_backend",
+        ):
             continue  # parallelism_settings
         if key in EXPECTED_VALUES:
             if value not in EXPECTED_VALUES[key]:
-                raise ConfigError(f"--{FLAG} {path}: {key} {value!r} cannot be mapped onto shardtune (it runs with "
-                                  f"{EXPECTED_VALUES[key][0]!r}): remove the key or set that value")
+                raise ConfigError(
+                    f"--{FLAG} {path}: {key} {value!r} cannot be mapped onto shardtune (it runs with "
+                    f"{EXPECTED_VALUES[key][0]!r}): remove the key or set that value"
+                )
             continue
         mapped = TRAIN_KEYS[key](value) if key in TRAIN_KEYS else None
         if mapped is None:
-            raise ConfigError(f"--{FLAG} {path}: {key} {value!r} cannot be mapped onto a shardtune setting: remove it "
-                              "from the file (see shardtune sft --help for what shardtune offers)")
+            raise ConfigError(
+                f"--{FLAG} {path}: {key} {value!r} cannot be mapped onto a shardtune setting: remove it "
+                "from the file (see shardtune sft --help for what shardtune offers)"
+            )
         settings += mapped
     return settings + parallelism_settings(path, keys)  # after fsdp_config's strategy: HSDP wins over it
 
@@ -242,5 +306,8 @@ def clear_accelerate_loading_variables() -> None:
     for name in found:
         del os.environ[name]
     if found and os.environ.get("RANK", "0") == "0":
-        print(f"shardtune: ignoring {' and '.join(found)} (Accelerate's loading switches): every rank loads the "
-              "model, or only rank 0 with --low_cpu_fsdp", file=sys.stderr)
+        print(
+            f"shardtune: ignoring {' and '.join(found)} (Accelerate's loading switches): every rank loads the "
+            "model, or only rank 0 with --low_cpu_fsdp",
+            file=sys.stderr,
+        )

@@ -40,18 +40,32 @@ def _number(name: str, value: Any, kind=float) -> Any:
 
 def rule(name: str, kind: str = "bool") -> Spelling:
     """A flag that settles a setting together with others (:func:`finish`)."""
-    convert = {"bool": lambda v: _bool(name, v), "int": lambda v: _number(name, v, int),
-               "float": lambda v: _number(name, v), "str": text}[kind]
+    convert = {
+        "bool": lambda v: _bool(name, v),
+        "int": lambda v: _number(name, v, int),
+        "float": lambda v: _number(name, v),
+        "str": text,
+    }[kind]
     return Spelling(TARGETS.get(name, "-"), to=lambda value: [(STATE + name, convert(value))])
 
 
 # the canonical setting each rule flag settles (docs/flags.md)
-TARGETS = {"gradient_clipping": "optim.max_grad_norm", "gradient_clipping_threshold": "optim.max_grad_norm",
-           "use_peft": "peft.method", "peft_method": "peft.method", "enable_fsdp": "parallel.strategy",
-           "enable_deepspeed": "parallel.strategy", "use_fp16": "train.precision", "mixed_precision": "train.precision",
-           "pure_bf16": "train.precision", "freeze_layers": "model.freeze_layers",
-           "num_freeze_layers": "model.freeze_layers", "hsdp": "parallel.sharding_strategy",
-           "use_wandb": "logging.report_to", "report_to": "logging.report_to"}
+TARGETS = {
+    "gradient_clipping": "optim.max_grad_norm",
+    "gradient_clipping_threshold": "optim.max_grad_norm",
+    "use_peft": "peft.method",
+    "peft_method": "peft.method",
+    "enable_fsdp": "parallel.strategy",
+    "enable_deepspeed": "parallel.strategy",
+    "use_fp16": "train.precision",
+    "mixed_precision": "train.precision",
+    "pure_bf16": "train.precision",
+    "freeze_layers": "model.freeze_layers",
+    "num_freeze_layers": "model.freeze_layers",
+    "hsdp": "parallel.sharding_strategy",
+    "use_wandb": "logging.report_to",
+    "report_to": "logging.report_to",
+}
 
 
 def _quantization(value: Any) -> Pairs:
@@ -66,18 +80,22 @@ def _fractional_epochs(value: Any) -> Pairs:
 
 def _fixed(name: str, accepted: Any, why: str) -> Spelling:
     """A flag accepted only with the value that means what shardtune does."""
+
     def to(value: Any) -> Pairs:
         if text(value) == text(accepted):
             return []
         raise ConfigError(f"--{name} {text(value)}: {why}")
+
     return Spelling("-", to=to)
 
 
 def _freeze_llm_only(value: Any) -> Pairs:
     if _bool("freeze_LLM_only", value):
-        raise ConfigError("--freeze_LLM_only applies to vision models (llama-cookbook's mllama recipe), and shardtune "
-                          "trains causal language models only: drop the flag (or use --freeze_layers "
-                          "--num_freeze_layers N), or use llama-cookbook for vision fine-tuning")
+        raise ConfigError(
+            "--freeze_LLM_only applies to vision models (llama-cookbook's mllama recipe), and shardtune "
+            "trains causal language models only: drop the flag (or use --freeze_layers "
+            "--num_freeze_layers N), or use llama-cookbook for vision fine-tuning"
+        )
     return []
 
 
@@ -90,12 +108,22 @@ def _renames(prefix: str, target: str, names: dict[str, str] | list[str]) -> dic
     return {f"{prefix}{old}": Spelling(f"{target}{new}") for old, new in pairs}
 
 
-DATASET_SECTIONS = ("synthetic_dialogues", "samsum_dataset", "alpaca_dataset", "custom_dataset", "grammar_dataset",
-                    "trl_dataset")
-FSDP_NAMES = {"sharding_strategy": "parallel.sharding_strategy", "sharding_group_size": "parallel.sharding_group_size",
-              "replica_group_size": "parallel.replica_group_size", "fsdp_cpu_offload": "parallel.cpu_offload",
-              "fsdp_activation_checkpointing": "parallel.activation_checkpointing",
-              "checkpoint_type": "checkpoint.checkpoint_type"}
+DATASET_SECTIONS = (
+    "synthetic_dialogues",
+    "samsum_dataset",
+    "alpaca_dataset",
+    "custom_dataset",
+    "grammar_dataset",
+    "trl_dataset",
+)
+FSDP_NAMES = {
+    "sharding_strategy": "parallel.sharding_strategy",
+    "sharding_group_size": "parallel.sharding_group_size",
+    "replica_group_size": "parallel.replica_group_size",
+    "fsdp_cpu_offload": "parallel.cpu_offload",
+    "fsdp_activation_checkpointing": "parallel.activation_checkpointing",
+    "checkpoint_type": "checkpoint.checkpoint_type",
+}
 
 
 def _section_renames() -> dict[str, Spelling]:
@@ -156,30 +184,64 @@ SPELLINGS: dict[str, Spelling] = {
     "profiler_dir": Spelling("logging.profiler_dir"),
     "enable_activation_checkpointing": Spelling("parallel.activation_checkpointing"),
     "activation_checkpointing_use_reentrant": _fixed(
-        "activation_checkpointing_use_reentrant", False, "shardtune recomputes layers non-reentrantly (same result, "
-        "works with FSDP2): drop the flag"),
+        "activation_checkpointing_use_reentrant",
+        False,
+        "shardtune recomputes layers non-reentrantly (same result, works with FSDP2): drop the flag",
+    ),
     "enable_memory_monitoring": _no_effect("peak memory is in every metrics.jsonl row and the start log, always"),
     "memory_monitoring_interval": _no_effect("memory is logged every step"),
     # llama-cookbook's fsdp_config (also without its prefix, as the cookbook accepts them)
     **{f"fsdp_config.{name}": Spelling(target) for name, target in FSDP_NAMES.items()},
     **{name: Spelling(target) for name, target in FSDP_NAMES.items()},
-    "fsdp_config.hsdp": rule("hsdp"), "hsdp": rule("hsdp"),
-    "fsdp_config.pure_bf16": rule("pure_bf16"), "pure_bf16": rule("pure_bf16"),
-    "fsdp_config.use_fp16": rule("use_fp16"), "fsdp_config.mixed_precision": rule("mixed_precision"),
-    "fsdp_config.optimizer": _fixed("fsdp_config.optimizer", "AdamW", "torchdistx's AnyPrecisionAdamW is not "
-                                    "available: use AdamW (the default), with --fsdp_config.pure_bf16 for bf16 "
-                                    "optimizer state"),
-    "optimizer": _fixed("fsdp_config.optimizer", "AdamW", "torchdistx's AnyPrecisionAdamW is not available: use "
-                        "AdamW (the default), with --fsdp_config.pure_bf16 for bf16 optimizer state"),
+    "fsdp_config.hsdp": rule("hsdp"),
+    "hsdp": rule("hsdp"),
+    "fsdp_config.pure_bf16": rule("pure_bf16"),
+    "pure_bf16": rule("pure_bf16"),
+    "fsdp_config.use_fp16": rule("use_fp16"),
+    "fsdp_config.mixed_precision": rule("mixed_precision"),
+    "fsdp_config.optimizer": _fixed(
+        "fsdp_config.optimizer",
+        "AdamW",
+        "torchdistx's AnyPrecisionAdamW is not "
+        "available: use AdamW (the default), with --fsdp_config.pure_bf16 for bf16 "
+        "optimizer state",
+    ),
+    "optimizer": _fixed(
+        "fsdp_config.optimizer",
+        "AdamW",
+        "torchdistx's AnyPrecisionAdamW is not available: use "
+        "AdamW (the default), with --fsdp_config.pure_bf16 for bf16 optimizer state",
+    ),
     # peft and quantisation sections, as the cookbook's configs name them
-    **_renames("lora_config.", "peft.lora.", {"r": "r", "lora_alpha": "alpha", "target_modules": "target_modules",
-                                              "lora_dropout": "dropout", "bias": "bias", "use_dora": "use_dora",
-                                              "use_rslora": "use_rslora", "modules_to_save": "modules_to_save"}),
-    **_renames("quantization_config.", "model.", {"quant_type": "quant_type", "use_double_quant": "double_quant",
-                                                  "compute_dtype": "quant_compute_dtype"}),
-    **_renames("deepspeed_config.", "parallel.", {"zero_stage": "zero_stage", "offload_optimizer": "offload_optimizer",
-                                                  "offload_param": "offload_param",
-                                                  "config_file": "deepspeed_config_file"}),
+    **_renames(
+        "lora_config.",
+        "peft.lora.",
+        {
+            "r": "r",
+            "lora_alpha": "alpha",
+            "target_modules": "target_modules",
+            "lora_dropout": "dropout",
+            "bias": "bias",
+            "use_dora": "use_dora",
+            "use_rslora": "use_rslora",
+            "modules_to_save": "modules_to_save",
+        },
+    ),
+    **_renames(
+        "quantization_config.",
+        "model.",
+        {"quant_type": "quant_type", "use_double_quant": "double_quant", "compute_dtype": "quant_compute_dtype"},
+    ),
+    **_renames(
+        "deepspeed_config.",
+        "parallel.",
+        {
+            "zero_stage": "zero_stage",
+            "offload_optimizer": "offload_optimizer",
+            "offload_param": "offload_param",
+            "config_file": "deepspeed_config_file",
+        },
+    ),
     # shardtune's flat names before its config had groups
     "fractional_epochs": Spelling("train.num_epochs", meaning="a fraction of epochs", to=_fractional_epochs),
     "lr_scheduler": Spelling("optim.lr_scheduler"),
@@ -206,13 +268,35 @@ SPELLINGS: dict[str, Spelling] = {
 }
 
 # Our settings named by llama-cookbook's train_config (the docs' cookbook column).
-COOKBOOK_NAMES = frozenset({
-    "model_name", "batch_size_training", "val_batch_size", "lr", "num_epochs", "max_train_step",
-    "gradient_clipping_threshold", "gradient_clipping", "mixed_precision", "use_fp16", "batching_strategy",
-    "num_workers_dataloader", "use_peft", "quantization", "run_validation", "output_dir", "weight_decay", "seed",
-    "gradient_accumulation_steps", "fsdp_config.fsdp_activation_checkpointing", "lora_config.r",
-    "lora_config.lora_alpha", "lora_config.lora_dropout", "lora_config.target_modules", "context_length",
-})
+COOKBOOK_NAMES = frozenset(
+    {
+        "model_name",
+        "batch_size_training",
+        "val_batch_size",
+        "lr",
+        "num_epochs",
+        "max_train_step",
+        "gradient_clipping_threshold",
+        "gradient_clipping",
+        "mixed_precision",
+        "use_fp16",
+        "batching_strategy",
+        "num_workers_dataloader",
+        "use_peft",
+        "quantization",
+        "run_validation",
+        "output_dir",
+        "weight_decay",
+        "seed",
+        "gradient_accumulation_steps",
+        "fsdp_config.fsdp_activation_checkpointing",
+        "lora_config.r",
+        "lora_config.lora_alpha",
+        "lora_config.lora_dropout",
+        "lora_config.target_modules",
+        "context_length",
+    }
+)
 
 
 def finish(cfg: TrainConfig, state: dict[str, Any], spelled: dict[str, str]) -> None:
@@ -227,8 +311,10 @@ def finish(cfg: TrainConfig, state: dict[str, Any], spelled: dict[str, str]) -> 
     if "freeze_layers" in given:
         number = given.get("num_freeze_layers", 1)
         if given["freeze_layers"] and number <= 0:
-            raise ConfigError(f"--num_freeze_layers {number} must be positive: pass the number of decoder layers to "
-                              "freeze, counted from the embeddings")
+            raise ConfigError(
+                f"--num_freeze_layers {number} must be positive: pass the number of decoder layers to "
+                "freeze, counted from the embeddings"
+            )
         cfg.model.freeze_layers = number if given["freeze_layers"] else 0
     if "use_peft" in given or "peft_method" in given:
         method = given.get("peft_method") or cfg.peft.method or "lora"
@@ -237,8 +323,10 @@ def finish(cfg: TrainConfig, state: dict[str, Any], spelled: dict[str, str]) -> 
         if cfg.parallel.sharding_strategy == "FULL_SHARD":
             cfg.parallel.sharding_strategy = "HYBRID_SHARD"
         elif cfg.parallel.sharding_strategy != "HYBRID_SHARD":
-            raise ConfigError(f"--fsdp_config.hsdp true needs --fsdp_config.sharding_strategy HYBRID_SHARD, not "
-                              f"{cfg.parallel.sharding_strategy}: set it, or drop --fsdp_config.hsdp")
+            raise ConfigError(
+                f"--fsdp_config.hsdp true needs --fsdp_config.sharding_strategy HYBRID_SHARD, not "
+                f"{cfg.parallel.sharding_strategy}: set it, or drop --fsdp_config.hsdp"
+            )
     if given.get("use_wandb") and "wandb" not in cfg.logging.report_to:
         cfg.logging.report_to = [*cfg.logging.report_to, "wandb"]
 
@@ -249,8 +337,9 @@ def strategy(cfg: TrainConfig, given: dict[str, Any]) -> None:
     fsdp = given.get("enable_fsdp", cfg.parallel.strategy == "fsdp")
     deepspeed = given.get("enable_deepspeed", cfg.parallel.strategy == "deepspeed")
     if fsdp and deepspeed:
-        raise ConfigError("--enable_fsdp and --enable_deepspeed are both set: they are two sharding strategies; drop "
-                          "one of them")
+        raise ConfigError(
+            "--enable_fsdp and --enable_deepspeed are both set: they are two sharding strategies; drop one of them"
+        )
     cfg.parallel.strategy = "fsdp" if fsdp else "deepspeed" if deepspeed else "ddp"
 
 
@@ -261,8 +350,9 @@ def precision(cfg: TrainConfig, given: dict[str, Any]) -> None:
     fp16 = given.get("use_fp16", now == "fp16")
     pure = given.get("pure_bf16", now == "pure_bf16")
     if fp16 and pure:
-        raise ConfigError("--use_fp16 and --fsdp_config.pure_bf16 are both set: fp16 and bf16 exclude each other; "
-                          "drop one of them")
+        raise ConfigError(
+            "--use_fp16 and --fsdp_config.pure_bf16 are both set: fp16 and bf16 exclude each other; drop one of them"
+        )
     mixed = given.get("mixed_precision", now != "fp32")
     cfg.train.precision = "fp16" if fp16 else "pure_bf16" if pure else "auto" if mixed else "fp32"
 

@@ -9,8 +9,14 @@ from pathlib import Path
 from shardtune.config.schema import ConfigError, TrainConfig
 
 # Keys of a --deepspeed_config.config_file that shardtune sets itself: the file may repeat our value or say "auto".
-DEEPSPEED_OWNED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
-                        "managed_gradient_accumulation", "optimizer", "scheduler")
+DEEPSPEED_OWNED_KEYS = (
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+    "managed_gradient_accumulation",
+    "optimizer",
+    "scheduler",
+)
 
 
 def deepspeed_file_config(cfg: TrainConfig) -> dict:
@@ -23,11 +29,13 @@ def deepspeed_file_config(cfg: TrainConfig) -> dict:
     try:
         loaded = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
-        raise ConfigError(f"--deepspeed_config.config_file {path}: cannot read it ({e.strerror}): pass an existing "
-                          "JSON file") from None
+        raise ConfigError(
+            f"--deepspeed_config.config_file {path}: cannot read it ({e.strerror}): pass an existing JSON file"
+        ) from None
     except json.JSONDecodeError as e:
-        raise ConfigError(f"--deepspeed_config.config_file {path} is not valid JSON ({e.msg}, line {e.lineno}): "
-                          "fix the file") from None
+        raise ConfigError(
+            f"--deepspeed_config.config_file {path} is not valid JSON ({e.msg}, line {e.lineno}): fix the file"
+        ) from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"--deepspeed_config.config_file {path} must hold a JSON object: fix the file")
     return loaded

@@ -13,7 +13,8 @@ from dataclasses import fields
 from typing import Any, Callable
 
 from shardtune.config.dialects import Pairs, Spelling, refused, text
-from shardtune.config.dialects.cookbook import STATE as COOKBOOK, report_to
+from shardtune.config.dialects.cookbook import STATE as COOKBOOK
+from shardtune.config.dialects.cookbook import report_to
 from shardtune.config.fields import FALSE, TRUE
 from shardtune.config.schema import ConfigError, DpoConfig, TrainConfig, TrlDatasetConfig
 
@@ -47,11 +48,13 @@ def _max_grad_norm(value: Any) -> Pairs:
 def _interval(name: str, key: str) -> Callable[[Any], Pairs]:
     """--save_steps / --eval_steps / --logging_steps / --warmup_steps: an integer is steps, a float in (0, 1) a
     fraction of the run's steps (Trainer)."""
+
     def to(value: Any) -> Pairs:
         steps = _number(name, value)
         if steps < 0 or (steps >= 1 and steps != int(steps)):
             raise ConfigError(f"--{name} {value} is neither a whole number of steps nor a fraction in (0, 1)")
         return [(key, steps)]
+
     return to
 
 
@@ -86,8 +89,10 @@ def _lr_scheduler_type(value: Any) -> Pairs:
     name = text(value)
     if name in TRL_SCHEDULERS or name == "step":
         return [("optim.lr_scheduler", name)]
-    raise ConfigError(f"--lr_scheduler_type {name} is not built: use one of {', '.join(TRL_SCHEDULERS)} or step "
-                      "(llama-cookbook's x gamma per epoch)")
+    raise ConfigError(
+        f"--lr_scheduler_type {name} is not built: use one of {', '.join(TRL_SCHEDULERS)} or step "
+        "(llama-cookbook's x gamma per epoch)"
+    )
 
 
 def _lr_scheduler_kwargs(value: Any) -> Pairs:
@@ -95,15 +100,18 @@ def _lr_scheduler_kwargs(value: Any) -> Pairs:
         try:
             value = json.loads(value) if value.strip() else {}
         except json.JSONDecodeError:
-            raise ConfigError(f"--lr_scheduler_kwargs {value!r} is not a JSON object: pass e.g. "
-                              "'{\"min_lr_rate\": 0.1}'") from None
+            raise ConfigError(
+                f"--lr_scheduler_kwargs {value!r} is not a JSON object: pass e.g. '{{\"min_lr_rate\": 0.1}}'"
+            ) from None
     if not isinstance(value, dict):
         raise ConfigError(f"--lr_scheduler_kwargs {value!r} is not a mapping: pass e.g. '{{\"min_lr_rate\": 0.1}}'")
     pairs: Pairs = []
     for key, v in value.items():
         if key not in ("min_lr_rate", "min_lr"):
-            raise ConfigError(f"--lr_scheduler_kwargs {key} is not built: shardtune takes min_lr_rate or min_lr "
-                              "(with --lr_scheduler_type cosine_with_min_lr)")
+            raise ConfigError(
+                f"--lr_scheduler_kwargs {key} is not built: shardtune takes min_lr_rate or min_lr "
+                "(with --lr_scheduler_type cosine_with_min_lr)"
+            )
         pairs.append((f"optim.{key}", _number(f"lr_scheduler_kwargs {key}", v)))
     return pairs
 
@@ -130,6 +138,7 @@ def _dtype(name: str) -> Callable[[Any], Pairs]:
         if dtype in ("float16", "fp16"):
             return [(COOKBOOK + "use_fp16", True)]
         raise ConfigError(f"--{name} {dtype} is not valid: choose auto, bfloat16, float16 or float32")
+
     return to
 
 
@@ -145,8 +154,10 @@ def _packing(value: Any) -> Pairs:
 def _packing_strategy(value: Any) -> Pairs:
     if text(value) == "bfd":
         return []  # best-fit decreasing: shardtune's packing (blocks of whole examples, no cross-attention)
-    raise ConfigError(f"--packing_strategy {value} is not built: use bfd (whole examples in blocks, without "
-                      "attention across them: shardtune's packing)")
+    raise ConfigError(
+        f"--packing_strategy {value} is not built: use bfd (whole examples in blocks, without "
+        "attention across them: shardtune's packing)"
+    )
 
 
 def _load_in(bits: str) -> Callable[[Any], Pairs]:
@@ -154,6 +165,7 @@ def _load_in(bits: str) -> Callable[[Any], Pairs]:
         if not _bool(f"load_in_{bits}", value):
             return []
         return [("model.quantization", bits), (STATE + f"load_in_{bits}", True)]
+
     return to
 
 
@@ -186,8 +198,10 @@ def _resume(value: Any) -> Pairs:
 
 def _num_processes(value: Any) -> Pairs:
     # the command line's --num_processes is the launcher's (the front door takes it); this is a recipe's key
-    raise ConfigError("num_processes is a launcher setting: give --num_processes N on the command line, or "
-                      "num_processes in the Accelerate file")
+    raise ConfigError(
+        "num_processes is a launcher setting: give --num_processes N on the command line, or "
+        "num_processes in the Accelerate file"
+    )
 
 
 def _model_revision(value: Any) -> Pairs:
@@ -197,8 +211,10 @@ def _model_revision(value: Any) -> Pairs:
 def _attn_implementation(value: Any) -> Pairs:
     if text(value) in ("sdpa", "eager", "flash_attention_2"):
         return [("model.attn_implementation", text(value))]
-    raise ConfigError(f"--attn_implementation {value} is not built: use sdpa, eager or flash_attention_2 (CUDA, "
-                      "flash-attn installed), or drop the flag (shardtune's choice: SDPA, varlen for packed rows)")
+    raise ConfigError(
+        f"--attn_implementation {value} is not built: use sdpa, eager or flash_attention_2 (CUDA, "
+        "flash-attn installed), or drop the flag (shardtune's choice: SDPA, varlen for packed rows)"
+    )
 
 
 def _gradient_checkpointing_kwargs(value: Any) -> Pairs:
@@ -208,29 +224,37 @@ def _gradient_checkpointing_kwargs(value: Any) -> Pairs:
         except json.JSONDecodeError:
             value = None
     if not isinstance(value, dict) or set(value) - {"use_reentrant"} or value.get("use_reentrant"):
-        raise ConfigError(f"--gradient_checkpointing_kwargs {value!r}: shardtune takes only "
-                          "'{\"use_reentrant\": false}' (it recomputes non-reentrantly)")
+        raise ConfigError(
+            f"--gradient_checkpointing_kwargs {value!r}: shardtune takes only "
+            "'{\"use_reentrant\": false}' (it recomputes non-reentrantly)"
+        )
     return []
 
 
 def _use_reentrant(value: Any) -> Pairs:
     if _bool("gradient_checkpointing_kwargs.use_reentrant", value):
-        raise ConfigError("--gradient_checkpointing_kwargs.use_reentrant true is not supported: shardtune recomputes "
-                          "layers non-reentrantly (same result, works with FSDP2): drop it")
+        raise ConfigError(
+            "--gradient_checkpointing_kwargs.use_reentrant true is not supported: shardtune recomputes "
+            "layers non-reentrantly (same result, works with FSDP2): drop it"
+        )
     return []
 
 
 def _hub_strategy(value: Any) -> Pairs:
     if text(value) == "end":
         return []  # the one upload, after the final model is published
-    raise ConfigError(f"--hub_strategy {value} is not built: use end (one upload of the final model after the run; "
-                      "checkpoints are not pushed)")
+    raise ConfigError(
+        f"--hub_strategy {value} is not built: use end (one upload of the final model after the run; "
+        "checkpoints are not pushed)"
+    )
 
 
 def _shuffle_dataset(value: Any) -> Pairs:
     if _bool("shuffle_dataset", value):
-        raise ConfigError("--shuffle_dataset true is not built: the seeded sampler shuffles the rows every epoch "
-                          "(--seed); drop the flag")
+        raise ConfigError(
+            "--shuffle_dataset true is not built: the seeded sampler shuffles the rows every epoch "
+            "(--seed); drop the flag"
+        )
     return []
 
 
@@ -254,58 +278,89 @@ T = Spelling
 SPELLINGS: dict[str, Spelling] = {
     # model (ModelConfig, ScriptArguments)
     "model_name_or_path": T("model.name", "model directory, hub id or preset:NAME"),
-    "model_revision": T("model.revision", "a revision of the hub id --model_name, fetched before launch",
-                        _model_revision),
-    "dtype": T("train.precision", "bfloat16: bf16 compute (fp32 master weights); float16: fp16 with a scaler; auto / "
-                                  "float32: fp32", _dtype("dtype")),
+    "model_revision": T(
+        "model.revision", "a revision of the hub id --model_name, fetched before launch", _model_revision
+    ),
+    "dtype": T(
+        "train.precision",
+        "bfloat16: bf16 compute (fp32 master weights); float16: fp16 with a scaler; auto / float32: fp32",
+        _dtype("dtype"),
+    ),
     "torch_dtype": T("train.precision", "as --dtype (its older name)", _dtype("torch_dtype")),
-    "trust_remote_code": T("model.trust_remote_code", "run the model's own Python code (its auto_map); off by "
-                                                      "default (docs/security.md)"),
-    "attn_implementation": T("model.attn_implementation", "sdpa, eager or flash_attention_2 (CUDA); packed rows "
-                                                          "attend within each example with it", _attn_implementation),
+    "trust_remote_code": T(
+        "model.trust_remote_code", "run the model's own Python code (its auto_map); off by default (docs/security.md)"
+    ),
+    "attn_implementation": T(
+        "model.attn_implementation",
+        "sdpa, eager or flash_attention_2 (CUDA); packed rows attend within each example with it",
+        _attn_implementation,
+    ),
     # PEFT (ModelConfig)
     "use_peft": T("peft.method", "train a LoRA adapter", _switch("use_peft", "use_peft")),
     "lora_r": T("peft.lora.r", "LoRA rank"),
     "lora_alpha": T("peft.lora.alpha", "LoRA scaling numerator"),
     "lora_dropout": T("peft.lora.dropout", "dropout on the LoRA input"),
-    "lora_target_modules": T("peft.lora.target_modules", "modules to adapt; all-linear: every linear layer but the "
-                                                         "output head"),
+    "lora_target_modules": T(
+        "peft.lora.target_modules", "modules to adapt; all-linear: every linear layer but the output head"
+    ),
     "lora_modules_to_save": T("peft.lora.modules_to_save", "modules trained in full and saved with the adapter"),
     "use_rslora": T("peft.lora.use_rslora", "rank-stabilised LoRA: scale lora_alpha / sqrt(r)"),
     "use_dora": T("peft.lora.use_dora", "weight-decomposed LoRA"),
     "load_in_4bit": T("model.quantization", "QLoRA: 4-bit base weights (bitsandbytes)", _load_in("4bit")),
     "load_in_8bit": T("model.quantization", "8-bit base weights (bitsandbytes)", _load_in("8bit")),
     "bnb_4bit_quant_type": T("model.quant_type", "nf4 or fp4"),
-    "use_bnb_nested_quant": T("model.double_quant", "quantise the quantisation constants (TRL's default false when "
-                                                    "--load_in_4bit is given)"),
+    "use_bnb_nested_quant": T(
+        "model.double_quant", "quantise the quantisation constants (TRL's default false when --load_in_4bit is given)"
+    ),
     # training (SFTConfig, TrainingArguments)
     "per_device_train_batch_size": T("train.batch_size", "micro-batch size per device"),
     "per_device_eval_batch_size": T("eval.batch_size", "eval micro-batch size per device"),
     "learning_rate": T("optim.lr", "peak learning rate"),
-    "num_train_epochs": T("train.num_epochs", "passes over the data; a fraction (2.5) stops at ceil(2.5 x steps per "
-                                              "epoch), the schedule ending there", _num_train_epochs),
+    "num_train_epochs": T(
+        "train.num_epochs",
+        "passes over the data; a fraction (2.5) stops at ceil(2.5 x steps per epoch), the schedule ending there",
+        _num_train_epochs,
+    ),
     "max_steps": T("train.max_steps", "stop after N optimizer steps; -1: unset", _max_steps),
     "max_grad_norm": T("optim.max_grad_norm", "clip the global gradient norm at it (0: no clipping)", _max_grad_norm),
-    "warmup_steps": T("optim.warmup_steps", "linear warm-up steps; a float in (0, 1): a fraction of the run",
-                      _interval("warmup_steps", "optim.warmup_steps")),
+    "warmup_steps": T(
+        "optim.warmup_steps",
+        "linear warm-up steps; a float in (0, 1): a fraction of the run",
+        _interval("warmup_steps", "optim.warmup_steps"),
+    ),
     "warmup_ratio": T("optim.warmup_steps", "warm-up as a fraction of the run's optimizer steps", _warmup_ratio),
-    "lr_scheduler_type": T("optim.lr_scheduler", "linear, cosine, cosine_with_min_lr, constant, constant_with_warmup "
-                                                 "(or step)", _lr_scheduler_type),
+    "lr_scheduler_type": T(
+        "optim.lr_scheduler",
+        "linear, cosine, cosine_with_min_lr, constant, constant_with_warmup (or step)",
+        _lr_scheduler_type,
+    ),
     "lr_scheduler_kwargs": T("optim.min_lr_rate / optim.min_lr", "cosine_with_min_lr's floor", _lr_scheduler_kwargs),
-    "optim": T("optim.optimizer", "adamw_torch, adamw_torch_fused, adamw_8bit (adamw_bnb_8bit) or paged_adamw_8bit "
-                                  "(bitsandbytes; DDP)", _optim),
-    "bf16": T("train.precision", "bf16 compute where the device has it (CUDA); fp32 master weights",
-              _switch("bf16", "mixed_precision")),
+    "optim": T(
+        "optim.optimizer",
+        "adamw_torch, adamw_torch_fused, adamw_8bit (adamw_bnb_8bit) or paged_adamw_8bit (bitsandbytes; DDP)",
+        _optim,
+    ),
+    "bf16": T(
+        "train.precision",
+        "bf16 compute where the device has it (CUDA); fp32 master weights",
+        _switch("bf16", "mixed_precision"),
+    ),
     "fp16": T("train.precision", "fp16 compute with a gradient scaler (CUDA)", _switch("fp16", "use_fp16")),
-    "gradient_checkpointing": T("parallel.activation_checkpointing", "recompute each decoder layer in backward (DDP, "
-                                                                     "FSDP and DeepSpeed)"),
+    "gradient_checkpointing": T(
+        "parallel.activation_checkpointing", "recompute each decoder layer in backward (DDP, FSDP and DeepSpeed)"
+    ),
     "gradient_checkpointing_kwargs": T("-", "use_reentrant false only", _gradient_checkpointing_kwargs),
     "gradient_checkpointing_kwargs.use_reentrant": T("-", "false only (a YAML mapping's key)", _use_reentrant),
     "activation_offloading": T("parallel.activation_offloading", "saved activations in CPU memory until backward"),
-    "use_liger_kernel": T("model.fast_kernels", "liger-kernel's fused RMSNorm / SwiGLU / RoPE on CUDA (and "
-                                                "flash-attention 2 where installed)"),
-    "save_only_model": T("checkpoint.save_optimizer", "true: checkpoints without optimizer state (they do not resume)",
-                         lambda value: [("checkpoint.save_optimizer", not _bool("save_only_model", value))]),
+    "use_liger_kernel": T(
+        "model.fast_kernels",
+        "liger-kernel's fused RMSNorm / SwiGLU / RoPE on CUDA (and flash-attention 2 where installed)",
+    ),
+    "save_only_model": T(
+        "checkpoint.save_optimizer",
+        "true: checkpoints without optimizer state (they do not resume)",
+        lambda value: [("checkpoint.save_optimizer", not _bool("save_only_model", value))],
+    ),
     "packing": T("data.batching", "true: packing; false: padding", _packing),
     "packing_strategy": T("data.batching", "bfd only (shardtune's packing)", _packing_strategy),
     "padding_free": T("data.padding_free", "padded batches computed as one row without pad tokens"),
@@ -321,69 +376,123 @@ SPELLINGS: dict[str, Spelling] = {
     "adam_epsilon": T("optim.adam_epsilon", "AdamW epsilon"),
     # logging, evaluation, saving
     "eval_strategy": T("eval.enabled / eval.steps", "no, epoch, or steps (with --eval_steps N)", _eval_strategy),
-    "eval_steps": T("eval.steps", "evaluate every N optimizer steps (with --eval_strategy steps); a float in (0, 1): "
-                                  "every ceil(F x the run's steps)", _interval("eval_steps", "eval.steps")),
+    "eval_steps": T(
+        "eval.steps",
+        "evaluate every N optimizer steps (with --eval_strategy steps); a float in (0, 1): "
+        "every ceil(F x the run's steps)",
+        _interval("eval_steps", "eval.steps"),
+    ),
     "eval_on_start": T("eval.on_start", "evaluate the model before the first step (step 0)"),
-    "save_strategy": T("checkpoint.save_steps / checkpoint.checkpoint_type", "no, epoch, or steps (with --save_steps "
-                                                                             "N)", _save_strategy),
-    "save_steps": T("checkpoint.save_steps", "checkpoint every N optimizer steps; a float in (0, 1): every ceil(F x "
-                                             "the run's steps)", _interval("save_steps", "checkpoint.save_steps")),
+    "save_strategy": T(
+        "checkpoint.save_steps / checkpoint.checkpoint_type",
+        "no, epoch, or steps (with --save_steps N)",
+        _save_strategy,
+    ),
+    "save_steps": T(
+        "checkpoint.save_steps",
+        "checkpoint every N optimizer steps; a float in (0, 1): every ceil(F x the run's steps)",
+        _interval("save_steps", "checkpoint.save_steps"),
+    ),
     "save_total_limit": T("checkpoint.save_total_limit", "keep the last K checkpoints"),
-    "logging_steps": T("logging.steps", "trackers receive every Nth step row (a float in (0, 1): every ceil(F x the "
-                                        "run's steps)th); metrics.jsonl keeps every step",
-                       _interval("logging_steps", "logging.steps")),
+    "logging_steps": T(
+        "logging.steps",
+        "trackers receive every Nth step row (a float in (0, 1): every ceil(F x the "
+        "run's steps)th); metrics.jsonl keeps every step",
+        _interval("logging_steps", "logging.steps"),
+    ),
     "output_dir": T("output.dir", "where the model, config.yaml and metrics.jsonl go"),
     "overwrite_output_dir": T("output.overwrite", "replace a previous run's outputs"),
-    "resume_from_checkpoint": T("checkpoint.resume", "bare: the newest checkpoint of output_dir; a path: that "
-                                                     "checkpoint", _resume),
-    "report_to": T("logging.report_to", "trackers: tensorboard, wandb, trackio (several, or all; none)",
-                   lambda value: [("logging.report_to", report_to(value))]),
-    "load_best_model_at_end": T("eval.load_best_model_at_end", "publish the best checkpoint's model (evaluated at its "
-                                                               "step) instead of the last; the best is never rotated "
-                                                               "out"),
-    "metric_for_best_model": T("eval.metric_for_best_model", "eval_loss (default), eval_ppl, eval_rouge1, ...: what "
-                                                             "--load_best_model_at_end compares"),
-    "greater_is_better": T("eval.greater_is_better", "whether a higher metric is better; unset: not for names ending "
-                                                     "in loss (Trainer's rule)", _greater_is_better),
-    "push_to_hub": T("output.push_to_hub", "after the run, upload the published model folder to the hub (refused "
-                                           "before launch when offline or without a token)"),
+    "resume_from_checkpoint": T(
+        "checkpoint.resume", "bare: the newest checkpoint of output_dir; a path: that checkpoint", _resume
+    ),
+    "report_to": T(
+        "logging.report_to",
+        "trackers: tensorboard, wandb, trackio (several, or all; none)",
+        lambda value: [("logging.report_to", report_to(value))],
+    ),
+    "load_best_model_at_end": T(
+        "eval.load_best_model_at_end",
+        "publish the best checkpoint's model (evaluated at its "
+        "step) instead of the last; the best is never rotated "
+        "out",
+    ),
+    "metric_for_best_model": T(
+        "eval.metric_for_best_model",
+        "eval_loss (default), eval_ppl, eval_rouge1, ...: what --load_best_model_at_end compares",
+    ),
+    "greater_is_better": T(
+        "eval.greater_is_better",
+        "whether a higher metric is better; unset: not for names ending in loss (Trainer's rule)",
+        _greater_is_better,
+    ),
+    "push_to_hub": T(
+        "output.push_to_hub",
+        "after the run, upload the published model folder to the hub (refused "
+        "before launch when offline or without a token)",
+    ),
     "hub_model_id": T("output.hub_model_id", "the --push_to_hub repo; empty: output_dir's folder name"),
     "hub_private_repo": T("output.hub_private_repo", "create the --push_to_hub repo private"),
-    "hub_token": T("output.hub_token", "the --push_to_hub token (not written to config.yaml); empty: "
-                                       "huggingface_hub's"),
+    "hub_token": T(
+        "output.hub_token", "the --push_to_hub token (not written to config.yaml); empty: huggingface_hub's"
+    ),
     "hub_strategy": T("-", "end only: one upload after the run", _hub_strategy),
-    "shuffle_dataset": T("-", "false: no shuffle before tokenising (TRL's default); the seeded sampler still "
-                              "shuffles every epoch, as Trainer's does", _shuffle_dataset),
+    "shuffle_dataset": T(
+        "-",
+        "false: no shuffle before tokenising (TRL's default); the seeded sampler still "
+        "shuffles every epoch, as Trainer's does",
+        _shuffle_dataset,
+    ),
     # TRL's data settings (SFTConfig, ScriptArguments): the same names
     **{f.name: T(f"data.trl_dataset.{f.name}", f.metadata["help"]) for f in fields(TrlDatasetConfig)},
-    "completion_only_loss": T("data.trl_dataset.completion_only_loss", "loss on the completion only; unset: true for "
-                                                                       "prompt-completion data", _completion_only_loss),
+    "completion_only_loss": T(
+        "data.trl_dataset.completion_only_loss",
+        "loss on the completion only; unset: true for prompt-completion data",
+        _completion_only_loss,
+    ),
     # DPO (DPOConfig): its loss and reference settings, the same names
     **{f.name: T(f"dpo.{f.name}", f.metadata["help"]) for f in fields(DpoConfig)},
-    "disable_dropout": T("peft.lora.dropout", "true: no dropout (the LoRA dropout, the one dropout a Llama trains "
-                                              "with, set to 0; TRL's DPO default); false: kept", _disable_dropout),
-    "eval_packing": refused("evaluation batches are built as training batches are (--batching_strategy): drop the "
-                            "flag"),
-    "dataset_kwargs": refused("the dataset is prepared by shardtune's data flags (docs/data-formats.md): drop the "
-                              "mapping"),
-    "pad_token": refused("the tokenizer's pad token is used (its eos when it has none): drop the flag, or give the "
-                         "model a tokenizer with that pad token"),
+    "disable_dropout": T(
+        "peft.lora.dropout",
+        "true: no dropout (the LoRA dropout, the one dropout a Llama trains "
+        "with, set to 0; TRL's DPO default); false: kept",
+        _disable_dropout,
+    ),
+    "eval_packing": refused(
+        "evaluation batches are built as training batches are (--batching_strategy): drop the flag"
+    ),
+    "dataset_kwargs": refused(
+        "the dataset is prepared by shardtune's data flags (docs/data-formats.md): drop the mapping"
+    ),
+    "pad_token": refused(
+        "the tokenizer's pad token is used (its eos when it has none): drop the flag, or give the "
+        "model a tokenizer with that pad token"
+    ),
     "ld_alpha": refused("LD-DPO's length-desensitised log-probabilities are not built: drop the flag"),
     "use_weighting": refused("WPO's weighting is not built: drop the flag"),
-    **dict.fromkeys(("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"),
-                    refused("the reference stays the starting weights (TR-DPO's syncing is not built): drop the "
-                            "flag")),
-    "router_aux_loss_coef": refused("a mixture-of-experts router loss: shardtune trains dense Llama-family models; "
-                                    "drop the flag"),
-    "dataset_num_proc": refused("the data is tokenised once before launch and kept in the tokenised-data cache "
-                                "(docs/data.md): drop the flag"),
-    "pad_to_multiple_of": refused("padded micro-batches are padded to their longest row (--padding_free: no pad "
-                                  "token at all): drop the flag"),
-    "model_init_kwargs": refused("the model is loaded by shardtune's flags (--model_name, --quantization, "
-                                 "--attn_implementation, ...): drop the mapping"),
+    **dict.fromkeys(
+        ("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"),
+        refused("the reference stays the starting weights (TR-DPO's syncing is not built): drop the flag"),
+    ),
+    "router_aux_loss_coef": refused(
+        "a mixture-of-experts router loss: shardtune trains dense Llama-family models; drop the flag"
+    ),
+    "dataset_num_proc": refused(
+        "the data is tokenised once before launch and kept in the tokenised-data cache (docs/data.md): drop the flag"
+    ),
+    "pad_to_multiple_of": refused(
+        "padded micro-batches are padded to their longest row (--padding_free: no pad token at all): drop the flag"
+    ),
+    "model_init_kwargs": refused(
+        "the model is loaded by shardtune's flags (--model_name, --quantization, "
+        "--attn_implementation, ...): drop the mapping"
+    ),
     # Accelerate's, on the command line (launcher flags) or in a recipe
-    "num_processes": T("nproc_per_node", "processes on this machine (Accelerate's name; a launcher flag: the command "
-                                         "line or the Accelerate file, not a recipe)", _num_processes),
+    "num_processes": T(
+        "nproc_per_node",
+        "processes on this machine (Accelerate's name; a launcher flag: the command "
+        "line or the Accelerate file, not a recipe)",
+        _num_processes,
+    ),
     "sp_size": T("parallel.sequence_parallel_size", "Ulysses sequence parallelism (Accelerate's ParallelismConfig)"),
     "cp_size": T("parallel.context_parallel_size", "ring attention (Accelerate's ParallelismConfig)"),
 }
@@ -403,7 +512,9 @@ def finish(cfg: TrainConfig, state: dict[str, Any], spelled: dict[str, str]) -> 
     if eval_strategy == "steps" and not cfg.eval.steps:
         raise ConfigError("--eval_strategy steps needs --eval_steps N: say every how many optimizer steps to evaluate")
     if eval_strategy in ("epoch", "no") and cfg.eval.steps:
-        raise ConfigError(f"--eval_steps {cfg.eval.steps:g} has no effect with --eval_strategy {eval_strategy}: pass "
-                          "--eval_strategy steps, or drop --eval_steps")
+        raise ConfigError(
+            f"--eval_steps {cfg.eval.steps:g} has no effect with --eval_strategy {eval_strategy}: pass "
+            "--eval_strategy steps, or drop --eval_steps"
+        )
     if given.get("save_strategy") == "steps" and not cfg.checkpoint.save_steps:
         raise ConfigError("--save_strategy steps needs --save_steps N: say every how many optimizer steps to save")
