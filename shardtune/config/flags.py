@@ -95,14 +95,17 @@ def build_config(
     builder = Builder()
     from_accelerate = builder.apply_all(accelerate)
     if recipe:
-        for name, value in recipe_settings(recipe):
-            for key, now in builder.apply(name, value, bare_is_true=False).items():
-                if key in from_accelerate and from_accelerate[key] != now and notes is not None:
-                    notes.append(
-                        f"{key}: the recipe {recipe} says {now!r} ({name}), the Accelerate file says "
-                        f"{from_accelerate[key]!r}: using the recipe's (command line > recipe > Accelerate "
-                        "file)"
-                    )
+        pairs = recipe_settings(recipe)
+        alone = Builder()  # the recipe's settings as it resolves them alone (its dialects' rules settled)
+        alone.apply_all(pairs, bare_is_true=False)
+        said = alone.finish()
+        for key, theirs in from_accelerate.items():
+            if key in said.spelled and get_value(said, key) != theirs and notes is not None:
+                notes.append(
+                    f"{key}: the recipe {recipe} says {get_value(said, key)!r} ({said.spelled[key]}), the "
+                    f"Accelerate file says {theirs!r}: using the recipe's (command line > recipe > Accelerate file)"
+                )
+        builder.apply_all(pairs, bare_is_true=False)
     builder.apply_all(training)
     return builder.finish()
 

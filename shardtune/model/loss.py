@@ -92,7 +92,7 @@ def sequence_log_prob_sums(
     where none is scored), ``segments`` (rows, T) the segment of each position (padded rows: the row). The lean path
     as :func:`token_loss_sum`'s (no sequence x vocabulary logits: :class:`RowwiseLinearCrossEntropy`), the full
     logits where the model needs them. Padded rows are summed along the row, as a (rows, T) tensor of
-    log-probabilities is (TRL's order of summation)."""
+    log-probabilities is (TRL's order of summation), in fp64."""
     targets = targets.to(device, non_blocking=True)
     segments = segments.to(device, non_blocking=True)
     keep = targets != IGNORE_INDEX
@@ -109,11 +109,16 @@ def sequence_log_prob_sums(
         with head_computes(head, forward) as result:
             model(**model_inputs(batch, device), use_cache=False)
         per_token = -result["output"]
+    # summed in fp64: a sequence's sum then does not depend on the micro-batch it shares (its padded length, where it
+    # sits), which would move it by an fp32 ulp of the sum from one layout to another; returned in fp32
+    per_token = per_token.double()
     if num_segments == targets.shape[0] and bool(
         (segments == torch.arange(num_segments, device=device)[:, None]).all()
     ):
-        return torch.zeros(targets.shape, dtype=per_token.dtype, device=device).masked_scatter(keep, per_token).sum(1)
-    return torch.zeros(num_segments, dtype=per_token.dtype, device=device).index_add(0, segments[keep], per_token)
+        sums = torch.zeros(targets.shape, dtype=per_token.dtype, device=device).masked_scatter(keep, per_token).sum(1)
+    else:
+        sums = torch.zeros(num_segments, dtype=per_token.dtype, device=device).index_add(0, segments[keep], per_token)
+    return sums.float()
 
 
 def full_logits_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -360,17 +360,23 @@ class Checkpointer:
 
     # -- when to save --------------------------------------------------------------------------------------------
     def after_step(self, epoch: int, done_in_epoch: int) -> None:
-        """After an optimizer step and its metrics row; the last step of an epoch is saved by after_epoch."""
+        """After an optimizer step, its metrics row and its evaluation; the last step of an epoch, and the run's last
+        step, are saved by after_epoch, after their evaluation (so a resume keeps that evaluation's row)."""
         step = self.training[3].steps  # type: ignore[index]
-        if not self.enabled or done_in_epoch == self.steps_per_epoch:
+        if not self.enabled or done_in_epoch == self.steps_per_epoch or step >= self.total_steps:
             return
-        if (self.save_every and step % self.save_every == 0) or step >= self.total_steps:
+        if self.save_every and step % self.save_every == 0:
             self.save(Position(step, epoch, done_in_epoch))
 
     def after_epoch(self, epoch: int, done_in_epoch: int) -> None:
-        """After an epoch's LR step and evaluation; only a completed epoch counts."""
-        if self.enabled and done_in_epoch == self.steps_per_epoch:
-            self.save(Position(self.training[3].steps, epoch + 1, 0))  # type: ignore[index]
+        """After an epoch's LR step and evaluation: a completed epoch, or the run's end inside an epoch."""
+        step = self.training[3].steps  # type: ignore[index]
+        if not self.enabled:
+            return
+        if done_in_epoch == self.steps_per_epoch:
+            self.save(Position(step, epoch + 1, 0))
+        elif step >= self.total_steps and (self.last_saved is None or checkpoint_step(self.last_saved) != step):
+            self.save(Position(step, epoch, done_in_epoch))
 
     def stop_if_requested(self, epoch: int, done_in_epoch: int) -> None:
         """Collective, after each optimizer step but the last: when a stop signal reached any rank, save this step

@@ -188,9 +188,10 @@ class Run:
         self.result.eval_loss, self.result.eval_ppl = row["eval_loss"], row.get("eval_ppl")
 
     def end_epoch(self, epoch: int, done_in_epoch: int) -> None:
-        """The epoch's LR step, the model published once trained (unless the best is chosen after the last
-        evaluation), the epoch's evaluation and checkpoint."""
-        if self.scheduler_unit == "epoch":
+        """The epoch's LR step (a completed epoch's: a run that ends inside an epoch checkpoints the schedule where
+        the epoch stands), the model published once trained (unless the best is chosen after the last evaluation),
+        the evaluation and the checkpoint."""
+        if self.scheduler_unit == "epoch" and done_in_epoch == self.steps_per_epoch:
             self.scheduler.step()
         if self.result.steps >= self.total_steps and not self.best:
             self.publish_once()

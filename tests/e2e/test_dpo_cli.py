@@ -135,7 +135,10 @@ def test_dpo_one_by_four_equals_two_by_two_under_ddp_fsdp_and_zero(tiny_model, r
                 change = value - initial[key]
                 assert (weights[name][key] - value).norm() < 1e-2 * change.norm(), (name, key)
             else:
-                assert (weights[name][key] - value).abs().max() < 1e-5 * (1 + 2 * (near[name] > 1e-6)), (name, key)
+                # the lean head accumulates the head's gradient chunk by chunk, whose rows depend on the layout: that
+                # order of summation, through Adam's normalised updates, moves a few elements by up to ~1.1e-5
+                loose = near[name] > 1e-6
+                assert (weights[name][key] - value).abs().max() < 1.5e-5 * (1 + 2 * loose), (name, key)
     out = tmp_path / "fsdp-qlora"  # 4-bit base, padding-free: another reference key, so computed here (each rank
     # joins each forward)
     proc = run_cli(

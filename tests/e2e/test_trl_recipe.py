@@ -114,7 +114,7 @@ def test_a_trl_recipe_with_its_accelerate_file_does_what_each_key_says(tiny_mode
     assert "attention: eager (--attn_implementation)" in proc.stdout and "by the eager formula" in proc.stdout
     # bf16 (recipe) vs mixed_precision: no (Accelerate file): the recipe wins, and one line says so
     notes = [line for line in proc.stderr.splitlines() if "the Accelerate file says" in line]
-    assert len(notes) == 1 and "mixed_precision" in notes[0] and str(recipe) in notes[0]
+    assert len(notes) == 1 and "train.precision" in notes[0] and "(bf16)" in notes[0] and str(recipe) in notes[0]
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     lrs = [r["lr"] for r in rows]
     assert len(rows) == STEPS

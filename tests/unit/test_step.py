@@ -223,3 +223,49 @@ def test_the_evaluator_writes_the_objectives_row_and_records_the_best_score(proc
     assert written == [{"step": 2, "epoch": 0.5, **row}]
     assert best.scores == {2: row["eval_loss"]}
     assert said == [f"step 2: eval loss {direct:.4f}, perplexity {row['eval_ppl']:.2f}"]
+
+
+def test_the_checkpointer_resumes_in_process_to_the_uninterrupted_run_keeping_the_last_evaluation(
+    process_group, tiny, tmp_path
+):
+    """Whole runs in this process (shardtune.training.worker.fine_tune on one gloo rank, no torchrun), 4 steps an
+    epoch: 3 steps (the run ends inside the first epoch), checkpointed every 2, then resumed to 6 steps, equal the
+    uninterrupted 6-step run, its losses, token counts, evaluations, learning rates (the per-epoch schedule) and
+    weights. The run's last step is checkpointed after its evaluation, so the resume keeps that evaluation's row
+    (written after the checkpoint, it was dropped)."""
+    from safetensors.torch import load_file
+
+    from shardtune.training.worker import fine_tune
+    from tests.helpers import eval_rows, step_rows
+
+    base = {
+        "model_name": str(tiny),
+        "context_length": 128,
+        "synthetic_dialogues.num_train": 16,
+        "synthetic_dialogues.num_validation": 4,
+        "batch_size_training": 2,
+        "lr": 3e-3,
+        "gradient_clipping": True,
+        "num_epochs": 3,
+        "num_workers_dataloader": 0,
+        "save_steps": 2,
+        "eval_steps": 2,
+        "save_plots": False,
+    }
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    fine_tune(config_from({**base, "output_dir": str(whole), "max_train_step": 6}), ENV)
+    fine_tune(config_from({**base, "output_dir": str(run), "max_train_step": 3}), ENV)
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-000002", "step-000003"]
+    assert [r["step"] for r in eval_rows(run)] == [2, 3]
+    fine_tune(config_from({**base, "output_dir": str(run), "max_train_step": 6, "resume": "latest"}), ENV)
+
+    def numbers(rows: list[dict]) -> list[tuple]:
+        keys = ("step", "epoch", "loss", "num_tokens", "lr", "grad_norm", "eval_loss")
+        return [tuple(r.get(k) for k in keys) for r in rows]
+
+    assert [r["step"] for r in eval_rows(whole)] == [2, 4, 6]
+    assert [r["step"] for r in eval_rows(run)] == [2, 3, 4, 6], (run / "metrics.jsonl").read_text()
+    assert numbers(step_rows(run)) == numbers(step_rows(whole))
+    assert numbers(r for r in eval_rows(run) if r["step"] != 3) == numbers(eval_rows(whole))
+    resumed, uninterrupted = (load_file(str(d / "model.safetensors")) for d in (run, whole))
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)

@@ -589,3 +589,22 @@ def test_config_yaml_reads_back_to_the_same_config_and_an_earlier_releases_flat_
     )
     assert (read.parallel.sharding_strategy, read.peft.method, read.train.num_epochs) == ("SHARD_GRAD_OP", "", 2)
     assert read.data.synthetic_dialogues.num_train == 12
+
+
+def test_save_strategy_decides_whatever_the_order_of_save_steps():
+    """TRL's --save_strategy decides whether --save_steps counts, in either order (it wrote checkpoints with
+    `--save_strategy no --save_steps 1`, none the other way round, and every 3 steps with `epoch --save_steps 3`)."""
+    from shardtune.training.checkpoint import checkpointing_enabled
+
+    for order in (["--save_strategy", "no", "--save_steps", "1"], ["--save_steps", "1", "--save_strategy", "no"]):
+        cfg = parse_args(order)
+        assert not checkpointing_enabled(cfg) and cfg.checkpoint.save_steps == 0, order
+    for order in (["--save_strategy", "epoch", "--save_steps", "3"], ["--save_steps", "3", "--save_strategy", "epoch"]):
+        cfg = parse_args(order)
+        assert checkpointing_enabled(cfg) and cfg.checkpoint.save_steps == 0, order  # at epoch ends only
+    for order in (["--save_strategy", "steps", "--save_steps", "3"], ["--save_steps", "3", "--save_strategy", "steps"]):
+        assert parse_args(order).checkpoint.save_steps == 3, order
+    with pytest.raises(ConfigError, match="--save_strategy steps needs --save_steps N"):
+        parse_args(["--save_strategy", "steps"])
+    with pytest.raises(ConfigError, match="--save_strategy no writes no checkpoints, but --checkpoint_type"):
+        parse_args(["--checkpoint_type", "FULL_STATE_DICT", "--save_strategy", "no"])

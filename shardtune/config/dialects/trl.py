@@ -178,13 +178,9 @@ def _eval_strategy(value: Any) -> Pairs:
 
 def _save_strategy(value: Any) -> Pairs:
     strategy = text(value)
-    if strategy == "no":
-        return [("checkpoint.save_steps", 0.0), (STATE + "save_strategy", strategy)]
-    if strategy == "epoch":
-        return [("checkpoint.checkpoint_type", "SHARDED_STATE_DICT"), (STATE + "save_strategy", strategy)]
-    if strategy == "steps":
-        return [(STATE + "save_strategy", strategy)]  # with --save_steps N (checked in finish)
-    raise ConfigError(f"--save_strategy {strategy} is not built: use no, steps (with --save_steps N) or epoch")
+    if strategy not in ("no", "epoch", "steps"):
+        raise ConfigError(f"--save_strategy {strategy} is not built: use no, steps (with --save_steps N) or epoch")
+    return [(STATE + "save_strategy", strategy)]  # settled in finish, whatever the order of --save_steps
 
 
 def _resume(value: Any) -> Pairs:
@@ -516,5 +512,18 @@ def finish(cfg: TrainConfig, state: dict[str, Any], spelled: dict[str, str]) -> 
             f"--eval_steps {cfg.eval.steps:g} has no effect with --eval_strategy {eval_strategy}: pass "
             "--eval_strategy steps, or drop --eval_steps"
         )
-    if given.get("save_strategy") == "steps" and not cfg.checkpoint.save_steps:
+    save_strategy = given.get("save_strategy")
+    if save_strategy == "steps" and not cfg.checkpoint.save_steps:
         raise ConfigError("--save_strategy steps needs --save_steps N: say every how many optimizer steps to save")
+    if save_strategy in ("no", "epoch"):  # the strategy decides, as in TRL: --save_steps counts only with steps
+        cfg.checkpoint.save_steps = 0.0
+    if save_strategy == "no":
+        if "checkpoint.checkpoint_type" in spelled and cfg.checkpoint.checkpoint_type:
+            flag = spelled["checkpoint.checkpoint_type"]
+            raise ConfigError(
+                f"--save_strategy no writes no checkpoints, but --{flag} {cfg.checkpoint.checkpoint_type} asks for "
+                "them: drop one of the two"
+            )
+        cfg.checkpoint.checkpoint_type = ""
+    if save_strategy == "epoch" and not cfg.checkpoint.checkpoint_type:
+        cfg.checkpoint.checkpoint_type = "SHARDED_STATE_DICT"
