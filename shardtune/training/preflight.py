@@ -28,6 +28,7 @@ import torch.distributed as dist
 import shardtune
 from shardtune.config.flags import flatten_dict, to_dict
 from shardtune.config.schema import TrainConfig
+from shardtune.config.spellings import default_spelling
 from shardtune.data.cache import cache_key
 from shardtune.data.chat import apply_tokenizer_options
 from shardtune.model.loading import load_tokenizer
@@ -70,7 +71,10 @@ def fingerprint(cfg: TrainConfig, env: DistEnv) -> dict[str, str]:
     }
     fields.update({f"{name} version": package_version(name) for name in LIBRARIES})
     fields.update({"processes per node": str(env.local_world_size), "device type": env.device.type})
-    fields.update({f"--{key}": json.dumps(value) for key, value in flatten_dict(to_dict(cfg)).items()})
+    # named by the flag users know each setting by (the same on every node, however each node's command spelled it)
+    fields.update(
+        {f"--{default_spelling(key)}": json.dumps(value) for key, value in flatten_dict(to_dict(cfg)).items()}
+    )
     fields["training data"] = data_fingerprint(cfg)
     return fields
 
