@@ -1,6 +1,7 @@
 """One epoch of TRL's SFTTrainer on the same rows as shardtune, at its fastest setting on CPU: packing with the
 ``bfd`` strategy (best-fit decreasing blocks of ``--pack_length`` tokens, padding-free rows with position ids),
-completion-only loss (TRL's own ``completion_mask`` column, built from shardtune's labels: the summary tokens).
+completion-only loss (TRL's own ``completion_mask`` column, built from shardtune's labels: the summary tokens),
+gradient checkpointing off (SFTConfig's default is on).
 Single process, single device. Prints one JSON line; ``epoch_s`` is ``trainer.train()`` only.
 
     python -m bench.trl_trainer --model DIR --num_train 200 --num_validation 50 --pack_batch 2 --pack_length 512 \

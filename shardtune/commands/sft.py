@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
+from shardtune.config import defaults
 from shardtune.config.argv import as_flags, split_argv
 from shardtune.config.dialects.accelerate import clear_accelerate_loading_variables, read_accelerate
 from shardtune.config.flags import build_config, recipe_launch_settings
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None, objective: str | None = None) -> int:
         accelerate_path = args.accelerate or recipe_accelerate
         file_launch_args, file_settings = read_accelerate(accelerate_path)
         notes: list[str] = []  # command line > recipe > Accelerate file; a disagreement of the last two is said
-        cfg = build_config(args.training, args.recipe, file_settings, notes)
+        cfg = build_config(args.training, args.recipe, file_settings, notes, objective)
         if objective is not None:
             if cfg.objective not in ("sft", objective):
                 raise ConfigError(
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None, objective: str | None = None) -> int:
                 print(f"shardtune: settings from the command line > {' > '.join(sources)}", file=sys.stderr)
             for note in notes:
                 print(f"shardtune: {note}", file=sys.stderr, flush=True)
+            print(f"shardtune: {defaults.summary(cfg)}", file=sys.stderr, flush=True)
         if args.hardware and not cfg.run.dry_run:
             raise ConfigError(
                 f"--{next(iter(args.hardware))} describes the hardware of a plan: add --dry_run (or use "

@@ -301,19 +301,20 @@ def check_observability(cfg: TrainConfig, world_size: int) -> None:
             "--use_profiler and --flop_counter are both set: the FLOP counter would count the "
             "profiler's steps too; drop one of them"
         )
-    max_steps = cfg.train.max_steps
+    key = "train.max_steps" if cfg.train.max_steps else "train.stop_after_steps"
+    max_steps, flag = get_value(cfg, key), spelling_of(cfg, key)
     if lg.flop_counter and max_steps and max_steps <= lg.flop_counter_start:
         raise ConfigError(
             f"--flop_counter measures step {lg.flop_counter_start + 1} (after --flop_counter_start "
-            f"{lg.flop_counter_start} warm-up steps), but --max_train_step is {max_steps}: raise "
-            "--max_train_step or lower --flop_counter_start"
+            f"{lg.flop_counter_start} warm-up steps), but {flag} is {max_steps}: raise "
+            f"{flag} or lower --flop_counter_start"
         )
     profiled = sum(PROFILER_SCHEDULE.values())
     if lg.profiler and max_steps and max_steps <= profiled:
         raise ConfigError(
             f"--use_profiler records steps 4-6 after {PROFILER_SCHEDULE['wait']} wait and "
             f"{PROFILER_SCHEDULE['warmup']} warm-up steps, so it needs more than {profiled} steps, but "
-            f"--max_train_step is {max_steps}: raise it to {profiled + 1} or more"
+            f"{flag} is {max_steps}: raise it to {profiled + 1} or more"
         )
 
 

@@ -14,6 +14,7 @@ from typing import Any, Iterable
 
 import yaml
 
+from shardtune.config import defaults
 from shardtune.config.argv import split_argv
 from shardtune.config.dialects import cookbook, trl
 from shardtune.config.fields import field_default, flat_fields, flatten_dict, get_value, set_value, typed
@@ -31,6 +32,8 @@ class Builder:
         self.cfg = TrainConfig()
         self.state: dict[str, Any] = {}  # the dialects' own keys ("cookbook:use_peft"), settled by finish
         self.spelled: dict[str, str] = {}  # canonical key -> the flag name that set it, as given
+        self.names: list[str] = []  # the names a user typed (command line, recipe): they imply whose defaults
+        self.defaults_applied = False  # a config being changed (with_settings) has its defaults already
 
     def apply(self, name: str, raw: Any, bare_is_true: bool = True) -> dict[str, Any]:
         """Set one flag (``raw`` None: a bare flag, or a recipe key left empty, which means the default); returns
@@ -67,14 +70,43 @@ class Builder:
             changed[key] = value
         return changed
 
-    def apply_all(self, pairs: Iterable[tuple[str, Any]], bare_is_true: bool = True) -> dict[str, Any]:
+    def apply_all(
+        self, pairs: Iterable[tuple[str, Any]], bare_is_true: bool = True, typed_by_user: bool = False
+    ) -> dict[str, Any]:
         changed: dict[str, Any] = {}
         for name, value in pairs:
             changed.update(self.apply(name, value, bare_is_true))
+            if typed_by_user:
+                self.names.append(normalise(name))
         return changed
 
-    def finish(self) -> TrainConfig:
+    def apply_defaults(self, infer: bool) -> None:
+        """The defaults of the settings not given: ``--defaults``, else (``infer``: a command line) the names used,
+        else the objective's home (shardtune.config.defaults)."""
+        cfg, reason = self.cfg, ""
+        profile = cfg.run.defaults
+        if profile and profile not in defaults.PROFILES:
+            raise ConfigError(f"--defaults {profile}: choose trl or cookbook (or leave it out: the names decide)")
+        if profile and "run.defaults" in self.spelled:
+            reason = f"--{self.spelled['run.defaults']} {profile}"
+        elif infer:
+            profile, names = defaults.implied(self.names)
+            if profile:
+                whose = {"trl": "TRL's", "cookbook": "llama-cookbook's"}[profile]
+                reason = ", ".join(f"--{n}" for n in names[:3]) + f" {'is' if len(names) == 1 else 'are'} {whose}"
+            else:
+                profile = defaults.HOME.get(cfg.objective, "cookbook")
+                reason = f"shardtune {cfg.objective}'s when the names do not say"
+        cfg.run.defaults = profile or "cookbook"
+        for key, value in defaults.profile_defaults(cfg.run.defaults, cfg.objective).items():
+            if key not in self.spelled:
+                set_value(cfg, key, copy.deepcopy(value))
+        cfg.defaults_reason = reason
+
+    def finish(self, infer: bool = False) -> TrainConfig:
         cfg = self.cfg
+        if not self.defaults_applied:
+            self.apply_defaults(infer)
         cookbook.finish(cfg, self.state, self.spelled)
         trl.finish(cfg, self.state, self.spelled)
         if cfg.data.trl_dataset.dataset_name and "data.dataset" not in self.spelled:
@@ -90,24 +122,29 @@ def build_config(
     recipe: str | None = None,
     accelerate: Iterable[tuple[str, Any]] = (),
     notes: list[str] | None = None,
+    objective: str | None = None,
 ) -> TrainConfig:
-    """The config of: canonical settings from an Accelerate file, a recipe file, then the command line's flags."""
+    """The config of: canonical settings from an Accelerate file, a recipe file, then the command line's flags (the
+    defaults of what none of them gives: whose the names imply, shardtune.config.defaults); ``objective``: the
+    verb's."""
     builder = Builder()
+    if objective:
+        builder.apply("objective", objective)
     from_accelerate = builder.apply_all(accelerate)
     if recipe:
         pairs = recipe_settings(recipe)
         alone = Builder()  # the recipe's settings as it resolves them alone (its dialects' rules settled)
-        alone.apply_all(pairs, bare_is_true=False)
-        said = alone.finish()
+        alone.apply_all(pairs, bare_is_true=False, typed_by_user=True)
+        said = alone.finish(infer=True)
         for key, theirs in from_accelerate.items():
             if key in said.spelled and get_value(said, key) != theirs and notes is not None:
                 notes.append(
                     f"{key}: the recipe {recipe} says {get_value(said, key)!r} ({said.spelled[key]}), the "
                     f"Accelerate file says {theirs!r}: using the recipe's (command line > recipe > Accelerate file)"
                 )
-        builder.apply_all(pairs, bare_is_true=False)
-    builder.apply_all(training)
-    return builder.finish()
+        builder.apply_all(pairs, bare_is_true=False, typed_by_user=True)
+    builder.apply_all(training, typed_by_user=True)
+    return builder.finish(infer=True)
 
 
 def parse_args(
@@ -136,6 +173,7 @@ def with_settings(cfg: TrainConfig, settings: dict[str, Any] | None = None, **mo
     builder = Builder()
     builder.cfg = copy.deepcopy(cfg)
     builder.spelled = dict(getattr(cfg, "spelled", {}))
+    builder.defaults_applied = True
     builder.apply_all({**(settings or {}), **more}.items())
     return builder.finish()
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from shardtune.config.defaults import HOME, TRL_DEFAULTS
 from shardtune.config.dialects.cookbook import COOKBOOK_NAMES
 from shardtune.config.dialects.trl import PROFILES
 from shardtune.config.dialects.trl import SPELLINGS as TRL
 from shardtune.config.fields import flat_fields
 from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.schema import TrainConfig
-from shardtune.config.spellings import names_of
+from shardtune.config.spellings import SPEAKERS, names_of
 
 
 def type_name(typ) -> str:
@@ -92,10 +93,11 @@ def flag_table() -> str:
         "FSDP is HYBRID_SHARD with that many replicas; `dp_shard_size` is the rest of the world; the product must "
         "equal `num_processes`; `tp_size` > 1 is refused.",
         "",
+        *defaults_section(),
         "## TRL's names",
         "",
-        "| TRL | llama-cookbook | shardtune | meaning |",
-        "|---|---|---|---|",
+        "| TRL | llama-cookbook | shardtune | TRL's default | the cookbook's | meaning |",
+        "|---|---|---|---|---|---|",
     ]
     for name, spelling in TRL.items():
         targets = spelling.target.replace("/", " ").split()
@@ -104,8 +106,44 @@ def flag_table() -> str:
         )
         ours = "refused" if spelling.refuse else f"`{spelling.target}`"
         meaning = spelling.refuse if spelling.refuse else spelling.meaning
-        lines.append(f"| `--{name}` | {cookbook} | {ours} | {meaning} |")
+        known = [t for t in targets if t in flat_fields()] if not spelling.refuse else []
+        trl = ", ".join(_shown(TRL_DEFAULTS["sft"].get(t, flat_fields()[t].default)) for t in known) or "-"
+        theirs = ", ".join(_shown(flat_fields()[t].default) for t in known) or "-"
+        lines.append(f"| `--{name}` | {cookbook} | {ours} | {trl} | {theirs} | {meaning} |")
     return "\n".join(lines) + "\n"
+
+
+def _shown(value) -> str:
+    return f"`{value!r}`" if not isinstance(value, str) else f"`{value}`" if value else "`''`"
+
+
+def defaults_section() -> list[str]:
+    """docs/flags.md: whose defaults a command gets (shardtune.config.defaults), and where the two differ."""
+    lines = [
+        "## Whose defaults",
+        "",
+        "A setting you leave out takes TRL 1.16's default (SFTConfig / DPOConfig / ModelConfig) or llama-cookbook's "
+        "(the canonical default, what `--help` shows), by one rule: `--defaults trl|cookbook` when given; else the "
+        "names used: "
+        + ", ".join(f"`--{n}`" for n in SPEAKERS["trl"])
+        + " speak TRL, "
+        + ", ".join(f"`--{n}`" for n in SPEAKERS["cookbook"])
+        + " speak llama-cookbook (both at once is refused in one line, unless `--defaults` says whose); else the "
+        "command's own: "
+        + ", ".join(f"shardtune {o}: {'TRL' if h == 'trl' else 'llama-cookbook'}" for o, h in HOME.items())
+        + ". Names both tools use (`--output_dir`, `--seed`, `--use_peft`, `--bf16`, `--save_steps`, "
+        "`--max_steps`) and shardtune's own say nothing. The start log says whose, and the lr, schedule, warm-up, "
+        "clipping, epochs or steps, batch, checkpoints, packing and LoRA the run has. Code building a config "
+        "(`config_from`) gets the cookbook's unless it passes `defaults`.",
+        "",
+        "| setting | TRL (sft) | TRL (dpo) | llama-cookbook |",
+        "|---|---|---|---|",
+    ]
+    for key in dict.fromkeys([*TRL_DEFAULTS["sft"], *TRL_DEFAULTS["dpo"]]):
+        default = flat_fields()[key].default
+        sft, dpo = (_shown(TRL_DEFAULTS[o].get(key, default)) for o in ("sft", "dpo"))
+        lines.append(f"| `{key}` | {sft} | {dpo} | {_shown(default)} |")
+    return [*lines, ""]
 
 
 if __name__ == "__main__":

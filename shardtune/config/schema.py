@@ -186,7 +186,14 @@ class TrainSettings:
     )
     max_steps: int = setting(
         0,
-        "stop after this many OPTIMIZER steps (llama-cookbook's max_train_step counts micro-batches); 0: no limit",
+        "train exactly this many optimizer steps, passing over the data as often as they need (overrides "
+        "num_epochs, as TRL's --max_steps); 0: num_epochs decides",
+        at_least=0,
+    )
+    stop_after_steps: int = setting(
+        0,
+        "stop after this many optimizer steps if the epochs have not ended before (llama-cookbook's "
+        "max_train_step, counted in optimizer steps); 0: none",
         at_least=0,
         **RUN,
     )
@@ -321,9 +328,8 @@ class CheckpointSettings:
     save_steps: float = setting(
         0.0,
         "write a sharded checkpoint to output.dir/checkpoints/ every N optimizer steps (a "
-        "fraction in (0, 1): of the run's steps), at each epoch end and after the last "
-        "step; 0: none, unless checkpoint_type is set (then at epoch ends and after the "
-        "last step)",
+        "fraction in (0, 1): of the run's steps) and after the last step (as Trainer); 0: none, unless "
+        "checkpoint_type is set (then at epoch ends and after the last step)",
         interval=True,
         **RUN,
     )
@@ -511,8 +517,20 @@ class OutputSettings:
     )
 
 
+DEFAULTS = ("", "cookbook", "trl")
+
+
 @dataclass
 class RunSettings:
+    defaults: str = setting(
+        "",
+        "whose defaults the settings not given take: trl (TRL 1.16's SFTConfig / DPOConfig / ModelConfig: lr "
+        "2e-5 (DPO 1e-6), linear, max_grad_norm 1, 3 epochs, batch 8, padding, a checkpoint every 500 steps, "
+        "gradient checkpointing, LoRA r 16 / alpha 32) or cookbook (llama-cookbook's: the values --help shows); "
+        "empty: the names used decide (docs/flags.md), else sft's are the cookbook's and dpo's TRL's",
+        choices=DEFAULTS,
+        **RUN,
+    )
     debug: bool = setting(False, "print tracebacks with errors, and where the start-up time went", **RUN)
     dry_run: bool = setting(
         False,

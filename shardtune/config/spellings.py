@@ -89,3 +89,48 @@ def names_of(key: str, dialect: str) -> list[str]:
         for name, spelling in DIALECTS[dialect].SPELLINGS.items()
         if not spelling.refuse and key in spelling.target.replace("/", " ").split()
     ]
+
+
+# Names that say whose defaults a command means (shardtune.config.defaults): TRL's name of a setting and
+# llama-cookbook's name of the same setting, and each tool's own switches of its documented commands. Names both tools
+# use (--output_dir, --seed, --use_peft), shardtune's own, and the names of settings whose default both share
+# (precision, data selection, LoRA's section) say nothing.
+SPEAKERS = {
+    "trl": (
+        "model_name_or_path",
+        "learning_rate",
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "num_train_epochs",
+        "max_grad_norm",
+        "packing",
+        "eval_strategy",
+        "save_strategy",
+        "gradient_checkpointing",
+        "dataloader_num_workers",
+        "lr_scheduler_type",
+    ),
+    "cookbook": (
+        "model_name",
+        "lr",
+        "batch_size_training",
+        "val_batch_size",
+        "num_epochs",
+        "gradient_clipping",
+        "gradient_clipping_threshold",
+        "batching_strategy",
+        "run_validation",
+        "fsdp_config.fsdp_activation_checkpointing",
+        "fsdp_activation_checkpointing",
+        "num_workers_dataloader",
+        "enable_fsdp",
+        "enable_deepspeed",
+        "peft_method",
+    ),
+}
+
+
+def dialect_of(name: str) -> str:
+    """Whose defaults flag ``name`` speaks for: "trl", "cookbook", or "" (see SPEAKERS)."""
+    name = normalise(name)
+    return next((dialect for dialect, names in SPEAKERS.items() if name in names), "")

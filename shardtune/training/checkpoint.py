@@ -57,7 +57,7 @@ from shardtune.training.checkpoint_layout import (
     resolve_checkpoint,
     unfinished_saves,
 )
-from shardtune.training.intervals import every, num_epochs
+from shardtune.training.intervals import epochs_reached, every
 
 # Settings that may change between a run and its resumption without changing what is trained (run control), and
 # the optimizer hyperparameters a resume applies to the restored optimizer (parallel/optim.apply_settings_on_resume):
@@ -272,7 +272,7 @@ class Checkpointer:
     def _check_space(self, model: nn.Module) -> None:
         need = self.bytes_needed = checkpoint_bytes_estimate(model, self.full_model)
         planned = 1 + self.total_steps // self.save_every if self.save_every else 1
-        planned += num_epochs(self.cfg)
+        planned += epochs_reached(self.total_steps, self.steps_per_epoch)
         keep = (
             min(planned, self.cfg.checkpoint.save_total_limit + 1) if self.cfg.checkpoint.save_total_limit else planned
         )
@@ -321,7 +321,7 @@ class Checkpointer:
         if self.cfg.optim.lr_scheduler == "cosine" and planned is not None and planned != self.total_steps:
             warn0(
                 f"the cosine schedule now spans {self.total_steps} steps instead of the checkpoint's {planned} "
-                f"(--max_train_step / --num_epochs / batch changed): the learning rate from step {state['step']} "
+                f"(--max_steps / --num_epochs / batch changed): the learning rate from step {state['step']} "
                 "on differs from the uninterrupted run's"
             )
         try:  # torch's CheckpointException is a BaseException: caught here by name, so that it is one line
@@ -369,11 +369,13 @@ class Checkpointer:
             self.save(Position(step, epoch, done_in_epoch))
 
     def after_epoch(self, epoch: int, done_in_epoch: int) -> None:
-        """After an epoch's LR step and evaluation: a completed epoch, or the run's end inside an epoch."""
+        """After an epoch's LR step and evaluation: a completed epoch (every one without --save_steps; with it, one
+        on its cadence), or the run's end."""
         step = self.training[3].steps  # type: ignore[index]
         if not self.enabled:
             return
-        if done_in_epoch == self.steps_per_epoch:
+        on_cadence = not self.save_every or step % self.save_every == 0  # --save_steps N: every N (Trainer's)
+        if done_in_epoch == self.steps_per_epoch and (on_cadence or step >= self.total_steps):
             self.save(Position(step, epoch + 1, 0))
         elif step >= self.total_steps and (self.last_saved is None or checkpoint_step(self.last_saved) != step):
             self.save(Position(step, epoch, done_in_epoch))

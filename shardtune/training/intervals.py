@@ -17,13 +17,15 @@ def every(interval: float, total_steps: int) -> int:
 
 
 def planned_steps(cfg: TrainConfig, num_units: int, dp_size: int) -> int:
-    """Optimizer steps the run trains to: ceil(epochs x steps per epoch) (a fractional --num_train_epochs, as Trainer
-    counts it), or --max_train_step when it is fewer."""
+    """Optimizer steps the run trains to: --max_steps when given (TRL's: it overrides the epochs), else ceil(epochs x
+    steps per epoch) (a fractional --num_train_epochs, as Trainer counts it), or --max_train_step when it is fewer."""
+    if cfg.train.max_steps:
+        return cfg.train.max_steps
     per_epoch = data.steps_per_epoch(num_units, cfg, dp_size)
     total = math.ceil(cfg.train.num_epochs * per_epoch)
-    return min(total, cfg.train.max_steps) if cfg.train.max_steps else total
+    return min(total, cfg.train.stop_after_steps) if cfg.train.stop_after_steps else total
 
 
-def num_epochs(cfg: TrainConfig) -> int:
-    """Epochs of data order the run reaches into: a fractional number of epochs is rounded up."""
-    return math.ceil(cfg.train.num_epochs)
+def epochs_reached(total_steps: int, steps_per_epoch: int) -> int:
+    """Epochs of data order a run of ``total_steps`` reaches into (the last one perhaps in part)."""
+    return math.ceil(total_steps / steps_per_epoch) if steps_per_epoch else 0

@@ -24,7 +24,7 @@ from shardtune.runtime.errors import TrainingStopped
 from shardtune.training.best_model import BestModel, load_best
 from shardtune.training.checkpoint import Checkpointer, Position
 from shardtune.training.evaluation import Evaluator
-from shardtune.training.intervals import every, num_epochs, planned_steps
+from shardtune.training.intervals import epochs_reached, every, planned_steps
 from shardtune.training.metrics import MetricsWriter
 from shardtune.training.objective import Objective
 from shardtune.training.profiling import StepProbe
@@ -62,7 +62,7 @@ def train(
     cfg, result = objective.cfg, run.result
     if cfg.eval.enabled and cfg.eval.on_start and result.steps == 0:  # --eval_on_start: the baseline, once a run
         run.evaluate(run.start.epoch, 0, "start")
-    for epoch in range(run.start.epoch, num_epochs(cfg)):
+    for epoch in range(run.start.epoch, epochs_reached(run.total_steps, run.steps_per_epoch)):
         if result.steps >= run.total_steps:
             break
         run.reporter.start_epoch()

@@ -84,7 +84,7 @@ def test_a_trl_recipe_with_its_accelerate_file_does_what_each_key_says(tiny_mode
                 "output_dir": str(out),
                 "env": {"TOKENIZERS_PARALLELISM": "false"},
                 "accelerate_config": str(accelerate),
-                "context_length": 256,
+                "max_length": 256,
                 "synthetic_dialogues": {"num_train": 48, "num_validation": 4},
                 "push_to_hub": True,
                 "hub_model_id": "me/tiny-lora",
@@ -111,6 +111,11 @@ def test_a_trl_recipe_with_its_accelerate_file_does_what_each_key_says(tiny_mode
     assert (
         "ddp, world size 2" in proc.stdout and "activation checkpointing" in proc.stdout
     )  # 2 processes, checkpointing
+    (said,) = [line for line in proc.stderr.splitlines() if line.startswith("shardtune: defaults: ")]
+    assert said.startswith("shardtune: defaults: TRL's (--dataloader_num_workers, --eval_strategy, ") and said.endswith(
+        "lr 0.001, cosine schedule, warmup 2 steps, max_grad_norm 0.01, 6 steps, batch 2, checkpoints every 0.5 of "
+        "the steps, packing, LoRA r 4 / alpha 8 / dropout 0"
+    )  # the start log: whose defaults (a YAML's keys are TRL's), and what the run has
     assert "attention: eager (--attn_implementation)" in proc.stdout and "by the eager formula" in proc.stdout
     # bf16 (recipe) vs mixed_precision: no (Accelerate file): the recipe wins, and one line says so
     notes = [line for line in proc.stderr.splitlines() if "the Accelerate file says" in line]

@@ -269,3 +269,35 @@ def test_the_checkpointer_resumes_in_process_to_the_uninterrupted_run_keeping_th
     assert numbers(r for r in eval_rows(run) if r["step"] != 3) == numbers(eval_rows(whole))
     resumed, uninterrupted = (load_file(str(d / "model.safetensors")) for d in (run, whole))
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
+
+
+def test_max_steps_overrides_the_epochs_as_in_trl(process_group, tiny, tmp_path):
+    """TRL's --max_steps is the run's length whatever the epochs: 5 steps on data of 2 steps an epoch train over 2.5
+    epochs (each epoch its own order), the linear schedule reaching 0 at step 5 (it stopped at the data's end, step
+    2, its schedule squeezed into 2 steps)."""
+    from shardtune.training.worker import fine_tune
+    from tests.helpers import eval_rows, step_rows
+
+    cfg = config_from(
+        {
+            "model_name": str(tiny),
+            "context_length": 512,
+            "synthetic_dialogues.num_train": 8,
+            "synthetic_dialogues.num_validation": 1,
+            "batching_strategy": "padding",
+            "batch_size_training": 4,
+            "num_epochs": 1,
+            "max_steps": 5,
+            "lr_scheduler_type": "linear",
+            "lr": 1e-3,
+            "num_workers_dataloader": 0,
+            "save_plots": False,
+            "output_dir": str(tmp_path / "run"),
+        }
+    )
+    fine_tune(cfg, ENV)
+    rows = step_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["epoch"] for r in rows] == [0.5, 1.0, 1.5, 2.0, 2.5]
+    assert [r["lr"] for r in rows] == pytest.approx([1e-3 * (5 - i) / 5 for i in range(5)])
+    assert [r["step"] for r in eval_rows(tmp_path / "run")] == [2, 4, 5]  # each epoch's end, the last in part

@@ -313,14 +313,18 @@ def test_a_fractional_num_train_epochs_stops_where_trainer_stops_and_the_schedul
     """Trainer: max_steps = ceil(epochs x update steps per epoch), over ceil(epochs) epochs of data order."""
     from shardtune.training.intervals import planned_steps
 
-    cfg = parse_args(["--num_train_epochs", "2.5", "--lr_scheduler_type", "linear", "--batch_size_training", "2"])
+    cfg = parse_args(
+        ["--num_train_epochs", "2.5", "--lr_scheduler_type", "linear", "--per_device_train_batch_size", "2"]
+    )
     assert cfg.train.num_epochs == 2.5
     validate(cfg, 2)
     assert planned_steps(cfg, num_units=30, dp_size=2) == math.ceil(2.5 * 7)  # 30 units // (2 x 2): 7 per epoch
-    assert planned_steps(parse_args(["--num_train_epochs", "0.25"]), num_units=30, dp_size=1) == 2  # ceil(7 / 4)
-    cfg.train.max_steps = 5
+    quarter = parse_args(["--num_train_epochs", "0.25", "--per_device_train_batch_size", "4"])
+    assert planned_steps(quarter, num_units=30, dp_size=1) == 2  # ceil(7 / 4)
+    cfg.train.stop_after_steps = 5  # llama-cookbook's --max_train_step: a cap
     assert planned_steps(cfg, num_units=30, dp_size=2) == 5
-    assert parse_args(["--fractional_epochs", "2.5"]) == parse_args(["--num_train_epochs", "2.5"])  # the older name
+    older = parse_args(["--fractional_epochs", "2.5"])  # the older name; shardtune's, so the cookbook's defaults
+    assert older == parse_args(["--num_train_epochs", "2.5", "--defaults", "cookbook"])
 
 
 def test_flags_that_cannot_be_honoured_are_refused_in_one_line():
@@ -329,9 +333,8 @@ def test_flags_that_cannot_be_honoured_are_refused_in_one_line():
         (["--optim", "sgd"], "adamw_8bit"),
         (["--hub_strategy", "every_save"], "use end"),
         (["--packing_strategy", "wrapped"], "bfd"),
-        (["--eval_strategy", "steps"], "--eval_steps"),
         (["--attn_implementation", "flash_attention_3"], "not built"),
-        (["--save_strategy", "steps"], "--save_steps N"),
+        (["--defaults", "cookbook", "--save_strategy", "steps"], "--save_steps N"),
     ]:
         with pytest.raises(ConfigError, match=named) as error:
             parse_args(argv)
@@ -539,6 +542,8 @@ def test_config_yaml_reads_back_to_the_same_config_and_an_earlier_releases_flat_
 
     cfg = parse_args(
         [
+            "--defaults",  # TRL's names and the cookbook's, the defaults said
+            "trl",
             "--learning_rate",
             "3e-4",
             "--optim",
@@ -604,7 +609,8 @@ def test_save_strategy_decides_whatever_the_order_of_save_steps():
         assert checkpointing_enabled(cfg) and cfg.checkpoint.save_steps == 0, order  # at epoch ends only
     for order in (["--save_strategy", "steps", "--save_steps", "3"], ["--save_steps", "3", "--save_strategy", "steps"]):
         assert parse_args(order).checkpoint.save_steps == 3, order
+    assert parse_args(["--save_strategy", "steps"]).checkpoint.save_steps == 500  # TRL's default --save_steps
     with pytest.raises(ConfigError, match="--save_strategy steps needs --save_steps N"):
-        parse_args(["--save_strategy", "steps"])
+        parse_args(["--defaults", "cookbook", "--save_strategy", "steps"])
     with pytest.raises(ConfigError, match="--save_strategy no writes no checkpoints, but --checkpoint_type"):
         parse_args(["--checkpoint_type", "FULL_STATE_DICT", "--save_strategy", "no"])

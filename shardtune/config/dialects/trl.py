@@ -506,7 +506,7 @@ def finish(cfg: TrainConfig, state: dict[str, Any], spelled: dict[str, str]) -> 
         cfg.model.double_quant = False  # TRL's default for --use_bnb_nested_quant
     eval_strategy = given.get("eval_strategy", "")
     if eval_strategy == "steps" and not cfg.eval.steps:
-        raise ConfigError("--eval_strategy steps needs --eval_steps N: say every how many optimizer steps to evaluate")
+        cfg.eval.steps = cfg.logging.steps  # Trainer: eval_steps defaults to logging_steps
     if eval_strategy in ("epoch", "no") and cfg.eval.steps:
         raise ConfigError(
             f"--eval_steps {cfg.eval.steps:g} has no effect with --eval_strategy {eval_strategy}: pass "
