@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None, objective: str | None = None) -> int:
     debug = "--debug" in argv
     try:
         args = split_argv(argv)  # the front door: launcher, hardware, Accelerate file, recipe, training flags
-        recipe_env, recipe_accelerate = recipe_launch_settings(args.recipe)
+        recipe_env, recipe_accelerate, recipe_launch = recipe_launch_settings(args.recipe)
         os.environ.update(recipe_env)  # the recipe's env: before anything reads the environment
         accelerate_path = args.accelerate or recipe_accelerate
         file_launch_args, file_settings = read_accelerate(accelerate_path)
@@ -63,7 +63,6 @@ def main(argv: list[str] | None = None, objective: str | None = None) -> int:
                 print(f"shardtune: settings from the command line > {' > '.join(sources)}", file=sys.stderr)
             for note in notes:
                 print(f"shardtune: {note}", file=sys.stderr, flush=True)
-            print(f"shardtune: {defaults.summary(cfg)}", file=sys.stderr, flush=True)
         if args.hardware and not cfg.run.dry_run:
             raise ConfigError(
                 f"--{next(iter(args.hardware))} describes the hardware of a plan: add --dry_run (or use "
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None, objective: str | None = None) -> int:
                     "under torchrun: give it to torchrun, before -m shardtune.sft"
                 )
             return run_worker(cfg)
-        launch_args = {**file_launch_args, **args.launcher}
+        launch_args = {**file_launch_args, **recipe_launch, **args.launcher}  # command line > recipe > file
         if cfg.parallel.one_gpu:
             launch_args.setdefault("nproc_per_node", "1")
         if cfg.run.dry_run and cfg.model.revision:
@@ -99,6 +98,7 @@ def main(argv: list[str] | None = None, objective: str | None = None) -> int:
             )
         topology = resolve_here(launch_args)
         prepare(cfg, topology.world_size)
+        print(f"shardtune: {defaults.summary(cfg)}", file=sys.stderr, flush=True)  # checked: whose defaults, and what
         startup.mark("checks, model source, data cache")
     except ConfigError as e:
         fail(str(e), debug)

@@ -17,12 +17,14 @@ import yaml
 from shardtune.config import defaults
 from shardtune.config.argv import split_argv
 from shardtune.config.dialects import cookbook, trl
+from shardtune.config.dialects.accelerate import LAUNCH_KEYS, launch_flags
 from shardtune.config.fields import field_default, flat_fields, flatten_dict, get_value, set_value, typed
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.config.spellings import normalise, resolve, spellings
 
-# Keys of a recipe that are not settings: read before launch by the command (recipe_launch_settings).
-RECIPE_LAUNCH_KEYS = ("env", "accelerate_config")
+# Keys of a recipe that are not settings: read before launch by the command (recipe_launch_settings): TRL's CLI
+# passes these on to accelerate launch.
+RECIPE_LAUNCH_KEYS = ("env", "accelerate_config", *LAUNCH_KEYS)
 
 
 class Builder:
@@ -244,11 +246,12 @@ def recipe_settings(path: str) -> list[tuple[str, Any]]:
     return pairs
 
 
-def recipe_launch_settings(recipe: str | None) -> tuple[dict[str, str], str | None]:
-    """A ``trl sft --config`` recipe's ``env:`` (variables to export before launch) and ``accelerate_config:`` (a file
-    or a packaged profile name), read before anything else."""
+def recipe_launch_settings(recipe: str | None) -> tuple[dict[str, str], str | None, dict[str, str]]:
+    """A ``trl sft --config`` recipe's ``env:`` (variables to export before launch), ``accelerate_config:`` (a file
+    or a packaged profile name) and Accelerate's launcher keys (``num_processes: 2``, as clis.md writes it: the
+    processes of all machines, with ``num_machines`` ...) as torchrun flags, read before anything else."""
     if recipe is None:
-        return {}, None
+        return {}, None, {}
     flat = flatten_dict(load_yaml(recipe))
     env = {
         k.removeprefix("env."): "" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
@@ -258,7 +261,11 @@ def recipe_launch_settings(recipe: str | None) -> tuple[dict[str, str], str | No
     accelerate = flat.get("accelerate_config")
     if accelerate is not None and not isinstance(accelerate, str):
         raise ConfigError(f"--config {recipe}: accelerate_config must be a file path or a profile name")
-    return env, accelerate
+    keys = {k: v for k, v in flat.items() if k in LAUNCH_KEYS and v is not None}
+    for key, value in keys.items():
+        if key in ("num_processes", "num_machines", "machine_rank") and not str(value).isdigit():
+            raise ConfigError(f"--config {recipe}: {key} {value!r} is not a whole number: fix the recipe")
+    return env, accelerate, launch_flags(recipe, keys, "config") if keys else {}
 
 
 # -- config.yaml ---------------------------------------------------------------------------------------------------

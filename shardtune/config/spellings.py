@@ -58,7 +58,11 @@ def takes_a_list(name: str) -> bool:
     except ConfigError:
         return False
     info = flat_fields().get(spelling.target)
-    return info is not None and is_list(optional(info.type)[0]) and spelling.to is None
+    return info is not None and is_list(optional(info.type)[0]) and (spelling.to is None or name in LIST_VALUED)
+
+
+# Translated names whose value is a list too (their translation reads the comma-separated form).
+LIST_VALUED = ("report_to", "loss_type")
 
 
 def takes_no_value(name: str) -> bool:

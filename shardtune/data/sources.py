@@ -45,8 +45,9 @@ def check_data_config(cfg: TrainConfig) -> None:
         _alpaca_files(cfg)
     elif cfg.data.dataset == "custom_dataset":
         load_custom_function(cfg.data.custom_dataset.file)
-    elif cfg.data.dataset == "grammar_dataset":
-        grammar_files(cfg)
+    elif cfg.data.dataset == "grammar_dataset":  # the test file only when the run evaluates (reads it)
+        for split in ("train", "validation") if cfg.eval.enabled else ("train",):
+            grammar_file(cfg, split)
 
 
 def check_context_length(cfg: TrainConfig, tokenizer: Any) -> None:
@@ -107,7 +108,7 @@ def _text_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row]]:
             ALPACA_COLUMNS,
         )
     if cfg.data.dataset == "grammar_dataset":
-        path = grammar_files(cfg)[0 if split == "train" else 1]
+        path = grammar_file(cfg, split)
         return f"grammar_dataset: {path}", read_rows([path], GRAMMAR_COLUMNS)
     if cfg.data.samsum_dataset.data_path:
         return _file_rows(
@@ -205,18 +206,18 @@ def _file_rows(
     return source, hold_out(rows, fraction, seed, split)
 
 
-def grammar_files(cfg: TrainConfig) -> tuple[Path, Path]:
-    """llama-cookbook's grammar_dataset: train_split and test_split are the paths of its two CSV files."""
+def grammar_file(cfg: TrainConfig, split: str) -> Path:
+    """llama-cookbook's grammar_dataset: train_split and test_split are the paths of its two CSV files; ``split``'s
+    ("train" or "validation") must be one."""
     gc = cfg.data.grammar_dataset
-    splits = {"train_split": gc.train_split, "test_split": gc.test_split}
-    for name, value in splits.items():
-        path = Path(value).expanduser()
-        if path.suffix.lower() != ".csv" or not path.is_file():
-            raise DataError(
-                f"--grammar_dataset.{name} {value}: no such CSV file: pass the path of a CSV file with "
-                f"columns {', '.join(GRAMMAR_COLUMNS)}"
-            )
-    return Path(gc.train_split).expanduser(), Path(gc.test_split).expanduser()
+    name, value = ("train_split", gc.train_split) if split == "train" else ("test_split", gc.test_split)
+    path = Path(value).expanduser()
+    if path.suffix.lower() != ".csv" or not path.is_file():
+        raise DataError(
+            f"--grammar_dataset.{name} {value}: no such CSV file: pass the path of a CSV file with "
+            f"columns {', '.join(GRAMMAR_COLUMNS)}"
+        )
+    return path
 
 
 def _names(paths: list[Path]) -> str:

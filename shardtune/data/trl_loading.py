@@ -3,8 +3,8 @@
 A local file (JSON, JSONL, CSV, Parquet, Arrow) is the train split; a local folder or a hub id is loaded as
 ``datasets`` lays it out (a folder's splits come from its file names: train.jsonl, test.jsonl ...). The
 evaluation split is ``--dataset_test_split``; when the data has no such split, training runs without evaluation
-(said once, before launch). The embedded synthetic dialogues with ``--synthetic_dialogues.messages true`` go
-through the same formats code as conversational rows.
+(said once, before launch), or, when the command asked for evaluation, is refused. The embedded synthetic
+dialogues with ``--synthetic_dialogues.messages true`` go through the same formats code as conversational rows.
 """
 
 from __future__ import annotations
@@ -161,8 +161,16 @@ def trl_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[dic
 
 def drop_absent_validation(cfg: TrainConfig, say: bool) -> None:
     """No --dataset_test_split in the data: train without evaluation (``say``: tell it, in the one process that
-    talks before launch)."""
+    talks before launch), unless the command asked for evaluation (--eval_strategy, --eval_steps, --run_validation):
+    then that is refused, never dropped."""
     if cfg.eval.enabled and not validation_available(cfg):
+        tc = cfg.data.trl_dataset
+        asked = [flag for key, flag in getattr(cfg, "spelled", {}).items() if key in ("eval.enabled", "eval.steps")]
+        if asked:
+            raise DataError(
+                f"--{asked[0]} asks for evaluation, but --dataset_name {tc.dataset_name} has no split "
+                f"{tc.dataset_test_split!r}: pass --dataset_test_split with a split it has, or drop --{asked[0]}"
+            )
         cfg.eval.enabled = False
         if say:
             tc = cfg.data.trl_dataset

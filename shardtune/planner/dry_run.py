@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from shardtune.config import defaults
 from shardtune.config.schema import TrainConfig
 from shardtune.launch.topology import Topology, resolve_topology
 from shardtune.training.checks import check_before_launch
@@ -165,6 +166,7 @@ def dry_run(cfg: TrainConfig, topology: Topology, hardware: dict[str, str], flag
         lines = [
             "dry run: no process started, no weights or data read, nothing written",
             topology.describe(),
+            defaults.summary(cfg),
             *shard_lines(cfg, topology, given_name or "preset:demo", setup),
         ]
         result = plan(setup, device, cfg.train.gradient_accumulation_steps)

@@ -22,6 +22,7 @@ def assert_one_line_error(proc, *needles):
     [
         (["--batch_size_trainig", "4"], ["--batch_size_trainig", "did you mean --batch_size_training"]),
         (["--batch_size_training", "0"], ["--batch_size_training 0", "positive"]),
+        (["--beta", "0.5", "--dry_run", "true"], ["--beta is a flag of shardtune dpo"]),  # a plan checks as a run
         (["--gradient_accumulation_steps", "-1"], ["--gradient_accumulation_steps -1"]),
         (["--lr", "fast"], ["--lr 'fast'", "number"]),
         (["--lr", "inf"], ["--lr inf is not a finite number"]),

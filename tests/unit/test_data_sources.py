@@ -169,6 +169,16 @@ def test_check_data_config_rejects_missing_paths_and_unknown_formats(tmp_path):
         check_data_config(cfg)
 
 
+def test_grammar_dataset_needs_its_test_file_only_when_the_run_evaluates(tmp_path):
+    """The lesson's "other datasets" command with --run_validation false: the test CSV is never read."""
+    train = tmp_path / "gtrain_10k.csv"
+    train.write_text("input,target\nshe go,She goes.\n")
+    split = {"grammar_dataset.train_split": str(train)}
+    check_data_config(config_from(dataset="grammar_dataset", run_validation=False, **split))
+    with pytest.raises(DataError, match="--grammar_dataset.test_split .*no such CSV file"):
+        check_data_config(config_from(dataset="grammar_dataset", run_validation=True, **split))
+
+
 def test_validation_fraction_hold_out_is_deterministic_and_disjoint(tmp_path, tokenizer):
     rows = [{"dialogue": f"A: message {i}", "summary": f"Summary number {i}."} for i in range(20)]
     path = write_rows(tmp_path / "all.jsonl", rows)

@@ -364,8 +364,51 @@ def test_a_trl_recipe_names_every_unknown_key_at_once_and_reads_env_and_accelera
     good = write(
         tmp_path, "good.yaml", {"learning_rate": 1e-4, "env": {"WANDB_MODE": "offline"}, "accelerate_config": "zero2"}
     )
-    assert recipe_launch_settings(good) == ({"WANDB_MODE": "offline"}, "zero2")
+    assert recipe_launch_settings(good) == ({"WANDB_MODE": "offline"}, "zero2", {})
     assert parse_args(["--config", good]).optim.lr == 1e-4
+
+
+def test_a_trl_recipes_launcher_keys_are_the_launchers_as_trl_passes_them_to_accelerate(tmp_path):
+    """clis.md's recipe says num_processes: 2 (Accelerate's: the processes of all machines)."""
+    one = write(tmp_path, "one.yaml", {"learning_rate": 1e-4, "num_processes": 2})
+    assert recipe_launch_settings(one)[2] == {"nproc_per_node": "2"}
+    assert parse_args(["--config", one]).optim.lr == 1e-4  # not a setting: the builder does not see it
+    two = write(tmp_path, "two.yaml", {"num_processes": 4, "num_machines": 2, "machine_rank": 1})
+    assert recipe_launch_settings(two)[2] == {
+        "nproc_per_node": "2",
+        "nnodes": "2",
+        "node_rank": "1",
+        "master_addr": "127.0.0.1",
+        "master_port": "29500",
+    }
+    odd = write(tmp_path, "odd.yaml", {"num_processes": 3, "num_machines": 2})
+    with pytest.raises(ConfigError, match="--config .*odd.yaml: num_processes 3 is not a multiple of num_machines 2"):
+        recipe_launch_settings(odd)
+
+
+def test_a_trl_recipes_mappings_and_peft_task_type(tmp_path):
+    """lr_scheduler_kwargs as a YAML mapping; lora_task_type CAUSAL_LM (TRL's default, the one shardtune trains);
+    model_init_kwargs' dtype and attention; datasets: mixtures are refused with their own reason until they are
+    built."""
+    recipe = {
+        "lr_scheduler_type": "cosine_with_min_lr",
+        "lr_scheduler_kwargs": {"min_lr_rate": 0.1},
+        "use_peft": True,
+        "lora_task_type": "CAUSAL_LM",
+        "model_init_kwargs": {"dtype": "bfloat16", "attn_implementation": "eager", "trust_remote_code": False},
+    }
+    cfg = parse_args(["--config", write(tmp_path, "r.yaml", recipe)])
+    assert (cfg.optim.lr_scheduler, cfg.optim.min_lr_rate, cfg.peft.method) == ("cosine_with_min_lr", 0.1, "lora")
+    assert cfg.model.attn_implementation == "eager" and cfg.train.precision == "auto"
+    for key, value, named in [
+        ("lora_task_type", "SEQ_CLS", "lora_task_type SEQ_CLS .*CAUSAL_LM"),
+        ("model_init_kwargs", {"device_map": "auto"}, "model_init_kwargs device_map .*drop"),
+        ("model_init_kwargs", {"torch_dtype": "int8"}, "torch_dtype int8 is not valid"),
+        ("datasets", [{"path": "a.jsonl"}], "datasets: .*mixture"),
+    ]:
+        with pytest.raises(ConfigError, match=named) as error:
+            parse_args(["--config", write(tmp_path, "bad.yaml", {key: value})])
+        assert "\n" not in str(error.value)
 
 
 def test_activation_checkpointing_under_ddp_gives_the_same_gradients(tiny_model):
@@ -567,6 +610,8 @@ def test_config_yaml_reads_back_to_the_same_config_and_an_earlier_releases_flat_
             "0.25",
             "--synthetic_dialogues.num_train",
             "12",
+            "--objective",
+            "dpo",
             "--loss_type",
             "sigmoid",
             "sft",
@@ -614,3 +659,27 @@ def test_save_strategy_decides_whatever_the_order_of_save_steps():
         parse_args(["--defaults", "cookbook", "--save_strategy", "steps"])
     with pytest.raises(ConfigError, match="--save_strategy no writes no checkpoints, but --checkpoint_type"):
         parse_args(["--checkpoint_type", "FULL_STATE_DICT", "--save_strategy", "no"])
+
+
+def test_space_separated_lists_as_peft_integration_md_writes_them():
+    """TRL's parser takes a list flag's values one by one; --report_to's translation too."""
+    args = split_argv(
+        ["--use_peft", "--lora_target_modules", "q_proj", "v_proj", "--lora_modules_to_save", "lm_head"]
+        + ["embed_tokens", "--report_to", "tensorboard", "wandb", "--lr", "1e-4"]
+    )
+    cfg = build_config(args.training, None, (), [])
+    assert cfg.peft.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.peft.lora.modules_to_save == ["lm_head", "embed_tokens"]
+    assert cfg.logging.report_to == ["tensorboard", "wandb"] and cfg.optim.lr == 1e-4
+
+
+def test_loss_type_is_sfts_nll_under_sft_and_dpos_losses_under_dpo():
+    """A dumped SFTConfig says loss_type: nll (TRL's SFT default); dft is refused with its own reason; a DPO loss
+    given to sft names shardtune dpo."""
+    assert build_config([("loss_type", "nll")], None, (), [], objective="sft").dpo.loss_type == ["sigmoid"]
+    with pytest.raises(ConfigError, match="--loss_type dft .*not built in shardtune sft"):
+        build_config([("loss_type", "dft")], None, (), [], objective="sft")
+    with pytest.raises(ConfigError, match="--loss_type sigmoid is not a loss of shardtune sft.*shardtune dpo"):
+        build_config([("loss_type", "sigmoid")], None, (), [], objective="sft")
+    dpo = split_argv(["--loss_type", "sigmoid", "sft", "--loss_weights", "1.0", "0.5"])
+    assert build_config(dpo.training, None, (), [], objective="dpo").dpo.loss_type == ["sigmoid", "sft"]

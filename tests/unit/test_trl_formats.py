@@ -20,7 +20,7 @@ from shardtune.data import DataError, check_data_config, load_examples
 from shardtune.data.cache import cache_key
 from shardtune.data.chat import apply_tokenizer_options
 from shardtune.data.formatting import IGNORE_INDEX
-from shardtune.data.trl_loading import validation_available
+from shardtune.data.trl_loading import drop_absent_validation, validation_available
 from shardtune.model.loading import train_tokenizer
 
 SYSTEM = {"role": "system", "content": "You plan outings. Be brief."}
@@ -335,6 +335,20 @@ def test_folder_splits_and_an_absent_test_split(tokenizer, tmp_path):
     examples, report = load_examples(cfg, tokenizer, "validation")
     assert len(examples) == 2 and "split test" in report.source
     assert not validation_available(trl_cfg(write_jsonl(tmp_path / "one.jsonl", ROWS["messages"])))
+
+
+def test_an_evaluation_asked_for_on_data_without_the_split_is_refused_not_dropped(tmp_path):
+    one = write_jsonl(tmp_path / "one.jsonl", ROWS["messages"])
+    asked = ["--dataset_name", str(one), "--dataset_test_split", "validation", "--eval_strategy", "steps"]
+    with pytest.raises(DataError, match="--eval_strategy asks for evaluation.*no split 'validation'") as error:
+        drop_absent_validation(parse_args(asked), say=False)
+    assert "\n" not in str(error.value)
+    with pytest.raises(DataError, match="--run_validation asks"):
+        drop_absent_validation(parse_args(["--dataset_name", str(one), "--run_validation", "true"]), say=False)
+    unasked = parse_args(["--dataset_name", str(one), "--defaults", "cookbook"])  # the cookbook evaluates by default
+    assert unasked.eval.enabled
+    drop_absent_validation(unasked, say=False)
+    assert not unasked.eval.enabled  # not asked for: trains without evaluation, said before launch
 
 
 def test_cache_key_follows_template_and_mask_options(tokenizer, tmp_path):

@@ -171,8 +171,8 @@ def read_accelerate_config(path: str) -> dict[str, Any]:
     return flatten_dict(data)
 
 
-def launch_flags(path: str, keys: dict[str, Any]) -> dict[str, str]:
-    """torchrun flags: Accelerate's num_processes counts the processes of ALL machines."""
+def launch_flags(path: str, keys: dict[str, Any], flag: str = FLAG) -> dict[str, str]:
+    """torchrun flags: Accelerate's num_processes counts the processes of ALL machines (``flag``: the file's)."""
     machines = int(keys.get("num_machines", 1) or 1)
     flags: dict[str, str] = {}
     if keys.get("distributed_type") == "NO":  # as Accelerate: one process, whatever num_processes says
@@ -181,7 +181,7 @@ def launch_flags(path: str, keys: dict[str, Any]) -> dict[str, str]:
         total = int(keys["num_processes"])
         if total % machines:
             raise ConfigError(
-                f"--{FLAG} {path}: num_processes {total} is not a multiple of num_machines {machines}: "
+                f"--{flag} {path}: num_processes {total} is not a multiple of num_machines {machines}: "
                 "fix the file (Accelerate counts the processes of all machines)"
             )
         flags["nproc_per_node"] = str(total // machines)

@@ -12,7 +12,7 @@ import json
 from dataclasses import fields
 from typing import Any, Callable
 
-from shardtune.config.dialects import Pairs, Spelling, refused, text
+from shardtune.config.dialects import Pairs, Spelling, refused, text, trl_trainer
 from shardtune.config.dialects.cookbook import STATE as COOKBOOK
 from shardtune.config.dialects.cookbook import report_to
 from shardtune.config.fields import FALSE, TRUE
@@ -269,6 +269,82 @@ def _completion_only_loss(value: Any) -> Pairs:
     return [("data.trl_dataset.completion_only_loss", "auto" if given == "none" else given)]
 
 
+def _mapping(name: str, value: Any, example: str) -> dict[str, Any]:
+    """A mapping-valued flag: a YAML mapping, or JSON text on the command line (empty / None: no keys)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            value = None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--{name} {value!r} is not a mapping: pass e.g. '{example}'")
+    return value
+
+
+def _model_init_kwargs(value: Any) -> Pairs:
+    """SFTConfig's / DPOConfig's model_init_kwargs: the keys shardtune has settings for."""
+    given = _mapping("model_init_kwargs", value, '{"dtype": "bfloat16"}')
+    pairs: Pairs = []
+    for key, v in given.items():
+        if key in ("dtype", "torch_dtype"):
+            pairs += _dtype(key)(v)
+        elif key == "attn_implementation":
+            pairs += _attn_implementation(v)
+        elif key == "trust_remote_code":
+            pairs.append(("model.trust_remote_code", _bool("model_init_kwargs trust_remote_code", v)))
+        elif key == "revision":
+            pairs += _model_revision(v)
+        else:
+            raise ConfigError(
+                f"--model_init_kwargs {key} is not built: the model is loaded by shardtune's flags (dtype, "
+                "attn_implementation, trust_remote_code, revision; placement by the strategy): drop the key"
+            )
+    return pairs
+
+
+def _lora_task_type(value: Any) -> Pairs:
+    if text(value).upper() in ("CAUSAL_LM", "NONE"):
+        return []  # the one task shardtune trains (TRL's default)
+    raise ConfigError(
+        f"--lora_task_type {value} is not built: shardtune trains causal language models (CAUSAL_LM, TRL's "
+        "default): drop the flag"
+    )
+
+
+def _datasets(value: Any) -> Pairs:
+    if not value:
+        return []
+    raise ConfigError(
+        "datasets: a mixture of several datasets in one run is not built yet: give one dataset with "
+        "dataset_name (and dataset_config, dataset_train_split), or combine the files into one"
+    )
+
+
+def _loss_type(value: Any) -> Pairs:
+    """SFTConfig's loss_type (one name: nll, dft) or DPOConfig's (a list): settled in finish by the objective."""
+    names = value if isinstance(value, list) else text(value).split(",")
+    return [(STATE + "loss_type", [text(n) for n in names if text(n)])]
+
+
+def _settle_loss_type(cfg: TrainConfig, names: list[str]) -> None:
+    if cfg.objective != "sft":
+        cfg.dpo.loss_type = names
+        return
+    given = ",".join(names)
+    if names == ["dft"]:
+        raise ConfigError(
+            "--loss_type dft (Dynamic Fine-Tuning: each token's loss weighted by its probability) is not built in "
+            "shardtune sft: drop the flag to train TRL's default nll loss"
+        )
+    if names != ["nll"]:
+        raise ConfigError(
+            f"--loss_type {given} is not a loss of shardtune sft (TRL's SFT loss_type: nll, its default): "
+            "a DPO loss needs shardtune dpo; for sft drop the flag or pass nll"
+        )
+
+
 T = Spelling
 
 SPELLINGS: dict[str, Spelling] = {
@@ -447,6 +523,12 @@ SPELLINGS: dict[str, Spelling] = {
     ),
     # DPO (DPOConfig): its loss and reference settings, the same names
     **{f.name: T(f"dpo.{f.name}", f.metadata["help"]) for f in fields(DpoConfig)},
+    "loss_type": T(
+        "dpo.loss_type",
+        "shardtune dpo: " + DpoConfig.__dataclass_fields__["loss_type"].metadata["help"] + "; shardtune sft: nll "
+        "only (TRL's SFT default; dft is not built)",
+        _loss_type,
+    ),
     "disable_dropout": T(
         "peft.lora.dropout",
         "true: no dropout (the LoRA dropout, the one dropout a Llama trains "
@@ -478,10 +560,13 @@ SPELLINGS: dict[str, Spelling] = {
     "pad_to_multiple_of": refused(
         "padded micro-batches are padded to their longest row (--padding_free: no pad token at all): drop the flag"
     ),
-    "model_init_kwargs": refused(
-        "the model is loaded by shardtune's flags (--model_name, --quantization, "
-        "--attn_implementation, ...): drop the mapping"
+    "model_init_kwargs": T(
+        "train.precision / model.attn_implementation / model.trust_remote_code",
+        "a mapping: dtype (or torch_dtype), attn_implementation, trust_remote_code, revision; other keys refused",
+        _model_init_kwargs,
     ),
+    "lora_task_type": T("-", "CAUSAL_LM only (TRL's default: shardtune trains causal LMs)", _lora_task_type),
+    "datasets": T("-", "a mixture of datasets: not built yet (refused unless empty)", _datasets),
     # Accelerate's, on the command line (launcher flags) or in a recipe
     "num_processes": T(
         "nproc_per_node",
@@ -491,6 +576,8 @@ SPELLINGS: dict[str, Spelling] = {
     ),
     "sp_size": T("parallel.sequence_parallel_size", "Ulysses sequence parallelism (Accelerate's ParallelismConfig)"),
     "cp_size": T("parallel.context_parallel_size", "ring attention (Accelerate's ParallelismConfig)"),
+    # the rest of TrainingArguments / ModelConfig / ScriptArguments
+    **trl_trainer.SPELLINGS,
 }
 del T
 
@@ -502,6 +589,8 @@ PROFILES = ("multi_gpu", "single_gpu", "zero1", "zero2", "zero3", "fsdp1", "fsdp
 def finish(cfg: TrainConfig, state: dict[str, Any], spelled: dict[str, str]) -> None:
     """Rules over several TRL flags: what one means depends on another one given (or not)."""
     given = {key.removeprefix(STATE): value for key, value in state.items() if key.startswith(STATE)}
+    if "loss_type" in given:
+        _settle_loss_type(cfg, given["loss_type"])
     if "load_in_4bit" in given and "model.double_quant" not in spelled:
         cfg.model.double_quant = False  # TRL's default for --use_bnb_nested_quant
     eval_strategy = given.get("eval_strategy", "")
