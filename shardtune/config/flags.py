@@ -16,9 +16,9 @@ import yaml
 
 from shardtune.config import defaults
 from shardtune.config.argv import split_argv
-from shardtune.config.dialects import cookbook, trl
+from shardtune.config.dialects import cookbook, placeholder, trl, trl_trainer
 from shardtune.config.dialects.accelerate import LAUNCH_KEYS, launch_flags
-from shardtune.config.fields import field_default, flat_fields, flatten_dict, get_value, set_value, typed
+from shardtune.config.fields import field_default, flat_fields, flatten_dict, get_value, is_list, set_value, typed
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.config.spellings import normalise, resolve, spellings
 
@@ -41,9 +41,15 @@ class Builder:
         """Set one flag (``raw`` None: a bare flag, or a recipe key left empty, which means the default); returns
         {canonical key: the value it now has}."""
         name = normalise(name)
-        spelling = resolve(name)
+        spelling = resolve(name, self.cfg.objective)
+        if placeholder(name, raw):
+            return {}  # a dumped TRL config's "<HUB_TOKEN>": the value was not written
         if spelling.refuse:
+            if spelling.asks_nothing("true" if raw is None and bare_is_true else raw):
+                return {}  # the refused thing is not asked for (its tool's default, or empty): no change
             raise ConfigError(f"--{name}: {spelling.refuse}")
+        if raw in ([], {}) and not bare_is_true and spelling.plain and not is_list(flat_fields()[spelling.target].type):
+            raw = None  # a file's empty list (TRL's debug: []) for a single value: unset
         if raw is None and not bare_is_true:
             if not spelling.plain:
                 return {}  # a translated key left empty: its default
@@ -111,6 +117,7 @@ class Builder:
             self.apply_defaults(infer)
         cookbook.finish(cfg, self.state, self.spelled)
         trl.finish(cfg, self.state, self.spelled)
+        trl_trainer.finish(cfg, self.state, self.spelled)
         if cfg.data.trl_dataset.dataset_name and "data.dataset" not in self.spelled:
             cfg.data.dataset = "trl_dataset"  # TRL's --dataset_name alone names the data
         if cfg.checkpoint.dist_checkpoint_root_folder and "output.dir" not in self.spelled:
@@ -134,8 +141,9 @@ def build_config(
         builder.apply("objective", objective)
     from_accelerate = builder.apply_all(accelerate)
     if recipe:
-        pairs = recipe_settings(recipe)
+        pairs = recipe_settings(recipe, builder.cfg.objective)
         alone = Builder()  # the recipe's settings as it resolves them alone (its dialects' rules settled)
+        alone.apply("objective", builder.cfg.objective)
         alone.apply_all(pairs, bare_is_true=False, typed_by_user=True)
         said = alone.finish(infer=True)
         for key, theirs in from_accelerate.items():
@@ -223,13 +231,14 @@ def is_section(name: str) -> bool:
     return any(key.startswith(prefix) for key in (*flat_fields(), *spellings()))
 
 
-def recipe_settings(path: str) -> list[tuple[str, Any]]:
-    """The recipe's settings; every unknown key is named at once, in one line."""
+def recipe_settings(path: str, objective: str | None = None) -> list[tuple[str, Any]]:
+    """The recipe's settings; every unknown key is named at once, in one line (a suggestion among ``objective``'s
+    names)."""
     pairs = [(k, v) for k, v in mapping_settings(load_yaml(path)) if k.split(".")[0] not in RECIPE_LAUNCH_KEYS]
     unknown = []
     for name, _ in pairs:
         try:
-            resolve(name)
+            resolve(name, objective)
         except ConfigError as e:
             unknown.append(
                 str(e)

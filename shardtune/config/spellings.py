@@ -9,6 +9,7 @@ import functools
 
 from shardtune.config.dialects import Spelling, cookbook, trl
 from shardtune.config.fields import flat_fields, is_list, optional
+from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.schema import ConfigError
 
 DIALECTS = {"llama-cookbook": cookbook, "TRL": trl}
@@ -30,24 +31,40 @@ def normalise(name: str) -> str:
     return name if "." in name else name.replace("-", "_")
 
 
-def resolve(name: str) -> Spelling:
+def resolve(name: str, objective: str | None = None) -> Spelling:
     """What flag ``name`` sets: a canonical name is a plain Spelling of itself; an unknown one raises, with the
-    closest known name."""
+    closest known name (``objective``: the command's, whose suggestion is never another objective's flag)."""
     name = normalise(name)
     if name in flat_fields():
         return Spelling(name)
     found = spellings().get(name)
     if found is not None:
         return found
-    close = difflib.get_close_matches(name, usable_names(), n=1, cutoff=0.5)
-    hint = f"did you mean --{close[0]}?" if close else "see shardtune sft --help"
+    # the closest of all names, suggested only if usable: a misspelt refused name gets no far-fetched suggestion
+    close = difflib.get_close_matches(name, [*flat_fields(), *spellings()], n=1, cutoff=0.5)
+    hint = (
+        f"did you mean --{close[0]}?" if close and close[0] in usable_names(objective) else "see shardtune sft --help"
+    )
     raise ConfigError(f"unknown flag --{name}: {hint}")
 
 
 @functools.cache
-def usable_names() -> list[str]:
-    """Names a suggestion may point at: not refused ones (a did-you-mean never points at a refusal)."""
-    return [*flat_fields(), *(n for n, s in spellings().items() if not s.refuse)]
+def usable_names(objective: str | None = None) -> list[str]:
+    """Names a suggestion may point at: not refused ones (a did-you-mean never points at a refusal), and with
+    ``objective`` none that sets only another objective's settings (shardtune sft never suggests --beta)."""
+    foreign = tuple(
+        f"{registration.settings}."
+        for other, registration in OBJECTIVES.items()
+        if objective and other != objective and registration.settings
+    )
+
+    def ours(targets: list[str]) -> bool:
+        return not targets or not all(target.startswith(foreign) for target in targets)
+
+    return [
+        *(key for key in flat_fields() if ours([key])),
+        *(n for n, s in spellings().items() if not s.refuse and ours(s.target.replace("/", " ").split())),
+    ]
 
 
 def takes_a_list(name: str) -> bool:

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-import shardtune
 from shardtune.config.flags import flatten_dict, to_dict
 from shardtune.config.schema import TrainConfig
 from shardtune.config.spellings import default_spelling
@@ -34,7 +33,7 @@ from shardtune.data.chat import apply_tokenizer_options
 from shardtune.model.loading import load_tokenizer
 from shardtune.runtime.distributed import DistEnv, print0
 
-PACKAGE_DIR = Path(shardtune.__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the shardtune package
 LIBRARIES = ("torch", "transformers", "peft", "deepspeed")
 STORAGE_WAIT_S = 5.0  # how long a node looks for rank 0's token (network file systems cache directory entries)
 

@@ -237,12 +237,10 @@ def _use_reentrant(value: Any) -> Pairs:
 
 
 def _hub_strategy(value: Any) -> Pairs:
-    if text(value) == "end":
-        return []  # the one upload, after the final model is published
-    raise ConfigError(
-        f"--hub_strategy {value} is not built: use end (one upload of the final model after the run; "
-        "checkpoints are not pushed)"
-    )
+    strategy = text(value)
+    if strategy not in ("end", "every_save", "checkpoint", "all_checkpoints"):
+        raise ConfigError(f"--hub_strategy {value} is not valid: choose end, every_save, checkpoint or all_checkpoints")
+    return [(STATE + "hub_strategy", strategy)]  # settled in finish: it means something only with --push_to_hub
 
 
 def _shuffle_dataset(value: Any) -> Pairs:
@@ -546,11 +544,11 @@ SPELLINGS: dict[str, Spelling] = {
         "model a tokenizer with that pad token"
     ),
     "ld_alpha": refused("LD-DPO's length-desensitised log-probabilities are not built: drop the flag"),
-    "use_weighting": refused("WPO's weighting is not built: drop the flag"),
-    **dict.fromkeys(
-        ("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"),
-        refused("the reference stays the starting weights (TR-DPO's syncing is not built): drop the flag"),
-    ),
+    "use_weighting": refused("WPO's weighting is not built: drop the flag", False),
+    **{
+        name: refused("the reference stays the starting weights (TR-DPO's syncing is not built): drop the flag", off)
+        for name, off in (("sync_ref_model", False), ("ref_model_mixup_alpha", 0.6), ("ref_model_sync_steps", 512))
+    },
     "router_aux_loss_coef": refused(
         "a mixture-of-experts router loss: shardtune trains dense Llama-family models; drop the flag"
     ),
@@ -558,7 +556,8 @@ SPELLINGS: dict[str, Spelling] = {
         "the data is tokenised once before launch and kept in the tokenised-data cache (docs/data.md): drop the flag"
     ),
     "pad_to_multiple_of": refused(
-        "padded micro-batches are padded to their longest row (--padding_free: no pad token at all): drop the flag"
+        "padded micro-batches are padded to their longest row (--padding_free: no pad token at all): drop the flag",
+        "auto",
     ),
     "model_init_kwargs": T(
         "train.precision / model.attn_implementation / model.trust_remote_code",
@@ -591,6 +590,11 @@ def finish(cfg: TrainConfig, state: dict[str, Any], spelled: dict[str, str]) -> 
     given = {key.removeprefix(STATE): value for key, value in state.items() if key.startswith(STATE)}
     if "loss_type" in given:
         _settle_loss_type(cfg, given["loss_type"])
+    if given.get("hub_strategy", "end") != "end" and cfg.output.push_to_hub:
+        raise ConfigError(
+            f"--hub_strategy {given['hub_strategy']} is not built: use end (one upload of the final model after the "
+            "run; checkpoints are not pushed)"
+        )
     if "load_in_4bit" in given and "model.double_quant" not in spelled:
         cfg.model.double_quant = False  # TRL's default for --use_bnb_nested_quant
     eval_strategy = given.get("eval_strategy", "")

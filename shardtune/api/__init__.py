@@ -1,0 +1,10 @@
+"""shardtune's Python face, in TRL's shape: ``from shardtune import SFTTrainer, SFTConfig`` in a script written for
+TRL (``from trl import ...``) runs it on shardtune, under ``python``, ``torchrun`` (one node or several) or SLURM's
+``srun torchrun``, with the guarantees of the command line (same effective batch -> same steps, verified
+checkpoints). The configs take TRL's field names with TRL's defaults and go through the same canonical config and
+checks as ``shardtune sft`` / ``shardtune dpo``; docs/python-api.md says what is honoured and what is refused."""
+
+from shardtune.api.configs import DPOConfig, SFTConfig
+from shardtune.api.trainer import DPOTrainer, SFTTrainer
+
+__all__ = ["DPOConfig", "DPOTrainer", "SFTConfig", "SFTTrainer"]

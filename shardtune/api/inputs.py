@@ -1,0 +1,197 @@
+"""What a script hands a trainer as objects, as the command line's inputs: in-memory datasets as data files, a PEFT
+config as adapter settings, a tokenizer object as a tokenizer directory.
+
+Files are content-addressed under the shardtune cache (``<cache>/inputs/<hash>/``): every rank of a run writes
+the same bytes to a private temporary folder and renames it into place, so ranks need no coordination before the
+process group exists, and the tokenised-data cache (keyed by the files' contents) tokenises the data once per run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+from shardtune.config.schema import ConfigError
+from shardtune.model.loading import cache_dir
+
+Pairs = list[tuple[str, Any]]
+
+
+def _publish(write: Callable[[Path], None], kind: str) -> Path:
+    """``write`` into a private folder, then the folder renamed to the hash of what it holds (kept if there)."""
+    root = cache_dir() / "inputs"
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{kind}-{os.getpid()}-{os.urandom(4).hex()}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        digest = hashlib.sha256()
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            digest.update(str(path.relative_to(tmp)).encode())
+            digest.update(path.read_bytes())
+        final = root / f"{kind}-{digest.hexdigest()[:24]}"
+        if not final.exists():
+            try:
+                os.rename(tmp, final)
+            except OSError:  # another rank renamed the same contents first
+                if not final.exists():
+                    raise
+        return final
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _as_dataset(data: Any, name: str) -> Any:
+    """A ``datasets.Dataset`` of ``data``: a Dataset, a list of dicts, or a one-split DatasetDict."""
+    import datasets
+
+    if isinstance(data, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+        raise ConfigError(
+            f"{name}: an IterableDataset (streaming) is not built yet: pass a datasets.Dataset (e.g. "
+            "Dataset.from_generator, or load_dataset without streaming)"
+        )
+    if isinstance(data, (datasets.DatasetDict, dict)) and not isinstance(data, datasets.Dataset):
+        if len(data) != 1:
+            raise ConfigError(
+                f"{name}: a mapping of {len(data)} datasets ({', '.join(map(str, data))}): shardtune evaluates on one "
+                "dataset; pass one of them"
+            )
+        data = next(iter(data.values()))
+    if isinstance(data, list):
+        if not data or not all(isinstance(row, dict) for row in data):
+            raise ConfigError(f"{name}: a list must hold the rows as dicts (at least one)")
+        return datasets.Dataset.from_list(data)
+    if isinstance(data, datasets.Dataset):
+        return data
+    raise ConfigError(
+        f"{name}: a {type(data).__name__} is not a dataset: pass a datasets.Dataset, a DatasetDict split or a list "
+        "of dicts"
+    )
+
+
+def dataset_settings(train: Any, evaluation: Any) -> Pairs:
+    """The data flags of in-memory datasets: one folder of train.parquet (and test.parquet), TRL's formats
+    recognised as for ``--dataset_name`` (docs/data-formats.md)."""
+    if train is None:
+        raise ConfigError("train_dataset is None: pass the training data (a datasets.Dataset or a list of dicts)")
+    splits = {"train": _as_dataset(train, "train_dataset")}
+    if evaluation is not None:
+        splits["test"] = _as_dataset(evaluation, "eval_dataset")
+
+    def write(folder: Path) -> None:
+        from datasets.utils import logging as datasets_logging
+
+        shown = datasets_logging.is_progress_bar_enabled()
+        datasets_logging.disable_progress_bar()  # a bar per split for a file written in an instant
+        try:
+            for split, data in splits.items():
+                data.to_parquet(str(folder / f"{split}.parquet"))
+        finally:
+            if shown:
+                datasets_logging.enable_progress_bar()
+
+    folder = _publish(write, "dataset")
+    return [("dataset_name", str(folder)), ("dataset_train_split", "train"), ("dataset_test_split", "test")]
+
+
+def tokenizer_settings(tokenizer: Any) -> Pairs:
+    """``processing_class``: a path or hub id, or a tokenizer object (saved, with its chat template)."""
+    if tokenizer is None:
+        return []
+    if isinstance(tokenizer, (str, os.PathLike)):
+        return [("model.tokenizer", str(tokenizer))]
+    if not hasattr(tokenizer, "save_pretrained"):
+        raise ConfigError(
+            f"processing_class: a {type(tokenizer).__name__} is not a tokenizer: pass a transformers tokenizer or "
+            "its path"
+        )
+    return [("model.tokenizer", str(_publish(tokenizer.save_pretrained, "tokenizer")))]
+
+
+def _value(value: Any) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+# fields a PEFT config fills in by itself, or that say nothing about the adapter trained
+_BOOKKEEPING = {
+    "peft_type",
+    "auto_mapping",
+    "peft_version",
+    "base_model_name_or_path",
+    "revision",
+    "inference_mode",
+    "runtime_config",
+    "task_type",
+}
+_HONOURED = {
+    "LoraConfig": {"r", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save", "use_rslora", "use_dora"}
+    | {"bias"},
+    "PrefixTuningConfig": {"num_virtual_tokens"},
+    "AdaptionPromptConfig": {"adapter_len", "adapter_layers"},
+}
+
+
+def peft_settings(peft_config: Any) -> Pairs:
+    """``peft_config``: a peft LoraConfig (DoRA, rsLoRA), PrefixTuningConfig or AdaptionPromptConfig (llama-adapter)
+    as adapter settings; a field set to something else than its default that shardtune does not build is refused."""
+    if peft_config is None:
+        return []
+    kind = type(peft_config).__name__
+    if kind not in _HONOURED:
+        raise ConfigError(
+            f"peft_config: {kind} is not built: pass a LoraConfig (LoRA, DoRA, rsLoRA), PrefixTuningConfig or "
+            "AdaptionPromptConfig (llama-adapter)"
+        )
+    task = _value(getattr(peft_config, "task_type", None))
+    if task not in (None, "CAUSAL_LM"):
+        raise ConfigError(
+            f"peft_config.task_type {task}: shardtune trains causal LMs: pass CAUSAL_LM or leave it unset"
+        )
+    default = type(peft_config)()
+    for f in dataclasses.fields(peft_config):
+        if f.name in _BOOKKEEPING or f.name in _HONOURED[kind]:
+            continue
+        if _value(getattr(peft_config, f.name)) != _value(getattr(default, f.name)):
+            raise ConfigError(
+                f"peft_config.{f.name} {getattr(peft_config, f.name)!r} is not built in shardtune ({kind}: "
+                f"{', '.join(sorted(_HONOURED[kind]))}): leave it at its default"
+            )
+    c = peft_config
+    if kind == "LoraConfig":
+        modules = c.target_modules
+        if modules is None:
+            modules = ["q_proj", "v_proj"]  # peft's own default for Llama-family models
+        elif isinstance(modules, str):
+            if modules != "all-linear":
+                raise ConfigError(
+                    f"peft_config.target_modules {modules!r}: a regular expression is not built: pass a list of "
+                    "module names, or all-linear"
+                )
+            modules = [modules]
+        return [
+            ("peft.method", "lora"),
+            ("peft.lora.r", c.r),
+            ("peft.lora.alpha", c.lora_alpha),
+            ("peft.lora.dropout", c.lora_dropout),
+            ("peft.lora.target_modules", sorted(modules)),
+            ("peft.lora.modules_to_save", list(c.modules_to_save or [])),
+            ("peft.lora.use_rslora", bool(c.use_rslora)),
+            ("peft.lora.use_dora", bool(c.use_dora)),
+            ("peft.lora.bias", c.bias),
+        ]
+    if kind == "PrefixTuningConfig":
+        return [("peft.method", "prefix")] + (
+            [("peft.prefix.num_virtual_tokens", c.num_virtual_tokens)] if c.num_virtual_tokens else []
+        )
+    pairs: Pairs = [("peft.method", "llama_adapter")]
+    if c.adapter_len:
+        pairs.append(("peft.llama_adapter.adapter_len", c.adapter_len))
+    if c.adapter_layers:
+        pairs.append(("peft.llama_adapter.adapter_layers", c.adapter_layers))
+    return pairs

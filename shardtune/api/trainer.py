@@ -1,0 +1,285 @@
+"""``SFTTrainer`` / ``DPOTrainer`` in TRL's shape: the script's objects become the command line's inputs, the run is
+the command line's worker (``torchrun ... -m shardtune.sft``'s), and the results are read back as TRL's.
+
+Where it runs: under torchrun (one node or several, ``srun torchrun`` in SLURM; accelerate launch starts torchrun
+workers too) every process of the script is one worker of the run; under plain ``python`` (or in a notebook's
+kernel) the script's process is the run's one worker, as ``shardtune sft`` runs a one-process job in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+from shardtune.api.configs import DEFAULT_OUTPUT_DIR, TrlConfig, config_class, fields_of
+from shardtune.api.inputs import dataset_settings, peft_settings, tokenizer_settings
+from shardtune.config.schema import ConfigError, TrainConfig
+from shardtune.launch.torchrun import in_place_worker_env
+from shardtune.runtime.distributed import is_torchrun_worker
+from shardtune.training.checks import prepare
+from shardtune.training.worker import run_worker
+
+# our metrics.jsonl names -> TRL's log_history names (the others are the same)
+TRL_KEYS = {"lr": "learning_rate"}
+
+
+class TrainerState:
+    """What TRL's ``trainer.state`` holds that a script reads after training."""
+
+    def __init__(self) -> None:
+        self.log_history: list[dict[str, Any]] = []
+        self.global_step = 0
+        self.epoch = 0.0
+
+
+class TrainOutput(tuple):
+    """TRL's ``train()`` result: (global_step, training_loss, metrics)."""
+
+    def __new__(cls, global_step: int, training_loss: float, metrics: dict[str, Any]) -> "TrainOutput":
+        out = super().__new__(cls, (global_step, training_loss, metrics))
+        out.global_step, out.training_loss, out.metrics = global_step, training_loss, metrics
+        return out
+
+
+@contextlib.contextmanager
+def _worker_environment() -> Iterator[None]:
+    """Under torchrun: as it is. Else this process is rank 0 of 1, as ``shardtune sft`` runs one process in place."""
+    if is_torchrun_worker():
+        yield
+        return
+    added = in_place_worker_env()
+    saved = {k: os.environ.get(k) for k in added}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _refuse(name: str, value: Any, why: str) -> None:
+    if value is not None and value != (None, None):
+        raise ConfigError(f"{name}: {why}")
+
+
+class _Trainer:
+    objective = "sft"
+
+    def __init__(
+        self,
+        model: Any,
+        args: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        peft_config: Any = None,
+        **unsupported: Any,
+    ) -> None:
+        for name, value in unsupported.items():
+            _refuse(name, value, REFUSED[name])
+        if isinstance(model, (str, os.PathLike)):
+            model_pairs = [("model_name_or_path", str(model))]
+        else:
+            raise ConfigError(
+                f"model: a {type(model).__name__} object is not taken yet: pass its directory or hub id (save it "
+                "with model.save_pretrained(path) first)"
+            )
+        self.args = args if args is not None else config_class(self.objective)()
+        given = {"output_dir": DEFAULT_OUTPUT_DIR, **fields_of(self.args)}
+        self._pairs = [
+            ("defaults", "trl"),
+            *given.items(),
+            *model_pairs,
+            *tokenizer_settings(processing_class),
+            *peft_settings(peft_config),
+            *dataset_settings(train_dataset, eval_dataset),
+        ]
+        self.config = self._config()  # every refusal here, when the trainer is made
+        self.state = TrainerState()
+        self._model: Any = None
+        self._trained = False
+
+    def _config(self, more: list[tuple[str, Any]] = ()) -> TrainConfig:
+        from shardtune.config.flags import build_config
+
+        return build_config([*self._pairs, *more], None, (), [], self.objective)
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.config.output.dir)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **unsupported: Any) -> TrainOutput:
+        """Train; ``resume_from_checkpoint``: True, the newest checkpoint of output_dir; a path, that checkpoint."""
+        for name, value in unsupported.items():
+            _refuse(name, value, "not built (hyperparameter search, ignore_keys_for_eval): drop it")
+        more = []
+        if resume_from_checkpoint:
+            more.append(
+                ("checkpoint.resume", "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint))
+            )
+        cfg = self._config(more)
+        with _worker_environment():
+            prepare(cfg, int(os.environ["WORLD_SIZE"]))  # a refusal is this call's exception, on every rank alike
+            status = run_worker(cfg, prepared=True)
+        if status != 0:
+            raise RuntimeError(f"shardtune: the run stopped with status {status} (its error is above)")
+        self.config = cfg
+        self._trained = True
+        self._model = None
+        self.state.log_history = self._log_history()
+        steps = [row for row in self.state.log_history if "loss" in row]
+        self.state.global_step = steps[-1]["step"] if steps else 0
+        self.state.epoch = steps[-1].get("epoch", 0.0) if steps else 0.0
+        mean = sum(r["loss"] for r in steps) / len(steps) if steps else float("nan")
+        return TrainOutput(self.state.global_step, mean, {"train_loss": mean, "epoch": self.state.epoch})
+
+    def _log_history(self) -> list[dict[str, Any]]:
+        path = self.output_dir / "metrics.jsonl"
+        if not path.is_file():
+            return []
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [{TRL_KEYS.get(k, k): v for k, v in row.items()} for row in rows]
+
+    def evaluate(self) -> dict[str, Any]:
+        """The last evaluation of the trained run (its eval_* metrics)."""
+        evals = [row for row in self.state.log_history if "eval_loss" in row]
+        if not evals:
+            raise ConfigError(
+                "evaluate(): the run has no evaluation: give eval_dataset and eval_strategy steps or epoch, then "
+                "train()"
+            )
+        return dict(evals[-1])
+
+    @property
+    def model(self) -> Any:
+        """After train(): the trained model (a PeftModel with the adapter for adapter runs), loaded on the CPU
+        from the run's published output on every rank; before: None."""
+        if self._model is None and self._trained:
+            self._model = load_published(self.output_dir)
+        return self._model
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """Copy the trained model (or adapter) and tokenizer files to ``output_dir`` (rank 0 writes)."""
+        if not self._trained:
+            raise ConfigError("save_model(): nothing trained yet: call train() first")
+        target = Path(output_dir) if output_dir else self.output_dir
+        if target.resolve() == self.output_dir.resolve() or int(os.environ.get("RANK", "0")) != 0:
+            return
+        target.mkdir(parents=True, exist_ok=True)
+        for path in self.output_dir.iterdir():
+            if path.is_file() and path.name not in ("metrics.jsonl",):
+                shutil.copy2(path, target / path.name)
+
+
+def load_published(folder: Path) -> Any:
+    """The model a run published: a full model directory, or an adapter on its base."""
+    if (folder / "adapter_config.json").is_file():
+        from peft import AutoPeftModelForCausalLM
+
+        return AutoPeftModelForCausalLM.from_pretrained(str(folder))
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder))
+
+
+REFUSED = {
+    "data_collator": "not taken: shardtune builds the batches (padding, packing, padding-free) from the data flags: "
+    "drop it",
+    "compute_loss_func": "not taken: the loss is shardtune's (normalised by the global label tokens): drop it",
+    "compute_metrics": "not built yet (metrics exact across ranks come later): drop it; eval_loss is computed",
+    "callbacks": "not built yet: drop them (trainer.state.log_history holds the logged rows after train())",
+    "optimizers": "not taken: the optimizer and schedule come from the config (optim, lr_scheduler_type): drop it",
+    "optimizer_cls_and_kwargs": "not taken: the optimizer comes from the config (optim): drop it",
+    "preprocess_logits_for_metrics": "not built: drop it",
+    "quantization_config": "pass load_in_4bit / load_in_8bit in the config instead",
+    "formatting_func": "not built yet: format the rows before (dataset.map) into TRL's text or messages format",
+    "ref_model": "a reference model object is not taken yet: leave it None (the starting weights are the reference)",
+}
+
+
+class SFTTrainer(_Trainer):
+    """TRL's ``SFTTrainer`` on shardtune (same constructor names)."""
+
+    objective = "sft"
+
+    def __init__(
+        self,
+        model: Any,
+        args: Any = None,
+        data_collator: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        compute_loss_func: Any = None,
+        compute_metrics: Any = None,
+        callbacks: Any = None,
+        optimizers: Any = (None, None),
+        optimizer_cls_and_kwargs: Any = None,
+        preprocess_logits_for_metrics: Any = None,
+        quantization_config: Any = None,
+        peft_config: Any = None,
+        formatting_func: Any = None,
+    ) -> None:
+        super().__init__(
+            model,
+            args,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            peft_config,
+            data_collator=data_collator,
+            compute_loss_func=compute_loss_func,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            quantization_config=quantization_config,
+            formatting_func=formatting_func,
+        )
+
+
+class DPOTrainer(_Trainer):
+    """TRL's ``DPOTrainer`` on shardtune (same constructor names)."""
+
+    objective = "dpo"
+
+    def __init__(
+        self,
+        model: Any,
+        ref_model: Any = None,
+        args: Any = None,
+        data_collator: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        compute_metrics: Any = None,
+        callbacks: Any = None,
+        optimizers: Any = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
+    ) -> None:
+        super().__init__(
+            model,
+            args,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            peft_config,
+            ref_model=ref_model,
+            data_collator=data_collator,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+        )
+
+
+__all__ = ["DPOTrainer", "SFTTrainer", "TrainOutput", "TrainerState", "TrlConfig"]

@@ -1,0 +1,118 @@
+"""A TRL user's own ``train.py`` (TRL's docs' shape, ``from shardtune import ...`` instead of ``from trl import ...``)
+run as TRL's distributed-training guide runs it: ``python train.py``, ``torchrun --nproc_per_node 2 train.py`` and
+the manual two-node form (``torchrun --nnodes 2 --node_rank R --rdzv_backend c10d --rdzv_endpoint HOST:PORT``,
+both nodes on this host). Same effective batch -> the same per-step losses, LoRA dropout on."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import cli_env
+
+SCRIPT = """
+import json, sys
+from datasets import Dataset
+from peft import LoraConfig
+from shardtune import SFTConfig, SFTTrainer
+
+model, output_dir, batch, accumulation = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+rows = [
+    {"messages": [{"role": "user", "content": f"repeat {i} and {i * 7}"},
+                  {"role": "assistant", "content": f"{i} and {i * 7}, again {i}"}]}
+    for i in range(40)
+]
+dataset = Dataset.from_list(rows).train_test_split(test_size=8, seed=0)
+training_args = SFTConfig(
+    output_dir=output_dir,
+    per_device_train_batch_size=batch,
+    gradient_accumulation_steps=accumulation,
+    max_steps=5,
+    learning_rate=2e-3,
+    logging_steps=1,
+    eval_strategy="steps",
+    eval_steps=5,
+    save_plots=False,
+)
+trainer = SFTTrainer(
+    model=model,
+    args=training_args,
+    train_dataset=dataset["train"],
+    eval_dataset=dataset["test"],
+    peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=["q_proj", "v_proj"]),
+)
+result = trainer.train()
+trainer.save_model(output_dir + "-saved")
+if trainer.config.output.dir and int(__import__("os").environ.get("RANK", "0")) == 0:
+    print("RESULT " + json.dumps({
+        "history": trainer.state.log_history,
+        "global_step": result.global_step,
+        "model": type(trainer.model).__name__,
+        "eval": trainer.evaluate(),
+    }))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def result_of(output: str) -> dict:
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, output[-3000:]
+    return json.loads(lines[0].removeprefix("RESULT "))
+
+
+def run(argv: list[str], cache_dir: Path, cwd: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=cli_env(cache_dir), cwd=cwd)
+    assert proc.returncode == 0, f"{argv} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def test_a_trl_script_gives_the_same_steps_under_python_torchrun_and_two_nodes(tiny_model, cache_dir, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    one = result_of(run([sys.executable, str(script), str(tiny_model), "one", "4", "1"], cache_dir, tmp_path).stdout)
+    two = result_of(
+        run(
+            [*torchrun, "--nproc_per_node", "2", str(script), str(tiny_model), "two", "1", "2"], cache_dir, tmp_path
+        ).stdout
+    )
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            [*torchrun, "--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node", "1", "--rdzv_backend", "c10d"]
+            + ["--rdzv_endpoint", f"127.0.0.1:{port}", str(script), str(tiny_model), "nodes", "1", "2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=cli_env(cache_dir),
+            cwd=tmp_path,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), outputs[0][1][-4000:] + outputs[1][1][-4000:]
+    nodes_result = result_of(outputs[0][0])
+
+    def losses(result: dict) -> list[float]:
+        return [row["loss"] for row in result["history"] if "loss" in row]
+
+    assert len(losses(one)) == 5 and one["global_step"] == 5
+    for other in (two, nodes_result):
+        assert all(abs(a - b) <= 1e-5 for a, b in zip(losses(one), losses(other), strict=True)), (
+            losses(one),
+            losses(other),
+        )
+        assert abs(other["eval"]["eval_loss"] - one["eval"]["eval_loss"]) <= 1e-5
+    first = next(row for row in one["history"] if "loss" in row)
+    assert {"loss", "learning_rate", "epoch", "step"} <= set(first)  # TRL's names in log_history
+    assert one["model"] == "PeftModelForCausalLM"  # the trained adapter on its base, usable in the script
+    assert (tmp_path / "one-saved" / "adapter_config.json").is_file()
+    assert not (tmp_path / "two-saved" / "metrics.jsonl").exists()

@@ -1,0 +1,173 @@
+"""The Python face's inputs, without a launch (the runs: tests/e2e/test_python_api.py): TRL's config objects and
+ours mean the same canonical config; what cannot be honoured is refused in one line when the trainer or config is
+made; a script's objects (datasets, tokenizer, PEFT config) become the command line's inputs."""
+
+from __future__ import annotations
+
+import pytest
+from datasets import Dataset
+
+from shardtune import DPOConfig, SFTConfig, SFTTrainer
+from shardtune.api.inputs import dataset_settings
+from shardtune.config.flags import to_yaml
+from shardtune.config.schema import ConfigError
+
+ROWS = [{"prompt": f"say {i}", "completion": f" {i}"} for i in range(6)]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDTUNE_CACHE", str(tmp_path / "cache"))
+
+
+def canonical(trainer: SFTTrainer) -> str:
+    text = to_yaml(trainer.config)
+    return "\n".join(line for line in text.splitlines() if "dataset_name" not in line)
+
+
+def test_trls_own_sftconfig_object_means_what_ours_means(tiny_model, tmp_path):
+    import trl
+
+    fields = dict(
+        output_dir=str(tmp_path / "out"),
+        learning_rate=3e-4,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=3,
+        num_train_epochs=2,
+        lr_scheduler_type="cosine",
+        warmup_steps=0.1,
+        logging_steps=5,
+        save_steps=20,
+        max_length=256,
+        seed=7,
+    )
+    theirs = SFTTrainer(model=str(tiny_model), args=trl.SFTConfig(use_cpu=True, **fields), train_dataset=ROWS)
+    ours = SFTTrainer(model=str(tiny_model), args=SFTConfig(use_cpu=True, **fields), train_dataset=ROWS)
+    assert canonical(theirs) == canonical(ours)
+    cfg = ours.config
+    assert (cfg.optim.lr, cfg.train.batch_size, cfg.train.gradient_accumulation_steps, cfg.train.num_epochs) == (
+        3e-4,
+        2,
+        3,
+        2,
+    )
+    assert (cfg.optim.lr_scheduler, cfg.data.context_length, cfg.checkpoint.save_steps) == ("cosine", 256, 20)
+    # what the fields leave out is TRL's: max_grad_norm 1, padding, gradient checkpointing
+    assert cfg.optim.max_grad_norm == 1.0 and cfg.data.batching == "padding" and cfg.parallel.activation_checkpointing
+    default = SFTTrainer(model=str(tiny_model), train_dataset=ROWS).config
+    assert default.output.dir == "trainer_output" and default.optim.lr == 2e-5 and default.train.num_epochs == 3
+
+
+def test_a_config_refuses_at_once_in_one_line():
+    with pytest.raises(ConfigError, match="unknown flag --learnin_rate: did you mean --learning_rate"):
+        SFTConfig(learnin_rate=1e-4)
+    with pytest.raises(ConfigError, match="--loss_type dft") as error:
+        SFTConfig(loss_type="dft")
+    assert "\n" not in str(error.value)
+    args = SFTConfig(learning_rate=1e-4)
+    with pytest.raises(ConfigError, match="--lr_scheduler_type inverse_sqrt is not built"):
+        args.lr_scheduler_type = "inverse_sqrt"
+    assert args.given == {"learning_rate": 1e-4}  # a refused change leaves the config as it was
+    args.num_train_epochs = 2
+    assert args.num_train_epochs == 2 and args.output_dir == "trainer_output"
+    assert DPOConfig(beta=0.3).canonical().dpo.beta == 0.3
+    with pytest.raises(ConfigError, match="--beta is a flag of shardtune dpo"):
+        from shardtune.training.objective import check_objective
+
+        check_objective(SFTConfig(beta=0.3).canonical(), 1)
+
+
+def test_trainer_arguments_shardtune_cannot_honour_are_refused(tiny_model):
+    import torch
+
+    from shardtune.model.loading import load_model
+
+    cases = [
+        (dict(callbacks=[object()]), "callbacks: not built yet"),
+        (dict(compute_metrics=len), "compute_metrics"),
+        (dict(data_collator=len), "data_collator: not taken"),
+        (dict(formatting_func=str), "formatting_func"),
+    ]
+    for extra, named in cases:
+        with pytest.raises(ConfigError, match=named):
+            SFTTrainer(model=str(tiny_model), train_dataset=ROWS, **extra)
+    with pytest.raises(ConfigError, match="model: a LlamaForCausalLM object is not taken yet"):
+        SFTTrainer(model=load_model(str(tiny_model), dtype=torch.float32), train_dataset=ROWS)
+    with pytest.raises(ConfigError, match="train_dataset is None"):
+        SFTTrainer(model=str(tiny_model))
+
+
+def test_peft_configs_become_adapter_settings(tiny_model):
+    from peft import AdaptionPromptConfig, LoraConfig, PrefixTuningConfig
+
+    lora = SFTTrainer(
+        model=str(tiny_model),
+        train_dataset=ROWS,
+        peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules={"v_proj", "q_proj"}, use_dora=True),
+    ).config.peft
+    assert (lora.method, lora.lora.r, lora.lora.alpha, lora.lora.dropout, lora.lora.use_dora) == (
+        "lora",
+        4,
+        8,
+        0.1,
+        True,
+    )
+    assert lora.lora.target_modules == ["q_proj", "v_proj"]
+    prefix = SFTTrainer(
+        model=str(tiny_model), train_dataset=ROWS, peft_config=PrefixTuningConfig(num_virtual_tokens=7)
+    ).config.peft
+    assert (prefix.method, prefix.prefix.num_virtual_tokens) == ("prefix", 7)
+    adapter = SFTTrainer(
+        model=str(tiny_model), train_dataset=ROWS, peft_config=AdaptionPromptConfig(adapter_len=4, adapter_layers=1)
+    ).config.peft
+    assert (adapter.method, adapter.llama_adapter.adapter_len, adapter.llama_adapter.adapter_layers) == (
+        "llama_adapter",
+        4,
+        1,
+    )
+    for config, named in [
+        (LoraConfig(layers_to_transform=[0]), "peft_config.layers_to_transform"),
+        (LoraConfig(target_modules=".*proj"), "regular expression"),
+        (LoraConfig(task_type="SEQ_CLS"), "task_type SEQ_CLS"),
+    ]:
+        with pytest.raises(ConfigError, match=named):
+            SFTTrainer(model=str(tiny_model), train_dataset=ROWS, peft_config=config)
+
+
+def test_in_memory_data_is_one_content_addressed_folder_whatever_its_container():
+    from datasets import DatasetDict, IterableDataset
+
+    as_list = dict(dataset_settings(ROWS, None))["dataset_name"]
+    as_dataset = dict(dataset_settings(Dataset.from_list(ROWS), None))["dataset_name"]
+    as_dict = dict(dataset_settings(DatasetDict(train=Dataset.from_list(ROWS)), None))["dataset_name"]
+    assert as_list == as_dataset == as_dict  # the same rows: the same files, so one tokenisation for every rank
+    with_eval = dict(dataset_settings(ROWS, ROWS[:2]))["dataset_name"]
+    assert with_eval != as_list
+    with pytest.raises(ConfigError, match="IterableDataset .*not built yet"):
+        dataset_settings(IterableDataset.from_generator(lambda: iter(ROWS)), None)
+    with pytest.raises(ConfigError, match="eval_dataset: a mapping of 2 datasets"):
+        dataset_settings(ROWS, {"a": ROWS, "b": ROWS})
+
+
+def test_train_refuses_what_the_command_line_refuses_as_an_exception(tiny_model, tmp_path):
+    """A second run into an output_dir that holds one: the command line's one line, raised where the script calls
+    train() (nothing is launched)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("{}\n")
+    trainer = SFTTrainer(model=str(tiny_model), args=SFTConfig(output_dir=str(out)), train_dataset=ROWS)
+    with pytest.raises(ConfigError, match="already holds a run .*overwrite_output_dir"):
+        trainer.train()
+    assert (out / "metrics.jsonl").read_text() == "{}\n"
+
+
+def test_dpo_trainer_takes_preference_rows_with_dpos_defaults(tiny_model):
+    from shardtune import DPOTrainer
+
+    pairs = [{"prompt": f"pick {i}", "chosen": f" {i}", "rejected": f" {i + 1}"} for i in range(4)]
+    cfg = DPOTrainer(
+        model=str(tiny_model), args=DPOConfig(beta=0.2, loss_type=["sigmoid", "sft"]), train_dataset=pairs
+    ).config
+    assert (cfg.objective, cfg.optim.lr, cfg.dpo.beta, cfg.dpo.loss_type) == ("dpo", 1e-6, 0.2, ["sigmoid", "sft"])
+    with pytest.raises(ConfigError, match="ref_model: a reference model object"):
+        DPOTrainer(model=str(tiny_model), ref_model=object(), train_dataset=pairs)
