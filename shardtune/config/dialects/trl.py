@@ -15,20 +15,10 @@ from typing import Any, Callable
 from shardtune.config.dialects import Pairs, Spelling, refused, text, trl_trainer
 from shardtune.config.dialects.cookbook import STATE as COOKBOOK
 from shardtune.config.dialects.cookbook import report_to
-from shardtune.config.fields import FALSE, TRUE
+from shardtune.config.dialects.trl_values import _bool, _mapping
 from shardtune.config.schema import ConfigError, DpoConfig, TrainConfig, TrlDatasetConfig
 
 STATE = "trl:"
-
-
-def _bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if text(value).lower() in TRUE:
-        return True
-    if text(value).lower() in FALSE:
-        return False
-    raise ConfigError(f"--{name} {value!r} is not a boolean: use true or false")
 
 
 def _number(name: str, value: Any) -> float:
@@ -265,20 +255,6 @@ def _completion_only_loss(value: Any) -> Pairs:
     if given not in ("auto", "none", "true", "false"):
         raise ConfigError(f"--completion_only_loss {value!r} is not valid: true, false or auto (unset)")
     return [("data.trl_dataset.completion_only_loss", "auto" if given == "none" else given)]
-
-
-def _mapping(name: str, value: Any, example: str) -> dict[str, Any]:
-    """A mapping-valued flag: a YAML mapping, or JSON text on the command line (empty / None: no keys)."""
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            value = None
-    if not isinstance(value, dict):
-        raise ConfigError(f"--{name} {value!r} is not a mapping: pass e.g. '{example}'")
-    return value
 
 
 def _model_init_kwargs(value: Any) -> Pairs:
