@@ -23,6 +23,8 @@ SUBCOMMANDS = {
     "plot": "PNG charts (loss, lr, tokens/s, MFU, memory) of one or more runs, overlaid; reads metrics.jsonl or "
     "llama-cookbook's metrics_data_*.json",
     "doctor": "check versions, devices, topology, bandwidth and the NCCL / gloo environment on every node",
+    "run": "run a Python training script (from shardtune import SFTTrainer, TRL's shape) on the processes torchrun's "
+    "flags or the cluster describe",
 }
 
 
@@ -37,6 +39,7 @@ MODULES = {
     "eval": "eval",
     "plot": "plot",
     "doctor": "doctor",
+    "run": "run",
 }
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from shardtune.api.configs import DEFAULT_OUTPUT_DIR, TrlConfig, config_class, fields_of
-from shardtune.api.inputs import dataset_settings, peft_settings, tokenizer_settings
+from shardtune.api.inputs import dataset_settings, model_settings, peft_settings, tokenizer_settings
+from shardtune.config.dialects.accelerate import clear_accelerate_loading_variables, environment_settings
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.launch.torchrun import in_place_worker_env
 from shardtune.runtime.distributed import is_torchrun_worker
@@ -84,23 +85,21 @@ class _Trainer:
     ) -> None:
         for name, value in unsupported.items():
             _refuse(name, value, REFUSED[name])
-        if isinstance(model, (str, os.PathLike)):
-            model_pairs = [("model_name_or_path", str(model))]
-        else:
-            raise ConfigError(
-                f"model: a {type(model).__name__} object is not taken yet: pass its directory or hub id (save it "
-                "with model.save_pretrained(path) first)"
-            )
+        model_pairs = model_settings(model)
         self.args = args if args is not None else config_class(self.objective)()
         given = {"output_dir": DEFAULT_OUTPUT_DIR, **fields_of(self.args)}
         self._pairs = [
             ("defaults", "trl"),
+            *environment_settings(
+                dict(os.environ)
+            ),  # under accelerate launch: its file's strategy, as the CLI reads it
             *given.items(),
             *model_pairs,
             *tokenizer_settings(processing_class),
             *peft_settings(peft_config),
             *dataset_settings(train_dataset, eval_dataset),
         ]
+        clear_accelerate_loading_variables()  # read above; shardtune loads the weights itself
         self.config = self._config()  # every refusal here, when the trainer is made
         self.state = TrainerState()
         self._model: Any = None

@@ -95,7 +95,8 @@ def nodes_joined(error: BaseException) -> int | None:
 
 
 def launch(topology: Topology, module: str, module_args: list[str], what: str = "training") -> int:
-    """Run ``torchrun <topology's flags> -m <module> <module_args>`` in this process; return an exit status."""
+    """Run ``torchrun <topology's flags> -m <module> <module_args>`` in this process (``module`` a path ending in
+    .py: that script, as ``torchrun train.py``); return an exit status."""
     from torch.distributed.run import get_args_parser
 
     from shardtune.runtime.preemption import TORCHRUN_SIGNALS, stop_signals_forwarded, workers_stopped
@@ -106,7 +107,8 @@ def launch(topology: Topology, module: str, module_args: list[str], what: str = 
         torchrun_args.append(
             f"--signals_to_handle={TORCHRUN_SIGNALS}"
         )  # SIGTERM / SIGUSR1: shardtune/runtime/preemption.py
-    args = get_args_parser().parse_args([*torchrun_args, "-m", module, *module_args])
+    target = [module] if module.endswith(".py") else ["-m", module]
+    args = get_args_parser().parse_args([*torchrun_args, *target, *module_args])
     if topology.num_nodes == 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # one node: gloo's connections between the workers stay on loopback
     if "OMP_NUM_THREADS" not in os.environ:

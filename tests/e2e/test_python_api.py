@@ -1,7 +1,8 @@
 """A TRL user's own ``train.py`` (TRL's docs' shape, ``from shardtune import ...`` instead of ``from trl import ...``)
 run as TRL's distributed-training guide runs it: ``python train.py``, ``torchrun --nproc_per_node 2 train.py`` and
 the manual two-node form (``torchrun --nnodes 2 --node_rank R --rdzv_backend c10d --rdzv_endpoint HOST:PORT``,
-both nodes on this host). Same effective batch -> the same per-step losses, LoRA dropout on."""
+both nodes on this host), and under ``shardtune run --nproc_per_node 2 train.py``. Same effective batch -> the same
+per-step losses, LoRA dropout on."""
 
 from __future__ import annotations
 
@@ -84,6 +85,14 @@ def test_a_trl_script_gives_the_same_steps_under_python_torchrun_and_two_nodes(t
             [*torchrun, "--nproc_per_node", "2", str(script), str(tiny_model), "two", "1", "2"], cache_dir, tmp_path
         ).stdout
     )
+    launcher = run(  # shardtune's launcher: 2 processes x batch 2
+        [sys.executable, "-m", "shardtune", "run", "--nproc_per_node", "2", str(script), str(tiny_model), "three"]
+        + ["2", "1"],
+        cache_dir,
+        tmp_path,
+    )
+    assert "topology: 1 node" in launcher.stdout
+    three = result_of(launcher.stdout)
     port = free_port()
     nodes = [
         subprocess.Popen(
@@ -105,7 +114,7 @@ def test_a_trl_script_gives_the_same_steps_under_python_torchrun_and_two_nodes(t
         return [row["loss"] for row in result["history"] if "loss" in row]
 
     assert len(losses(one)) == 5 and one["global_step"] == 5
-    for other in (two, nodes_result):
+    for other in (two, three, nodes_result):
         assert all(abs(a - b) <= 1e-5 for a, b in zip(losses(one), losses(other), strict=True)), (
             losses(one),
             losses(other),

@@ -91,8 +91,16 @@ def test_trainer_arguments_shardtune_cannot_honour_are_refused(tiny_model):
     for extra, named in cases:
         with pytest.raises(ConfigError, match=named):
             SFTTrainer(model=str(tiny_model), train_dataset=ROWS, **extra)
-    with pytest.raises(ConfigError, match="model: a LlamaForCausalLM object is not taken yet"):
-        SFTTrainer(model=load_model(str(tiny_model), dtype=torch.float32), train_dataset=ROWS)
+    model = load_model(str(tiny_model), dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.5)  # a model changed in the script: its weights as they are now are trained
+    saved = SFTTrainer(model=model, train_dataset=ROWS).config.model.name
+    again = SFTTrainer(model=model, train_dataset=ROWS).config.model.name
+    assert saved == again  # content-addressed: every rank's copy is one folder
+    reloaded = load_model(saved, dtype=torch.float32)
+    assert torch.equal(reloaded.lm_head.weight, model.lm_head.weight)
+    with pytest.raises(ConfigError, match="model: a int is not a transformers model"):
+        SFTTrainer(model=3, train_dataset=ROWS)
     with pytest.raises(ConfigError, match="train_dataset is None"):
         SFTTrainer(model=str(tiny_model))
 
@@ -171,3 +179,47 @@ def test_dpo_trainer_takes_preference_rows_with_dpos_defaults(tiny_model):
     assert (cfg.objective, cfg.optim.lr, cfg.dpo.beta, cfg.dpo.loss_type) == ("dpo", 1e-6, 0.2, ["sigmoid", "sft"])
     with pytest.raises(ConfigError, match="ref_model: a reference model object"):
         DPOTrainer(model=str(tiny_model), ref_model=object(), train_dataset=pairs)
+
+
+def test_shardtune_run_splits_launcher_flags_script_and_its_arguments(tmp_path):
+    from shardtune.commands.run import split
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    assert split(["--nproc_per_node", "2", "--standalone", str(script), "--lr", "3", "x"]) == (
+        {"nproc_per_node": "2", "standalone": None},
+        str(script),
+        ["--lr", "3", "x"],
+    )
+    assert split(["--num_processes=4", str(script)])[0] == {"nproc_per_node": "4"}  # Accelerate's name
+    for argv, named in [
+        (["--learning_rate", "1", str(script)], "--learning_rate is not a launcher flag"),
+        (["--nproc_per_node", "2"], "no script given"),
+        ([str(tmp_path / "nope.py")], "no such Python script"),
+    ]:
+        with pytest.raises(ConfigError, match=named):
+            split(argv)
+
+
+def test_under_accelerate_launch_the_strategy_is_what_its_file_set(tiny_model, monkeypatch):
+    """accelerate launch --config_file fsdp2.yaml train.py exports the file's keys to the script's processes."""
+    from shardtune.config.dialects.accelerate import environment_settings
+
+    fsdp = {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": "2",
+        "FSDP_RESHARD_AFTER_FORWARD": "false",
+        "FSDP_OFFLOAD_PARAMS": "false",
+        "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+        "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
+        "ACCELERATE_MIXED_PRECISION": "no",
+    }
+    for key, value in fsdp.items():
+        monkeypatch.setenv(key, value)
+    parallel = SFTTrainer(model=str(tiny_model), train_dataset=ROWS).config.parallel
+    assert (parallel.strategy, parallel.sharding_strategy, parallel.cpu_offload) == ("fsdp", "SHARD_GRAD_OP", False)
+    zero3 = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}
+    assert dict(environment_settings(zero3)) == {"parallel.strategy": "deepspeed", "parallel.zero_stage": 3}
+    assert environment_settings({"ACCELERATE_MIXED_PRECISION": "no"}) == []  # nothing said: the script decides
+    with pytest.raises(ConfigError, match="fsdp_auto_wrap_policy 'SIZE_BASED_WRAP'"):
+        environment_settings({"ACCELERATE_USE_FSDP": "true", "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"})

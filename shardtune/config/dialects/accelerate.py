@@ -311,3 +311,50 @@ def clear_accelerate_loading_variables() -> None:
             "model, or only rank 0 with --low_cpu_fsdp",
             file=sys.stderr,
         )
+
+
+# What ``accelerate launch --config_file FILE script.py`` tells the script's processes: its file's keys as
+# environment variables (accelerate/utils/launch.py) -> the file's keys, read as a file is.
+ENVIRONMENT_KEYS = {
+    "ACCELERATE_MIXED_PRECISION": "mixed_precision",
+    "FSDP_SHARDING_STRATEGY": "fsdp_config.fsdp_sharding_strategy",
+    "FSDP_RESHARD_AFTER_FORWARD": "fsdp_config.fsdp_reshard_after_forward",
+    "FSDP_OFFLOAD_PARAMS": "fsdp_config.fsdp_offload_params",
+    "FSDP_STATE_DICT_TYPE": "fsdp_config.fsdp_state_dict_type",
+    "FSDP_ACTIVATION_CHECKPOINTING": "fsdp_config.fsdp_activation_checkpointing",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "fsdp_config.fsdp_cpu_ram_efficient_loading",
+    "FSDP_AUTO_WRAP_POLICY": "fsdp_config.fsdp_auto_wrap_policy",
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE": "deepspeed_config.zero_stage",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "deepspeed_config.offload_optimizer_device",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "deepspeed_config.offload_param_device",
+    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "deepspeed_config.gradient_accumulation_steps",
+    "ACCELERATE_GRADIENT_CLIPPING": "deepspeed_config.gradient_clipping",
+    "ACCELERATE_DEEPSPEED_CONFIG_FILE": "deepspeed_config.deepspeed_config_file",
+}
+ENVIRONMENT_SWITCHES = (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED"))
+
+
+def environment_settings(env: dict[str, str]) -> Pairs:
+    """The canonical settings ``accelerate launch`` passed this process in its environment (none outside it): the
+    strategy, its options and the precision, as its config file would give them."""
+    keys: dict[str, Any] = {}
+    for variable, distributed in ENVIRONMENT_SWITCHES:
+        if env.get(variable, "").lower() == "true":
+            keys["distributed_type"] = distributed
+    for variable, key in ENVIRONMENT_KEYS.items():
+        value = env.get(variable)
+        if value is None or value == "" or (key.startswith("fsdp_config") and keys.get("distributed_type") != "FSDP"):
+            continue
+        if key == "mixed_precision" and value == "no":
+            continue  # accelerate's default when its file says nothing: the script's config decides (TRL's: bf16)
+        if key.startswith("deepspeed_config") and keys.get("distributed_type") != "DEEPSPEED":
+            continue
+        if value.lower() in ("true", "false"):
+            keys[key] = value.lower() == "true"
+        elif key.endswith(("zero_stage", "gradient_accumulation_steps")) and value.isdigit():
+            keys[key] = int(value)
+        else:
+            keys[key] = value
+    if not keys:
+        return []
+    return train_settings("(accelerate launch's environment)", keys)
