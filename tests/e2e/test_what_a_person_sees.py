@@ -135,7 +135,7 @@ def test_a_run_reports_to_tensorboard_and_wandb_writes_eval_samples_counts_flops
             assert history[step][name] == pytest.approx(value, rel=1e-12), (name, step)
     (run_record,) = [r.run for r in wandb_records(run_file) if r.WhichOneof("record_type") == "run"]
     config = {item.key: json.loads(item.value_json) for item in run_record.config.update}
-    assert config["train"]["max_steps"] == 3 and config["logging"]["wandb"]["tags"] == ["a", "b"]
+    assert config["train"]["stop_after_steps"] == 3 and config["logging"]["wandb"]["tags"] == ["a", "b"]
     assert list(run_record.tags) == ["a", "b"]
 
     # eval samples: 2 greedy answers with their references at the evaluation's step, their ROUGE in the eval row
