@@ -223,3 +223,20 @@ def test_under_accelerate_launch_the_strategy_is_what_its_file_set(tiny_model, m
     assert environment_settings({"ACCELERATE_MIXED_PRECISION": "no"}) == []  # nothing said: the script decides
     with pytest.raises(ConfigError, match="fsdp_auto_wrap_policy 'SIZE_BASED_WRAP'"):
         environment_settings({"ACCELERATE_USE_FSDP": "true", "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"})
+
+
+def test_every_constructor_argument_of_trls_trainers_is_ours_too():
+    """Each argument of TRL 1.16's SFTTrainer / DPOTrainer is a parameter here, in the same order: honoured, or
+    refused in one line naming it when given (the refusals: shardtune.api.trainer.REFUSED)."""
+    import inspect
+
+    import trl
+
+    from shardtune import DPOTrainer
+    from shardtune.api.trainer import REFUSED
+
+    for theirs, ours in ((trl.SFTTrainer, SFTTrainer), (trl.DPOTrainer, DPOTrainer)):
+        names = list(inspect.signature(theirs.__init__).parameters)
+        assert names == list(inspect.signature(ours.__init__).parameters)
+        honoured = {"self", "model", "args", "train_dataset", "eval_dataset", "processing_class", "peft_config"}
+        assert set(names) - honoured <= set(REFUSED), set(names) - honoured - set(REFUSED)
