@@ -102,7 +102,7 @@ def shardtune_epoch(model: str, out: Path, tool: str, variant: dict, args) -> di
     return {
         "epoch_s": sum(r["step_time_s"] for r in steps),
         "steps": len(steps),
-        "label_tokens": sum(r["num_tokens"] for r in steps),
+        "label_tokens": sum(r["label_tokens"] for r in steps),
         "eval_loss": evals[-1]["eval_loss"],
         "process_s": process_s,
         "mfu_median": median([r["mfu"] for r in steps[1:]] or [0.0]),

@@ -53,13 +53,19 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
 
 
 def assert_same_training(ref: Path, other: Path, label: str, num_steps: int = 4) -> float:
-    """Same token counts and losses at every one of the steps, same weights: returns the weight difference."""
+    """Same token counts (TRL's running num_tokens of real input tokens, the step's label_tokens), losses, gradient
+    norms and, for SFT, TRL's token accuracy and entropy at every one of the steps, same weights: returns the weight
+    difference."""
     ref_rows, rows = step_rows(ref), step_rows(other)
     assert len(rows) == len(ref_rows) == num_steps, label
     for r, o in zip(ref_rows, rows):
-        assert o["num_tokens"] == r["num_tokens"], (label, r["step"])
+        assert (o["num_tokens"], o["label_tokens"]) == (r["num_tokens"], r["label_tokens"]), (label, r["step"])
         assert o["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=0), (label, r["step"])
         assert o["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4), (label, r["step"])
+        for key in ("mean_token_accuracy", "entropy"):
+            assert (key in o) == (key in r), (label, key)
+            if key in r:
+                assert o[key] == pytest.approx(r[key], rel=1e-5, abs=0), (label, key, r["step"])
     difference = max_relative_difference(weights(ref), weights(other))
     assert difference <= 1e-5, label
     return difference

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardtune.model.loss import SEQUENCE_LAYOUT
+from shardtune.model.loss import SEQUENCE_LAYOUT, SPLIT_INPUT_TOKENS
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,10 @@ def training_flops_per_token(shape: ModelShape, seq_len: int) -> int:
 
 
 def num_input_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Tokens the model computes on: every token of a padding-free row, the non-pad tokens of a padded batch."""
+    """Real tokens the model computes on: every token of a padding-free row, the non-pad tokens of a padded batch, a
+    split row's slice less the split's padding (each real token of the row counted on one rank of its group)."""
+    if SPLIT_INPUT_TOKENS in batch:
+        return int(batch[SPLIT_INPUT_TOKENS])
     mask = batch.get("attention_mask")
     if mask is not None and mask.dim() == 2:
         return int(mask.sum())

@@ -76,7 +76,7 @@ def evaluate_model(cfg: TrainConfig, adapter: str, max_examples: int, max_new_to
             "num_examples": len(examples),
             "eval_loss": loss,
             "eval_ppl": ppl,
-            "eval_num_tokens": num_tokens,
+            "eval_label_tokens": num_tokens,
         }
     rows = generate_for_examples(model, tokenizer, examples, max_new_tokens)
     scores = rouge_scores([r["reference"] for r in rows], [r["prediction"] for r in rows])
@@ -91,7 +91,7 @@ def evaluate_model(cfg: TrainConfig, adapter: str, max_examples: int, max_new_to
         "num_examples": len(rows),
         "eval_loss": loss,
         "eval_ppl": ppl,
-        "eval_num_tokens": num_tokens,
+        "eval_label_tokens": num_tokens,
         **means,
         "rouge": {"use_stemmer": True, "measure": "fmeasure"},
         "generation": {"decoding": "greedy", "max_new_tokens": max_new_tokens},

@@ -137,8 +137,10 @@ def build_config(
     defaults of what none of them gives: whose the names imply, shardtune.config.defaults); ``objective``: the
     verb's."""
     builder = Builder()
-    if objective:
-        builder.apply("objective", objective)
+    training = list(training)
+    given = [value for name, value in training if normalise(name) == "objective"]
+    if objective or given:  # first: what the recipe's names mean may depend on it (--loss_type)
+        builder.apply("objective", objective or given[-1])
     from_accelerate = builder.apply_all(accelerate)
     if recipe:
         pairs = recipe_settings(recipe, builder.cfg.objective)

@@ -32,6 +32,14 @@ CHUNK_ELEMENTS = {"cpu": 1 << 25, "cuda": 1 << 28}
 SHIFT_LABELS = "shift_labels"
 # The model keyword that carries a split micro-batch's layout to the attention function.
 SEQUENCE_LAYOUT = "sequence_layout"
+# A split micro-batch's real input tokens (its slice of the row, less the padding the split adds), a 0-dim tensor.
+SPLIT_INPUT_TOKENS = "split_input_tokens"
+# The sums behind TRL's SFT metrics, over the labelled positions, in this order: predictions whose argmax is the label
+# (mean_token_accuracy = num_correct / label tokens), the entropy of the predicted distribution (entropy = entropy_sum /
+# label tokens).
+PREDICTION_SUMS = ("num_correct", "entropy_sum")
+# Rows x vocabulary of the fp32 temporaries :func:`prediction_sums` works in (16 MiB).
+PREDICTION_BLOCK_ELEMENTS = 1 << 22
 
 
 def num_label_tokens(labels: torch.Tensor) -> int:
@@ -70,13 +78,33 @@ def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: tor
 
     ``model`` is what the loop calls: a DDP-, FSDP2- or PEFT-wrapped (or bare) Hugging Face causal LM.
     """
+    return _token_loss(model, batch, device, with_predictions=False)[0]
+
+
+def token_loss_and_prediction_sums(
+    model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`token_loss_sum`, the micro-batch's :data:`PREDICTION_SUMS` in fp64 without a graph), from the logits
+    the loss computes (the lean path's chunks, or the full logits): one forward."""
+    return _token_loss(model, batch, device, with_predictions=True)
+
+
+def _token_loss(
+    model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, with_predictions: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     targets = next_token_targets(batch).to(device, non_blocking=True)
     head = lean_head(model)
     if head is None:
-        return full_logits_loss_sum(model, batch, device)
-    with head_computes(head, lambda hidden: linear_cross_entropy_sum(hidden, head.weight, targets)) as result:
+        return _full_logits_loss(model, batch, device, with_predictions)
+    sums: dict[str, torch.Tensor | None] = {}
+
+    def compute(hidden: torch.Tensor) -> torch.Tensor:
+        loss, sums["predictions"] = linear_cross_entropy_sums(hidden, head.weight, targets, None, with_predictions)
+        return loss
+
+    with head_computes(head, compute) as result:
         model(**model_inputs(batch, device), use_cache=False)
-    return result["output"]
+    return result["output"], sums["predictions"]
 
 
 def sequence_log_prob_sums(
@@ -123,15 +151,37 @@ def sequence_log_prob_sums(
 
 def full_logits_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
     """The plain path: full-sequence logits, then cross-entropy. The reference the lean path is tested against."""
+    return _full_logits_loss(model, batch, device, with_predictions=False)[0]
+
+
+def _full_logits_loss(
+    model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, with_predictions: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     out = model(**model_inputs(batch, device), use_cache=False)
-    logits = out.logits
-    targets = next_token_targets(batch).to(device, non_blocking=True)
-    return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(),
-        targets.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
+    logits = out.logits.reshape(-1, out.logits.size(-1))
+    targets = next_token_targets(batch).to(device, non_blocking=True).reshape(-1)
+    loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    keep = targets != IGNORE_INDEX
+    return loss, prediction_sums(logits[keep], targets[keep]) if with_predictions else None
+
+
+@torch.no_grad()
+def prediction_sums(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """:data:`PREDICTION_SUMS` of rows of logits (n, V) and their targets (n,), in fp64: the rows whose argmax (the
+    first of equal maxima) is the target, and the sum of the entropies, logsumexp - sum(softmax x logits) per row
+    (TRL's formula); ``lse``: the rows' logsumexp when known. Worked in row blocks of PREDICTION_BLOCK_ELEMENTS, so the
+    temporaries stay small beside the logits."""
+    logits = logits.float()
+    if lse is None:
+        lse = torch.logsumexp(logits, dim=-1)
+    correct = (logits.argmax(dim=-1) == targets).sum()
+    entropy = torch.zeros((), dtype=torch.float64, device=logits.device)
+    block = max(1, PREDICTION_BLOCK_ELEMENTS // max(1, logits.size(-1)))
+    for start in range(0, logits.size(0), block):
+        z, z_lse = logits[start : start + block], lse[start : start + block]
+        probs = (z - z_lse[:, None]).exp_()
+        entropy += (z_lse - (probs * z).sum(dim=-1)).sum().double()
+    return torch.stack([correct.double(), entropy])
 
 
 def hf_model(model: nn.Module) -> nn.Module:
@@ -197,11 +247,24 @@ def linear_cross_entropy_sum(
 
     hidden (B, T, H), targets (B, T) with IGNORE_INDEX where no loss is taken; weight (V, H).
     """
+    return linear_cross_entropy_sums(hidden, weight, targets, chunk_rows)[0]
+
+
+def linear_cross_entropy_sums(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_rows: int | None = None,
+    with_predictions: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(:func:`linear_cross_entropy_sum`, with ``with_predictions`` the labelled positions' :data:`PREDICTION_SUMS`
+    taken from the same chunks of logits, else None)."""
     keep = targets != IGNORE_INDEX
     rows = hidden[keep]
     if chunk_rows is None:
         chunk_rows = default_chunk_rows(hidden.device.type, weight.size(0))
-    return ChunkedLinearCrossEntropy.apply(rows, weight, targets[keep], chunk_rows)
+    loss, sums = ChunkedLinearCrossEntropy.apply(rows, weight, targets[keep], chunk_rows, with_predictions)
+    return loss, sums if with_predictions else None
 
 
 def default_chunk_rows(device_type: str, vocab_size: int) -> int:
@@ -216,15 +279,19 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     - logit[target], and, when gradients are needed, dlogits = softmax - onehot gives d rows = dlogits @ W
     and dW += dlogits^T @ rows. The chunk's logits are then freed. Backward only scales the stored
     gradients by the incoming gradient of the (scalar) loss. Same matmul count as the plain path, and
-    eval (no gradients needed) skips the gradient work.
+    eval (no gradients needed) skips the gradient work. Its second output, without a gradient, holds the chunks'
+    :func:`prediction_sums` when ``with_predictions`` (zeros otherwise).
     """
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    def forward(
+        ctx, rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int, with_predictions: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         need_rows_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         compute_dtype = rows.dtype
         w = weight.to(compute_dtype)
         loss = torch.zeros((), dtype=torch.float32, device=rows.device)
+        predictions = torch.zeros(len(PREDICTION_SUMS), dtype=torch.float64, device=rows.device)
         grad_rows = torch.empty_like(rows) if need_rows_grad else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
         for start in range(0, rows.size(0), chunk_rows):
@@ -233,6 +300,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits = (chunk @ w.t()).float()
             lse = torch.logsumexp(logits, dim=-1)
             loss += (lse - logits.gather(1, target[:, None]).squeeze(1)).sum()
+            if with_predictions:
+                predictions += prediction_sums(logits, target, lse)
             if need_rows_grad or need_weight_grad:
                 dlogits = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
                 dlogits[torch.arange(chunk.size(0), device=chunk.device), target] -= 1.0
@@ -245,15 +314,16 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             del logits
         # kept on ctx, not saved: backward scales them in place (one graph, one backward, no second copy)
         ctx.grad_rows, ctx.grad_weight, ctx.weight_dtype = grad_rows, grad_weight, weight.dtype
-        return loss
+        ctx.mark_non_differentiable(predictions)
+        return loss, predictions
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
+    def backward(ctx, grad_loss: torch.Tensor, grad_predictions: torch.Tensor | None = None):
         grad_rows, grad_weight = ctx.grad_rows, ctx.grad_weight
         ctx.grad_rows = ctx.grad_weight = None
         d_rows = grad_rows.mul_(grad_loss.to(grad_rows.dtype)) if grad_rows is not None else None
         d_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype) if grad_weight is not None else None
-        return d_rows, d_weight, None, None
+        return d_rows, d_weight, None, None, None
 
 
 class RowwiseLinearCrossEntropy(torch.autograd.Function):

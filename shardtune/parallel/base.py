@@ -2,7 +2,8 @@
 
 The loop never asks which strategy it runs: it wraps the model, runs each micro-batch under
 ``accumulating`` (no gradient sync) except the last, calls ``backward`` and ``clip_and_step`` (by default
-``_clip_grad_norm`` then ``optimizer_step``), and asks for the full state dict when the model is saved.
+``_grad_norm``, which measures the global gradient norm every step and clips when asked, then ``optimizer_step``), and
+asks for the full state dict when the model is saved.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from shardtune.config.schema import TrainConfig
 from shardtune.model.structure import unwrapped_name
@@ -90,13 +92,17 @@ class Strategy(ABC):
         else:
             loss.backward()
 
-    def _clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """Clip to max_norm and return the global gradient norm (before clipping), on the device; a step of
-        clip_and_step."""
+    def _grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor:
+        """The global gradient norm (before clipping), on the device, clipping to max_norm unless it is None; a step
+        of clip_and_step. Sharded gradients (FSDP2's DTensors, HSDP's too) give their norm over the whole mesh, as
+        clip_grad_norm_ takes it."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         params = [p for p in model.parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The torch optimizer of the wrapped model (the LR schedulers act on its param_groups)."""
@@ -111,10 +117,10 @@ class Strategy(ABC):
         max_norm: float | None,
         allow_step: Callable[[torch.Tensor | float | None], bool],
     ) -> tuple[torch.Tensor | float | None, bool]:
-        """Clip to max_norm (None: no clipping), ask allow_step(global norm before clipping, a device tensor) whether
-        to update (it raises to stop; False skips the update and drops the gradients), then step.
-        Returns (grad norm or None, whether the weights were updated)."""
-        grad_norm = self._clip_grad_norm(model, optimizer, max_norm) if max_norm is not None else None
+        """Measure the global gradient norm, clip to max_norm (None: no clipping), ask allow_step(the norm before
+        clipping, a device tensor) whether to update (it raises to stop; False skips the update and drops the
+        gradients), then step. Returns (grad norm, whether the weights were updated)."""
+        grad_norm = self._grad_norm(model, optimizer, max_norm)
         if not allow_step(grad_norm):
             optimizer.zero_grad(set_to_none=True)
             return grad_norm, False

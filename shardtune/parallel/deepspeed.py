@@ -152,13 +152,11 @@ class DeepSpeedStrategy(Strategy):
         allow_step: Callable[[float | None], bool],
     ) -> tuple[float | None, bool]:
         """DeepSpeed reduces, measures, clips and updates in one step(): the loss is checked before it, the grad norm
-        (the engine's, over all partitions, before clipping) after it."""
+        (the engine's, over all partitions, before clipping; ZeRO measures it with clipping off too) after it."""
         if not allow_step(None):  # a non-finite loss: stop raised before the update (nan_policy skip is refused)
             raise AssertionError("DeepSpeed steps cannot be skipped (refused by the config check)")
         self.engine.step()
-        if max_norm is None:
-            return None, True
-        norm = self.engine.get_global_grad_norm()
+        norm = self.engine.get_global_grad_norm()  # None only with a config file's compute_grad_norm false
         norm = float(norm) if norm is not None else None
         # fp16: DeepSpeed's loss scaler skips overflowing steps itself (as the GradScaler does for DDP / FSDP)
         if norm is not None and not math.isfinite(norm) and self.compute_dtype != torch.float16:

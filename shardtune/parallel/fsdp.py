@@ -26,7 +26,6 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor
 
 from shardtune.accounting.memory import human_bytes, local_state_bytes
 from shardtune.config.schema import TrainConfig
@@ -235,14 +234,6 @@ class FSDPStrategy(Strategy):
 
     def autocast(self) -> ContextManager:
         return contextlib.nullcontext()  # MixedPrecisionPolicy casts parameters and inputs itself
-
-    def _clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """Global norm over all shards (clip_grad_norm_ reduces DTensor norms across the mesh), on the device."""
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
-        params = [p for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """Gathered tensor by tensor onto rank 0's CPU; the other ranks never hold more than their shards."""

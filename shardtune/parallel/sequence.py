@@ -41,7 +41,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.batching import EXAMPLE_IDS, EXAMPLE_LENGTHS
 from shardtune.model.attention import varlen_attention_forward, varlen_mask
-from shardtune.model.loss import IGNORE_INDEX, SEQUENCE_LAYOUT, SHIFT_LABELS, shift_labels
+from shardtune.model.loss import IGNORE_INDEX, SEQUENCE_LAYOUT, SHIFT_LABELS, SPLIT_INPUT_TOKENS, shift_labels
 from shardtune.parallel.dims import ParallelDims
 
 SEQUENCE_ATTENTION = "shardtune_sequence_split"
@@ -138,6 +138,7 @@ def split_row(batch: dict[str, torch.Tensor], row_slice: RowSlice, pad_id: int) 
         SHIFT_LABELS: mine(targets),
         SEQUENCE_INDEX: mine(sequence),
         SEQUENCE_LAYOUT: SequenceLayout(cu_seq_lens, max_length, chunk_ids, chunk_len),
+        SPLIT_INPUT_TOKENS: mine((torch.arange(padded) < length)[None]).sum(),  # the split's padding not counted
     }
     split.update({key: batch[key] for key in PER_SEQUENCE_KEYS if key in batch})
     for key, fill in ((EXAMPLE_IDS, -1), (EXAMPLE_LENGTHS, 0)):  # LoRA dropout's keys (shardtune.model.lora_dropout)

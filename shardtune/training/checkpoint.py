@@ -336,7 +336,12 @@ class Checkpointer:
         own_rng = rng_file(path, self.env.rank)
         if own_rng.is_file():
             set_rng_state(torch.load(own_rng, weights_only=True), self.env.device)
-        result.steps, result.num_tokens = state["step"], state["num_tokens"]
+        result.steps = state["step"]
+        if "label_tokens" in state:
+            result.num_tokens, result.label_tokens = state["num_tokens"], state["label_tokens"]
+        else:  # an older checkpoint: its num_tokens counted label tokens, and the input tokens were not kept
+            result.num_tokens, result.label_tokens = 0, state["num_tokens"]
+            warn0(f"{path} predates the num_tokens count (TRL's: input tokens seen): it restarts from 0")
         result.train_time_s = state["train_time_s"]
         if self.best is not None:
             self.best.restore(state.get("best_model"))
@@ -471,7 +476,8 @@ class Checkpointer:
             "checkpoint_type": self.cfg.checkpoint.checkpoint_type or "SHARDED_STATE_DICT",
             "optimizer_saved": self.cfg.checkpoint.save_optimizer,
             "scheduler": scheduler.state_dict(),
-            "num_tokens": result.num_tokens,
+            "num_tokens": result.num_tokens,  # TRL's: real input tokens so far
+            "label_tokens": result.label_tokens,
             "train_time_s": result.train_time_s,
             "metrics_rows": (
                 sum(1 for _ in metrics.open(encoding="utf-8"))

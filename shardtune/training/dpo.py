@@ -117,7 +117,7 @@ def micro_batch_loss(
 
 class DPO(Objective):
     name = "dpo"
-    count_names = (*COUNTS, "chosen_tokens")  # normaliser: the step's pairs; num_tokens: completion tokens
+    count_names = (*COUNTS, "chosen_tokens")  # normaliser: the step's pairs; label_tokens: completion tokens
     stat_names = STATS
     step_metric_names = ("num_pairs", *METRICS)
     eval_metric_names = ("eval_loss", *(f"eval_{m}" for m in METRICS))

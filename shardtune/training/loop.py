@@ -34,8 +34,12 @@ from shardtune.training.step import NonFiniteLossError, train_step
 
 @dataclass
 class TrainResult:
+    """The run so far (a resumed run continues the checkpoint's): ``num_tokens`` is TRL's, the real input tokens of all
+    ranks seen so far; ``label_tokens`` the tokens that carried a loss."""
+
     steps: int = 0
     num_tokens: int = 0
+    label_tokens: int = 0
     train_time_s: float = 0.0
     losses: list[float] = field(default_factory=list)
     eval_loss: float | None = None
@@ -43,7 +47,8 @@ class TrainResult:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.num_tokens / self.train_time_s if self.train_time_s > 0 else 0.0
+        """Label tokens per second, as the rows' ``tokens_per_s``."""
+        return self.label_tokens / self.train_time_s if self.train_time_s > 0 else 0.0
 
 
 def train(
@@ -174,9 +179,10 @@ class Run:
         if self.scheduler_unit == "step":
             self.scheduler.step()
         self.result.steps = step
-        self.result.num_tokens += int(stats.counts["num_tokens"])
+        self.result.num_tokens += int(stats.counts["input_tokens"])
+        self.result.label_tokens += int(stats.counts["label_tokens"])
         self.result.losses.append(stats.loss)
-        row = self.reporter.step(step, self.epoch_float(epoch, done_in_epoch), lr, stats)
+        row = self.reporter.step(step, self.epoch_float(epoch, done_in_epoch), lr, stats, self.result.num_tokens)
         self.result.train_time_s += row["step_time_s"]
 
     def epoch_float(self, epoch: int, done_in_epoch: int) -> float:

@@ -30,8 +30,9 @@ from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.runtime.distributed import DistEnv
 
 # The counts every objective gives for a step (per rank, summed over ranks by the engine), in this order; an objective
-# may add its own after them (``Objective.count_names``).
-COUNTS = ("normaliser", "num_tokens", "input_tokens", "flops", "palm_flops")
+# may add its own after them (``Objective.count_names``). label_tokens: the tokens that carry a loss (the rows'
+# ``label_tokens``); input_tokens: the real (non-pad) tokens of the inputs, whose running total is TRL's ``num_tokens``.
+COUNTS = ("normaliser", "label_tokens", "input_tokens", "flops", "palm_flops")
 
 
 class Objective(ABC):

@@ -1,5 +1,10 @@
 """The step reporter: each optimizer step's metrics row (the objective's metrics, tokens/s, MFU, memory, timing) into
-metrics.jsonl and the trackers, and the progress bar."""
+metrics.jsonl and the trackers, and the progress bar.
+
+A key TRL logs has TRL's meaning (``loss``, ``num_tokens``: real input tokens of all ranks seen so far, a running
+total that a resumed run continues; ``grad_norm``: the global norm before clipping, every step); shardtune's own keys
+say theirs (``label_tokens``: the step's tokens that carry a loss, on all ranks; ``tokens_per_s``: label tokens per
+second). docs/observability.md lists them."""
 
 from __future__ import annotations
 
@@ -38,8 +43,9 @@ class StepReporter:
     def start_epoch(self) -> None:
         self.tick = time.perf_counter()
 
-    def step(self, step: int, epoch: float, lr: float, stats: StepResult) -> dict:
-        """Rank 0 writes the row of optimizer step ``step`` (every rank builds it: the peak meter is collective)."""
+    def step(self, step: int, epoch: float, lr: float, stats: StepResult, num_tokens: int) -> dict:
+        """Rank 0 writes the row of optimizer step ``step`` (every rank builds it: the peak meter is collective);
+        ``num_tokens``: the run's real input tokens up to and with this step."""
         now = time.perf_counter()
         step_time_s, self.tick = now - self.tick, now
         flops, palm_flops = stats.counts["flops"], stats.counts["palm_flops"]
@@ -49,9 +55,10 @@ class StepReporter:
             "step": step,
             "epoch": epoch,
             "loss": stats.loss,
-            "num_tokens": int(stats.counts["num_tokens"]),
+            "num_tokens": num_tokens,
+            "label_tokens": int(stats.counts["label_tokens"]),
             "lr": lr,
-            "tokens_per_s": stats.counts["num_tokens"] / step_time_s,
+            "tokens_per_s": stats.counts["label_tokens"] / step_time_s,
             "input_tokens_per_s": stats.counts["input_tokens"] / step_time_s,
             "step_time_s": step_time_s,
             "peak_memory_bytes": peak_memory_bytes(self.env.device),

@@ -1,6 +1,9 @@
 """Supervised fine-tuning: next-token cross-entropy over the labelled tokens, normalised by the step's global number
-of labelled tokens (the engine's N). Evaluation: the token-weighted loss and perplexity of the validation split,
-and with --log_eval_samples N greedy answers to its first N prompts, scored by ROUGE."""
+of labelled tokens (the engine's N), with TRL's SFTTrainer metrics of the same tokens: mean_token_accuracy (the
+share whose argmax prediction is the label) and entropy (the mean entropy of the predicted distribution), taken from
+the logits the loss computes and summed with the loss, so that they are exact over ranks and accumulation.
+Evaluation: the token-weighted loss and perplexity of the validation split and the same two metrics, and with
+--log_eval_samples N greedy answers to its first N prompts, scored by ROUGE."""
 
 from __future__ import annotations
 
@@ -12,11 +15,14 @@ from shardtune.accounting.flops import ModelShape, micro_batch_flops, num_input_
 from shardtune.data.cache import load_examples_cached
 from shardtune.model.generation import ROUGE_TYPES, EvalSampler, mean_rouge
 from shardtune.model.loading import cache_dir
-from shardtune.model.loss import batch_label_tokens, token_loss_sum
+from shardtune.model.loss import PREDICTION_SUMS, batch_label_tokens, token_loss_and_prediction_sums
 from shardtune.parallel.sequence import RowSlice
 from shardtune.runtime.distributed import all_reduce_sum, print0
 from shardtune.training.metrics import perplexity
 from shardtune.training.objective import Objective
+
+# TRL's SFTTrainer metrics, each the step's PREDICTION_SUMS (same order) over its label tokens
+PREDICTION_METRICS = ("mean_token_accuracy", "entropy")
 
 
 def data_splits(cfg) -> tuple[str, ...]:
@@ -25,8 +31,14 @@ def data_splits(cfg) -> tuple[str, ...]:
 
 class SFT(Objective):
     name = "sft"
-    stat_names = ("loss_sum",)
-    eval_metric_names = ("eval_loss", "eval_ppl", *(f"eval_{k}" for k in ROUGE_TYPES))
+    stat_names = ("loss_sum", *PREDICTION_SUMS)
+    step_metric_names = PREDICTION_METRICS
+    eval_metric_names = (
+        "eval_loss",
+        "eval_ppl",
+        *(f"eval_{k}" for k in PREDICTION_METRICS),
+        *(f"eval_{k}" for k in ROUGE_TYPES),
+    )
 
     @classmethod
     def prepare_data(cls, cfg, tokenizer, dp_size: int) -> None:
@@ -53,6 +65,8 @@ class SFT(Objective):
         self.sampler = EvalSampler(eval_items[: cfg.eval.log_samples], self.tokenizer) if cfg.eval.log_samples else None
 
     def counts(self, micro_batches: list[dict], shape: ModelShape | None) -> list[float]:
+        """Labelled tokens (normaliser and label_tokens), real input tokens, FLOPs; a split row's slices hold
+        disjoint tokens (shardtune.parallel.sequence), so summing over ranks counts each once."""
         tokens = sum(batch_label_tokens(mb) for mb in micro_batches)
         flops = sum(micro_batch_flops(shape, mb) for mb in micro_batches) if shape is not None else 0
         palm = sum(palm_micro_batch_flops(shape, mb) for mb in micro_batches) if shape is not None else 0
@@ -61,11 +75,12 @@ class SFT(Objective):
     def loss(
         self, model: nn.Module, batch: dict[str, torch.Tensor], totals: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        loss_sum = token_loss_sum(model, batch, self.env.device)
-        return loss_sum, loss_sum.detach().reshape(1)
+        loss_sum, predictions = token_loss_and_prediction_sums(model, batch, self.env.device)
+        return loss_sum, torch.cat([loss_sum.detach().double().reshape(1), predictions])
 
     def step_metrics(self, totals: dict[str, float], stats: list[float]) -> dict[str, float]:
-        return {"loss": stats[0] / max(totals["normaliser"], 1)}
+        tokens = max(totals["normaliser"], 1)
+        return {"loss": stats[0] / tokens, **dict(zip(PREDICTION_METRICS, (s / tokens for s in stats[1:])))}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> tuple[dict[str, float], list[dict]]:
@@ -73,22 +88,25 @@ class SFT(Objective):
         of --log_eval_samples (every rank generates them, FSDP gathering weights in each forward)."""
         strategy, device = self.strategy, self.env.device
         model.eval()
-        sums = torch.zeros(2, dtype=torch.float64, device=device)
+        sums = torch.zeros(2 + len(PREDICTION_SUMS), dtype=torch.float64, device=device)
         for batch in self.eval_batches:
             with strategy.autocast():
-                sums[0] += token_loss_sum(model, batch, device).double()
+                loss_sum, predictions = token_loss_and_prediction_sums(model, batch, device)
+            sums[0] += loss_sum.double()
             sums[1] += batch_label_tokens(batch)
-        loss_sum, num_tokens = all_reduce_sum(sums, device).tolist()
+            sums[2:] += predictions
+        loss_sum, label_tokens, *predictions = all_reduce_sum(sums, device).tolist()
         samples = []
         if self.sampler is not None:
             with strategy.autocast(), strategy.generating(model):
                 samples = self.sampler(strategy.unwrap(model))
         model.train()
-        loss = loss_sum / num_tokens if num_tokens else float("nan")
+        loss = loss_sum / label_tokens if label_tokens else float("nan")
         return {
             "eval_loss": loss,
             "eval_ppl": perplexity(loss),
-            "eval_num_tokens": int(num_tokens),
+            **{f"eval_{k}": s / max(label_tokens, 1) for k, s in zip(PREDICTION_METRICS, predictions)},
+            "eval_label_tokens": int(label_tokens),
             **mean_rouge(samples),
         }, samples
 

@@ -39,7 +39,8 @@ class NonFiniteLossError(RuntimeError):
 @dataclass
 class StepResult:
     """A step's global figures: the objective's metrics (``loss`` first), its counts, the gradient norm before
-    clipping (None without clipping), and whether the weights were updated."""
+    clipping (measured every step, clipping or not; None only where the strategy cannot tell), and whether the
+    weights were updated."""
 
     metrics: dict[str, float]
     counts: dict[str, float]

@@ -255,7 +255,7 @@ def cross_node_traffic(
 
 def report(result: TrainResult, cfg: TrainConfig) -> str:
     lines = [
-        f"done: {result.steps} steps, {result.num_tokens:,} label tokens in {result.train_time_s:.1f} s "
+        f"done: {result.steps} steps, {result.label_tokens:,} label tokens in {result.train_time_s:.1f} s "
         f"({result.tokens_per_s:,.0f} tokens/s)"
     ]
     if result.losses:

@@ -120,7 +120,7 @@ def assert_same_rows(ref: Path, other: Path, rel: float = 0.0, kept_evals: tuple
     ref_rows, rows = step_rows(ref), step_rows(other)
     assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == list(range(1, 17))
     for r, o in zip(ref_rows, rows):
-        assert o["num_tokens"] == r["num_tokens"] and o["lr"] == r["lr"], r["step"]
+        assert (o["num_tokens"], o["label_tokens"], o["lr"]) == (r["num_tokens"], r["label_tokens"], r["lr"]), r["step"]
         assert o["loss"] == pytest.approx(r["loss"], rel=rel, abs=0), r["step"]
         assert o["grad_norm"] == pytest.approx(r["grad_norm"], rel=max(rel, 1e-12), abs=0), r["step"]
     assert sorted(kept_evals + tuple(r["step"] for r in eval_rows(ref))) == [r["step"] for r in eval_rows(other)]

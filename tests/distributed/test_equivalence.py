@@ -69,13 +69,13 @@ def test_a_different_effective_batch_trains_differently(tiny_model, run_cli, tmp
     """Control: the comparison above can fail (same data, effective batch 4 instead of 8)."""
     a = sft(run_cli, tiny_model, tmp_path / "a", 1, 8, 1, "packing")
     b = sft(run_cli, tiny_model, tmp_path / "b", 1, 4, 1, "packing")
-    assert step_rows(a)[0]["num_tokens"] != step_rows(b)[0]["num_tokens"]
+    assert step_rows(a)[0]["label_tokens"] != step_rows(b)[0]["label_tokens"]
     assert max_relative_difference(weights(a), weights(b)) > 1e-3
 
 
 def test_two_runs_with_the_same_seed_log_identical_metrics(tiny_model, run_cli, tmp_path):
     a = sft(run_cli, tiny_model, tmp_path / "a", 2, 2, 2, "padding")
     b = sft(run_cli, tiny_model, tmp_path / "b", 2, 2, 2, "padding")
-    keys = ("step", "epoch", "loss", "num_tokens", "lr", "grad_norm")
+    keys = ("step", "epoch", "loss", "num_tokens", "label_tokens", "lr", "grad_norm", "mean_token_accuracy", "entropy")
     assert [{k: r[k] for k in keys} for r in step_rows(a)] == [{k: r[k] for k in keys} for r in step_rows(b)]
     assert max_relative_difference(weights(a), weights(b)) == 0.0

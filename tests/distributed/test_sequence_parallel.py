@@ -116,8 +116,9 @@ def trained(name: str, runs: dict, run_cli, model) -> Path:
 
 def assert_same_evaluation(reference: Path, other: Path, label: str) -> None:
     (r,), (o,) = eval_rows(reference), eval_rows(other)
-    assert o["eval_num_tokens"] == r["eval_num_tokens"] > 0, label
-    assert o["eval_loss"] == pytest.approx(r["eval_loss"], rel=1e-5, abs=0), label
+    assert o["eval_label_tokens"] == r["eval_label_tokens"] > 0, label
+    for key in ("eval_loss", "eval_mean_token_accuracy", "eval_entropy"):
+        assert o[key] == pytest.approx(r[key], rel=1e-5, abs=0), (label, key)
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if not v.endswith("reference")])
@@ -194,7 +195,7 @@ def assert_continues_the_reference(reference: Path, out: Path) -> None:
     rows, reference_rows = step_rows(out), step_rows(reference)
     assert [r["step"] for r in rows] == [3, 4]
     for r, o in zip(reference_rows[2:], rows):
-        assert o["num_tokens"] == r["num_tokens"]
+        assert (o["num_tokens"], o["label_tokens"]) == (r["num_tokens"], r["label_tokens"])  # running total resumed
         assert o["loss"] == pytest.approx(r["loss"], rel=1e-5), r["step"]
     assert max_relative_difference(weights(reference), weights(out)) <= 1e-5
     assert_same_evaluation(reference, out, "resumed")

@@ -35,7 +35,7 @@ def test_help_lists_every_flag_with_its_default(run_cli):
     out = run_cli("sft", "--help").stdout
     for key in flat_fields():
         assert f"--{key} " in out, key
-    assert "OPTIMIZER steps" in out  # max_train_step says what it counts
+    assert "counted in optimizer steps" in out  # max_train_step says what it counts
 
 
 def test_sft_writes_model_config_and_metrics(tiny_model, run_cli, tmp_path):
@@ -71,7 +71,8 @@ def test_sft_writes_model_config_and_metrics(tiny_model, run_cli, tmp_path):
     rows = step_rows(out)
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and rows[-1]["epoch"] == 1.0
     for row in rows:
-        assert {"step", "epoch", "loss", "num_tokens", "lr", "tokens_per_s", "grad_norm"} <= row.keys()
+        assert {"step", "epoch", "loss", "num_tokens", "label_tokens", "lr", "tokens_per_s", "grad_norm"} <= row.keys()
+        assert {"mean_token_accuracy", "entropy"} <= row.keys()
     (ev,) = eval_rows(out)
     assert ev["eval_ppl"] == pytest.approx(math.exp(ev["eval_loss"]), rel=1e-9)
     model = AutoModelForCausalLM.from_pretrained(out)

@@ -656,13 +656,14 @@ def test_trl_loss_flags_parse_as_trl_writes_them(tmp_path):
     recipe's YAML list are the same setting; --loss_weights likewise."""
     from shardtune.config.flags import parse_args
 
-    spaced = parse_args(["--loss_type", "sigmoid", "sft", "--loss_weights", "1", "0.5", "--beta", "0.2"])
-    commas = parse_args(["--loss_type", "sigmoid,sft", "--loss_weights", "1,0.5", "--beta", "0.2"])
+    dpo = ["--objective", "dpo"]  # under sft, --loss_type is SFT's (nll)
+    spaced = parse_args([*dpo, "--loss_type", "sigmoid", "sft", "--loss_weights", "1", "0.5", "--beta", "0.2"])
+    commas = parse_args([*dpo, "--loss_type", "sigmoid,sft", "--loss_weights", "1,0.5", "--beta", "0.2"])
     recipe = tmp_path / "dpo.yaml"
     recipe.write_text("loss_type: [sigmoid, sft]\nloss_weights: [1, 0.5]\nbeta: 0.2\n")
-    from_file = parse_args(["--config", str(recipe)])
+    from_file = parse_args([*dpo, "--config", str(recipe)])
     assert spaced.dpo == commas.dpo == from_file.dpo
     assert spaced.dpo.loss_type == ["sigmoid", "sft"] and spaced.dpo.loss_weights == [1.0, 0.5]
-    assert parse_args(["--loss_type", "ipo"]).dpo.loss_type == ["ipo"]
+    assert parse_args([*dpo, "--loss_type", "ipo"]).dpo.loss_type == ["ipo"]
     with pytest.raises(ConfigError, match="unexpected argument"):  # only list settings take several values
         parse_args(["--beta", "0.2", "0.3"])

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig
 
+from shardtune.accounting.flops import num_input_tokens
 from shardtune.config.flags import config_from
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.batching import collate_flat, eval_batches
@@ -61,6 +62,10 @@ def test_slices_cover_the_padded_row_once_with_labels_shifted_before_the_split(c
     last_of_document = {14, 23, 26, 32}
     assert targets == {t: (IGNORE_INDEX if t in last_of_document else t + 1) for t in range(10, 33)}
     assert all((piece[SHIFT_LABELS][0][piece["input_ids"][0] == 0] == IGNORE_INDEX).all() for piece in slices)
+    # summed over the group, the slices' counts are the row's: its 23 real tokens (TRL's num_tokens counts no padding,
+    # the split's neither) and its labelled ones, each counted once
+    assert sum(num_input_tokens(piece) for piece in slices) == 23
+    assert sum(batch_label_tokens(piece) for piece in slices) == 23 - 4
     layout = slices[0][SEQUENCE_LAYOUT]
     assert layout.cu_seq_lens.tolist() == [0, 5, 14, 17, 23] + ([padded] if padded > 23 else [])
     assert layout.chunk_len * 2 * cp == padded

@@ -1,6 +1,7 @@
 """The engine's units in-process, on one real gloo rank (no torchrun): one optimizer step of each objective, the
-step / skip / stop decision of --nan_policy under DDP, FSDP and DeepSpeed ZeRO-2 alike for SFT and DPO, the
-evaluator, and the checkpointer's save and restore."""
+step / skip / stop decision of --nan_policy under DDP, FSDP and DeepSpeed ZeRO-2 alike for SFT and DPO, the gradient
+norm of every step with clipping or not, TRL's SFT metrics against TRL's own computation, the evaluator, and the
+checkpointer's save and restore."""
 
 from __future__ import annotations
 
@@ -93,9 +94,9 @@ class InfiniteGradient(torch.autograd.Function):
         return grad * float("inf")
 
 
-def one_step(cfg: TrainConfig, tiny: Path, fault: str):
+def one_step(cfg: TrainConfig, tiny: Path, fault: str | None):
     """One optimizer step of ``cfg`` on a model with a fault: ``nan`` (a NaN weight: the loss is NaN) or ``inf`` (the
-    final norm's output passes an infinite gradient back: a finite loss, a non-finite gradient norm). Returns
+    final norm's output passes an infinite gradient back: a finite loss, a non-finite gradient norm), or None. Returns
     (the step's result or the NonFiniteLossError, the trainable weights before, after)."""
     tokenizer = load_tokenizer(str(tiny))
     strategy = make_strategy(cfg, ENV)
@@ -104,7 +105,7 @@ def one_step(cfg: TrainConfig, tiny: Path, fault: str):
     if fault == "nan":
         with torch.no_grad():
             model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
-    else:
+    elif fault == "inf":
         model.model.norm.register_forward_hook(lambda module, args, out: InfiniteGradient.apply(out))
     model = strategy.wrap(model)
     objective.attach(model, [], [])
@@ -188,7 +189,111 @@ def test_a_finite_step_updates_and_reports_the_objectives_metrics(objective, pro
         assert set(result.metrics) >= {"rewards/chosen", "rewards/margins", "logps/chosen", "logps/rejected"}
     else:
         assert result.loss == pytest.approx(math.log(load_model(str(tiny)).config.vocab_size), rel=0.05)
-        assert result.counts["num_tokens"] == sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+        assert result.counts["label_tokens"] == sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+        assert result.counts["input_tokens"] == 15 + 16 + 17 + 18  # the rows' tokens, not their padding
+        assert set(result.metrics) == {"loss", "mean_token_accuracy", "entropy"}
+
+
+def test_the_gradient_norm_is_measured_every_step_with_clipping_or_not_alike_under_every_strategy(
+    process_group, tiny, pairs_file, monkeypatch
+):
+    """TRL (Trainer) logs grad_norm at every step: the global norm before clipping is measured also without
+    clipping, the same under DDP, FSDP2 and DeepSpeed ZeRO-2 (its engine's own norm); it was None without clipping."""
+    pytest.importorskip("deepspeed")
+    for name, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):  # what torchrun sets
+        monkeypatch.setenv(name, value)
+    norms = {}
+    for strategy in STRATEGIES:
+        for clipping in (False, True):
+            cfg = config("sft", strategy, tiny, pairs_file, gradient_clipping=clipping)
+            assert (cfg.optim.max_grad_norm is None) != clipping
+            result, before, after = one_step(cfg, tiny, None)
+            assert result.stepped and not same_weights(before, after), (strategy, clipping)
+            norms[strategy, clipping] = result.grad_norm
+    print("gradient norms:", norms)
+    reference = norms["ddp", True]
+    assert reference > 1.0  # so that clipping at 1.0 changed the update, and the norm is the one before it
+    assert all(norm == pytest.approx(reference, rel=1e-5) for norm in norms.values()), norms
+
+
+def labels_half_predicted(model, tokenizer) -> list[dict]:
+    """Four rows of uneven lengths whose every other label is the model's own argmax prediction (so that the token
+    accuracy is far from 0 and from 1), the others the next input token."""
+    rows = []
+    for i in range(4):
+        ids = torch.arange(5 + 3 * i, 30 + 5 * i) % 1000 + 3
+        with torch.no_grad():
+            predicted = model(input_ids=ids[None]).logits[0].argmax(-1)
+        labels = ids.clone()
+        labels[1::2] = predicted[:-1][0::2]  # label t is the target of position t - 1
+        rows.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return rows
+
+
+def trl_token_metrics(model, batch: dict) -> tuple[float, float, int]:
+    """(mean_token_accuracy, entropy, label tokens) as TRL 1.16's SFTTrainer.compute_loss computes them: its fused
+    output head (trl.trainer.utils.add_fused_lm_head) gives per-token is_top1 and entropy, summed over label_mask."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = copy.deepcopy(model)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+    keys = ("input_ids", "attention_mask", "position_ids", "labels")
+    with torch.no_grad():
+        out = model(**{k: batch[k] for k in keys}, fused_lm_head=True)
+    valid = out.label_mask.sum()
+    return float(out.is_top1.sum() / valid), float(out.entropy.sum() / valid), int(valid)
+
+
+def direct_token_metrics(model, batch: dict) -> tuple[float, float]:
+    """The same from the model's full logits, written out: argmax == label, -sum p log p, over labels != -100."""
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].double()
+    targets, keep = batch["labels"][:, 1:], batch["labels"][:, 1:] != -100
+    log_p = logits.log_softmax(-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    return float((logits.argmax(-1) == targets)[keep].double().mean()), float(entropy[keep].mean())
+
+
+@pytest.mark.parametrize("loss_path", ["lean", "full_logits"])
+def test_sft_token_accuracy_and_entropy_are_trls_whatever_the_micro_batches(
+    loss_path, process_group, tiny, pairs_file, monkeypatch
+):
+    """TRL's SFTTrainer metrics of a step, from the logits the loss computes (the lean loss's chunks of rows, here 16
+    rows a chunk and 5 a block, or the full logits): mean_token_accuracy and entropy over the step's label tokens equal
+    TRL's fused head and a direct computation on the same weights and rows, and the same when the step's 4 rows are
+    one micro-batch or two (sums divided by the step's label tokens, not means of micro-batch means)."""
+    from shardtune.model import loss
+
+    if loss_path == "full_logits":
+        monkeypatch.setattr(loss, "lean_head", lambda model: None)
+    else:
+        monkeypatch.setitem(loss.CHUNK_ELEMENTS, "cpu", 16 * 1024)  # 16 rows of the tiny model's 1,024 logits
+        monkeypatch.setattr(loss, "PREDICTION_BLOCK_ELEMENTS", 5 * 1024)
+    cfg = config("sft", "ddp", tiny, pairs_file)
+    tokenizer = load_tokenizer(str(tiny))
+    rows = labels_half_predicted(load_model(str(tiny)), tokenizer)
+    whole = collate_padding(rows, tokenizer.pad_token_id)
+    trl_accuracy, trl_entropy, label_tokens = trl_token_metrics(load_model(str(tiny)), whole)
+    direct_accuracy, direct_entropy = direct_token_metrics(load_model(str(tiny)), whole)
+    layouts = {
+        "one micro-batch": [whole],
+        "two": [collate_padding(rows[i : i + 2], tokenizer.pad_token_id) for i in (0, 2)],
+    }
+    for layout, batches in layouts.items():
+        strategy = make_strategy(cfg, ENV)
+        sft = objective_class("sft")(cfg, ENV, strategy, tokenizer)
+        model = strategy.wrap(load_model(str(tiny)))
+        sft.attach(model, [], [])
+        result = train_step(model, strategy, strategy.build_optimizer(model), sft, batches, step=1)
+        accuracy, entropy = result.metrics["mean_token_accuracy"], result.metrics["entropy"]
+        print(
+            f"{loss_path}, {layout}: accuracy {accuracy:.6f} (TRL {trl_accuracy:.6f}), entropy {entropy:.6f} "
+            f"(TRL {trl_entropy:.6f}, direct {direct_entropy:.6f}) over {label_tokens} label tokens"
+        )
+        assert result.counts["label_tokens"] == label_tokens
+        assert 0.3 < accuracy < 0.8 and 0.1 < entropy < math.log(1024)
+        assert accuracy == pytest.approx(trl_accuracy, abs=1e-12) == direct_accuracy
+        assert entropy == pytest.approx(trl_entropy, rel=1e-5) == pytest.approx(direct_entropy, rel=1e-5)
 
 
 def test_the_evaluator_writes_the_objectives_row_and_records_the_best_score(process_group, tiny, pairs_file, tmp_path):
@@ -217,7 +322,10 @@ def test_the_evaluator_writes_the_objectives_row_and_records_the_best_score(proc
     tokens = int((whole["labels"][:, 1:] != -100).sum())
     with torch.no_grad():
         direct = float(token_loss_sum(strategy.unwrap(model), whole, CPU)) / tokens
-    assert row["eval_loss"] == pytest.approx(direct, rel=1e-6) and row["eval_num_tokens"] == tokens
+    assert row["eval_loss"] == pytest.approx(direct, rel=1e-6) and row["eval_label_tokens"] == tokens
+    accuracy, entropy = direct_token_metrics(strategy.unwrap(model), whole)
+    assert row["eval_mean_token_accuracy"] == pytest.approx(accuracy, abs=1e-12)
+    assert row["eval_entropy"] == pytest.approx(entropy, rel=1e-5) and row["eval_entropy"] > 0
     assert row["eval_ppl"] == pytest.approx(math.exp(direct), rel=1e-6)
     written = read_metrics(tmp_path / "metrics.jsonl")
     assert written == [{"step": 2, "epoch": 0.5, **row}]
@@ -232,9 +340,16 @@ def test_the_checkpointer_resumes_in_process_to_the_uninterrupted_run_keeping_th
     epoch: 3 steps (the run ends inside the first epoch), checkpointed every 2, then resumed to 6 steps, equal the
     uninterrupted 6-step run, its losses, token counts, evaluations, learning rates (the per-epoch schedule) and
     weights. The run's last step is checkpointed after its evaluation, so the resume keeps that evaluation's row
-    (written after the checkpoint, it was dropped)."""
+    (written after the checkpoint, it was dropped). num_tokens is TRL's: the running total of the input tokens
+    trained on, counted here from the data's units in each epoch's order, which the resumed run continues."""
+    import itertools
+
     from safetensors.torch import load_file
 
+    from shardtune import data
+    from shardtune.data.batching import epoch_order
+    from shardtune.data.cache import load_examples_cached
+    from shardtune.model.loading import cache_dir
     from shardtune.training.worker import fine_tune
     from tests.helpers import eval_rows, step_rows
 
@@ -260,8 +375,22 @@ def test_the_checkpointer_resumes_in_process_to_the_uninterrupted_run_keeping_th
     fine_tune(config_from({**base, "output_dir": str(run), "max_train_step": 6, "resume": "latest"}), ENV)
 
     def numbers(rows: list[dict]) -> list[tuple]:
-        keys = ("step", "epoch", "loss", "num_tokens", "lr", "grad_norm", "eval_loss")
+        keys = ("step", "epoch", "loss", "num_tokens", "label_tokens", "lr", "grad_norm", "eval_loss")
+        keys += ("mean_token_accuracy", "entropy", "eval_mean_token_accuracy", "eval_entropy")
         return [tuple(r.get(k) for k in keys) for r in rows]
+
+    cfg = config_from({**base, "output_dir": str(whole)})
+    tokenizer = data.apply_tokenizer_options(cfg, load_tokenizer(str(tiny)))
+    units = data.build_units(load_examples_cached(cfg, tokenizer, "train", cache_dir())[0], cfg)
+    batch = cfg.train.batch_size
+    step_tokens = []
+    for epoch in (0, 1):
+        order = epoch_order(units, cfg, 1, epoch)
+        for start in range(0, len(order), batch):
+            step_tokens.append(sum(len(e["input_ids"]) for i in order[start : start + batch] for e in units[i]))
+    expected = list(itertools.accumulate(step_tokens))[:6]
+    assert [r["num_tokens"] for r in step_rows(run)] == [r["num_tokens"] for r in step_rows(whole)] == expected
+    print("num_tokens of steps 1-6:", expected)
 
     assert [r["step"] for r in eval_rows(whole)] == [2, 4, 6]
     assert [r["step"] for r in eval_rows(run)] == [2, 3, 4, 6], (run / "metrics.jsonl").read_text()
