@@ -75,14 +75,33 @@ def _as_dataset(data: Any, name: str) -> Any:
     )
 
 
-def dataset_settings(train: Any, evaluation: Any) -> Pairs:
+def _formatted(data: Any, formatting_func: Callable[[dict], Any]) -> Any:
+    """TRL's formatting_func: each row becomes language-modelling text (``{"text": formatting_func(row)}``)."""
+
+    def text(row: dict) -> dict:
+        value = formatting_func(row)
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if not isinstance(value, str):
+            raise ConfigError(
+                f"formatting_func returned a {type(value).__name__} for a row: it must return the row's text (a str)"
+            )
+        return {"text": value}
+
+    return data.map(text, remove_columns=data.column_names, load_from_cache_file=False)
+
+
+def dataset_settings(train: Any, evaluation: Any, formatting_func: Callable[[dict], Any] | None = None) -> Pairs:
     """The data flags of in-memory datasets: one folder of train.parquet (and test.parquet), TRL's formats
-    recognised as for ``--dataset_name`` (docs/data-formats.md)."""
+    recognised as for ``--dataset_name`` (docs/data-formats.md); with ``formatting_func`` (TRL's) each row is first
+    turned into its text."""
     if train is None:
         raise ConfigError("train_dataset is None: pass the training data (a datasets.Dataset or a list of dicts)")
     splits = {"train": _as_dataset(train, "train_dataset")}
     if evaluation is not None:
         splits["test"] = _as_dataset(evaluation, "eval_dataset")
+    if formatting_func is not None:
+        splits = {name: _formatted(data, formatting_func) for name, data in splits.items()}
 
     def write(folder: Path) -> None:
         from datasets.utils import logging as datasets_logging

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
+from shardtune.api.callbacks import ArgsView, CallbackHooks, checked_callbacks, trl_row
 from shardtune.api.configs import DEFAULT_OUTPUT_DIR, TrlConfig, config_class, fields_of
 from shardtune.api.inputs import dataset_settings, model_settings, peft_settings, tokenizer_settings
 from shardtune.config.dialects.accelerate import clear_accelerate_loading_variables, environment_settings
@@ -22,10 +23,8 @@ from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.launch.torchrun import in_place_worker_env
 from shardtune.runtime.distributed import is_torchrun_worker
 from shardtune.training.checks import prepare
+from shardtune.training.hooks import install
 from shardtune.training.worker import run_worker
-
-# our metrics.jsonl names -> TRL's log_history names (the others are the same)
-TRL_KEYS = {"lr": "learning_rate"}
 
 
 class TrainerState:
@@ -83,11 +82,19 @@ class _Trainer:
         peft_config: Any = None,
         **unsupported: Any,
     ) -> None:
+        self.callbacks = checked_callbacks(unsupported.pop("callbacks", None))
+        formatting_func = unsupported.pop("formatting_func", None)
         for name, value in unsupported.items():
             _refuse(name, value, REFUSED[name])
         model_pairs = model_settings(model)
         self.args = args if args is not None else config_class(self.objective)()
         given = {"output_dir": DEFAULT_OUTPUT_DIR, **fields_of(self.args)}
+        if self.callbacks and not given.get("load_best_model_at_end"):  # what a callback compares (EarlyStopping)
+            self._for_callbacks = {
+                k: given.pop(k) for k in ("metric_for_best_model", "greater_is_better") if k in given
+            }
+        else:
+            self._for_callbacks = {}
         self._pairs = [
             ("defaults", "trl"),
             *environment_settings(
@@ -97,7 +104,7 @@ class _Trainer:
             *model_pairs,
             *tokenizer_settings(processing_class),
             *peft_settings(peft_config),
-            *dataset_settings(train_dataset, eval_dataset),
+            *dataset_settings(train_dataset, eval_dataset, formatting_func),
         ]
         clear_accelerate_loading_variables()  # read above; shardtune loads the weights itself
         self.config = self._config()  # every refusal here, when the trainer is made
@@ -126,7 +133,17 @@ class _Trainer:
         cfg = self._config(more)
         with _worker_environment():
             prepare(cfg, int(os.environ["WORLD_SIZE"]))  # a refusal is this call's exception, on every rank alike
-            status = run_worker(cfg, prepared=True)
+            hooks = (
+                CallbackHooks(
+                    self.callbacks,
+                    ArgsView({**fields_of(self.args), **self._for_callbacks}, cfg),
+                    int(os.environ["RANK"]),
+                )
+                if self.callbacks
+                else None
+            )
+            with install(hooks):
+                status = run_worker(cfg, prepared=True)
         if status != 0:
             raise RuntimeError(f"shardtune: the run stopped with status {status} (its error is above)")
         self.config = cfg
@@ -144,7 +161,7 @@ class _Trainer:
         if not path.is_file():
             return []
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return [{TRL_KEYS.get(k, k): v for k, v in row.items()} for row in rows]
+        return [trl_row(row) for row in rows]
 
     def evaluate(self) -> dict[str, Any]:
         """The last evaluation of the trained run (its eval_* metrics)."""
@@ -193,12 +210,10 @@ REFUSED = {
     "drop it",
     "compute_loss_func": "not taken: the loss is shardtune's (normalised by the global label tokens): drop it",
     "compute_metrics": "not built yet (metrics exact across ranks come later): drop it; eval_loss is computed",
-    "callbacks": "not built yet: drop them (trainer.state.log_history holds the logged rows after train())",
     "optimizers": "not taken: the optimizer and schedule come from the config (optim, lr_scheduler_type): drop it",
     "optimizer_cls_and_kwargs": "not taken: the optimizer comes from the config (optim): drop it",
     "preprocess_logits_for_metrics": "not built: drop it",
     "quantization_config": "pass load_in_4bit / load_in_8bit in the config instead",
-    "formatting_func": "not built yet: format the rows before (dataset.map) into TRL's text or messages format",
     "ref_model": "a reference model object is not taken yet: leave it None (the starting weights are the reference)",
 }
 

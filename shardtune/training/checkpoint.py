@@ -385,6 +385,15 @@ class Checkpointer:
         elif step >= self.total_steps and (self.last_saved is None or checkpoint_step(self.last_saved) != step):
             self.save(Position(step, epoch, done_in_epoch))
 
+    def save_now(self, epoch: int, done_in_epoch: int) -> Path:
+        """This step's checkpoint (a script's callback set should_save), unless it is written already; also with
+        checkpointing off, as a stop signal's. An epoch's last step is saved after the epoch's end (its LR step and
+        evaluation), as after_epoch saves it: ``done_in_epoch`` 0 of the next epoch."""
+        step = self.training[3].steps  # type: ignore[index]
+        if self.last_saved is not None and checkpoint_step(self.last_saved) == step:
+            return self.last_saved
+        return self.save(Position(step, epoch, done_in_epoch))
+
     def stop_if_requested(self, epoch: int, done_in_epoch: int) -> None:
         """Collective, after each optimizer step but the last: when a stop signal reached any rank, save this step
         (also with checkpointing off) and raise Preempted on every rank (see shardtune/runtime/preemption.py)."""

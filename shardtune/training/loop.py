@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
 from torch import nn
 
 from shardtune import data
@@ -24,6 +25,7 @@ from shardtune.runtime.errors import TrainingStopped
 from shardtune.training.best_model import BestModel, load_best
 from shardtune.training.checkpoint import Checkpointer, Position
 from shardtune.training.evaluation import Evaluator
+from shardtune.training.hooks import installed
 from shardtune.training.intervals import epochs_reached, every, planned_steps
 from shardtune.training.metrics import MetricsWriter
 from shardtune.training.objective import Objective
@@ -64,11 +66,14 @@ def train(
     before the final evaluation (a failure there never costs the trained model); with --load_best_model_at_end
     after it, with the best checkpoint's weights."""
     run = Run(model, strategy, objective, units, writer, checkpointer, publish)
-    cfg, result = objective.cfg, run.result
+    cfg, result, hooks = objective.cfg, run.result, run.hooks
+    if hooks:
+        hooks.on_train_begin(run.total_steps)
     if cfg.eval.enabled and cfg.eval.on_start and result.steps == 0:  # --eval_on_start: the baseline, once a run
         run.evaluate(run.start.epoch, 0, "start")
+    stopped = False
     for epoch in range(run.start.epoch, epochs_reached(run.total_steps, run.steps_per_epoch)):
-        if result.steps >= run.total_steps:
+        if result.steps >= run.total_steps or stopped:
             break
         run.reporter.start_epoch()
         done_in_epoch = run.start.step_in_epoch if epoch == run.start.epoch else 0
@@ -77,6 +82,7 @@ def train(
                 break
             done_in_epoch += 1
             run.step(micro_batches, epoch, done_in_epoch)
+            evaluated = False
             if (
                 run.eval_every
                 and result.steps % run.eval_every == 0
@@ -84,12 +90,27 @@ def train(
                 and result.steps < run.total_steps
             ):  # --eval_steps; the epoch's end evaluates anyway
                 run.evaluate(epoch, done_in_epoch, f"step {result.steps}")
+                evaluated = True
+            if hooks and hooks.take_evaluate() and cfg.eval.enabled and not evaluated:
+                run.evaluate(epoch, done_in_epoch, f"step {result.steps} (a callback asked)")
             if checkpointer:
                 checkpointer.after_step(epoch, done_in_epoch)
+                if hooks and hooks.take_save():
+                    if done_in_epoch < run.steps_per_epoch:
+                        checkpointer.save_now(epoch, done_in_epoch)
+                    else:  # after the epoch's end, where an epoch's last step is saved
+                        run.save_at_epoch_end = True
+                run.said_saved()
                 if result.steps < run.total_steps:
                     checkpointer.stop_if_requested(epoch, done_in_epoch)
-        run.end_epoch(epoch, done_in_epoch)
+            if hooks and result.steps < run.total_steps and run.stop_agreed():
+                stopped = True  # a callback's should_training_stop (EarlyStoppingCallback): as Trainer, at once
+                break
+        if not stopped:
+            run.end_epoch(epoch, done_in_epoch)
     run.finish()
+    if hooks:
+        hooks.on_train_end()
     return result
 
 
@@ -146,7 +167,23 @@ class Run:
         self.reporter = StepReporter(env, writer, peak, self.probe, self.total_steps, self.result.steps)
         self.evaluator = Evaluator(objective, model, writer, self.best, self.reporter.say)
         self.row_slice = RowSlice.of_rank(dims, env.rank)
+        self.hooks = installed()  # a script's callbacks (the Python face); None on the command line
+        self.last_row: dict = {}
+        self.save_at_epoch_end = False  # a callback's should_save at an epoch's last step
+        self.saved = checkpointer.last_saved if checkpointer else None
         model.train()
+
+    def stop_agreed(self) -> bool:
+        """Whether a callback on any rank asked to stop (collective: every rank asks the same step)."""
+        wants = torch.tensor([1.0 if self.hooks.wants_stop() else 0.0], device=self.env.device)
+        return bool(all_reduce_sum(wants, self.env.device).item() > 0)
+
+    def said_saved(self) -> None:
+        """A checkpoint written since the last call: the callbacks' on_save."""
+        if self.checkpointer and self.checkpointer.last_saved != self.saved:
+            self.saved = self.checkpointer.last_saved
+            if self.hooks:
+                self.hooks.on_save(self.result.steps)
 
     def batches(self, epoch: int, first: int):
         dims = self.strategy.dims
@@ -184,6 +221,9 @@ class Run:
         self.result.losses.append(stats.loss)
         row = self.reporter.step(step, self.epoch_float(epoch, done_in_epoch), lr, stats, self.result.num_tokens)
         self.result.train_time_s += row["step_time_s"]
+        self.last_row = row
+        if self.hooks:
+            self.hooks.on_step_end(row)
 
     def epoch_float(self, epoch: int, done_in_epoch: int) -> float:
         """The epoch as the rows count it (fractional inside an epoch)."""
@@ -192,6 +232,8 @@ class Run:
     def evaluate(self, epoch: int, done_in_epoch: int, when: str) -> None:
         row = self.evaluator(self.result.steps, self.epoch_float(epoch, done_in_epoch), when)
         self.result.eval_loss, self.result.eval_ppl = row["eval_loss"], row.get("eval_ppl")
+        if self.hooks:
+            self.hooks.on_evaluate(row)
 
     def end_epoch(self, epoch: int, done_in_epoch: int) -> None:
         """The epoch's LR step (a completed epoch's: a run that ends inside an epoch checkpoints the schedule where
@@ -205,6 +247,10 @@ class Run:
             self.evaluate(epoch, done_in_epoch, f"epoch {epoch + 1}")
         if self.checkpointer:
             self.checkpointer.after_epoch(epoch, done_in_epoch)
+            if self.save_at_epoch_end:
+                self.save_at_epoch_end = False
+                self.checkpointer.save_now(epoch + 1, 0)
+            self.said_saved()
 
     def publish_once(self) -> None:
         if self.publish is not None:

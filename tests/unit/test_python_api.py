@@ -1,4 +1,4 @@
-"""The Python face's inputs, without a launch (the runs: tests/e2e/test_python_api.py): TRL's config objects and
+"""The Python face's inputs, without a launch (the runs: tests/e2e/test_python_scripts.py): TRL's config objects and
 ours mean the same canonical config; what cannot be honoured is refused in one line when the trainer or config is
 made; a script's objects (datasets, tokenizer, PEFT config) become the command line's inputs."""
 
@@ -83,10 +83,9 @@ def test_trainer_arguments_shardtune_cannot_honour_are_refused(tiny_model):
     from shardtune.model.loading import load_model
 
     cases = [
-        (dict(callbacks=[object()]), "callbacks: not built yet"),
+        (dict(callbacks=[object()]), "callbacks: a object is not a transformers TrainerCallback"),
         (dict(compute_metrics=len), "compute_metrics"),
         (dict(data_collator=len), "data_collator: not taken"),
-        (dict(formatting_func=str), "formatting_func"),
     ]
     for extra, named in cases:
         with pytest.raises(ConfigError, match=named):
@@ -239,4 +238,15 @@ def test_every_constructor_argument_of_trls_trainers_is_ours_too():
         names = list(inspect.signature(theirs.__init__).parameters)
         assert names == list(inspect.signature(ours.__init__).parameters)
         honoured = {"self", "model", "args", "train_dataset", "eval_dataset", "processing_class", "peft_config"}
+        honoured |= {"callbacks", "formatting_func"}
         assert set(names) - honoured <= set(REFUSED), set(names) - honoured - set(REFUSED)
+
+
+def test_formatting_func_turns_each_row_into_its_text_as_in_trl():
+    from datasets import load_dataset
+
+    folder = dict(dataset_settings(ROWS, None, lambda row: f"Q: {row['prompt']} A:{row['completion']}"))["dataset_name"]
+    train = load_dataset("parquet", data_files=f"{folder}/train.parquet", split="train")
+    assert train.column_names == ["text"] and train[0]["text"] == "Q: say 0 A: 0"
+    with pytest.raises(ConfigError, match="formatting_func returned a int"):
+        dataset_settings(ROWS, None, lambda row: 3)

@@ -12,49 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import cli_env
+from tests.conftest import REPO, cli_env
 
-SCRIPT = """
-import json, sys
-from datasets import Dataset
-from peft import LoraConfig
-from shardtune import SFTConfig, SFTTrainer
-
-model, output_dir, batch, accumulation = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-rows = [
-    {"messages": [{"role": "user", "content": f"repeat {i} and {i * 7}"},
-                  {"role": "assistant", "content": f"{i} and {i * 7}, again {i}"}]}
-    for i in range(40)
-]
-dataset = Dataset.from_list(rows).train_test_split(test_size=8, seed=0)
-training_args = SFTConfig(
-    output_dir=output_dir,
-    per_device_train_batch_size=batch,
-    gradient_accumulation_steps=accumulation,
-    max_steps=5,
-    learning_rate=2e-3,
-    logging_steps=1,
-    eval_strategy="steps",
-    eval_steps=5,
-    save_plots=False,
-)
-trainer = SFTTrainer(
-    model=model,
-    args=training_args,
-    train_dataset=dataset["train"],
-    eval_dataset=dataset["test"],
-    peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=["q_proj", "v_proj"]),
-)
-result = trainer.train()
-trainer.save_model(output_dir + "-saved")
-if trainer.config.output.dir and int(__import__("os").environ.get("RANK", "0")) == 0:
-    print("RESULT " + json.dumps({
-        "history": trainer.state.log_history,
-        "global_step": result.global_step,
-        "model": type(trainer.model).__name__,
-        "eval": trainer.evaluate(),
-    }))
-"""
+EXAMPLES = REPO / "examples"
 
 
 def free_port() -> int:
@@ -76,8 +36,7 @@ def run(argv: list[str], cache_dir: Path, cwd: Path) -> subprocess.CompletedProc
 
 
 def test_a_trl_script_gives_the_same_steps_under_python_torchrun_and_two_nodes(tiny_model, cache_dir, tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    script = EXAMPLES / "sft_chat_lora.py"
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     one = result_of(run([sys.executable, str(script), str(tiny_model), "one", "4", "1"], cache_dir, tmp_path).stdout)
     two = result_of(
@@ -125,3 +84,29 @@ def test_a_trl_script_gives_the_same_steps_under_python_torchrun_and_two_nodes(t
     assert one["model"] == "PeftModelForCausalLM"  # the trained adapter on its base, usable in the script
     assert (tmp_path / "one-saved" / "adapter_config.json").is_file()
     assert not (tmp_path / "two-saved" / "metrics.jsonl").exists()
+
+
+def test_callbacks_see_the_run_and_early_stopping_stops_it(tiny_model, cache_dir, tmp_path):
+    """transformers' EarlyStoppingCallback (the eval loss falls, and greater_is_better says that is worse: patience
+    2 stops at the third evaluation) and a callback that records the events and asks for a checkpoint."""
+    script = EXAMPLES / "early_stopping.py"
+    result = result_of(run([sys.executable, str(script), str(tiny_model), "out"], cache_dir, tmp_path).stdout)
+    events = result["events"]
+    assert result["steps"] == 3 and events[0] == ["begin", 20] and events[-1] == ["end", 3]
+    assert [e[1] for e in events if e[0] == "step"] == [1, 2, 3]
+    assert [e[1] for e in events if e[0] == "evaluate"] == [1, 2, 3] and all(e[2] for e in events if e[0] == "evaluate")
+    assert ["log", ["grad_norm", "learning_rate", "loss"]] in events
+    assert [e for e in events if e[0] == "save"] == [["save", 2]]
+    assert [p.name for p in (tmp_path / "out" / "checkpoints").iterdir() if p.name.startswith("step-")] == [
+        "step-000002"
+    ]
+
+
+def test_the_dpo_example_trains_and_reports_trls_reward_metrics(tiny_model, cache_dir, tmp_path):
+    result = result_of(
+        run([sys.executable, str(EXAMPLES / "dpo.py"), str(tiny_model), "dpo"], cache_dir, tmp_path).stdout
+    )
+    steps = [row for row in result["history"] if "loss" in row]
+    assert len(steps) == 4 and abs(steps[0]["loss"] - 0.693147) < 1e-4  # the policy starts as its reference
+    assert {"rewards/chosen", "rewards/margins", "learning_rate", "grad_norm"} <= set(steps[0])
+    assert result["model"] == "PeftModelForCausalLM"
