@@ -38,8 +38,9 @@ SPLIT_INPUT_TOKENS = "split_input_tokens"
 # (mean_token_accuracy = num_correct / label tokens), the entropy of the predicted distribution (entropy = entropy_sum /
 # label tokens).
 PREDICTION_SUMS = ("num_correct", "entropy_sum")
-# Rows x vocabulary of the fp32 temporaries :func:`prediction_sums` works in (16 MiB).
-PREDICTION_BLOCK_ELEMENTS = 1 << 22
+# Rows x vocabulary of the one fp32 temporary :func:`prediction_sums` works in (4 MiB; shardtune.planner.estimate
+# counts it).
+PREDICTION_BLOCK_ELEMENTS = 1 << 20
 
 
 def num_label_tokens(labels: torch.Tensor) -> int:
@@ -170,7 +171,7 @@ def prediction_sums(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tens
     """:data:`PREDICTION_SUMS` of rows of logits (n, V) and their targets (n,), in fp64: the rows whose argmax (the
     first of equal maxima) is the target, and the sum of the entropies, logsumexp - sum(softmax x logits) per row
     (TRL's formula); ``lse``: the rows' logsumexp when known. Worked in row blocks of PREDICTION_BLOCK_ELEMENTS, so the
-    temporaries stay small beside the logits."""
+    one temporary stays small beside the logits."""
     logits = logits.float()
     if lse is None:
         lse = torch.logsumexp(logits, dim=-1)
@@ -179,8 +180,9 @@ def prediction_sums(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tens
     block = max(1, PREDICTION_BLOCK_ELEMENTS // max(1, logits.size(-1)))
     for start in range(0, logits.size(0), block):
         z, z_lse = logits[start : start + block], lse[start : start + block]
-        probs = (z - z_lse[:, None]).exp_()
-        entropy += (z_lse - (probs * z).sum(dim=-1)).sum().double()
+        probs = (z - z_lse[:, None]).exp_()  # the block's one temporary
+        expected = torch.bmm(probs.unsqueeze(1), z.unsqueeze(2))  # sum(softmax x logits) per row, without a second
+        entropy += (z_lse.sum() - expected.sum()).double()
     return torch.stack([correct.double(), entropy])
 
 

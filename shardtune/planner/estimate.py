@@ -143,6 +143,8 @@ def host_bytes_per_node(setup: Setup) -> float:
 QUANT_BYTES_PER_PARAM = {"4bit": 0.5 + 4 / 64, "4bit-double": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}
 # shardtune.model.loss.CHUNK_ELEMENTS on CUDA: fp32 logits of one chunk of labelled rows
 LOSS_CHUNK_ELEMENTS = 1 << 28
+# shardtune.model.loss.PREDICTION_BLOCK_ELEMENTS: the fp32 block SFT's accuracy / entropy sums work in, beside a chunk
+PREDICTION_BLOCK_ELEMENTS = 1 << 20
 FSDP_PREFETCH_LAYERS = 2  # the layer computing and the next one being all-gathered
 # DeepSpeed's defaults (shardtune does not change them; a --deepspeed_config.config_file may): the contiguous gradient
 # bucket every ZeRO stage allocates whole, whatever the model's size (stages 1/2 for each backward, stage 3 at init)
@@ -205,10 +207,13 @@ def outside_layers_bytes(arch: Arch, compute_bytes: int) -> float:
 
 
 def loss_buffer_bytes(arch: Arch, num_labels: int) -> float:
-    """The lean loss (shardtune.model.loss.ChunkedLinearCrossEntropy): the head's gradient in fp32 (4 V d), and one
-    chunk of fp32 logits with its softmax (2 x 4 V per row)."""
+    """The lean loss (shardtune.model.loss.ChunkedLinearCrossEntropy): the head's gradient in fp32 (4 V d), one
+    chunk of fp32 logits with its softmax (2 x 4 V per row), and the block of TRL's accuracy / entropy sums."""
     chunk_rows = min(num_labels, max(16, LOSS_CHUNK_ELEMENTS // arch.vocab_size))
-    return 4 * arch.vocab_size * arch.hidden_size + 2 * 4 * arch.vocab_size * chunk_rows
+    block_rows = min(chunk_rows, max(1, PREDICTION_BLOCK_ELEMENTS // arch.vocab_size))
+    return (
+        4 * arch.vocab_size * arch.hidden_size + 2 * 4 * arch.vocab_size * chunk_rows + 4 * arch.vocab_size * block_rows
+    )
 
 
 def estimate(setup: Setup) -> Breakdown:
