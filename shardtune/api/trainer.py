@@ -205,6 +205,11 @@ def load_published(folder: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(str(folder))
 
 
+def given(arguments: dict[str, Any]) -> dict[str, Any]:
+    """A trainer's constructor arguments (its ``locals()``), as TRL's signature names them, for _Trainer."""
+    return {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
+
+
 REFUSED = {
     "data_collator": "not taken: shardtune builds the batches (padding, packing, padding-free) from the data flags: "
     "drop it",
@@ -241,23 +246,7 @@ class SFTTrainer(_Trainer):
         peft_config: Any = None,
         formatting_func: Any = None,
     ) -> None:
-        super().__init__(
-            model,
-            args,
-            train_dataset,
-            eval_dataset,
-            processing_class,
-            peft_config,
-            data_collator=data_collator,
-            compute_loss_func=compute_loss_func,
-            compute_metrics=compute_metrics,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-            quantization_config=quantization_config,
-            formatting_func=formatting_func,
-        )
+        super().__init__(**given(locals()))
 
 
 class DPOTrainer(_Trainer):
@@ -280,20 +269,7 @@ class DPOTrainer(_Trainer):
         quantization_config: Any = None,
         peft_config: Any = None,
     ) -> None:
-        super().__init__(
-            model,
-            args,
-            train_dataset,
-            eval_dataset,
-            processing_class,
-            peft_config,
-            ref_model=ref_model,
-            data_collator=data_collator,
-            compute_metrics=compute_metrics,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            quantization_config=quantization_config,
-        )
+        super().__init__(**given(locals()))
 
 
 __all__ = ["DPOTrainer", "SFTTrainer", "TrainOutput", "TrainerState", "TrlConfig"]

@@ -29,11 +29,18 @@ class Registration:
     settings: str = ""  # the config section of its own flags (given to another objective: refused)
     rows_per_unit: int = 1  # planner: rows the model computes per unit of batch
     frozen_reference: Callable[[Any], bool] = no_reference  # planner: a frozen copy of the model beside it
+    # TRL's --loss_type for an objective whose section has no loss_type setting: the names it trains (the first is
+    # TRL's default), and those TRL has that it does not, with why
+    loss_types: tuple[str, ...] = ()
+    loss_types_not_built: tuple[tuple[str, str], ...] = ()
 
 
 OBJECTIVES = {
     "sft": Registration(
-        "fine-tune a model (launches torchrun; see shardtune sft --help)", "shardtune.training.sft:SFT"
+        "fine-tune a model (launches torchrun; see shardtune sft --help)",
+        "shardtune.training.sft:SFT",
+        loss_types=("nll",),
+        loss_types_not_built=(("dft", "Dynamic Fine-Tuning: each token's loss weighted by its probability"),),
     ),
     "dpo": Registration(
         "preference training (DPO) on chosen / rejected pairs, same launcher and flags as sft (docs/dpo.md)",

@@ -16,6 +16,7 @@ from shardtune.config.dialects import Pairs, Spelling, refused, text, trl_traine
 from shardtune.config.dialects.cookbook import STATE as COOKBOOK
 from shardtune.config.dialects.cookbook import report_to
 from shardtune.config.dialects.trl_values import _bool, _mapping
+from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.schema import ConfigError, DpoConfig, TrainConfig, TrlDatasetConfig
 
 STATE = "trl:"
@@ -278,24 +279,6 @@ def _model_init_kwargs(value: Any) -> Pairs:
     return pairs
 
 
-def _lora_task_type(value: Any) -> Pairs:
-    if text(value).upper() in ("CAUSAL_LM", "NONE"):
-        return []  # the one task shardtune trains (TRL's default)
-    raise ConfigError(
-        f"--lora_task_type {value} is not built: shardtune trains causal language models (CAUSAL_LM, TRL's "
-        "default): drop the flag"
-    )
-
-
-def _datasets(value: Any) -> Pairs:
-    if not value:
-        return []
-    raise ConfigError(
-        "datasets: a mixture of several datasets in one run is not built yet: give one dataset with "
-        "dataset_name (and dataset_config, dataset_train_split), or combine the files into one"
-    )
-
-
 def _loss_type(value: Any) -> Pairs:
     """SFTConfig's loss_type (one name: nll, dft) or DPOConfig's (a list): settled in finish by the objective."""
     names = value if isinstance(value, list) else text(value).split(",")
@@ -303,19 +286,24 @@ def _loss_type(value: Any) -> Pairs:
 
 
 def _settle_loss_type(cfg: TrainConfig, names: list[str]) -> None:
-    if cfg.objective != "sft":
-        cfg.dpo.loss_type = names
+    """The objective's: its section's loss_type setting (DPO's list), else the losses its registration names."""
+    registration = OBJECTIVES[cfg.objective]
+    section = getattr(cfg, registration.settings, None) if registration.settings else None
+    if section is not None and hasattr(section, "loss_type"):
+        section.loss_type = names
         return
-    given = ",".join(names)
-    if names == ["dft"]:
+    not_built = dict(registration.loss_types_not_built)
+    if len(names) == 1 and names[0] in not_built:
         raise ConfigError(
-            "--loss_type dft (Dynamic Fine-Tuning: each token's loss weighted by its probability) is not built in "
-            "shardtune sft: drop the flag to train TRL's default nll loss"
+            f"--loss_type {names[0]} ({not_built[names[0]]}) is not built in shardtune {cfg.objective}: drop the "
+            f"flag to train TRL's default {registration.loss_types[0]} loss"
         )
-    if names != ["nll"]:
+    if len(names) != 1 or names[0] not in registration.loss_types:
+        others = " / ".join(name for name, r in OBJECTIVES.items() if r.settings and name != cfg.objective)
         raise ConfigError(
-            f"--loss_type {given} is not a loss of shardtune sft (TRL's SFT loss_type: nll, its default): "
-            "a DPO loss needs shardtune dpo; for sft drop the flag or pass nll"
+            f"--loss_type {','.join(names)} is not a loss of shardtune {cfg.objective} (TRL's loss_type there: "
+            f"{', '.join(registration.loss_types)}): a preference loss needs shardtune {others}; for "
+            f"{cfg.objective} drop the flag or pass {registration.loss_types[0]}"
         )
 
 
@@ -540,8 +528,6 @@ SPELLINGS: dict[str, Spelling] = {
         "a mapping: dtype (or torch_dtype), attn_implementation, trust_remote_code, revision; other keys refused",
         _model_init_kwargs,
     ),
-    "lora_task_type": T("-", "CAUSAL_LM only (TRL's default: shardtune trains causal LMs)", _lora_task_type),
-    "datasets": T("-", "a mixture of datasets: not built yet (refused unless empty)", _datasets),
     # Accelerate's, on the command line (launcher flags) or in a recipe
     "num_processes": T(
         "nproc_per_node",

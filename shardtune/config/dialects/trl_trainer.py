@@ -118,7 +118,28 @@ def _unset(value: Any) -> bool:
 
 DROP = "drop the flag"
 
+
+def _lora_task_type(value: Any) -> Pairs:
+    if text(value).upper() in ("CAUSAL_LM", "NONE"):
+        return []  # the one task shardtune trains (TRL's default)
+    raise ConfigError(
+        f"--lora_task_type {value} is not built: shardtune trains causal language models (CAUSAL_LM, TRL's "
+        "default): drop the flag"
+    )
+
+
+def _datasets(value: Any) -> Pairs:
+    if not value:
+        return []
+    raise ConfigError(
+        "datasets: a mixture of several datasets in one run is not built yet: give one dataset with "
+        "dataset_name (and dataset_config, dataset_train_split), or combine the files into one"
+    )
+
+
 SPELLINGS: dict[str, Spelling] = {
+    "lora_task_type": Spelling("-", "CAUSAL_LM only (TRL's default: shardtune trains causal LMs)", _lora_task_type),
+    "datasets": Spelling("-", "a mixture of datasets: not built yet (refused unless empty)", _datasets),
     # the strategy (TrainingArguments)
     "fsdp": S(
         "parallel.strategy / parallel.sharding_strategy / parallel.cpu_offload",
