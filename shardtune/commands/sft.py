@@ -12,10 +12,10 @@ import os
 import sys
 
 from shardtune.config import defaults
-from shardtune.config.argv import as_flags, split_argv
+from shardtune.config.argv import Arguments, as_flags, split_argv
 from shardtune.config.dialects.accelerate import clear_accelerate_loading_variables, read_accelerate
 from shardtune.config.flags import build_config, recipe_launch_settings
-from shardtune.config.schema import ConfigError
+from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.launch.torchrun import in_place_worker_env, launch, resolve_here, runs_in_place, sft_help_text
 from shardtune.planner.dry_run import dry_run, dry_run_topology
 from shardtune.runtime import startup
@@ -57,28 +57,9 @@ def main(argv: list[str] | None = None, objective: str | None = None) -> int:
                 )
             cfg.objective = objective
         if not is_torchrun_worker():
-            sources = [f"recipe {args.recipe}"] if args.recipe else []
-            sources += [f"Accelerate file {accelerate_path}"] if accelerate_path else []
-            if sources:  # the start log states the precedence
-                print(f"shardtune: settings from the command line > {' > '.join(sources)}", file=sys.stderr)
-            for note in notes:
-                print(f"shardtune: {note}", file=sys.stderr, flush=True)
-        if args.hardware and not cfg.run.dry_run:
-            raise ConfigError(
-                f"--{next(iter(args.hardware))} describes the hardware of a plan: add --dry_run (or use "
-                "shardtune plan), or drop the flag"
-            )
+            say_sources(args, accelerate_path, notes)
+        check_placement(cfg, args)
         if is_torchrun_worker():
-            if cfg.run.dry_run:
-                raise ConfigError(
-                    "--dry_run starts no processes, but this one runs under torchrun: run shardtune "
-                    "sft --dry_run (with --nproc_per_node / --nnodes) without torchrun"
-                )
-            if args.launcher:
-                raise ConfigError(
-                    f"--{next(iter(args.launcher))} is a torchrun flag, but this process already runs "
-                    "under torchrun: give it to torchrun, before -m shardtune.sft"
-                )
             return run_worker(cfg)
         launch_args = {**file_launch_args, **recipe_launch, **args.launcher}  # command line > recipe > file
         if cfg.parallel.one_gpu:
@@ -130,3 +111,34 @@ def main(argv: list[str] | None = None, objective: str | None = None) -> int:
             cfg.output.dir,
         ],
     )
+
+
+def say_sources(args: Arguments, accelerate_path: str | None, notes: list[str]) -> None:
+    """The start log's precedence of the files that gave settings, and their disagreements."""
+    sources = [f"recipe {args.recipe}"] if args.recipe else []
+    sources += [f"Accelerate file {accelerate_path}"] if accelerate_path else []
+    if sources:
+        print(f"shardtune: settings from the command line > {' > '.join(sources)}", file=sys.stderr)
+    for note in notes:
+        print(f"shardtune: {note}", file=sys.stderr, flush=True)
+
+
+def check_placement(cfg: TrainConfig, args: Arguments) -> None:
+    """Flags that belong to another place: hardware to a plan, launcher flags and --dry_run outside torchrun."""
+    if args.hardware and not cfg.run.dry_run:
+        raise ConfigError(
+            f"--{next(iter(args.hardware))} describes the hardware of a plan: add --dry_run (or use "
+            "shardtune plan), or drop the flag"
+        )
+    if not is_torchrun_worker():
+        return
+    if cfg.run.dry_run:
+        raise ConfigError(
+            "--dry_run starts no processes, but this one runs under torchrun: run shardtune "
+            "sft --dry_run (with --nproc_per_node / --nnodes) without torchrun"
+        )
+    if args.launcher:
+        raise ConfigError(
+            f"--{next(iter(args.launcher))} is a torchrun flag, but this process already runs "
+            "under torchrun: give it to torchrun, before -m shardtune.sft"
+        )
