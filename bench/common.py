@@ -22,7 +22,8 @@ def child_env(**extra: str) -> dict[str, str]:
             "HF_HUB_OFFLINE": "1",
             "HF_DATASETS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONPATH": str(REPO),
+            # the repository first, the caller's own path kept (packages installed with pip --target)
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
             "OMP_NUM_THREADS": str(NUM_THREADS),
             **extra,
         }

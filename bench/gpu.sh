@@ -9,10 +9,14 @@
 #   bash bench/gpu.sh                            # on a GPU machine
 #   bash bench/gpu.sh --cpu-smoke                # tiny shapes on CPU, without the peers: what the tests run
 #   bash bench/gpu.sh --peers-only [--cpu-smoke] # the peers alone (--cpu-smoke: tiny model, 16 dialogues, CPU)
+#   GPU_SH_LIMIT_S=400 bash bench/gpu.sh         # all of it in 400 s (a session's device time is short): the peers
+#                                                # get at most 170 s, the rows the rest, the long ones while it lasts
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 peers=auto smoke=0 args=()
+total=${GPU_SH_LIMIT_S:-740}
+started=$SECONDS
 for a in "$@"; do
     case "$a" in
         --peers-only) peers=only ;;
@@ -28,15 +32,16 @@ if [[ $peers != no ]]; then
         limit=900  # a shared 2-core machine can be slow: this is a functional check, not a timing
     else
         size=(--preset demo --num_train 400 --num_validation 50 --name gpu_peers)
-        limit=170
+        limit=$((total < 340 ? total / 2 : 170))
     fi
     # a failure here is reported and the GPU rows still run (--peers-only: the exit status)
     timeout "$limit" python -m bench --only trainer --datasets plain --repeats 1 "${size[@]}" \
         || { status=$?; echo "peers comparison failed (exit $status)"; [[ $peers == only ]] && exit "$status"; }
 fi
 [[ $peers == only ]] && exit 0
-# with the peers first, the GPU rows plan their long rows against a shorter deadline
-deadline=()
-[[ $peers == auto ]] && deadline=(--deadline_s 400)
-exec timeout 570 python -m torch.distributed.run --standalone --nproc_per_node 1 -m bench.gpu "${args[@]}" \
+# the rows get what is left; their long rows plan against a deadline 30 s before it
+left=$((total - (SECONDS - started)))
+((left > 570)) && left=570
+deadline=(--deadline_s $((left - 30)))
+exec timeout "$left" python -m torch.distributed.run --standalone --nproc_per_node 1 -m bench.gpu "${args[@]}" \
     "${deadline[@]}"

@@ -140,7 +140,8 @@ class Runner:
         self.out_dir, self.cpu_smoke = out_dir, cpu_smoke
         self.rows: dict[str, list[dict]] = {}
         self.logs: dict[str, str] = {}
-        self.env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        self.env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         if cpu_smoke:
             self.env["SHARDTUNE_TEST_LOW_PRECISION_ON_CPU"] = "1"
 

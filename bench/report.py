@@ -20,7 +20,8 @@ PEER_LABELS = {"hf_trainer": "Trainer", "trl_sft": "TRL"}
 def markdown(r: dict) -> str:
     m = r["machine"]
     lines = [
-        f"Measured {r['date']} on {m['cpu']} ({m['cpu_count']} cores, {m['memory_gib']} GiB), torch "
+        f"Measured {r['date']} on {m['cpu']} ({m['cpu_count']} cores, {m['memory_gib']} GiB)"
+        f"{', GPU ' + m['gpu'] if m.get('gpu') else ''}, torch "
         f"{m['torch']}, transformers {m['transformers']}; matmul peak (fp32, measured) "
         f"{r['peak_fp32_flops_per_s'] / 1e9:.0f} GFLOP/s; load average at start "
         f"{m['load_average_at_start'][0]:.1f}, at end {m['load_average_at_end'][0]:.1f} (other jobs share "

@@ -23,7 +23,7 @@ from torch import nn
 
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.batching import flattened
-from shardtune.model.attention import soft_caps_logits, use_varlen_attention
+from shardtune.model.attention import avoid_cudnn_attention, soft_caps_logits, use_varlen_attention
 from shardtune.model.loss import hf_model
 from shardtune.model.structure import layer_list
 from shardtune.runtime.distributed import print0
@@ -31,7 +31,7 @@ from shardtune.runtime.distributed import print0
 
 def apply_speed_features(model: nn.Module, cfg: TrainConfig, device: torch.device, say: bool = True) -> list[str]:
     """Apply what the config asks for; returns (and rank 0 prints, with ``say``) one line per feature applied."""
-    applied: list[str] = []
+    applied: list[str] = [note] if (note := avoid_cudnn_attention(device)) else []
     if cfg.model.fast_kernels:
         applied += apply_fast_kernels(model, device)
     if cfg.model.attn_implementation:

@@ -198,3 +198,21 @@ def test_an_attention_kernel_this_machine_or_model_cannot_run_is_refused_before_
     with pytest.raises(ConfigError, match="soft-capped attention logits: pass --attn_implementation eager"):
         check_attention_fits(parse_args(["--attn_implementation", "sdpa"]), gemma2)
     check_attention_fits(parse_args(["--attn_implementation", "eager"]), gemma2)
+
+
+def test_cuda_processes_turn_off_the_cudnn_attention_backend_that_replans_every_padded_shape():
+    """The GPU smoke run found padded batches 4-40x slower with SDPA's cuDNN backend (a plan per new shape): a
+    training process on CUDA turns it off and says so; on CPU nothing changes."""
+    from shardtune.model.attention import avoid_cudnn_attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        assert avoid_cudnn_attention(CPU) is None
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        note = avoid_cudnn_attention(torch.device("cuda", 0))
+        assert note is not None and "cuDNN" in note
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert avoid_cudnn_attention(torch.device("cuda", 0)) is None  # said once
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
