@@ -133,23 +133,24 @@ def tokenizer_settings(tokenizer: Any) -> Pairs:
     return [("model.tokenizer", str(_publish(tokenizer.save_pretrained, "tokenizer")))]
 
 
-def model_settings(model: Any) -> Pairs:
-    """``model``: a local directory, a hub id or a preset name; or a transformers model object, saved (its weights as
-    they are now, its config and generation config) to a content-addressed folder by every process alike: for a large
-    model, pass its directory instead (each process writes a copy)."""
+def model_settings(model: Any, name: str = "model", setting: str = "model_name_or_path") -> Pairs:
+    """``model`` (DPO's ``ref_model`` too, with ``name`` and ``setting``): a local directory, a hub id or a preset
+    name; or a transformers model object, saved (its weights as they are now, its config and generation config) to
+    a content-addressed folder by every process alike: for a large model, pass its directory instead (each process
+    writes a copy)."""
     if isinstance(model, (str, os.PathLike)):
-        return [("model_name_or_path", str(model))]
+        return [(setting, str(model))]
     if hasattr(model, "peft_config"):
         raise ConfigError(
-            "model: a PeftModel is not taken: pass the base model and the adapter's config as peft_config (to "
+            f"{name}: a PeftModel is not taken: pass the base model and the adapter's config as peft_config (to "
             "continue an adapter, pass its directory as --peft.from_checkpoint)"
         )
     if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
         raise ConfigError(
-            f"model: a {type(model).__name__} is not a transformers model: pass a PreTrainedModel, or its directory "
-            "or hub id"
+            f"{name}: a {type(model).__name__} is not a transformers model: pass a PreTrainedModel, or its "
+            "directory or hub id"
         )
-    return [("model_name_or_path", str(_publish(lambda folder: model.save_pretrained(str(folder)), "model")))]
+    return [(setting, str(_publish(lambda folder: model.save_pretrained(str(folder)), "model")))]
 
 
 def _value(value: Any) -> Any:

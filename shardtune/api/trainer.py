@@ -84,6 +84,7 @@ class _Trainer:
     ) -> None:
         self.callbacks = checked_callbacks(unsupported.pop("callbacks", None))
         formatting_func = unsupported.pop("formatting_func", None)
+        ref_model = unsupported.pop("ref_model", None)
         for name, value in unsupported.items():
             _refuse(name, value, REFUSED[name])
         model_pairs = model_settings(model)
@@ -102,6 +103,7 @@ class _Trainer:
             ),  # under accelerate launch: its file's strategy, as the CLI reads it
             *given.items(),
             *model_pairs,
+            *(model_settings(ref_model, "ref_model", "ref_model") if ref_model is not None else []),
             *tokenizer_settings(processing_class),
             *peft_settings(peft_config),
             *dataset_settings(train_dataset, eval_dataset, formatting_func),
@@ -219,7 +221,6 @@ REFUSED = {
     "optimizer_cls_and_kwargs": "not taken: the optimizer comes from the config (optim): drop it",
     "preprocess_logits_for_metrics": "not built: drop it",
     "quantization_config": "pass load_in_4bit / load_in_8bit in the config instead",
-    "ref_model": "a reference model object is not taken yet: leave it None (the starting weights are the reference)",
 }
 
 

@@ -59,6 +59,11 @@ class DpoConfig:
     discopop_tau: float = setting(
         0.05, "discopop: the temperature of its mixing of the logistic and exponential losses"
     )
+    ref_model: str = setting(
+        "",
+        "the reference model: a local directory, hub id or preset:NAME with the policy's tokenizer (TRL's "
+        "DPOTrainer(ref_model=...)); empty: the starting weights (with PEFT: the base, adapter off)",
+    )
     precompute_ref_log_probs: bool = setting(
         False,
         "one reference pass over the train and test pairs before "

@@ -16,6 +16,8 @@ pairs and metrics once (sums / group size); the gradient average over all W rank
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -25,7 +27,7 @@ from shardtune.config.schema import ConfigError, DpoConfig
 from shardtune.data.batching import eval_shares
 from shardtune.data.cache import load_pairs_cached, pairs_entry
 from shardtune.data.preference import collate_pair_units
-from shardtune.model.loading import cache_dir
+from shardtune.model.loading import cache_dir, check_model_source, check_tokenizer_fits, resolve_model_name
 from shardtune.model.speed import apply_speed_features
 from shardtune.parallel.sequence import RowSlice, SequenceGroups, use_sequence_attention
 from shardtune.runtime.distributed import all_reduce_sum, print0
@@ -143,6 +145,11 @@ class DPO(Objective):
         # a micro-batch's pairs are collated chosen-then-rejected, never packed into blocks: padded rows, or one
         # padding-free row with --padding_free
         cfg.data.batching = "padding"
+        if cfg.dpo.ref_model and cfg.peft.method:
+            raise ConfigError(
+                f"--ref_model {cfg.dpo.ref_model} with --peft_method {cfg.peft.method}: an adapter's reference is "
+                "its own base with the adapter off (as TRL refuses a ref_model with a peft_config): drop --ref_model"
+            )
         if cfg.eval.log_samples:
             raise ConfigError(
                 "--log_eval_samples generates summaries, an SFT evaluation: shardtune dpo evaluates the "
@@ -151,6 +158,10 @@ class DPO(Objective):
 
     @classmethod
     def prepare_data(cls, cfg, tokenizer, dp_size: int) -> None:
+        if cfg.dpo.ref_model:  # a preset built, a local path or hub id checked, its embedding fits the tokenizer
+            cfg.dpo.ref_model = resolve_model_name(cfg.dpo.ref_model)
+            check_model_source(cfg.dpo.ref_model, "ref_model", cfg.model.trust_remote_code)
+            check_tokenizer_fits(cfg.dpo.ref_model, tokenizer, cfg.model.tokenizer, cfg.model.trust_remote_code)
         loaded = {split: load_pairs_cached(cfg, tokenizer, split, cache_dir())[0] for split in data_splits(cfg)}
         data.steps_per_epoch(len(loaded["train"]), cfg, dp_size)
 
@@ -210,7 +221,11 @@ class DPO(Objective):
     def build_reference(self) -> dict:
         if bool(self.cfg.peft.method):
             return {"peft_model": self.strategy.unwrap(self.model)}
-        frozen = build_model(self.cfg, self.env).eval().requires_grad_(False)
+        cfg = self.cfg
+        if cfg.dpo.ref_model:  # another model as the reference (its own weights, built as the policy is)
+            cfg = copy.deepcopy(cfg)
+            cfg.model.name = cfg.dpo.ref_model
+        frozen = build_model(cfg, self.env).eval().requires_grad_(False)
         apply_speed_features(frozen, self.cfg, self.env.device, say=False)  # the policy's kernels
         if self.split:  # the reference computes the slices of a split row as the policy does
             use_sequence_attention(frozen, SequenceGroups.from_mesh(self.strategy.mesh, self.strategy.dims))

@@ -170,3 +170,41 @@ def test_dpo_one_by_four_equals_two_by_two_under_ddp_fsdp_and_zero(tiny_model, r
     lora = step_rows(out)
     assert lora[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) and abs(lora[-1]["rewards/margins"]) > 1e-4
     assert (out / "adapter_model.safetensors").is_file()
+
+
+def test_dpo_with_a_reference_model_of_its_own(tiny_model, run_cli, tmp_path):
+    """--ref_model (TRL's DPOTrainer ref_model): the policy's weights at another path give exactly the default run;
+    other weights are the reference from step 1 (the margins are not 0), live or precomputed alike; with an adapter
+    it is refused in one line, as TRL refuses it."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    same = tmp_path / "models" / "same"
+    shutil.copytree(tiny_model, same)
+    other = tmp_path / "models" / "other"
+    shutil.copytree(tiny_model, other)
+    weights = load_file(other / "model.safetensors")
+    torch.manual_seed(3)
+    save_file({k: v + 0.02 * torch.randn_like(v) for k, v in weights.items()}, other / "model.safetensors")
+    base = ("dpo", "--nproc_per_node", 1, "--batch_size_training", 4, "--model_name", tiny_model, *RUN)
+    base = (*base, "--max_train_step", 2, "--run_validation", "false")
+    rows = {}
+    for name, extra in {
+        "default": (),
+        "same": ("--ref_model", same),
+        "other": ("--ref_model", other),
+        "other_precomputed": ("--ref_model", other, "--precompute_ref_log_probs"),
+    }.items():
+        run_cli(*base, "--output_dir", tmp_path / name, *extra)
+        rows[name] = step_rows(tmp_path / name)
+    assert [r["loss"] for r in rows["same"]] == pytest.approx([r["loss"] for r in rows["default"]], rel=1e-6)
+    first = rows["other"][0]
+    assert abs(first["rewards/margins"]) > 1e-3 and abs(first["loss"] - math.log(2)) > 1e-4
+    assert first["logps/chosen"] == pytest.approx(rows["default"][0]["logps/chosen"], rel=1e-6)  # the same policy
+    for a, b in zip(rows["other"], rows["other_precomputed"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=2e-5)
+    refused = run_cli(*base, "--output_dir", tmp_path / "lora", "--ref_model", other, "--use_peft", check=False)
+    assert refused.returncode != 0 and "drop --ref_model" in refused.stderr
+    assert not (tmp_path / "lora" / "metrics.jsonl").exists()

@@ -176,8 +176,10 @@ def test_dpo_trainer_takes_preference_rows_with_dpos_defaults(tiny_model):
         model=str(tiny_model), args=DPOConfig(beta=0.2, loss_type=["sigmoid", "sft"]), train_dataset=pairs
     ).config
     assert (cfg.objective, cfg.optim.lr, cfg.dpo.beta, cfg.dpo.loss_type) == ("dpo", 1e-6, 0.2, ["sigmoid", "sft"])
-    with pytest.raises(ConfigError, match="ref_model: a reference model object"):
+    with pytest.raises(ConfigError, match="ref_model: a object is not a transformers model"):
         DPOTrainer(model=str(tiny_model), ref_model=object(), train_dataset=pairs)
+    with_ref = DPOTrainer(model=str(tiny_model), ref_model=str(tiny_model), train_dataset=pairs).config
+    assert with_ref.dpo.ref_model == str(tiny_model)
 
 
 def test_shardtune_run_splits_launcher_flags_script_and_its_arguments(tmp_path):
@@ -238,7 +240,7 @@ def test_every_constructor_argument_of_trls_trainers_is_ours_too():
         names = list(inspect.signature(theirs.__init__).parameters)
         assert names == list(inspect.signature(ours.__init__).parameters)
         honoured = {"self", "model", "args", "train_dataset", "eval_dataset", "processing_class", "peft_config"}
-        honoured |= {"callbacks", "formatting_func"}
+        honoured |= {"callbacks", "formatting_func", "ref_model"}
         assert set(names) - honoured <= set(REFUSED), set(names) - honoured - set(REFUSED)
 
 
