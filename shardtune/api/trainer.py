@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,6 +23,7 @@ from shardtune.config.dialects.accelerate import clear_accelerate_loading_variab
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.launch.torchrun import in_place_worker_env
 from shardtune.runtime.distributed import is_torchrun_worker
+from shardtune.runtime.preemption import STOP_SIGNALS
 from shardtune.training.checks import prepare
 from shardtune.training.hooks import install
 from shardtune.training.worker import run_worker
@@ -62,6 +64,18 @@ def _worker_environment() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """The run records SIGTERM / SIGUSR1 / SIGINT to stop after a step with a checkpoint; after train() the script's
+    own handlers are back (Ctrl-C stops the script's later code as before)."""
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def _refuse(name: str, value: Any, why: str) -> None:
@@ -144,8 +158,8 @@ class _Trainer:
                 if self.callbacks
                 else None
             )
-            with install(hooks):
-                status = run_worker(cfg, prepared=True)
+            with install(hooks), _signal_handlers_kept():
+                status = run_worker(cfg, prepared=True, exit_when_stopped=True)
         if status != 0:
             raise RuntimeError(f"shardtune: the run stopped with status {status} (its error is above)")
         self.config = cfg

@@ -70,9 +70,8 @@ def reference_key(cfg, compute_dtype: torch.dtype, device: torch.device) -> str 
     and the library versions. None when the weights cannot be named (a hub id not in the local cache): then they are
     computed every run. The batch layout (processes, pairs per forward) is not in it: it changes float rounding
     only, as between any two layouts of the guarantee."""
-    weights = (
-        weights_identity(cfg.dpo.ref_model) if cfg.dpo.ref_model else weights_identity(cfg.model.name, cfg.model.revision)
-    )
+    ref = cfg.dpo.ref_model
+    weights = weights_identity(ref) if ref else weights_identity(cfg.model.name, cfg.model.revision)
     if weights is None:
         return None
     return hashlib.sha256(

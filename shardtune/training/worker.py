@@ -294,8 +294,12 @@ def record_worker_error(line: str) -> None:
         json.dump({"message": line, "timestamp": int(time.time())}, f)
 
 
-def run_worker(cfg: TrainConfig, prepared: bool = False) -> int:
+def run_worker(cfg: TrainConfig, prepared: bool = False, exit_when_stopped: bool = False) -> int:
+    """One worker's run: its exit status. ``exit_when_stopped`` (a script's ``trainer.train()``): a run stopped by a
+    signal (checkpoint written) raises SystemExit with the status the command would exit with, instead of
+    returning it, so that the script's process ends as ``shardtune sft``'s would."""
     install_worker_handlers()
+    stopped: int | None = None
     rank = int(os.environ["RANK"])
     try:
         if not prepared:  # the in-place run (one process) prepared it already
@@ -327,11 +331,12 @@ def run_worker(cfg: TrainConfig, prepared: bool = False) -> int:
             fail(str(e), cfg.run.debug)
         return 1
     except Preempted as e:  # every rank alike, after the checkpoint; 0 so that no agent restarts the workers
-        if report_stopped(e):
-            return 0
-        print0(f"shardtune: {e}")
+        if not report_stopped(e):
+            print0(f"shardtune: {e}")
         # in place (no torchrun) this process is the job: its status is what SLURM requeues on
-        return 0 if "TORCHELASTIC_RUN_ID" in os.environ else e.status
+        stopped = 0 if "TORCHELASTIC_RUN_ID" in os.environ else e.status
+        if not exit_when_stopped:
+            return stopped
     except (Exception, CheckpointException) as e:  # a fault no check foresaw (torch.distributed.checkpoint's error
         # is a BaseException): one line, printed once by whoever launched the workers
         if cfg.run.debug:
@@ -340,4 +345,6 @@ def run_worker(cfg: TrainConfig, prepared: bool = False) -> int:
         return 1
     finally:
         shutdown()
+    if stopped is not None:  # a script's train(): the script ends here, as the command would (its later lines
+        raise SystemExit(stopped)  # would use a model that was not trained to the end)
     return 0

@@ -1,17 +1,22 @@
 """A TRL user's own ``train.py`` (TRL's docs' shape, ``from shardtune import ...`` instead of ``from trl import ...``)
 run as TRL's distributed-training guide runs it: ``python train.py``, ``torchrun --nproc_per_node 2 train.py`` and
 the manual two-node form (``torchrun --nnodes 2 --node_rank R --rdzv_backend c10d --rdzv_endpoint HOST:PORT``,
-both nodes on this host), and under ``shardtune run --nproc_per_node 2 train.py``. Same effective batch -> the same
-per-step losses, LoRA dropout on."""
+both nodes on this host), under ``shardtune run --nproc_per_node 2 train.py`` and under ``accelerate launch
+--config_file <TRL's fsdp2 profile> --num_processes 2 train.py``. Same effective batch -> the same per-step losses,
+LoRA dropout on. A run of a script stopped by a signal under ``shardtune run`` checkpoints and exits 75, and the
+script resumed in another layout ends like the uninterrupted run."""
 
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from shardtune.runtime.preemption import EXIT_PREEMPTED
 from tests.conftest import REPO, cli_env
 
 EXAMPLES = REPO / "examples"
@@ -52,6 +57,14 @@ def test_a_trl_script_gives_the_same_steps_under_python_torchrun_and_two_nodes(t
     )
     assert "topology: 1 node" in launcher.stdout
     three = result_of(launcher.stdout)
+    profile = REPO / "shardtune" / "config" / "dialects" / "accelerate_profiles" / "fsdp2.yaml"  # as TRL ships it
+    accelerate = run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(profile), "--num_processes", "2"]
+        + [str(script), str(tiny_model), "accelerate", "1", "2"],
+        cache_dir,
+        tmp_path,
+    )
+    assert "strategy: fsdp2 FULL_SHARD, world size 2" in accelerate.stdout  # the strategy accelerate's file named
     port = free_port()
     nodes = [
         subprocess.Popen(
@@ -73,7 +86,7 @@ def test_a_trl_script_gives_the_same_steps_under_python_torchrun_and_two_nodes(t
         return [row["loss"] for row in result["history"] if "loss" in row]
 
     assert len(losses(one)) == 5 and one["global_step"] == 5
-    for other in (two, three, nodes_result):
+    for other in (two, three, nodes_result, result_of(accelerate.stdout)):
         assert all(abs(a - b) <= 1e-5 for a, b in zip(losses(one), losses(other), strict=True)), (
             losses(one),
             losses(other),
@@ -110,3 +123,81 @@ def test_the_dpo_example_trains_and_reports_trls_reward_metrics(tiny_model, cach
     assert len(steps) == 4 and abs(steps[0]["loss"] - 0.693147) < 1e-4  # the policy starts as its reference
     assert {"rewards/chosen", "rewards/margins", "learning_rate", "grad_norm"} <= set(steps[0])
     assert result["model"] == "PeftModelForCausalLM"
+
+
+# TRL's docs' shape, slowed by a callback so that a signal lands mid-run
+STOPPABLE = """
+import json, os, sys, time
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import TrainerCallback
+from shardtune import SFTConfig, SFTTrainer
+
+model, output_dir, batch, accumulation, resume = sys.argv[1:6]
+
+
+class Slow(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(0.4)
+
+
+rows = [{"prompt": f"count to {n}", "completion": " " + " ".join(map(str, range(n)))} for n in range(1, 49)]
+trainer = SFTTrainer(
+    model=model,
+    args=SFTConfig(output_dir=output_dir, per_device_train_batch_size=int(batch), max_steps=12, logging_steps=1,
+                   gradient_accumulation_steps=int(accumulation), learning_rate=2e-3, save_steps=100),
+    train_dataset=Dataset.from_list(rows),
+    peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=["q_proj", "v_proj"]),
+    callbacks=[Slow()],
+)
+trainer.train(resume_from_checkpoint=resume == "resume" or None)
+if int(os.environ.get("RANK", "0")) == 0:
+    print("RESULT " + json.dumps({"history": trainer.state.log_history}))
+"""
+
+
+def test_a_script_stopped_under_shardtune_run_checkpoints_exits_75_and_resumes_in_another_layout(
+    tiny_model, cache_dir, tmp_path
+):
+    """SIGUSR1 to ``shardtune run --nproc_per_node 2 train.py`` (batch 2): every rank ends its step, the checkpoint
+    is written, the script ends inside train() (its later lines do not run) and the launcher exits 75; the same
+    script in one process (batch 4) with train(resume_from_checkpoint=True) ends like the uninterrupted run."""
+    script = tmp_path / "train.py"
+    script.write_text(STOPPABLE)
+    whole = result_of(
+        run([sys.executable, str(script), str(tiny_model), "whole", "4", "1", "no"], cache_dir, tmp_path).stdout
+    )
+    part = tmp_path / "part"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "shardtune", "run", "--nproc_per_node", "2", str(script), str(tiny_model), str(part)]
+        + ["2", "1", "no"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(cache_dir),
+        cwd=tmp_path,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        metrics = part / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().count('"loss"') >= 2):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1][-4000:]
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGUSR1)
+        stdout, stderr = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == EXIT_PREEMPTED, stderr[-4000:]
+    assert "stopped by SIGUSR1 after step" in stdout + stderr and "RESULT" not in stdout
+    checkpoints = [p.name for p in (part / "checkpoints").iterdir() if p.name.startswith("step-")]
+    assert len(checkpoints) == 1 and 2 <= int(checkpoints[0].removeprefix("step-")) < 12, checkpoints
+    resumed = run([sys.executable, str(script), str(tiny_model), str(part), "4", "1", "resume"], cache_dir, tmp_path)
+    assert "resumed from" in resumed.stdout
+    losses = {
+        name: [row["loss"] for row in r["history"] if "loss" in row]
+        for name, r in (("whole", whole), ("part", result_of(resumed.stdout)))
+    }
+    assert len(losses["whole"]) == 12
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(losses["whole"], losses["part"], strict=True)), losses
