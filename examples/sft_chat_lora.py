@@ -51,11 +51,13 @@ trainer = SFTTrainer(
 result = trainer.train()
 trainer.save_model(output_dir + "-saved")
 
+metrics = trainer.evaluate()  # every process evaluates the trained adapter (all must call it)
 if int(os.environ.get("RANK", "0")) == 0:  # every process of the run reaches this line; one prints
     summary = {
+        "eval": metrics,
         "history": trainer.state.log_history,
         "global_step": result.global_step,
         "model": type(trainer.model).__name__,
-        "eval": trainer.evaluate(),
+        "epoch": trainer.state.epoch,
     }
     print("RESULT " + json.dumps(summary))

@@ -124,14 +124,20 @@ class _Trainer:
         ]
         clear_accelerate_loading_variables()  # read above; shardtune loads the weights itself
         self.config = self._config()  # every refusal here, when the trainer is made
+        self._datasets = (train_dataset, eval_dataset, formatting_func)
+        self._starting_model = dict(model_pairs)["model_name_or_path"]
+        self._evaluations = 0
         self.state = TrainerState()
         self._model: Any = None
         self._trained = False
 
     def _config(self, more: list[tuple[str, Any]] = ()) -> TrainConfig:
+        return self._config_of(self._pairs, more)
+
+    def _config_of(self, pairs: list[tuple[str, Any]], more: list[tuple[str, Any]] = ()) -> TrainConfig:
         from shardtune.config.flags import build_config
 
-        return build_config([*self._pairs, *more], None, (), [], self.objective)
+        return build_config([*pairs, *more], None, (), [], self.objective)
 
     @property
     def output_dir(self) -> Path:
@@ -179,15 +185,49 @@ class _Trainer:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         return [trl_row(row) for row in rows]
 
-    def evaluate(self) -> dict[str, Any]:
-        """The last evaluation of the trained run (its eval_* metrics)."""
-        evals = [row for row in self.state.log_history if "eval_loss" in row]
-        if not evals:
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, Any]:
+        """TRL's ``evaluate()``: the model as it is now (the trained one after train(), else the starting one) on
+        ``eval_dataset`` (default: the trainer's), by the run's own evaluation (every process, exact across
+        layouts): the metrics under TRL's names with ``metric_key_prefix``. It writes only its metrics row, in
+        output_dir/evaluations/."""
+        _refuse("ignore_keys", ignore_keys, "not taken: every metric the objective computes is returned; drop it")
+        pairs = list(self._pairs)
+        if eval_dataset is not None:
+            train, _, formatting_func = self._datasets
+            pairs += dataset_settings(train, eval_dataset, formatting_func)
+        if self._trained:
+            pairs += self._trained_model_settings()
+        self._evaluations += 1
+        folder = self.output_dir / "evaluations" / f"{self._evaluations:03d}"
+        more = [("eval_only", True), ("output_dir", str(folder)), ("overwrite_output_dir", True)]
+        cfg = self._config_of(pairs, [*more, ("report_to", "none"), ("save_model", False)])
+        with _worker_environment():
+            prepare(cfg, int(os.environ["WORLD_SIZE"]))
+            with _signal_handlers_kept():
+                status = run_worker(cfg, prepared=True, exit_when_stopped=True)
+        if status != 0:
+            raise RuntimeError(f"shardtune: the evaluation stopped with status {status} (its error is above)")
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        metrics = {k: v for k, v in trl_row(rows[-1]).items() if k not in ("step", "epoch")}
+        metrics = {metric_key_prefix + k.removeprefix("eval"): v for k, v in metrics.items()}
+        return {**metrics, "epoch": self.state.epoch}
+
+    def _trained_model_settings(self) -> list[tuple[str, Any]]:
+        """The trained run's published output as the model to evaluate (an adapter: on its base)."""
+        out = self.output_dir
+        if not self.config.output.save_model or not any((out / f).is_file() for f in PUBLISHED):
             raise ConfigError(
-                "evaluate(): the run has no evaluation: give eval_dataset and eval_strategy steps or epoch, then "
-                "train()"
+                f"evaluate(): the trained model was not written to {out} (save_model off): evaluate during "
+                "training instead (eval_strategy steps or epoch), or keep save_model on"
             )
-        return dict(evals[-1])
+        if (out / "adapter_config.json").is_file():
+            return [("from_peft_checkpoint", str(out))]
+        settings = [("model_name_or_path", str(out))]
+        if self.objective == "dpo" and not self.config.dpo.ref_model:  # the reference stays the starting weights
+            settings.append(("ref_model", self._starting_model))
+        return settings
 
     @property
     def model(self) -> Any:
@@ -208,6 +248,9 @@ class _Trainer:
         for path in self.output_dir.iterdir():
             if path.is_file() and path.name not in ("metrics.jsonl",):
                 shutil.copy2(path, target / path.name)
+
+
+PUBLISHED = ("adapter_config.json", "config.json")  # what a run's published model (or adapter) always has
 
 
 def load_published(folder: Path) -> Any:

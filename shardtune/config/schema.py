@@ -388,6 +388,13 @@ class EvalSettings:
         needs="eval.enabled",
         **RUN,
     )
+    only: bool = setting(
+        False,
+        "evaluate the model once on the test split, as a run's evaluations do (every rank, exact across layouts), "
+        "and stop: no training step, nothing written but metrics.jsonl's row (trainer.evaluate())",
+        needs="eval.enabled",
+        **RUN,
+    )
     batch_size: int = setting(1, "eval micro-batch size per device", at_least=1, **RUN)
     max_batches: int = setting(0, "evaluate on at most this many eval batches per rank; 0: all", at_least=0, **RUN)
     log_samples: int = setting(

@@ -166,6 +166,8 @@ def drop_absent_validation(cfg: TrainConfig, say: bool) -> None:
     if cfg.eval.enabled and not validation_available(cfg):
         tc = cfg.data.trl_dataset
         asked = [flag for key, flag in getattr(cfg, "spelled", {}).items() if key in ("eval.enabled", "eval.steps")]
+        if cfg.eval.only:
+            asked = asked or ["eval_only"]
         if asked:
             raise DataError(
                 f"--{asked[0]} asks for evaluation, but --dataset_name {tc.dataset_name} has no split "

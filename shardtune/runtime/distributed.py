@@ -115,14 +115,23 @@ def attempt_store(world_size: int, timeout: timedelta) -> dist.Store | None:
     published and fail to connect (seen here: gloo "connection refused" after a restart, in about half the
     runs). A prefix per attempt makes every attempt start from empty keys. The attempt is the number every node
     agrees on (shardtune/runtime/elastic.py), not torchrun's per-node restart count: nodes with different prefixes would
-    wait for each other until the timeout.
+    wait for each other until the timeout. The same holds within one worker process that joins a process group a
+    second time (a script's ``trainer.train()`` then ``trainer.evaluate()``): destroy_process_group resets torch's
+    group names, so the second group would read the first one's addresses (a rank that got there first connected
+    to its peer's closed gloo listener: "Connection reset by peer", the peer then waiting in init_process_group
+    until the timeout); every process joins its groups in the same order, so a count of them agrees too.
     """
+    global _groups_joined
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
     )
-    return dist.PrefixStore(f"shardtune/attempt_{worker_group_attempt()}", store)
+    _groups_joined += 1
+    return dist.PrefixStore(f"shardtune/attempt_{worker_group_attempt()}/group_{_groups_joined}", store)
+
+
+_groups_joined = 0  # process groups this worker process has joined through attempt_store
 
 
 def shutdown() -> None:

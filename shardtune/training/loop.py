@@ -67,6 +67,11 @@ def train(
     after it, with the best checkpoint's weights."""
     run = Run(model, strategy, objective, units, writer, checkpointer, publish)
     cfg, result, hooks = objective.cfg, run.result, run.hooks
+    if cfg.eval.only:  # trainer.evaluate(): the model as it is, nothing trained or written but the row
+        run.evaluate(run.start.epoch, 0, "evaluation")
+        run.reporter.close()
+        run.probe.close()
+        return result
     if hooks:
         hooks.on_train_begin(run.total_steps)
     if cfg.eval.enabled and cfg.eval.on_start and result.steps == 0:  # --eval_on_start: the baseline, once a run

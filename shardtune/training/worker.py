@@ -195,6 +195,10 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         raise
     finally:
         writer.close()
+    barrier()  # metrics.jsonl is whole before any rank returns (a script's trainer reads it on every rank)
+    if cfg.eval.only:
+        print0(f"evaluated: eval loss {result.eval_loss:.4f} (--eval_only: nothing trained)")
+        return result
     if metrics_path is not None and cfg.logging.save_plots:  # rank 0 (the only one with a metrics path)
         print0(f"charts: {write_run_plots(out_dir)}/ (loss, lr, grad norm, speed, memory)")
     print0(report(result, cfg))

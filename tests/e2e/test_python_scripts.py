@@ -86,6 +86,9 @@ def test_a_trl_script_gives_the_same_steps_under_python_torchrun_and_two_nodes(t
         return [row["loss"] for row in result["history"] if "loss" in row]
 
     assert len(losses(one)) == 5 and one["global_step"] == 5
+    last_eval = [row for row in one["history"] if "eval_loss" in row][-1]
+    assert last_eval["step"] == 5  # evaluate() evaluated the trained adapter afresh: the run's last evaluation
+    assert abs(one["eval"]["eval_loss"] - last_eval["eval_loss"]) <= 1e-6 and one["eval"]["epoch"] == one["epoch"]
     for other in (two, three, nodes_result, result_of(accelerate.stdout)):
         assert all(abs(a - b) <= 1e-5 for a, b in zip(losses(one), losses(other), strict=True)), (
             losses(one),

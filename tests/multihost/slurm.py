@@ -153,6 +153,9 @@ class SlurmCluster:
             "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nJobAcctGatherType=jobacct_gather/none\n"
             "MpiDefault=none\nReturnToService=2\nSelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\n"
             "GresTypes=gpu\nMailProg=/bin/true\n"
+            # sbatch --wait polls the job after 2, 8, then every 32 s, but every 2 s while MinJobAge / 2 <= 2 (a
+            # finished job's record is kept that long, at least; default 300 s): it ends 2 s after the job
+            "MinJobAge=5\n"
             f"StateSaveLocation={root / 'state'}\nSlurmdSpoolDir={root}/spool-%n\n"
             f"SlurmctldPidFile={root / 'slurmctld.pid'}\nSlurmdPidFile={root}/slurmd-%n.pid\n"
             f"SlurmctldLogFile={root / 'slurmctld.log'}\nSlurmdLogFile={root}/slurmd-%n.log\n"

@@ -10,6 +10,7 @@ the preflight failures.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -388,6 +389,102 @@ def test_slurm_recipe_runs_as_it_is_with_deepspeed_zero3_and_requeues_itself_whe
         f"SLURM recipe (ZeRO-3, 2 hosts x 2) stopped by SIGUSR1 after step {stopped[1]}, requeued, resumed: max "
         f"relative weight difference to one host {difference:.2e}"
     )
+
+
+# TRL's distributed-training guide's job script, for 2 nodes x 1 process (these hosts have 2 CPUs and 2 "GPUs")
+TRL_JOB_SCRIPT = """#!/bin/bash
+#SBATCH --nodes=2
+#SBATCH --gpus-per-node=2
+#SBATCH --job-name=trl_multi
+
+MAIN_NODE=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)
+srun torchrun --nnodes 2 --nproc_per_node 1 --node_rank $SLURM_NODEID --rdzv_backend c10d --rdzv_endpoint $MAIN_NODE:29500 {train}
+"""  # noqa: E501 (the job script as TRL writes it)
+
+
+def run_job_script(two_hosts, script: Path, env: dict[str, str], root: Path) -> tuple[int, str]:
+    """``sbatch --wait SCRIPT`` on a real SLURM cluster on the two hosts when slurm-wlm is installed; without it,
+    SCRIPT run by bash as sbatch would on the first node, with a stand-in srun and an scontrol that answers
+    ``scontrol show hostnames LIST``. Returns (the job's exit status, its output)."""
+    missing = missing_programs()
+    if not missing:
+        (root / "slurm").mkdir()
+        cluster = SlurmCluster(two_hosts, root / "slurm")
+        try:
+            cluster.start()
+            print("TRL's job script run by a real SLURM (slurmctld + 2 slurmd)")
+            return cluster.finish(cluster.submit([str(script)], env=env, cwd=root), timeout=480)
+        finally:
+            cluster.stop()
+    print(f"TRL's job script run with the stand-in srun and scontrol ({', '.join(missing)} not installed)")
+    bin_dir = Path(env["PATH"].split(":")[0])
+    stand_in_srun(two_hosts, bin_dir)
+    write_executable(bin_dir / "scontrol", '#!/bin/bash\n[ "$1 $2" = "show hostnames" ] && tr , "\\n" <<< "$3"\n')
+    batch = {
+        "SLURM_JOB_ID": "4243",
+        "SLURM_JOB_NAME": "trl_multi",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "hostA,hostB",
+        "SLURM_NODEID": "0",
+        "SLURM_GPUS_ON_NODE": "2",
+    }
+    job = subprocess.run(
+        ["bash", str(script)],
+        env={**env, **batch},
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=480,
+    )
+    return job.returncode, job.stdout
+
+
+def script_result(output: str) -> dict:
+    """The ``RESULT {json}`` line examples/sft_chat_lora.py's rank 0 prints."""
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, output[-6000:]
+    return json.loads(lines[0].removeprefix("RESULT "))
+
+
+def test_a_trl_script_under_trls_slurm_job_script_trains_like_one_process(two_hosts, cache_dir, tiny_model, tmp_path):
+    """A TRL user's train.py (examples/sft_chat_lora.py) under TRL's guide's ``srun torchrun ... --rdzv_backend
+    c10d --rdzv_endpoint $MAIN_NODE:29500 train.py`` job script: 2 nodes x 1 process x batch 1 x accumulation 2
+    has the per-step losses and eval loss of one plain ``python train.py`` process with batch 4."""
+    train = REPO / "examples" / "sft_chat_lora.py"
+    reference = subprocess.Popen(  # meanwhile, on this machine: it waits on imports while the job does
+        [sys.executable, str(train), str(tiny_model), "one", "4", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(cache_dir),
+        cwd=tmp_path,
+    )
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    write_executable(
+        bin_dir / "torchrun", f'#!/bin/bash\nexec {shlex.quote(sys.executable)} -m torch.distributed.run "$@"\n'
+    )
+    out = tmp_path / "shared" / "trl_multi"
+    script = tmp_path / "trl_multi.slurm"
+    script.write_text(TRL_JOB_SCRIPT.format(train=shlex.join(map(str, [train, tiny_model, out, 1, 2]))))
+    env = {**cli_env(cache_dir), "PATH": f"{bin_dir}:{os.environ['PATH']}", "GLOO_SOCKET_IFNAME": INTERFACE}
+    try:
+        code, output = run_job_script(two_hosts, script, env, tmp_path)
+        one_out, one_err = reference.communicate(timeout=300)
+    finally:
+        reference.kill()  # when the job failed to run (a no-op once it ended)
+    assert reference.returncode == 0, one_err[-5000:]
+    assert code == 0, output[-6000:]
+    one, job = script_result(one_out), script_result(output)
+
+    def losses(result: dict) -> list[float]:
+        return [row["loss"] for row in result["history"] if "loss" in row]
+
+    assert len(losses(one)) == 5 and job["global_step"] == 5
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(losses(one), losses(job), strict=True)), (losses(one), losses(job))
+    assert abs(job["eval"]["eval_loss"] - one["eval"]["eval_loss"]) <= 1e-5
+    assert (out.parent / "trl_multi-saved" / "adapter_config.json").is_file()
 
 
 def test_a_node_with_another_config_stops_every_node_naming_the_field(sft_on_two_hosts, tiny_model, tmp_path):

@@ -89,6 +89,11 @@ def _fixed(name: str, accepted: Any, why: str) -> Spelling:
     return Spelling("-", to=to)
 
 
+def _eval_only(value: Any) -> Pairs:
+    only = _bool("eval_only", value)
+    return [("eval.only", only)] + ([("eval.enabled", True)] if only else [])
+
+
 def _freeze_llm_only(value: Any) -> Pairs:
     if _bool("freeze_LLM_only", value):
         raise ConfigError(
@@ -264,6 +269,11 @@ SPELLINGS: dict[str, Spelling] = {
     "rope_scaling": Spelling("model.rope_scaling"),
     "rope_factor": Spelling("model.rope_factor"),
     "log_eval_samples": Spelling("eval.log_samples"),
+    "eval_only": Spelling(
+        "eval.only / eval.enabled",
+        "evaluate the model once on the test split and stop, no training step (trainer.evaluate()'s run)",
+        _eval_only,
+    ),
     "dist_timeout": Spelling("parallel.dist_timeout"),
     **_section_renames(),
 }
