@@ -381,6 +381,12 @@ class EvalSettings:
         interval=True,
         **RUN,
     )
+    at_epoch_ends: bool = setting(
+        True,
+        "evaluate at the end of each epoch too; false (TRL's --eval_strategy steps): only every eval.steps, as "
+        "Trainer does (the run's last step included only when it falls on that interval)",
+        **RUN,
+    )
     on_start: bool = setting(
         False,
         "also evaluate the model before the first step of a run (a metrics row at step "

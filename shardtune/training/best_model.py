@@ -54,6 +54,12 @@ def check_intervals(cfg: TrainConfig, world_size: int) -> None:
             f"{flag} chooses among checkpoints, and none are written: pass --save_steps N (a multiple of "
             "--eval_steps) or --save_strategy epoch"
         )
+    if not save and not cfg.eval.at_epoch_ends:
+        raise ConfigError(
+            f"{flag}: checkpoints at epoch ends, evaluations only every --eval_steps (--eval_strategy steps): "
+            "make the strategies match, as Trainer requires (--save_strategy steps --save_steps N, or "
+            "--eval_strategy epoch)"
+        )
     if save >= 1 and not (evaluate >= 1 and save % evaluate == 0) and not 0 < evaluate < 1:
         raise ConfigError(
             f"{flag}: a checkpoint every {save:g} steps needs an evaluation at each: pass "

@@ -248,8 +248,13 @@ class Run:
             self.scheduler.step()
         if self.result.steps >= self.total_steps and not self.best:
             self.publish_once()
-        if self.cfg.eval.enabled:
-            self.evaluate(epoch, done_in_epoch, f"epoch {epoch + 1}")
+        on_interval = bool(self.eval_every) and self.result.steps % self.eval_every == 0
+        if self.cfg.eval.enabled and (self.cfg.eval.at_epoch_ends or on_interval):
+            self.evaluate(
+                epoch,
+                done_in_epoch,
+                f"epoch {epoch + 1}" if self.cfg.eval.at_epoch_ends else f"step {self.result.steps}",
+            )
         if self.checkpointer:
             self.checkpointer.after_epoch(epoch, done_in_epoch)
             if self.save_at_epoch_end:

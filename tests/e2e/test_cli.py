@@ -164,3 +164,29 @@ def test_torchrun_module_path_runs_in_place(tiny_model, cache_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(step_rows(out)) == 2 and (out / "model.safetensors").is_file()
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_trls_eval_strategy_steps_evaluates_on_its_interval_only_and_eval_only_repeats_the_last(
+    tiny_model, run_cli, tmp_path
+):
+    """--eval_strategy steps --eval_steps 3 over epochs of 4 steps: evaluations at steps 3 and 6, as Trainer (none
+    at the epoch's end, step 4); --eval_only on the published model gives the step-6 evaluation again, alone."""
+    data = ("--dataset", "synthetic_dialogues", "--synthetic_dialogues.num_train", 16)
+    data += ("--synthetic_dialogues.num_validation", 4, "--max_length", 256)
+    out = tmp_path / "run"
+    run_cli(
+        "sft", "--nproc_per_node", 1, "--model_name_or_path", tiny_model, "--output_dir", out, *data,
+        "--per_device_train_batch_size", 4, "--max_steps", 6, "--eval_strategy", "steps", "--eval_steps", 3,
+        "--logging_steps", 1, "--save_strategy", "no", "--learning_rate", 1e-3,
+    )  # fmt: skip
+    evals = {row["step"]: row["eval_loss"] for row in eval_rows(out)}
+    assert list(evals) == [3, 6] and [r["epoch"] for r in step_rows(out)][3] == 1.0
+    again = tmp_path / "again"
+    proc = run_cli(
+        "sft", "--nproc_per_node", 2, "--model_name_or_path", out, "--output_dir", again, *data, "--eval_only",
+        "--per_device_eval_batch_size", 1,
+    )  # fmt: skip
+    assert "evaluated: eval loss" in proc.stdout and not step_rows(again)
+    (row,) = eval_rows(again)
+    assert row["step"] == 0 and row["eval_loss"] == pytest.approx(evals[6], rel=1e-6)
+    assert not (again / "model.safetensors").exists()

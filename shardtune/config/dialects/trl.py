@@ -164,7 +164,11 @@ def _eval_strategy(value: Any) -> Pairs:
     strategy = text(value)
     if strategy not in ("no", "epoch", "steps"):
         raise ConfigError(f"--eval_strategy {strategy} is not valid: choose no, steps or epoch")
-    return [("eval.enabled", strategy != "no"), (STATE + "eval_strategy", strategy)]
+    return [
+        ("eval.enabled", strategy != "no"),
+        ("eval.at_epoch_ends", strategy != "steps"),  # Trainer: steps evaluates on its interval only
+        (STATE + "eval_strategy", strategy),
+    ]
 
 
 def _save_strategy(value: Any) -> Pairs:
@@ -409,7 +413,11 @@ SPELLINGS: dict[str, Spelling] = {
     "adam_beta2": T("optim.adam_beta2", "AdamW beta2"),
     "adam_epsilon": T("optim.adam_epsilon", "AdamW epsilon"),
     # logging, evaluation, saving
-    "eval_strategy": T("eval.enabled / eval.steps", "no, epoch, or steps (with --eval_steps N)", _eval_strategy),
+    "eval_strategy": T(
+        "eval.enabled / eval.steps / eval.at_epoch_ends",
+        "no, epoch, or steps (with --eval_steps N; only on that interval, as Trainer)",
+        _eval_strategy,
+    ),
     "eval_steps": T(
         "eval.steps",
         "evaluate every N optimizer steps (with --eval_strategy steps); a float in (0, 1): "
