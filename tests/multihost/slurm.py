@@ -155,7 +155,7 @@ class SlurmCluster:
             "GresTypes=gpu\nMailProg=/bin/true\n"
             # sbatch --wait polls the job after 2, 8, then every 32 s, but every 2 s while MinJobAge / 2 <= 2 (a
             # finished job's record is kept that long, at least; default 300 s): it ends 2 s after the job
-            "" # TEMP
+            "MinJobAge=5\n"
             f"StateSaveLocation={root / 'state'}\nSlurmdSpoolDir={root}/spool-%n\n"
             f"SlurmctldPidFile={root / 'slurmctld.pid'}\nSlurmdPidFile={root}/slurmd-%n.pid\n"
             f"SlurmctldLogFile={root / 'slurmctld.log'}\nSlurmdLogFile={root}/slurmd-%n.log\n"
