@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -54,9 +55,15 @@ Unit = list[Example]
 MicroBatch = dict[str, torch.Tensor]
 
 
+def example_length(example: Example) -> int:
+    """Its tokens; a cached example (shardtune.data.cache.ExampleView) says so without reading them."""
+    length = getattr(example, "length", None)
+    return length if length is not None else len(example["input_ids"])
+
+
 def unit_length(unit: Unit) -> int:
     return sum(
-        len(example["input_ids"])
+        example_length(example)
         if "input_ids" in example  # a preference pair: its longer sequence
         else len(example["prompt_ids"]) + max(len(example["chosen_ids"]), len(example["rejected_ids"]))
         for example in unit
@@ -82,7 +89,7 @@ def pack(examples: list[Example], context_length: int, seed: int) -> list[Unit]:
     used = 0
     for index in order:
         example = examples[index]
-        length = len(example["input_ids"])
+        length = example_length(example)
         assert length <= context_length, "load_examples skips examples longer than context_length"
         if block and used + length > context_length:
             blocks.append(block)
@@ -138,8 +145,8 @@ def collate_padding(examples: list[Example], pad_id: int) -> MicroBatch:
     attention_mask = torch.zeros((batch, length), dtype=torch.long)
     for row, example in enumerate(examples):
         n = len(example["input_ids"])
-        input_ids[row, :n] = torch.tensor(example["input_ids"])
-        labels[row, :n] = torch.tensor(example["labels"])
+        input_ids[row, :n] = torch.from_numpy(np.asarray(example["input_ids"], dtype=np.int64))
+        labels[row, :n] = torch.from_numpy(np.asarray(example["labels"], dtype=np.int64))
         attention_mask[row, :n] = 1
     position_ids = torch.arange(length).expand(batch, length).clone()
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask, "position_ids": position_ids}
@@ -153,10 +160,9 @@ def collate_flat(examples: list[Example]) -> MicroBatch:
     across a boundary. The model computes on exactly the examples' tokens, whatever their lengths.
     """
     lengths = [len(example["input_ids"]) for example in examples]
-    input_ids = torch.tensor([token for example in examples for token in example["input_ids"]], dtype=torch.long)
-    labels = torch.tensor(
-        [label for example in examples for label in [IGNORE_INDEX, *example["labels"][1:]]], dtype=torch.long
-    )
+    input_ids = torch.from_numpy(np.concatenate([np.asarray(e["input_ids"], dtype=np.int64) for e in examples]))
+    labels = torch.from_numpy(np.concatenate([np.asarray(e["labels"], dtype=np.int64) for e in examples]))
+    labels[torch.tensor(lengths).cumsum(0) - torch.tensor(lengths)] = IGNORE_INDEX  # no example predicts across
     position_ids = torch.cat([torch.arange(n) for n in lengths])
     cu_seq_lens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu_seq_lens[1:] = torch.tensor(lengths).cumsum(0)

@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -146,13 +147,75 @@ def _write(entry: Path, examples: list[dict], report: DataReport) -> None:
     _publish(tmp, entry)
 
 
-def _read(entry: Path) -> tuple[list[dict], DataReport]:
-    input_ids = np.load(entry / "input_ids.npy", allow_pickle=False).tolist()
-    labels = np.load(entry / "labels.npy", allow_pickle=False).tolist()
-    offsets = np.load(entry / "offsets.npy", allow_pickle=False).tolist()
-    examples = [{"input_ids": input_ids[a:b], "labels": labels[a:b]} for a, b in zip(offsets[:-1], offsets[1:])]
+class TokenStore(Sequence):
+    """A tokenised split as it lies in the cache: flat ``input_ids`` / ``labels`` arrays (int32) and the examples'
+    ``offsets``, memory-mapped. Every process of a run maps the same files, so the corpus is in the page cache once
+    per machine, not once per process as lists of ints (~72 bytes a token); the store holds only the offsets. Item
+    ``i`` is a view of example ``i`` (its arrays are slices of the maps, read when a batch is collated)."""
+
+    def __init__(self, entry: Path):
+        self.input_ids = np.load(entry / "input_ids.npy", mmap_mode="r", allow_pickle=False)
+        self.labels = np.load(entry / "labels.npy", mmap_mode="r", allow_pickle=False)
+        self.offsets = np.load(entry / "offsets.npy", allow_pickle=False)
+        if self.offsets.ndim != 1 or self.offsets[-1] != len(self.input_ids) or len(self.labels) != len(self.input_ids):
+            raise ValueError(f"{entry}: offsets end at {self.offsets[-1]}, arrays hold {len(self.input_ids)} tokens")
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"example {index} of {len(self)}")
+        return ExampleView(self, int(self.offsets[index]), int(self.offsets[index + 1]))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+
+class ExampleView(Mapping):
+    """One example of a TokenStore: ``input_ids`` and ``labels`` read from the maps as lists when asked for (nothing
+    is kept), ``length`` without reading them. Equal to a dict of the same lists."""
+
+    __slots__ = ("_store", "_start", "_end")
+
+    def __init__(self, store: TokenStore, start: int, end: int):
+        self._store, self._start, self._end = store, start, end
+
+    @property
+    def length(self) -> int:
+        return self._end - self._start
+
+    def __getitem__(self, key: str) -> list[int]:
+        if key == "input_ids":
+            return self._store.input_ids[self._start : self._end].tolist()
+        if key == "labels":
+            return self._store.labels[self._start : self._end].tolist()
+        raise KeyError(key)
+
+    def __iter__(self):
+        return iter(("input_ids", "labels"))
+
+    def __len__(self) -> int:
+        return 2
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mapping) and dict(self.items()) == dict(other.items())
+
+    def __repr__(self) -> str:
+        return repr(dict(self.items()))
+
+
+def _read(entry: Path) -> tuple[TokenStore, DataReport]:
     report = DataReport(**json.loads((entry / "report.json").read_text()))
-    return examples, report
+    return TokenStore(entry), report
 
 
 PAIR_FIELDS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -207,7 +270,7 @@ def _through_cache(entry: Path, compute, write, read) -> tuple[list[dict], DataR
                 shutil.rmtree(entry, ignore_errors=True)
         records, report = compute()
         write(entry, records, report)
-    return records, report
+    return read(entry)  # what every other process reads (the same views of the same files)
 
 
 def load_examples_cached(cfg: TrainConfig, tokenizer: Any, split: str, root: Path) -> tuple[list[dict], DataReport]:

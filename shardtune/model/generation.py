@@ -104,9 +104,10 @@ def rouge_scores(references: list[str], predictions: list[str]) -> list[dict[str
 
 def split_example(example: dict) -> tuple[list[int], list[int]]:
     """(prompt ids: bos + prompt, reference ids: the labelled tokens without the final eos)."""
-    labels = example["labels"]
+    labels = [int(label) for label in example["labels"]]  # a list, or a cached example's array slice
     num_prompt = next(i for i, label in enumerate(labels) if label != IGNORE_INDEX)
-    return example["input_ids"][:num_prompt], [t for t in labels[num_prompt:-1] if t != IGNORE_INDEX]
+    prompt = [int(token) for token in example["input_ids"][:num_prompt]]
+    return prompt, [t for t in labels[num_prompt:-1] if t != IGNORE_INDEX]
 
 
 def generate_for_examples(

@@ -19,7 +19,9 @@ def test_an_emptied_cache_file_is_removed_and_rebuilt_with_a_note(tmp_path, caps
     tokenizer = train_tokenizer()
     cfg = TrainConfig()
     cfg.data.synthetic_dialogues.num_train = 20
-    fresh, _ = load_examples_cached(cfg, tokenizer, "train", tmp_path)
+    store, _ = load_examples_cached(cfg, tokenizer, "train", tmp_path)
+    fresh = [dict(example) for example in store]  # read now: the store maps the files damaged below
+    del store
     [entry] = [p for p in (tmp_path / "tokenized").iterdir() if p.is_dir()]
     (entry / "labels.npy").write_bytes(b"")  # what a power cut or a full disk leaves
     capsys.readouterr()
