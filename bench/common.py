@@ -22,8 +22,7 @@ def child_env(**extra: str) -> dict[str, str]:
             "HF_HUB_OFFLINE": "1",
             "HF_DATASETS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
-            # the repository first, the caller's own path kept (packages installed with pip --target)
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            "PYTHONPATH": str(REPO),
             "OMP_NUM_THREADS": str(NUM_THREADS),
             **extra,
         }
