@@ -20,6 +20,8 @@ from shardtune.api.callbacks import ArgsView, CallbackHooks, checked_callbacks, 
 from shardtune.api.configs import DEFAULT_OUTPUT_DIR, TrlConfig, config_class, fields_of
 from shardtune.api.inputs import dataset_settings, model_settings, peft_settings, tokenizer_settings
 from shardtune.config.dialects.accelerate import clear_accelerate_loading_variables, environment_settings
+from shardtune.config.fields import get_value
+from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.launch.torchrun import in_place_worker_env
 from shardtune.runtime.distributed import is_torchrun_worker
@@ -225,8 +227,9 @@ class _Trainer:
         if (out / "adapter_config.json").is_file():
             return [("from_peft_checkpoint", str(out))]
         settings = [("model_name_or_path", str(out))]
-        if self.objective == "dpo" and not self.config.dpo.ref_model:  # the reference stays the starting weights
-            settings.append(("ref_model", self._starting_model))
+        reference = OBJECTIVES[self.objective].reference_setting
+        if reference and not get_value(self.config, reference):  # the reference stays the starting weights
+            settings.append((reference, self._starting_model))
         return settings
 
     @property

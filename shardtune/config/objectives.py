@@ -29,6 +29,7 @@ class Registration:
     settings: str = ""  # the config section of its own flags (given to another objective: refused)
     rows_per_unit: int = 1  # planner: rows the model computes per unit of batch
     frozen_reference: Callable[[Any], bool] = no_reference  # planner: a frozen copy of the model beside it
+    reference_setting: str = ""  # the canonical key naming its reference model ("": the starting weights, or none)
     # TRL's --loss_type for an objective whose section has no loss_type setting: the names it trains (the first is
     # TRL's default), and those TRL has that it does not, with why
     loss_types: tuple[str, ...] = ()
@@ -48,5 +49,6 @@ OBJECTIVES = {
         settings="dpo",
         rows_per_unit=2,
         frozen_reference=dpo_reference,
+        reference_setting="dpo.ref_model",
     ),
 }
