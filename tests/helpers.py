@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +125,20 @@ def write_remote_code_model(base: Path, out_dir: Path) -> Path:
     (out_dir / "configuration_remote_llama.py").write_text(REMOTE_CONFIG_CODE)
     (out_dir / "modeling_remote_llama.py").write_text(REMOTE_MODELING_CODE)
     return out_dir
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str, poll_s: float = 0.002):
+    """Poll ``condition`` until it returns a value; the run's stderr if ``proc`` ends first."""
+    while (value := condition()) is None:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before {what}:\n{proc.stderr.read()[-8000:]}")
+        time.sleep(poll_s)
+    return value
+
+
+def logged_steps(out: Path) -> int:
+    """The last optimizer step in ``out``'s metrics.jsonl (0 while there is none or it is being written)."""
+    try:
+        return max((r["step"] for r in step_rows(out)), default=0)
+    except (OSError, json.JSONDecodeError):
+        return 0

@@ -13,7 +13,6 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ from shardtune.training.checkpoint_layout import (
     unfinished_saves,
 )
 from tests.conftest import REPO, cli_env, shardtune_argv
-from tests.helpers import eval_rows, max_relative_difference, step_rows
+from tests.helpers import eval_rows, logged_steps, max_relative_difference, step_rows, wait_for
 
 # 48 dialogues pack into ~34 blocks: 8 steps per epoch at global batch 4, 16 steps in all.
 COMMON = (
@@ -229,21 +228,6 @@ def start_sft(cache_dir, model, out, *extra) -> subprocess.Popen:
         cwd=REPO,
         start_new_session=True,
     )
-
-
-def wait_for(condition, proc: subprocess.Popen, what: str, poll_s: float = 0.002):
-    while (value := condition()) is None:
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended before {what}:\n{proc.stderr.read()[-8000:]}")
-        time.sleep(poll_s)
-    return value
-
-
-def logged_steps(out: Path) -> int:
-    try:
-        return max((r["step"] for r in step_rows(out)), default=0)
-    except (OSError, json.JSONDecodeError):
-        return 0
 
 
 def test_killed_worker_is_restarted_and_resumes_to_the_same_weights(reference, tiny_model, cache_dir, tmp_path):

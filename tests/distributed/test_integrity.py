@@ -25,13 +25,11 @@ from shardtune.runtime.preemption import EXIT_PREEMPTED
 from tests.conftest import REPO, cli_env, shardtune_argv
 from tests.distributed.test_checkpoint import (
     error_lines,
-    logged_steps,
     run_shardtune,
     sft,
-    wait_for,
     worker_pids,
 )
-from tests.helpers import step_rows
+from tests.helpers import logged_steps, step_rows, wait_for
 
 SHORT = ("--max_train_step", 3, "--save_steps", 1, "--save_total_limit", 0, "--run_validation", "false")
 

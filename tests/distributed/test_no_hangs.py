@@ -17,11 +17,10 @@ from tests.distributed.test_checkpoint import (
     COMMON,
     finish,
     free_port,
-    logged_steps,
     start_two_nodes,
-    wait_for,
     worker_pids,
 )
+from tests.helpers import logged_steps, wait_for
 
 
 def test_a_node_that_never_joins_is_named_within_the_join_timeout(tiny_model, cache_dir, tmp_path):

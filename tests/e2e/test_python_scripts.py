@@ -13,11 +13,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from shardtune.runtime.preemption import EXIT_PREEMPTED
 from tests.conftest import REPO, cli_env
+from tests.helpers import logged_steps, wait_for
 
 EXAMPLES = REPO / "examples"
 
@@ -182,11 +182,7 @@ def test_a_script_stopped_under_shardtune_run_checkpoints_exits_75_and_resumes_i
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 300
-        metrics = part / "metrics.jsonl"
-        while not (metrics.is_file() and metrics.read_text().count('"loss"') >= 2):
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1][-4000:]
-            time.sleep(0.2)
+        wait_for(lambda: True if logged_steps(part) >= 2 else None, launcher, "step 2", poll_s=0.2)
         launcher.send_signal(signal.SIGUSR1)
         stdout, stderr = launcher.communicate(timeout=300)
     finally:
