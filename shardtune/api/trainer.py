@@ -155,21 +155,7 @@ class _Trainer:
                 ("checkpoint.resume", "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint))
             )
         cfg = self._config(more)
-        with _worker_environment():
-            prepare(cfg, int(os.environ["WORLD_SIZE"]))  # a refusal is this call's exception, on every rank alike
-            hooks = (
-                CallbackHooks(
-                    self.callbacks,
-                    ArgsView({**fields_of(self.args), **self._for_callbacks}, cfg),
-                    int(os.environ["RANK"]),
-                )
-                if self.callbacks
-                else None
-            )
-            with install(hooks), _signal_handlers_kept():
-                status = run_worker(cfg, prepared=True, exit_when_stopped=True)
-        if status != 0:
-            raise RuntimeError(f"shardtune: the run stopped with status {status} (its error is above)")
+        self._run(cfg, "run", callbacks=True)
         self.config = cfg
         self._trained = True
         self._model = None
@@ -181,11 +167,26 @@ class _Trainer:
         return TrainOutput(self.state.global_step, mean, {"train_loss": mean, "epoch": self.state.epoch})
 
     def _log_history(self) -> list[dict[str, Any]]:
-        path = self.output_dir / "metrics.jsonl"
-        if not path.is_file():
-            return []
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return [trl_row(row) for row in rows]
+        return _rows(self.output_dir)
+
+    def _run(self, cfg: TrainConfig, what: str, callbacks: bool = False) -> None:
+        """``cfg`` run by this process as one worker of the job (the script's callbacks with ``callbacks``); a
+        refusal or a failure is this call's exception, on every rank alike."""
+        with _worker_environment():
+            prepare(cfg, int(os.environ["WORLD_SIZE"]))
+            hooks = (
+                CallbackHooks(
+                    self.callbacks,
+                    ArgsView({**fields_of(self.args), **self._for_callbacks}, cfg),
+                    int(os.environ["RANK"]),
+                )
+                if callbacks and self.callbacks
+                else None
+            )
+            with install(hooks), _signal_handlers_kept():
+                status = run_worker(cfg, prepared=True, exit_when_stopped=True)
+        if status != 0:
+            raise RuntimeError(f"shardtune: the {what} stopped with status {status} (its error is above)")
 
     def evaluate(
         self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"
@@ -205,14 +206,8 @@ class _Trainer:
         folder = self.output_dir / "evaluations" / f"{self._evaluations:03d}"
         more = [("eval_only", True), ("output_dir", str(folder)), ("overwrite_output_dir", True)]
         cfg = self._config_of(pairs, [*more, ("report_to", "none"), ("save_model", False)])
-        with _worker_environment():
-            prepare(cfg, int(os.environ["WORLD_SIZE"]))
-            with _signal_handlers_kept():
-                status = run_worker(cfg, prepared=True, exit_when_stopped=True)
-        if status != 0:
-            raise RuntimeError(f"shardtune: the evaluation stopped with status {status} (its error is above)")
-        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        metrics = {k: v for k, v in trl_row(rows[-1]).items() if k not in ("step", "epoch")}
+        self._run(cfg, "evaluation")
+        metrics = {k: v for k, v in _rows(folder)[-1].items() if k not in ("step", "epoch")}
         metrics = {metric_key_prefix + k.removeprefix("eval"): v for k, v in metrics.items()}
         return {**metrics, "epoch": self.state.epoch}
 
@@ -251,6 +246,14 @@ class _Trainer:
         for path in self.output_dir.iterdir():
             if path.is_file() and path.name not in ("metrics.jsonl",):
                 shutil.copy2(path, target / path.name)
+
+
+def _rows(folder: Path) -> list[dict[str, Any]]:
+    """A run's metrics.jsonl rows under TRL's names ([] before any)."""
+    path = folder / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [trl_row(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
 PUBLISHED = ("adapter_config.json", "config.json")  # what a run's published model (or adapter) always has
