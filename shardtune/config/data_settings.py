@@ -158,6 +158,11 @@ class DataSettings:
     strict: bool = setting(
         False, "fail on the first bad data row (naming file and row) instead of skipping it", **CACHE
     )
+    streaming: bool = setting(
+        False,
+        "--dataset_name data read, tokenised and batched as the steps need them, in the data's order (packing: "
+        "greedy blocks in that order), nothing prepared before launch; needs --max_steps (docs/data.md)",
+    )
     num_workers: int = setting(
         1, "data loader worker processes per rank (0: in the training process)", at_least=0, **RUN
     )

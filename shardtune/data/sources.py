@@ -25,6 +25,7 @@ from shardtune.data.formatting import (
     tokenize_pairs,
 )
 from shardtune.data.report import DataError, DataReport, RowFilter
+from shardtune.data.streaming import check_streaming
 from shardtune.data.trl_loading import check_trl_config, trl_examples, uses_trl_formats
 
 SPLITS = ("train", "validation")
@@ -37,6 +38,7 @@ GRAMMAR_COLUMNS = ("input", "target")
 def check_data_config(cfg: TrainConfig) -> None:
     """Checks that need no tokenizer: paths exist, formats are known, a custom file defines its function."""
     check_trl_config(cfg)
+    check_streaming(cfg)
     if cfg.data.dataset == "synthetic_dialogues":
         _check_synthetic(cfg)
     elif cfg.data.dataset == "samsum_dataset" and cfg.data.samsum_dataset.data_path:

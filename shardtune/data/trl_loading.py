@@ -17,6 +17,7 @@ from shardtune.config.schema import ConfigError, TrainConfig, TrlDatasetConfig
 from shardtune.data.chat import check_chat_template
 from shardtune.data.files import Row
 from shardtune.data.report import DataError, DataReport, RowFilter
+from shardtune.data.stream_rows import has_split
 from shardtune.data.trl_formats import LossOptions, RowFormat, prepare_rows, recognise, with_extras
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
@@ -97,6 +98,8 @@ def validation_available(cfg: TrainConfig) -> bool:
     """False when the data has no --dataset_test_split (then there is no evaluation)."""
     if cfg.data.dataset != "trl_dataset":
         return True
+    if cfg.data.streaming:  # nothing loaded before launch: the split's files are listed
+        return has_split(cfg, cfg.data.trl_dataset.dataset_test_split)
     return cfg.data.trl_dataset.dataset_test_split in _load(
         cfg.data.trl_dataset.dataset_name, cfg.data.trl_dataset.dataset_config
     )

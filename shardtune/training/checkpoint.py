@@ -10,6 +10,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,6 +179,7 @@ class Position:
     step: int = 0
     epoch: int = 0
     step_in_epoch: int = 0
+    data: dict | None = None  # a streamed run's data position (shardtune.data.streaming); None: the epoch's order
 
 
 class Checkpointer:
@@ -198,6 +200,7 @@ class Checkpointer:
         self.training: tuple | None = None
         self.bytes_needed = 0
         self.last_saved: Path | None = self.resume_from
+        self.data_position: Callable[[], dict | None] | None = None  # a streamed run's, saved with each checkpoint
         self.best: BestModel | None = (
             None  # --load_best_model_at_end: the scores (set by the loop with the run's steps)
         )
@@ -345,10 +348,12 @@ class Checkpointer:
         result.train_time_s = state["train_time_s"]
         if self.best is not None:
             self.best.restore(state.get("best_model"))
-        position = Position(state["step"], state["epoch"], state["step_in_epoch"])
+        position = Position(state["step"], state["epoch"], state["step_in_epoch"], state.get("data_position"))
         global_batch = effective_batch_size(self.cfg, self.strategy.dims.dp_size)
         where = f"epoch {position.epoch + 1}, step {position.step_in_epoch} of {self.steps_per_epoch}"
-        if global_batch == state["global_batch_size"]:
+        if position.data is not None:  # a stream: its rows are where the next step's begin, whatever the batch
+            order = f"the stream continues at the row where step {position.step + 1}'s data begins"
+        elif global_batch == state["global_batch_size"]:
             order = f"data order kept (global batch {global_batch} unchanged): continuing at {where}"
         else:
             order = (
@@ -495,6 +500,7 @@ class Checkpointer:
             ),
             "config_hash": config_hash(self.cfg),
             **({"best_model": self.best.state()} if self.best is not None else {}),
+            **({"data_position": self.data_position()} if self.data_position is not None else {}),
             **self.strategy.checkpoint_state(),
         }
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")

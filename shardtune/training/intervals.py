@@ -16,12 +16,20 @@ def every(interval: float, total_steps: int) -> int:
     return interval_steps(interval, total_steps)
 
 
-def planned_steps(cfg: TrainConfig, num_units: int, dp_size: int) -> int:
+def epoch_steps(cfg: TrainConfig, units, dp_size: int) -> int:
+    """Optimizer steps of an epoch; a streamed run (shardtune.data.streaming) is one epoch of --max_steps (the passes
+    over its stream are the data position's business)."""
+    if cfg.data.streaming:
+        return cfg.train.max_steps
+    return data.steps_per_epoch(len(units), cfg, dp_size)
+
+
+def planned_steps(cfg: TrainConfig, units, dp_size: int) -> int:
     """Optimizer steps the run trains to: --max_steps when given (TRL's: it overrides the epochs), else ceil(epochs x
     steps per epoch) (a fractional --num_train_epochs, as Trainer counts it), or --max_train_step when it is fewer."""
     if cfg.train.max_steps:
         return cfg.train.max_steps
-    per_epoch = data.steps_per_epoch(num_units, cfg, dp_size)
+    per_epoch = epoch_steps(cfg, units, dp_size)
     total = math.ceil(cfg.train.num_epochs * per_epoch)
     return min(total, cfg.train.stop_after_steps) if cfg.train.stop_after_steps else total
 

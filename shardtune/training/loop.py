@@ -16,6 +16,7 @@ from torch import nn
 from shardtune import data
 from shardtune.accounting.flops import model_shape
 from shardtune.accounting.peak_flops import PeakMeter
+from shardtune.data.streaming import stream_steps
 from shardtune.parallel.base import Strategy
 from shardtune.parallel.optim import build_scheduler
 from shardtune.parallel.sequence import RowSlice
@@ -26,7 +27,7 @@ from shardtune.training.best_model import BestModel, load_best
 from shardtune.training.checkpoint import Checkpointer, Position
 from shardtune.training.evaluation import Evaluator
 from shardtune.training.hooks import installed
-from shardtune.training.intervals import epochs_reached, every, planned_steps
+from shardtune.training.intervals import epoch_steps, epochs_reached, every, planned_steps
 from shardtune.training.metrics import MetricsWriter
 from shardtune.training.objective import Objective
 from shardtune.training.profiling import StepProbe
@@ -145,8 +146,8 @@ class Run:
         self.checkpointer, self.publish = checkpointer, publish
         dims = strategy.dims  # the sampler sees data-parallel ranks; the ranks of one cp x sp group split each row
         self.optimizer = strategy.build_optimizer(model)
-        self.steps_per_epoch = data.steps_per_epoch(len(units), cfg, dims.dp_size)
-        self.total_steps = planned_steps(cfg, len(units), dims.dp_size)
+        self.steps_per_epoch = epoch_steps(cfg, units, dims.dp_size)
+        self.total_steps = planned_steps(cfg, units, dims.dp_size)
         self.scheduler, self.scheduler_unit = build_scheduler(
             self.optimizer, cfg, self.total_steps, self.steps_per_epoch
         )
@@ -176,6 +177,9 @@ class Run:
         self.last_row: dict = {}
         self.save_at_epoch_end = False  # a callback's should_save at an epoch's last step
         self.saved = checkpointer.last_saved if checkpointer else None
+        self.data_position = self.start.data  # a streamed run's: where the next step's rows start
+        if checkpointer and cfg.data.streaming:
+            checkpointer.data_position = lambda: self.data_position
         model.train()
 
     def stop_agreed(self) -> bool:
@@ -192,6 +196,8 @@ class Run:
 
     def batches(self, epoch: int, first: int):
         dims = self.strategy.dims
+        if self.cfg.data.streaming:
+            return self.streamed(dims)
         return data.train_loader(
             self.units,
             self.cfg,
@@ -203,6 +209,21 @@ class Run:
             self.row_slice,
             self.objective.collate_fn,
         )
+
+    def streamed(self, dims):
+        """A streamed run's steps (shardtune.data.streaming), from the checkpoint's data position; each step's
+        position is kept for the next checkpoint."""
+        steps = stream_steps(
+            self.units,
+            dims.dp_rank(self.env.rank),
+            dims.dp_size,
+            self.objective.pad_id,
+            self.start.data,
+            self.row_slice,
+        )
+        for micro_batches, position in steps:
+            self.data_position = position  # before the step: its checkpoint is written before the loop asks again
+            yield micro_batches
 
     def step(self, micro_batches: list[dict], epoch: int, done_in_epoch: int) -> None:
         step, lr = self.result.steps + 1, self.optimizer.param_groups[0]["lr"]

@@ -13,6 +13,7 @@ from torch import nn
 from shardtune import data
 from shardtune.accounting.flops import ModelShape, micro_batch_flops, num_input_tokens, palm_micro_batch_flops
 from shardtune.data.cache import load_examples_cached
+from shardtune.data.streaming import StreamSource, streamed_examples
 from shardtune.model.generation import ROUGE_TYPES, EvalSampler, mean_rouge
 from shardtune.model.loading import cache_dir
 from shardtune.model.loss import PREDICTION_SUMS, batch_label_tokens, token_loss_and_prediction_sums
@@ -42,11 +43,24 @@ class SFT(Objective):
 
     @classmethod
     def prepare_data(cls, cfg, tokenizer, dp_size: int) -> None:
+        if cfg.data.streaming:  # the first row (its format) and the evaluation split; nothing else before launch
+            StreamSource(cfg, tokenizer)
+            if cfg.eval.enabled:
+                streamed_examples(cfg, tokenizer)
+            return
         loaded = {split: load_examples_cached(cfg, tokenizer, split, cache_dir()) for split in data_splits(cfg)}
         data.steps_per_epoch(len(data.build_units(loaded["train"][0], cfg)), cfg, dp_size)
 
     def load_data(self) -> tuple[list, list]:
         cfg = self.cfg
+        if cfg.data.streaming:
+            source = StreamSource(cfg, self.tokenizer)
+            print0(f"data (train): {source.describe()}")
+            if not cfg.eval.enabled:
+                return source, []
+            examples, report = streamed_examples(cfg, self.tokenizer)
+            print0(f"data (validation): {report.summary()}")
+            return source, examples
         loaded = {split: load_examples_cached(cfg, self.tokenizer, split, cache_dir()) for split in data_splits(cfg)}
         for split, (_, report) in loaded.items():
             print0(f"data ({split}): {report.summary()}")

@@ -169,7 +169,7 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     objective.attach(model, units, eval_items)  # DPO: its reference (placed, or its log-probabilities precomputed)
     checkpointer = Checkpointer(cfg, env, strategy, tokenizer)
     metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.logging.save_metrics else None
-    total_steps = planned_steps(cfg, len(units), strategy.dims.dp_size)
+    total_steps = planned_steps(cfg, units, strategy.dims.dp_size)
     append = metrics_path is not None and checkpointer.keep_metrics_rows(metrics_path, total_steps)
     writer = MetricsWriter(
         metrics_path,

@@ -189,6 +189,26 @@ def test_start_step_resumes_the_same_sequence():
         resumed[len(resumed)]
 
 
+def test_resuming_at_a_late_step_collates_no_earlier_batch():
+    """Resume without replay: the loader starts at its step; the micro-batches it collates are that step's alone,
+    whatever the step (a loader that iterated the earlier steps and threw them away would collate them)."""
+    cfg = make_cfg("padding", batch_size=2, accumulation=2)
+    units = build_units(make_examples(400), cfg)
+    last = steps_per_epoch(len(units), cfg, 2) - 1
+    for start in (1, last // 2, last):
+        collated: list[list] = []
+
+        def counting_collate(chosen, cfg, pad_id, collated=collated):
+            collated.append(chosen)
+            return collate_padding([example for unit in chosen for example in unit], pad_id)
+
+        loader = train_loader(units, cfg, 1, 2, 0, PAD_ID, start_step=start, collate_fn=counting_collate)
+        first = next(iter(loader))
+        assert len(collated) == 2, start  # the step's two micro-batches, nothing before them
+        expected = StepDataset(units, cfg, 1, 2, 0, PAD_ID)[start]
+        assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(first, expected))
+
+
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_train_loader_yields_the_step_dataset(num_workers):
     cfg = make_cfg("padding", batch_size=3, accumulation=2, num_workers_dataloader=num_workers)

@@ -58,13 +58,12 @@ def test_every_field_of_trls_configs_is_a_known_name():
 
 def test_each_refused_name_is_refused_in_one_line_naming_it_and_ending_with_the_fix():
     refused = [name for name in NAMES if resolve(name).refuse]
-    assert {"label_smoothing_factor", "neftune_noise_alpha", "dataset_streaming", "run_name"} <= set(refused)
+    assert {"label_smoothing_factor", "neftune_noise_alpha", "eval_packing", "run_name"} <= set(refused)
     for name in refused:
         message = error_of([f"--{name}", "7"])
         assert message.startswith(f"--{name}: "), message
         assert any(fix in message.rsplit(":", 1)[1] for fix in FIXES), message
-    streaming = error_of(["--dataset_streaming", "true"])
-    assert "issue 34" in streaming and streaming.endswith("drop the flag for now")
+    assert build_config(split_argv(["--dataset_streaming", "true"]).training).data.streaming
 
 
 def test_each_honoured_name_sets_settings_that_exist():

@@ -319,10 +319,10 @@ SPELLINGS: dict[str, Spelling] = {
         "the rows are shuffled every epoch, seeded by --seed: " + DROP,
     ),
     "length_column_name": no_effect("read only by the length-grouped samplers, which are not built"),
-    "dataset_streaming": refused(
-        "streaming comes with issue 34 (corpora of any size); today the data is tokenised once before launch and "
-        "cached: drop the flag for now",
-        False,
+    "dataset_streaming": S(
+        "data.streaming",
+        "true: --dataset_name rows read, tokenised and batched as the steps need them (needs --max_steps)",
+        lambda value: [("data.streaming", _bool("dataset_streaming", value))],
     ),
     # logging, trackers
     "logging_strategy": S(
