@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shardtune.config.schema import ConfigError
+from shardtune.data.stream_rows import register_in_process
 from shardtune.model.loading import cache_dir
 
 Pairs = list[tuple[str, Any]]
@@ -51,11 +52,14 @@ def _as_dataset(data: Any, name: str) -> Any:
     """A ``datasets.Dataset`` of ``data``: a Dataset, a list of dicts, or a one-split DatasetDict."""
     import datasets
 
-    if isinstance(data, (datasets.IterableDataset, datasets.IterableDatasetDict)):
-        raise ConfigError(
-            f"{name}: an IterableDataset (streaming) is not built yet: pass a datasets.Dataset (e.g. "
-            "Dataset.from_generator, or load_dataset without streaming)"
-        )
+    if isinstance(data, datasets.IterableDatasetDict):
+        if len(data) != 1:
+            raise ConfigError(
+                f"{name}: an IterableDatasetDict of {len(data)} splits ({', '.join(map(str, data))}): pass one of them"
+            )
+        return next(iter(data.values()))
+    if isinstance(data, datasets.IterableDataset):
+        return data
     if isinstance(data, (datasets.DatasetDict, dict)) and not isinstance(data, datasets.Dataset):
         if len(data) != 1:
             raise ConfigError(
@@ -88,6 +92,10 @@ def _formatted(data: Any, formatting_func: Callable[[dict], Any]) -> Any:
             )
         return {"text": value}
 
+    import datasets
+
+    if isinstance(data, datasets.IterableDataset):  # lazily, as the stream is read
+        return data.map(text, remove_columns=data.column_names)
     return data.map(text, remove_columns=data.column_names, load_from_cache_file=False)
 
 
@@ -97,11 +105,25 @@ def dataset_settings(train: Any, evaluation: Any, formatting_func: Callable[[dic
     turned into its text."""
     if train is None:
         raise ConfigError("train_dataset is None: pass the training data (a datasets.Dataset or a list of dicts)")
+    import datasets
+
     splits = {"train": _as_dataset(train, "train_dataset")}
     if evaluation is not None:
         splits["test"] = _as_dataset(evaluation, "eval_dataset")
     if formatting_func is not None:
         splits = {name: _formatted(data, formatting_func) for name, data in splits.items()}
+    if isinstance(splits["train"], datasets.IterableDataset):  # streamed in this process (TRL: needs max_steps)
+        return [
+            ("dataset_name", register_in_process(splits)),
+            ("dataset_train_split", "train"),
+            ("dataset_test_split", "test"),
+            ("dataset_streaming", True),
+        ]
+    if isinstance(splits.get("test"), datasets.IterableDataset):
+        raise ConfigError(
+            "eval_dataset: an IterableDataset beside a train_dataset that is not one: pass a datasets.Dataset to "
+            "evaluate on (it is read whole)"
+        )
 
     def write(folder: Path) -> None:
         from datasets.utils import logging as datasets_logging

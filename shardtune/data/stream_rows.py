@@ -5,11 +5,13 @@ split's files, in ``datasets``' order) and the byte offset of the row (JSON line
 row group is found from the file's metadata; a JSON array file), and the row's number in its file. Resuming opens
 the file there: the rows before it are not read again. Hub datasets (and Arrow files) stream through ``datasets``'
 IterableDataset, whose own ``state_dict`` is the position (``datasets`` may read the current shard's earlier rows
-again to get there).
+again to get there). A script's ``datasets.IterableDataset`` (the Python face) is registered in this process under
+:data:`IN_PROCESS_NAME` and streamed the same way.
 """
 
 from __future__ import annotations
 
+import copy
 import csv
 import io
 import json
@@ -23,6 +25,16 @@ from shardtune.data.report import DataError
 
 LOCAL_READERS = (".jsonl", ".json", ".csv", ".parquet")
 START: dict = {"file": 0, "offset": 0, "row": 0}
+IN_PROCESS_NAME = "<the script's IterableDataset>"  # --dataset_name of the datasets a script streams (shardtune.api)
+_IN_PROCESS: dict[str, Any] = {}  # split name -> the script's dataset object
+
+
+def register_in_process(splits: dict[str, Any]) -> str:
+    """The script's datasets by split (a ``datasets.IterableDataset``, or a Dataset / list for evaluation), streamed
+    by the worker this process runs; returns their --dataset_name. Every rank's script registers its own."""
+    _IN_PROCESS.clear()
+    _IN_PROCESS.update(splits)
+    return IN_PROCESS_NAME
 
 
 def _dataset_path(cfg: TrainConfig) -> Path:
@@ -32,6 +44,8 @@ def _dataset_path(cfg: TrainConfig) -> Path:
 def split_files(cfg: TrainConfig, split_name: str) -> list[Path] | None:
     """The local files of ``split_name`` in ``datasets``' order (a single file is the train split), [] when the
     data has no such split, or None when the rows come through ``datasets`` (a hub id, Arrow files)."""
+    if cfg.data.trl_dataset.dataset_name == IN_PROCESS_NAME:
+        return None
     path = _dataset_path(cfg)
     if path.is_file():
         files = [path] if split_name == cfg.data.trl_dataset.dataset_train_split else []
@@ -58,9 +72,11 @@ def has_split(cfg: TrainConfig, split_name: str) -> bool:
     files = split_files(cfg, split_name)
     if files is not None:
         return bool(files)
+    tc = cfg.data.trl_dataset
+    if tc.dataset_name == IN_PROCESS_NAME:
+        return split_name in _IN_PROCESS
     import datasets
 
-    tc = cfg.data.trl_dataset
     return split_name in datasets.get_dataset_split_names(tc.dataset_name, tc.dataset_config or None)
 
 
@@ -88,22 +104,34 @@ class RowStream:
             for record, offset, row in _file_rows(path, *start):
                 yield (str(path), row + 1, record), {"file": index, "offset": offset, "row": row}
 
-    def _hub_rows(self, position: dict) -> Iterator[tuple[Row, dict]]:
+    def _iterable(self) -> Any:
         import datasets
 
+        if self.name == IN_PROCESS_NAME:
+            if self.split not in _IN_PROCESS:
+                raise DataError(f"the script's datasets have no {self.split!r} split: pass it to the trainer")
+            stream = _IN_PROCESS[self.split]
+            return copy.deepcopy(stream) if isinstance(stream, datasets.IterableDataset) else stream
         try:
-            stream = datasets.load_dataset(self.name, name=self.config or None, split=self.split, streaming=True)
+            return datasets.load_dataset(self.name, name=self.config or None, split=self.split, streaming=True)
         except Exception as e:  # network, authentication, missing dataset
             raise DataError(
                 f"--dataset_name {self.name}: could not be streamed ({type(e).__name__}: "
                 f"{(str(e).splitlines() or [''])[0]}): pass a local data file or folder, or a reachable hub id"
             ) from e
+
+    def _hub_rows(self, position: dict) -> Iterator[tuple[Row, dict]]:
+        stream = self._iterable()
+        if not hasattr(stream, "state_dict"):  # a script's evaluation Dataset or list: read whole
+            for row, record in enumerate(stream):
+                yield (self.describe(), row + 1, record), {"row": row}
+            return
         if position.get("state") is not None:
             stream.load_state_dict(position["state"])
         row = position.get("row", 0)
         state = stream.state_dict()
         for record in stream:
-            yield (f"{self.name} split {self.split}", row + 1, record), {"state": state, "row": row}
+            yield (self.describe(), row + 1, record), {"state": state, "row": row}
             row += 1
             state = stream.state_dict()
 

@@ -102,6 +102,28 @@ def test_a_trl_script_gives_the_same_steps_under_python_torchrun_and_two_nodes(t
     assert not (tmp_path / "two-saved" / "metrics.jsonl").exists()
 
 
+def test_a_script_streaming_an_iterable_dataset_gives_the_same_steps_on_any_layout(tiny_model, cache_dir, tmp_path):
+    """examples/sft_streaming.py: an IterableDataset made by a generator as the steps read it, 10 steps across the
+    stream's end: 1 process x batch 4 and torchrun 2 x batch 1 x accumulation 2 train the same steps."""
+    script = EXAMPLES / "sft_streaming.py"
+    one = result_of(run([sys.executable, str(script), str(tiny_model), "one", "4", "1"], cache_dir, tmp_path).stdout)
+    two = result_of(
+        run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), str(tiny_model)]
+            + ["two", "1", "2"],
+            cache_dir,
+            tmp_path,
+        ).stdout
+    )
+    rows = {name: [r for r in result["history"] if "loss" in r] for name, result in (("one", one), ("two", two))}
+    assert [r["step"] for r in rows["one"]] == list(range(1, 11)) and one["global_step"] == 10
+    assert rows["one"][7]["num_tokens"] - rows["one"][6]["num_tokens"] == rows["one"][0]["num_tokens"]  # step 8: again
+    for a, b in zip(rows["one"], rows["two"], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (rows["one"], rows["two"])
+    evals = [[r["eval_loss"] for r in result["history"] if "eval_loss" in r] for result in (one, two)]
+    assert len(evals[0]) == 2 and all(abs(a - b) <= 1e-5 for a, b in zip(*evals, strict=True))
+
+
 def test_callbacks_see_the_run_and_early_stopping_stops_it(tiny_model, cache_dir, tmp_path):
     """transformers' EarlyStoppingCallback (the eval loss falls, and greater_is_better says that is worse: patience
     2 stops at the third evaluation) and a callback that records the events and asks for a checkpoint."""

@@ -150,8 +150,10 @@ def test_in_memory_data_is_one_content_addressed_folder_whatever_its_container()
     assert as_list == as_dataset == as_dict  # the same rows: the same files, so one tokenisation for every rank
     with_eval = dict(dataset_settings(ROWS, ROWS[:2]))["dataset_name"]
     assert with_eval != as_list
-    with pytest.raises(ConfigError, match="IterableDataset .*not built yet"):
-        dataset_settings(IterableDataset.from_generator(lambda: iter(ROWS)), None)
+    streamed = dict(dataset_settings(IterableDataset.from_generator(lambda: iter(ROWS)), ROWS[:2]))
+    assert streamed["dataset_streaming"] is True  # streamed in the process, as TRL takes an IterableDataset
+    with pytest.raises(ConfigError, match="eval_dataset: an IterableDataset beside"):
+        dataset_settings(ROWS, IterableDataset.from_generator(lambda: iter(ROWS)))
     with pytest.raises(ConfigError, match="eval_dataset: a mapping of 2 datasets"):
         dataset_settings(ROWS, {"a": ROWS, "b": ROWS})
 
