@@ -133,6 +133,13 @@ class TrlDatasetConfig:
         choices=TRUNCATION_MODES,
         **CACHE,
     )
+    dataset_mixture: list[dict[str, Any]] = setting(
+        [],
+        "several datasets in one run, by weight (TRL's datasets: list; docs/data-formats.md#mixtures): entries of "
+        "path, name, data_dir, data_files, split, columns, weight (or TRL's fraction); on the command line "
+        "path[@split][:weight],...",
+        **CACHE,
+    )
 
 
 @dataclass

@@ -118,8 +118,9 @@ class Builder:
         cookbook.finish(cfg, self.state, self.spelled)
         trl.finish(cfg, self.state, self.spelled)
         trl_trainer.finish(cfg, self.state, self.spelled)
-        if cfg.data.trl_dataset.dataset_name and "data.dataset" not in self.spelled:
-            cfg.data.dataset = "trl_dataset"  # TRL's --dataset_name alone names the data
+        tc = cfg.data.trl_dataset
+        if (tc.dataset_name or tc.dataset_mixture) and "data.dataset" not in self.spelled:
+            cfg.data.dataset = "trl_dataset"  # TRL's --dataset_name (or datasets: mixture) alone names the data
         if cfg.checkpoint.dist_checkpoint_root_folder and "output.dir" not in self.spelled:
             cfg.output.dir = cookbook_run_dir(cfg)
         cfg.spelled = dict(self.spelled)  # how the user named each setting: what messages repeat

@@ -94,7 +94,12 @@ def cache_key(cfg: TrainConfig, tokenizer: Any, split: str, pairs: bool = False)
     )
     if dataset_config.get("data_path"):
         _hash_path(Path(dataset_config["data_path"]), digest)
-    if (
+    if cfg.data.dataset == "trl_dataset" and cfg.data.trl_dataset.dataset_mixture:
+        from shardtune.data.mixture import local_paths
+
+        for path in local_paths(cfg):  # every entry's local files and folders (a hub id: its name only)
+            _hash_path(path, digest)
+    elif (
         cfg.data.dataset == "trl_dataset"
     ):  # a local file or folder (a hub id hashes its name only, as samsum's hub data)
         _hash_path(Path(cfg.data.trl_dataset.dataset_name), digest)

@@ -233,11 +233,12 @@ def load_pairs(cfg: Any, tokenizer: Any, split: str) -> tuple[list[dict], DataRe
     """Tokenised pairs of ``split`` ("train" or "validation"): --dataset_name in TRL's preference formats, or the
     embedded dialogues as pairs (--dataset synthetic_dialogues)."""
     from shardtune.data.chat import check_chat_template
+    from shardtune.data.mixture import mixture_rows
     from shardtune.data.report import DataError
     from shardtune.data.trl_loading import _dataset_rows
 
     if cfg.data.dataset == "trl_dataset":
-        source, rows, columns = _dataset_rows(cfg, split)
+        source, rows, columns = (mixture_rows if cfg.data.trl_dataset.dataset_mixture else _dataset_rows)(cfg, split)
     elif cfg.data.dataset == "synthetic_dialogues":
         source, rows, columns = synthetic_pair_rows(cfg, split)
     else:

@@ -16,6 +16,7 @@ from typing import Any
 from shardtune.config.schema import ConfigError, TrainConfig, TrlDatasetConfig
 from shardtune.data.chat import check_chat_template
 from shardtune.data.files import Row
+from shardtune.data.mixture import check_mixture, mixture_rows, without_evaluation
 from shardtune.data.report import DataError, DataReport, RowFilter
 from shardtune.data.stream_rows import has_split
 from shardtune.data.trl_formats import LossOptions, RowFormat, prepare_rows, recognise, with_extras
@@ -46,6 +47,8 @@ def check_trl_config(cfg: TrainConfig) -> None:
                 "use --dataset_name (or --synthetic_dialogues.messages true), or drop the flag"
             )
         return
+    if cfg.data.dataset == "trl_dataset" and tc.dataset_mixture:
+        return check_mixture(cfg)
     if cfg.data.dataset == "trl_dataset":
         if not tc.dataset_name:
             raise ConfigError("--dataset trl_dataset needs --dataset_name: a local data file or folder, or a hub id")
@@ -98,6 +101,8 @@ def validation_available(cfg: TrainConfig) -> bool:
     """False when the data has no --dataset_test_split (then there is no evaluation)."""
     if cfg.data.dataset != "trl_dataset":
         return True
+    if cfg.data.trl_dataset.dataset_mixture:  # TRL's mixture has a test split only with test_split_size (not built)
+        return False
     if cfg.data.streaming:  # nothing loaded before launch: the split's files are listed
         return has_split(cfg, cfg.data.trl_dataset.dataset_test_split)
     return cfg.data.trl_dataset.dataset_test_split in _load(
@@ -150,7 +155,11 @@ def recognise_rows(cfg: TrainConfig, columns: list[str], rows: list[Row]) -> Row
 
 def trl_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[dict], DataReport]:
     """Tokenised examples of ``split`` ("train" or "validation") in TRL's formats, with the data report."""
-    loader = _dataset_rows if cfg.data.dataset == "trl_dataset" else synthetic_message_rows
+    loader = (
+        (mixture_rows if cfg.data.trl_dataset.dataset_mixture else _dataset_rows)
+        if cfg.data.dataset == "trl_dataset"
+        else synthetic_message_rows
+    )
     source, rows, columns = loader(cfg, split)
     if not rows:
         raise DataError(f"{source}: no rows: fix the data or pass another split")
@@ -171,6 +180,8 @@ def drop_absent_validation(cfg: TrainConfig, say: bool) -> None:
         asked = [flag for key, flag in getattr(cfg, "spelled", {}).items() if key in ("eval.enabled", "eval.steps")]
         if cfg.eval.only:
             asked = asked or ["eval_only"]
+        if tc.dataset_mixture:
+            return without_evaluation(cfg, asked, say)
         if asked:
             raise DataError(
                 f"--{asked[0]} asks for evaluation, but --dataset_name {tc.dataset_name} has no split "

@@ -167,3 +167,30 @@ def test_messages_rows_train_alike_on_one_process_x4_and_two_processes_x2(tiny_m
     assert json.loads(report.read_text())["eval_loss"] == pytest.approx(evaluated["eval_loss"], rel=1e-4)
     prompt = json.dumps([{"role": "user", "content": "Where do we meet on day 3?"}])
     run_cli("generate", "--model_name", tmp_path / "one", prompt, "--max_new_tokens", 8)
+
+
+def test_a_trl_recipes_datasets_mixture_trains_and_reports_each_source(tiny_model, run_cli, tmp_path):
+    """TRL's datasets: list with shardtune's weights: 30 and 10 prompt-completion rows weighed 1:1 give 20 rows each
+    (the small file upsampled), said in the start log's data report."""
+    for name, num_rows in (("a.jsonl", 30), ("b.jsonl", 10)):
+        rows = [{"prompt": f"{name} question {i}?", "completion": f" answer {i}."} for i in range(num_rows)]
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = {
+        "model_name_or_path": str(tiny_model),
+        "datasets": [{"path": str(tmp_path / "a.jsonl"), "weight": 1}, {"path": str(tmp_path / "b.jsonl")}],
+        "output_dir": str(tmp_path / "run"),
+        "max_steps": 2,
+        "per_device_train_batch_size": 2,
+        "max_length": 32,
+        "dataloader_num_workers": 0,
+        "save_plots": False,
+    }
+    (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))  # JSON is YAML
+    proc = run_cli("sft", "--config", tmp_path / "recipe.yaml")
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    assert (
+        f"data (train): mixture of 2 datasets (by weight, seed 42): {a} 20 of 30 rows, {b} 20 rows (upsampled from "
+        "10): prompt-completion" in proc.stdout
+    )
+    assert "40 of 40 rows kept" in proc.stdout
+    assert len(step_rows(tmp_path / "run")) == 2

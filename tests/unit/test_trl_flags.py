@@ -388,8 +388,8 @@ def test_a_trl_recipes_launcher_keys_are_the_launchers_as_trl_passes_them_to_acc
 
 def test_a_trl_recipes_mappings_and_peft_task_type(tmp_path):
     """lr_scheduler_kwargs as a YAML mapping; lora_task_type CAUSAL_LM (TRL's default, the one shardtune trains);
-    model_init_kwargs' dtype and attention; datasets: mixtures are refused with their own reason until they are
-    built."""
+    model_init_kwargs' dtype and attention; a datasets: (mixture) entry with a key TRL's DatasetConfig does not have
+    is refused naming it."""
     recipe = {
         "lr_scheduler_type": "cosine_with_min_lr",
         "lr_scheduler_kwargs": {"min_lr_rate": 0.1},
@@ -404,7 +404,7 @@ def test_a_trl_recipes_mappings_and_peft_task_type(tmp_path):
         ("lora_task_type", "SEQ_CLS", "lora_task_type SEQ_CLS .*CAUSAL_LM"),
         ("model_init_kwargs", {"device_map": "auto"}, "model_init_kwargs device_map .*drop"),
         ("model_init_kwargs", {"torch_dtype": "int8"}, "torch_dtype int8 is not valid"),
-        ("datasets", [{"path": "a.jsonl"}], "datasets: .*mixture"),
+        ("datasets", [{"path": "a.jsonl", "sample": 2}], "datasets: entry 1: unknown key 'sample'"),
     ]:
         with pytest.raises(ConfigError, match=named) as error:
             parse_args(["--config", write(tmp_path, "bad.yaml", {key: value})])

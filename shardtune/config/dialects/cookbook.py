@@ -16,6 +16,7 @@ from typing import Any
 
 from shardtune.config.dialects import Pairs, Spelling, text
 from shardtune.config.fields import FALSE, TRUE
+from shardtune.config.mixture import MIXTURE_KEY, mixture_entries
 from shardtune.config.schema import REPORT_TO, ConfigError, TrainConfig
 
 STATE = "cookbook:"
@@ -256,6 +257,12 @@ SPELLINGS: dict[str, Spelling] = {
     "eval_fraction": Spelling("eval.steps"),
     "save_fraction": Spelling("checkpoint.save_steps"),
     "strict_data": Spelling("data.strict"),
+    "dataset_mixture": Spelling(
+        MIXTURE_KEY,
+        "several datasets in one run by weight: path[@split][:weight], comma-separated (data/a.jsonl:0.7,"
+        "data/b.jsonl:0.3); a recipe may give TRL's datasets: mappings here too (docs/data-formats.md#mixtures)",
+        lambda value: [(MIXTURE_KEY, mixture_entries("--dataset_mixture", value))],
+    ),
     "save_plots": Spelling("logging.save_plots"),
     "debug": Spelling("run.debug"),
     "defaults": Spelling("run.defaults"),

@@ -484,8 +484,12 @@ SPELLINGS: dict[str, Spelling] = {
         "shuffles every epoch, as Trainer's does",
         _shuffle_dataset,
     ),
-    # TRL's data settings (SFTConfig, ScriptArguments): the same names
-    **{f.name: T(f"data.trl_dataset.{f.name}", f.metadata["help"]) for f in fields(TrlDatasetConfig)},
+    # TRL's data settings (SFTConfig, ScriptArguments): the same names (the mixture is TRL's datasets:, trl_trainer.py)
+    **{
+        f.name: T(f"data.trl_dataset.{f.name}", f.metadata["help"])
+        for f in fields(TrlDatasetConfig)
+        if f.name != "dataset_mixture"
+    },
     "completion_only_loss": T(
         "data.trl_dataset.completion_only_loss",
         "loss on the completion only; unset: true for prompt-completion data",

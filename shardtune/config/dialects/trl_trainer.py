@@ -15,6 +15,7 @@ from typing import Any, Callable
 from shardtune.config.dialects import Pairs, Spelling, canonical, is_empty, refused, same, text
 from shardtune.config.dialects.trl_sharding import COOKBOOK_FSDP_NAMES, FSDP_CONFIG, _deepspeed, _fsdp, _fsdp_config
 from shardtune.config.dialects.trl_values import STATE, _bool, _given, _mapping, _shown, gpus_visible, no_effect, only
+from shardtune.config.mixture import MIXTURE_KEY, mixture_entries
 from shardtune.config.schema import ConfigError, TrainConfig
 
 
@@ -129,17 +130,17 @@ def _lora_task_type(value: Any) -> Pairs:
 
 
 def _datasets(value: Any) -> Pairs:
-    if not value:
-        return []
-    raise ConfigError(
-        "datasets: a mixture of several datasets in one run is not built yet: give one dataset with "
-        "dataset_name (and dataset_config, dataset_train_split), or combine the files into one"
-    )
+    return [] if is_empty(value) else [(MIXTURE_KEY, mixture_entries("datasets:", value))]
 
 
 SPELLINGS: dict[str, Spelling] = {
     "lora_task_type": Spelling("-", "CAUSAL_LM only (TRL's default: shardtune trains causal LMs)", _lora_task_type),
-    "datasets": Spelling("-", "a mixture of datasets: not built yet (refused unless empty)", _datasets),
+    "datasets": Spelling(
+        MIXTURE_KEY,
+        "TRL's mixture: a list of path, name, data_dir, data_files, split, columns, fraction (and shardtune's "
+        "weight): several datasets in one run (docs/data-formats.md#mixtures)",
+        _datasets,
+    ),
     # the strategy (TrainingArguments)
     "fsdp": S(
         "parallel.strategy / parallel.sharding_strategy / parallel.cpu_offload",
