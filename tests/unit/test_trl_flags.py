@@ -318,11 +318,11 @@ def test_a_fractional_num_train_epochs_stops_where_trainer_stops_and_the_schedul
     )
     assert cfg.train.num_epochs == 2.5
     validate(cfg, 2)
-    assert planned_steps(cfg, num_units=30, dp_size=2) == math.ceil(2.5 * 7)  # 30 units // (2 x 2): 7 per epoch
+    assert planned_steps(cfg, units=range(30), dp_size=2) == math.ceil(2.5 * 7)  # 30 units // (2 x 2): 7 per epoch
     quarter = parse_args(["--num_train_epochs", "0.25", "--per_device_train_batch_size", "4"])
-    assert planned_steps(quarter, num_units=30, dp_size=1) == 2  # ceil(7 / 4)
+    assert planned_steps(quarter, units=range(30), dp_size=1) == 2  # ceil(7 / 4)
     cfg.train.stop_after_steps = 5  # llama-cookbook's --max_train_step: a cap
-    assert planned_steps(cfg, num_units=30, dp_size=2) == 5
+    assert planned_steps(cfg, units=range(30), dp_size=2) == 5
     older = parse_args(["--fractional_epochs", "2.5"])  # the older name; shardtune's, so the cookbook's defaults
     assert older == parse_args(["--num_train_epochs", "2.5", "--defaults", "cookbook"])
 
