@@ -45,8 +45,9 @@ TRL_SFT = {
 TRL_DEFAULTS: dict[str, dict[str, Any]] = {
     "sft": TRL_SFT,
     "dpo": {**TRL_SFT, "optim.lr": 1e-6, "peft.lora.dropout": 0.0},  # disable_dropout true
+    "grpo": {**TRL_SFT, "optim.lr": 1e-6},  # per_device_train_batch_size 8 counts completions
 }
-HOME = {"sft": "cookbook", "dpo": "trl"}  # whose defaults a command gets when its names do not say
+HOME = {"sft": "cookbook", "dpo": "trl", "grpo": "trl"}  # whose defaults a command gets when its names do not say
 
 
 def implied(names: Iterable[str]) -> tuple[str, list[str]]:

@@ -16,6 +16,12 @@ def no_reference(cfg: Any) -> bool:
     return False
 
 
+def grpo_reference(cfg: Any) -> bool:
+    """GRPO's reference (beta > 0) is a frozen copy of the starting weights for full fine-tuning (with PEFT: the
+    base, adapter off)."""
+    return cfg.grpo.beta > 0 and not cfg.peft.method
+
+
 def dpo_reference(cfg: Any) -> bool:
     """DPO's reference is a frozen copy of the model for full fine-tuning (with PEFT: the base, adapter off), unless
     its log-probabilities are precomputed."""
@@ -34,6 +40,9 @@ class Registration:
     # TRL's default), and those TRL has that it does not, with why
     loss_types: tuple[str, ...] = ()
     loss_types_not_built: tuple[tuple[str, str], ...] = ()
+    # "module:function" (cfg, number of units, data-parallel size) -> optimizer steps per epoch, where an epoch is
+    # not the units over the effective batch (GRPO: prompts, each sampled num_generations times); "": that
+    epoch_steps: str = ""
 
 
 OBJECTIVES = {
@@ -50,5 +59,12 @@ OBJECTIVES = {
         rows_per_unit=2,
         frozen_reference=dpo_reference,
         reference_setting="dpo.ref_model",
+    ),
+    "grpo": Registration(
+        "online RL (GRPO): sample completions, score them with reward functions, same launcher (docs/grpo.md)",
+        "shardtune.training.grpo:GRPO",
+        settings="grpo",
+        frozen_reference=grpo_reference,
+        epoch_steps="shardtune.training.grpo_batches:epoch_steps",
     ),
 }

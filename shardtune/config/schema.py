@@ -26,6 +26,8 @@ from shardtune.config.data_settings import *  # noqa: F403 (the data group: Data
 from shardtune.config.data_settings import DataSettings
 from shardtune.config.dpo_settings import *  # noqa: F403 (DPO's section: DpoConfig, DPO_LOSS_TYPES ...)
 from shardtune.config.dpo_settings import DpoConfig
+from shardtune.config.grpo_settings import *  # noqa: F403 (GRPO's section: GrpoConfig, GRPO_LOSS_TYPES ...)
+from shardtune.config.grpo_settings import GrpoConfig
 from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.peft_settings import *  # noqa: F403 (the adapter group: PeftSettings, PEFT_METHODS ...)
 from shardtune.config.peft_settings import PeftSettings
@@ -563,7 +565,7 @@ class TrainConfig:
     objective: str = setting(
         "sft",
         "what is trained: " + ", ".join(OBJECTIVES) + " (set by the command: shardtune "
-        "sft, shardtune dpo; shardtune.config.objectives)",
+        "sft, shardtune dpo, shardtune grpo; shardtune.config.objectives)",
         choices=tuple(OBJECTIVES),
         **REFERENCE,
     )
@@ -579,6 +581,7 @@ class TrainConfig:
     output: OutputSettings = setting(OutputSettings(), "what the run writes and uploads")
     run: RunSettings = setting(RunSettings(), "how the command runs")
     dpo: DpoConfig = setting(DpoConfig(), "TRL's DPO settings (--beta, --loss_type, ...): shardtune dpo")
+    grpo: GrpoConfig = setting(GrpoConfig(), "TRL's GRPO settings (--reward_funcs, --num_generations ...)")
 
 
 def effective_batch_size(cfg: TrainConfig, dp_size: int) -> int:

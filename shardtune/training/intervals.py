@@ -3,9 +3,11 @@ checkpoints and tracker rows."""
 
 from __future__ import annotations
 
+import importlib
 import math
 
 from shardtune import data
+from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.schema import TrainConfig, interval_steps
 
 
@@ -21,6 +23,10 @@ def epoch_steps(cfg: TrainConfig, units, dp_size: int) -> int:
     over its stream are the data position's business)."""
     if cfg.data.streaming:
         return cfg.train.max_steps
+    own = OBJECTIVES[cfg.objective].epoch_steps  # an objective whose epoch is not units / effective batch (GRPO)
+    if own:
+        module, _, function = own.partition(":")
+        return getattr(importlib.import_module(module), function)(cfg, len(units), dp_size)
     return data.steps_per_epoch(len(units), cfg, dp_size)
 
 

@@ -13,7 +13,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from shardtune import data
 from shardtune.accounting.flops import model_shape
 from shardtune.accounting.peak_flops import PeakMeter
 from shardtune.data.streaming import stream_steps
@@ -172,6 +171,7 @@ class Run:
             print0(startup.phase_report())
         self.reporter = StepReporter(env, writer, peak, self.probe, self.total_steps, self.result.steps)
         self.evaluator = Evaluator(objective, model, writer, self.best, self.reporter.say)
+        objective.writer = writer
         self.row_slice = RowSlice.of_rank(dims, env.rank)
         self.hooks = installed()  # a script's callbacks (the Python face); None on the command line
         self.last_row: dict = {}
@@ -198,16 +198,8 @@ class Run:
         dims = self.strategy.dims
         if self.cfg.data.streaming:
             return self.streamed(dims)
-        return data.train_loader(
-            self.units,
-            self.cfg,
-            dims.dp_rank(self.env.rank),
-            dims.dp_size,
-            epoch,
-            self.objective.pad_id,
-            first,
-            self.row_slice,
-            self.objective.collate_fn,
+        return self.objective.batches(
+            self.units, epoch, first, dims.dp_rank(self.env.rank), dims.dp_size, self.row_slice
         )
 
     def streamed(self, dims):

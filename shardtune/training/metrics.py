@@ -31,6 +31,7 @@ class MetricsWriter:
             self._fh = open(path, "a" if append else "w", encoding="utf-8")
             if not append:
                 (path.parent / EVAL_SAMPLES_FILE).unlink(missing_ok=True)
+                (path.parent / "completions.jsonl").unlink(missing_ok=True)
 
     def write(self, row: dict[str, Any]) -> None:
         if self._fh is not None:
@@ -41,11 +42,11 @@ class MetricsWriter:
         for tracker in self.trackers:
             tracker.log(tracker_scalars(row), row["step"])
 
-    def write_samples(self, samples: list[dict[str, str]], step: int) -> None:
-        """Generated answers of one evaluation: appended to eval_samples.jsonl next to metrics.jsonl, and sent to
-        the trackers as a table."""
+    def write_samples(self, samples: list[dict[str, str]], step: int, file: str = EVAL_SAMPLES_FILE) -> None:
+        """Generated answers of one evaluation (or GRPO's sampled completions: ``file``): appended to
+        eval_samples.jsonl next to metrics.jsonl, and sent to the trackers as a table."""
         if self.path is not None:
-            with open(self.path.parent / EVAL_SAMPLES_FILE, "a", encoding="utf-8") as fh:
+            with open(self.path.parent / file, "a", encoding="utf-8") as fh:
                 fh.writelines(json.dumps({"step": step, **sample}) + "\n" for sample in samples)
         for tracker in self.trackers:
             tracker.log_samples(samples, step)

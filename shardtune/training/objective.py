@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from shardtune import data
 from shardtune.accounting.flops import ModelShape
 from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.schema import ConfigError, TrainConfig
@@ -63,8 +64,18 @@ class Objective(ABC):
     def load_data(self) -> tuple[list, list]:
         """(training units, evaluation items), the same on every rank."""
 
+    writer = None  # the run's MetricsWriter (set by the loop): an objective's own samples (GRPO's completions)
+
     # (units, cfg, pad_id) -> a training micro-batch; None: the data floor's collate of examples
     collate_fn: ClassVar[Any] = None
+
+    def batches(self, units: list, epoch: int, first: int, dp_rank: int, dp_size: int, row_slice=None):
+        """This rank's micro-batches of each step of ``epoch`` from its step ``first`` on: the data floor's loader.
+        An objective that makes a step's batches as it trains (GRPO: completions sampled with the current weights,
+        scored) overrides it; the loop asks for a step's batches after the previous step is done."""
+        return data.train_loader(
+            units, self.cfg, dp_rank, dp_size, epoch, self.pad_id, first, row_slice, self.collate_fn
+        )
 
     def attach(self, model: nn.Module, units: list, eval_items: list) -> None:
         """After the model is wrapped, before the first step: build what the loss needs besides the model."""

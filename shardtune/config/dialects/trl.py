@@ -12,7 +12,7 @@ import json
 from dataclasses import fields
 from typing import Any, Callable
 
-from shardtune.config.dialects import Pairs, Spelling, refused, text, trl_trainer
+from shardtune.config.dialects import Pairs, Spelling, refused, text, trl_grpo, trl_trainer
 from shardtune.config.dialects.cookbook import STATE as COOKBOOK
 from shardtune.config.dialects.cookbook import report_to
 from shardtune.config.dialects.trl_values import _bool, _mapping
@@ -293,6 +293,8 @@ def _settle_loss_type(cfg: TrainConfig, names: list[str]) -> None:
     """The objective's: its section's loss_type setting (DPO's list), else the losses its registration names."""
     registration = OBJECTIVES[cfg.objective]
     section = getattr(cfg, registration.settings, None) if registration.settings else None
+    if trl_grpo.settle_loss_type(section, names, cfg.objective):  # GRPO's: one name
+        return
     if section is not None and hasattr(section, "loss_type"):
         section.loss_type = names
         return
@@ -496,7 +498,8 @@ SPELLINGS: dict[str, Spelling] = {
         _completion_only_loss,
     ),
     # DPO (DPOConfig): its loss and reference settings, the same names
-    **{f.name: T(f"dpo.{f.name}", f.metadata["help"]) for f in fields(DpoConfig)},
+    **{f.name: T(f"dpo.{f.name}", f.metadata["help"]) for f in fields(DpoConfig) if f.name not in trl_grpo.SHARED},
+    **trl_grpo.SPELLINGS,  # GRPO (GRPOConfig); --beta sets the objective's
     "loss_type": T(
         "dpo.loss_type",
         "shardtune dpo: " + DpoConfig.__dataclass_fields__["loss_type"].metadata["help"] + "; shardtune sft: nll "
@@ -564,6 +567,7 @@ def finish(cfg: TrainConfig, state: dict[str, Any], spelled: dict[str, str]) -> 
     given = {key.removeprefix(STATE): value for key, value in state.items() if key.startswith(STATE)}
     if "loss_type" in given:
         _settle_loss_type(cfg, given["loss_type"])
+    trl_grpo.settle(cfg, given)
     if given.get("hub_strategy", "end") != "end" and cfg.output.push_to_hub:
         raise ConfigError(
             f"--hub_strategy {given['hub_strategy']} is not built: use end (one upload of the final model after the "

@@ -1,0 +1,19 @@
+"""``python -m shardtune.grpo``: what torchrun runs for ``shardtune grpo``; the command is shardtune.commands.sft with
+the GRPO objective."""
+
+import signal
+import sys
+
+if __name__ == "__main__":
+    # Ctrl-C reaches the launcher and every worker at once: while a worker imports, the launcher alone answers it
+    # (the worker's own handlers, installed before training, see its stop request; shardtune/runtime/preemption.py)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+from shardtune.commands.sft import main  # noqa: E402
+
+if __name__ == "__main__":
+    from shardtune.cli import exit_without_teardown, frozen_imports
+
+    with frozen_imports():  # the imports above are the process's for good
+        status = main(sys.argv[1:], objective="grpo")
+    exit_without_teardown(status)

@@ -1,0 +1,417 @@
+"""The GRPO objective (TRL 1.16's GRPOTrainer) on the one engine: prompts, completions sampled with the weights being
+trained (grpo_generate), scored by reward functions (rewards), group-normalised advantages, the clipped policy loss
+(grpo_loss), with TRL's metrics.
+
+A step's batches are made when the loop asks for them, after the previous step (:meth:`GRPO.batches`): a round's
+completions are sampled, each rank sampling those of its own micro-batches (grpo_batches: which completions every
+rank holds is defined globally and each completion's randomness is keyed by what it is), their rewards all-reduced
+so that every rank computes the same advantages over the whole round, then the old policy's and the reference's
+log-probabilities computed where the loss needs them. So 1 x 4, 2 x 2 and 1 x 1 x 4 (processes x batch x
+accumulation) sample the same completions and train the same steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardtune.accounting.flops import ModelShape, num_input_tokens
+from shardtune.config.schema import ConfigError
+from shardtune.data.batching import EXAMPLE_IDS, EXAMPLE_LENGTHS
+from shardtune.data.prompts import check_prompt_data, prompt_rows
+from shardtune.model.speed import apply_speed_features
+from shardtune.runtime.distributed import all_reduce_sum, print0
+from shardtune.training.building import build_model
+from shardtune.training.dpo_logps import adapter_disabled
+from shardtune.training.grpo_batches import epoch_steps, prompt_order, round_plan, sampling_seed
+from shardtune.training.grpo_generate import sample
+from shardtune.training.grpo_loss import STATS, completion_targets, micro_batch_terms, token_logps
+from shardtune.training.objective import COUNTS, Objective
+from shardtune.training.rewards import load_rewards, score
+
+METRICS = ("reward", "reward_std", "frac_reward_zero_std")
+COMPLETION_METRICS = (
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "completions/mean_terminated_length",
+    "completions/min_terminated_length",
+    "completions/max_terminated_length",
+)
+LOSS_METRICS = (
+    "kl",
+    "entropy",
+    "clip_ratio/low_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_mean",
+    "clip_ratio/high_max",
+    "clip_ratio/region_mean",
+)
+
+
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """TRL's nanstd: the unbiased standard deviation of the non-NaN values."""
+    keep = {} if dim is None else {"dim": dim, "keepdim": True}
+    mean = torch.nanmean(x, **keep)
+    variance = torch.nanmean((x - mean) ** 2, **keep)
+    count = (~torch.isnan(x)).sum(**keep)
+    out = (variance * count / (count - 1)).sqrt()
+    return out.squeeze(dim) if dim is not None else out
+
+
+def advantages_of(rewards_per_func: torch.Tensor, weights: torch.Tensor, grpo) -> tuple[torch.Tensor, dict]:
+    """TRL's advantages of a generation batch (completions in groups of num_generations, in order) and its reward
+    metrics: (advantages, {reward, reward_std, frac_reward_zero_std, rewards/<i>/mean|std by index})."""
+    g = grpo.num_generations
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    if grpo.multi_objective_aggregation == "sum_then_normalize":
+        rewards = (rewards_per_func * weights[None]).nansum(dim=1)
+        rewards[unscorable] = math.nan
+        grouped_mean = torch.nanmean(rewards.view(-1, g), dim=1).repeat_interleave(g)
+        if grpo.scale_rewards == "batch":
+            std = nanstd(rewards).expand_as(rewards)
+        else:
+            std = nanstd(rewards.view(-1, g), dim=1).repeat_interleave(g)
+        advantages = rewards - grouped_mean
+        if grpo.scale_rewards != "none":
+            advantages = advantages / (std + 1e-4)
+    else:  # normalize_then_sum (GDPO)
+        grouped = rewards_per_func.view(-1, g, rewards_per_func.size(1))
+        normalised = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (
+            nanstd(grouped, dim=1).unsqueeze(1) + 1e-4
+        )
+        rewards = (normalised.view(-1, rewards_per_func.size(1)) * weights[None]).nansum(dim=1)
+        rewards[unscorable] = math.nan
+        std = nanstd(rewards).expand_as(rewards)
+        advantages = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
+    zero_std = torch.isclose(std, torch.zeros_like(std))
+    logged = (rewards_per_func * weights[None]).nansum(dim=1)
+    logged[unscorable] = math.nan
+    metrics = {
+        "reward": torch.nanmean(logged).item(),
+        "reward_std": nanstd(logged).item(),
+        "frac_reward_zero_std": zero_std.double().mean().item(),
+    }
+    for i in range(rewards_per_func.size(1)):
+        metrics[f"rewards/{i}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
+        metrics[f"rewards/{i}/std"] = nanstd(rewards_per_func[:, i]).item()
+    return torch.nan_to_num(advantages, nan=0.0), metrics
+
+
+def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+    """TRL's completions/* of a generation batch (all ranks)."""
+    ended = lengths[~truncated.bool()]
+    ended = ended if ended.numel() else torch.zeros(1, dtype=lengths.dtype)
+    lengths = lengths.double()
+    return {
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": truncated.double().mean().item(),
+        "completions/mean_terminated_length": ended.double().mean().item(),
+        "completions/min_terminated_length": ended.double().min().item(),
+        "completions/max_terminated_length": ended.double().max().item(),
+    }
+
+
+@dataclass
+class Round:
+    """A generation's micro-batches (this rank's, [slice][micro-batch]) and its metrics."""
+
+    slices: list[list[dict]]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class GRPO(Objective):
+    name = "grpo"
+    count_names = (*COUNTS, "completions")  # normaliser: the loss type's N; label_tokens: scored completion tokens
+    stat_names = STATS
+    step_metric_names = (*METRICS, *COMPLETION_METRICS, *LOSS_METRICS)
+    eval_metric_names = ("eval_loss",)
+
+    # -- before launch --------------------------------------------------------------------------------------------
+    @classmethod
+    def check(cls, cfg, world_size: int) -> None:
+        """What shardtune grpo supports: DDP and FSDP (with or without PEFT / QLoRA), generation with the trained
+        model, padded micro-batches, no evaluation (docs/grpo.md)."""
+        g = cfg.grpo
+        check_prompt_data(cfg)
+        if g.reward_weights and len(g.reward_weights) != len(g.reward_funcs):
+            raise ConfigError(
+                f"--reward_weights gives {len(g.reward_weights)} weights for {len(g.reward_funcs)} reward functions: "
+                "give one per function"
+            )
+        refusals = (
+            (cfg.parallel.strategy == "deepspeed", "--deepspeed: generation under ZeRO is not built; use FSDP or DDP"),
+            (cfg.data.streaming, "--dataset_streaming: prompts are read whole (they are small); drop the flag"),
+            (cfg.data.padding_free, "--padding_free: GRPO's rows are padded per micro-batch; drop the flag"),
+            (
+                cfg.parallel.sequence_parallel_size > 1 or cfg.parallel.context_parallel_size > 1,
+                "--sp_size / --cp_size: completions are sampled whole on each rank; drop the flag",
+            ),
+            (
+                cfg.eval.enabled,
+                "evaluation (rewards of the test split's prompts) is not built for shardtune grpo: drop "
+                "--eval_strategy / --do_eval",
+            ),
+            (cfg.eval.log_samples, "--log_eval_samples: use --log_completions true; drop the flag"),
+        )
+        for refused, line in refusals:
+            if refused:
+                raise ConfigError(line)
+        cfg.data.batching = "padding"
+
+    @classmethod
+    def prepare_data(cls, cfg, tokenizer, dp_size: int) -> None:
+        rows, report = prompt_rows(cfg, tokenizer)
+        print(f"shardtune: data (train): {report.summary()}", flush=True)
+        load_rewards(cfg.grpo.reward_funcs, load_models=False)
+        epoch_steps(cfg, len(rows), dp_size)
+
+    # -- in the worker --------------------------------------------------------------------------------------------
+    def load_data(self) -> tuple[list, list]:
+        rows, report = prompt_rows(self.cfg, self.tokenizer)
+        print0(f"data (train): {report.summary()}")
+        return rows, []
+
+    def attach(self, model: nn.Module, units: list, eval_items: list) -> None:
+        cfg, env = self.cfg, self.env
+        self.model = model
+        self.plan = round_plan(cfg, self.strategy.dims.dp_size)
+        self.rewards = load_rewards(cfg.grpo.reward_funcs, True, env.device)
+        self.reward_names = [r.name for r in self.rewards]
+        self.weights = torch.tensor(cfg.grpo.reward_weights or [1.0] * len(self.rewards), dtype=torch.float64)
+        self.eos_ids = {self.tokenizer.eos_token_id}
+        generation_eos = getattr(getattr(self.strategy.unwrap(model), "generation_config", None), "eos_token_id", None)
+        self.eos_ids |= set(generation_eos if isinstance(generation_eos, list) else [generation_eos]) - {None}
+        self.pending: dict[str, float] = {}
+        self.extremes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.ref_model = self.peft_model = None
+        if cfg.grpo.beta > 0:
+            if bool(cfg.peft.method):
+                self.peft_model = self.strategy.unwrap(model)
+            else:
+                frozen = build_model(copy.deepcopy(cfg), env).eval().requires_grad_(False)
+                apply_speed_features(frozen, cfg, env.device, say=False)
+                self.ref_model = self.strategy.place_frozen(frozen)
+        self.step_metric_names = (
+            *METRICS,
+            *(f"rewards/{name}/{s}" for name in self.reward_names for s in ("mean", "std")),
+            *COMPLETION_METRICS,
+            *(m for m in LOSS_METRICS if m != "kl" or cfg.grpo.beta != 0.0),
+        )
+
+    def batches(self, units: list, epoch: int, first: int, dp_rank: int, dp_size: int, row_slice=None):
+        """Each step's micro-batches, a round's completions sampled when the round begins (a run resumed inside a
+        round samples it again, with the weights it resumes with)."""
+        steps = epoch_steps(self.cfg, len(units), dp_size)
+        order = prompt_order(len(units), self.cfg.train.seed, epoch)
+        plan, current, made = self.plan, None, None
+        for s in range(first, steps):
+            r, w = divmod(s, plan.round_steps)
+            if r != current:
+                made, current = self.make_round(units, order, epoch, r, dp_rank, epoch * steps + s + 1), r
+            self.pending = made.metrics
+            yield made.slices[w % plan.steps_per_generation]
+
+    def make_round(self, units: list, order: list[int], epoch: int, r: int, dp_rank: int, step: int) -> Round:
+        cfg, g, plan, device = self.cfg, self.cfg.grpo, self.plan, self.env.device
+        prompts = order[r * plan.prompts_per_round : (r + 1) * plan.prompts_per_round]
+        mine = plan.rank_completions(dp_rank)
+        flat = [c for micro in mine for c in micro]
+        rows = [units[prompts[c // plan.generations]] for c in flat]
+        seeds = [
+            sampling_seed(cfg.train.seed, epoch, r, row["index"], c % plan.generations) for row, c in zip(rows, flat)
+        ]
+        completion_ids = sample(
+            self.model,
+            self.strategy,
+            [row["prompt_ids"] for row in rows],
+            seeds,
+            max_new_tokens=g.max_completion_length,
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+            temperature=g.temperature,
+            top_k=g.top_k,
+            top_p=g.top_p,
+            device=device,
+        )
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        conversational = isinstance(rows[0]["prompt"], list)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        extras = {key: [row["extras"][key] for row in rows] for key in rows[0]["extras"]}
+        state = SimpleNamespace(global_step=step - 1, epoch=epoch)  # what TRL's trainer_state gives reward functions
+        local = score(self.rewards, [row["prompt"] for row in rows], completions, completion_ids, extras, state, device)
+        total = plan.steps_per_generation * plan.completions_per_step
+        index = torch.tensor(flat)
+        truncated = torch.tensor([float(ids[-1] not in self.eos_ids) for ids in completion_ids], dtype=torch.float64)
+        lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.float64)
+        shared = torch.zeros(total, len(self.rewards) + 2, dtype=torch.float64)
+        shared[index] = torch.cat([local, lengths[:, None], truncated[:, None]], dim=1)
+        shared = all_reduce_sum(shared, device).cpu()  # every rank: the whole round's rewards, lengths, truncations
+        advantages, metrics = advantages_of(shared[:, :-2], self.weights, g)
+        for i, name in enumerate(self.reward_names):
+            metrics[f"rewards/{name}/mean"] = metrics.pop(f"rewards/{i}/mean")
+            metrics[f"rewards/{name}/std"] = metrics.pop(f"rewards/{i}/std")
+        metrics.update(completion_metrics(shared[:, -2], shared[:, -1]))
+        masked = g.mask_truncated_completions
+        counted = [0 if (masked and t) else len(ids) for ids, t in zip(completion_ids, truncated.tolist())]
+        round_tokens = sum(counted)
+        slices: list[list[dict]] = []
+        at = 0
+        for j in range(plan.steps_per_generation):
+            micro_batches = []
+            for m in range(plan.accumulation):
+                n = len(mine[j * plan.accumulation + m])
+                part = range(at, at + n)
+                batch = self.collate(
+                    [rows[i]["prompt_ids"] for i in part],
+                    [completion_ids[i] for i in part],
+                    [counted[i] > 0 for i in part],
+                    advantages[index[at : at + n]],
+                    [r * total + int(c) for c in index[at : at + n]],
+                )
+                batch["normaliser"] = self.normaliser(batch, round_tokens)
+                micro_batches.append(batch)
+                at += n
+            slices.append(micro_batches)
+        self.add_policy_logps(slices)
+        if g.log_completions or g.num_completions_to_print:
+            self.log_completions(step, rows, texts, local)
+        return Round(slices, metrics)
+
+    def collate(self, prompts, completions, counted, advantages, ids) -> dict:
+        """Right-padded rows [prompt | completion | pad]: positions from 0, each row independent of the others."""
+        width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+        rows = len(prompts)
+        input_ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((rows, width), dtype=torch.long)
+        completion = torch.zeros((rows, width), dtype=torch.long)
+        example_ids = torch.full((rows, width), -1, dtype=torch.long)
+        lengths = torch.zeros((rows, width), dtype=torch.long)
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            n = len(p) + len(c)
+            input_ids[i, :n] = torch.tensor(p + c)
+            attention[i, :n] = 1
+            if counted[i]:
+                completion[i, len(p) : n] = 1
+            example_ids[i, :n], lengths[i, :n] = ids[i], n
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "position_ids": torch.arange(width).expand(rows, width).clone(),
+            "completion_mask": completion,
+            "advantages": advantages.float(),
+            EXAMPLE_IDS: example_ids,
+            EXAMPLE_LENGTHS: lengths,
+        }
+
+    def normaliser(self, batch: dict, round_tokens: int) -> float:
+        """This micro-batch's share of the step's N (shardtune.training.grpo_loss): summed over the step's micro-
+        batches of all ranks it is N."""
+        g = self.cfg.grpo
+        tokens = float(batch["completion_mask"].sum())
+        rows = batch["input_ids"].size(0)
+        if g.loss_type == "dapo":  # this micro-batch's tokens; spread over the round by add_policy_logps
+            return tokens
+        if g.loss_type == "bnpo":
+            return tokens
+        if g.loss_type == "grpo":
+            return float(rows)
+        return float(rows * g.max_completion_length)
+
+    @torch.no_grad()
+    def add_policy_logps(self, slices: list[list[dict]]) -> None:
+        """The old policy's log-probabilities where the round's later steps need them (k x mu > 1: the weights move
+        before its last step), and the reference's with beta > 0; the dapo normaliser spread over the round."""
+        g, device = self.cfg.grpo, self.env.device
+        everything = [b for micro in slices for b in micro]
+        if g.loss_type == "dapo":  # each micro-batch: the round's tokens of this rank / (k x its micro-batches)
+            tokens = sum(b["normaliser"] for b in everything)
+            for b in everything:
+                b["normaliser"] = tokens / len(everything)
+        if self.plan.round_steps > 1:
+            for b in everything:
+                with self.strategy.autocast():
+                    b["old_logps"] = token_logps(self.model, b, device, g.temperature, False)[0].cpu()
+        if g.beta > 0:
+            for b in everything:
+                with self.strategy.autocast():
+                    if self.ref_model is not None:
+                        ref = token_logps(self.ref_model, b, device, g.temperature, False)[0]
+                    else:
+                        with adapter_disabled(self.peft_model):
+                            ref = token_logps(self.model, b, device, g.temperature, False)[0]
+                b["ref_logps"] = ref.cpu()
+
+    def log_completions(self, step: int, rows: list[dict], texts: list[str], rewards: torch.Tensor) -> None:
+        """The round's completions, all ranks', into completions.jsonl (rank 0) and the trackers, as eval samples
+        go; the first num_completions_to_print printed."""
+        mine = [
+            {
+                "prompt": row["prompt"] if isinstance(row["prompt"], str) else json.dumps(row["prompt"]),
+                "prediction": text,
+                "reference": json.dumps(dict(zip(self.reward_names, values))),
+            }
+            for row, text, values in zip(rows, texts, rewards.tolist())
+        ]
+        gathered = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
+        if dist.is_initialized():
+            dist.all_gather_object(gathered, mine)
+        samples = [s for part in gathered for s in part]
+        if self.env.is_main and self.cfg.grpo.log_completions and self.writer is not None:
+            self.writer.write_samples(samples, step, "completions.jsonl")
+        for sample_row in samples[: self.cfg.grpo.num_completions_to_print]:
+            print0(
+                f"step {step}: {sample_row['prompt'][-80:]!r} -> {sample_row['prediction']!r} {sample_row['reference']}"
+            )
+
+    # -- the step -------------------------------------------------------------------------------------------------
+    def counts(self, micro_batches: list[dict], shape: ModelShape | None) -> list[float]:
+        self.extremes = []
+        return [
+            sum(mb["normaliser"] for mb in micro_batches),
+            sum(float((completion_targets(mb) != -100).sum()) for mb in micro_batches),
+            sum(num_input_tokens(mb) for mb in micro_batches),
+            0.0,
+            0.0,
+            sum(mb["input_ids"].size(0) for mb in micro_batches),
+        ]
+
+    def loss(self, model: nn.Module, batch: dict, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g, device = self.cfg.grpo, self.env.device
+        logps, entropies = token_logps(model, batch, device, g.temperature, True)
+        total, stats, extremes = micro_batch_terms(logps, entropies, batch, g, device)
+        self.extremes.append(extremes)
+        return total, stats
+
+    def step_metrics(self, totals: dict[str, float], stats: list[float]) -> dict[str, float]:
+        g = self.cfg.grpo
+        tokens, rows = max(totals["label_tokens"], 1.0), max(totals["completions"], 1.0)
+        clip_over = rows if g.importance_sampling_level == "sequence" else tokens
+        low = torch.stack([e[0] for e in self.extremes]).min().reshape(1).double()
+        high = torch.stack([e[1] for e in self.extremes]).max().reshape(1).double()
+        if dist.is_initialized():
+            dist.all_reduce(low, op=dist.ReduceOp.MIN)
+            dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        out = {"loss": stats[0] / max(totals["normaliser"], 1e-12), **self.pending}
+        if g.beta != 0.0:
+            out["kl"] = stats[1] / tokens
+        out["entropy"] = stats[2] / tokens
+        out["clip_ratio/low_mean"] = stats[3] / clip_over
+        out["clip_ratio/low_min"] = float(low) if math.isfinite(float(low)) else math.nan
+        out["clip_ratio/high_mean"] = stats[4] / clip_over
+        out["clip_ratio/high_max"] = float(high) if math.isfinite(float(high)) else math.nan
+        out["clip_ratio/region_mean"] = stats[5] / clip_over
+        return out
+
+    def evaluate(self, model: nn.Module) -> tuple[dict[str, float], list[dict]]:
+        raise ConfigError("evaluation is not built for shardtune grpo")
