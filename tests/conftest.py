@@ -43,7 +43,7 @@ def shardtune_argv(*args) -> list[str]:
     args = [str(a) for a in args]
     if (
         args
-        and args[0] in ("sft", "dpo")
+        and args[0] in ("sft", "dpo", "grpo")
         and not {"-h", "--help"} & set(args)
         and not any(a.startswith(("--save_plots", "--config")) for a in args)
     ):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardtune.accounting.flops import ModelShape, num_input_tokens
+from shardtune.accounting.flops import ModelShape, micro_batch_flops, num_input_tokens, palm_micro_batch_flops
 from shardtune.config.schema import ConfigError
 from shardtune.data.batching import EXAMPLE_IDS, EXAMPLE_LENGTHS
 from shardtune.data.prompts import check_prompt_data, prompt_rows
@@ -376,13 +376,20 @@ class GRPO(Objective):
 
     # -- the step -------------------------------------------------------------------------------------------------
     def counts(self, micro_batches: list[dict], shape: ModelShape | None) -> list[float]:
+        """The loss type's N, scored tokens, input tokens, the training FLOPs (the sampling's forwards are not in
+        mfu: it measures the training step's work), completions."""
         self.extremes = []
+        scored = [float((completion_targets(mb) != -100).sum()) for mb in micro_batches]
+        flops = palm = 0
+        if shape is not None:
+            flops = sum(micro_batch_flops(shape, mb, int(n)) for mb, n in zip(micro_batches, scored))
+            palm = sum(palm_micro_batch_flops(shape, mb) for mb in micro_batches)
         return [
             sum(mb["normaliser"] for mb in micro_batches),
-            sum(float((completion_targets(mb) != -100).sum()) for mb in micro_batches),
+            sum(scored),
             sum(num_input_tokens(mb) for mb in micro_batches),
-            0.0,
-            0.0,
+            flops,
+            palm,
             sum(mb["input_ids"].size(0) for mb in micro_batches),
         ]
 

@@ -63,8 +63,8 @@ class StepReporter:
             "step_time_s": step_time_s,
             "peak_memory_bytes": peak_memory_bytes(self.env.device),
             "model_flops_per_s": flops / step_time_s,
-            "mfu": flops / step_time_s / peak_flops,
-            "mfu_palm": palm_flops / step_time_s / peak_flops,
+            "mfu": flops / step_time_s / peak_flops if peak_flops else 0.0,  # no peak measured yet: none reached
+            "mfu_palm": palm_flops / step_time_s / peak_flops if peak_flops else 0.0,
             "peak_flops_per_s": peak_flops,
             **{name: value for name, value in stats.metrics.items() if name != "loss"},
         }
