@@ -1,11 +1,11 @@
-"""``SFTConfig`` / ``DPOConfig``: TRL's field names with TRL's defaults, as canonical settings.
+"""``SFTConfig`` / ``DPOConfig`` / ``GRPOConfig``: TRL's field names with TRL's defaults, as canonical settings.
 
 A config holds the fields a script gave, by TRL's names (every name of TRL 1.16's SFTConfig / DPOConfig /
-ModelConfig / ScriptArguments and transformers' TrainingArguments is known: shardtune.config.dialects.trl), and is
-turned into the canonical config by the command line's builder (one set of meanings): a field shardtune cannot
+GRPOConfig / ModelConfig / ScriptArguments and transformers' TrainingArguments is known: shardtune.config.dialects.trl),
+and is turned into the canonical config by the command line's builder (one set of meanings): a field shardtune cannot
 honour is refused in one line when the config is made, never accepted and ignored. A TRL ``SFTConfig`` /
-``DPOConfig`` / ``TrainingArguments`` object is read the same way: the fields it sets differently from its class's
-defaults.
+``DPOConfig`` / ``GRPOConfig`` / ``TrainingArguments`` object is read the same way: the fields it sets differently from
+its class's defaults.
 """
 
 from __future__ import annotations
@@ -86,6 +86,12 @@ class DPOConfig(TrlConfig):
     objective = "dpo"
 
 
+class GRPOConfig(TrlConfig):
+    """TRL's ``GRPOConfig`` for :class:`shardtune.GRPOTrainer`."""
+
+    objective = "grpo"
+
+
 def _plain(value: Any) -> Any:
     """A TRL object's field value as a config value: enums by their value."""
     if isinstance(value, enum.Enum):
@@ -102,8 +108,8 @@ def fields_of(args: Any) -> dict[str, Any]:
         return args.given
     if not dataclasses.is_dataclass(args):
         raise ConfigError(
-            f"args {type(args).__name__}: pass shardtune's SFTConfig / DPOConfig, or TRL's SFTConfig / DPOConfig / "
-            "transformers' TrainingArguments"
+            f"args {type(args).__name__}: pass shardtune's SFTConfig / DPOConfig / GRPOConfig, or TRL's SFTConfig / "
+            "DPOConfig / GRPOConfig / transformers' TrainingArguments"
         )
     keep = {k: getattr(args, k) for k in ("output_dir", "use_cpu", "bf16", "fp16") if hasattr(args, k)}
     try:
@@ -127,8 +133,22 @@ def fields_of(args: Any) -> dict[str, Any]:
             given[f.name] = _plain(value)
         elif f.name in keep and value is not None and value != f.default:  # kept alike in the default instance
             given[f.name] = value
+    return _without_derived_generation(args, given)
+
+
+def _without_derived_generation(args: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """TRL's GRPOConfig fills in steps_per_generation / generation_batch_size from the batch and the world size when
+    the script leaves them out: such values are not the script's (shardtune derives the same from its own 0s)."""
+    if "generation_batch_size" not in given and "steps_per_generation" not in given:
+        return given
+    steps = getattr(args, "steps_per_generation", None)
+    per_step = getattr(args, "per_device_train_batch_size", 0) * getattr(args, "world_size", 1)
+    if steps and given.get("generation_batch_size") == per_step * steps:
+        given.pop("generation_batch_size")
+    if steps and steps == getattr(args, "gradient_accumulation_steps", None):
+        given.pop("steps_per_generation", None)
     return given
 
 
 def config_class(objective: str) -> type[TrlConfig]:
-    return {"sft": SFTConfig, "dpo": DPOConfig}[objective]
+    return {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig}[objective]

@@ -1,5 +1,5 @@
 """What a script hands a trainer as objects, as the command line's inputs: in-memory datasets as data files, a PEFT
-config as adapter settings, a tokenizer object as a tokenizer directory.
+config as adapter settings, a tokenizer object as a tokenizer directory, GRPO's reward functions as --reward_funcs.
 
 Files are content-addressed under the shardtune cache (``<cache>/inputs/<hash>/``): every rank of a run writes
 the same bytes to a private temporary folder and renames it into place, so ranks need no coordination before the
@@ -19,6 +19,7 @@ from typing import Any, Callable
 from shardtune.config.schema import ConfigError
 from shardtune.data.stream_rows import register_in_process
 from shardtune.model.loading import cache_dir
+from shardtune.training import rewards
 
 Pairs = list[tuple[str, Any]]
 
@@ -256,3 +257,37 @@ def peft_settings(peft_config: Any) -> Pairs:
     if c.adapter_layers:
         pairs.append(("peft.llama_adapter.adapter_layers", c.adapter_layers))
     return pairs
+
+
+def reward_functions(reward_funcs: Any) -> tuple[list[str], list[Callable[..., Any]]]:
+    """GRPO's ``reward_funcs`` (one, or a list): a string is a --reward_funcs entry as the command line takes it
+    (path.py:function, package.module.function, a reward model's directory or hub id); a callable is the script's
+    own, kept in this process (shardtune.training.rewards.register_in_process: every process of a run runs the
+    script, and ``python train.py`` runs the run in the script's process). Returns (the entries in order, the
+    callables)."""
+    if reward_funcs is None:
+        raise ConfigError(
+            "reward_funcs is None: pass a reward function (a callable, path.py:function, package.module.function or "
+            "a reward model's directory), or a list of them"
+        )
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if not funcs:
+        raise ConfigError("reward_funcs is empty: pass at least one reward function")
+    from torch import nn
+
+    callables: list[Callable[..., Any]] = []
+    for func in funcs:
+        if isinstance(func, nn.Module) or hasattr(func, "save_pretrained"):
+            raise ConfigError(
+                f"reward_funcs: a {type(func).__name__} object is not taken: pass the reward model's directory or hub "
+                "id (a string), so that every process loads it on its own device"
+            )
+        if not isinstance(func, (str, os.PathLike)) and not callable(func):
+            raise ConfigError(
+                f"reward_funcs: a {type(func).__name__} is not a reward function: pass a callable, "
+                "path.py:function, package.module.function or a reward model's directory"
+            )
+        if not isinstance(func, (str, os.PathLike)):
+            callables.append(func)
+    names = iter(rewards.register_in_process(callables))
+    return [str(f) if isinstance(f, (str, os.PathLike)) else next(names) for f in funcs], callables

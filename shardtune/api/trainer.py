@@ -18,7 +18,13 @@ from typing import Any, Iterator
 
 from shardtune.api.callbacks import ArgsView, CallbackHooks, checked_callbacks, trl_row
 from shardtune.api.configs import DEFAULT_OUTPUT_DIR, TrlConfig, config_class, fields_of
-from shardtune.api.inputs import dataset_settings, model_settings, peft_settings, tokenizer_settings
+from shardtune.api.inputs import (
+    dataset_settings,
+    model_settings,
+    peft_settings,
+    reward_functions,
+    tokenizer_settings,
+)
 from shardtune.config.dialects.accelerate import clear_accelerate_loading_variables, environment_settings
 from shardtune.config.fields import get_value
 from shardtune.config.objectives import OBJECTIVES
@@ -28,6 +34,7 @@ from shardtune.runtime.distributed import is_torchrun_worker
 from shardtune.runtime.preemption import STOP_SIGNALS
 from shardtune.training.checks import prepare
 from shardtune.training.hooks import install
+from shardtune.training.rewards import register_in_process
 from shardtune.training.worker import run_worker
 
 
@@ -87,6 +94,7 @@ def _refuse(name: str, value: Any, why: str) -> None:
 
 class _Trainer:
     objective = "sft"
+    refusals: dict[str, str] = {}  # argument -> why it is refused (the class's: REFUSED below)
 
     def __init__(
         self,
@@ -100,9 +108,9 @@ class _Trainer:
     ) -> None:
         self.callbacks = checked_callbacks(unsupported.pop("callbacks", None))
         formatting_func = unsupported.pop("formatting_func", None)
-        ref_model = unsupported.pop("ref_model", None)
+        objective_pairs = self._objective_settings(unsupported)
         for name, value in unsupported.items():
-            _refuse(name, value, REFUSED[name])
+            _refuse(name, value, self.refusals[name])
         model_pairs = model_settings(model)
         self.args = args if args is not None else config_class(self.objective)()
         given = {"output_dir": DEFAULT_OUTPUT_DIR, **fields_of(self.args)}
@@ -119,7 +127,7 @@ class _Trainer:
             ),  # under accelerate launch: its file's strategy, as the CLI reads it
             *given.items(),
             *model_pairs,
-            *(model_settings(ref_model, "ref_model", "ref_model") if ref_model is not None else []),
+            *objective_pairs,
             *tokenizer_settings(processing_class),
             *peft_settings(peft_config),
             *dataset_settings(train_dataset, eval_dataset, formatting_func),
@@ -132,6 +140,10 @@ class _Trainer:
         self.state = TrainerState()
         self._model: Any = None
         self._trained = False
+
+    def _objective_settings(self, arguments: dict[str, Any]) -> list[tuple[str, Any]]:
+        """The objective's own constructor arguments, taken out of ``arguments``, as settings."""
+        return []
 
     def _config(self, more: list[tuple[str, Any]] = ()) -> TrainConfig:
         return self._config_of(self._pairs, more)
@@ -291,6 +303,7 @@ class SFTTrainer(_Trainer):
     """TRL's ``SFTTrainer`` on shardtune (same constructor names)."""
 
     objective = "sft"
+    refusals = REFUSED
 
     def __init__(
         self,
@@ -317,6 +330,7 @@ class DPOTrainer(_Trainer):
     """TRL's ``DPOTrainer`` on shardtune (same constructor names)."""
 
     objective = "dpo"
+    refusals = REFUSED
 
     def __init__(
         self,
@@ -335,5 +349,70 @@ class DPOTrainer(_Trainer):
     ) -> None:
         super().__init__(**given(locals()))
 
+    def _objective_settings(self, arguments: dict[str, Any]) -> list[tuple[str, Any]]:
+        ref_model = arguments.pop("ref_model", None)
+        return model_settings(ref_model, "ref_model", "ref_model") if ref_model is not None else []
 
-__all__ = ["DPOTrainer", "SFTTrainer", "TrainOutput", "TrainerState", "TrlConfig"]
+
+GRPO_REFUSED = {
+    **REFUSED,
+    "reward_processing_classes": "not taken: a reward model's tokenizer is loaded from its directory: drop it",
+    "tools": "tool calls during generation are not built: drop it",
+    "rollout_func": "not taken: completions are sampled by shardtune's decode loop with the trained model: drop it",
+    "environment_factory": "environments (multi-turn rollouts) are not built: drop it",
+}
+GRPO_NO_EVALUATION = "evaluation is not built for GRPO (rewards of held-out prompts)"
+
+
+def _refuse_streamed(train_dataset: Any) -> None:
+    import datasets
+
+    if isinstance(train_dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+        raise ConfigError(
+            "train_dataset: an IterableDataset is not streamed for GRPO (its prompts are read whole): pass a "
+            "datasets.Dataset or a list of dicts"
+        )
+
+
+class GRPOTrainer(_Trainer):
+    """TRL's ``GRPOTrainer`` on shardtune (same constructor names). ``reward_funcs``: a callable (kept in the process
+    that runs the script: every process of a run does), a string as ``--reward_funcs`` takes it (path.py:function,
+    package.module.function, a reward model's directory or hub id), or a list of them."""
+
+    objective = "grpo"
+    refusals = GRPO_REFUSED
+
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: Any = None,
+        args: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: Any = None,
+        optimizers: Any = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
+        tools: Any = None,
+        rollout_func: Any = None,
+        environment_factory: Any = None,
+    ) -> None:
+        _refuse("eval_dataset", eval_dataset, f"{GRPO_NO_EVALUATION}: drop it")
+        _refuse_streamed(train_dataset)
+        super().__init__(**given(locals()))
+
+    def _objective_settings(self, arguments: dict[str, Any]) -> list[tuple[str, Any]]:
+        entries, self._reward_funcs = reward_functions(arguments.pop("reward_funcs"))  # kept in this process
+        return [("reward_funcs", entries)]
+
+    def _run(self, cfg: TrainConfig, what: str, callbacks: bool = False) -> None:
+        register_in_process(self._reward_funcs)  # again: another GRPOTrainer of the script may have registered its own
+        super()._run(cfg, what, callbacks)
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict:
+        raise ConfigError(f"evaluate(): {GRPO_NO_EVALUATION}: drop the call; the rewards are in state.log_history")
+
+
+__all__ = ["DPOTrainer", "GRPOTrainer", "SFTTrainer", "TrainOutput", "TrainerState", "TrlConfig"]

@@ -3,8 +3,8 @@ run as TRL's distributed-training guide runs it: ``python train.py``, ``torchrun
 the manual two-node form (``torchrun --nnodes 2 --node_rank R --rdzv_backend c10d --rdzv_endpoint HOST:PORT``,
 both nodes on this host), under ``shardtune run --nproc_per_node 2 train.py`` and under ``accelerate launch
 --config_file <TRL's fsdp2 profile> --num_processes 2 train.py``. Same effective batch -> the same per-step losses,
-LoRA dropout on. A run of a script stopped by a signal under ``shardtune run`` checkpoints and exits 75, and the
-script resumed in another layout ends like the uninterrupted run."""
+LoRA dropout on (GRPO: the same completions and rewards too). A run of a script stopped by a signal under ``shardtune
+run`` checkpoints and exits 75, and the script resumed in another layout ends like the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -148,6 +148,30 @@ def test_the_dpo_example_trains_and_reports_trls_reward_metrics(tiny_model, cach
     assert len(steps) == 4 and abs(steps[0]["loss"] - 0.693147) < 1e-4  # the policy starts as its reference
     assert {"rewards/chosen", "rewards/margins", "learning_rate", "grad_norm"} <= set(steps[0])
     assert result["model"] == "PeftModelForCausalLM"
+
+
+def test_the_grpo_example_samples_and_trains_the_same_steps_under_python_and_torchrun(tiny_model, cache_dir, tmp_path):
+    """examples/grpo.py (the script's own reward functions, one reading a dataset column; beta > 0): 1 process x 4
+    completions and torchrun 2 x 2 sample the same completions (the same rewards) and train the same 4 steps, with
+    TRL's metric names in log_history."""
+    script = EXAMPLES / "grpo.py"
+    one = result_of(run([sys.executable, str(script), str(tiny_model), "one", "4"], cache_dir, tmp_path).stdout)
+    two = result_of(
+        run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), str(tiny_model)]
+            + ["two", "2"],
+            cache_dir,
+            tmp_path,
+        ).stdout
+    )
+    rows = {name: [r for r in result["history"] if "loss" in r] for name, result in (("one", one), ("two", two))}
+    assert [r["step"] for r in rows["one"]] == [1, 2, 3, 4] and one["global_step"] == 4
+    compared = ["loss", "reward", "reward_std", "rewards/short/mean", "rewards/counts_on/mean", "kl", "entropy"]
+    compared += ["grad_norm", "completions/mean_length", "clip_ratio/region_mean"]
+    for a, b in zip(rows["one"], rows["two"], strict=True):
+        assert all(abs(a[k] - b[k]) <= 1e-5 for k in compared), (a, b)
+    assert len({r["reward"] for r in rows["one"]}) > 1  # each step sampled new completions with the weights it had
+    assert abs(one["loss"] - sum(r["loss"] for r in rows["one"]) / 4) <= 1e-12  # train()'s TrainOutput
 
 
 # TRL's docs' shape, slowed by a callback so that a signal lands mid-run

@@ -229,21 +229,20 @@ def test_under_accelerate_launch_the_strategy_is_what_its_file_set(tiny_model, m
 
 
 def test_every_constructor_argument_of_trls_trainers_is_ours_too():
-    """Each argument of TRL 1.16's SFTTrainer / DPOTrainer is a parameter here, in the same order: honoured, or
-    refused in one line naming it when given (the refusals: shardtune.api.trainer.REFUSED)."""
+    """Each argument of TRL 1.16's SFTTrainer / DPOTrainer / GRPOTrainer is a parameter here, in the same order:
+    honoured, or refused in one line naming it when given (the refusals: each trainer's ``refusals``)."""
     import inspect
 
     import trl
 
-    from shardtune import DPOTrainer
-    from shardtune.api.trainer import REFUSED
+    from shardtune import DPOTrainer, GRPOTrainer
 
-    for theirs, ours in ((trl.SFTTrainer, SFTTrainer), (trl.DPOTrainer, DPOTrainer)):
+    for theirs, ours in ((trl.SFTTrainer, SFTTrainer), (trl.DPOTrainer, DPOTrainer), (trl.GRPOTrainer, GRPOTrainer)):
         names = list(inspect.signature(theirs.__init__).parameters)
         assert names == list(inspect.signature(ours.__init__).parameters)
         honoured = {"self", "model", "args", "train_dataset", "eval_dataset", "processing_class", "peft_config"}
-        honoured |= {"callbacks", "formatting_func", "ref_model"}
-        assert set(names) - honoured <= set(REFUSED), set(names) - honoured - set(REFUSED)
+        honoured |= {"callbacks", "formatting_func", "ref_model", "reward_funcs"}
+        assert set(names) - honoured <= set(ours.refusals), set(names) - honoured - set(ours.refusals)
 
 
 def test_formatting_func_turns_each_row_into_its_text_as_in_trl():
@@ -254,3 +253,91 @@ def test_formatting_func_turns_each_row_into_its_text_as_in_trl():
     assert train.column_names == ["text"] and train[0]["text"] == "Q: say 0 A: 0"
     with pytest.raises(ConfigError, match="formatting_func returned a int"):
         dataset_settings(ROWS, None, lambda row: 3)
+
+
+PROMPTS = [{"prompt": f"count from {i}:", "target": str(i + 1)} for i in range(8)]
+
+
+def shorter(completions, **kwargs):
+    return [-len(c) for c in completions]
+
+
+def test_grpo_trainer_takes_trls_grpo_fields_and_the_scripts_reward_functions(tiny_model, tmp_path):
+    """GRPOConfig's names as shardtune grpo's settings (TRL's GRPOConfig object alike, the generation batch it derives
+    left to the run); callables are kept in this process under the names --reward_funcs carries, strings as the
+    command line takes them, in the script's order."""
+    import trl
+
+    from shardtune import GRPOConfig, GRPOTrainer
+    from shardtune.training.rewards import resolve
+
+    fields = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        beta=0.04,
+        epsilon_high=0.28,
+        loss_type="grpo",
+        scale_rewards="batch",
+        reward_weights=[1.0, 0.5],
+    )
+    rewards_file = tmp_path / "rewards.py"
+    rewards_file.write_text("def longer(completions, **kwargs):\n    return [len(c) for c in completions]\n")
+    funcs = [shorter, f"{rewards_file}:longer"]
+    ours = GRPOTrainer(
+        model=str(tiny_model), reward_funcs=funcs, args=GRPOConfig(use_cpu=True, **fields), train_dataset=PROMPTS
+    )
+    theirs = GRPOTrainer(
+        model=str(tiny_model), reward_funcs=funcs, args=trl.GRPOConfig(use_cpu=True, **fields), train_dataset=PROMPTS
+    )
+    assert canonical(theirs) == canonical(ours)
+    g = ours.config.grpo
+    assert (ours.config.objective, g.num_generations, g.max_completion_length, g.beta) == ("grpo", 4, 8, 0.04)
+    assert (g.epsilon_high, g.loss_type, g.scale_rewards, g.reward_weights) == (0.28, "grpo", "batch", [1.0, 0.5])
+    assert (g.steps_per_generation, g.generation_batch_size) == (0, 0)  # derived by the run, as TRL derives them
+    assert ours.config.optim.lr == 1e-6  # TRL's GRPO default
+    script_func, from_file = g.reward_funcs
+    assert from_file == f"{rewards_file}:longer"
+    assert resolve(script_func, load_models=False).func is shorter and resolve(from_file, False).name == "longer"
+    one = GRPOTrainer(model=str(tiny_model), reward_funcs=shorter, train_dataset=PROMPTS).config.grpo
+    assert len(one.reward_funcs) == 1 and one.reward_funcs[0].endswith("shorter>")
+
+
+def test_grpo_trainer_refuses_what_it_cannot_honour_in_one_line(tiny_model):
+    from datasets import IterableDataset
+
+    from shardtune import GRPOTrainer
+    from shardtune.model.loading import load_model
+
+    model_object = load_model(str(tiny_model))
+    cases = [
+        (
+            dict(reward_funcs=model_object),
+            "reward_funcs: a LlamaForCausalLM object is not taken: pass the reward model",
+        ),
+        (dict(reward_funcs=None), "reward_funcs is None"),
+        (dict(reward_funcs=[]), "reward_funcs is empty"),
+        (dict(reward_funcs=[3]), "reward_funcs: a int is not a reward function"),
+        (dict(eval_dataset=PROMPTS), "eval_dataset: evaluation is not built for GRPO"),
+        (dict(reward_processing_classes=object()), "reward_processing_classes: not taken"),
+        (dict(tools=[len]), "tools: tool calls during generation are not built"),
+        (dict(rollout_func=len), "rollout_func: not taken"),
+        (dict(optimizers=(object(), None)), "optimizers: not taken"),
+        (
+            dict(train_dataset=IterableDataset.from_generator(lambda: iter(PROMPTS))),
+            "train_dataset: an IterableDataset is not streamed for GRPO",
+        ),
+    ]
+    for extra, named in cases:
+        arguments = {"model": str(tiny_model), "reward_funcs": shorter, "train_dataset": PROMPTS, **extra}
+        with pytest.raises(ConfigError, match=named) as error:
+            GRPOTrainer(**arguments)
+        assert "\n" not in str(error.value)
+    trainer = GRPOTrainer(model=str(tiny_model), reward_funcs=shorter, train_dataset=PROMPTS)
+    with pytest.raises(ConfigError, match="evaluate\\(\\): evaluation is not built for GRPO"):
+        trainer.evaluate()
+    with pytest.raises(ConfigError, match="--use_vllm"):
+        from shardtune import GRPOConfig
+
+        GRPOConfig(use_vllm=True)
