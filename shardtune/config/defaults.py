@@ -48,6 +48,8 @@ TRL_DEFAULTS: dict[str, dict[str, Any]] = {
     "grpo": {**TRL_SFT, "optim.lr": 1e-6},  # per_device_train_batch_size 8 counts completions
 }
 HOME = {"sft": "cookbook", "dpo": "trl", "grpo": "trl"}  # whose defaults a command gets when its names do not say
+# the cookbook's defaults an objective cannot take: GRPO has no evaluation (the cookbook's run_validation is on)
+COOKBOOK_DEFAULTS: dict[str, dict[str, Any]] = {"grpo": {"eval.enabled": False}}
 
 
 def implied(names: Iterable[str]) -> tuple[str, list[str]]:
@@ -73,7 +75,7 @@ def implied(names: Iterable[str]) -> tuple[str, list[str]]:
 
 def profile_defaults(profile: str, objective: str) -> dict[str, Any]:
     """Canonical key -> value of ``profile``'s defaults for ``objective`` where they differ from the canonical."""
-    return TRL_DEFAULTS.get(objective, TRL_SFT) if profile == "trl" else {}
+    return TRL_DEFAULTS.get(objective, TRL_SFT) if profile == "trl" else COOKBOOK_DEFAULTS.get(objective, {})
 
 
 def summary(cfg: Any) -> str:

@@ -143,7 +143,6 @@ class GRPO(Objective):
         """What shardtune grpo supports: DDP and FSDP (with or without PEFT / QLoRA), generation with the trained
         model, padded micro-batches, no evaluation (docs/grpo.md)."""
         g = cfg.grpo
-        check_prompt_data(cfg)
         if g.reward_weights and len(g.reward_weights) != len(g.reward_funcs):
             raise ConfigError(
                 f"--reward_weights gives {len(g.reward_weights)} weights for {len(g.reward_funcs)} reward functions: "
@@ -171,6 +170,7 @@ class GRPO(Objective):
 
     @classmethod
     def prepare_data(cls, cfg, tokenizer, dp_size: int) -> None:
+        check_prompt_data(cfg)
         rows, report = prompt_rows(cfg, tokenizer)
         print(f"shardtune: data (train): {report.summary()}", flush=True)
         load_rewards(cfg.grpo.reward_funcs, load_models=False)

@@ -68,18 +68,7 @@ def round_plan(cfg: TrainConfig, dp_size: int) -> RoundPlan:
             "scored together in one step; change the batch or --num_generations"
         )
     k = 1
-    if g.generation_batch_size:
-        if g.generation_batch_size % c:
-            raise ConfigError(
-                f"--generation_batch_size {g.generation_batch_size} is not a multiple of the {what}: make it one"
-            )
-        k = g.generation_batch_size // c
-        if g.steps_per_generation and g.steps_per_generation != k * accumulation:
-            raise ConfigError(
-                f"--generation_batch_size {g.generation_batch_size} and --steps_per_generation "
-                f"{g.steps_per_generation} disagree ({what}): give one of them"
-            )
-    elif g.steps_per_generation:
+    if g.steps_per_generation:  # TRL's primary setting (a dumped GRPOConfig holds both: the batch size derived)
         if g.steps_per_generation % accumulation:
             raise ConfigError(
                 f"--steps_per_generation {g.steps_per_generation} counts micro-batches per process, as TRL's: make it "
@@ -87,6 +76,12 @@ def round_plan(cfg: TrainConfig, dp_size: int) -> RoundPlan:
                 "steps)"
             )
         k = g.steps_per_generation // accumulation
+    elif g.generation_batch_size:
+        if g.generation_batch_size % c:
+            raise ConfigError(
+                f"--generation_batch_size {g.generation_batch_size} is not a multiple of the {what}: make it one"
+            )
+        k = g.generation_batch_size // c
     return RoundPlan(c, g.num_generations, k, g.num_iterations, cfg.train.batch_size, dp_size, accumulation)
 
 

@@ -239,12 +239,7 @@ def _hub_strategy(value: Any) -> Pairs:
 
 
 def _shuffle_dataset(value: Any) -> Pairs:
-    if _bool("shuffle_dataset", value):
-        raise ConfigError(
-            "--shuffle_dataset true is not built: the seeded sampler shuffles the rows every epoch "
-            "(--seed); drop the flag"
-        )
-    return []
+    return [(STATE + "shuffle_dataset", _bool("shuffle_dataset", value))]  # its objective's (trl_grpo.settle)
 
 
 def _greater_is_better(value: Any) -> Pairs:

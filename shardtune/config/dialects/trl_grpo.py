@@ -16,6 +16,43 @@ SHARED = tuple(
 )
 
 
+VLLM_DEFAULTS = {
+    "vllm_mode": "colocate",
+    "vllm_model_impl": "vllm",
+    "vllm_enable_sleep_mode": False,
+    "vllm_structured_outputs_regex": None,
+    "vllm_server_base_url": None,
+    "vllm_server_host": "0.0.0.0",
+    "vllm_server_port": 8000,
+    "vllm_server_timeout": 240.0,
+    "vllm_group_port": 51216,
+    "vllm_gpu_memory_utilization": 0.3,
+    "vllm_max_model_length": None,
+    "vllm_tensor_parallel_size": 1,
+    "vllm_importance_sampling_correction": True,
+    "vllm_importance_sampling_mode": "sequence_mask",
+    "vllm_importance_sampling_clip_max": 3.0,
+    "vllm_importance_sampling_clip_min": None,
+    "vllm_importance_sampling_cap": None,
+}
+OTHER_LOSSES = {  # loss_type sapo / vespo's own settings: name -> (loss, TRL's default)
+    "sapo_temperature_neg": ("sapo", 1.05),
+    "sapo_temperature_pos": ("sapo", 1.0),
+    "vespo_k_pos": ("vespo", 2.0),
+    "vespo_lambda_pos": ("vespo", 3.0),
+    "vespo_k_neg": ("vespo", 3.0),
+    "vespo_lambda_neg": ("vespo", 2.0),
+}
+ENTROPY_DEFAULTS = {
+    "entropy_coef": 0.0,
+    "use_adaptive_entropy": False,
+    "entropy_coef_min": 0.0,
+    "entropy_coef_max": 1.0,
+    "entropy_coef_delta": 0.005,
+    "entropy_target": 0.2,
+}
+
+
 def _shared(name: str):
     def to(value: Any) -> Pairs:
         return [(STATE + name, value)]
@@ -68,22 +105,61 @@ SPELLINGS: dict[str, Spelling] = {
         "drop the flag",
         False,
     ),
-    "vllm_mode": refused("generation with vLLM is not built (docs/grpo.md): drop the flag", "colocate"),
-    "num_generations_eval": refused("evaluation is not built for shardtune grpo: drop the flag"),
-    "min_p": refused("min-p sampling is not built: use --top_p / --top_k, or drop the flag"),
+    **{
+        name: refused("generation with vLLM is not built (docs/grpo.md): drop the flag", default)
+        for name, default in VLLM_DEFAULTS.items()
+    },
+    **{
+        name: refused(f"the {loss} loss is not built (docs/grpo.md): drop the flag", default)
+        for name, (loss, default) in OTHER_LOSSES.items()
+    },
+    **{
+        name: refused("the entropy bonus is not built: drop the flag", default)
+        for name, default in ENTROPY_DEFAULTS.items()
+    },
+    "num_generations_eval": refused("evaluation is not built for shardtune grpo: drop the flag", None),
+    "min_p": refused("min-p sampling is not built: use --top_p / --top_k, or drop the flag", None),
     "repetition_penalty": refused("a repetition penalty is not built: drop the flag", 1.0, "1.0", "1"),
     "top_entropy_quantile": refused("the high-entropy token mask is not built: drop the flag", 1.0, "1.0", "1"),
-    "delta": refused("two-sided clipping (delta) is not built: drop the flag"),
-    "entropy_coef": refused("the entropy bonus is not built: drop the flag", 0.0, "0.0", "0"),
-    "off_policy_mask_threshold": refused("the off-policy sequence mask is not built: drop the flag"),
+    "delta": refused("two-sided clipping (delta) is not built: drop the flag", None),
+    "off_policy_mask_threshold": refused("the off-policy sequence mask is not built: drop the flag", None),
     "cast_lm_head_to_fp32": refused(
         "the log-probabilities are computed in fp32 from the hidden states already: drop the flag", False
     ),
+    "ds3_gather_for_generation": refused(
+        "generation under DeepSpeed ZeRO is not built (FSDP gathers the parameters for it): drop the flag", True
+    ),
+    "generation_kwargs": refused(
+        "sampling takes --temperature, --top_p, --top_k and --max_completion_length: drop the mapping", None
+    ),
+    "chat_template_kwargs": refused("the chat template is applied without extra arguments: drop the mapping", None),
+    "cache_implementation": refused("the decode loop keeps transformers' dynamic KV cache: drop the flag", None),
+    "max_tool_calling_iterations": refused("tool calling is not built: drop the flag", None),
+    "log_multimodal": refused("images are not built: drop the flag", True),
+    "log_unique_prompts": refused("--log_completions logs every completion with its prompt: drop the flag", False),
+    "log_completions_hub_repo": refused(
+        "completions go to completions.jsonl and the trackers (--log_completions): drop the flag", None
+    ),
+    **{
+        name: refused("transformers' continuous batching is not built: drop the flag", default)
+        for name, default in (
+            ("use_transformers_continuous_batching", False),
+            ("transformers_continuous_batching_config", None),
+            ("use_transformers_paged", False),
+        )
+    },
 }
 
 
 def settle(cfg: TrainConfig, given: dict[str, Any]) -> None:
-    """A shared name (--beta) sets the section of the command's objective; an objective without it refuses."""
+    """A shared name (--beta) sets the section of the command's objective; an objective without it refuses.
+    --shuffle_dataset: TRL's SFT / DPO default false (no shuffle before tokenising; the seeded sampler shuffles every
+    epoch, as Trainer's), GRPO's true (its sampler's shuffle: the seeded prompt order of every epoch)."""
+    if "shuffle_dataset" in given and given["shuffle_dataset"] != (cfg.objective == "grpo"):
+        raise ConfigError(
+            f"--shuffle_dataset {str(given['shuffle_dataset']).lower()} is not built: the seeded sampler shuffles the "
+            "rows every epoch (--seed); drop the flag"
+        )
     for name in SHARED:
         if name not in given:
             continue
