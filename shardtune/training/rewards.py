@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -51,10 +53,32 @@ def _from_file(spec: str) -> Callable[..., Any]:
         raise ConfigError(str(e).replace("--custom_dataset.file", "--reward_funcs")) from None
 
 
+# ``trl grpo --reward_funcs NAME``: the names TRL's script knows (trl.rewards; get_soft_overlong_punishment with the
+# script's values)
+TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
+
+
+def _trl_reward(name: str) -> Callable[..., Any]:
+    try:
+        import trl.rewards as trl_rewards
+    except ImportError:
+        raise ConfigError(
+            f"--reward_funcs {name} is one of TRL's reward functions (trl.rewards): pip install trl, or pass your own "
+            "path.py:function"
+        ) from None
+    func = getattr(trl_rewards, name)
+    if name == "get_soft_overlong_punishment":
+        func = func(max_completion_len=1280, soft_punish_cache=256)
+        func.__name__ = "soft_overlong_punishment"
+    return func
+
+
 def _importable(spec: str) -> Callable[..., Any] | None:
     module_name, _, name = spec.rpartition(".")
     if not module_name or not name.isidentifier():
         return None
+    if os.getcwd() not in sys.path:  # as TRL's script: a module of the working directory
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError:
@@ -75,6 +99,9 @@ def resolve(spec: str, load_models: bool, device: torch.device | None = None) ->
                 f"reward_funcs: {reward_name(func)} is a model object: pass its directory (a string), so that every "
                 "process loads it on its own device"
             )
+        return Reward(reward_name(func), func=func)
+    if spec in TRL_REWARDS:
+        func = _trl_reward(spec)
         return Reward(reward_name(func), func=func)
     path, sep, function = spec.rpartition(":")
     if sep and path.endswith(".py"):

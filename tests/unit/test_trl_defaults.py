@@ -60,16 +60,63 @@ DPO_COMMANDS = {
     "dpo_trainer.md": BASE,
     "dpo_trainer.md, LoRA": [*BASE, "--use_peft", "--lora_r", "32", "--lora_alpha", "16", "--beta", "0.2"],
 }
+GRPO_COMMANDS = {
+    "grpo_trainer.md": [*BASE, "--reward_funcs", "accuracy_reward"],
+    "grpo_trainer.md, GSPO": [
+        *BASE,
+        "--reward_funcs",
+        "accuracy_reward",
+        "--importance_sampling_level",
+        "sequence",
+        "--loss_type",
+        "grpo",
+        "--beta",
+        "0.04",
+        "--epsilon",
+        "3e-4",
+        "--epsilon_high",
+        "4e-4",
+        "--steps_per_generation",
+        "4",
+        "--gradient_accumulation_steps",
+        "2",
+        "--num_generations",
+        "4",
+        "--scale_rewards",
+        "batch",
+    ],
+}
+GRPO_FIELDS = (
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "top_p",
+    "top_k",
+    "beta",
+    "epsilon",
+    "loss_type",
+    "scale_rewards",
+    "num_iterations",
+    "steps_per_generation",
+    "importance_sampling_level",
+    "mask_truncated_completions",
+    "multi_objective_aggregation",
+    "use_bias_correction_kl",
+)
 
 
 def trl_parsed(argv: list[str], objective: str):
     """trl's own reading of a command line (its CLI's dataclasses); on this CPU bf16 is off (TRL refuses it here)."""
     from transformers import HfArgumentParser
-    from trl import DPOConfig, ModelConfig, ScriptArguments, SFTConfig
+    from trl import DPOConfig, GRPOConfig, ModelConfig, ScriptArguments, SFTConfig
 
-    config = {"sft": SFTConfig, "dpo": DPOConfig}[objective]
-    parser = HfArgumentParser((ScriptArguments, config, ModelConfig))
-    _, args, model = parser.parse_args_into_dataclasses([*argv, "--use_cpu", "true"])
+    config = {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig}[objective]
+    script = ScriptArguments
+    if objective == "grpo":  # trl grpo's script arguments: --reward_funcs, --reward_model_name_or_path
+        from trl.scripts.grpo import GRPOScriptArguments as script
+    parser = HfArgumentParser((script, config, ModelConfig))
+    script_args, args, model = parser.parse_args_into_dataclasses([*argv, "--use_cpu", "true"])
+    args.reward_funcs = getattr(script_args, "reward_funcs", None)
     return args, model
 
 
@@ -103,6 +150,12 @@ def settings_of_trl(args, model, objective: str) -> dict:
     }
     if value(args.eval_strategy) == "steps":
         out["eval.steps"] = args.eval_steps or args.logging_steps
+    if objective == "grpo":  # TRL's None: shardtune's 0 (epsilon_high: epsilon)
+        out |= {f"grpo.{name}": getattr(args, name) for name in GRPO_FIELDS}
+        out["grpo.epsilon_high"] = args.epsilon_high or 0.0
+        if args.steps_per_generation == args.gradient_accumulation_steps:  # TRL's None resolved: shardtune's 0
+            out["grpo.steps_per_generation"] = 0
+        out["grpo.reward_funcs"] = list(args.reward_funcs or [])
     if objective == "sft":
         out["data.batching"] = "packing" if args.packing else "padding"
         out["data.context_length"] = args.max_length
@@ -124,7 +177,8 @@ def ours(argv: list[str], objective: str | None = None):
 @pytest.mark.parametrize(
     "objective,name,argv",
     [("sft", name, argv) for name, argv in SFT_COMMANDS.items()]
-    + [("dpo", name, argv) for name, argv in DPO_COMMANDS.items()],
+    + [("dpo", name, argv) for name, argv in DPO_COMMANDS.items()]
+    + [("grpo", name, argv) for name, argv in GRPO_COMMANDS.items()],
 )
 def test_the_docs_commands_resolve_to_trls_settings_field_by_field(objective, name, argv):
     from shardtune.config.fields import get_value
@@ -138,7 +192,7 @@ def test_the_docs_commands_resolve_to_trls_settings_field_by_field(objective, na
 
 def test_the_table_of_trls_defaults_is_trls():
     """Every entry of TRL_DEFAULTS is what trl's dataclasses default to (so the table cannot drift from trl)."""
-    for objective in ("sft", "dpo"):
+    for objective in ("sft", "dpo", "grpo"):
         expected = settings_of_trl(*trl_parsed(["--use_peft", "true"], objective), objective)
         for key, value in TRL_DEFAULTS[objective].items():
             assert expected.get(key, value) == value, (objective, key)

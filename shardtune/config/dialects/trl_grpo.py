@@ -100,6 +100,11 @@ SPELLINGS: dict[str, Spelling] = {
         )
         for name in SHARED
     },
+    "reward_model_name_or_path": Spelling(
+        "grpo.reward_funcs",
+        "a sequence-classification reward model, first among the reward functions (TRL's script argument)",
+        _shared("reward_model_name_or_path"),
+    ),
     "use_vllm": refused(
         "generation with vLLM is not built: completions are sampled with the model being trained (docs/grpo.md); "
         "drop the flag",
@@ -155,6 +160,8 @@ def settle(cfg: TrainConfig, given: dict[str, Any]) -> None:
     """A shared name (--beta) sets the section of the command's objective; an objective without it refuses.
     --shuffle_dataset: TRL's SFT / DPO default false (no shuffle before tokenising; the seeded sampler shuffles every
     epoch, as Trainer's), GRPO's true (its sampler's shuffle: the seeded prompt order of every epoch)."""
+    if given.get("reward_model_name_or_path"):
+        cfg.grpo.reward_funcs = [text(given["reward_model_name_or_path"]), *cfg.grpo.reward_funcs]
     if "shuffle_dataset" in given and given["shuffle_dataset"] != (cfg.objective == "grpo"):
         raise ConfigError(
             f"--shuffle_dataset {str(given['shuffle_dataset']).lower()} is not built: the seeded sampler shuffles the "
