@@ -33,6 +33,7 @@ from shardtune.training.dpo_logps import adapter_disabled
 from shardtune.training.grpo_batches import epoch_steps, prompt_order, round_plan, sampling_seed
 from shardtune.training.grpo_generate import sample
 from shardtune.training.grpo_loss import STATS, completion_targets, micro_batch_terms, token_logps
+from shardtune.training.intervals import planned_steps
 from shardtune.training.objective import COUNTS, Objective
 from shardtune.training.rewards import load_rewards, score
 
@@ -215,7 +216,10 @@ class GRPO(Objective):
         steps = epoch_steps(self.cfg, len(units), dp_size)
         order = prompt_order(len(units), self.cfg.train.seed, epoch)
         plan, current, made = self.plan, None, None
+        total = planned_steps(self.cfg, units, dp_size)
         for s in range(first, steps):
+            if epoch * steps + s >= total:  # the run's last step is done: no generation for a step never trained
+                return
             r, w = divmod(s, plan.round_steps)
             if r != current:
                 made, current = self.make_round(units, order, epoch, r, dp_rank, epoch * steps + s + 1), r
@@ -252,7 +256,7 @@ class GRPO(Objective):
         local = score(self.rewards, [row["prompt"] for row in rows], completions, completion_ids, extras, state, device)
         total = plan.steps_per_generation * plan.completions_per_step
         index = torch.tensor(flat)
-        truncated = torch.tensor([float(ids[-1] not in self.eos_ids) for ids in completion_ids], dtype=torch.float64)
+        truncated = torch.tensor([float(ids[-1] not in self.eos_ids | {self.pad_id}) for ids in completion_ids], dtype=torch.float64)
         lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.float64)
         shared = torch.zeros(total, len(self.rewards) + 2, dtype=torch.float64)
         shared[index] = torch.cat([local, lengths[:, None], truncated[:, None]], dim=1)

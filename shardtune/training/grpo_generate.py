@@ -52,7 +52,7 @@ def sample(
 ) -> list[list[int]]:
     """One completion per prompt (with its eos when it ended), row i sampled from a generator seeded ``seeds[i]``.
     Collective: every rank calls it with the same number of prompts."""
-    generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+    generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
     rows = len(prompts)
     longest = max(len(p) for p in prompts)
     input_ids = torch.full((rows, longest), pad_id, dtype=torch.long)
@@ -62,8 +62,9 @@ def sample(
         attention[i, longest - len(ids) :] = 1
     input_ids, attention = input_ids.to(device), attention.to(device)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    out: list[list[int]] = [[] for _ in range(rows)]
-    done = [False] * rows
+    eos = torch.tensor(sorted(eos_ids), device=device)
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    generated: list[torch.Tensor] = []
     inner = strategy.unwrap(model)
     cache_name = "cache" if "cache" in inspect.signature(hf_model(inner).forward).parameters else "past_key_values"
     was_training = inner.training
@@ -81,20 +82,35 @@ def sample(
                     **{cache_name: past},
                 )
                 past = getattr(result, cache_name)
-                probs = warp(result.logits[:, -1], temperature, top_k, top_p).softmax(-1).cpu()
-                chosen = []
-                for i in range(rows):
-                    token = int(torch.multinomial(probs[i], 1, generator=generators[i])) if not done[i] else pad_id
-                    if not done[i]:
-                        out[i].append(token)
-                        done[i] = token in eos_ids
-                    chosen.append(token)
-                running = torch.tensor([float(not all(done))], dtype=torch.float64)
-                if all_reduce_sum(running, device)[0] == 0:
+                logits = warp(result.logits[:, -1], temperature, top_k, top_p)
+                tokens = torch.where(done, pad_id, keyed_choice(logits, generators))
+                generated.append(tokens)
+                done |= torch.isin(tokens, eos)
+                running = (~done).any().to(torch.float64).reshape(1)
+                if all_reduce_sum(running, device)[0] == 0:  # the one host read of a token: every rank stops alike
                     break
-                step_ids = torch.tensor(chosen, device=device)[:, None]
+                step_ids = tokens[:, None]
                 attention = torch.cat([attention, torch.ones((rows, 1), dtype=attention.dtype, device=device)], 1)
                 step_positions = step_positions[:, -1:] + 1
     finally:
         inner.train(was_training)
+    return cut_at_eos(torch.stack(generated, 1).tolist() if generated else [[] for _ in range(rows)], eos_ids)
+
+
+def keyed_choice(logits: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row drawn from softmax(logits) by the Gumbel-max trick, row i's noise from ``generators[i]``:
+    no draw depends on the other rows (nor on how many there are)."""
+    uniform = torch.stack(
+        [torch.rand(logits.size(-1), generator=g, device=logits.device, dtype=torch.float64) for g in generators]
+    )
+    gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-300)))
+    return (logits.double() + gumbel).argmax(-1)
+
+
+def cut_at_eos(rows: list[list[int]], eos_ids: set[int]) -> list[list[int]]:
+    """Each row up to and with its first eos (all of it when it has none)."""
+    out = []
+    for row in rows:
+        end = next((i + 1 for i, token in enumerate(row) if token in eos_ids), len(row))
+        out.append(row[:end])
     return out

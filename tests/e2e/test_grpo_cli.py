@@ -52,7 +52,7 @@ RUN = (
     3,
 )
 LAYOUTS = {  # name -> (processes, batch, accumulation, flags, stopped after step 2 and resumed)
-    "one": (1, 8, 1, (), False),
+    "one": (1, 8, 1, ("--log_completions", "true"), False),
     "ddp": (2, 4, 1, (), False),
     "accumulation": (1, 2, 4, (), False),
     "fsdp": (2, 4, 1, ("--enable_fsdp",), True),
@@ -113,6 +113,9 @@ def test_grpo_layouts_sample_the_same_completions_and_train_the_same_steps(tiny_
         rows[name] = step_rows(out)
         assert [r["step"] for r in rows[name]] == [1, 2, 3, 4], name
     one = rows["one"]
+    logged = [json.loads(line) for line in (tmp_path / "one" / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1] * 8 + [3] * 8  # each generation's 8 completions, at its first step
+    assert {"prompt", "prediction", "reference"} <= set(logged[0])
     first = one[0]
     assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as its reference
     assert 0 <= first["completions/mean_length"] <= 6 and "clip_ratio/region_mean" in first

@@ -1,0 +1,70 @@
+"""GRPO's sampling without a launch: the warping equals transformers' samplers, each row's draw follows its softmax and
+depends on its own key only, and a completion does not change with the rows sampled beside it (what makes 1 x 4 ==
+2 x 2 sample the same completions)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from shardtune.training.grpo_batches import sampling_seed
+from shardtune.training.grpo_generate import cut_at_eos, keyed_choice, sample, warp
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.6)])
+def test_warping_equals_transformers_samplers(temperature, top_k, top_p):
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1)) * 3
+    expected = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        expected = TopKLogitsWarper(top_k)(None, expected)
+    if top_p < 1:
+        expected = TopPLogitsWarper(top_p)(None, expected)
+    got = warp(logits, temperature, top_k, top_p)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    assert torch.allclose(got[~torch.isinf(got)], expected[~torch.isinf(expected)])
+
+
+def test_a_keyed_draw_follows_the_softmax_and_depends_on_its_key_alone():
+    logits = torch.tensor([[2.0, 1.0, 0.0, float("-inf")]])
+    draws = torch.cat(
+        [keyed_choice(logits, [torch.Generator().manual_seed(sampling_seed(0, 0, 0, i, 0))]) for i in range(4000)]
+    )
+    frequencies = torch.bincount(draws, minlength=4).double() / len(draws)
+    assert frequencies[3] == 0  # a token warped away is never drawn
+    assert torch.allclose(frequencies, logits.softmax(-1)[0].double(), atol=0.03)
+    three = [torch.Generator().manual_seed(s) for s in (5, 6, 7)]
+    alone = keyed_choice(logits.expand(1, 4), [torch.Generator().manual_seed(6)])
+    assert keyed_choice(logits.expand(3, 4), three)[1] == alone[0]
+
+
+def test_cut_at_eos_keeps_the_eos_and_drops_what_follows():
+    assert cut_at_eos([[5, 2, 0, 0], [5, 6, 7], [2]], {2}) == [[5, 2], [5, 6, 7], [2]]
+
+
+class _Whole:
+    """The placement of a model held whole on one device (what DDP's strategy does around generation)."""
+
+    def unwrap(self, model):
+        return model
+
+    def generating(self, model):
+        return contextlib.nullcontext()
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+
+def test_a_completion_does_not_change_with_the_rows_beside_it(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    prompts = [[1, 5, 9, 13], [1, 7], [1, 3, 3, 3, 3, 3, 3], [1, 20, 21]]
+    seeds = [sampling_seed(3, 0, 0, i, i % 2) for i in range(4)]
+    options = dict(max_new_tokens=12, eos_ids={2}, pad_id=0, temperature=0.9, top_k=0, top_p=0.95)
+    together = sample(model, _Whole(), prompts, seeds, device=torch.device("cpu"), **options)
+    for i in range(4):
+        alone = sample(model, _Whole(), [prompts[i]], [seeds[i]], device=torch.device("cpu"), **options)
+        assert alone[0] == together[i], i
+    assert len({tuple(c) for c in together}) == 4 and all(0 < len(c) <= 12 for c in together)
