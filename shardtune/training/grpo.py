@@ -256,7 +256,9 @@ class GRPO(Objective):
         local = score(self.rewards, [row["prompt"] for row in rows], completions, completion_ids, extras, state, device)
         total = plan.steps_per_generation * plan.completions_per_step
         index = torch.tensor(flat)
-        truncated = torch.tensor([float(ids[-1] not in self.eos_ids | {self.pad_id}) for ids in completion_ids], dtype=torch.float64)
+        truncated = torch.tensor(
+            [float(ids[-1] not in self.eos_ids | {self.pad_id}) for ids in completion_ids], dtype=torch.float64
+        )
         lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.float64)
         shared = torch.zeros(total, len(self.rewards) + 2, dtype=torch.float64)
         shared[index] = torch.cat([local, lengths[:, None], truncated[:, None]], dim=1)
