@@ -173,6 +173,13 @@ class DataSettings:
     num_workers: int = setting(
         1, "data loader worker processes per rank (0: in the training process)", at_least=0, **RUN
     )
+    num_proc: int | None = setting(
+        None,
+        "processes that tokenise the data into the tokenised-data cache before launch (TRL: dataset_num_proc); "
+        "None: one per CPU available to the launcher. The cache is the same for any number (docs/data.md)",
+        at_least=1,
+        **RUN,
+    )
     synthetic_dialogues: SyntheticDialoguesConfig = setting(SyntheticDialoguesConfig(), "embedded dialogue data")
     samsum_dataset: SamsumDatasetConfig = setting(SamsumDatasetConfig(), "SAMSum-format data")
     alpaca_dataset: AlpacaDatasetConfig = setting(AlpacaDatasetConfig(), "alpaca-format data")

@@ -7,11 +7,12 @@ An entry lives in ``<cache>/tokenized/<key>/`` where the key hashes everything t
 dataset settings, the data files' contents, context_length, the seed (it picks held-out rows), strict_data, the
 tokenizer (with its chat template) and, for TRL's formats, the loss options (--assistant_only_loss,
 --completion_only_loss, --truncation_mode ...). It holds flat int32 ``input_ids`` / ``labels`` arrays plus example
-offsets as .npy files (read without unpickling) and the data report as JSON. shardtune dpo's preference pairs
-have entries of their own (``prompt_ids`` / ``chosen_ids`` / ``rejected_ids``, each with its offsets), and with
---precompute_ref_log_probs the reference's log-probabilities of the pairs are kept beside them, one
-``reference-<key>.npy`` per reference model (the key: its weights' files, dtype and kernels; see
-shardtune/training/dpo.py). Entries are written to a temporary
+offsets as .npy files (read without unpickling) and the data report as JSON, written chunk by chunk as
+``data.num_proc`` processes tokenise the rows (shardtune.data.tokenising: the same bytes for any number of
+processes, which is why it is not in the key). shardtune dpo's preference pairs have entries of their own
+(``prompt_ids`` / ``chosen_ids`` / ``rejected_ids``, each with its offsets), and with --precompute_ref_log_probs the
+reference's log-probabilities of the pairs are kept beside them, one ``reference-<key>.npy`` per reference model (the
+key: its weights' files, dtype and kernels; see shardtune/training/dpo.py). Entries are written to a temporary
 folder and renamed, under a file lock, so concurrent processes never see half an entry.
 """
 
@@ -35,7 +36,8 @@ import numpy as np
 from shardtune.config.schema import TrainConfig
 from shardtune.data.preference import load_pairs
 from shardtune.data.report import DataReport
-from shardtune.data.sources import load_examples
+from shardtune.data.sources import check_usable, load_examples, prepare_examples
+from shardtune.data.tokenising import Preparation, Progress, num_processes
 from shardtune.data.trl_loading import uses_trl_formats
 from shardtune.runtime.files import fsync_dir, fsync_tree, write_bytes_atomic
 
@@ -135,21 +137,55 @@ def _staging(entry: Path) -> Path:
     return tmp
 
 
-def _write(entry: Path, examples: list[dict], report: DataReport) -> None:
-    lengths = np.array([len(e["input_ids"]) for e in examples], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    tmp = _staging(entry)
-    np.save(
-        tmp / "input_ids.npy",
-        np.fromiter((t for e in examples for t in e["input_ids"]), dtype=np.int32, count=int(offsets[-1])),
-    )
-    np.save(
-        tmp / "labels.npy",
-        np.fromiter((t for e in examples for t in e["labels"]), dtype=np.int32, count=int(offsets[-1])),
-    )
-    np.save(tmp / "offsets.npy", offsets)
-    (tmp / "report.json").write_text(json.dumps(dataclasses.asdict(report)))
+STORE_ARRAYS = {"input_ids": np.int32, "labels": np.int32, "offsets": np.int64}  # a TokenStore's files
+
+
+class _GrowingArray:
+    """A 1-D .npy file written as its parts arrive: the bytes np.save writes for the whole array (numpy's header keeps
+    room for any length, so it is written again at the end with the final one)."""
+
+    def __init__(self, path: Path, dtype: type) -> None:
+        self.file, self.dtype, self.length = open(path, "wb"), np.dtype(dtype), 0
+        self.data_start = self._header()
+
+    def _header(self) -> int:
+        self.file.seek(0)
+        header = {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False, "shape": (self.length,)}
+        np.lib.format.write_array_header_1_0(self.file, header)
+        return self.file.tell()
+
+    def append(self, values: np.ndarray) -> None:
+        self.file.write(np.ascontiguousarray(values, dtype=self.dtype).tobytes())
+        self.length += len(values)
+
+    def close(self) -> None:
+        data_start = self._header()
+        assert data_start == self.data_start, "the .npy header changed size"
+        self.file.close()
+
+
+def _write_examples(entry: Path, preparation: Preparation, num_proc: int, split: str) -> None:
+    """Tokenise ``preparation``'s rows in ``num_proc`` processes, chunk by chunk into the entry's arrays."""
+    tmp, progress = _staging(entry), Progress(f"{split} rows")
+    arrays = {name: _GrowingArray(tmp / f"{name}.npy", dtype) for name, dtype in STORE_ARRAYS.items()}
+    try:
+        arrays["offsets"].append(np.zeros(1, dtype=np.int64))
+        for chunk in preparation.chunks(num_proc, progress):
+            arrays["offsets"].append(arrays["input_ids"].length + np.cumsum(chunk.lengths))
+            arrays["input_ids"].append(chunk.input_ids)
+            arrays["labels"].append(chunk.labels)
+        for array in arrays.values():
+            array.close()
+        check_usable(preparation.report, split)
+        (tmp / "report.json").write_text(json.dumps(dataclasses.asdict(preparation.report)))
+    except BaseException:
+        progress.abandon()
+        for array in arrays.values():
+            array.file.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _publish(tmp, entry)
+    progress.finish()
 
 
 class TokenStore(Sequence):
@@ -253,9 +289,9 @@ def _read_checked(entry: Path, read=_read) -> tuple[list[dict], DataReport]:
         raise DamagedEntry(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from None
 
 
-def _through_cache(entry: Path, compute, write, read) -> tuple[list[dict], DataReport]:
-    """``read`` the entry when it is whole; else, under the folder's file lock, ``compute`` and ``write`` it (one
-    process does; the others wait and read it)."""
+def _through_cache(entry: Path, write, read) -> tuple[list[dict], DataReport]:
+    """``read`` the entry when it is whole; else, under the folder's file lock, ``write`` it (one process does; the
+    others wait and read it)."""
     if entry.is_dir():
         with contextlib.suppress(DamagedEntry):
             return _read_checked(entry, read)
@@ -273,8 +309,7 @@ def _through_cache(entry: Path, compute, write, read) -> tuple[list[dict], DataR
                     flush=True,
                 )
                 shutil.rmtree(entry, ignore_errors=True)
-        records, report = compute()
-        write(entry, records, report)
+        write(entry)
     return read(entry)  # what every other process reads (the same views of the same files)
 
 
@@ -287,8 +322,9 @@ def load_examples_cached(cfg: TrainConfig, tokenizer: Any, split: str, root: Pat
         return load_examples(cfg, tokenizer, split)
     return _through_cache(
         root / "tokenized" / cache_key(cfg, tokenizer, split),
-        lambda: load_examples(cfg, tokenizer, split),
-        _write,
+        lambda entry: _write_examples(
+            entry, prepare_examples(cfg, tokenizer, split), num_processes(cfg.data.num_proc), split
+        ),
         _read,
     )
 
@@ -301,7 +337,9 @@ def pairs_entry(cfg: TrainConfig, tokenizer: Any, split: str, root: Path) -> Pat
 def load_pairs_cached(cfg: TrainConfig, tokenizer: Any, split: str, root: Path) -> tuple[list[dict], DataReport]:
     """``load_pairs`` (shardtune dpo's tokenised preference pairs) through the on-disk cache under ``root``."""
     return _through_cache(
-        pairs_entry(cfg, tokenizer, split, root), lambda: load_pairs(cfg, tokenizer, split), _write_pairs, _read_pairs
+        pairs_entry(cfg, tokenizer, split, root),
+        lambda entry: _write_pairs(entry, *load_pairs(cfg, tokenizer, split)),
+        _read_pairs,
     )
 
 

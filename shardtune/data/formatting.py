@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -139,6 +139,18 @@ def tokenize_pairs(pairs: list[TextPair], tokenizer: Any, context_length: int, f
         labels = [IGNORE_INDEX] * (len(bos) + len(prompt)) + response + [eos]
         examples.append({"input_ids": input_ids, "labels": labels})
     return examples
+
+
+def text_examples(
+    rows: list[Row],
+    filt: RowFilter,
+    *,
+    to_pairs: Callable[[list[Row], RowFilter], list[TextPair]],
+    tokenizer: Any,
+    context_length: int,
+) -> list[dict]:
+    """The examples of rows of a prompt / response dataset (``to_pairs``: samsum_pairs, alpaca_pairs ...)."""
+    return tokenize_pairs(to_pairs(rows, filt), tokenizer, context_length, filt)
 
 
 def _too_long(num_tokens: int, context_length: int, origin: str, row: int, filt: RowFilter) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,12 +22,13 @@ from shardtune.data.formatting import (
     grammar_pairs,
     samsum_pairs,
     template_length,
+    text_examples,
     token_examples,
-    tokenize_pairs,
 )
 from shardtune.data.report import DataError, DataReport, RowFilter
 from shardtune.data.streaming import check_streaming
-from shardtune.data.trl_loading import check_trl_config, trl_examples, uses_trl_formats
+from shardtune.data.tokenising import Preparation
+from shardtune.data.trl_loading import check_trl_config, trl_preparation, uses_trl_formats
 
 SPLITS = ("train", "validation")
 DEFAULT_CUSTOM_FUNCTION = "get_custom_dataset"
@@ -39,6 +41,7 @@ def check_data_config(cfg: TrainConfig) -> None:
     """Checks that need no tokenizer: paths exist, formats are known, a custom file defines its function."""
     check_trl_config(cfg)
     check_streaming(cfg)
+    _check_num_proc(cfg)
     if cfg.data.dataset == "synthetic_dialogues":
         _check_synthetic(cfg)
     elif cfg.data.dataset == "samsum_dataset" and cfg.data.samsum_dataset.data_path:
@@ -50,6 +53,24 @@ def check_data_config(cfg: TrainConfig) -> None:
     elif cfg.data.dataset == "grammar_dataset":  # the test file only when the run evaluates (reads it)
         for split in ("train", "validation") if cfg.eval.enabled else ("train",):
             grammar_file(cfg, split)
+
+
+def _check_num_proc(cfg: TrainConfig) -> None:
+    """data.num_proc is honoured where the tokenised-data cache of examples is built; elsewhere it is refused."""
+    if cfg.data.num_proc is None:
+        return
+    flag = "--" + getattr(cfg, "spelled", {}).get("data.num_proc", "dataset_num_proc")
+    why = (
+        "--dataset_streaming tokenises the rows as the steps need them"
+        if cfg.data.streaming
+        else "custom_dataset's function returns tokenised rows"
+        if cfg.data.dataset == "custom_dataset"
+        else f"shardtune {cfg.objective} tokenises its data in one process"
+        if cfg.objective != "sft"
+        else ""
+    )
+    if why:
+        raise ConfigError(f"{flag} {cfg.data.num_proc} has no effect here ({why}): drop it")
 
 
 def check_context_length(cfg: TrainConfig, tokenizer: Any) -> None:
@@ -73,28 +94,41 @@ def check_context_length(cfg: TrainConfig, tokenizer: Any) -> None:
 
 def load_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[dict], DataReport]:
     """Tokenised ``{input_ids, labels}`` examples of ``split`` ("train" or "validation"), in source order."""
+    if cfg.data.dataset == "custom_dataset":
+        examples, report = _custom_examples(cfg, tokenizer, _known(split))
+    else:
+        preparation = prepare_examples(cfg, tokenizer, split)
+        examples, report = preparation.examples(), preparation.report
+    report.num_examples = len(examples)
+    check_usable(report, split)
+    return examples, report
+
+
+def prepare_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> Preparation:
+    """The rows of ``split`` and how a chunk of them is tokenised (every dataset but custom_dataset, whose function
+    returns examples)."""
+    split = _known(split)
+    if uses_trl_formats(cfg):
+        return trl_preparation(cfg, tokenizer, split)
+    source, rows = _text_rows(cfg, split)
+    to_pairs = {"alpaca_dataset": alpaca_pairs, "grammar_dataset": grammar_pairs}.get(cfg.data.dataset, samsum_pairs)
+    tokenise = partial(text_examples, to_pairs=to_pairs, tokenizer=tokenizer, context_length=cfg.data.context_length)
+    return Preparation(DataReport(source=source, num_rows=len(rows)), rows, tokenise, cfg.data.strict)
+
+
+def _known(split: str) -> str:
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is not one of {SPLITS}")
-    if cfg.data.dataset == "custom_dataset":
-        examples, report = _custom_examples(cfg, tokenizer, split)
-    elif uses_trl_formats(cfg):
-        examples, report = trl_examples(cfg, tokenizer, split)
-    else:
-        source, rows = _text_rows(cfg, split)
-        report = DataReport(source=source, num_rows=len(rows))
-        filt = RowFilter(report, cfg.data.strict)
-        to_pairs = {"alpaca_dataset": alpaca_pairs, "grammar_dataset": grammar_pairs}.get(
-            cfg.data.dataset, samsum_pairs
-        )
-        pairs = to_pairs(rows, filt)
-        examples = tokenize_pairs(pairs, tokenizer, cfg.data.context_length, filt)
-    report.num_examples = len(examples)
-    if not examples:
+    return split
+
+
+def check_usable(report: DataReport, split: str) -> None:
+    """DataError when no row of the split gave an example."""
+    if not report.num_examples:
         raise DataError(
             f"{report.summary()}: no usable {split} example: fix the data (see the skip reasons) "
             "or raise --context_length"
         )
-    return examples, report
 
 
 def _text_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row]]:

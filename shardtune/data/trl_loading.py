@@ -19,7 +19,8 @@ from shardtune.data.files import Row
 from shardtune.data.mixture import check_mixture, mixture_rows, without_evaluation
 from shardtune.data.report import DataError, DataReport, RowFilter
 from shardtune.data.stream_rows import has_split
-from shardtune.data.trl_formats import LossOptions, RowFormat, prepare_rows, recognise, with_extras
+from shardtune.data.tokenising import Preparation
+from shardtune.data.trl_formats import LossOptions, RowFormat, check_options, prepare_rows, recognise, with_extras
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 SYNTHETIC_SYSTEM_PROMPT = "Summarize the dialog."
@@ -153,8 +154,9 @@ def recognise_rows(cfg: TrainConfig, columns: list[str], rows: list[Row]) -> Row
     return with_extras(recognise(columns, first, cfg.data.trl_dataset.dataset_text_field), columns)
 
 
-def trl_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[dict], DataReport]:
-    """Tokenised examples of ``split`` ("train" or "validation") in TRL's formats, with the data report."""
+def trl_preparation(cfg: TrainConfig, tokenizer: Any, split: str) -> Preparation:
+    """The rows of ``split`` ("train" or "validation") in TRL's formats, their format recognised and checked, and how
+    a chunk of them is tokenised."""
     loader = (
         (mixture_rows if cfg.data.trl_dataset.dataset_mixture else _dataset_rows)
         if cfg.data.dataset == "trl_dataset"
@@ -166,9 +168,17 @@ def trl_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[dic
     fmt = recognise_rows(cfg, columns, rows)
     if fmt.conversational:
         check_chat_template(cfg, tokenizer, f"{source} ({fmt.describe()})")
+    options = loss_options(cfg)
+    check_options(options, fmt)
     report = DataReport(source=f"{source}: {fmt.describe()}", num_rows=len(rows))
-    filt = RowFilter(report, cfg.data.strict)
-    return prepare_rows(rows, fmt, columns, tokenizer, loss_options(cfg), filt, report), report
+    tokenise = functools.partial(_formatted_examples, fmt=fmt, columns=columns, tokenizer=tokenizer, options=options)
+    return Preparation(report, rows, tokenise, cfg.data.strict)
+
+
+def _formatted_examples(
+    rows: list[Row], filt: RowFilter, *, fmt: RowFormat, columns: list[str], tokenizer: Any, options: LossOptions
+) -> list[dict]:
+    return prepare_rows(rows, fmt, columns, tokenizer, options, filt, filt.report)
 
 
 def drop_absent_validation(cfg: TrainConfig, say: bool) -> None:

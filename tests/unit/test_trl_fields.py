@@ -211,7 +211,7 @@ def test_trl_py_refusals_take_an_empty_value_as_no_change(tmp_path):
     empty = {"dataset_num_proc": None, "eval_packing": None, "pad_to_multiple_of": None, "dataset_kwargs": None}
     recipe.write_text(yaml.safe_dump({**empty, "pad_token": "<PAD_TOKEN>", "learning_rate": 1e-4}))
     assert parse_args(["--config", str(recipe)]) == parse_args(["--learning_rate", "1e-4"])
-    assert error_of(["--dataset_num_proc", "4"]).startswith("--dataset_num_proc: ")
+    assert error_of(["--pad_to_multiple_of", "8"]).startswith("--pad_to_multiple_of: ")
     assert error_of(["--eval_packing"]).startswith("--eval_packing: ")  # a bare switch is true: asks for it
 
 

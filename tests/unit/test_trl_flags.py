@@ -571,7 +571,7 @@ def test_sft_and_dpo_config_names_are_honoured_or_refused_in_one_line():
     assert parse_args(["--disable_dropout", "false"]).peft.lora.dropout == 0.05
     assert parse_args(["--precompute_ref_batch_size", "8"]).dpo.precompute_ref_batch_size == 8
     assert parse_args(["--shuffle_dataset", "false"]) == parse_args([])
-    for name in ("ld_alpha", "use_weighting", "sync_ref_model", "dataset_num_proc", "eval_packing"):
+    for name in ("ld_alpha", "use_weighting", "sync_ref_model", "pad_to_multiple_of", "eval_packing"):
         with pytest.raises(ConfigError, match=f"^--{name}: .*drop the") as error:
             parse_args([f"--{name}", "1"])
         assert "\n" not in str(error.value)

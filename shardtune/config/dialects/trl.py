@@ -526,9 +526,7 @@ SPELLINGS: dict[str, Spelling] = {
     "router_aux_loss_coef": refused(
         "a mixture-of-experts router loss: shardtune trains dense Llama-family models; drop the flag"
     ),
-    "dataset_num_proc": refused(
-        "the data is tokenised once before launch and kept in the tokenised-data cache (docs/data.md): drop the flag"
-    ),
+    "dataset_num_proc": T("data.num_proc", "processes that tokenise the data before launch; unset: one per CPU"),
     "pad_to_multiple_of": refused(
         "padded micro-batches are padded to their longest row (--padding_free: no pad token at all): drop the flag",
         "auto",
