@@ -4,13 +4,15 @@
 # in bf16 as shardtune; bench/results/gpu_peers.md), then the 1B-shaped full fine-tune with FSDP at sequence 2048,
 # 8B-shaped LoRA, then the long-sequence rows (8B-shaped LoRA on one sequence of 128k, 512k, 1M tokens with the
 # memory levers; a row that cannot fit the memory or the time left is skipped, one that fails is reported, and the
-# next row runs); prints tokens/s/GPU, MFU against the GPU's data-sheet peak, peak memory and records each row in
+# next row runs), last a GRPO row (shardtune grpo, demo preset, bf16: step time with sampling, reward and kl
+# finite); prints tokens/s/GPU, MFU against the GPU's data-sheet peak, peak memory and records each row in
 # bench/results/gpu.md as it ends.
 #   bash bench/gpu.sh                            # on a GPU machine
 #   bash bench/gpu.sh --cpu-smoke                # tiny shapes on CPU, without the peers: what the tests run
 #   bash bench/gpu.sh --peers-only [--cpu-smoke] # the peers alone (--cpu-smoke: tiny model, 16 dialogues, CPU)
 #   GPU_SH_LIMIT_S=400 bash bench/gpu.sh         # all of it in 400 s (a session's device time is short): the peers
-#                                                # get at most 170 s, the rows the rest, the long ones while it lasts
+#                                                # get at most 170 s, the GRPO row 60-90 s (GPU_SH_GRPO_S), the
+#                                                # rows the rest, the long ones while it lasts
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -39,9 +41,21 @@ if [[ $peers != no ]]; then
         || { status=$?; echo "peers comparison failed (exit $status)"; [[ $peers == only ]] && exit "$status"; }
 fi
 [[ $peers == only ]] && exit 0
-# the rows get what is left; their long rows plan against a deadline 30 s before it
+# the rows get what is left but the GRPO row's share; their long rows plan against a deadline 30 s before it
 left=$((total - (SECONDS - started)))
+grpo=${GPU_SH_GRPO_S:-$((left < 300 ? 60 : 90))}  # 0: no GRPO row
+left=$((left - grpo))
 ((left > 570)) && left=570
 deadline=(--deadline_s $((left - 30)))
-exec timeout "$left" python -m torch.distributed.run --standalone --nproc_per_node 1 -m bench.gpu "${args[@]}" \
-    "${deadline[@]}"
+status=0
+timeout "$left" python -m torch.distributed.run --standalone --nproc_per_node 1 -m bench.gpu "${args[@]}" \
+    "${deadline[@]}" || status=$?
+# last, the GRPO row: shardtune grpo on the GPU in bf16 (demo preset, 64 completions of up to 128 tokens per step,
+# beta 0.04), its step time and that reward and kl stay finite (bench/grpo.py --part gpu; --cpu-smoke: tiny, CPU)
+grpo_args=()
+[[ $smoke == 1 ]] && grpo_args=(--cpu_smoke)
+if ((grpo > 0)); then
+    timeout "$grpo" python -m bench.grpo --part gpu "${grpo_args[@]}" \
+        || { grpo_status=$?; echo "GRPO row failed (exit $grpo_status)"; ((status)) || status=$grpo_status; }
+fi
+exit "$status"
