@@ -1,17 +1,18 @@
-"""Every field of TRL 1.16's configs (SFTConfig, DPOConfig, ModelConfig, ScriptArguments, and the TrainingArguments
-they inherit) is honoured or refused in one line naming it, and a config TRL dumps (``to_dict()``, as YAML) loads as
-a recipe of shardtune sft / dpo. Nothing here launches."""
+"""Every field of TRL 1.16's configs (SFTConfig, DPOConfig, GRPOConfig, ModelConfig, ScriptArguments, and the
+TrainingArguments they inherit) is honoured or refused in one line naming it, and a config TRL dumps (``to_dict()``,
+as YAML) loads as a recipe of shardtune sft / dpo / grpo. Nothing here launches."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
 import yaml
 from transformers import TrainingArguments
-from trl import DPOConfig, ModelConfig, ScriptArguments, SFTConfig
+from trl import DPOConfig, GRPOConfig, ModelConfig, ScriptArguments, SFTConfig
 
 from shardtune.config.argv import split_argv
 from shardtune.config.dialects import trl
@@ -20,10 +21,20 @@ from shardtune.config.flags import build_config, parse_args
 from shardtune.config.schema import ConfigError
 from shardtune.config.spellings import resolve
 
-CLASSES = (SFTConfig, DPOConfig, ModelConfig, ScriptArguments, TrainingArguments)
+CLASSES = (SFTConfig, DPOConfig, GRPOConfig, ModelConfig, ScriptArguments, TrainingArguments)
 NAMES = sorted({f.name for cls in CLASSES for f in dataclasses.fields(cls)})
 NOT_YET: tuple[str, ...] = ()  # names whose TRL default does not load yet: none
 FIXES = ("drop", "use ", "set ", "pass ", "give ", "put ", "hide ", "write ", "choose ", "run ", "adapt ")
+
+
+@pytest.fixture(autouse=True)
+def environment_kept():
+    """TRL's / transformers' configs write Accelerate's variables into os.environ (an FSDP config sets
+    FSDP_CPU_RAM_EFFICIENT_LOADING): put it back, so that no later test in this process reads them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def trl_default(name: str):
@@ -194,7 +205,7 @@ def dumped(cls, tmp_path: Path) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("cls,objective", [(SFTConfig, "sft"), (DPOConfig, "dpo")])
+@pytest.mark.parametrize("cls,objective", [(SFTConfig, "sft"), (DPOConfig, "dpo"), (GRPOConfig, "grpo")])
 def test_a_dumped_trl_config_loads_as_a_recipe(cls, objective, tmp_path):
     args = split_argv(["--config", dumped(cls, tmp_path)])
     cfg = build_config(args.training, args.recipe, objective=objective)  # what shardtune sft / dpo --config reads
