@@ -86,6 +86,11 @@ class GrpoConfig:
         choices=IMPORTANCE_SAMPLING_LEVELS,
     )
     use_bias_correction_kl: bool = setting(True, "the KL term weighted by the importance ratio (as TRL 1.16)")
+    ds3_gather_for_generation: bool = setting(
+        True,
+        "DeepSpeed ZeRO-3: gather the whole model on every process for sampling (fast; needs the whole model's "
+        "memory), or false: layer by layer, as the training forward does (slower; for models one device cannot hold)",
+    )
     log_completions: bool = setting(
         False, "each logging step's completions (prompt, completion, rewards) into completions.jsonl", **RUN
     )

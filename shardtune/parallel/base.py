@@ -63,9 +63,11 @@ class Strategy(ABC):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
 
-    def generating(self, model: nn.Module) -> ContextManager:
+    def generating(self, model: nn.Module, whole: bool = False) -> ContextManager:
         """Context for ``generate`` on ``unwrap(model)``: generation calls the inner model's forward, so a strategy
-        whose wrapper gathers weights in its own forward gathers them here instead."""
+        whose wrapper gathers weights in its own forward gathers them here instead. ``whole``: a strategy that
+        gathers layer by layer may gather every layer for the duration instead (DeepSpeed ZeRO-3; faster, the whole
+        model's memory on every process)."""
         return contextlib.nullcontext()
 
     @property

@@ -132,6 +132,14 @@ class DeepSpeedStrategy(Strategy):
         engine.eval()  # DeepSpeedEngine.eval returns None
         return engine
 
+    def generating(self, model: nn.Module, whole: bool = False) -> contextlib.AbstractContextManager:
+        """ZeRO-3's hooks gather each module's partitions in its forward, the inner model's forward too (layer by
+        layer, every decoding step); ``whole`` gathers all of them once for the duration (TRL's
+        ds3_gather_for_generation). ZeRO-1 / 2 keep whole parameters on every process."""
+        if self.zero_stage < 3 or not whole:
+            return contextlib.nullcontext()
+        return import_deepspeed().zero.GatheredParameters(list(self.unwrap(model).parameters()))
+
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The client AdamW handed to DeepSpeed in wrap: its param_groups carry the lr the ZeRO optimizer uses."""
         assert self.optimizer is not None, "wrap() builds the optimizer"

@@ -229,8 +229,8 @@ class FSDPStrategy(Strategy):
     def accumulating(self, model: nn.Module) -> ContextManager:
         return _no_gradient_sync(model)
 
-    def generating(self, model: nn.Module) -> ContextManager:
-        return _root_unsharded(model)
+    def generating(self, model: nn.Module, whole: bool = False) -> ContextManager:
+        return _root_unsharded(model)  # each layer gathers its own in its forward, whole or not
 
     def autocast(self) -> ContextManager:
         return contextlib.nullcontext()  # MixedPrecisionPolicy casts parameters and inputs itself

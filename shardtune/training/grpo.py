@@ -141,8 +141,8 @@ class GRPO(Objective):
     # -- before launch --------------------------------------------------------------------------------------------
     @classmethod
     def check(cls, cfg, world_size: int) -> None:
-        """What shardtune grpo supports: DDP and FSDP (with or without PEFT / QLoRA), generation with the trained
-        model, padded micro-batches, no evaluation (docs/grpo.md)."""
+        """What shardtune grpo supports: DDP, FSDP and DeepSpeed ZeRO (with or without PEFT / QLoRA), generation with
+        the trained model, padded micro-batches, no evaluation (docs/grpo.md)."""
         g = cfg.grpo
         if g.reward_weights and len(g.reward_weights) != len(g.reward_funcs):
             raise ConfigError(
@@ -150,7 +150,6 @@ class GRPO(Objective):
                 "give one per function"
             )
         refusals = (
-            (cfg.parallel.strategy == "deepspeed", "--deepspeed: generation under ZeRO is not built; use FSDP or DDP"),
             (cfg.data.streaming, "--dataset_streaming: prompts are read whole (they are small); drop the flag"),
             (cfg.data.padding_free, "--padding_free: GRPO's rows are padded per micro-batch; drop the flag"),
             (
@@ -247,6 +246,7 @@ class GRPO(Objective):
             top_k=g.top_k,
             top_p=g.top_p,
             device=device,
+            gather_whole=g.ds3_gather_for_generation,
         )
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         conversational = isinstance(rows[0]["prompt"], list)

@@ -49,9 +49,11 @@ def sample(
     top_k: int,
     top_p: float,
     device: torch.device,
+    gather_whole: bool = False,
 ) -> list[list[int]]:
     """One completion per prompt (with its eos when it ended), row i sampled from a generator seeded ``seeds[i]``.
-    Collective: every rank calls it with the same number of prompts."""
+    Collective: every rank calls it with the same number of prompts. ``gather_whole``: Strategy.generating's
+    ``whole``."""
     generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
     rows = len(prompts)
     longest = max(len(p) for p in prompts)
@@ -70,7 +72,7 @@ def sample(
     was_training = inner.training
     inner.eval()
     try:
-        with strategy.generating(model), strategy.autocast():
+        with strategy.generating(model, gather_whole), strategy.autocast():
             past = None
             step_ids, step_positions = input_ids, positions
             for _ in range(max_new_tokens):

@@ -1,7 +1,7 @@
 """``shardtune grpo`` as a user runs it: prompts in a JSONL file, reward functions in a Python file, the real launcher,
-gloo. 1 process x 8 completions, 2 x 4 (DDP), 1 x 2 x accumulation 4, and 2 x 4 under FSDP stopped after step 2 and
-resumed, sample the same completions and train the same steps (rewards, losses, gradient norms, weights); the
-refusals are one line each, before launch."""
+gloo. 1 process x 8 completions, 2 x 4 (DDP), 1 x 2 x accumulation 4, and 2 x 4 under FSDP and under DeepSpeed ZeRO-3
+stopped after step 2 and resumed, sample the same completions and train the same steps (rewards, losses, gradient
+norms, weights); the refusals are one line each, before launch."""
 
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ LAYOUTS = {  # name -> (processes, batch, accumulation, flags, stopped after ste
     "ddp": (2, 4, 1, (), False),
     "accumulation": (1, 2, 4, (), False),
     "fsdp": (2, 4, 1, ("--enable_fsdp",), True),
+    "zero3": (2, 4, 1, ("--enable_deepspeed", "--deepspeed_config.zero_stage", 3), True),
 }
 METRICS = ("reward", "reward_std", "rewards/digits/mean", "rewards/low_ids/mean", "completions/mean_length", "kl")
 
@@ -105,9 +106,19 @@ def test_grpo_layouts_sample_the_same_completions_and_train_the_same_steps(tiny_
             *extra,
         )
         if resumed:
-            run_cli(*args, "--max_steps", 2, "--save_steps", 1)
-            proc = run_cli(*args, "--save_steps", 1, "--resume_from_checkpoint", "true")
+            first = run_cli(*args, "--max_steps", 2, "--save_steps", 1)
+            # ZeRO-3 samples the first half with the whole model gathered (TRL's default), the second layer by layer
+            proc = run_cli(
+                *args,
+                "--save_steps",
+                1,
+                "--resume_from_checkpoint",
+                "true",
+                *(("--ds3_gather_for_generation", "false") if name == "zero3" else ()),
+            )
             assert "resumed from" in proc.stdout + proc.stderr
+            if name == "zero3":
+                assert "strategy: deepspeed ZeRO-3, world size 2" in first.stdout + proc.stdout
         else:
             run_cli(*args, "--save_strategy", "no")
         rows[name] = step_rows(out)

@@ -51,7 +51,7 @@ class _Whole:
     def unwrap(self, model):
         return model
 
-    def generating(self, model):
+    def generating(self, model, whole=False):
         return contextlib.nullcontext()
 
     def autocast(self):

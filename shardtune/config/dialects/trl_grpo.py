@@ -131,9 +131,6 @@ SPELLINGS: dict[str, Spelling] = {
     "cast_lm_head_to_fp32": refused(
         "the log-probabilities are computed in fp32 from the hidden states already: drop the flag", False
     ),
-    "ds3_gather_for_generation": refused(
-        "generation under DeepSpeed ZeRO is not built (FSDP gathers the parameters for it): drop the flag", True
-    ),
     "generation_kwargs": refused(
         "sampling takes --temperature, --top_p, --top_k and --max_completion_length: drop the mapping", None
     ),
