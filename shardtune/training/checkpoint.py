@@ -54,6 +54,7 @@ from shardtune.training.checkpoint_layout import (
     checkpoint_step,
     complete_checkpoints,
     newest_verified_checkpoint,
+    objective_file,
     read_trainer_state,
     resolve_checkpoint,
     unfinished_saves,
@@ -201,6 +202,7 @@ class Checkpointer:
         self.bytes_needed = 0
         self.last_saved: Path | None = self.resume_from
         self.data_position: Callable[[], dict | None] | None = None  # a streamed run's, saved with each checkpoint
+        self.objective_state: Callable[[], dict | None] | None = None  # this rank's, saved beside its RNG state
         self.best: BestModel | None = (
             None  # --load_best_model_at_end: the scores (set by the loop with the run's steps)
         )
@@ -433,6 +435,9 @@ class Checkpointer:
             try:
                 rng_file(tmp, self.env.rank).parent.mkdir(parents=True, exist_ok=True)
                 torch.save(rng_state(self.env.device), rng_file(tmp, self.env.rank))
+                if (objective := self.objective_state() if self.objective_state else None) is not None:
+                    objective_file(tmp, self.env.rank).parent.mkdir(parents=True, exist_ok=True)
+                    torch.save(objective, objective_file(tmp, self.env.rank))
                 if self.env.is_main:
                     self._write_rank0_files(tmp, position, scheduler, result, full_state)
             except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError

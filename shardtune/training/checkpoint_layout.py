@@ -55,6 +55,11 @@ def checkpoint_root(cfg: TrainConfig) -> Path:
     return Path(cfg.output.dir) / CHECKPOINTS_DIR
 
 
+def objective_file(path: Path, rank: int) -> Path:
+    """A rank's objective state in a checkpoint (GRPO: the generation its next steps train on), when it has one."""
+    return path / "objective" / f"rank-{rank:05d}.pt"
+
+
 def checkpoint_name(step: int) -> str:
     return f"step-{step:06d}"
 

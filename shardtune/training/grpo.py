@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -27,7 +27,7 @@ from shardtune.config.schema import ConfigError
 from shardtune.data.batching import EXAMPLE_IDS, EXAMPLE_LENGTHS
 from shardtune.data.prompts import check_prompt_data, prompt_rows
 from shardtune.model.speed import apply_speed_features
-from shardtune.runtime.distributed import all_reduce_sum, print0
+from shardtune.runtime.distributed import all_reduce_sum, print0, warn0
 from shardtune.training.building import build_model
 from shardtune.training.dpo_logps import adapter_disabled
 from shardtune.training.grpo_batches import epoch_steps, prompt_order, round_plan, sampling_seed
@@ -137,6 +137,8 @@ class GRPO(Objective):
     stat_names = STATS
     step_metric_names = (*METRICS, *COMPLETION_METRICS, *LOSS_METRICS)
     eval_metric_names = ("eval_loss",)
+    kept: tuple[dict, Round] | None = None  # the round a checkpoint after the current step keeps (state_to_save)
+    saved_round: dict | None = None  # the round the checkpoint resumed from kept
 
     # -- before launch --------------------------------------------------------------------------------------------
     @classmethod
@@ -210,8 +212,8 @@ class GRPO(Objective):
         )
 
     def batches(self, units: list, epoch: int, first: int, dp_rank: int, dp_size: int, row_slice=None):
-        """Each step's micro-batches, a round's completions sampled when the round begins (a run resumed inside a
-        round samples it again, with the weights it resumes with)."""
+        """Each step's micro-batches, a round's completions sampled when the round begins; a run resumed inside a
+        round trains on the round its checkpoint kept (state_to_save), as the uninterrupted run does."""
         steps = epoch_steps(self.cfg, len(units), dp_size)
         order = prompt_order(len(units), self.cfg.train.seed, epoch)
         plan, current, made = self.plan, None, None
@@ -221,9 +223,43 @@ class GRPO(Objective):
                 return
             r, w = divmod(s, plan.round_steps)
             if r != current:
-                made, current = self.make_round(units, order, epoch, r, dp_rank, epoch * steps + s + 1), r
+                key = {"epoch": epoch, "round": r, "layout": [dp_rank, *astuple(plan)], "seed": self.cfg.train.seed}
+                made = self.resumed_round(key, w) or self.make_round(
+                    units, order, epoch, r, dp_rank, epoch * steps + s + 1
+                )
+                current = r
             self.pending = made.metrics
+            # a checkpoint after this step keeps the round when the next step trains on it too
+            self.kept = (key, made) if s + 1 < steps and (s + 1) // plan.round_steps == r else None
             yield made.slices[w % plan.steps_per_generation]
+
+    def state_to_save(self) -> dict | None:
+        """The round the next step trains on, when a checkpoint falls inside it (num_iterations / generations of
+        several steps): this rank's micro-batches with the old policy's and the reference's log-probabilities,
+        sampled with weights a resumed run no longer has."""
+        if self.kept is None:
+            return None
+        key, made = self.kept
+        return {"key": key, "slices": made.slices, "metrics": made.metrics}
+
+    def restore_state(self, state: dict | None) -> None:
+        self.saved_round = state
+
+    def resumed_round(self, key: dict, w: int) -> Round | None:
+        """The round the checkpoint kept, for a run resumed inside it (step ``w`` of the round, w > 0) on the
+        layout that saved it; else None (sampled again). Every rank decides alike (sampling is collective)."""
+        saved, self.saved_round = self.saved_round, None
+        if w == 0:
+            return None
+        fits = saved is not None and saved["key"] == key
+        if all_reduce_sum(torch.tensor([0.0 if fits else 1.0], dtype=torch.float64), self.env.device)[0] == 0:
+            return Round(saved["slices"], saved["metrics"])
+        warn0(
+            f"resumed at step {w + 1} of a generation the checkpoint did not keep for this layout (processes, batch, "
+            "accumulation, seed): it is sampled again with the resumed weights, so the run differs from an "
+            "uninterrupted one"
+        )
+        return None
 
     def make_round(self, units: list, order: list[int], epoch: int, r: int, dp_rank: int, step: int) -> Round:
         cfg, g, plan, device = self.cfg, self.cfg.grpo, self.plan, self.env.device

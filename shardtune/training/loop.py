@@ -24,6 +24,7 @@ from shardtune.runtime.distributed import all_reduce_sum, print0
 from shardtune.runtime.errors import TrainingStopped
 from shardtune.training.best_model import BestModel, load_best
 from shardtune.training.checkpoint import Checkpointer, Position
+from shardtune.training.checkpoint_layout import objective_file
 from shardtune.training.evaluation import Evaluator
 from shardtune.training.hooks import installed
 from shardtune.training.intervals import epoch_steps, epochs_reached, every, planned_steps
@@ -180,6 +181,10 @@ class Run:
         self.data_position = self.start.data  # a streamed run's: where the next step's rows start
         if checkpointer and cfg.data.streaming:
             checkpointer.data_position = lambda: self.data_position
+        if checkpointer:
+            checkpointer.objective_state = objective.state_to_save
+            saved = checkpointer.resume_from and objective_file(checkpointer.resume_from, env.rank)
+            objective.restore_state(torch.load(saved, weights_only=True) if saved and saved.is_file() else None)
         model.train()
 
     def stop_agreed(self) -> bool:

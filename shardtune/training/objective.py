@@ -77,6 +77,14 @@ class Objective(ABC):
             units, self.cfg, dp_rank, dp_size, epoch, self.pad_id, first, row_slice, self.collate_fn
         )
 
+    def state_to_save(self) -> dict | None:
+        """This rank's state a checkpoint must keep beyond the weights, optimizer, RNG and data position (GRPO: the
+        generation its next steps train on; tensors, numbers, strings), or None."""
+        return None
+
+    def restore_state(self, state: dict | None) -> None:
+        """What state_to_save gave, from the checkpoint resumed (None: nothing saved, or not resuming)."""
+
     def attach(self, model: nn.Module, units: list, eval_items: list) -> None:
         """After the model is wrapped, before the first step: build what the loss needs besides the model."""
 

@@ -1,7 +1,7 @@
 """``shardtune grpo`` as a user runs it: prompts in a JSONL file, reward functions in a Python file, the real launcher,
-gloo. 1 process x 8 completions, 2 x 4 (DDP), 1 x 2 x accumulation 4, and 2 x 4 under FSDP and under DeepSpeed ZeRO-3
-stopped after step 2 and resumed, sample the same completions and train the same steps (rewards, losses, gradient
-norms, weights); the refusals are one line each, before launch."""
+gloo. 1 process x 8 completions, 2 x 4 (DDP), 1 x 2 x accumulation 4, and 2 x 4 under FSDP (stopped inside a
+generation and resumed) and under DeepSpeed ZeRO-3 (stopped between two), sample the same completions and train the
+same steps (rewards, losses, gradient norms, weights); the refusals are one line each, before launch."""
 
 from __future__ import annotations
 
@@ -51,12 +51,14 @@ RUN = (
     "--seed",
     3,
 )
-LAYOUTS = {  # name -> (processes, batch, accumulation, flags, stopped after step 2 and resumed)
-    "one": (1, 8, 1, ("--log_completions", "true"), False),
-    "ddp": (2, 4, 1, (), False),
-    "accumulation": (1, 2, 4, (), False),
-    "fsdp": (2, 4, 1, ("--enable_fsdp",), True),
-    "zero3": (2, 4, 1, ("--enable_deepspeed", "--deepspeed_config.zero_stage", 3), True),
+# name -> (processes, batch, accumulation, flags, stopped after that step and resumed, or 0); each generation trains
+# two steps (num_iterations 2): FSDP stops inside one (its checkpoint keeps it), ZeRO-3 between two
+LAYOUTS = {
+    "one": (1, 8, 1, ("--log_completions", "true"), 0),
+    "ddp": (2, 4, 1, (), 0),
+    "accumulation": (1, 2, 4, (), 0),
+    "fsdp": (2, 4, 1, ("--enable_fsdp",), 3),
+    "zero3": (2, 4, 1, ("--enable_deepspeed", "--deepspeed_config.zero_stage", 3), 2),
 }
 METRICS = ("reward", "reward_std", "rewards/digits/mean", "rewards/low_ids/mean", "completions/mean_length", "kl")
 
@@ -106,7 +108,9 @@ def test_grpo_layouts_sample_the_same_completions_and_train_the_same_steps(tiny_
             *extra,
         )
         if resumed:
-            first = run_cli(*args, "--max_steps", 2, "--save_steps", 1)
+            first = run_cli(*args, "--max_steps", resumed, "--save_steps", 1)
+            kept = sorted(p.name for p in (out / "checkpoints" / f"step-{resumed:06d}" / "objective").glob("*.pt"))
+            assert kept == (["rank-00000.pt", "rank-00001.pt"] if resumed % 2 else []), (name, kept)
             # ZeRO-3 samples the first half with the whole model gathered (TRL's default), the second layer by layer
             proc = run_cli(
                 *args,
@@ -116,7 +120,7 @@ def test_grpo_layouts_sample_the_same_completions_and_train_the_same_steps(tiny_
                 "true",
                 *(("--ds3_gather_for_generation", "false") if name == "zero3" else ()),
             )
-            assert "resumed from" in proc.stdout + proc.stderr
+            assert "resumed from" in proc.stdout + proc.stderr and "sampled again" not in proc.stderr
             if name == "zero3":
                 assert "strategy: deepspeed ZeRO-3, world size 2" in first.stdout + proc.stdout
         else:
