@@ -6,7 +6,7 @@ shardtune's import.
 
 MODEL: a local Hugging Face directory, a hub id, or preset:tiny (default). BATCH: completions per process and step
 (default 4). The same completions per step (BATCH x processes: one prompt's group of 4 here) sample the same
-completions and train the same steps on any number of processes (tests/e2e/test_python_scripts.py).
+completions and train the same steps on any number of processes, and evaluate alike (tests/e2e/test_python_scripts.py).
 """
 
 import json
@@ -22,7 +22,7 @@ output_dir = sys.argv[2] if len(sys.argv) > 2 else "runs/grpo"
 batch = int(sys.argv[3]) if len(sys.argv) > 3 else 4
 
 # a "prompt" column (text, or a list of messages); the other columns reach the reward functions by name
-prompts = [{"prompt": f"Count on from {i}: {i},", "target": str(i + 1)} for i in range(32)]
+prompts = [{"prompt": f"Count on from {i}: {i},", "target": str(i + 1)} for i in range(40)]  # 32 to train, 8 held out
 
 
 def short(completions, **kwargs):
@@ -44,12 +44,16 @@ training_args = GRPOConfig(
     learning_rate=1e-3,
     beta=0.04,
     logging_steps=1,
+    eval_strategy="steps",  # the held-out prompts' rewards every 2 steps (eval_reward, eval_loss, ...)
+    eval_steps=2,
+    per_device_eval_batch_size=4,
 )
 trainer = GRPOTrainer(
     model=model,
     reward_funcs=[short, counts_on],
     args=training_args,
-    train_dataset=Dataset.from_list(prompts),
+    train_dataset=Dataset.from_list(prompts[:32]),
+    eval_dataset=Dataset.from_list(prompts[32:]),
 )
 result = trainer.train()
 

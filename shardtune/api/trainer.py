@@ -361,7 +361,6 @@ GRPO_REFUSED = {
     "rollout_func": "not taken: completions are sampled by shardtune's decode loop with the trained model: drop it",
     "environment_factory": "environments (multi-turn rollouts) are not built: drop it",
 }
-GRPO_NO_EVALUATION = "evaluation is not built for GRPO (rewards of held-out prompts)"
 
 
 def _refuse_streamed(train_dataset: Any) -> None:
@@ -399,7 +398,6 @@ class GRPOTrainer(_Trainer):
         rollout_func: Any = None,
         environment_factory: Any = None,
     ) -> None:
-        _refuse("eval_dataset", eval_dataset, f"{GRPO_NO_EVALUATION}: drop it")
         _refuse_streamed(train_dataset)
         super().__init__(**given(locals()))
 
@@ -410,9 +408,6 @@ class GRPOTrainer(_Trainer):
     def _run(self, cfg: TrainConfig, what: str, callbacks: bool = False) -> None:
         register_in_process(self._reward_funcs)  # again: another GRPOTrainer of the script may have registered its own
         super()._run(cfg, what, callbacks)
-
-    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict:
-        raise ConfigError(f"evaluate(): {GRPO_NO_EVALUATION}: drop the call; the rewards are in state.log_history")
 
 
 __all__ = ["DPOTrainer", "GRPOTrainer", "SFTTrainer", "TrainOutput", "TrainerState", "TrlConfig"]

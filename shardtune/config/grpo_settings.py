@@ -66,6 +66,9 @@ class GrpoConfig:
         "in its group, sum, then normalise over the batch (normalize_then_sum, GDPO)",
         choices=AGGREGATIONS,
     )
+    num_generations_eval: int = setting(
+        0, "completions sampled per prompt of the test split when evaluating (0: num_generations)", at_least=0
+    )
     num_iterations: int = setting(1, "optimisation passes over each generation batch (mu)", at_least=1)
     steps_per_generation: int = setting(
         0,

@@ -23,11 +23,12 @@ def check_prompt_data(cfg: TrainConfig) -> None:
         )
 
 
-def prompt_rows(cfg: TrainConfig, tokenizer: Any) -> tuple[list[dict], DataReport]:
-    """One dict per usable row: ``prompt`` (as given), ``prompt_ids``, ``extras`` (the other columns), ``index`` (its
-    place among the kept rows). A row without a usable prompt is skipped (counted) or, with --strict, refused."""
+def prompt_rows(cfg: TrainConfig, tokenizer: Any, split: str = "train") -> tuple[list[dict], DataReport]:
+    """One dict per usable row of ``split`` ("train" or "validation": --dataset_test_split): ``prompt`` (as given),
+    ``prompt_ids``, ``extras`` (the other columns), ``index`` (its place among the kept rows). A row without a usable
+    prompt is skipped (counted) or, with --strict, refused."""
     loader = mixture_rows if cfg.data.trl_dataset.dataset_mixture else _dataset_rows
-    source, rows, columns = loader(cfg, "train")
+    source, rows, columns = loader(cfg, split)
     if "prompt" not in columns:
         raise DataError(
             f"{source}: no 'prompt' column (it has: {', '.join(columns)}): GRPO samples completions of prompts; "

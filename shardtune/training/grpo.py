@@ -30,23 +30,20 @@ from shardtune.model.speed import apply_speed_features
 from shardtune.runtime.distributed import all_reduce_sum, print0, warn0
 from shardtune.training.building import build_model
 from shardtune.training.dpo_logps import adapter_disabled
+from shardtune.training.grpo_advantages import (
+    COMPLETION_METRICS,
+    METRICS,
+    advantages_of,
+    completion_metrics,
+)
 from shardtune.training.grpo_batches import epoch_steps, prompt_order, round_plan, sampling_seed
+from shardtune.training.grpo_eval import grpo_evaluate
 from shardtune.training.grpo_generate import sample
 from shardtune.training.grpo_loss import STATS, completion_targets, micro_batch_terms, token_logps
 from shardtune.training.intervals import planned_steps
 from shardtune.training.objective import COUNTS, Objective
 from shardtune.training.rewards import load_rewards, score
 
-METRICS = ("reward", "reward_std", "frac_reward_zero_std")
-COMPLETION_METRICS = (
-    "completions/mean_length",
-    "completions/min_length",
-    "completions/max_length",
-    "completions/clipped_ratio",
-    "completions/mean_terminated_length",
-    "completions/min_terminated_length",
-    "completions/max_terminated_length",
-)
 LOSS_METRICS = (
     "kl",
     "entropy",
@@ -56,71 +53,6 @@ LOSS_METRICS = (
     "clip_ratio/high_max",
     "clip_ratio/region_mean",
 )
-
-
-def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """TRL's nanstd: the unbiased standard deviation of the non-NaN values."""
-    keep = {} if dim is None else {"dim": dim, "keepdim": True}
-    mean = torch.nanmean(x, **keep)
-    variance = torch.nanmean((x - mean) ** 2, **keep)
-    count = (~torch.isnan(x)).sum(**keep)
-    out = (variance * count / (count - 1)).sqrt()
-    return out.squeeze(dim) if dim is not None else out
-
-
-def advantages_of(rewards_per_func: torch.Tensor, weights: torch.Tensor, grpo) -> tuple[torch.Tensor, dict]:
-    """TRL's advantages of a generation batch (completions in groups of num_generations, in order) and its reward
-    metrics: (advantages, {reward, reward_std, frac_reward_zero_std, rewards/<i>/mean|std by index})."""
-    g = grpo.num_generations
-    unscorable = torch.isnan(rewards_per_func).all(dim=1)
-    if grpo.multi_objective_aggregation == "sum_then_normalize":
-        rewards = (rewards_per_func * weights[None]).nansum(dim=1)
-        rewards[unscorable] = math.nan
-        grouped_mean = torch.nanmean(rewards.view(-1, g), dim=1).repeat_interleave(g)
-        if grpo.scale_rewards == "batch":
-            std = nanstd(rewards).expand_as(rewards)
-        else:
-            std = nanstd(rewards.view(-1, g), dim=1).repeat_interleave(g)
-        advantages = rewards - grouped_mean
-        if grpo.scale_rewards != "none":
-            advantages = advantages / (std + 1e-4)
-    else:  # normalize_then_sum (GDPO)
-        grouped = rewards_per_func.view(-1, g, rewards_per_func.size(1))
-        normalised = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (
-            nanstd(grouped, dim=1).unsqueeze(1) + 1e-4
-        )
-        rewards = (normalised.view(-1, rewards_per_func.size(1)) * weights[None]).nansum(dim=1)
-        rewards[unscorable] = math.nan
-        std = nanstd(rewards).expand_as(rewards)
-        advantages = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
-    zero_std = torch.isclose(std, torch.zeros_like(std))
-    logged = (rewards_per_func * weights[None]).nansum(dim=1)
-    logged[unscorable] = math.nan
-    metrics = {
-        "reward": torch.nanmean(logged).item(),
-        "reward_std": nanstd(logged).item(),
-        "frac_reward_zero_std": zero_std.double().mean().item(),
-    }
-    for i in range(rewards_per_func.size(1)):
-        metrics[f"rewards/{i}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
-        metrics[f"rewards/{i}/std"] = nanstd(rewards_per_func[:, i]).item()
-    return torch.nan_to_num(advantages, nan=0.0), metrics
-
-
-def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
-    """TRL's completions/* of a generation batch (all ranks)."""
-    ended = lengths[~truncated.bool()]
-    ended = ended if ended.numel() else torch.zeros(1, dtype=lengths.dtype)
-    lengths = lengths.double()
-    return {
-        "completions/mean_length": lengths.mean().item(),
-        "completions/min_length": lengths.min().item(),
-        "completions/max_length": lengths.max().item(),
-        "completions/clipped_ratio": truncated.double().mean().item(),
-        "completions/mean_terminated_length": ended.double().mean().item(),
-        "completions/min_terminated_length": ended.double().min().item(),
-        "completions/max_terminated_length": ended.double().max().item(),
-    }
 
 
 @dataclass
@@ -136,15 +68,16 @@ class GRPO(Objective):
     count_names = (*COUNTS, "completions")  # normaliser: the loss type's N; label_tokens: scored completion tokens
     stat_names = STATS
     step_metric_names = (*METRICS, *COMPLETION_METRICS, *LOSS_METRICS)
-    eval_metric_names = ("eval_loss",)
+    eval_metric_names = tuple(f"eval_{k}" for k in ("loss", *METRICS, *COMPLETION_METRICS, "kl", "entropy"))
     kept: tuple[dict, Round] | None = None  # the round a checkpoint after the current step keeps (state_to_save)
     saved_round: dict | None = None  # the round the checkpoint resumed from kept
+    steps_done = 0  # optimizer steps done once the current one is (an evaluation's global_step for rewards)
 
     # -- before launch --------------------------------------------------------------------------------------------
     @classmethod
     def check(cls, cfg, world_size: int) -> None:
         """What shardtune grpo supports: DDP, FSDP and DeepSpeed ZeRO (with or without PEFT / QLoRA), generation with
-        the trained model, padded micro-batches, no evaluation (docs/grpo.md)."""
+        the trained model, padded micro-batches (docs/grpo.md)."""
         g = cfg.grpo
         if g.reward_weights and len(g.reward_weights) != len(g.reward_funcs):
             raise ConfigError(
@@ -158,11 +91,6 @@ class GRPO(Objective):
                 cfg.parallel.sequence_parallel_size > 1 or cfg.parallel.context_parallel_size > 1,
                 "--sp_size / --cp_size: completions are sampled whole on each rank; drop the flag",
             ),
-            (
-                cfg.eval.enabled,
-                "evaluation (rewards of the test split's prompts) is not built for shardtune grpo: drop "
-                "--eval_strategy / --do_eval",
-            ),
             (cfg.eval.log_samples, "--log_eval_samples: use --log_completions true; drop the flag"),
         )
         for refused, line in refusals:
@@ -173,20 +101,24 @@ class GRPO(Objective):
     @classmethod
     def prepare_data(cls, cfg, tokenizer, dp_size: int) -> None:
         check_prompt_data(cfg)
-        rows, report = prompt_rows(cfg, tokenizer)
-        print(f"shardtune: data (train): {report.summary()}", flush=True)
+        for split in ("train", "validation") if cfg.eval.enabled else ("train",):
+            rows, report = prompt_rows(cfg, tokenizer, split)
+            print(f"shardtune: data ({split}): {report.summary()}", flush=True)
         load_rewards(cfg.grpo.reward_funcs, load_models=False)
         epoch_steps(cfg, len(rows), dp_size)
 
     # -- in the worker --------------------------------------------------------------------------------------------
     def load_data(self) -> tuple[list, list]:
-        rows, report = prompt_rows(self.cfg, self.tokenizer)
-        print0(f"data (train): {report.summary()}")
-        return rows, []
+        """The training split's prompts, and the test split's when evaluating."""
+        loaded = {}
+        for split in ("train", "validation") if self.cfg.eval.enabled else ("train",):
+            loaded[split], report = prompt_rows(self.cfg, self.tokenizer, split)
+            print0(f"data ({split}): {report.summary()}")
+        return loaded["train"], loaded.get("validation", [])
 
     def attach(self, model: nn.Module, units: list, eval_items: list) -> None:
         cfg, env = self.cfg, self.env
-        self.model = model
+        self.model, self.eval_rows = model, eval_items
         self.plan = round_plan(cfg, self.strategy.dims.dp_size)
         self.rewards = load_rewards(cfg.grpo.reward_funcs, True, env.device)
         self.reward_names = [r.name for r in self.rewards]
@@ -228,7 +160,7 @@ class GRPO(Objective):
                     units, order, epoch, r, dp_rank, epoch * steps + s + 1
                 )
                 current = r
-            self.pending = made.metrics
+            self.pending, self.steps_done = made.metrics, epoch * steps + s + 1
             # a checkpoint after this step keeps the round when the next step trains on it too
             self.kept = (key, made) if s + 1 < steps and (s + 1) // plan.round_steps == r else None
             yield made.slices[w % plan.steps_per_generation]
@@ -386,13 +318,20 @@ class GRPO(Objective):
                     b["old_logps"] = token_logps(self.model, b, device, g.temperature, False)[0].cpu()
         if g.beta > 0:
             for b in everything:
-                with self.strategy.autocast():
-                    if self.ref_model is not None:
-                        ref = token_logps(self.ref_model, b, device, g.temperature, False)[0]
-                    else:
-                        with adapter_disabled(self.peft_model):
-                            ref = token_logps(self.model, b, device, g.temperature, False)[0]
-                b["ref_logps"] = ref.cpu()
+                self.add_reference(b)
+
+    @torch.no_grad()
+    def add_reference(self, batch: dict) -> None:
+        """The reference's log-probabilities of the batch's completions (beta > 0): the frozen copy's, or the PEFT
+        model's with its adapter off."""
+        g, device = self.cfg.grpo, self.env.device
+        with self.strategy.autocast():
+            if self.ref_model is not None:
+                ref = token_logps(self.ref_model, batch, device, g.temperature, False)[0]
+            else:
+                with adapter_disabled(self.peft_model):
+                    ref = token_logps(self.model, batch, device, g.temperature, False)[0]
+        batch["ref_logps"] = ref.cpu()
 
     def log_completions(self, step: int, rows: list[dict], texts: list[str], rewards: torch.Tensor) -> None:
         """The round's completions, all ranks', into completions.jsonl (rank 0) and the trackers, as eval samples
@@ -463,4 +402,8 @@ class GRPO(Objective):
         return out
 
     def evaluate(self, model: nn.Module) -> tuple[dict[str, float], list[dict]]:
-        raise ConfigError("evaluation is not built for shardtune grpo")
+        """The test split's rewards and loss (shardtune.training.grpo_eval)."""
+        return grpo_evaluate(self, model, self.eval_rows, self.steps_done), []
+
+    def describe_eval(self, row: dict[str, float]) -> str:
+        return f"eval reward {row['eval_reward']:.4f}, eval loss {row['eval_loss']:.4f}"

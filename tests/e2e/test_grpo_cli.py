@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from tests.helpers import max_relative_difference, step_rows, weights
+from tests.helpers import eval_rows, max_relative_difference, step_rows, weights
 
 REWARDS = '''
 def digits(completions, **kwargs):
@@ -50,6 +50,15 @@ RUN = (
     50,
     "--seed",
     3,
+    # the test split's 5 prompts x 2 completions in chunks of 3: uneven shares, a rank running one it does not count
+    "--eval_strategy",
+    "steps",
+    "--eval_steps",
+    2,
+    "--per_device_eval_batch_size",
+    3,
+    "--num_generations_eval",
+    2,
 )
 # name -> (processes, batch, accumulation, flags, stopped after that step and resumed, or 0); each generation trains
 # two steps (num_iterations 2): FSDP stops inside one (its checkpoint keeps it), ZeRO-3 between two
@@ -60,15 +69,19 @@ LAYOUTS = {
     "fsdp": (2, 4, 1, ("--enable_fsdp",), 3),
     "zero3": (2, 4, 1, ("--enable_deepspeed", "--deepspeed_config.zero_stage", 3), 2),
 }
+EVAL_METRICS = ("eval_loss", "eval_reward", "eval_reward_std", "eval_rewards/digits/mean", "eval_kl", "eval_entropy")
 METRICS = ("reward", "reward_std", "rewards/digits/mean", "rewards/low_ids/mean", "completions/mean_length", "kl")
 
 
 @pytest.fixture
 def grpo_data(tmp_path):
-    prompts = tmp_path / "prompts.jsonl"
-    with open(prompts, "w") as f:
-        for i in range(24):
-            f.write(json.dumps({"prompt": f"Count to {i} and then stop: {i} {i + 1}", "target": i % 3}) + "\n")
+    prompts = tmp_path / "prompts"  # a folder of split files: train.jsonl, test.jsonl
+    prompts.mkdir()
+    for split, count in (("train", 24), ("test", 5)):
+        with open(prompts / f"{split}.jsonl", "w") as f:
+            for i in range(count):
+                row = {"prompt": f"Count to {i} and then stop: {i} {i + 1}", "target": i % 3}
+                f.write(json.dumps(row) + "\n")
     rewards = tmp_path / "rewards.py"
     rewards.write_text(REWARDS)
     return prompts, rewards
@@ -92,7 +105,7 @@ def test_grpo_layouts_sample_the_same_completions_and_train_the_same_steps(tiny_
         0.5,
         *RUN,
     )
-    rows = {}
+    rows, evaluations = {}, {}
     for name, (nproc, batch, accumulation, extra, resumed) in LAYOUTS.items():
         out = tmp_path / name
         args = (
@@ -126,6 +139,8 @@ def test_grpo_layouts_sample_the_same_completions_and_train_the_same_steps(tiny_
         else:
             run_cli(*args, "--save_strategy", "no")
         rows[name] = step_rows(out)
+        evaluations[name] = eval_rows(out)
+        assert [r["step"] for r in evaluations[name]] == [2, 4], name
         assert [r["step"] for r in rows[name]] == [1, 2, 3, 4], name
     one = rows["one"]
     logged = [json.loads(line) for line in (tmp_path / "one" / "completions.jsonl").read_text().splitlines()]
@@ -140,6 +155,11 @@ def test_grpo_layouts_sample_the_same_completions_and_train_the_same_steps(tiny_
             for key in ("loss", "grad_norm", *METRICS):
                 assert math.isclose(mine[key], theirs[key], rel_tol=1e-4, abs_tol=1e-6), (name, mine["step"], key)
         assert max_relative_difference(weights(tmp_path / "one"), weights(tmp_path / name)) < 1e-4, name
+        for mine, theirs in zip(evaluations["one"], evaluations[name]):
+            for key in EVAL_METRICS:
+                assert math.isclose(mine[key], theirs[key], rel_tol=1e-4, abs_tol=1e-6), (name, mine["step"], key)
+    assert evaluations["one"][0]["eval_entropy"] != evaluations["one"][1]["eval_entropy"]  # the weights moved
+    assert evaluations["one"][0]["eval_kl"] > 0 and 0 < evaluations["one"][0]["eval_completions/mean_length"] <= 6
 
 
 @pytest.mark.parametrize(
@@ -154,7 +174,7 @@ def test_grpo_layouts_sample_the_same_completions_and_train_the_same_steps(tiny_
         (("--reward_funcs", "REWARDS:digits", "--loss_type", "cispo"), "cispo"),
         (("--reward_funcs", "REWARDS:nothing"), "defines no function 'nothing'"),
         (("--reward_funcs", "REWARDS:digits", "--reward_weights", 1, 2), "2 weights for 1 reward functions"),
-        (("--reward_funcs", "REWARDS:digits", "--eval_strategy", "steps", "--eval_steps", 2), "evaluation"),
+        (("--reward_funcs", "REWARDS:digits", "--log_eval_samples", 2), "--log_completions"),
     ],
 )
 def test_grpo_refusals_are_one_line_before_launch(cli_in_process, tiny_model, tmp_path, grpo_data, flags, says):

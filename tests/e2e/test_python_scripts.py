@@ -153,7 +153,7 @@ def test_the_dpo_example_trains_and_reports_trls_reward_metrics(tiny_model, cach
 def test_the_grpo_example_samples_and_trains_the_same_steps_under_python_and_torchrun(tiny_model, cache_dir, tmp_path):
     """examples/grpo.py (the script's own reward functions, one reading a dataset column; beta > 0): 1 process x 4
     completions and torchrun 2 x 2 sample the same completions (the same rewards) and train the same 4 steps, with
-    TRL's metric names in log_history."""
+    TRL's metric names in log_history, and evaluate the held-out prompts alike."""
     script = EXAMPLES / "grpo.py"
     one = result_of(run([sys.executable, str(script), str(tiny_model), "one", "4"], cache_dir, tmp_path).stdout)
     two = result_of(
@@ -172,6 +172,14 @@ def test_the_grpo_example_samples_and_trains_the_same_steps_under_python_and_tor
         assert all(abs(a[k] - b[k]) <= 1e-5 for k in compared), (a, b)
     assert len({r["reward"] for r in rows["one"]}) > 1  # each step sampled new completions with the weights it had
     assert abs(one["loss"] - sum(r["loss"] for r in rows["one"]) / 4) <= 1e-12  # train()'s TrainOutput
+    evaluations = {
+        name: [r for r in result["history"] if "eval_loss" in r] for name, result in (("one", one), ("two", two))
+    }
+    assert [r["step"] for r in evaluations["one"]] == [2, 4]
+    for a, b in zip(evaluations["one"], evaluations["two"], strict=True):  # the 8 held-out prompts x 4, all ranks'
+        assert all(
+            abs(a[k] - b[k]) <= 1e-5 for k in ("eval_loss", "eval_reward", "eval_rewards/counts_on/mean", "eval_kl")
+        ), (a, b)
 
 
 # TRL's docs' shape, slowed by a callback so that a signal lands mid-run

@@ -29,7 +29,8 @@ import torch
 from shardtune.config.schema import GrpoConfig, TrainConfig
 from shardtune.model.loading import load_model, load_tokenizer
 from shardtune.runtime.distributed import DistEnv
-from shardtune.training.grpo import GRPO, advantages_of, nanstd
+from shardtune.training.grpo import GRPO
+from shardtune.training.grpo_advantages import advantages_of, nanstd
 from shardtune.training.grpo_loss import loss_sum, token_logps, token_terms
 
 PROMPTS = ["Summarize: Anna meets Tom at seven.", "Summarize: Kate brings cake for Ben."]

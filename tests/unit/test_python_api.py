@@ -319,7 +319,6 @@ def test_grpo_trainer_refuses_what_it_cannot_honour_in_one_line(tiny_model):
         (dict(reward_funcs=None), "reward_funcs is None"),
         (dict(reward_funcs=[]), "reward_funcs is empty"),
         (dict(reward_funcs=[3]), "reward_funcs: a int is not a reward function"),
-        (dict(eval_dataset=PROMPTS), "eval_dataset: evaluation is not built for GRPO"),
         (dict(reward_processing_classes=object()), "reward_processing_classes: not taken"),
         (dict(tools=[len]), "tools: tool calls during generation are not built"),
         (dict(rollout_func=len), "rollout_func: not taken"),
@@ -334,9 +333,6 @@ def test_grpo_trainer_refuses_what_it_cannot_honour_in_one_line(tiny_model):
         with pytest.raises(ConfigError, match=named) as error:
             GRPOTrainer(**arguments)
         assert "\n" not in str(error.value)
-    trainer = GRPOTrainer(model=str(tiny_model), reward_funcs=shorter, train_dataset=PROMPTS)
-    with pytest.raises(ConfigError, match="evaluate\\(\\): evaluation is not built for GRPO"):
-        trainer.evaluate()
     with pytest.raises(ConfigError, match="--use_vllm"):
         from shardtune import GRPOConfig
 

@@ -87,7 +87,7 @@ SPELLINGS: dict[str, Spelling] = {
     },
     **{
         name: Spelling(f"grpo.{name}", _help(name), _optional_zero(f"grpo.{name}"))
-        for name in ("epsilon_high", "steps_per_generation", "generation_batch_size")
+        for name in ("epsilon_high", "steps_per_generation", "generation_batch_size", "num_generations_eval")
     },
     "scale_rewards": Spelling(
         "grpo.scale_rewards", _help("scale_rewards") + " (true: group, false: none)", _scale_rewards
@@ -122,7 +122,6 @@ SPELLINGS: dict[str, Spelling] = {
         name: refused("the entropy bonus is not built: drop the flag", default)
         for name, default in ENTROPY_DEFAULTS.items()
     },
-    "num_generations_eval": refused("evaluation is not built for shardtune grpo: drop the flag", None),
     "min_p": refused("min-p sampling is not built: use --top_p / --top_k, or drop the flag", None),
     "repetition_penalty": refused("a repetition penalty is not built: drop the flag", 1.0, "1.0", "1"),
     "top_entropy_quantile": refused("the high-entropy token mask is not built: drop the flag", 1.0, "1.0", "1"),
