@@ -48,7 +48,8 @@ TRL_DEFAULTS: dict[str, dict[str, Any]] = {
     "grpo": {**TRL_SFT, "optim.lr": 1e-6},  # per_device_train_batch_size 8 counts completions
 }
 HOME = {"sft": "cookbook", "dpo": "trl", "grpo": "trl"}  # whose defaults a command gets when its names do not say
-# the cookbook's defaults an objective cannot take: GRPO has no evaluation (the cookbook's run_validation is on)
+# the cookbook's defaults an objective does not take: GRPO evaluates when asked (--eval_strategy, as TRL's default),
+# also under the cookbook's names (whose run_validation is on): sampling the test split is not a cheap default
 COOKBOOK_DEFAULTS: dict[str, dict[str, Any]] = {"grpo": {"eval.enabled": False}}
 
 
