@@ -8,7 +8,8 @@ Takes sft's flags (the model is read from its config.json, or a built-in shape; 
 hardware; prints the per-GPU memory of the configuration, the alternatives that fit, the fastest of them as a
 command line, and the largest micro-batch and longest sequence that fit. Exit status 1 when nothing fits.
 ``--objective dpo`` plans a ``shardtune dpo`` run (with dpo's flags): two rows per pair, and for full fine-tuning the
-frozen reference model, sharded like the policy (none with --use_peft or --precompute_ref_log_probs).
+frozen reference model, sharded like the policy (none with --use_peft or --precompute_ref_log_probs). ``--objective
+grpo``: also the sampling between steps (the KV cache of a generation's completions, ZeRO-3's whole-model gather).
 """
 
 from __future__ import annotations

@@ -44,6 +44,8 @@ class Setup:
     low_cpu_fsdp: bool = False
     rows_per_unit: int = 1  # rows the model computes per unit of batch (DPO: a pair's two)
     reference_model: bool = False  # a frozen copy beside the policy (DPO's full fine-tuning reference)
+    sampling_rows: int = 0  # GRPO: completions a rank samples at once (0: no sampling), each of seq_len tokens at most
+    sampling_gathers_whole: bool = False  # ZeRO-3 with ds3_gather_for_generation: every weight gathered to sample
 
     @property
     def world_size(self) -> int:
@@ -89,6 +91,7 @@ class Breakdown:
     backward: float = 0.0  # what a layer's backward (and its recomputation under checkpointing) adds
     host_state: float = 0.0  # per rank, CPU memory of offloaded state
     host_loading: float = 0.0  # per NODE, CPU memory to load the weights (all ranks of the node together)
+    sampling: float = 0.0  # GRPO's sampling, between steps: KV cache, last logits, weights gathered beyond the step's
 
     @property
     def state(self) -> float:
@@ -102,7 +105,8 @@ class Breakdown:
         with the gradients and the layer being recomputed (measured: bench/plan_check.py)."""
         resident = self.params + self.optimizer + self.buffers + self.gathered
         checkpointed = self.activations if self.backward else 0.0
-        return resident + max(self.activations + self.loss_buffers, checkpointed + self.grads + self.backward)
+        step = max(self.activations + self.loss_buffers, checkpointed + self.grads + self.backward)
+        return resident + max(step, self.sampling)  # sampling runs between steps (no gradients, no activations)
 
     def rows(self) -> list[tuple[str, float]]:
         return [
@@ -114,6 +118,7 @@ class Breakdown:
             ("activations", self.activations),
             ("loss buffers", self.loss_buffers),
             ("backward working memory", self.backward),
+            *([("sampling (KV cache)", self.sampling)] if self.sampling else []),
         ]
 
 
@@ -292,6 +297,8 @@ def estimate(setup: Setup) -> Breakdown:
     out.loss_buffers = loss_buffer_bytes(arch, tokens)
     if s.reference_model:
         add_reference(out, s)
+    if s.sampling_rows:
+        add_sampling(out, s)
     out.host_loading = host_loading_bytes(setup)
     return out
 
@@ -313,6 +320,21 @@ def add_reference(out: Breakdown, setup: Setup) -> None:
         out.host_state += reference
     else:
         out.params += reference
+
+
+def add_sampling(out: Breakdown, setup: Setup) -> None:
+    """GRPO's sampling (shardtune.training.grpo_generate), after a step's gradients are freed: the KV cache of the rows
+    a rank samples at once (seq_len tokens each at most: prompt and completion; every layer's keys and values in the
+    compute dtype), the last position's logits (fp32, their warped copy, the float64 Gumbel noise and its logarithm:
+    the prompts' logits are never formed), and, under ZeRO-3 with ds3_gather_for_generation, the whole model
+    gathered in place of the layers the step gathers (FSDP and ZeRO-3 without it gather layer by layer, as a step)."""
+    arch, s = setup.arch, setup
+    per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * s.compute_bytes
+    logits = arch.vocab_size * (4 + 4 + 8 + 8)
+    whole = (
+        arch.num_params * s.compute_bytes - out.gathered if s.strategy == "ZERO3" and s.sampling_gathers_whole else 0
+    )
+    out.sampling = s.sampling_rows * (s.seq_len * per_token + logits) + max(whole, 0.0)
 
 
 def ulysses_kv_heads(arch: Arch, sequence_parallel: int) -> int:

@@ -68,7 +68,10 @@ def sample(
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     generated: list[torch.Tensor] = []
     inner = strategy.unwrap(model)
-    cache_name = "cache" if "cache" in inspect.signature(hf_model(inner).forward).parameters else "past_key_values"
+    accepted = inspect.signature(hf_model(inner).forward).parameters
+    cache_name = "cache" if "cache" in accepted else "past_key_values"
+    # the last position's logits only: the prompts' (rows x prompt x vocabulary) would be the sampling's largest tensor
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
     was_training = inner.training
     inner.eval()
     try:
@@ -82,6 +85,7 @@ def sample(
                     position_ids=step_positions,
                     use_cache=True,
                     **{cache_name: past},
+                    **last_only,
                 )
                 past = getattr(result, cache_name)
                 logits = warp(result.logits[:, -1], temperature, top_k, top_p)

@@ -415,6 +415,33 @@ def test_plan_objective_dpo_adds_the_reference_weights_per_shard_for_full_fine_t
     )
 
 
+def test_grpo_plans_the_sampling_kv_cache_and_zero3_gathering_the_whole_model_for_it():
+    """``shardtune plan --objective grpo``: the sampling term is the KV cache of the rows a rank samples at once
+    (accumulation x batch, or steps_per_generation x batch) plus their last logits; ZeRO-3 with
+    ds3_gather_for_generation (TRL's default) adds the whole model in bf16 beyond the step's gathered layers; the
+    peak is the larger of the step and the sampling; sft plans none."""
+    arch = read_arch("llama3-8b")
+    per_row = 4096 * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * 2 + arch.vocab_size * 24
+
+    def given(*flags) -> dict:
+        return plan_json("--context_length", 4096, "--batch_size_training", 4, *flags)["given"]
+
+    assert "sampling (KV cache)" not in given("--enable_fsdp")["breakdown"]
+    fsdp = given("--enable_fsdp", "--objective", "grpo", "--gradient_accumulation_steps", 2)
+    assert fsdp["breakdown"]["sampling (KV cache)"] == pytest.approx(8 * per_row)
+    more = given(
+        "--enable_fsdp", "--objective", "grpo", "--gradient_accumulation_steps", 2, "--steps_per_generation", 64
+    )
+    assert more["breakdown"]["sampling (KV cache)"] == pytest.approx(256 * per_row)  # beyond the step
+    resident = sum(more["breakdown"][k] for k in ("parameters", "optimizer state", "communication buffers"))
+    assert more["peak_bytes"] == pytest.approx(resident + more["breakdown"]["gathered parameters"] + 256 * per_row)
+    zero3 = ("--enable_deepspeed", "--deepspeed_config.zero_stage", 3, "--objective", "grpo")
+    whole, layered = given(*zero3), given(*zero3, "--grpo.ds3_gather_for_generation", "false")
+    gathered = whole["breakdown"]["gathered parameters"]
+    assert whole["breakdown"]["sampling (KV cache)"] == pytest.approx(4 * per_row + arch.num_params * 2 - gathered)
+    assert layered["breakdown"]["sampling (KV cache)"] == pytest.approx(4 * per_row)
+
+
 @pytest.mark.parametrize("preset,vocab", [("demo", 1024), ("demo-32k", 32000), ("llama-8b-shape", 128256)])
 def test_dry_run_describes_a_preset_with_its_own_vocabulary(tmp_path, preset, vocab):
     # --dry_run writes the preset's config.json for the planner: a preset that names its vocabulary (the benchmark
