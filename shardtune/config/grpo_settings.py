@@ -40,6 +40,15 @@ class GrpoConfig:
     )
     top_p: float = setting(1.0, "nucleus sampling: the smallest set of tokens whose probability reaches top_p", above=0)
     top_k: int = setting(0, "sample among the top_k most likely tokens (0: all)", at_least=0)
+    min_p: float = setting(
+        0.0, "drop tokens less likely than min_p x the most likely token's probability (0: off, TRL's None)", at_least=0
+    )
+    repetition_penalty: float = setting(
+        1.0,
+        "the logits of tokens already in the row (its prompt and completion so far) divided by it (multiplied when "
+        "negative), as transformers' RepetitionPenaltyLogitsProcessor; 1: off",
+        above=0,
+    )
     beta: float = setting(
         0.0,
         "the KL coefficient toward the reference (the starting weights; with PEFT the base, adapter off); "
@@ -48,6 +57,12 @@ class GrpoConfig:
     )
     epsilon: float = setting(0.2, "the clipping range of the importance ratio (lower side)", above=0)
     epsilon_high: float = setting(0.0, "the upper clipping range (0: epsilon, TRL's None)", at_least=0)
+    delta: float = setting(
+        0.0,
+        "two-sided clipping (INTELLECT-2): the importance ratio capped at delta in the unclipped term (recommended "
+        "> 1 + epsilon; 0: off, TRL's None)",
+        at_least=0,
+    )
     loss_type: str = setting(
         "dapo",
         "how token losses become the step's loss: dapo (over the step's completion tokens), grpo (per-sequence "

@@ -213,6 +213,8 @@ class GRPO(Objective):
             temperature=g.temperature,
             top_k=g.top_k,
             top_p=g.top_p,
+            min_p=g.min_p,
+            repetition_penalty=g.repetition_penalty,
             device=device,
             gather_whole=g.ds3_gather_for_generation,
         )

@@ -19,9 +19,10 @@ from shardtune.model.loss import hf_model
 from shardtune.runtime.distributed import all_reduce_sum
 
 
-def warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
     """Next-token logits (rows, V) as the sampler sees them: divided by the temperature, then all but the top_k set
-    to -inf, then all but the smallest set whose probability reaches top_p (transformers' TopK / TopP warpers)."""
+    to -inf, then all but the smallest set whose probability reaches top_p, then those less likely than min_p x the
+    most likely (transformers' Temperature, TopK, TopP, MinP warpers, in generate's order)."""
     logits = logits.float() / temperature
     if 0 < top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
@@ -32,7 +33,19 @@ def warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> 
         remove = cumulative <= (1 - top_p)
         remove[:, -1] = False  # the most likely token always stays
         logits = logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    if min_p > 0:
+        probs = logits.softmax(-1)
+        remove = probs < min_p * probs.amax(-1, keepdim=True)
+        remove.scatter_(-1, probs.argmax(-1, keepdim=True), False)  # the most likely token always stays
+        logits = logits.masked_fill(remove, float("-inf"))
     return logits
+
+
+def penalise_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' RepetitionPenaltyLogitsProcessor on a row's own tokens (``seen``, rows x V: its prompt and its
+    completion so far; a padded batch's pad tokens are not the row's)."""
+    penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalised, logits)
 
 
 @torch.no_grad()
@@ -50,6 +63,8 @@ def sample(
     top_p: float,
     device: torch.device,
     gather_whole: bool = False,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
 ) -> list[list[int]]:
     """One completion per prompt (with its eos when it ended), row i sampled from a generator seeded ``seeds[i]``.
     Collective: every rank calls it with the same number of prompts. ``gather_whole``: Strategy.generating's
@@ -66,6 +81,7 @@ def sample(
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     eos = torch.tensor(sorted(eos_ids), device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
+    seen = None  # the tokens of each row so far (with a repetition penalty)
     generated: list[torch.Tensor] = []
     inner = strategy.unwrap(model)
     accepted = inspect.signature(hf_model(inner).forward).parameters
@@ -88,8 +104,16 @@ def sample(
                     **last_only,
                 )
                 past = getattr(result, cache_name)
-                logits = warp(result.logits[:, -1], temperature, top_k, top_p)
+                logits = result.logits[:, -1].float()
+                if repetition_penalty != 1.0:
+                    if seen is None:
+                        counts = torch.zeros(logits.shape, dtype=torch.long, device=device)
+                        seen = counts.scatter_add_(1, input_ids, attention) > 0  # the prompt's tokens, not its pads
+                    logits = penalise_repeats(logits, seen, repetition_penalty)
+                logits = warp(logits, temperature, top_k, top_p, min_p)
                 tokens = torch.where(done, pad_id, keyed_choice(logits, generators))
+                if seen is not None:
+                    seen.scatter_(1, tokens[:, None], True)
                 generated.append(tokens)
                 done |= torch.isin(tokens, eos)
                 running = (~done).any().to(torch.float64).reshape(1)

@@ -99,16 +99,20 @@ def token_terms(
     if grpo.importance_sampling_level == "sequence":
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     coef_1 = torch.exp(log_ratio)
+    kl = None
+    if grpo.beta != 0.0:  # weighted by the ratio before delta caps it, as TRL's
+        log_ref = ref_logps - logps
+        kl = torch.exp(log_ref) - log_ref - 1
+        if grpo.use_bias_correction_kl:
+            kl = kl * coef_1
     eps_low, eps_high = grpo.epsilon, grpo.epsilon_high or grpo.epsilon
     coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    if grpo.delta:  # two-sided clipping: the unclipped term's ratio capped (the clip metrics read the capped one)
+        coef_1 = torch.clamp(coef_1, max=grpo.delta)
     a = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     per_token_loss = -torch.min(coef_1 * a, coef_2 * a)
     out = {"coef_1": coef_1, "advantages": a}
-    if grpo.beta != 0.0:
-        delta = ref_logps - logps
-        kl = torch.exp(delta) - delta - 1
-        if grpo.use_bias_correction_kl:
-            kl = kl * coef_1
+    if kl is not None:
         per_token_loss = per_token_loss + grpo.beta * kl
         out["kl"] = kl
     out["per_token_loss"] = per_token_loss

@@ -160,6 +160,20 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def test_loss_gradients_and_metrics_equal_trl(loss_type, level, beta, tiny_model, tokenizer, tmp_path):
     """The same completions, advantages, old and reference log-probabilities through GRPOTrainer._compute_loss and
     through GRPO's collate, counts, loss and step_metrics: the same log-probabilities, loss, N, gradients, metrics."""
+    check_against_trl(loss_type, level, beta, tiny_model, tokenizer, tmp_path)
+
+
+# delta caps the unclipped term's ratio where the loss takes it (negative advantages, ratio above 1 + epsilon_high):
+# completion 4 (advantage < 0) gets ratios exp(0.4 +- 0.3), some tokens above 1.35; completion 1 still clips low
+DELTA_ROW_SHIFTS = [0.45, -0.40, 0.22, 0.5, 0.40, -0.45]
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_two_sided_clipping_delta_equals_trl(level, tiny_model, tokenizer, tmp_path):
+    check_against_trl("dapo", level, 0.04, tiny_model, tokenizer, tmp_path, DELTA_ROW_SHIFTS, delta=1.35)
+
+
+def check_against_trl(loss_type, level, beta, tiny_model, tokenizer, tmp_path, row_shifts=ROW_SHIFTS, **extra):
     settings = dict(
         per_device_train_batch_size=len(LENGTHS),
         num_generations=G,
@@ -169,6 +183,7 @@ def test_loss_gradients_and_metrics_equal_trl(loss_type, level, beta, tiny_model
         epsilon_high=EPSILON_HIGH,
         loss_type=loss_type,
         importance_sampling_level=level,
+        **extra,
     )
     trainer = trl_trainer(tiny_model, tokenizer, tmp_path, **settings)
     prompt_ids, completion_ids = sampled_completions(tokenizer)
@@ -188,7 +203,7 @@ def test_loss_gradients_and_metrics_equal_trl(loss_type, level, beta, tiny_model
     generator = torch.Generator().manual_seed(1)
     noise = torch.rand(trl_logps.shape, generator=generator) * 0.6 - 0.3
     noise[QUIET_ROW] = 0.0
-    inputs["old_per_token_logps"] = trl_logps - torch.tensor(ROW_SHIFTS)[:, None] - noise
+    inputs["old_per_token_logps"] = trl_logps - torch.tensor(row_shifts)[:, None] - noise
     if beta:
         inputs["ref_per_token_logps"] = trl_logps + torch.rand(trl_logps.shape, generator=generator) - 0.5
 
@@ -197,9 +212,9 @@ def test_loss_gradients_and_metrics_equal_trl(loss_type, level, beta, tiny_model
     trl_loss.backward()
     trl_grads = grads(trainer.model)
     trl_metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
-    assert trl_metrics["clip_ratio/low_mean"] > 0 and trl_metrics["clip_ratio/high_mean"] > 0, "nothing clipped"
+    assert trl_metrics["clip_ratio/low_mean"] > 0 and trl_metrics["clip_ratio/high_mean"] > 0, trl_metrics
     assert trl_metrics["clip_ratio/region_mean"] < 1, "everything clipped"
-    assert ADVANTAGES[QUIET_ROW] > 0 and 1 + 0.2 < math.exp(ROW_SHIFTS[QUIET_ROW]) <= 1 + EPSILON_HIGH  # epsilon 0.2
+    assert ADVANTAGES[QUIET_ROW] > 0 and 1 + 0.2 < math.exp(row_shifts[QUIET_ROW]) <= 1 + EPSILON_HIGH  # epsilon 0.2
 
     # shardtune: the micro-batch as GRPO collates it, the old / reference log-probabilities where it places them
     cfg = TrainConfig()
@@ -211,6 +226,7 @@ def test_loss_gradients_and_metrics_equal_trl(loss_type, level, beta, tiny_model
         epsilon_high=EPSILON_HIGH,
         loss_type=loss_type,
         importance_sampling_level=level,
+        **extra,
     )
     env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend="gloo")
     objective = GRPO(cfg, env, None, tokenizer)
@@ -253,6 +269,12 @@ def test_loss_gradients_and_metrics_equal_trl(loss_type, level, beta, tiny_model
     )
     formula = loss_sum(terms["per_token_loss"], mask, loss_type) / expected_normaliser(loss_type, mask)
     assert formula.item() == pytest.approx(trl_loss.item(), rel=1e-6, abs=1e-7)
+    if extra.get("delta"):  # it changed the loss
+        cfg.grpo.delta, kept = 0.0, cfg.grpo.delta
+        args = (trl_logps, inputs["old_per_token_logps"], inputs.get("ref_per_token_logps"), inputs["advantages"])
+        uncapped = loss_sum(token_terms(*args, mask, cfg.grpo)["per_token_loss"], mask, loss_type)
+        assert abs(uncapped.item() / expected_normaliser(loss_type, mask) - trl_loss.item()) > 1e-4
+        cfg.grpo.delta = kept
 
     # the same gradients
     ours_grads = grads(model)

@@ -9,23 +9,53 @@ import contextlib
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from shardtune.training.grpo_batches import sampling_seed
-from shardtune.training.grpo_generate import cut_at_eos, keyed_choice, sample, warp
+from shardtune.training.grpo_generate import cut_at_eos, keyed_choice, penalise_repeats, sample, warp
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.6)])
-def test_warping_equals_transformers_samplers(temperature, top_k, top_p):
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, min_p",
+    [
+        (1.0, 0, 1.0, 0.0),
+        (0.7, 5, 1.0, 0.0),
+        (1.3, 0, 0.8, 0.0),
+        (0.9, 20, 0.6, 0.0),
+        (1.0, 0, 1.0, 0.1),
+        (0.8, 30, 0.9, 0.05),
+    ],
+)
+def test_warping_equals_transformers_samplers(temperature, top_k, top_p, min_p):
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1)) * 3
     expected = TemperatureLogitsWarper(temperature)(None, logits.clone())
     if top_k:
         expected = TopKLogitsWarper(top_k)(None, expected)
     if top_p < 1:
         expected = TopPLogitsWarper(top_p)(None, expected)
-    got = warp(logits, temperature, top_k, top_p)
+    if min_p:
+        expected = MinPLogitsWarper(min_p)(None, expected)
+    got = warp(logits, temperature, top_k, top_p, min_p)
     assert torch.equal(torch.isinf(got), torch.isinf(expected))
     assert torch.allclose(got[~torch.isinf(got)], expected[~torch.isinf(expected)])
+    if min_p:  # it removed tokens top-k / top-p kept
+        assert torch.isinf(got).sum() > torch.isinf(warp(logits, temperature, top_k, top_p)).sum()
+
+
+def test_the_repetition_penalty_equals_transformers_processor_on_the_rows_tokens():
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 40, generator=generator) * 3  # negative and positive logits
+    input_ids = torch.randint(40, (3, 9), generator=generator)
+    expected = RepetitionPenaltyLogitsProcessor(1.3)(input_ids, logits.clone())
+    seen = torch.zeros(3, 40, dtype=torch.long).scatter_add_(1, input_ids, torch.ones_like(input_ids)) > 0
+    assert torch.allclose(penalise_repeats(logits, seen, 1.3), expected)
+    assert not torch.allclose(expected, logits)
 
 
 def test_a_keyed_draw_follows_the_softmax_and_depends_on_its_key_alone():
@@ -62,9 +92,33 @@ def test_a_completion_does_not_change_with_the_rows_beside_it(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     prompts = [[1, 5, 9, 13], [1, 7], [1, 3, 3, 3, 3, 3, 3], [1, 20, 21]]
     seeds = [sampling_seed(3, 0, 0, i, i % 2) for i in range(4)]
-    options = dict(max_new_tokens=12, eos_ids={2}, pad_id=0, temperature=0.9, top_k=0, top_p=0.95)
+    # a repetition penalty: a padded row's pad tokens are not its own (prompt 3 repeats token 3, prompt 1 has pads)
+    options = dict(
+        max_new_tokens=12,
+        eos_ids={2},
+        pad_id=0,
+        temperature=0.9,
+        top_k=0,
+        top_p=0.95,
+        repetition_penalty=1.5,
+        min_p=0.02,
+    )
     together = sample(model, _Whole(), prompts, seeds, device=torch.device("cpu"), **options)
     for i in range(4):
         alone = sample(model, _Whole(), [prompts[i]], [seeds[i]], device=torch.device("cpu"), **options)
         assert alone[0] == together[i], i
     assert len({tuple(c) for c in together}) == 4 and all(0 < len(c) <= 12 for c in together)
+
+
+def test_a_padded_rows_pad_tokens_are_not_penalised_as_its_own(tiny_model):
+    """With a penalty that all but bans a row's own tokens, a short prompt padded beside a long one with the token it
+    samples first as the pad samples it still: the pads are not the row's tokens."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    short, long = [1, 7], [1, 3, 5, 9, 11, 13]
+    # temperature 0.01: close to greedy, so that the penalty on the token sampled first (the most likely) would move it
+    options = dict(max_new_tokens=3, eos_ids={2}, temperature=0.01, top_k=0, top_p=1.0, repetition_penalty=1e4)
+    seeds = [sampling_seed(0, 0, 0, 0, 0), sampling_seed(0, 0, 0, 1, 0)]
+    first = sample(model, _Whole(), [short], seeds[:1], device=torch.device("cpu"), pad_id=0, **options)[0][0]
+    assert first not in short + [2]
+    together = sample(model, _Whole(), [short, long], seeds, device=torch.device("cpu"), pad_id=first, **options)
+    assert together[0][0] == first

@@ -87,7 +87,14 @@ SPELLINGS: dict[str, Spelling] = {
     },
     **{
         name: Spelling(f"grpo.{name}", _help(name), _optional_zero(f"grpo.{name}"))
-        for name in ("epsilon_high", "steps_per_generation", "generation_batch_size", "num_generations_eval")
+        for name in (
+            "epsilon_high",
+            "steps_per_generation",
+            "generation_batch_size",
+            "num_generations_eval",
+            "min_p",
+            "delta",
+        )
     },
     "scale_rewards": Spelling(
         "grpo.scale_rewards", _help("scale_rewards") + " (true: group, false: none)", _scale_rewards
@@ -122,10 +129,7 @@ SPELLINGS: dict[str, Spelling] = {
         name: refused("the entropy bonus is not built: drop the flag", default)
         for name, default in ENTROPY_DEFAULTS.items()
     },
-    "min_p": refused("min-p sampling is not built: use --top_p / --top_k, or drop the flag", None),
-    "repetition_penalty": refused("a repetition penalty is not built: drop the flag", 1.0, "1.0", "1"),
     "top_entropy_quantile": refused("the high-entropy token mask is not built: drop the flag", 1.0, "1.0", "1"),
-    "delta": refused("two-sided clipping (delta) is not built: drop the flag", None),
     "off_policy_mask_threshold": refused("the off-policy sequence mask is not built: drop the flag", None),
     "cast_lm_head_to_fp32": refused(
         "the log-probabilities are computed in fp32 from the hidden states already: drop the flag", False
