@@ -47,6 +47,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     eval_loss: float | None = None
     eval_ppl: float | None = None
+    eval_reward: float | None = None  # GRPO's mean reward on the test split
 
     @property
     def tokens_per_s(self) -> float:
@@ -255,6 +256,7 @@ class Run:
     def evaluate(self, epoch: int, done_in_epoch: int, when: str) -> None:
         row = self.evaluator(self.result.steps, self.epoch_float(epoch, done_in_epoch), when)
         self.result.eval_loss, self.result.eval_ppl = row["eval_loss"], row.get("eval_ppl")
+        self.result.eval_reward = row.get("eval_reward")
         if self.hooks:
             self.hooks.on_evaluate(row)
 

@@ -266,7 +266,8 @@ def report(result: TrainResult, cfg: TrainConfig) -> str:
         lines.append(f"  loss: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}")
     if result.eval_loss is not None:
         ppl = f", perplexity {result.eval_ppl:.3f}" if result.eval_ppl is not None else ""
-        lines.append(f"  eval: loss {result.eval_loss:.4f}{ppl}")
+        reward = f", reward {result.eval_reward:.4f}" if result.eval_reward is not None else ""
+        lines.append(f"  eval: loss {result.eval_loss:.4f}{ppl}{reward}")
     if cfg.output.save_model:
         lines.append(f"  model written to {Path(cfg.output.dir).resolve()}")
     return "\n".join(lines)
