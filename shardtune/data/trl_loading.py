@@ -10,6 +10,7 @@ dialogues with ``--synthetic_dialogues.messages true`` go through the same forma
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,12 +123,37 @@ def _dataset_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row], list[st
         )
     path = Path(tc.dataset_name).expanduser()
     origin = str(path) if path.is_file() else f"{tc.dataset_name} split {name}"
-    rows = loaded[name].to_list()
-    return (
-        f"{tc.dataset_name} split {name}",
-        [(origin, i, r) for i, r in enumerate(rows, start=1)],
-        list(loaded[name].column_names),
-    )
+    return f"{tc.dataset_name} split {name}", ArrowRows(loaded[name], origin), list(loaded[name].column_names)
+
+
+class ArrowRows(Sequence):
+    """A loaded split's rows as ``(origin, line, row)``, read from its Arrow table a slice at a time (rows are
+    tokenised a chunk at a time): the process never holds the corpus as Python objects, only the slice it reads."""
+
+    SLICE = 1024
+
+    def __init__(self, dataset: Any, origin: str) -> None:
+        self.dataset, self.origin = dataset, origin
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            if start >= stop:
+                return []
+            columns = self.dataset[start:stop]
+            values = zip(*columns.values()) if columns else iter(())
+            return [(self.origin, start + 1 + i, dict(zip(columns, row))) for i, row in enumerate(values)]
+        i = range(len(self))[index]  # negative indices, IndexError
+        return self[i : i + 1][0]
+
+    def __iter__(self) -> Iterator[Row]:
+        for start in range(0, len(self), self.SLICE):
+            yield from self[start : start + self.SLICE]
 
 
 def synthetic_message_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row], list[str]]:
