@@ -62,9 +62,10 @@ def example_length(example: Example) -> int:
 
 
 def unit_length(unit: Unit) -> int:
+    """Its tokens (a preference pair: its longer sequence; a cached example or pair says so without reading them)."""
     return sum(
         example_length(example)
-        if "input_ids" in example  # a preference pair: its longer sequence
+        if getattr(example, "length", None) is not None or "input_ids" in example
         else len(example["prompt_ids"]) + max(len(example["chosen_ids"]), len(example["rejected_ids"]))
         for example in unit
     )

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from shardtune.config.schema import TrainConfig
+from shardtune.data.pair_store import PAIR_FIELDS, PairStore
 from shardtune.data.preference import load_pairs
 from shardtune.data.report import DataReport
 from shardtune.data.sources import check_usable, load_examples, prepare_examples
@@ -116,12 +117,6 @@ def _save_ragged(folder: Path, name: str, seqs: list[list[int]]) -> None:
     offsets = np.concatenate([[0], np.cumsum(np.array([len(s) for s in seqs], dtype=np.int64))])
     np.save(folder / f"{name}.npy", np.fromiter((t for s in seqs for t in s), dtype=np.int32, count=int(offsets[-1])))
     np.save(folder / f"{name}_offsets.npy", offsets)
-
-
-def _load_ragged(folder: Path, name: str) -> list[list[int]]:
-    flat = np.load(folder / f"{name}.npy", allow_pickle=False).tolist()
-    offsets = np.load(folder / f"{name}_offsets.npy", allow_pickle=False).tolist()
-    return [flat[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
 
 
 def _publish(tmp: Path, entry: Path) -> None:
@@ -259,9 +254,6 @@ def _read(entry: Path) -> tuple[TokenStore, DataReport]:
     return TokenStore(entry), report
 
 
-PAIR_FIELDS = ("prompt_ids", "chosen_ids", "rejected_ids")
-
-
 def _write_pairs(entry: Path, pairs: list[dict], report: DataReport) -> None:
     tmp = _staging(entry)
     for name in PAIR_FIELDS:
@@ -270,12 +262,8 @@ def _write_pairs(entry: Path, pairs: list[dict], report: DataReport) -> None:
     _publish(tmp, entry)
 
 
-def _read_pairs(entry: Path) -> tuple[list[dict], DataReport]:
-    fields = {name: _load_ragged(entry, name) for name in PAIR_FIELDS}
-    if len({len(seqs) for seqs in fields.values()}) != 1:
-        raise ValueError("the pair fields have different lengths")
-    pairs = [dict(zip(PAIR_FIELDS, values)) for values in zip(*fields.values())]
-    return pairs, DataReport(**json.loads((entry / "report.json").read_text()))
+def _read_pairs(entry: Path) -> tuple[PairStore, DataReport]:
+    return PairStore(entry), DataReport(**json.loads((entry / "report.json").read_text()))
 
 
 class DamagedEntry(Exception):

@@ -432,6 +432,15 @@ def test_pairs_and_their_reference_log_probabilities_are_cached_with_the_tokenis
     again, _ = load_pairs_cached(cfg, copy.deepcopy(tokenizer), "train", tmp_path / "cache")  # read from the entry
     n = len(direct)
     assert cached == direct == again and cached_report == report and n == len(ROWS["chat"])
+    # every rank maps the entry's arrays (no token lists held); what the run sets on a pair stays with it
+    assert all(isinstance(tokens, np.memmap) for tokens in again.tokens.values())
+    assert [p.length for p in again] == [
+        len(p["prompt_ids"]) + max(len(p["chosen_ids"]), len(p["rejected_ids"])) for p in direct
+    ]
+    again[1]["index"] = 7
+    assert again[1]["index"] == 7 and again[1] == {**direct[1], "index": 7} and "index" not in again[0]
+    with pytest.raises(TypeError, match="read-only"):
+        again[0]["chosen_ids"] = [1]
     entry = pairs_entry(cfg, tokenizer, "train", tmp_path / "cache")
     assert (entry / "chosen_ids.npy").is_file()
     cfg.data.trl_dataset.truncation_mode = "keep_end"  # the pairs' options are in the key
