@@ -35,8 +35,8 @@ import numpy as np
 
 from shardtune.config.schema import TrainConfig
 from shardtune.data.pair_store import PAIR_FIELDS, PairStore
-from shardtune.data.preference import load_pairs
-from shardtune.data.report import DataReport
+from shardtune.data.preference import no_usable_pair, pair_preparation
+from shardtune.data.report import DataError, DataReport
 from shardtune.data.sources import check_usable, load_examples, prepare_examples
 from shardtune.data.tokenising import Preparation, Progress, num_processes
 from shardtune.data.trl_loading import uses_trl_formats
@@ -110,13 +110,6 @@ def cache_key(cfg: TrainConfig, tokenizer: Any, split: str, pairs: bool = False)
         for path in (cfg.data.grammar_dataset.train_split, cfg.data.grammar_dataset.test_split):
             _hash_path(Path(path), digest)
     return digest.hexdigest()[:32]
-
-
-def _save_ragged(folder: Path, name: str, seqs: list[list[int]]) -> None:
-    """``name``.npy (the sequences, concatenated) and ``name``_offsets.npy (where each starts, then the end)."""
-    offsets = np.concatenate([[0], np.cumsum(np.array([len(s) for s in seqs], dtype=np.int64))])
-    np.save(folder / f"{name}.npy", np.fromiter((t for s in seqs for t in s), dtype=np.int32, count=int(offsets[-1])))
-    np.save(folder / f"{name}_offsets.npy", offsets)
 
 
 def _publish(tmp: Path, entry: Path) -> None:
@@ -254,12 +247,34 @@ def _read(entry: Path) -> tuple[TokenStore, DataReport]:
     return TokenStore(entry), report
 
 
-def _write_pairs(entry: Path, pairs: list[dict], report: DataReport) -> None:
-    tmp = _staging(entry)
+def _write_pairs(entry: Path, preparation: Preparation, num_proc: int, split: str) -> None:
+    """Tokenise ``preparation``'s pairs in ``num_proc`` processes, chunk by chunk into the entry's arrays (each
+    field's tokens and offsets: shardtune.data.pair_store)."""
+    tmp, progress = _staging(entry), Progress(f"{split} rows")
+    arrays = {}
     for name in PAIR_FIELDS:
-        _save_ragged(tmp, name, [pair[name] for pair in pairs])
-    (tmp / "report.json").write_text(json.dumps(dataclasses.asdict(report)))
+        arrays[name] = _GrowingArray(tmp / f"{name}.npy", np.int32)
+        arrays[f"{name}_offsets"] = _GrowingArray(tmp / f"{name}_offsets.npy", np.int64)
+    try:
+        for name in PAIR_FIELDS:
+            arrays[f"{name}_offsets"].append(np.zeros(1, dtype=np.int64))
+        for chunk in preparation.chunks(num_proc, progress):
+            for name in PAIR_FIELDS:
+                arrays[f"{name}_offsets"].append(arrays[name].length + np.cumsum(chunk.lengths[name]))
+                arrays[name].append(chunk.tokens[name])
+        for array in arrays.values():
+            array.close()
+        if not preparation.report.num_examples:
+            raise DataError(no_usable_pair(preparation.report, split))
+        (tmp / "report.json").write_text(json.dumps(dataclasses.asdict(preparation.report)))
+    except BaseException:
+        progress.abandon()
+        for array in arrays.values():
+            array.file.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _publish(tmp, entry)
+    progress.finish()
 
 
 def _read_pairs(entry: Path) -> tuple[PairStore, DataReport]:
@@ -326,7 +341,9 @@ def load_pairs_cached(cfg: TrainConfig, tokenizer: Any, split: str, root: Path) 
     """``load_pairs`` (shardtune dpo's tokenised preference pairs) through the on-disk cache under ``root``."""
     return _through_cache(
         pairs_entry(cfg, tokenizer, split, root),
-        lambda entry: _write_pairs(entry, *load_pairs(cfg, tokenizer, split)),
+        lambda entry: _write_pairs(
+            entry, pair_preparation(cfg, tokenizer, split), num_processes(cfg.data.num_proc), split
+        ),
         _read_pairs,
     )
 

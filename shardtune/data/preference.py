@@ -20,15 +20,21 @@ bounds a sequence.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
+from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
+import numpy as np
 import torch
 
 from shardtune.config.schema import ConfigError
 from shardtune.data.batching import EXAMPLE_IDS, EXAMPLE_LENGTHS
 from shardtune.data.files import Row
+from shardtune.data.pair_store import PAIR_FIELDS
 from shardtune.data.report import DataReport, RowFilter
+from shardtune.data.tokenising import Preparation
 from shardtune.data.trl_formats import (
     _BadRow,
     _is_message_list,
@@ -103,12 +109,12 @@ def prepare_pairs(
     truncation_mode: str,
     filt: RowFilter,
     report: DataReport,
+    form: tuple[bool, bool] | None = None,
 ) -> list[dict]:
     """Tokenised pairs of ``rows`` (bad rows counted, or raised, through ``filt``); ``report.num_truncated``
-    counts the pairs with a sequence longer than ``max_length`` (cut when collated)."""
-    first = rows[0][2] if rows else {}
-    _, implicit = recognise_preference(columns, first)
-    conversational = _is_message_list(first.get("chosen"))
+    counts the pairs with a sequence longer than ``max_length`` (cut when collated). ``form``: (implicit prompt,
+    conversational), the split's (its first row's; default: these rows' first)."""
+    implicit, conversational = form or split_form(columns, rows[0][2] if rows else {})
     pairs = []
     for origin, row_no, record in rows:
         try:
@@ -135,6 +141,54 @@ def prepare_pairs(
             report.num_truncated += 1
         pairs.append(pair)
     return pairs
+
+
+def split_form(columns: list[str], first: Any) -> tuple[bool, bool]:
+    """(implicit prompt, conversational) of a split, from its columns and first row."""
+    _, implicit = recognise_preference(columns, first)
+    return implicit, _is_message_list(first.get("chosen") if isinstance(first, Mapping) else None)
+
+
+@dataclass
+class PairChunk:
+    """One chunk's pairs as flat arrays (each field's tokens back to back, int32, and its lengths), and what its
+    rows' filter counted (shardtune.data.tokenising's Chunk for pairs)."""
+
+    num_rows: int
+    tokens: dict[str, np.ndarray]
+    lengths: dict[str, np.ndarray]
+    skipped: dict[str, int] = field(default_factory=dict)
+    num_truncated: int = 0
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.lengths[PAIR_FIELDS[0]])
+
+    def examples(self) -> list[dict]:
+        """The pairs as dicts of lists."""
+        split = {}
+        for name in PAIR_FIELDS:
+            ends = np.cumsum(self.lengths[name]).tolist()
+            flat = self.tokens[name].tolist()
+            split[name] = [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+        return [dict(zip(PAIR_FIELDS, values)) for values in zip(*split.values())]
+
+
+def tokenise_pair_chunk(tokenise: Any, strict: bool, rows: list[Row]) -> PairChunk:
+    report = DataReport(source="")
+    pairs = tokenise(rows, filt=RowFilter(report, strict))
+    lengths = {
+        name: np.fromiter((len(p[name]) for p in pairs), dtype=np.int64, count=len(pairs)) for name in PAIR_FIELDS
+    }
+    tokens = {
+        name: np.fromiter(chain.from_iterable(p[name] for p in pairs), dtype=np.int32, count=int(lengths[name].sum()))
+        for name in PAIR_FIELDS
+    }
+    return PairChunk(len(rows), tokens, lengths, report.skipped, report.num_truncated)
+
+
+def _chunk_pairs(rows: list[Row], filt: RowFilter, **options: Any) -> list[dict]:
+    return prepare_pairs(rows, filt=filt, report=filt.report, **options)
 
 
 def pair_sequences(
@@ -230,8 +284,24 @@ def synthetic_pair_rows(cfg: Any, split: str) -> tuple[str, list[Row], list[str]
 
 
 def load_pairs(cfg: Any, tokenizer: Any, split: str) -> tuple[list[dict], DataReport]:
-    """Tokenised pairs of ``split`` ("train" or "validation"): --dataset_name in TRL's preference formats, or the
-    embedded dialogues as pairs (--dataset synthetic_dialogues)."""
+    """Tokenised pairs of ``split`` ("train" or "validation"), in this process (what the cache holds, as lists)."""
+    from shardtune.data.report import DataError
+
+    preparation = pair_preparation(cfg, tokenizer, split)
+    pairs = preparation.examples()
+    if not pairs:
+        raise DataError(no_usable_pair(preparation.report, split))
+    return pairs, preparation.report
+
+
+def no_usable_pair(report: DataReport, split: str) -> str:
+    return f"{report.summary()}: no usable {split} pair: fix the data (see the skip reasons) or raise --max_length"
+
+
+def pair_preparation(cfg: Any, tokenizer: Any, split: str) -> Preparation:
+    """What tokenising ``split``'s pairs takes, chunk by chunk (shardtune.data.tokenising, --dataset_num_proc):
+    --dataset_name in TRL's preference formats, or the embedded dialogues as pairs (--dataset synthetic_dialogues);
+    the split's form (implicit prompt, conversational) read from its first row, for every chunk."""
     from shardtune.data.chat import check_chat_template
     from shardtune.data.mixture import mixture_rows
     from shardtune.data.report import DataError
@@ -252,21 +322,15 @@ def load_pairs(cfg: Any, tokenizer: Any, split: str) -> tuple[list[dict], DataRe
     if kind.endswith(CHAT_PREFERENCE):
         check_chat_template(cfg, tokenizer, f"{source} ({kind} rows)")
     report = DataReport(source=f"{source}: {kind} rows", num_rows=len(rows))
-    pairs = prepare_pairs(
-        rows,
-        columns,
-        tokenizer,
-        cfg.data.context_length,
-        cfg.data.trl_dataset.truncation_mode,
-        RowFilter(report, cfg.data.strict),
-        report,
+    tokenise = functools.partial(
+        _chunk_pairs,
+        columns=columns,
+        tokenizer=tokenizer,
+        max_length=cfg.data.context_length,
+        truncation_mode=cfg.data.trl_dataset.truncation_mode,
+        form=split_form(columns, rows[0][2]),
     )
-    report.num_examples = len(pairs)
-    if not pairs:
-        raise DataError(
-            f"{report.summary()}: no usable {split} pair: fix the data (see the skip reasons) or raise --max_length"
-        )
-    return pairs, report
+    return Preparation(report, rows, tokenise, cfg.data.strict, pack=tokenise_pair_chunk)
 
 
 def collate_pair_units(units: list[list[Mapping]], cfg: Any, pad_id: int) -> dict[str, torch.Tensor]:

@@ -66,7 +66,7 @@ def _check_num_proc(cfg: TrainConfig) -> None:
         else "custom_dataset's function returns tokenised rows"
         if cfg.data.dataset == "custom_dataset"
         else f"shardtune {cfg.objective} tokenises its data in one process"
-        if cfg.objective != "sft"
+        if cfg.objective not in ("sft", "dpo")
         else ""
     )
     if why:

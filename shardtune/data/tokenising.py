@@ -20,10 +20,10 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import TextIO
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -61,6 +61,10 @@ class Chunk:
     skipped: dict[str, int] = field(default_factory=dict)
     num_truncated: int = 0
 
+    @property
+    def num_examples(self) -> int:
+        return len(self.lengths)
+
     def examples(self) -> list[dict]:
         ends = np.cumsum(self.lengths).tolist()
         ids, labels = self.input_ids.tolist(), self.labels.tolist()
@@ -82,15 +86,22 @@ def tokenise_chunk(tokenise: Tokenise, strict: bool, rows: list[Row]) -> Chunk:
     )
 
 
+# (tokenise, strict, a chunk's rows) -> the chunk as flat arrays (Chunk, or what a pack function of the same shape
+# makes: num_rows, num_examples, skipped, num_truncated); picklable: module-level
+Pack = Callable[[Tokenise, bool, list[Row]], Any]
+
+
 @dataclass
 class Preparation:
     """What tokenising a split takes: its rows, its data report so far (source, rows read), and the function that
-    tokenises a chunk of rows (picklable: a module-level function, or a partial of one, with its tokenizer)."""
+    tokenises a chunk of rows (picklable: a module-level function, or a partial of one, with its tokenizer); ``pack``
+    turns a chunk's tokenised examples into arrays (SFT's examples: tokenise_chunk; DPO's pairs: their own)."""
 
     report: DataReport
-    rows: list[Row]
+    rows: Sequence[Row]
     tokenise: Tokenise
     strict: bool
+    pack: Pack = tokenise_chunk
 
     def chunks(self, num_proc: int = 1, progress: Progress | None = None) -> Iterator[Chunk]:
         """The tokenised chunks in row order, each added to the report (and to ``progress``) as it is yielded."""
@@ -99,7 +110,7 @@ class Preparation:
         if progress is not None:
             progress.start(len(self.rows), workers)
         chunks = (
-            (tokenise_chunk(self.tokenise, self.strict, self.rows[a:b]) for a, b in bounds)
+            (self.pack(self.tokenise, self.strict, self.rows[a:b]) for a, b in bounds)
             if workers == 1
             else _pooled(self, bounds, workers)
         )
@@ -111,29 +122,31 @@ class Preparation:
                 yield chunk
 
     def examples(self) -> list[dict]:
-        """Every example as lists, tokenised in this process (load_examples: what is not read from the cache)."""
+        """Every example as lists, tokenised in this process (load_examples: what is not read from the cache); the
+        chunks' ``examples()`` (DPO's: their pairs)."""
         return [example for chunk in self.chunks() for example in chunk.examples()]
 
     def _count(self, chunk: Chunk) -> None:
         for reason, count in chunk.skipped.items():
             self.report.skipped[reason] = self.report.skipped.get(reason, 0) + count
         self.report.num_truncated += chunk.num_truncated
-        self.report.num_examples += len(chunk.lengths)
+        self.report.num_examples += chunk.num_examples
 
 
 # -- the pool --------------------------------------------------------------------------------------------------------
 
-_worker_job: tuple[Tokenise, bool] | None = None  # set in each worker by the pool's initializer
+_worker_job: tuple[Pack, Tokenise, bool] | None = None  # set in each worker by the pool's initializer
 
 
-def _install(tokenise: Tokenise, strict: bool) -> None:
+def _install(pack: Pack, tokenise: Tokenise, strict: bool) -> None:
     global _worker_job
-    _worker_job = (tokenise, strict)
+    _worker_job = (pack, tokenise, strict)
 
 
-def _tokenise_in_worker(rows: list[Row]) -> Chunk:
+def _tokenise_in_worker(rows: list[Row]) -> Any:
     assert _worker_job is not None, "the pool's initializer installs the job"
-    return tokenise_chunk(*_worker_job, rows)
+    pack, tokenise, strict = _worker_job
+    return pack(tokenise, strict, rows)
 
 
 def _start_method() -> str:
@@ -161,7 +174,7 @@ def _pooled(prep: Preparation, bounds: list[tuple[int, int]], workers: int) -> I
     """The chunks tokenised by ``workers`` processes, in order, with at most a few per worker in flight."""
     context = multiprocessing.get_context(_start_method())
     with _single_threaded_tokenizers():
-        pool = context.Pool(workers, initializer=_install, initargs=(prep.tokenise, prep.strict))
+        pool = context.Pool(workers, initializer=_install, initargs=(prep.pack, prep.tokenise, prep.strict))
     with pool:  # leaving (at the end, on an error, or when the caller stops) terminates and joins the workers
         waiting = iter(bounds)
         in_flight: deque = deque()

@@ -100,6 +100,49 @@ def test_two_workers_write_the_same_cache_files_as_one_process(corpus, tokenizer
     assert not multiprocessing.active_children()  # the pool's workers are gone
 
 
+def preference_row(i: int) -> dict:
+    if i % 97 == 5:
+        return {"prompt": sentence(i), "chosen": f" {sentence(i + 1)}"}  # rejected missing
+    if i % 131 == 7:
+        return {"prompt": " and ".join(sentence(i + k) for k in range(12)), "chosen": " a", "rejected": " b"}  # fills
+    prompt = " and ".join(sentence(i + k) for k in range(1 + (i % 9 == 0)))  # every 9th is truncated
+    return {
+        "prompt": f"Summarize: {prompt}\nSummary:",
+        "chosen": f" {sentence(i + 1)}",
+        "rejected": f" {PEOPLE[i % 6]}.",
+    }
+
+
+def test_dpo_pairs_with_two_workers_are_the_same_cache_files_as_one_process(tokenizer, tmp_path, capsys):
+    """shardtune dpo's pairs go through the same chunked pool (--dataset_num_proc): the same entry, byte for byte,
+    the same report (bad rows of two kinds, truncated pairs), the same pairs as one process makes them in memory."""
+    from shardtune.data.cache import load_pairs_cached
+    from shardtune.data.pair_store import PAIR_FIELDS
+    from shardtune.data.preference import load_pairs
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(preference_row(i)) + "\n" for i in range(NUM_ROWS)))
+    entries, results = [], []
+    for num_proc in ("1", "2"):
+        cfg = parse_args(["--dataset_name", str(data), "--max_length", "40", "--dataset_num_proc", num_proc])
+        cfg.objective = "dpo"
+        check_data_config(cfg)
+        results.append(load_pairs_cached(cfg, tokenizer, "train", tmp_path / num_proc))
+        [entry] = [p for p in (tmp_path / num_proc / "tokenized").iterdir() if p.is_dir()]
+        entries.append(entry)
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("shardtune: tokenised")]
+    assert [line.rsplit(", ", 1)[1] for line in said] == ["1 worker)", "2 workers)"]
+    names = [f"{field}{part}.npy" for field in PAIR_FIELDS for part in ("", "_offsets")] + ["report.json"]
+    for name in names:
+        assert (entries[0] / name).read_bytes() == (entries[1] / name).read_bytes(), name
+    (one, report), (two, report_two) = results
+    assert report == report_two and report.num_rows == NUM_ROWS and report.num_examples == len(two) < NUM_ROWS
+    assert set(report.skipped) >= {"missing_field", "prompt_fills_max_length"} and report.num_truncated
+    fresh, fresh_report = load_pairs(cfg, tokenizer, "train")
+    assert two == fresh and fresh_report == report
+    assert not multiprocessing.active_children()
+
+
 def test_the_key_and_the_entry_do_not_depend_on_the_processes_nor_the_batching(tokenizer, tmp_path, capsys):
     flags = corpus_flags("prompt_completion", tmp_path)
     keys = {
@@ -155,6 +198,10 @@ def test_dataset_num_proc_where_nothing_is_tokenised_into_the_cache_is_refused(t
     check_data_config(parse_args(streamed))
     with pytest.raises(ConfigError, match=r"^--dataset_num_proc 2 has no effect here \(--dataset_streaming .*drop it"):
         check_data_config(parse_args([*streamed, "--dataset_num_proc", "2"]))
+    grpo = parse_args(["--dataset_name", str(data), "--dataset_num_proc", "2"])
+    grpo.objective = "grpo"
+    with pytest.raises(ConfigError, match=r"^--dataset_num_proc 2 has no effect here \(shardtune grpo tokenises"):
+        check_data_config(grpo)
 
 
 @pytest.mark.parametrize("corpus", sorted(CORPORA))
