@@ -202,44 +202,17 @@ class GRPO(Objective):
         seeds = [
             sampling_seed(cfg.train.seed, epoch, r, row["index"], c % plan.generations) for row, c in zip(rows, flat)
         ]
-        completion_ids = sample(
-            self.model,
-            self.strategy,
-            [row["prompt_ids"] for row in rows],
-            seeds,
-            max_new_tokens=g.max_completion_length,
-            eos_ids=self.eos_ids,
-            pad_id=self.pad_id,
-            temperature=g.temperature,
-            top_k=g.top_k,
-            top_p=g.top_p,
-            min_p=g.min_p,
-            repetition_penalty=g.repetition_penalty,
-            device=device,
-            gather_whole=g.ds3_gather_for_generation,
-        )
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        conversational = isinstance(rows[0]["prompt"], list)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        extras = {key: [row["extras"][key] for row in rows] for key in rows[0]["extras"]}
+        completion_ids = self.sample_rows(self.model, rows, seeds, g)
         state = SimpleNamespace(global_step=step - 1, epoch=epoch)  # what TRL's trainer_state gives reward functions
-        local = score(self.rewards, [row["prompt"] for row in rows], completions, completion_ids, extras, state, device)
+        texts, local = self.score_rows(rows, completion_ids, state)
         total = plan.steps_per_generation * plan.completions_per_step
         index = torch.tensor(flat)
-        truncated = torch.tensor(
-            [float(ids[-1] not in self.eos_ids | {self.pad_id}) for ids in completion_ids], dtype=torch.float64
-        )
-        lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.float64)
-        shared = torch.zeros(total, len(self.rewards) + 2, dtype=torch.float64)
-        shared[index] = torch.cat([local, lengths[:, None], truncated[:, None]], dim=1)
+        shared = torch.zeros(total, local.size(1), dtype=torch.float64)
+        shared[index] = local
         shared = all_reduce_sum(shared, device).cpu()  # every rank: the whole round's rewards, lengths, truncations
-        advantages, metrics = advantages_of(shared[:, :-2], self.weights, g)
-        for i, name in enumerate(self.reward_names):
-            metrics[f"rewards/{name}/mean"] = metrics.pop(f"rewards/{i}/mean")
-            metrics[f"rewards/{name}/std"] = metrics.pop(f"rewards/{i}/std")
-        metrics.update(completion_metrics(shared[:, -2], shared[:, -1]))
+        advantages, metrics = self.generation_metrics(shared, g)
         masked = g.mask_truncated_completions
-        counted = [0 if (masked and t) else len(ids) for ids, t in zip(completion_ids, truncated.tolist())]
+        counted = [0 if (masked and t) else len(ids) for ids, t in zip(completion_ids, local[:, -1].tolist())]
         round_tokens = sum(counted)
         slices: list[list[dict]] = []
         at = 0
@@ -261,8 +234,53 @@ class GRPO(Objective):
             slices.append(micro_batches)
         self.add_policy_logps(slices)
         if g.log_completions or g.num_completions_to_print:
-            self.log_completions(step, rows, texts, local)
+            self.log_completions(step, rows, texts, local[:, :-2])
         return Round(slices, metrics)
+
+    def sample_rows(self, model: nn.Module, rows: list[dict], seeds: list[int], g) -> list[list[int]]:
+        """One completion of each row's prompt, row i's from a generator seeded ``seeds[i]``, with ``g``'s sampling
+        settings (collective: every rank calls it alike)."""
+        return sample(
+            model,
+            self.strategy,
+            [row["prompt_ids"] for row in rows],
+            seeds,
+            max_new_tokens=g.max_completion_length,
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+            temperature=g.temperature,
+            top_k=g.top_k,
+            top_p=g.top_p,
+            min_p=g.min_p,
+            repetition_penalty=g.repetition_penalty,
+            device=self.env.device,
+            gather_whole=g.ds3_gather_for_generation,
+        )
+
+    def score_rows(self, rows: list[dict], completion_ids: list[list[int]], state) -> tuple[list[str], torch.Tensor]:
+        """(the completions' texts, this rank's table: per completion its rewards (NaN: not scored), its length, and
+        1.0 where it was cut at max_completion_length (no eos)), the reward functions called as TRL calls them."""
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        conversational = isinstance(rows[0]["prompt"], list)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        extras = {key: [row["extras"][key] for row in rows] for key in rows[0]["extras"]}
+        device = self.env.device
+        rewards = score(
+            self.rewards, [row["prompt"] for row in rows], completions, completion_ids, extras, state, device
+        )
+        ended = self.eos_ids | {self.pad_id}
+        tail = [[len(ids), float(not ids or ids[-1] not in ended)] for ids in completion_ids]
+        return texts, torch.cat([rewards, torch.tensor(tail, dtype=torch.float64)], dim=1)
+
+    def generation_metrics(self, shared: torch.Tensor, g) -> tuple[torch.Tensor, dict[str, float]]:
+        """The advantages and TRL's reward and completion metrics of a whole generation's table (score_rows' tables
+        of all ranks), the rewards named by function."""
+        advantages, metrics = advantages_of(shared[:, :-2], self.weights, g)
+        for i, name in enumerate(self.reward_names):
+            metrics[f"rewards/{name}/mean"] = metrics.pop(f"rewards/{i}/mean")
+            metrics[f"rewards/{name}/std"] = metrics.pop(f"rewards/{i}/std")
+        metrics.update(completion_metrics(shared[:, -2], shared[:, -1]))
+        return advantages, metrics
 
     def collate(self, prompts, completions, counted, advantages, ids) -> dict:
         """Right-padded rows [prompt | completion | pad]: positions from 0, each row independent of the others."""

@@ -20,11 +20,8 @@ import torch
 from torch import nn
 
 from shardtune.runtime.distributed import all_reduce_sum
-from shardtune.training.grpo_advantages import advantages_of, completion_metrics
 from shardtune.training.grpo_batches import sampling_seed
-from shardtune.training.grpo_generate import sample
 from shardtune.training.grpo_loss import STATS, completion_targets, micro_batch_terms, token_logps
-from shardtune.training.rewards import score
 
 EVAL_KEY = -1  # the epoch of the sampling key: evaluations draw apart from every training generation
 
@@ -34,18 +31,17 @@ class EvalChunk:
     completions: range  # global completion indices (a rank's uncounted stand-in: counted False)
     rows: list[dict]
     ids: list[list[int]]
-    truncated: list[bool]
     counted: bool
 
 
-def eval_chunks(num_prompts: int, generations: int, cfg, dp_rank: int, dp_size: int) -> tuple[list[range], int]:
-    """(this rank's chunks of global completion indices, the number of batches every rank runs)."""
+def eval_chunks(num_prompts: int, generations: int, cfg, dp_rank: int, dp_size: int) -> tuple[list[range], int, int]:
+    """(this rank's chunks of global completion indices, the number of batches every rank runs, the completions)."""
     size = cfg.eval.batch_size
     if cfg.eval.max_batches:
         num_prompts = min(num_prompts, max(1, cfg.eval.max_batches * size * dp_size // generations))
     total = num_prompts * generations
     chunks = [range(start, min(start + size, total)) for start in range(0, total, size)]
-    return chunks[dp_rank::dp_size], math.ceil(len(chunks) / dp_size)
+    return chunks[dp_rank::dp_size], math.ceil(len(chunks) / dp_size), total
 
 
 @torch.no_grad()
@@ -54,12 +50,11 @@ def grpo_evaluate(objective, model: nn.Module, eval_rows: list[dict], step: int)
     cfg, env, strategy = objective.cfg, objective.env, objective.strategy
     g = dataclasses.replace(cfg.grpo, num_generations=cfg.grpo.num_generations_eval or cfg.grpo.num_generations)
     generations, device = g.num_generations, env.device
-    mine, num_batches = eval_chunks(
-        len(eval_rows), generations, cfg, strategy.dims.dp_rank(env.rank), strategy.dims.dp_size
-    )
-    total = sum(len(c) for c in eval_chunks(len(eval_rows), generations, cfg, 0, 1)[0])
+    dims = strategy.dims
+    mine, num_batches, total = eval_chunks(len(eval_rows), generations, cfg, dims.dp_rank(env.rank), dims.dp_size)
     shared = torch.zeros(total, len(objective.rewards) + 2, dtype=torch.float64)
     chunks: list[EvalChunk] = []
+    state = SimpleNamespace(global_step=step, epoch=0)
     for i in range(num_batches):
         counted = i < len(mine)
         completions = mine[i] if counted else range(1)
@@ -68,46 +63,19 @@ def grpo_evaluate(objective, model: nn.Module, eval_rows: list[dict], step: int)
             sampling_seed(cfg.train.seed, EVAL_KEY, 0, row["index"], c % generations)
             for row, c in zip(rows, completions)
         ]
-        ids = sample(
-            model,
-            strategy,
-            [row["prompt_ids"] for row in rows],
-            seeds,
-            max_new_tokens=g.max_completion_length,
-            eos_ids=objective.eos_ids,
-            pad_id=objective.pad_id,
-            temperature=g.temperature,
-            top_k=g.top_k,
-            top_p=g.top_p,
-            min_p=g.min_p,
-            repetition_penalty=g.repetition_penalty,
-            device=device,
-            gather_whole=g.ds3_gather_for_generation,
-        )
-        truncated = [ids_[-1] not in objective.eos_ids | {objective.pad_id} if ids_ else True for ids_ in ids]
-        chunks.append(EvalChunk(completions, rows, ids, truncated, counted))
-        if not counted:
-            continue
-        texts = objective.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        conversational = isinstance(rows[0]["prompt"], list)
-        as_given = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        extras = {key: [row["extras"][key] for row in rows] for key in rows[0]["extras"]}
-        state = SimpleNamespace(global_step=step, epoch=0)
-        local = score(objective.rewards, [row["prompt"] for row in rows], as_given, ids, extras, state, device)
-        lengths = torch.tensor([[len(x), float(t)] for x, t in zip(ids, truncated)], dtype=torch.float64)
-        shared[list(completions)] = torch.cat([local, lengths], dim=1)
+        ids = objective.sample_rows(model, rows, seeds, g)
+        chunks.append(EvalChunk(completions, rows, ids, counted))
+        if counted:
+            shared[list(completions)] = objective.score_rows(rows, ids, state)[1]
     shared = all_reduce_sum(shared, device).cpu()
-    advantages, row = advantages_of(shared[:, :-2], objective.weights, g)
-    for i, name in enumerate(objective.reward_names):
-        row[f"rewards/{name}/mean"] = row.pop(f"rewards/{i}/mean")
-        row[f"rewards/{name}/std"] = row.pop(f"rewards/{i}/std")
-    row.update(completion_metrics(shared[:, -2], shared[:, -1]))
+    advantages, row = objective.generation_metrics(shared, g)
     sums = torch.zeros(len(STATS) + 2, dtype=torch.float64, device=device)
     model.eval()
     try:
         for chunk in chunks:
             index = list(chunk.completions)
-            keep = [not (g.mask_truncated_completions and t) and len(x) > 0 for x, t in zip(chunk.ids, chunk.truncated)]
+            cut = shared[index, -1].tolist()  # a stand-in chunk reads another's: it is not counted
+            keep = [not (g.mask_truncated_completions and t) and len(x) > 0 for x, t in zip(chunk.ids, cut)]
             batch = objective.collate([r["prompt_ids"] for r in chunk.rows], chunk.ids, keep, advantages[index], index)
             if g.beta > 0:
                 objective.add_reference(batch)
