@@ -152,19 +152,21 @@ class _GrowingArray:
         self.file.close()
 
 
-def _write_examples(entry: Path, preparation: Preparation, num_proc: int, split: str) -> None:
-    """Tokenise ``preparation``'s rows in ``num_proc`` processes, chunk by chunk into the entry's arrays."""
+def _write_chunked(entry: Path, preparation: Preparation, num_proc: int, split: str, files: dict, add, check) -> None:
+    """Tokenise ``preparation``'s rows in ``num_proc`` processes into the entry's ``files`` (name -> dtype; an offsets
+    file starts at 0), each chunk handed to ``add`` with the growing arrays as it comes; ``check`` the report, then
+    publish the entry. On any failure nothing is left behind."""
     tmp, progress = _staging(entry), Progress(f"{split} rows")
-    arrays = {name: _GrowingArray(tmp / f"{name}.npy", dtype) for name, dtype in STORE_ARRAYS.items()}
+    arrays = {name: _GrowingArray(tmp / f"{name}.npy", dtype) for name, dtype in files.items()}
     try:
-        arrays["offsets"].append(np.zeros(1, dtype=np.int64))
+        for name, array in arrays.items():
+            if name.endswith("offsets"):
+                array.append(np.zeros(1, dtype=np.int64))
         for chunk in preparation.chunks(num_proc, progress):
-            arrays["offsets"].append(arrays["input_ids"].length + np.cumsum(chunk.lengths))
-            arrays["input_ids"].append(chunk.input_ids)
-            arrays["labels"].append(chunk.labels)
+            add(arrays, chunk)
         for array in arrays.values():
             array.close()
-        check_usable(preparation.report, split)
+        check(preparation.report)
         (tmp / "report.json").write_text(json.dumps(dataclasses.asdict(preparation.report)))
     except BaseException:
         progress.abandon()
@@ -174,6 +176,19 @@ def _write_examples(entry: Path, preparation: Preparation, num_proc: int, split:
         raise
     _publish(tmp, entry)
     progress.finish()
+
+
+def _add_examples(arrays: dict, chunk) -> None:
+    arrays["offsets"].append(arrays["input_ids"].length + np.cumsum(chunk.lengths))
+    arrays["input_ids"].append(chunk.input_ids)
+    arrays["labels"].append(chunk.labels)
+
+
+def _write_examples(entry: Path, preparation: Preparation, num_proc: int, split: str) -> None:
+    """Tokenise ``preparation``'s rows in ``num_proc`` processes, chunk by chunk into a TokenStore's arrays."""
+    _write_chunked(
+        entry, preparation, num_proc, split, STORE_ARRAYS, _add_examples, lambda report: check_usable(report, split)
+    )
 
 
 class TokenStore(Sequence):
@@ -247,34 +262,28 @@ def _read(entry: Path) -> tuple[TokenStore, DataReport]:
     return TokenStore(entry), report
 
 
-def _write_pairs(entry: Path, preparation: Preparation, num_proc: int, split: str) -> None:
-    """Tokenise ``preparation``'s pairs in ``num_proc`` processes, chunk by chunk into the entry's arrays (each
-    field's tokens and offsets: shardtune.data.pair_store)."""
-    tmp, progress = _staging(entry), Progress(f"{split} rows")
-    arrays = {}
+PAIR_STORE_ARRAYS = {
+    f"{name}{part}": dtype for name in PAIR_FIELDS for part, dtype in (("", np.int32), ("_offsets", np.int64))
+}
+
+
+def _add_pairs(arrays: dict, chunk) -> None:
     for name in PAIR_FIELDS:
-        arrays[name] = _GrowingArray(tmp / f"{name}.npy", np.int32)
-        arrays[f"{name}_offsets"] = _GrowingArray(tmp / f"{name}_offsets.npy", np.int64)
-    try:
-        for name in PAIR_FIELDS:
-            arrays[f"{name}_offsets"].append(np.zeros(1, dtype=np.int64))
-        for chunk in preparation.chunks(num_proc, progress):
-            for name in PAIR_FIELDS:
-                arrays[f"{name}_offsets"].append(arrays[name].length + np.cumsum(chunk.lengths[name]))
-                arrays[name].append(chunk.tokens[name])
-        for array in arrays.values():
-            array.close()
-        if not preparation.report.num_examples:
-            raise DataError(no_usable_pair(preparation.report, split))
-        (tmp / "report.json").write_text(json.dumps(dataclasses.asdict(preparation.report)))
-    except BaseException:
-        progress.abandon()
-        for array in arrays.values():
-            array.file.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _publish(tmp, entry)
-    progress.finish()
+        arrays[f"{name}_offsets"].append(arrays[name].length + np.cumsum(chunk.lengths[name]))
+        arrays[name].append(chunk.tokens[name])
+
+
+def _check_pairs(report: DataReport, split: str) -> None:
+    if not report.num_examples:
+        raise DataError(no_usable_pair(report, split))
+
+
+def _write_pairs(entry: Path, preparation: Preparation, num_proc: int, split: str) -> None:
+    """Tokenise ``preparation``'s pairs in ``num_proc`` processes, chunk by chunk into a PairStore's arrays (each
+    field's tokens and offsets: shardtune.data.pair_store)."""
+    _write_chunked(
+        entry, preparation, num_proc, split, PAIR_STORE_ARRAYS, _add_pairs, lambda report: _check_pairs(report, split)
+    )
 
 
 def _read_pairs(entry: Path) -> tuple[PairStore, DataReport]:
