@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
+from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.files import DataFiles, Row, hold_out, locate, read_rows
 from shardtune.data.formatting import (
@@ -66,7 +67,7 @@ def _check_num_proc(cfg: TrainConfig) -> None:
         else "custom_dataset's function returns tokenised rows"
         if cfg.data.dataset == "custom_dataset"
         else f"shardtune {cfg.objective} tokenises its data in one process"
-        if cfg.objective not in ("sft", "dpo")
+        if not OBJECTIVES[cfg.objective].pooled_tokenising
         else ""
     )
     if why:

@@ -161,21 +161,9 @@ def setup_from_config(cfg: TrainConfig, values: dict[str, str], device: Device) 
         low_cpu_fsdp=cfg.parallel.low_cpu_fsdp,
         rows_per_unit=objective.rows_per_unit,
         reference_model=objective.frozen_reference(cfg),
-        sampling_rows=sampling_rows(cfg, nnodes * per_node) if cfg.objective == "grpo" else 0,
+        sampling_rows=objective.sampling_rows(cfg, nnodes * per_node),
         sampling_gathers_whole=cfg.grpo.ds3_gather_for_generation,
     )
-
-
-def sampling_rows(cfg: TrainConfig, world_size: int) -> int:
-    """The completions a GRPO rank samples at once: one generation's share (shardtune.training.grpo_batches: k
-    optimizer steps of its micro-batches)."""
-    g, batch = cfg.grpo, cfg.train.batch_size
-    if g.steps_per_generation:
-        return g.steps_per_generation * batch
-    dp = world_size // (cfg.parallel.sequence_parallel_size * cfg.parallel.context_parallel_size)
-    if g.generation_batch_size:
-        return max(1, g.generation_batch_size // dp)
-    return cfg.train.gradient_accumulation_steps * batch
 
 
 def check_split(cfg: TrainConfig, setup: Setup) -> None:

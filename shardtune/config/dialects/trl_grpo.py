@@ -158,11 +158,10 @@ SPELLINGS: dict[str, Spelling] = {
 
 def settle(cfg: TrainConfig, given: dict[str, Any]) -> None:
     """A shared name (--beta) sets the section of the command's objective; an objective without it refuses.
-    --shuffle_dataset: TRL's SFT / DPO default false (no shuffle before tokenising; the seeded sampler shuffles every
-    epoch, as Trainer's), GRPO's true (its sampler's shuffle: the seeded prompt order of every epoch)."""
+    --shuffle_dataset: the value the objective honours (Registration.trl_shuffle_dataset) or refused."""
     if given.get("reward_model_name_or_path"):
         cfg.grpo.reward_funcs = [text(given["reward_model_name_or_path"]), *cfg.grpo.reward_funcs]
-    if "shuffle_dataset" in given and given["shuffle_dataset"] != (cfg.objective == "grpo"):
+    if "shuffle_dataset" in given and given["shuffle_dataset"] != OBJECTIVES[cfg.objective].trl_shuffle_dataset:
         raise ConfigError(
             f"--shuffle_dataset {str(given['shuffle_dataset']).lower()} is not built: the seeded sampler shuffles the "
             "rows every epoch (--seed); drop the flag"
