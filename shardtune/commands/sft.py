@@ -49,13 +49,7 @@ def main(argv: list[str] | None = None, objective: str | None = None) -> int:
         file_launch_args, file_settings = read_accelerate(accelerate_path)
         notes: list[str] = []  # command line > recipe > Accelerate file; a disagreement of the last two is said
         cfg = build_config(args.training, args.recipe, file_settings, notes, objective)
-        if objective is not None:
-            if cfg.objective not in ("sft", objective):
-                raise ConfigError(
-                    f"--objective {cfg.objective}: this is shardtune {objective}; run shardtune "
-                    f"{cfg.objective}, or drop the flag"
-                )
-            cfg.objective = objective
+        settle_objective(cfg, objective)
         if not is_torchrun_worker():
             say_sources(args, accelerate_path, notes)
         check_placement(cfg, args)
@@ -90,27 +84,29 @@ def main(argv: list[str] | None = None, objective: str | None = None) -> int:
         return run_worker(cfg, prepared=True)
     if local_gpu_count():  # before torchrun's agent starts: it would set TORCH_NCCL_ASYNC_ERROR_HANDLING=1
         os.environ.update(nccl_watchdog_env(cfg.parallel.dist_timeout, os.environ))
-    files = (["--accelerate_config", accelerate_path] if accelerate_path else []) + (  # the workers read them alike
+    return launch(topology, "shardtune.sft", worker_argv(cfg, args, accelerate_path))
+
+
+def settle_objective(cfg: TrainConfig, objective: str | None) -> None:
+    """The verb's objective (shardtune dpo / grpo) over the default; another --objective is refused."""
+    if objective is None:
+        return
+    if cfg.objective not in ("sft", objective):
+        raise ConfigError(
+            f"--objective {cfg.objective}: this is shardtune {objective}; run shardtune {cfg.objective}, "
+            "or drop the flag"
+        )
+    cfg.objective = objective
+
+
+def worker_argv(cfg: TrainConfig, args: Arguments, accelerate_path: str | None) -> list[str]:
+    """What every worker parses: the same files and flags, and what the launcher resolved -- the model path (a
+    preset is built once, here), the revision resolved into it (emptied), the run's directory, the objective."""
+    files = (["--accelerate_config", accelerate_path] if accelerate_path else []) + (
         ["--config", args.recipe] if args.recipe else []
     )
-    # the workers read the resolved model path (a preset is built once, here) and the run's directory as resolved
-    # (and the revision resolved into that path: emptied)
-    return launch(
-        topology,
-        "shardtune.sft",
-        [
-            *files,
-            *args.training_argv(),
-            "--objective",
-            cfg.objective,
-            "--model.name",
-            cfg.model.name,
-            "--model.revision",
-            cfg.model.revision,
-            "--output.dir",
-            cfg.output.dir,
-        ],
-    )
+    resolved = ["--objective", cfg.objective, "--model.name", cfg.model.name, "--model.revision", cfg.model.revision]
+    return [*files, *args.training_argv(), *resolved, "--output.dir", cfg.output.dir]
 
 
 def say_sources(args: Arguments, accelerate_path: str | None, notes: list[str]) -> None:

@@ -119,24 +119,7 @@ def varlen_attention_forward(
     if attention_mask is None and cu is None and query.shape[2] == key.shape[2] > 1 and position_ids is not None:
         positions = position_ids.expand(query.shape[0], -1)
         if query.shape[0] > 1 and bool((positions[:, 1:] == 0).any()):  # several packed rows: one at a time
-            others = {k: v for k, v in kwargs.items() if k != "position_ids"}
-            rows = [
-                varlen_attention_forward(
-                    module,
-                    query[b : b + 1],
-                    key[b : b + 1],
-                    value[b : b + 1],
-                    None,
-                    dropout,
-                    scaling,
-                    is_causal,
-                    eager,
-                    position_ids=positions[b : b + 1],
-                    **others,
-                )[0]
-                for b in range(query.shape[0])
-            ]
-            return torch.cat(rows), None
+            return _each_row(module, query, key, value, dropout, scaling, is_causal, eager, positions, kwargs), None
         cu = _boundaries_from_positions(positions)
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     dropout = dropout if module.training else 0.0
@@ -179,6 +162,28 @@ def varlen_attention_forward(
             args, options = arguments
             return _torch_varlen()(*args, **options).unsqueeze(0), None  # (1, T, H, D)
     return _per_example(query, key, value, cu, dropout, scaling, window, softcap, eager), None
+
+
+def _each_row(module, query, key, value, dropout, scaling, is_causal, eager, positions, kwargs) -> torch.Tensor:
+    """varlen_attention_forward of packed rows, one row at a time (each row's examples from its positions)."""
+    others = {k: v for k, v in kwargs.items() if k != "position_ids"}
+    rows = [
+        varlen_attention_forward(
+            module,
+            query[b : b + 1],
+            key[b : b + 1],
+            value[b : b + 1],
+            None,
+            dropout,
+            scaling,
+            is_causal,
+            eager,
+            position_ids=positions[b : b + 1],
+            **others,
+        )[0]
+        for b in range(query.shape[0])
+    ]
+    return torch.cat(rows)
 
 
 def avoid_cudnn_attention(device: torch.device) -> str | None:

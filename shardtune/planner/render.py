@@ -51,8 +51,12 @@ def command_flags(setup: Setup) -> list[str]:
     return flags
 
 
+def _gib(b: float) -> str:
+    return f"{b / GIB:,.1f} GiB"
+
+
 def render(result: dict, base_argv: list[str]) -> str:
-    g = lambda b: f"{b / GIB:,.1f} GiB"  # noqa: E731
+    g = _gib
     lines = [
         f"model: {result['model']} ({result['parameters'] / 1e9:.2f} B parameters, "
         f"{result['trainable_parameters'] / 1e6:,.1f} M trainable); {result['world_size']} GPUs of "
@@ -83,62 +87,74 @@ def render(result: dict, base_argv: list[str]) -> str:
             f"{'yes' if r['fits'] else 'no':<4} {r['step_s']:>8.2f}s {r['tokens_per_s_per_gpu']:>13,.0f}"
         )
     best = result["recommended"]
-    if best:
-        processes = ["--nproc_per_node", str(result["gpus_per_node"])]
-        if result["nnodes"] > 1:
-            processes = ["--nnodes", str(result["nnodes"]), *processes]
-        verb = result.get("command", "shardtune sft")
-        command = " ".join([verb, *processes, *base_argv, *best["flags"]])
-        lines += ["", f"recommended: {best['setup']}", f"  {command}"]
-        shape = builtin_shape_named(base_argv)
-        if shape:
-            lines.append(
-                f"  ({shape} is a shape the planner knows, not weights: give {verb.split()[-1]} a model "
-                f"directory or a hub id, e.g. --model_name {HUB_IDS[shape]})"
-            )
+    lines += _recommendation(result, best, base_argv) if best else _nothing_fits(result)
+    return "\n".join(lines)
+
+
+def _recommendation(result: dict, best: dict, base_argv: list[str]) -> list[str]:
+    """The fastest setup that fits as a command line, and the limits of the micro-batch and sequence."""
+    lines: list[str] = []
+    processes = ["--nproc_per_node", str(result["gpus_per_node"])]
+    if result["nnodes"] > 1:
+        processes = ["--nnodes", str(result["nnodes"]), *processes]
+    verb = result.get("command", "shardtune sft")
+    command = " ".join([verb, *processes, *base_argv, *best["flags"]])
+    lines += ["", f"recommended: {best['setup']}", f"  {command}"]
+    shape = builtin_shape_named(base_argv)
+    if shape:
         lines.append(
-            f"largest micro-batch that fits: {result['largest_micro_batch']}; longest sequence (micro-batch "
-            f"1): {result['longest_sequence']:,} tokens"
+            f"  ({shape} is a shape the planner knows, not weights: give {verb.split()[-1]} a model "
+            f"directory or a hub id, e.g. --model_name {HUB_IDS[shape]})"
+        )
+    lines.append(
+        f"largest micro-batch that fits: {result['largest_micro_batch']}; longest sequence (micro-batch "
+        f"1): {result['longest_sequence']:,} tokens"
+    )
+    return lines
+
+
+def _nothing_fits(result: dict) -> list[str]:
+    """By how much the given setup and the smallest one miss, and what would make it fit."""
+    g = _gib
+    lines: list[str] = []
+    s, given, usable = result["smallest"], result["given"], result["usable_bytes"]
+    if s["peak_bytes"] > usable:
+        lines += [
+            "",
+            f"nothing fits: {given['setup']} (as given) misses by {g(given['peak_bytes'] - usable)}; "
+            f"the smallest is {s['setup']} at {g(s['peak_bytes'])} per GPU, {g(s['peak_bytes'] - usable)} "
+            f"over what a GPU can use ({g(usable)})",
+        ]
+    else:
+        host = min(
+            (r for r in result["alternatives"] if r["peak_bytes"] <= usable), key=lambda r: r["host_bytes_per_node"]
+        )
+        lines += [
+            "",
+            f"nothing fits the host memory: what fits a GPU needs at least {g(host['host_bytes_per_node'])}"
+            f" per node ({host['setup']}), over the {g(result['usable_host_bytes'])} a node can use "
+            "(--host_memory sets a node's memory; --low_cpu_fsdp loads the weights on rank 0 alone)",
+        ]
+    grow, where = result["would_fit"], []
+    if grow["gpus"]:
+        gpus = grow["gpus"]
+        where.append(
+            f"{gpus['setup']} on {gpus['nnodes'] * gpus['gpus_per_node']} GPUs (--nnodes "
+            f"{gpus['nnodes']} --gpus_per_node {gpus['gpus_per_node']})"
+        )
+    if s["peak_bytes"] > usable:
+        where.append(f"{s['setup']} on GPUs of {grow['gpu_memory_bytes'] / GIB:,.0f} GiB (--gpu_memory)")
+    if where:
+        lines.append(
+            "  would fit: " + ", or ".join(where) + "; else shorten --context_length, lower "
+            "--batch_size_training, or use --use_peft / --quantization 4bit"
         )
     else:
-        s, given, usable = result["smallest"], result["given"], result["usable_bytes"]
-        if s["peak_bytes"] > usable:
-            lines += [
-                "",
-                f"nothing fits: {given['setup']} (as given) misses by {g(given['peak_bytes'] - usable)}; "
-                f"the smallest is {s['setup']} at {g(s['peak_bytes'])} per GPU, {g(s['peak_bytes'] - usable)} "
-                f"over what a GPU can use ({g(usable)})",
-            ]
-        else:
-            host = min(
-                (r for r in result["alternatives"] if r["peak_bytes"] <= usable), key=lambda r: r["host_bytes_per_node"]
-            )
-            lines += [
-                "",
-                f"nothing fits the host memory: what fits a GPU needs at least {g(host['host_bytes_per_node'])}"
-                f" per node ({host['setup']}), over the {g(result['usable_host_bytes'])} a node can use "
-                "(--host_memory sets a node's memory; --low_cpu_fsdp loads the weights on rank 0 alone)",
-            ]
-        grow, where = result["would_fit"], []
-        if grow["gpus"]:
-            gpus = grow["gpus"]
-            where.append(
-                f"{gpus['setup']} on {gpus['nnodes'] * gpus['gpus_per_node']} GPUs (--nnodes "
-                f"{gpus['nnodes']} --gpus_per_node {gpus['gpus_per_node']})"
-            )
-        if s["peak_bytes"] > usable:
-            where.append(f"{s['setup']} on GPUs of {grow['gpu_memory_bytes'] / GIB:,.0f} GiB (--gpu_memory)")
-        if where:
-            lines.append(
-                "  would fit: " + ", or ".join(where) + "; else shorten --context_length, lower "
-                "--batch_size_training, or use --use_peft / --quantization 4bit"
-            )
-        else:
-            lines.append(
-                "  more GPUs of this kind do not make it fit: use --low_cpu_fsdp true, --use_peft or "
-                "--quantization 4bit, or give nodes with more host memory (--host_memory)"
-            )
-    return "\n".join(lines)
+        lines.append(
+            "  more GPUs of this kind do not make it fit: use --low_cpu_fsdp true, --use_peft or "
+            "--quantization 4bit, or give nodes with more host memory (--host_memory)"
+        )
+    return lines
 
 
 # the settings a recommendation replaces (and the dry run's own switch)
