@@ -37,13 +37,13 @@ from shardtune.data.report import DataReport, RowFilter
 from shardtune.data.tokenising import Preparation
 from shardtune.data.trl_formats import (
     _BadRow,
-    _is_message_list,
     _messages,
     _render,
     _string,
     _template_kwargs,
     common_prefix_length,
 )
+from shardtune.data.trl_utils import extract_prompt, is_message_list, prompt_is_implicit
 
 PREFERENCE, CHAT_PREFERENCE = "preference", "conversational preference"
 
@@ -55,22 +55,10 @@ def recognise_preference(columns: list[str], first: Mapping) -> tuple[str, bool]
             f"no preference format in the columns {', '.join(columns) or '(none)'}: expected chosen and "
             "rejected (and prompt, or a prompt shared as their prefix; see docs/dpo.md)"
         )
-    conversational = _is_message_list(first.get("chosen"))
-    implicit = "prompt" not in columns or _is_message_list(first.get("prompt")) != conversational
+    conversational = is_message_list(first.get("chosen"))
+    implicit = "prompt" not in columns or prompt_is_implicit(first)
     kind = CHAT_PREFERENCE if conversational else PREFERENCE
     return (f"implicit-prompt {kind}" if implicit else kind), implicit
-
-
-def extract_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
-    """TRL's rule for implicit prompts: the longest shared prefix (of messages, or of characters, without the space
-    before the first differing one); (prompt, chosen, rejected)."""
-    idx = 0
-    for idx in range(min(len(chosen), len(rejected))):
-        if chosen[idx] != rejected[idx]:
-            if chosen[idx - 1] == " ":
-                idx -= 1
-            break
-    return chosen[:idx], chosen[idx:], rejected[idx:]
 
 
 def _tokenize_pair(record: Mapping, conversational: bool, implicit: bool, tokenizer: Any) -> dict:
@@ -81,7 +69,8 @@ def _tokenize_pair(record: Mapping, conversational: bool, implicit: bool, tokeni
         chosen, rejected = _string(record, "chosen"), _string(record, "rejected")
         prompt = None if implicit else _string(record, "prompt")
     if implicit:
-        prompt, chosen, rejected = extract_prompt(chosen, rejected)
+        parts = extract_prompt({"chosen": chosen, "rejected": rejected})
+        prompt, chosen, rejected = parts["prompt"], parts["chosen"], parts["rejected"]
     if conversational:
         kwargs = _template_kwargs(record)
         prompt_ids = _render(tokenizer, prompt, kwargs, add_generation_prompt=True)["input_ids"]
@@ -146,7 +135,7 @@ def prepare_pairs(
 def split_form(columns: list[str], first: Any) -> tuple[bool, bool]:
     """(implicit prompt, conversational) of a split, from its columns and first row."""
     _, implicit = recognise_preference(columns, first)
-    return implicit, _is_message_list(first.get("chosen") if isinstance(first, Mapping) else None)
+    return implicit, is_message_list(first.get("chosen") if isinstance(first, Mapping) else None)
 
 
 @dataclass

@@ -11,8 +11,8 @@ from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.chat import check_chat_template
 from shardtune.data.mixture import mixture_rows
 from shardtune.data.report import DataError, DataReport, RowFilter
-from shardtune.data.trl_formats import _is_message_list
 from shardtune.data.trl_loading import _dataset_rows
+from shardtune.data.trl_utils import is_message_list
 
 
 def check_prompt_data(cfg: TrainConfig) -> None:
@@ -34,7 +34,7 @@ def prompt_rows(cfg: TrainConfig, tokenizer: Any, split: str = "train") -> tuple
             f"{source}: no 'prompt' column (it has: {', '.join(columns)}): GRPO samples completions of prompts; "
             "give each row a prompt (text, or a list of messages)"
         )
-    conversational = any(_is_message_list(row.get("prompt")) for _, _, row in rows[:1])
+    conversational = any(is_message_list(row.get("prompt")) for _, _, row in rows[:1])
     if conversational:
         check_chat_template(cfg, tokenizer, f"{source} (conversational prompts)")
     report = DataReport(
@@ -44,7 +44,7 @@ def prompt_rows(cfg: TrainConfig, tokenizer: Any, split: str = "train") -> tuple
     out: list[dict] = []
     for origin, line, row in rows:
         prompt = row.get("prompt")
-        if conversational and not _is_message_list(prompt):
+        if conversational and not is_message_list(prompt):
             filt.skip("prompt is not a list of messages", origin, line, f"prompt {str(prompt)[:40]!r}")
             continue
         if not conversational and (not isinstance(prompt, str) or not prompt):

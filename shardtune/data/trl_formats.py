@@ -38,6 +38,7 @@ from shardtune.config.schema import ConfigError
 from shardtune.data.files import Row
 from shardtune.data.formatting import IGNORE_INDEX, _as_ids, _check_token_ids
 from shardtune.data.report import DataReport, RowFilter
+from shardtune.data.trl_utils import is_conversational_from_value, is_message_list
 
 TOKENIZED, SHAREGPT, PROMPT_COMPLETION, CHAT_PROMPT_COMPLETION, MESSAGES, TEXT = (
     "tokenized",
@@ -77,18 +78,14 @@ class LossOptions:
     truncation_mode: str = "keep_start"  # keep_start | keep_end
 
 
-def _is_message_list(value: Any, keys: tuple[str, str] = ("role", "content")) -> bool:
-    return isinstance(value, list) and bool(value) and isinstance(value[0], Mapping) and keys[0] in value[0]
-
-
 def recognise(columns: list[str], first: Mapping, text_field: str) -> RowFormat:
     """The format of rows with these columns (``first`` tells strings from message lists), as TRL decides it."""
     if "input_ids" in columns:
         return RowFormat(TOKENIZED, ("input_ids", *(c for c in MASK_COLUMNS if c in columns)))
-    if "conversations" in columns and _is_message_list(first.get("conversations"), ("from", "value")):
+    if "conversations" in columns and is_conversational_from_value(first):
         return RowFormat(SHAREGPT, ("conversations",))
     if "prompt" in columns and "completion" in columns:
-        kind = CHAT_PROMPT_COMPLETION if _is_message_list(first.get("prompt")) else PROMPT_COMPLETION
+        kind = CHAT_PROMPT_COMPLETION if is_message_list(first.get("prompt")) else PROMPT_COMPLETION
         return RowFormat(kind, ("prompt", "completion"))
     if "messages" in columns:
         return RowFormat(MESSAGES, ("messages",))

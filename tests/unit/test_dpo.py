@@ -19,7 +19,8 @@ from datasets import load_dataset
 
 from shardtune.config.flags import config_from, with_settings
 from shardtune.config.schema import ConfigError, DpoConfig, TrainConfig
-from shardtune.data.preference import collate_pairs, extract_prompt, load_pairs
+from shardtune.data.preference import collate_pairs, load_pairs
+from shardtune.data.trl_utils import extract_prompt
 from shardtune.model.loading import init_model, load_model, load_tokenizer
 from shardtune.training.dpo import DPO, METRICS, micro_batch_loss, pair_means
 from shardtune.training.dpo_logps import chosen_completion_targets, pair_logps
@@ -163,9 +164,10 @@ def test_pairs_and_batches_equal_trl(case, tiny, tokenizer, tmp_path):
 
 
 def test_implicit_prompt_is_the_shared_prefix_without_the_space():
-    assert extract_prompt("Q: sky? A: blue", "Q: sky? A: green") == ("Q: sky? A:", " blue", " green")
+    parts = extract_prompt({"chosen": "Q: sky? A: blue", "rejected": "Q: sky? A: green"})
+    assert parts == {"prompt": "Q: sky? A:", "chosen": " blue", "rejected": " green"}
     c, r = chat("hi", "a"), chat("hi", "b")
-    assert extract_prompt(c, r) == (c[:2], c[2:], r[2:])
+    assert extract_prompt({"chosen": c, "rejected": r}) == {"prompt": c[:2], "chosen": c[2:], "rejected": r[2:]}
 
 
 def test_a_prompt_that_fills_max_length_is_dropped_and_counted(tokenizer, tmp_path):
