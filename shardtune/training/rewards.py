@@ -53,23 +53,23 @@ def _from_file(spec: str) -> Callable[..., Any]:
         raise ConfigError(str(e).replace("--custom_dataset.file", "--reward_funcs")) from None
 
 
-# ``trl grpo --reward_funcs NAME``: the names TRL's script knows (trl.rewards; get_soft_overlong_punishment with the
-# script's values)
+# ``trl grpo --reward_funcs NAME``: the names TRL's script knows (shardtune.rewards, TRL's functions;
+# get_soft_overlong_punishment with the script's values)
 TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
 
 
 def _trl_reward(name: str) -> Callable[..., Any]:
-    try:
-        import trl.rewards as trl_rewards
-    except ImportError:
-        raise ConfigError(
-            f"--reward_funcs {name} is one of TRL's reward functions (trl.rewards): pip install trl, or pass your own "
-            "path.py:function"
-        ) from None
-    func = getattr(trl_rewards, name)
+    import shardtune.rewards
+    from shardtune.rewards.accuracy_rewards import require_math_verify
+
+    if name in ("accuracy_reward", "reasoning_accuracy_reward"):
+        try:  # known before launch, not at the first scored step
+            require_math_verify()
+        except ImportError as e:
+            raise ConfigError(f"--reward_funcs {name}: {e}") from None
+    func = getattr(shardtune.rewards, name)
     if name == "get_soft_overlong_punishment":
         func = func(max_completion_len=1280, soft_punish_cache=256)
-        func.__name__ = "soft_overlong_punishment"
     return func
 
 
