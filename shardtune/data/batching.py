@@ -297,11 +297,20 @@ def eval_shares(items: list, cfg: TrainConfig, dp_rank: int, dp_size: int) -> tu
     number of eval batches every rank runs (the same on all; at most --max_eval_step): a rank with fewer chunks
     makes up the difference with batches it does not count, because FSDP's forward is a collective."""
     size = cfg.eval.batch_size
-    chunks = [items[start : start + size] for start in range(0, len(items), size)]
-    num_batches = math.ceil(len(chunks) / dp_size)
+    num_batches = math.ceil(math.ceil(len(items) / size) / dp_size)
     if cfg.eval.max_batches > 0:
         num_batches = min(num_batches, cfg.eval.max_batches)
-    return chunks[dp_rank::dp_size][:num_batches], num_batches
+    return [items[start : start + size] for start in eval_chunk_starts(len(items), cfg, dp_rank, dp_size)], num_batches
+
+
+def eval_chunk_starts(num_items: int, cfg: TrainConfig, dp_rank: int, dp_size: int) -> list[int]:
+    """Where each of this rank's eval chunks (:func:`eval_shares`) starts in the split: the index of its first item, so
+    that what a rank computes for its chunks can be put back in the split's order (shardtune.training.predictions)."""
+    size = cfg.eval.batch_size
+    starts = list(range(dp_rank * size, num_items, dp_size * size))
+    return starts[: cfg.eval.max_batches] if cfg.eval.max_batches > 0 else starts
+
+
 
 
 def eval_batches(

@@ -44,6 +44,10 @@ class Objective(ABC):
     stat_names: ClassVar[tuple[str, ...]]  # what a micro-batch's loss returns beside its sum, summed
     step_metric_names: ClassVar[tuple[str, ...]] = ()  # keys its step rows carry beyond the engine's
     eval_metric_names: ClassVar[tuple[str, ...]]  # keys of its evaluation rows (--metric_for_best_model)
+    # whether its evaluation can keep each example's predictions (shardtune.training.predictions: compute_metrics,
+    # predict()); while one does, ``predictions`` is the evaluation's PredictionKeeper
+    predicts: ClassVar[bool] = False
+    predictions: Any = None
 
     # -- before launch (no process group) -----------------------------------------------------------------------
     @classmethod

@@ -12,6 +12,7 @@ from torch import nn
 
 from shardtune import data
 from shardtune.accounting.flops import ModelShape, micro_batch_flops, num_input_tokens, palm_micro_batch_flops
+from shardtune.data.batching import eval_chunk_starts
 from shardtune.data.cache import load_examples_cached
 from shardtune.data.streaming import StreamSource, streamed_examples
 from shardtune.model.generation import ROUGE_TYPES, EvalSampler, mean_rouge
@@ -21,6 +22,7 @@ from shardtune.parallel.sequence import RowSlice
 from shardtune.runtime.distributed import all_reduce_sum, print0
 from shardtune.training.metrics import perplexity
 from shardtune.training.objective import Objective
+from shardtune.training.predictions import loss_and_logits
 
 # TRL's SFTTrainer metrics, each the step's PREDICTION_SUMS (same order) over its label tokens
 PREDICTION_METRICS = ("mean_token_accuracy", "entropy")
@@ -34,6 +36,7 @@ class SFT(Objective):
     name = "sft"
     stat_names = ("loss_sum", *PREDICTION_SUMS)
     step_metric_names = PREDICTION_METRICS
+    predicts = True
     eval_metric_names = (
         "eval_loss",
         "eval_ppl",
@@ -71,11 +74,14 @@ class SFT(Objective):
     def attach(self, model: nn.Module, units: list, eval_items: list) -> None:
         cfg, dims = self.cfg, self.strategy.dims
         row_slice = RowSlice.of_rank(dims, self.env.rank)  # eval rows are split like training rows
+        dp_rank = dims.dp_rank(self.env.rank)
         self.eval_batches = (
-            data.eval_batches(eval_items, cfg, dims.dp_rank(self.env.rank), dims.dp_size, self.pad_id, row_slice)
+            data.eval_batches(eval_items, cfg, dp_rank, dims.dp_size, self.pad_id, row_slice)
             if cfg.eval.enabled
             else []
         )
+        # the split index of each real eval batch's first row (the rest only join the collectives): predictions
+        self.eval_starts = eval_chunk_starts(len(eval_items), cfg, dp_rank, dims.dp_size) if row_slice is None else []
         self.sampler = EvalSampler(eval_items[: cfg.eval.log_samples], self.tokenizer) if cfg.eval.log_samples else None
 
     def counts(self, micro_batches: list[dict], shape: ModelShape | None) -> list[float]:
@@ -103,9 +109,8 @@ class SFT(Objective):
         strategy, device = self.strategy, self.env.device
         model.eval()
         sums = torch.zeros(2 + len(PREDICTION_SUMS), dtype=torch.float64, device=device)
-        for batch in self.eval_batches:
-            with strategy.autocast():
-                loss_sum, predictions = token_loss_and_prediction_sums(model, batch, device)
+        for j, batch in enumerate(self.eval_batches):
+            loss_sum, predictions = self._eval_batch(model, batch, j)
             sums[0] += loss_sum.double()
             sums[1] += batch_label_tokens(batch)
             sums[2:] += predictions
@@ -123,6 +128,19 @@ class SFT(Objective):
             "eval_label_tokens": int(label_tokens),
             **mean_rouge(samples),
         }, samples
+
+    def _eval_batch(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], j: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss sum, prediction sums) of eval batch ``j``; while predictions are kept, from the full logits, which
+        the keeper takes with the place of the batch's rows in the split."""
+        device = self.env.device
+        with self.strategy.autocast():
+            if self.predictions is None:
+                return token_loss_and_prediction_sums(model, batch, device)
+            loss_sum, predictions, logits = loss_and_logits(model, batch, device)
+        self.predictions.add(self.eval_starts[j] if j < len(self.eval_starts) else None, batch, logits)
+        return loss_sum, predictions
 
     def describe_eval(self, row: dict[str, float]) -> str:
         return f"eval loss {row['eval_loss']:.4f}, perplexity {row['eval_ppl']:.2f}"
