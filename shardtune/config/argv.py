@@ -8,8 +8,9 @@
     args.training     # every other flag, as (name as typed, value), in order: the config's (shardtune.config.flags)
 
 A value follows its flag (``--name value``, ``--name=value``); a flag followed by another flag, or last, is bare
-(``--packing``: true); a list setting takes the values after it one by one (``--loss_type sigmoid sft``), as TRL's
-parser does. Nothing else of shardtune scans argv.
+(``--packing``: true); ``--no_X`` is ``--X false`` for every switch X, of any dialect (``--no_gradient_checkpointing``,
+``--no_fsdp_config.pure_bf16``, ``--no_eval.on_start``); a list setting takes the values after it one by one
+(``--loss_type sigmoid sft``), as TRL's parser does. Nothing else of shardtune scans argv.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardtune.config.schema import ConfigError
-from shardtune.config.spellings import normalise, takes_a_list
+from shardtune.config.spellings import negated, normalise, takes_a_list
 
 # torchrun flags that take a value, and those that do not; both spellings (_ and -) are accepted.
 TORCHRUN_VALUE_FLAGS = (
@@ -97,6 +98,10 @@ def split_argv(argv: list[str], hardware: tuple[str, ...] = HARDWARE_FLAGS) -> A
                 args.hardware[name] = value
             else:
                 setattr(args, FILE_FLAGS[name], value)
+        elif (switch := negated(name)) is not None:
+            if has_value:
+                raise ConfigError(f"--{name} takes no value: drop {value!r}, or pass --{switch} {value}")
+            args.training.append((switch, "false"))
         else:
             if has_value and not eq and takes_a_list(name):
                 while i < len(argv) and not argv[i].startswith("--"):

@@ -18,7 +18,16 @@ from shardtune.config import defaults
 from shardtune.config.argv import split_argv
 from shardtune.config.dialects import cookbook, placeholder, trl, trl_trainer
 from shardtune.config.dialects.accelerate import LAUNCH_KEYS, launch_flags
-from shardtune.config.fields import field_default, flat_fields, flatten_dict, get_value, is_list, set_value, typed
+from shardtune.config.fields import (
+    field_default,
+    flat_fields,
+    flatten_dict,
+    get_value,
+    is_list,
+    optional,
+    set_value,
+    typed,
+)
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.config.spellings import normalise, resolve, spellings
 
@@ -57,7 +66,7 @@ class Builder:
             value = flat_fields()[spelling.target].default
             set_value(self.cfg, spelling.target, value)
             return {spelling.target: value}
-        if raw is None and spelling.plain and flat_fields()[spelling.target].type is not bool:
+        if raw is None and spelling.plain and optional(flat_fields()[spelling.target].type)[0] is not bool:
             raise ConfigError(f"--{name} needs a value")
         changed: dict[str, Any] = {}
         if spelling.to is None:

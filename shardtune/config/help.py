@@ -28,6 +28,9 @@ def help_text(command: str = "sft") -> str:
         "setting the recipe and the Accelerate file give different values is named in one line",
         "",
         "settings (--group.name VALUE; the names llama-cookbook and TRL give them work too, as shown):",
+        "a switch (BOOL, and every TRL / llama-cookbook name that takes true / false) is true given bare "
+        "(--packing) and false as --no_NAME (--no_packing, --no_gradient_checkpointing, --no_eval.on_start), as "
+        "TRL's parser takes it",
     ]
     group = ""
     for key, info in flat_fields().items():
@@ -74,6 +77,12 @@ def flag_table() -> str:
         "Precedence: command line > recipe (`--config`) > Accelerate file (`--accelerate_config`). Where the "
         "recipe and the Accelerate file set the same setting to different values, one line names both and the "
         "recipe's value is used. Every flag given is honoured or refused before launch in one line.",
+        "",
+        "On the command line, `--no_NAME` is `--NAME false` for every name that takes true / false (TRL's, "
+        "llama-cookbook's, shardtune's: `--no_remove_unused_columns`, `--no_gradient_checkpointing`, `--no_bf16`, "
+        "`--no_fsdp_config.pure_bf16`, `--no_eval.on_start`), as transformers' HfArgumentParser reads TRL's "
+        "commands; `--no_NAME` takes no value, and before a name that takes a value it is refused. Recipes use "
+        "the names themselves (`packing: false`).",
         "",
         "Weight decay is not applied to biases and norm weights (as Hugging Face's Trainer does). The "
         "warm-up ramps the lr as (step + 1) / (warmup + 1) of the peak, so no step trains at lr 0 (Hugging "

@@ -82,14 +82,83 @@ def takes_a_list(name: str) -> bool:
 LIST_VALUED = ("report_to", "loss_type")
 
 
-def takes_no_value(name: str) -> bool:
-    """A bare ``--name`` means true: the switches."""
+# TRL's booleans whose table entry takes one of true / false only (the other refused: trl_trainer's ``only``) or any
+# value (it changes nothing here: ``no_effect``), so that their translation cannot show that they take a boolean
+# (tests/unit/test_switches.py checks this list against TRL's own dataclasses).
+SWITCHES_BY_NAME = (
+    "ignore_bias_buffers",
+    "dataloader_drop_last",
+    "dataloader_pin_memory",
+    "dataloader_persistent_workers",
+    "dataloader_in_order",
+    "remove_unused_columns",
+    "logging_nan_inf_filter",
+    "log_on_each_node",
+    "skip_memory_metrics",
+    "prediction_loss_only",
+    "eval_do_concat_batches",
+    "eval_use_gather_object",
+    "enable_jit_checkpoint",
+    "hub_always_push",
+    "do_train",
+    "do_eval",
+    "do_predict",
+    "ddp_find_unused_parameters",
+    "ddp_broadcast_buffers",
+    "ddp_static_graph",
+    "average_tokens_across_devices",
+    "tf32",
+    "use_cache",
+    "disable_tqdm",
+)
+NOT_A_BOOLEAN = "neither-true-nor-false"  # what a switch's translation refuses
+
+
+@functools.cache
+def is_switch(name: str) -> bool:
+    """Whether flag ``name`` takes a boolean (true / false) in the canonical config or in its dialect: what
+    ``--no_<name>`` turns off. A canonical name (or a plain rename) by its field's type; a translated name when it takes
+    true and false and refuses a word that is neither (or is in SWITCHES_BY_NAME); a refused name always (``--no_X``
+    then gets ``--X false``'s answer: no change where false asks for nothing, else X's refusal)."""
+    spelling = resolve(name)
+    if spelling.refuse:
+        return True
+    if spelling.to is None:
+        return optional(flat_fields()[spelling.target].type)[0] is bool
+    return normalise(name) in SWITCHES_BY_NAME or translates_a_boolean(spelling)
+
+
+def translates_a_boolean(spelling: Spelling) -> bool:
+    """Whether a translation takes true and false and refuses a word that is neither."""
+    return _takes(spelling, "true") and _takes(spelling, "false") and not _takes(spelling, NOT_A_BOOLEAN)
+
+
+def _takes(spelling: Spelling, value: str) -> bool:
     try:
-        spelling = resolve(name)
+        spelling.to(value)  # type: ignore[misc]
     except ConfigError:
         return False
-    info = flat_fields().get(spelling.target)
-    return info is not None and optional(info.type)[0] is bool
+    return True
+
+
+def negated(name: str) -> str | None:
+    """``--no_X`` is ``--X false`` for every switch X (transformers' HfArgumentParser, which TRL's commands use, has it
+    for its booleans that default to true): X when ``name`` is that form of a known name; None when it is not (a name
+    of its own, or no_ before an unknown name: refused as it is). A known X that takes a value is refused."""
+    name = normalise(name)
+    if not name.startswith(("no_", "no-")) or name in flat_fields() or name in spellings():
+        return None
+    switch = normalise(name[3:])
+    try:
+        resolve(switch)
+    except ConfigError:
+        return None
+    if not is_switch(switch):
+        raise ConfigError(
+            f"--{name}: --{switch} is not a switch (it takes a value, not true / false): pass --{switch} VALUE, "
+            "or drop the flag"
+        )
+    return switch
 
 
 @functools.cache
