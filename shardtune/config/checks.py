@@ -16,6 +16,7 @@ from shardtune.config.dialects.deepspeed import DEEPSPEED_OWNED_KEYS, deepspeed_
 from shardtune.config.fields import flat_fields, get_value, optional
 from shardtune.config.flags import spelling_of
 from shardtune.config.schema import (
+    PREVIOUS_FOLDER,
     PROFILER_SCHEDULE,
     TRACKER_PACKAGES,
     ConfigError,
@@ -83,11 +84,17 @@ def check_core(cfg: TrainConfig, world_size: int) -> None:
 RUN_FILES = ("metrics.jsonl", "config.yaml", "config.json", "adapter_config.json")
 
 
+def previous_run_files(output_dir: Path) -> list[str]:
+    """The files that say ``output_dir`` holds an ended run (finished or failed: config.yaml is a run's first write)."""
+    return [name for name in RUN_FILES if (output_dir / name).exists()]
+
+
 def check_previous_run(cfg: TrainConfig, resuming: bool | None = None) -> None:
     """Never overwrite a previous run's outputs by accident (resuming it, or a torchrun restart, is fine), and never
-    share output_dir with a run that is still going (not even with --resume auto or --overwrite_output_dir).
-    ``resuming``: whether a checkpoint is resumed (default: any --resume; --resume auto that finds no checkpoint is
-    a new run, decided by shardtune.training.checkpoint.check_checkpointing)."""
+    share output_dir with a run that is still going (not even with --resume auto, --overwrite_output_dir or
+    --output.previous_run move_aside). ``resuming``: whether a checkpoint is resumed (default: any --resume; --resume
+    auto that finds no checkpoint is a new run, decided by shardtune.training.checkpoint.check_checkpointing). With
+    move_aside the worker's rank 0 moves the earlier run into output_dir/previous/ (shardtune.training.previous_run)."""
     out = Path(cfg.output.dir)
     try:
         check_not_locked(out)
@@ -96,7 +103,9 @@ def check_previous_run(cfg: TrainConfig, resuming: bool | None = None) -> None:
     restarted = worker_group_attempt() > 0
     if cfg.output.overwrite or (bool(cfg.checkpoint.resume) if resuming is None else resuming) or restarted:
         return
-    found = [name for name in RUN_FILES if (out / name).exists()]
+    if cfg.output.previous_run == "move_aside":
+        return
+    found = previous_run_files(out)
     if found:
         # --resume latest only where there is something to resume (output_dir/checkpoints/step-NNNNNN, the layout of
         # shardtune.training.checkpoint_layout; whether one verifies is that floor's business)
@@ -104,7 +113,8 @@ def check_previous_run(cfg: TrainConfig, resuming: bool | None = None) -> None:
         continue_it = "--resume latest to continue it, " if resumable else ""
         raise ConfigError(
             f"{spelling_of(cfg, 'output.dir')} {cfg.output.dir} already holds a run ({found[0]}): pass "
-            f"another directory, {continue_it}or --overwrite_output_dir true to replace it"
+            f"another directory, {continue_it}--output.previous_run move_aside to move it into "
+            f"{PREVIOUS_FOLDER}/, or --overwrite_output_dir true to replace it"
         )
 
 

@@ -11,8 +11,8 @@ derived instead of kept by hand:
 - ``data_cache``: part of the tokenised-data cache's key (shardtune.data.cache);
 - ``reference``: part of the key of DPO's precomputed reference log-probabilities.
 
-Fields are declared with shardtune.config.setting; the data, adapter and DPO groups live in data_settings,
-peft_settings and dpo_settings, gathered here (import every group's names from this module).
+Fields are declared with shardtune.config.setting; the data, adapter, output and DPO groups live in data_settings,
+peft_settings, output_settings and dpo_settings, gathered here (import every group's names from this module).
 
 Other tools' spellings (llama-cookbook's, TRL's, Accelerate's, DeepSpeed's) are dialects, translated into these
 fields at the edge (shardtune.config.dialects, shardtune.config.flags); nothing here knows them.
@@ -29,6 +29,8 @@ from shardtune.config.dpo_settings import DpoConfig
 from shardtune.config.grpo_settings import *  # noqa: F403 (GRPO's section: GrpoConfig, GRPO_LOSS_TYPES ...)
 from shardtune.config.grpo_settings import GrpoConfig
 from shardtune.config.objectives import OBJECTIVES
+from shardtune.config.output_settings import *  # noqa: F403 (the output group: OutputSettings, PREVIOUS_RUN ...)
+from shardtune.config.output_settings import OutputSettings
 from shardtune.config.peft_settings import *  # noqa: F403 (the adapter group: PeftSettings, PEFT_METHODS ...)
 from shardtune.config.peft_settings import PeftSettings
 from shardtune.config.setting import (  # noqa: F401 (re-exported: what every floor imports from here)
@@ -501,35 +503,7 @@ class LoggingSettings:
     )
 
 
-# -- outputs and the run itself ------------------------------------------------------------------------------------
-
-
-@dataclass
-class OutputSettings:
-    dir: str = setting("output", "where the model, config.yaml and metrics.jsonl are written", **RUN)
-    overwrite: bool = setting(False, "allow a new run to replace the outputs of a previous run in output.dir", **RUN)
-    save_model: bool = setting(True, "write the final model (or adapter) to output.dir", **RUN)
-    push_to_hub: bool = setting(
-        False,
-        "after the run, upload the published model (or adapter) folder to the Hugging "
-        "Face Hub repo hub_model_id (rank 0, through huggingface_hub); refused before "
-        "launch when offline or without a token",
-        **RUN,
-    )
-    hub_model_id: str = setting(
-        "",
-        "the push_to_hub repo (user/name or name); empty: output.dir's folder name, in your namespace (as Trainer)",
-        **RUN,
-    )
-    hub_private_repo: bool = setting(
-        False, "create the push_to_hub repo private (an existing repo keeps its visibility)", **RUN
-    )
-    hub_token: str = setting(
-        "",
-        "the push_to_hub token; empty: huggingface_hub's (HF_TOKEN or hf auth login); never written to config.yaml",
-        secret=True,
-        **RUN,
-    )
+# -- the run itself (the output group: output_settings) ----------------------------------------------------------------
 
 
 DEFAULTS = ("", "cookbook", "trl")

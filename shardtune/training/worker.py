@@ -59,6 +59,7 @@ from shardtune.training.metrics import MetricsWriter
 from shardtune.training.objective import objective_class
 from shardtune.training.plots import write_run_plots
 from shardtune.training.preflight import PreflightError, run_preflight
+from shardtune.training.previous_run import set_previous_run_aside
 from shardtune.training.trackers import open_trackers
 
 
@@ -139,6 +140,8 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     if env.is_main:  # under the run lock: staging folders left here are a dead run's
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_staging(out_dir)
+    set_previous_run_aside(cfg, env)  # collective: an ended run moved into previous/ (move_aside) before any write
+    if env.is_main:
         write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
     if cfg.model.trust_remote_code:
         print0(f"trust_remote_code: running the model's own code from {cfg.model.name}")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import pytest
+
+from shardtune.runtime.run_lock import LOCK_FILE
 
 
 def assert_one_line_error(proc, *needles):
@@ -157,7 +161,18 @@ def test_a_previous_run_is_never_overwritten_by_accident(tiny_model, run_cli, cl
     proc = cli_in_process(*args, "--resume", "auto")
     assert_one_line_error(proc, "already holds a run", "--overwrite_output_dir true")
     assert (out / "metrics.jsonl").read_text() == before
-    run_cli(*args, "--overwrite_output_dir", "true")
+    # --output.previous_run move_aside (the Python trainers'): the first run renamed whole into previous/<UTC time>/,
+    # said in one line, and the rerun writes into an output_dir of its own (--overwrite_output_dir true, which writes
+    # over it, passes the same check: test_previous_run.py)
+    first = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != LOCK_FILE}
+    proc = run_cli(*args, "--output.previous_run", "move_aside")
+    (moved,) = (out / "previous").iterdir()
+    assert re.fullmatch(r"\d{8}-\d{6}", moved.name), moved.name
+    assert {str(p.relative_to(moved)): p.read_bytes() for p in moved.rglob("*") if p.is_file()} == first
+    assert {"config.yaml", "metrics.jsonl", LOCK_FILE, "previous"} <= set(os.listdir(out))
+    said = [line for line in proc.stdout.splitlines() if "held an earlier run" in line]
+    assert len(said) == 1 and said[0].startswith(f"shardtune: {out} held an earlier run: moved "), proc.stdout
+    assert said[0].endswith(f"into {moved}/ (--output.previous_run move_aside)"), said
 
 
 def test_the_hint_for_a_previous_run_offers_resume_only_where_a_checkpoint_is(tmp_path):
@@ -171,7 +186,7 @@ def test_the_hint_for_a_previous_run_offers_resume_only_where_a_checkpoint_is(tm
         check_previous_run(cfg)
     assert "already holds a run (metrics.jsonl)" in str(caught.value) and "--resume" not in str(caught.value)
     (tmp_path / "checkpoints" / "step-000004").mkdir(parents=True)
-    with pytest.raises(ConfigError, match="--resume latest to continue it, or --overwrite_output_dir true"):
+    with pytest.raises(ConfigError, match="--resume latest to continue it, --output.previous_run move_aside to move"):
         check_previous_run(cfg)
 
 
