@@ -82,10 +82,11 @@ def takes_a_list(name: str) -> bool:
 LIST_VALUED = ("report_to", "loss_type")
 
 
-# TRL's booleans whose table entry takes one of true / false only (the other refused: trl_trainer's ``only``) or any
-# value (it changes nothing here: ``no_effect``), so that their translation cannot show that they take a boolean
-# (tests/unit/test_switches.py checks this list against TRL's own dataclasses).
+# TRL's booleans whose table entry takes one of true / false only (the other refused: trl_trainer's ``only``; use_cpu
+# where GPUs are visible) or any value (it changes nothing here: ``no_effect``), so that their translation cannot show
+# that they take a boolean (tests/unit/test_switches.py checks this list against TRL's own dataclasses).
 SWITCHES_BY_NAME = (
+    "use_cpu",
     "ignore_bias_buffers",
     "dataloader_drop_last",
     "dataloader_pin_memory",

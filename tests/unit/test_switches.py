@@ -19,6 +19,7 @@ from shardtune.config.help import flag_table, help_text
 from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.schema import ConfigError
 from shardtune.config.spellings import SWITCHES_BY_NAME, is_switch, spellings, translates_a_boolean
+from shardtune.runtime.distributed import local_gpu_count
 
 NAMES = [*flat_fields(), *spellings()]
 SWITCHES = [name for name in NAMES if is_switch(name)]
@@ -159,7 +160,9 @@ def test_every_boolean_of_trls_configs_is_a_switch_here():
     assert set(SWITCHES_BY_NAME) <= booleans
     for name in SWITCHES_BY_NAME:
         spelling = spellings()[name]
-        assert spelling.to is not None and not spelling.refuse and not translates_a_boolean(spelling), name
+        assert spelling.to is not None and not spelling.refuse, name
+        # where GPUs are visible --use_cpu true is refused, so its translation does not show a boolean
+        assert not translates_a_boolean(spelling) or (name == "use_cpu" and not local_gpu_count()), name
 
 
 @pytest.mark.parametrize("objective", list(OBJECTIVES))
