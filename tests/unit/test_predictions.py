@@ -91,6 +91,11 @@ def test_metric_functions_are_refused_where_they_are_not_built(tiny_model):
     rows = [{"prompt": f"say {i}", "completion": f" {i}"} for i in range(8)]
     with pytest.raises(ConfigError, match="compute_metrics: a int is not callable"):
         SFTTrainer(model=str(tiny_model), train_dataset=rows, compute_metrics=3)
+    trainer = SFTTrainer(model=str(tiny_model), train_dataset=rows, compute_metrics=len)
+    trainer.config.parallel.sequence_parallel_size = 2  # as sp_size 2 makes it: each row split over 2 processes
+    with pytest.raises(ConfigError, match="predictions are not gathered from slices: set both to 1"):
+        with trainer._predicting(trainer.config):
+            pass
     pairs = [{"prompt": "a", "chosen": " b", "rejected": " c"}] * 8
     with pytest.raises(ConfigError, match="compute_metrics: TRL 1.16's DPO predictions .* depend|differ by layout"):
         DPOTrainer(model=str(tiny_model), train_dataset=pairs, compute_metrics=len)
