@@ -1,8 +1,8 @@
 """transformers' ``TrainerCallback`` objects on shardtune's loop (shardtune.training.hooks): ``on_train_begin``,
-``on_step_end``, ``on_log``, ``on_evaluate``, ``on_save``, ``on_train_end`` are called with a ``TrainerState`` and a
-``TrainerControl`` as Trainer calls them, and the control's ``should_evaluate``, ``should_save`` and
-``should_training_stop`` are honoured (``EarlyStoppingCallback`` stops a run). Callbacks run in every process of the
-run; a stop asked for on any rank stops them all.
+``on_step_end``, ``on_log`` (step and evaluation rows), ``on_evaluate``, ``on_save``, ``on_train_end`` are called with
+a ``TrainerState`` and a ``TrainerControl`` as Trainer calls them, and the control's ``should_evaluate``,
+``should_save`` and ``should_training_stop`` are honoured (``EarlyStoppingCallback`` stops a run). Callbacks run in
+every process of the run; a stop asked for on any rank stops them all.
 """
 
 from __future__ import annotations
@@ -79,11 +79,11 @@ class ArgsView:
 
 
 class CallbackHooks(Hooks):
-    def __init__(self, callbacks: list[Any], args: ArgsView, rank: int) -> None:
+    def __init__(self, callbacks: list[Any], args: ArgsView, rank: int, state: Any = None) -> None:
         from transformers import TrainerControl, TrainerState
 
         self.callbacks, self.args = callbacks, args
-        self.state = TrainerState(is_local_process_zero=rank == 0, is_world_process_zero=rank == 0)
+        self.state = state or TrainerState(is_local_process_zero=rank == 0, is_world_process_zero=rank == 0)
         self.control = TrainerControl()
 
     def _call(self, event: str, **kwargs: Any) -> None:
@@ -106,6 +106,12 @@ class CallbackHooks(Hooks):
     def on_evaluate(self, row: dict[str, Any]) -> None:
         metrics = trl_row(row)
         self.state.log_history.append(metrics)
+        self.logged_evaluation(metrics)
+
+    def logged_evaluation(self, metrics: dict[str, Any]) -> None:
+        """An evaluation's metrics, as Trainer's evaluate() hands them on: on_log (the logged row), then on_evaluate
+        and the best metric so far."""
+        self._call("on_log", logs=metrics)
         self._call("on_evaluate", metrics=metrics)
         metric = self.args.metric_for_best_model  # then the best so far, as Trainer keeps it (after the callbacks)
         value = metrics.get(metric if metric.startswith("eval_") else f"eval_{metric}")

@@ -291,3 +291,56 @@ def reward_functions(reward_funcs: Any) -> tuple[list[str], list[Callable[..., A
             callables.append(func)
     names = iter(rewards.register_in_process(callables))
     return [str(f) if isinstance(f, (str, os.PathLike)) else next(names) for f in funcs], callables
+
+
+def model_source(given: Any, model: Any) -> str:
+    """Where the run's tokenizer comes from when the script gives no ``processing_class``, as TRL's rule: a model
+    given by name or path is its own tokenizer's source; a model object, the name or path it was loaded from
+    (``model.config._name_or_path``). ``given``: the processing_class, or the model."""
+    if isinstance(given, (str, os.PathLike)):
+        return str(given)
+    if hasattr(given, "save_pretrained") and not hasattr(given, "config"):  # a tokenizer object: saved by settings
+        return str(getattr(given, "name_or_path", "") or "")
+    config = getattr(given, "config", None)
+    source = getattr(config, "_name_or_path", "") if config is not None else getattr(given, "name_or_path", "")
+    if not source:
+        raise ConfigError(
+            f"model: this {type(model).__name__} names no path to load its tokenizer from (built from a config, not "
+            "from_pretrained): pass processing_class (a tokenizer or its path)"
+        )
+    return str(source)
+
+
+def quantization_settings(quantization_config: Any) -> Pairs:
+    """TRL's ``quantization_config=`` (a transformers ``BitsAndBytesConfig``, or its dict): 4-bit (QLoRA) or 8-bit
+    base weights as ``--load_in_4bit`` / ``--load_in_8bit`` take them. The compute dtype is the run's precision and
+    the storage dtype is the one its strategy shards (FSDP: bf16); another field set away from its default is
+    refused."""
+    if quantization_config is None:
+        return []
+    if isinstance(quantization_config, dict):
+        from transformers import BitsAndBytesConfig
+
+        quantization_config = BitsAndBytesConfig(**quantization_config)
+    if type(quantization_config).__name__ != "BitsAndBytesConfig":
+        raise ConfigError(
+            f"quantization_config: a {type(quantization_config).__name__} is not built: pass a BitsAndBytesConfig "
+            "(4-bit: QLoRA, or 8-bit)"
+        )
+    q = quantization_config
+    taken = {"load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant"}
+    taken |= {"bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "quant_method", "_load_in_4bit", "_load_in_8bit"}
+    default = type(q)().to_dict()
+    for key, value in q.to_dict().items():
+        if key not in taken and value != default.get(key):
+            raise ConfigError(
+                f"quantization_config.{key} {value!r} is not built (shardtune takes load_in_4bit with "
+                "bnb_4bit_quant_type and bnb_4bit_use_double_quant, or load_in_8bit): leave it at its default"
+            )
+    if q.load_in_4bit:
+        return [
+            ("load_in_4bit", True),
+            ("bnb_4bit_quant_type", q.bnb_4bit_quant_type),
+            ("use_bnb_nested_quant", bool(q.bnb_4bit_use_double_quant)),
+        ]
+    return [("load_in_8bit", True)] if q.load_in_8bit else []

@@ -17,14 +17,18 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from shardtune.api.callbacks import ArgsView, CallbackHooks, checked_callbacks, trl_row
-from shardtune.api.configs import DEFAULT_OUTPUT_DIR, TrlConfig, config_class, fields_of
+from shardtune.api.configs import config_class, fields_of
 from shardtune.api.inputs import (
     dataset_settings,
     model_settings,
+    model_source,
     peft_settings,
+    quantization_settings,
     reward_functions,
     tokenizer_settings,
 )
+from shardtune.api.prediction import Predicting
+from shardtune.api.surface import ScriptSurface, model_files
 from shardtune.config.dialects.accelerate import clear_accelerate_loading_variables, environment_settings
 from shardtune.config.fields import get_value
 from shardtune.config.objectives import OBJECTIVES
@@ -32,19 +36,11 @@ from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.launch.torchrun import in_place_worker_env
 from shardtune.runtime.distributed import is_torchrun_worker
 from shardtune.runtime.preemption import STOP_SIGNALS
+from shardtune.training.checkpoint_layout import checkpoints_dir
 from shardtune.training.checks import prepare
 from shardtune.training.hooks import install
 from shardtune.training.rewards import register_in_process
 from shardtune.training.worker import run_worker
-
-
-class TrainerState:
-    """What TRL's ``trainer.state`` holds that a script reads after training."""
-
-    def __init__(self) -> None:
-        self.log_history: list[dict[str, Any]] = []
-        self.global_step = 0
-        self.epoch = 0.0
 
 
 class TrainOutput(tuple):
@@ -92,7 +88,7 @@ def _refuse(name: str, value: Any, why: str) -> None:
         raise ConfigError(f"{name}: {why}")
 
 
-class _Trainer:
+class _Trainer(ScriptSurface, Predicting):
     objective = "sft"
     refusals: dict[str, str] = {}  # argument -> why it is refused (the class's: REFUSED below)
 
@@ -104,22 +100,26 @@ class _Trainer:
         eval_dataset: Any = None,
         processing_class: Any = None,
         peft_config: Any = None,
+        quantization_config: Any = None,
         **unsupported: Any,
     ) -> None:
         self.callbacks = checked_callbacks(unsupported.pop("callbacks", None))
         formatting_func = unsupported.pop("formatting_func", None)
+        self._take_metric_functions(unsupported)  # compute_metrics, preprocess_logits_for_metrics
         objective_pairs = self._objective_settings(unsupported)
         for name, value in unsupported.items():
             _refuse(name, value, self.refusals[name])
         model_pairs = model_settings(model)
-        self.args = args if args is not None else config_class(self.objective)()
-        given = {"output_dir": DEFAULT_OUTPUT_DIR, **fields_of(self.args)}
+        self.args = args if args is not None else self._default_args(model)
+        given = fields_of(self.args)  # validated as the command line's settings just below, with the rest
         if self.callbacks and not given.get("load_best_model_at_end"):  # what a callback compares (EarlyStopping)
             self._for_callbacks = {
                 k: given.pop(k) for k in ("metric_for_best_model", "greater_is_better") if k in given
             }
         else:
             self._for_callbacks = {}
+        # TRL loads the tokenizer from the model's own name or path when the script gives none
+        self._tokenizer_source = model_source(processing_class if processing_class is not None else model, model)
         self._pairs = [
             ("defaults", "trl"),
             *environment_settings(
@@ -128,18 +128,27 @@ class _Trainer:
             *given.items(),
             *model_pairs,
             *objective_pairs,
-            *tokenizer_settings(processing_class),
+            *tokenizer_settings(processing_class if processing_class is not None else _object_source(model, self)),
             *peft_settings(peft_config),
+            *quantization_settings(quantization_config),
             *dataset_settings(train_dataset, eval_dataset, formatting_func),
         ]
         clear_accelerate_loading_variables()  # read above; shardtune loads the weights itself
         self.config = self._config()  # every refusal here, when the trainer is made
         self._datasets = (train_dataset, eval_dataset, formatting_func)
+        self._dataset_name = _dataset_name(train_dataset)
         self._starting_model = dict(model_pairs)["model_name_or_path"]
+        self._processing_class = processing_class if hasattr(processing_class, "save_pretrained") else None
         self._evaluations = 0
-        self.state = TrainerState()
+        self.state = _new_state()
         self._model: Any = None
         self._trained = False
+
+    def _default_args(self, model: Any) -> Any:
+        """TRL's default when a script passes no args: ``<model's name>-<SFT|DPO|GRPO>`` as output_dir."""
+        name = str(model) if isinstance(model, (str, os.PathLike)) else getattr(model.config, "_name_or_path", "")
+        name = Path(name.rstrip("/")).name.removeprefix("preset:") or "model"
+        return config_class(self.objective)(output_dir=f"{name}-{self.objective.upper()}")
 
     def _objective_settings(self, arguments: dict[str, Any]) -> list[tuple[str, Any]]:
         """The objective's own constructor arguments, taken out of ``arguments``, as settings."""
@@ -152,10 +161,6 @@ class _Trainer:
         from shardtune.config.flags import build_config
 
         return build_config([*pairs, *more], None, (), [], self.objective)
-
-    @property
-    def output_dir(self) -> Path:
-        return Path(self.config.output.dir)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **unsupported: Any) -> TrainOutput:
         """Train; ``resume_from_checkpoint``: True, the newest checkpoint of output_dir; a path, that checkpoint."""
@@ -171,19 +176,20 @@ class _Trainer:
         self.config = cfg
         self._trained = True
         self._model = None
-        self.state.log_history = self._log_history()
-        steps = [row for row in self.state.log_history if "loss" in row]
-        self.state.global_step = steps[-1]["step"] if steps else 0
-        self.state.epoch = steps[-1].get("epoch", 0.0) if steps else 0.0
+        history = self._log_history()
+        self.state = _state_after(history, cfg)
+        steps = [row for row in history if "loss" in row]
         mean = sum(r["loss"] for r in steps) / len(steps) if steps else float("nan")
-        return TrainOutput(self.state.global_step, mean, {"train_loss": mean, "epoch": self.state.epoch})
+        metrics = {"train_loss": mean, "epoch": self.state.epoch}
+        return TrainOutput(self.state.global_step, mean, metrics)
 
     def _log_history(self) -> list[dict[str, Any]]:
         return _rows(self.output_dir)
 
     def _run(self, cfg: TrainConfig, what: str, callbacks: bool = False) -> None:
         """``cfg`` run by this process as one worker of the job (the script's callbacks with ``callbacks``); a
-        refusal or a failure is this call's exception, on every rank alike."""
+        refusal or a failure is this call's exception, on every rank alike; an exception of the script's own code
+        (a reward function, a callback) is raised again here, with its traceback."""
         with _worker_environment():
             prepare(cfg, int(os.environ["WORLD_SIZE"]))
             hooks = (
@@ -195,8 +201,8 @@ class _Trainer:
                 if callbacks and self.callbacks
                 else None
             )
-            with install(hooks), _signal_handlers_kept():
-                status = run_worker(cfg, prepared=True, exit_when_stopped=True)
+            with install(hooks), self._predicting(cfg), _signal_handlers_kept():
+                status = run_worker(cfg, prepared=True, exit_when_stopped=True, reraise=True)
         if status != 0:
             raise RuntimeError(f"shardtune: the {what} stopped with status {status} (its error is above)")
 
@@ -221,7 +227,17 @@ class _Trainer:
         self._run(cfg, "evaluation")
         metrics = {k: v for k, v in _rows(folder)[-1].items() if k not in ("step", "epoch")}
         metrics = {metric_key_prefix + k.removeprefix("eval"): v for k, v in metrics.items()}
-        return {**metrics, "epoch": self.state.epoch}
+        metrics = {**metrics, "epoch": self.state.epoch}
+        self._logged_evaluation(metrics, cfg)
+        return metrics
+
+    def _logged_evaluation(self, metrics: dict[str, Any], cfg: TrainConfig) -> None:
+        """As Trainer's evaluate() logs its metrics: a log_history row, then the callbacks' on_log and on_evaluate."""
+        self.state.log_history.append({**metrics, "step": self.state.global_step})
+        if self.callbacks:
+            args = ArgsView({**fields_of(self.args), **self._for_callbacks}, cfg)
+            hooks = CallbackHooks(self.callbacks, args, int(os.environ.get("RANK", "0")), state=self.state)
+            hooks.logged_evaluation(metrics)
 
     def _trained_model_settings(self) -> list[tuple[str, Any]]:
         """The trained run's published output as the model to evaluate (an adapter: on its base)."""
@@ -242,22 +258,23 @@ class _Trainer:
     @property
     def model(self) -> Any:
         """After train(): the trained model (a PeftModel with the adapter for adapter runs), loaded on the CPU
-        from the run's published output on every rank; before: None."""
-        if self._model is None and self._trained:
-            self._model = load_published(self.output_dir)
+        from the run's published output on every process; before: the starting model, loaded on the CPU (the run
+        loads and places its own copy: changing this object changes nothing the run trains)."""
+        if self._model is None:
+            self._model = load_published(self.output_dir) if self._trained else _load_starting(self.config)
         return self._model
 
-    def save_model(self, output_dir: str | None = None) -> None:
-        """Copy the trained model (or adapter) and tokenizer files to ``output_dir`` (rank 0 writes)."""
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Copy the trained model's files (weights or adapter, config, tokenizer, model card) to ``output_dir``
+        (the main process writes; the run's own files and its lock stay)."""
         if not self._trained:
             raise ConfigError("save_model(): nothing trained yet: call train() first")
         target = Path(output_dir) if output_dir else self.output_dir
-        if target.resolve() == self.output_dir.resolve() or int(os.environ.get("RANK", "0")) != 0:
+        if target.resolve() == self.output_dir.resolve() or not self.is_world_process_zero():
             return
         target.mkdir(parents=True, exist_ok=True)
-        for path in self.output_dir.iterdir():
-            if path.is_file() and path.name not in ("metrics.jsonl",):
-                shutil.copy2(path, target / path.name)
+        for name in model_files(self.output_dir):
+            shutil.copy2(self.output_dir / name, target / name)
 
 
 def _rows(folder: Path) -> list[dict[str, Any]]:
@@ -282,6 +299,61 @@ def load_published(folder: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(str(folder))
 
 
+def _load_starting(cfg: TrainConfig) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.model.loading import resolve_model_name
+
+    return AutoModelForCausalLM.from_pretrained(
+        resolve_model_name(cfg.model.name), trust_remote_code=cfg.model.trust_remote_code
+    )
+
+
+def _object_source(model: Any, trainer: "_Trainer") -> str | None:
+    """A model object's tokenizer source (None for a model given by name: the run loads its own)."""
+    return None if isinstance(model, (str, os.PathLike)) else trainer._tokenizer_source
+
+
+def _new_state(**fields: Any) -> Any:
+    from transformers import TrainerState
+
+    return TrainerState(**fields)
+
+
+def _state_after(history: list[dict[str, Any]], cfg: TrainConfig) -> Any:
+    """transformers' TrainerState of a finished run: its log, steps and epoch, and the best evaluation (by
+    metric_for_best_model, when the run names one or loads the best model) with its checkpoint, as Trainer keeps it."""
+    steps = [row for row in history if "loss" in row]
+    last = steps[-1] if steps else {}
+    state = _new_state(
+        global_step=last.get("step", 0),
+        epoch=last.get("epoch", 0.0),
+        max_steps=last.get("step", 0),
+        log_history=history,
+        train_batch_size=cfg.train.batch_size,
+        is_local_process_zero=int(os.environ.get("LOCAL_RANK", "0")) == 0,
+        is_world_process_zero=int(os.environ.get("RANK", "0")) == 0,
+    )
+    if cfg.eval.metric_for_best_model or cfg.eval.load_best_model_at_end:
+        metric = cfg.eval.metric_for_best_model or "eval_loss"
+        key = metric if metric.startswith("eval_") else f"eval_{metric}"
+        greater = (not key.endswith("loss")) if cfg.eval.greater_is_better is None else cfg.eval.greater_is_better
+        rows = [row for row in history if key in row]
+        if rows:
+            best = (max if greater else min)(rows, key=lambda row: row[key])
+            state.best_metric, state.best_global_step = best[key], best.get("step")
+            folder = checkpoints_dir(cfg.output.dir) / f"step-{best.get('step', 0):06d}"
+            state.best_model_checkpoint = str(folder) if folder.is_dir() else None
+    return state
+
+
+def _dataset_name(dataset: Any) -> str | None:
+    """A datasets.Dataset's own name (its builder's: a hub id or the loader), for the model card."""
+    info = getattr(dataset, "info", None)
+    name = getattr(info, "dataset_name", None) if info is not None else None
+    return name if name and name not in ("json", "parquet", "csv", "generator", "text", "arrow") else None
+
+
 def given(arguments: dict[str, Any]) -> dict[str, Any]:
     """A trainer's constructor arguments (its ``locals()``), as TRL's signature names them, for _Trainer."""
     return {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
@@ -291,11 +363,8 @@ REFUSED = {
     "data_collator": "not taken: shardtune builds the batches (padding, packing, padding-free) from the data flags: "
     "drop it",
     "compute_loss_func": "not taken: the loss is shardtune's (normalised by the global label tokens): drop it",
-    "compute_metrics": "not built yet (metrics exact across ranks come later): drop it; eval_loss is computed",
     "optimizers": "not taken: the optimizer and schedule come from the config (optim, lr_scheduler_type): drop it",
     "optimizer_cls_and_kwargs": "not taken: the optimizer comes from the config (optim): drop it",
-    "preprocess_logits_for_metrics": "not built: drop it",
-    "quantization_config": "pass load_in_4bit / load_in_8bit in the config instead",
 }
 
 
@@ -410,4 +479,4 @@ class GRPOTrainer(_Trainer):
         super()._run(cfg, what, callbacks)
 
 
-__all__ = ["DPOTrainer", "GRPOTrainer", "SFTTrainer", "TrainOutput", "TrainerState", "TrlConfig"]
+__all__ = ["DPOTrainer", "GRPOTrainer", "SFTTrainer", "TrainOutput"]

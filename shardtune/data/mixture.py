@@ -186,15 +186,20 @@ def _check_same_columns(label: str, names: list[str], columns: list[list[str]]) 
 
 
 def _records(label: str, i: int, entry: dict[str, Any]) -> tuple[list[dict], list[str]]:
-    dataset = _load(json.dumps(entry, sort_keys=True))
+    dataset = load_entry(entry)
     if not len(dataset):
         raise DataError(f"{label} entry {i} ({_name(entry)}) has no rows: fix the data or drop the entry")
     return dataset.to_list(), list(dataset.column_names)
 
 
+def load_entry(entry: dict[str, Any]) -> Any:
+    """One entry's split (an entry as :func:`shardtune.config.mixture.mixture_entries` gives it) as a
+    ``datasets.Dataset``, its columns kept; loaded once per process."""
+    return _load(json.dumps(entry, sort_keys=True))
+
+
 @functools.lru_cache(maxsize=8)
 def _load(entry_json: str) -> Any:
-    """One entry's split as a ``datasets.Dataset`` (loaded once per process), its columns kept."""
     import datasets
 
     entry = json.loads(entry_json)

@@ -302,12 +302,15 @@ def record_worker_error(line: str) -> None:
         json.dump({"message": line, "timestamp": int(time.time())}, f)
 
 
-def run_worker(cfg: TrainConfig, prepared: bool = False, exit_when_stopped: bool = False) -> int:
+def run_worker(cfg: TrainConfig, prepared: bool = False, exit_when_stopped: bool = False, reraise: bool = False) -> int:
     """One worker's run: its exit status. ``exit_when_stopped`` (a script's ``trainer.train()``): a run stopped by a
     signal (checkpoint written) raises SystemExit with the status the command would exit with, instead of
-    returning it, so that the script's process ends as ``shardtune sft``'s would."""
+    returning it, so that the script's process ends as ``shardtune sft``'s would. ``reraise`` (a script's too): a
+    fault no check foresaw — often the script's own code, a reward function or a callback — is raised again after
+    the process group is left, with its traceback, instead of becoming one line."""
     install_worker_handlers()
     stopped: int | None = None
+    fault: BaseException | None = None
     rank = int(os.environ["RANK"])
     try:
         if not prepared:  # the in-place run (one process) prepared it already
@@ -349,10 +352,15 @@ def run_worker(cfg: TrainConfig, prepared: bool = False, exit_when_stopped: bool
         # is a BaseException): one line, printed once by whoever launched the workers
         if cfg.run.debug:
             traceback.print_exc()
-        record_worker_error(unexpected_error_line(e, env.rank))
-        return 1
+        if not reraise or os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary line; raised: its traceback
+            record_worker_error(unexpected_error_line(e, env.rank))
+        if not reraise:
+            return 1
+        fault = e
     finally:
         shutdown()
+    if fault is not None:
+        raise fault
     if stopped is not None:  # a script's train(): the script ends here, as the command would (its later lines
         raise SystemExit(stopped)  # would use a model that was not trained to the end)
     return 0

@@ -54,27 +54,34 @@ def test_trls_own_sftconfig_object_means_what_ours_means(tiny_model, tmp_path):
     assert (cfg.optim.lr_scheduler, cfg.data.context_length, cfg.checkpoint.save_steps) == ("cosine", 256, 20)
     # what the fields leave out is TRL's: max_grad_norm 1, padding, gradient checkpointing
     assert cfg.optim.max_grad_norm == 1.0 and cfg.data.batching == "padding" and cfg.parallel.activation_checkpointing
-    default = SFTTrainer(model=str(tiny_model), train_dataset=ROWS).config
-    assert default.output.dir == "trainer_output" and default.optim.lr == 2e-5 and default.train.num_epochs == 3
+    default = SFTTrainer(model=str(tiny_model), train_dataset=ROWS).config  # no args: TRL's <model>-SFT
+    assert default.output.dir == f"{tiny_model.name}-SFT" and default.optim.lr == 2e-5 and default.train.num_epochs == 3
 
 
-def test_a_config_refuses_at_once_in_one_line():
-    with pytest.raises(ConfigError, match="unknown flag --learnin_rate: did you mean --learning_rate"):
+def test_a_config_refuses_at_once_in_one_line(tiny_model):
+    from shardtune.api.configs import fields_of
+
+    with pytest.raises(TypeError, match="learnin_rate"):  # a dataclass: an unknown field is TRL's TypeError
         SFTConfig(learnin_rate=1e-4)
     with pytest.raises(ConfigError, match="--loss_type dft") as error:
         SFTConfig(loss_type="dft")
     assert "\n" not in str(error.value)
     args = SFTConfig(learning_rate=1e-4)
+    # bf16 reads as given (TRL's None becomes true): shardtune's meaning, bf16 where the device has it
+    assert fields_of(args) == {"output_dir": "trainer_output", "learning_rate": 1e-4, "bf16": True}
+    args.lr_scheduler_type = "inverse_sqrt"  # a field set after construction: refused when the trainer is made
     with pytest.raises(ConfigError, match="--lr_scheduler_type inverse_sqrt is not built"):
-        args.lr_scheduler_type = "inverse_sqrt"
-    assert args.given == {"learning_rate": 1e-4}  # a refused change leaves the config as it was
+        SFTTrainer(model=str(tiny_model), args=args, train_dataset=ROWS)
+    args.lr_scheduler_type = "cosine"
     args.num_train_epochs = 2
-    assert args.num_train_epochs == 2 and args.output_dir == "trainer_output"
+    trainer = SFTTrainer(model=str(tiny_model), args=args, train_dataset=ROWS)
+    assert (trainer.config.optim.lr_scheduler, trainer.config.train.num_epochs) == ("cosine", 2)
+    assert args.output_dir == "trainer_output" and args.eval_strategy == "no"  # unset fields read TRL's defaults
     assert DPOConfig(beta=0.3).canonical().dpo.beta == 0.3
     with pytest.raises(ConfigError, match="--beta is a flag of shardtune dpo"):
         from shardtune.training.objective import check_objective
 
-        check_objective(SFTConfig(beta=0.3).canonical(), 1)
+        check_objective(SFTConfig().canonical([("beta", 0.3)]), 1)
 
 
 def test_trainer_arguments_shardtune_cannot_honour_are_refused(tiny_model):
@@ -84,7 +91,6 @@ def test_trainer_arguments_shardtune_cannot_honour_are_refused(tiny_model):
 
     cases = [
         (dict(callbacks=[object()]), "callbacks: a object is not a transformers TrainerCallback"),
-        (dict(compute_metrics=len), "compute_metrics"),
         (dict(data_collator=len), "data_collator: not taken"),
     ]
     for extra, named in cases:
@@ -241,7 +247,8 @@ def test_every_constructor_argument_of_trls_trainers_is_ours_too():
         names = list(inspect.signature(theirs.__init__).parameters)
         assert names == list(inspect.signature(ours.__init__).parameters)
         honoured = {"self", "model", "args", "train_dataset", "eval_dataset", "processing_class", "peft_config"}
-        honoured |= {"callbacks", "formatting_func", "ref_model", "reward_funcs"}
+        honoured |= {"callbacks", "formatting_func", "ref_model", "reward_funcs", "quantization_config"}
+        honoured |= {"compute_metrics", "preprocess_logits_for_metrics"}
         assert set(names) - honoured <= set(ours.refusals), set(names) - honoured - set(ours.refusals)
 
 
