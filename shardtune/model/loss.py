@@ -41,6 +41,10 @@ PREDICTION_SUMS = ("num_correct", "entropy_sum")
 # Rows x vocabulary of the one fp32 temporary :func:`prediction_sums` works in (4 MiB; shardtune.planner.estimate
 # counts it).
 PREDICTION_BLOCK_ELEMENTS = 1 << 20
+# What :func:`token_predictions` gives for each scored position, in this order (TRL's DPO metrics are sums of them over
+# completion tokens): whether the argmax of the logits is the target, the entropy of the predicted distribution, the
+# mean of the logits over the vocabulary.
+TOKEN_PREDICTIONS = ("is_top1", "entropy", "mean_logit")
 
 
 def num_label_tokens(labels: torch.Tensor) -> int:
@@ -122,22 +126,56 @@ def sequence_log_prob_sums(
     as :func:`token_loss_sum`'s (no sequence x vocabulary logits: :class:`RowwiseLinearCrossEntropy`), the full
     logits where the model needs them. Padded rows are summed along the row, as a (rows, T) tensor of
     log-probabilities is (TRL's order of summation), in fp64."""
+    return _sequence_sums(model, batch, targets, segments, num_segments, device, with_predictions=False)[0]
+
+
+def sequence_log_prob_and_prediction_sums(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    targets: torch.Tensor,
+    segments: torch.Tensor,
+    num_segments: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`sequence_log_prob_sums`, per segment the sums of :data:`TOKEN_PREDICTIONS` over its scored positions:
+    (num_segments, 3) fp64 without a graph), from the logits the log-probabilities are taken from: one forward, no
+    second pass over the vocabulary."""
+    return _sequence_sums(model, batch, targets, segments, num_segments, device, with_predictions=True)
+
+
+def _sequence_sums(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    targets: torch.Tensor,
+    segments: torch.Tensor,
+    num_segments: int,
+    device: torch.device,
+    with_predictions: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     targets = targets.to(device, non_blocking=True)
     segments = segments.to(device, non_blocking=True)
     keep = targets != IGNORE_INDEX
     head = lean_head(model)
+    found: list[torch.Tensor] = []
     if head is None:
         logits = model(**model_inputs(batch, device), use_cache=False).logits.float()
         per_token = torch.gather(logits.log_softmax(-1), 2, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)[keep]
+        if with_predictions:
+            found.append(token_predictions(logits[keep], targets[keep]))
     else:
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
             chunk_rows = default_chunk_rows(hidden.device.type, head.weight.size(0))
-            return RowwiseLinearCrossEntropy.apply(hidden[keep], head.weight, targets[keep], chunk_rows)
+            sink = found if with_predictions else None
+            return RowwiseLinearCrossEntropy.apply(hidden[keep], head.weight, targets[keep], chunk_rows, sink)
 
         with head_computes(head, forward) as result:
             model(**model_inputs(batch, device), use_cache=False)
         per_token = -result["output"]
+    predictions = None
+    if with_predictions:  # the chunks' rows, summed per segment (in fp64: the same whatever the micro-batch's shape)
+        rows = torch.cat(found) if found else torch.zeros(0, len(TOKEN_PREDICTIONS), dtype=torch.float64, device=device)
+        predictions = rows.new_zeros(num_segments, len(TOKEN_PREDICTIONS)).index_add(0, segments[keep], rows)
     # summed in fp64: a sequence's sum then does not depend on the micro-batch it shares (its padded length, where it
     # sits), which would move it by an fp32 ulp of the sum from one layout to another; returned in fp32
     per_token = per_token.double()
@@ -147,7 +185,7 @@ def sequence_log_prob_sums(
         sums = torch.zeros(targets.shape, dtype=per_token.dtype, device=device).masked_scatter(keep, per_token).sum(1)
     else:
         sums = torch.zeros(num_segments, dtype=per_token.dtype, device=device).index_add(0, segments[keep], per_token)
-    return sums.float()
+    return sums.float(), predictions
 
 
 def full_logits_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -177,13 +215,35 @@ def prediction_sums(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tens
         lse = torch.logsumexp(logits, dim=-1)
     correct = (logits.argmax(dim=-1) == targets).sum()
     entropy = torch.zeros((), dtype=torch.float64, device=logits.device)
+    for _, z_lse, expected in _expected_logits(logits, lse):
+        entropy += (z_lse.sum() - expected.sum()).double()
+    return torch.stack([correct.double(), entropy])
+
+
+@torch.no_grad()
+def token_predictions(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """:data:`TOKEN_PREDICTIONS` of each row of logits (n, V) with its target (n,): (n, 3) fp64, worked in fp32 as
+    :func:`prediction_sums` (the first of equal maxima is the argmax; entropy = logsumexp - sum(softmax x logits)),
+    for callers that sum them per sequence (DPO's chosen and rejected completions)."""
+    logits = logits.float()
+    if lse is None:
+        lse = torch.logsumexp(logits, dim=-1)
+    out = torch.empty(logits.size(0), len(TOKEN_PREDICTIONS), dtype=torch.float64, device=logits.device)
+    out[:, 0] = logits.argmax(dim=-1) == targets
+    out[:, 2] = logits.mean(dim=-1)
+    for start, z_lse, expected in _expected_logits(logits, lse):
+        out[start : start + z_lse.size(0), 1] = z_lse - expected.reshape(-1)
+    return out
+
+
+def _expected_logits(logits: torch.Tensor, lse: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(first row, the rows' logsumexp, sum(softmax x logits) per row) of fp32 ``logits``, in row blocks of
+    PREDICTION_BLOCK_ELEMENTS: the block's softmax is the one temporary, small beside the logits."""
     block = max(1, PREDICTION_BLOCK_ELEMENTS // max(1, logits.size(-1)))
     for start in range(0, logits.size(0), block):
         z, z_lse = logits[start : start + block], lse[start : start + block]
-        probs = (z - z_lse[:, None]).exp_()  # the block's one temporary
-        expected = torch.bmm(probs.unsqueeze(1), z.unsqueeze(2))  # sum(softmax x logits) per row, without a second
-        entropy += (z_lse.sum() - expected.sum()).double()
-    return torch.stack([correct.double(), entropy])
+        probs = (z - z_lse[:, None]).exp_()
+        yield start, z_lse, torch.bmm(probs.unsqueeze(1), z.unsqueeze(2))  # without a second softmax-sized product
 
 
 def hf_model(model: nn.Module) -> nn.Module:
@@ -333,18 +393,27 @@ class RowwiseLinearCrossEntropy(torch.autograd.Function):
     row (DPO's per-sequence log-probabilities go through a non-linear loss), so the gradients cannot be taken in
     forward as :class:`ChunkedLinearCrossEntropy` does. Forward keeps no logits; backward recomputes each chunk's
     logits and scales its softmax - onehot by its rows' gradients. Peak memory O(chunk x vocabulary), one matmul more
-    than the full-logits path."""
+    than the full-logits path. ``predictions``: a list that each chunk's :func:`token_predictions` is appended to
+    (or None)."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    def forward(
+        ctx,
+        rows: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        chunk_rows: int,
+        predictions: list | None = None,
+    ) -> torch.Tensor:
         w = weight.to(rows.dtype)
         losses = torch.empty(rows.size(0), dtype=torch.float32, device=rows.device)
         for start in range(0, rows.size(0), chunk_rows):
             logits = (rows[start : start + chunk_rows] @ w.t()).float()
             target = targets[start : start + chunk_rows]
-            losses[start : start + chunk_rows] = torch.logsumexp(logits, dim=-1) - logits.gather(
-                1, target[:, None]
-            ).squeeze(1)
+            lse = torch.logsumexp(logits, dim=-1)
+            losses[start : start + chunk_rows] = lse - logits.gather(1, target[:, None]).squeeze(1)
+            if predictions is not None:  # from the chunk's logits at hand: no second pass over the vocabulary
+                predictions.append(token_predictions(logits, target, lse))
             del logits
         ctx.save_for_backward(rows, targets)
         ctx.weight, ctx.chunk_rows = weight, chunk_rows  # the parameter itself: re-gathered by its wrapper's hooks
@@ -374,4 +443,4 @@ class RowwiseLinearCrossEntropy(torch.autograd.Function):
             del logits, dlogits
         ctx.weight = None
         d_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
-        return grad_rows, d_weight, None, None
+        return grad_rows, d_weight, None, None, None

@@ -3,7 +3,9 @@ log-probabilities of the policy and the reference (dpo_logps), the reference pla
 
 The step loss is the mean over the step's GLOBAL pairs: the engine's normaliser N is the number of pairs (all
 micro-batches, all ranks), so 1 x 4 x 1, 2 x 2 x 1 and 1 x 1 x 4 (processes x pairs x accumulation) compute the same
-gradients up to float rounding. The metrics are TRL's (``rewards/*``, ``logps/*``), each a mean over the step's pairs.
+gradients up to float rounding. The metrics are TRL's: ``rewards/*``, ``logps/*`` means over the step's global pairs;
+``logits/*``, ``entropy``, ``mean_token_accuracy`` means over its global completion tokens (TRL's, per micro-batch and
+then averaged, equal these at one micro-batch per step), from the logits the policy's log-probabilities are taken from.
 
 The reference: with PEFT the policy's own base with the adapter switched off (no second copy); for full
 fine-tuning a frozen copy of the starting weights, placed by the strategy like the policy (whole under DDP, sharded
@@ -33,12 +35,13 @@ from shardtune.parallel.sequence import RowSlice, SequenceGroups, use_sequence_a
 from shardtune.runtime.distributed import all_reduce_sum, print0
 from shardtune.training.building import build_model
 from shardtune.training.dpo_logps import (
+    TOKEN_SUMS,
     SplitRows,
     chosen_completion_targets,
     completion_lengths,
     num_completion_targets,
     num_pairs,
-    pair_logps,
+    policy_logps,
     reference_logps,
 )
 from shardtune.training.dpo_loss import check_loss_options, preference_losses, sft_weight
@@ -47,7 +50,7 @@ from shardtune.training.objective import COUNTS, Objective
 from shardtune.training.sft import data_splits
 
 # The metrics of a step, TRL's names; each the mean over the step's global pairs.
-METRICS = (
+PAIR_METRICS = (
     "rewards/chosen",
     "rewards/rejected",
     "rewards/accuracies",
@@ -55,8 +58,15 @@ METRICS = (
     "logps/chosen",
     "logps/rejected",
 )
-# Sums over a micro-batch's pairs: the pair losses, the metrics' numerators, the chosen completions' NLL (sft's term).
-STATS = ("loss_sum", *METRICS, "chosen_nll")
+# TRL's names; each TOKEN_SUMS' sum over the step's global tokens of: the chosen completions (mean_token_accuracy: the
+# share whose argmax is the label), all completions (entropy, in nats), the chosen / rejected completions (logits/*:
+# the logits' mean over the vocabulary, averaged over those tokens)
+TOKEN_METRICS = ("mean_token_accuracy", "entropy", "logits/chosen", "logits/rejected")
+METRICS = (*PAIR_METRICS, *TOKEN_METRICS)
+# Sums over a micro-batch's pairs: the pair losses, the metrics' numerators, the chosen completions' NLL (sft's term);
+# then over its completion tokens (a split row's slices hold disjoint tokens, but the same pairs)
+PAIR_STATS = ("loss_sum", *PAIR_METRICS, "chosen_nll")
+STATS = (*PAIR_STATS, *TOKEN_SUMS)
 
 
 def pair_stats(
@@ -67,7 +77,7 @@ def pair_stats(
     ref_rejected: torch.Tensor,
     beta: float,
 ) -> torch.Tensor:
-    """The sums of STATS over the pairs of a micro-batch, on the device (float64)."""
+    """The sums of PAIR_STATS over the pairs of a micro-batch, on the device (float64)."""
     chosen_rewards = beta * (chosen - ref_chosen).detach()
     rejected_rewards = beta * (rejected - ref_rejected).detach()
     values = (
@@ -83,12 +93,33 @@ def pair_stats(
     return torch.stack([v.double().sum() for v in values])
 
 
-def pair_means(sums: list[float], num_pairs: float, chosen_tokens: float = 0, sft: float = 0.0) -> dict[str, float]:
-    """``sums``: STATS summed over the pairs of all ranks; the loss is the pair losses' mean plus ``sft`` x the NLL
-    of the ``chosen_tokens`` chosen completion tokens, per token (as TRL's ``sft`` term)."""
-    n = max(num_pairs, 1)
-    loss = sums[0] / n + (sft * sums[-1] / max(chosen_tokens, 1) if sft else 0.0)
-    return {"loss": loss, **{name: sums[i + 1] / n for i, name in enumerate(METRICS)}}
+def step_means(
+    sums: list[float], num_pairs: float, chosen_tokens: float, completion_tokens: float, sft: float = 0.0
+) -> dict[str, float]:
+    """The loss and METRICS of ``sums`` (STATS summed over all micro-batches and ranks, each pair counted once: see
+    :func:`counted_once`) and the global counts: the loss is the pair losses' mean plus ``sft`` x the NLL of the
+    ``chosen_tokens`` chosen completion tokens, per token (as TRL's ``sft`` term); the token metrics' denominators are
+    the chosen, all (``completion_tokens``), chosen and rejected completion tokens (0 where there are none, as TRL)."""
+    n, nll = max(num_pairs, 1), sums[len(PAIR_STATS) - 1]
+    loss = sums[0] / n + (sft * nll / max(chosen_tokens, 1) if sft else 0.0)
+    correct, entropy, chosen_logits, rejected_logits = sums[len(PAIR_STATS) :]
+    per_token = (
+        (correct, chosen_tokens),
+        (entropy, completion_tokens),
+        (chosen_logits, chosen_tokens),
+        (rejected_logits, completion_tokens - chosen_tokens),
+    )
+    return {
+        "loss": loss,
+        **{name: sums[i + 1] / n for i, name in enumerate(PAIR_METRICS)},
+        **{name: total / count if count else 0.0 for name, (total, count) in zip(TOKEN_METRICS, per_token)},
+    }
+
+
+def counted_once(sums: list[float], copies: int) -> list[float]:
+    """STATS summed over ranks whose split groups of ``copies`` ranks each hold the same pairs (and the pair sums)
+    but a slice of their tokens each: the pair sums divided by ``copies``, the token sums as they are."""
+    return [value / copies for value in sums[: len(PAIR_STATS)]] + list(sums[len(PAIR_STATS) :])
 
 
 def micro_batch_loss(
@@ -106,9 +137,9 @@ def micro_batch_loss(
     tokens, not pairs, once the engine divides by the pairs; None: this micro-batch's, as TRL for one batch);
     the sums of STATS)."""
     ref_chosen, ref_rejected = reference_logps(policy, ref_model, peft_model, batch, device, split)
-    chosen, rejected = pair_logps(policy, batch, device, split)
+    chosen, rejected, token_sums = policy_logps(policy, batch, device, split)
     losses = preference_losses(chosen, rejected, ref_chosen, ref_rejected, completion_lengths(batch), dpo)
-    stats = pair_stats(losses, chosen, rejected, ref_chosen, ref_rejected, dpo.beta)
+    stats = torch.cat([pair_stats(losses, chosen, rejected, ref_chosen, ref_rejected, dpo.beta), token_sums])
     weight = sft_weight(dpo)
     if not weight:
         return losses.sum(), stats
@@ -267,15 +298,20 @@ class DPO(Objective):
         )
 
     def step_metrics(self, totals: dict[str, float], stats: list[float]) -> dict[str, float]:
-        sums = [value / self.copies for value in stats]
-        means = pair_means(sums, totals["normaliser"], totals["chosen_tokens"], sft_weight(self.cfg.dpo))
+        means = step_means(
+            counted_once(stats, self.copies),
+            totals["normaliser"],
+            totals["chosen_tokens"],
+            totals["label_tokens"],
+            sft_weight(self.cfg.dpo),
+        )
         return {"loss": means.pop("loss"), "num_pairs": int(totals["normaliser"]), **means}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> tuple[dict[str, float], list[dict]]:
-        """The test split's loss and TRL's reward metrics, each the mean over all its pairs (all ranks), with TRL's
-        ``eval_`` prefix; the pairs shared out as SFT's eval examples are (shardtune.data.batching.eval_shares), a
-        rank short of chunks running a pair it does not count."""
+        """The test split's loss and TRL's metrics, each the mean over all its pairs or completion tokens (all ranks),
+        with TRL's ``eval_`` prefix; the pairs shared out as SFT's eval examples are
+        (shardtune.data.batching.eval_shares), a rank short of chunks running a pair it does not count."""
         return dpo_evaluate(
             model, self.strategy, self.cfg, self.env, self.eval_pairs, self.pad_id, **self.reference, split=self.split
         ), []
@@ -297,7 +333,7 @@ def dpo_evaluate(
     """:meth:`DPO.evaluate` with its reference given."""
     mine, num_batches = eval_shares(eval_pairs, cfg, strategy.dims.dp_rank(env.rank), strategy.dims.dp_size)
     sums = torch.zeros(len(STATS), dtype=torch.float64, device=env.device)
-    counted = chosen_tokens = 0
+    counted = chosen_tokens = completion_tokens = 0
     model.eval()
     for i in range(num_batches):
         chunk = mine[i] if i < len(mine) else eval_pairs[:1]
@@ -309,13 +345,14 @@ def dpo_evaluate(
             sums += stats
             counted += num_pairs(batch)
             chosen_tokens += chosen_completion_targets(batch)
+            completion_tokens += num_completion_targets(batch)
     model.train()
     copies = split.size if split else 1  # the ranks of a split group evaluate the same pairs
-    summed = all_reduce_sum(
-        torch.cat([sums, torch.tensor([counted, chosen_tokens], dtype=torch.float64, device=env.device)]), env.device
-    ).tolist()
-    total = int(summed[-2]) // copies  # a split row's chosen tokens are spread over its slices: summed as they are
-    row = pair_means([v / copies for v in summed[: len(STATS)]], total, summed[-1], sft_weight(cfg.dpo))
+    counts = torch.tensor([counted, chosen_tokens, completion_tokens], dtype=torch.float64, device=env.device)
+    summed = all_reduce_sum(torch.cat([sums, counts]), env.device).tolist()
+    total = int(summed[len(STATS)]) // copies  # a split row's tokens are spread over its slices: summed as they are
+    sums_once = counted_once(summed[: len(STATS)], copies)
+    row = step_means(sums_once, total, summed[len(STATS) + 1], summed[len(STATS) + 2], sft_weight(cfg.dpo))
     return {f"eval_{name}": value for name, value in row.items()} | {"eval_num_pairs": total}
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtune.data.formatting import IGNORE_INDEX
-from shardtune.model.loss import SHIFT_LABELS, sequence_log_prob_sums
+from shardtune.model.loss import SHIFT_LABELS, sequence_log_prob_and_prediction_sums, sequence_log_prob_sums
 from shardtune.parallel.sequence import SEQUENCE_INDEX
 
 
@@ -96,11 +96,37 @@ def pair_logps(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) log-probabilities of the micro-batch's pairs, each (n,) in fp32, from one forward (of
     2n padded rows, or of one padding-free row, or of this rank's slice of it: ``split``)."""
-    targets, segments, num_segments = completion_targets(batch)
-    sums = sequence_log_prob_sums(model, batch, targets, segments, num_segments, device)
-    if SHIFT_LABELS in batch:  # a slice's sums are partial: all-reduced over the split group
+    sums = sequence_log_prob_sums(model, batch, *completion_targets(batch), device)
+    return chosen_and_rejected(sums, batch, split)
+
+
+def chosen_and_rejected(
+    sums: torch.Tensor, batch: dict[str, torch.Tensor], split: SplitRows | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-sequence sums of a micro-batch as (chosen, rejected); a slice's sums are partial: all-reduced over
+    the split group."""
+    if SHIFT_LABELS in batch:
         return SummedOverSplit.apply(sums[: 2 * num_pairs(batch)], split.group).chunk(2, dim=0)
     return sums.chunk(2, dim=0)
+
+
+# Sums over a micro-batch's completion tokens, from the policy's logits (TRL's token metrics once divided by the
+# step's counts): chosen tokens whose argmax is the label, the entropy of all completion tokens, the mean logit (over
+# the vocabulary) of the chosen and of the rejected tokens
+TOKEN_SUMS = ("num_correct", "entropy_sum", "chosen_logits_sum", "rejected_logits_sum")
+
+
+def policy_logps(
+    model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, split: SplitRows | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`pair_logps` and the micro-batch's :data:`TOKEN_SUMS` (fp64, no graph) from the same forward. A slice of a
+    split row sums its own tokens only (no collective: the slices' tokens are disjoint, so the step's all-reduce
+    over all ranks adds them up)."""
+    sums, predictions = sequence_log_prob_and_prediction_sums(model, batch, *completion_targets(batch), device)
+    n = num_pairs(batch)
+    chosen, rejected = predictions[:n].sum(0), predictions[n : 2 * n].sum(0)  # TOKEN_PREDICTIONS' sums
+    token_sums = torch.stack([chosen[0], chosen[1] + rejected[1], chosen[2], rejected[2]])
+    return (*chosen_and_rejected(sums, batch, split), token_sums)
 
 
 def completion_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """``shardtune dpo`` as a user runs it: the embedded dialogues as pairs (own summary vs the next dialogue's), the real
 launcher, gloo. 1 process x 4 pairs and 2 processes x 2 pairs (DDP, FSDP, DeepSpeed ZeRO-2 and ZeRO-3) give the same
-losses and weights; the first loss is ln 2 (the policy starts as the reference); TRL's reward metrics are in
-metrics.jsonl."""
+losses and weights; the first loss is ln 2 (the policy starts as the reference); TRL's reward and token metrics are
+in metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -41,6 +41,11 @@ REWARDS = (
     "logps/chosen",
     "logps/rejected",
 )
+# TRL's token metrics: means over the step's (or the test split's) completion tokens, the same on every layout. Each
+# token's value (a mean logit, an entropy) is a few fp32 ulps of its own scale from one layout's forward to another's
+# (the tiny model's logits are below 1 and its entropies ~7): 8 ulps relative, 8 ulps of 1 absolute (measured: 5e-8)
+TOKENS = ("logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy")
+TOKEN_REL = TOKEN_ABS = 8 * 1.1920929e-07
 
 
 ZERO = ("--enable_deepspeed", "--deepspeed_config.zero_stage")
@@ -112,16 +117,22 @@ def test_dpo_one_by_four_equals_two_by_two_under_ddp_fsdp_and_zero(tiny_model, r
     for name, e in evals.items():
         for metric in ("eval_loss", *(f"eval_{m}" for m in REWARDS)):
             assert e[metric] == pytest.approx(evals["one"][metric], rel=1e-4, abs=near[name]), (name, metric)
+        for metric in (f"eval_{m}" for m in TOKENS):
+            assert e[metric] == pytest.approx(evals["one"][metric], rel=TOKEN_REL, abs=TOKEN_ABS), (name, metric)
     one = rows["one"]
     assert [r["step"] for r in one] == [1, 2, 3]
     assert one[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert one[0]["rewards/margins"] == pytest.approx(0, abs=1e-6) and one[0]["num_pairs"] == 4
     assert all(abs(r["rewards/margins"]) > 1e-3 for r in one[1:]), "after a step the policy is not the reference"
     assert all(r["mfu"] > 0 and r["model_flops_per_s"] > 0 for r in one + rows["ddp"]), "DPO's model FLOPs are counted"
+    assert all(0 <= r["mean_token_accuracy"] <= 1 and r["entropy"] > 0 for r in one)
+    assert one[0]["logits/chosen"] != one[0]["logits/rejected"]
     for name in LAYOUTS:
         assert [r["step"] for r in rows[name]] == [1, 2, 3], name
         for a, b in zip(one, rows[name]):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6), name
+            for metric in TOKENS:
+                assert b[metric] == pytest.approx(a[metric], rel=TOKEN_REL, abs=TOKEN_ABS), (name, metric)
             for metric in REWARDS:
                 if metric == "rewards/accuracies" and abs(a["rewards/margins"]) < near[name]:
                     continue  # step 1: a live reference gives margins of exactly 0 (accuracy 0), a precomputed one

@@ -22,8 +22,8 @@ from shardtune.config.schema import ConfigError, DpoConfig, TrainConfig
 from shardtune.data.preference import collate_pairs, load_pairs
 from shardtune.data.trl_utils import extract_prompt
 from shardtune.model.loading import init_model, load_model, load_tokenizer
-from shardtune.training.dpo import DPO, METRICS, micro_batch_loss, pair_means
-from shardtune.training.dpo_logps import chosen_completion_targets, pair_logps
+from shardtune.training.dpo import DPO, METRICS, TOKEN_METRICS, micro_batch_loss, step_means
+from shardtune.training.dpo_logps import chosen_completion_targets, num_completion_targets, num_pairs, pair_logps
 from shardtune.training.dpo_loss import check_loss_options, loss_types, sft_weight
 from shardtune.training.step import train_step
 
@@ -74,6 +74,13 @@ def dpo_cfg(path: Path, max_length: int = 1024, truncation_mode: str = "keep_sta
     cfg.data.trl_dataset.dataset_name = str(path)
     cfg.data.trl_dataset.truncation_mode = truncation_mode
     return cfg
+
+
+def batch_means(sums: torch.Tensor, batch: dict, dpo: DpoConfig | None = None) -> dict[str, float]:
+    """The loss and metrics of one micro-batch's sums (:func:`micro_batch_loss`), divided by its own counts."""
+    sft = sft_weight(dpo) if dpo is not None else 0.0
+    counts = num_pairs(batch), chosen_completion_targets(batch), num_completion_targets(batch)
+    return step_means(sums.tolist(), *counts, sft)
 
 
 def logp_resolution(metrics: dict[str, float]) -> float:
@@ -202,7 +209,7 @@ def test_loss_and_log_probabilities_equal_trl(dpo, tiny, tokenizer, tmp_path):
     trl_loss = float(trainer.compute_loss(trainer.model, trainer.data_collator(list(trainer.train_dataset))))
     trl_metrics = {k: v[-1] for k, v in trainer._metrics["eval"].items()}
     loss_sum, sums = micro_batch_loss(policy, reference, None, batch, dpo, torch.device("cpu"))
-    ours = pair_means(sums.tolist(), len(pairs))
+    ours = batch_means(sums, batch)
     assert float(loss_sum) / len(pairs) == pytest.approx(trl_loss, abs=2e-3)
     assert ours["loss"] == pytest.approx(trl_loss, abs=2e-3)
     for name in ("logps/chosen", "logps/rejected"):
@@ -213,6 +220,104 @@ def test_loss_and_log_probabilities_equal_trl(dpo, tiny, tokenizer, tmp_path):
     assert torch.allclose(torch.cat(pair_logps(reference, batch, torch.device("cpu"))).double(), exact, atol=1e-3)
     assert abs(ours["rewards/margins"]) > 0.05, "the ratios must not be near zero, or the comparison is empty"
     assert abs(ours["loss"] - math.log(2)) > 0.01
+
+
+def softcapped_gemma2(tokenizer, out: Path) -> Path:
+    """A tiny Gemma 2 with the shared tokenizer: its logits are soft-capped after the head, so shardtune takes the
+    full-logits path (not the lean head) and TRL's fused head applies the cap itself."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        final_logit_softcapping=3.0,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    Gemma2ForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def fit_chosen(model: torch.nn.Module, batch: dict, steps: int = 40) -> None:
+    """A few Adam steps on the chosen completions, so that the policy predicts some of their tokens (a random model's
+    mean_token_accuracy is 0: a comparison of zeros)."""
+    n = num_pairs(batch)
+    labels = batch["input_ids"][:n].masked_fill(batch["completion_mask"][:n] == 0, -100)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(
+            input_ids=batch["input_ids"][:n], attention_mask=batch["attention_mask"][:n], labels=labels
+        ).loss.backward()
+        optimizer.step()
+
+
+def fitted_model(model_dir: Path, batch: dict, tokenizer, out: Path) -> Path:
+    """``model_dir``'s model after :func:`fit_chosen` on ``batch``, saved in ``out``: its tokens' entropies and
+    predictions differ from token to token (a random model's are all alike, so any average of them agrees)."""
+    model = load_model(str(model_dir))
+    fit_chosen(model, batch)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"], ids=["lean_head", "full_logits"])
+def test_token_metrics_equal_trl(arch, tiny, tokenizer, tmp_path):
+    """TRL 1.16's logits/chosen, logits/rejected, entropy and mean_token_accuracy of one batch on one process (one
+    micro-batch: TRL's number is then ours, docs/dpo.md): the lean head's chunks (Llama) and the full logits (Gemma 2,
+    soft-capped) against TRL's fused head on the same policy and batch.
+
+    Both compute each token's values in fp32 from the same hidden states; the head's matmul, blocked otherwise, moves
+    a logit by a few fp32 ulps of the logits' magnitude, and the entropy (logsumexp - the expected logit) and the mean
+    logit (over the vocabulary) cancel terms of that magnitude: each token's value is good to ~8 ulps of the largest
+    |logit|, and TRL sums the n tokens in fp32 (n ulps of the sum at most): entropy and logits/* to 8 ulps of the
+    largest |logit| plus n ulps of the value; accuracy (a count over a count, TRL's division in fp32) to one ulp.
+    Controls: the policy predicts some chosen tokens and not all, chosen and rejected differ by more than both
+    tolerances, and the wrong tokens (the entropy of the chosen only, the accuracy of all completions) miss TRL's."""
+    from shardtune.model.loss import sequence_log_prob_and_prediction_sums
+    from shardtune.training.dpo_logps import completion_targets
+
+    model_dir = tiny if arch == "llama" else softcapped_gemma2(tokenizer, tmp_path / "gemma2")
+    dpo = DpoConfig()
+    cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["chat"]))
+    pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
+    batch = collate_pairs(pairs, tokenizer.pad_token_id, cfg.data.context_length)
+    trainer = trl_trainer(cfg, model_dir, tokenizer, tmp_path, dpo)
+    policy, reference = load_model(str(model_dir)), load_model(str(model_dir))
+    fit_chosen(policy, batch)
+    trainer.model.load_state_dict(policy.state_dict())
+    trainer.compute_loss(trainer.model, trainer.data_collator(list(trainer.train_dataset)))
+    trl_metrics = {k: v[-1] for k, v in trainer._metrics["eval"].items()}
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        _, sums = micro_batch_loss(policy, reference, None, batch, dpo, cpu)
+        largest = float(policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.abs().max())
+    ours = batch_means(sums, batch)
+    eps, n = float(torch.finfo(torch.float32).eps), num_completion_targets(batch)
+    tolerance = {name: 8 * eps * largest + n * eps * abs(ours[name]) for name in TOKEN_METRICS}
+    tolerance["mean_token_accuracy"] = eps
+    for name in TOKEN_METRICS:
+        assert ours[name] == pytest.approx(trl_metrics[name], rel=0, abs=tolerance[name]), name
+    assert 0 < ours["mean_token_accuracy"] < 1, "the policy must predict some chosen tokens and miss others"
+    assert abs(ours["logits/chosen"] - ours["logits/rejected"]) > 2 * max(
+        tolerance["logits/chosen"], tolerance["logits/rejected"]
+    )
+    with torch.no_grad():  # the controls: per-sequence sums of (is_top1, entropy, mean logit)
+        _, per_sequence = sequence_log_prob_and_prediction_sums(policy, batch, *completion_targets(batch), cpu)
+    chosen_tokens = chosen_completion_targets(batch)
+    entropy_of_chosen = float(per_sequence[: len(pairs), 1].sum()) / chosen_tokens
+    accuracy_of_all = float(per_sequence[: 2 * len(pairs), 0].sum()) / n
+    assert abs(entropy_of_chosen - trl_metrics["entropy"]) > 2 * tolerance["entropy"]
+    assert abs(accuracy_of_all - trl_metrics["mean_token_accuracy"]) > 2 * tolerance["mean_token_accuracy"]
 
 
 def test_first_loss_is_ln2_when_policy_is_the_reference(tiny, tokenizer, tmp_path):
@@ -257,7 +362,9 @@ def process_group(tmp_path_factory):
 def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(losses, process_group, tiny, tokenizer, tmp_path):
     """1 x 4 x 1, 1 x 2 x 2 and 1 x 1 x 4 (processes x pairs x accumulation): the same loss, metrics and weights
     after one step (the pair count is all-reduced like the SFT loop's token count; the launch test does 2 ranks);
-    with an sft term too (a mean over the step's chosen completion tokens, which micro-batches hold unequally)."""
+    with an sft term too (a mean over the step's chosen completion tokens, which micro-batches hold unequally). The
+    token metrics (logits/*, entropy, mean_token_accuracy) are the whole batch's, not TRL's mean of the micro-batches'
+    means, which 1 x 1 x 4 would change (the control)."""
     from shardtune.parallel import make_strategy
     from shardtune.runtime.distributed import DistEnv
 
@@ -266,15 +373,16 @@ def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(losses, pro
     ]
     cfg0 = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", rows))
     pairs, _ = load_pairs(cfg0, copy.deepcopy(tokenizer), "train")
+    fitted = fitted_model(tiny, collate_pairs(pairs, tokenizer.pad_token_id, 1024), tokenizer, tmp_path / "fitted")
     env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend="gloo")
     results = []
     for batch_size, accumulation in ((4, 1), (2, 2), (1, 4)):
         cfg = dpo_cfg(tmp_path / "pairs.jsonl")
-        cfg.dpo, cfg.objective, cfg.model.name = losses, "dpo", str(tiny)
+        cfg.dpo, cfg.objective, cfg.model.name = losses, "dpo", str(fitted)
         cfg.train.batch_size, cfg.train.gradient_accumulation_steps = batch_size, accumulation
         cfg.optim.lr = 1.0
         strategy = make_strategy(cfg, env)
-        model = strategy.wrap(load_model(str(tiny)))
+        model = strategy.wrap(load_model(str(fitted)))
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         micro = [
             collate_pairs(pairs[i : i + batch_size], tokenizer.pad_token_id, 1024) for i in range(0, 4, batch_size)
@@ -286,18 +394,30 @@ def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(losses, pro
     nll = 0.5 * -first["logps/chosen"] * 4 / chosen_tokens  # the sft term: mean NLL per chosen completion token
     assert first["loss"] == pytest.approx(math.log(2) + (nll if sft_weight(losses) else 0), abs=1e-6)
     assert first["num_pairs"] == 4
+    cpu, initial = torch.device("cpu"), load_model(str(fitted))
+    whole = collate_pairs(pairs, tokenizer.pad_token_id, 1024)
+    _, before = micro_batch_loss(initial, load_model(str(fitted)), None, whole, losses, cpu)
+    for name in TOKEN_METRICS:  # the step's metrics are those of the policy before its update: the whole batch's
+        assert first[name] == pytest.approx(batch_means(before, whole)[name], rel=1e-6, abs=1e-9), name
     for stats, other in others:
-        for name in ("loss", "rewards/chosen", "logps/chosen", "logps/rejected"):
-            assert stats[name] == pytest.approx(first[name], rel=1e-6, abs=1e-7), name
+        for name in ("loss", "rewards/chosen", "logps/chosen", "logps/rejected", *TOKEN_METRICS):
+            assert stats[name] == pytest.approx(first[name], rel=1e-6, abs=1e-9), name
         for key, value in weights.items():
             torch.testing.assert_close(other[key], value, rtol=1e-5, atol=1e-6, msg=key)
-    moved = load_model(str(tiny)).state_dict()
+    single_means = []  # the control: TRL's way at 1 x 1 x 4, each micro-batch's token means, then their mean
+    for pair in pairs:
+        single = collate_pairs([dict(pair, ref_logps=(0.0, 0.0))], tokenizer.pad_token_id, 1024)
+        single_means.append(batch_means(micro_batch_loss(initial, None, None, single, losses, cpu)[1], single))
+    for name in ("entropy", "logits/chosen", "logits/rejected"):
+        trl_way = sum(means[name] for means in single_means) / len(single_means)
+        assert trl_way != pytest.approx(first[name], rel=1e-4), f"{name}: a mean of means would pass too"
+    moved = load_model(str(fitted)).state_dict()
     assert any(not torch.equal(moved[k], v) for k, v in weights.items()), "the step changed no weight"
     # evaluation in chunks of --val_batch_size 3 (3 + 1 pairs) gives the means over all pairs at once, TRL's names
     from shardtune.training.dpo import dpo_evaluate
 
     cfg.eval.batch_size = 3
-    policy, reference = load_model(str(tiny)), load_model(str(tiny))
+    policy, reference = load_model(str(fitted)), load_model(str(fitted))
     policy.load_state_dict(weights)
     evaluated = dpo_evaluate(
         strategy.wrap(policy), strategy, cfg, env, pairs, tokenizer.pad_token_id, ref_model=reference
@@ -309,7 +429,7 @@ def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(losses, pro
         "eval_loss",
         *(f"eval_{m}" for m in METRICS),
     }
-    for name, value in pair_means(direct.tolist(), 4, chosen_completion_targets(whole), sft_weight(losses)).items():
+    for name, value in batch_means(direct, whole, losses).items():
         assert evaluated[f"eval_{name}"] == pytest.approx(value, rel=1e-5, abs=1e-6), name
     assert evaluated["eval_loss"] != pytest.approx(math.log(2), abs=1e-4), "the trained policy is not the reference"
 
@@ -371,7 +491,7 @@ def test_padding_free_pairs_give_the_padded_losses_and_gradients(rows, tiny, tok
     from shardtune.accounting.flops import model_shape, preference_micro_batch_flops
     from shardtune.data.preference import collate_pairs_flat
     from shardtune.model.attention import use_varlen_attention
-    from shardtune.training.dpo_logps import num_completion_targets, num_pairs, predicted_completion
+    from shardtune.training.dpo_logps import predicted_completion
 
     cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS[rows]))
     pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
@@ -401,7 +521,7 @@ def test_padding_free_pairs_give_the_padded_losses_and_gradients(rows, tiny, tok
             loss_sum, sums = micro_batch_loss(policy, reference, None, batch, dpo, cpu)
             loss_sum.backward()
             grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
-            means.append(pair_means(sums.tolist(), len(pairs)))
+            means.append(batch_means(sums, batch))
         for name, value in means[0].items():
             assert means[1][name] == pytest.approx(value, rel=1e-5, abs=logp_resolution(means[0])), (
                 dpo.loss_type,
@@ -551,13 +671,14 @@ def test_the_slices_of_a_split_row_of_pairs_add_up_to_the_whole_rows_log_probabi
 ):
     """--sp_size / --cp_size: each rank of a cp x sp group holds a slice of the row of pairs (shardtune.parallel.
     sequence.split_row: targets shifted before the split, the row padded to a multiple of 2 cp sp, context-parallel
-    chunks load-balanced); its per-sequence partial sums over all ranks add up to the whole row's log-probabilities,
-    and every slice keeps the pairs' per-sequence values (completion lengths, precomputed reference)."""
+    chunks load-balanced); its per-sequence partial sums over all ranks add up to the whole row's log-probabilities
+    and token predictions (the token metrics' sums: a slice's tokens counted on its rank only), and every slice keeps
+    the pairs' per-sequence values (completion lengths, precomputed reference)."""
     from shardtune.data.preference import collate_pair_units
-    from shardtune.model.loss import sequence_log_prob_sums
+    from shardtune.model.loss import sequence_log_prob_and_prediction_sums
     from shardtune.parallel.dims import ParallelDims
     from shardtune.parallel.sequence import RowSlice
-    from shardtune.training.dpo_logps import completion_lengths, completion_targets, num_completion_targets, num_pairs
+    from shardtune.training.dpo_logps import completion_lengths, completion_targets
 
     cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["chat"]))
     cfg.parallel.sequence_parallel_size, cfg.parallel.context_parallel_size = sp, cp
@@ -578,18 +699,27 @@ def test_the_slices_of_a_split_row_of_pairs_add_up_to_the_whole_rows_log_probabi
 
     cpu = torch.device("cpu")
     expected = torch.cat(pair_logps(Logits(torch.arange(logits.shape[1])), whole, cpu))
+    _, expected_predictions = sequence_log_prob_and_prediction_sums(
+        Logits(torch.arange(logits.shape[1])), whole, *completion_targets(whole), cpu
+    )
     dims = ParallelDims.from_config(cfg, cp * sp)
     positions = dict(whole, input_ids=torch.arange(whole["input_ids"].shape[1])[None])  # which tokens a slice holds
     total, targets = torch.zeros_like(expected), 0
+    predictions = torch.zeros_like(expected_predictions)
     for rank in range(cp * sp):
         row_slice = RowSlice.of_rank(dims, rank)
         part = row_slice(whole, tokenizer.pad_token_id)
         held = row_slice(positions, tokenizer.pad_token_id)["input_ids"][0].clamp(max=logits.shape[1] - 1)
         assert num_pairs(part) == len(pairs) and torch.equal(part["ref_logps"], whole["ref_logps"])
         assert torch.equal(completion_lengths(part), completion_lengths(whole))
-        total += sequence_log_prob_sums(Logits(held), part, *completion_targets(part), cpu)[: len(expected)]
+        sums, part_predictions = sequence_log_prob_and_prediction_sums(
+            Logits(held), part, *completion_targets(part), cpu
+        )
+        total += sums[: len(expected)]
+        predictions += part_predictions[: len(expected)]
         targets += num_completion_targets(part)
     torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(predictions, expected_predictions, rtol=1e-6, atol=1e-6)
     assert targets == num_completion_targets(whole)
 
 
@@ -633,7 +763,7 @@ def test_every_trl_loss_and_divergence_equals_trl_on_the_same_reference(dpo, tin
         pair["ref_logps"] = (chosen, rejected)
     batch = collate_pairs(pairs, tokenizer.pad_token_id, cfg.data.context_length)  # now carrying the reference's values
     loss_sum, sums = micro_batch_loss(policy, None, None, batch, dpo, cpu)
-    ours = pair_means(sums.tolist(), len(pairs), chosen_completion_targets(batch), sft_weight(dpo))
+    ours = batch_means(sums, batch, dpo)
     resolution = logp_resolution(ours)
     assert float(loss_sum) / len(pairs) == pytest.approx(trl_loss, rel=1e-5, abs=resolution)
     assert ours["loss"] == pytest.approx(trl_loss, rel=1e-5, abs=resolution)
