@@ -18,6 +18,7 @@ DATASETS = (
     "trl_dataset",
 )
 BATCHING_STRATEGIES = ("packing", "padding")
+PACKING_STRATEGIES = ("greedy", "bfd", "bfd_split", "wrapped")  # shardtune.data.packing
 COMPLETION_ONLY_LOSS = ("auto", "true", "false")
 TRUNCATION_MODES = ("keep_start", "keep_end")
 
@@ -150,11 +151,22 @@ class DataSettings:
     )
     batching: str = setting(
         "packing",
-        "packing (blocks of up to context_length tokens of whole examples, computed "
-        "without padding, no attention across examples) or padding (length-grouped, "
-        "padded to the longest in the micro-batch)",
+        "packing (blocks of up to context_length tokens, made by --packing_strategy, computed without padding; no "
+        "attention across examples but with wrapped) or padding (length-grouped, padded to the longest in the "
+        "micro-batch)",
         choices=BATCHING_STRATEGIES,
         **REFERENCE,
+    )
+    packing_strategy: str = setting(
+        "greedy",
+        "with packing, which examples share a block: greedy (whole examples in a seeded order, a block closed when "
+        "the next does not fit; llama-cookbook's), bfd (TRL's default: best-fit decreasing, longest first into the "
+        "fullest block that holds them; rows cut to context_length), bfd_split (bfd, long rows split into pieces "
+        "instead of cut), wrapped (TRL's: rows concatenated and cut every context_length tokens, no row cut first; "
+        "a block is one sequence, its examples attend to those before them and an example may run on into the next "
+        "block); TRL's three pack each 1,000 rows in data order, as TRL does (docs/data.md#packing)",
+        choices=PACKING_STRATEGIES,
+        **CACHE,
     )
     padding_free: bool = setting(
         False,
@@ -168,7 +180,7 @@ class DataSettings:
     streaming: bool = setting(
         False,
         "--dataset_name data read, tokenised and batched as the steps need them, in the data's order (packing: "
-        "greedy blocks in that order), nothing prepared before launch; needs --max_steps (docs/data.md)",
+        "blocks in that order), nothing prepared before launch; needs --max_steps (docs/data.md)",
     )
     num_workers: int = setting(
         1, "data loader worker processes per rank (0: in the training process)", at_least=0, **RUN

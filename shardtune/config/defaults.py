@@ -34,6 +34,7 @@ TRL_SFT = {
     "eval.batch_size": 8,
     "eval.enabled": False,  # eval_strategy no
     "data.batching": "padding",  # packing false
+    "data.packing_strategy": "bfd",  # what --packing packs with
     "data.num_workers": 0,
     "checkpoint.save_steps": 500.0,  # save_strategy steps, save_steps 500
     "logging.steps": 10.0,

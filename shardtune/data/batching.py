@@ -1,9 +1,9 @@
 """Units, the global-batch rule, collation and the per-rank loaders.
 
-A *unit* is what batching never splits: one example (padding) or one packed block of examples (packing).
-Units depend on the examples, the seed and context_length only, never on world size, batch size or
-accumulation, which is why 1 x 8 x 1, 1 x 2 x 4, 2 x 4 x 1 and 4 x 2 x 1 (processes x micro-batch x
-accumulation) train on exactly the same global batches:
+A *unit* is what batching never splits: one example (padding) or one packed block of examples (packing, by
+--packing_strategy: shardtune.data.packing). Units depend on the examples, the seed, context_length and the packing
+strategy only, never on world size, batch size or accumulation, which is why 1 x 8 x 1, 1 x 2 x 4, 2 x 4 x 1 and
+4 x 2 x 1 (processes x micro-batch x accumulation) train on exactly the same global batches:
 
 1. Each epoch permutes the units with ``torch.Generator().manual_seed(seed + epoch)``.
 2. The permutation is cut into global batches of G = batch_size_training x dp_size x accumulation
@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from shardtune.config.schema import TrainConfig, effective_batch_size
 from shardtune.data.formatting import IGNORE_INDEX
+from shardtune.data.packing import eval_examples, pack_examples
 from shardtune.data.report import DataError
 
 # Per token of a training micro-batch: its example's global index in the units (-1: padding) and the whole example's
@@ -72,34 +73,11 @@ def unit_length(unit: Unit) -> int:
 
 
 def build_units(examples: list[Example], cfg: TrainConfig) -> list[Unit]:
-    """One example per unit (padding), or packed blocks of at most context_length tokens (packing)."""
+    """One example per unit (padding), or packed blocks of at most context_length tokens (packing, by
+    --packing_strategy: shardtune.data.packing)."""
     if cfg.data.batching == "padding":
         return [[example] for example in examples]
-    return pack(examples, cfg.data.context_length, cfg.train.seed)
-
-
-def pack(examples: list[Example], context_length: int, seed: int) -> list[Unit]:
-    """Greedy packing in an order seeded by ``seed`` alone (the same blocks every epoch and world size).
-
-    Whole examples fill the current block until the next one does not fit; then a new block opens. An example
-    is never split across blocks (load_examples has already skipped those longer than context_length).
-    """
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
-    blocks: list[Unit] = []
-    block: Unit = []
-    used = 0
-    for index in order:
-        example = examples[index]
-        length = example_length(example)
-        assert length <= context_length, "load_examples skips examples longer than context_length"
-        if block and used + length > context_length:
-            blocks.append(block)
-            block, used = [], 0
-        block.append(example)
-        used += length
-    if block:
-        blocks.append(block)
-    return blocks
+    return pack_examples(examples, cfg.data.packing_strategy, cfg.data.context_length, cfg.train.seed)
 
 
 def steps_per_epoch(num_units: int, cfg: TrainConfig, dp_size: int) -> int:
@@ -311,8 +289,6 @@ def eval_chunk_starts(num_items: int, cfg: TrainConfig, dp_rank: int, dp_size: i
     return starts[: cfg.eval.max_batches] if cfg.eval.max_batches > 0 else starts
 
 
-
-
 def eval_batches(
     examples: list[Example],
     cfg: TrainConfig,
@@ -323,7 +299,8 @@ def eval_batches(
 ) -> list[MicroBatch]:
     """This rank's eval micro-batches: the same count on every rank, each example on exactly one data-parallel rank.
 
-    Examples keep their order and are cut into chunks of val_batch_size; chunk c goes to data-parallel rank
+    Examples keep their order (with packing that splits rows, bfd_split / wrapped: the sequences it makes of them,
+    shardtune.data.packing.eval_examples) and are cut into chunks of val_batch_size; chunk c goes to data-parallel rank
     c % dp_size. Eval uses padding collation: an example's logits are the same as inside a packed block, and no
     L x L mask is built. With ``row_slice`` (sequence / context parallelism) the ranks of a cp x sp group share their
     chunks and split them as in training: one padding-free row per chunk, of which each keeps its slice, so an eval
@@ -331,7 +308,7 @@ def eval_batches(
     label -100) because FSDP's forward is a collective every rank must join. max_eval_step > 0 keeps at most that
     many batches per rank.
     """
-    mine, num_batches = eval_shares(examples, cfg, dp_rank, dp_size)
+    mine, num_batches = eval_shares(eval_examples(examples, cfg), cfg, dp_rank, dp_size)
     dummy: Example = {"input_ids": [pad_id], "labels": [IGNORE_INDEX]}
     chunks = mine + [[dummy]] * (num_batches - len(mine))
     if row_slice is None:

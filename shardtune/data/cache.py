@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from shardtune.config.schema import TrainConfig
+from shardtune.data.packing import whole_rows
 from shardtune.data.pair_store import PAIR_FIELDS, PairStore
 from shardtune.data.preference import no_usable_pair, pair_preparation
 from shardtune.data.report import DataError, DataReport
@@ -91,6 +92,7 @@ def cache_key(cfg: TrainConfig, tokenizer: Any, split: str, pairs: bool = False)
                 "tokenizer": _tokenizer_fingerprint(tokenizer),
                 "trl_formats": dataclasses.asdict(cfg.data.trl_dataset) if pairs or uses_trl_formats(cfg) else None,
                 **({"pairs": 1} if pairs else {}),
+                **({"whole_rows": 1} if whole_rows(cfg) and not pairs else {}),  # not cut to context_length
             },
             sort_keys=True,
         ).encode()

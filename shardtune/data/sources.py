@@ -26,6 +26,7 @@ from shardtune.data.formatting import (
     text_examples,
     token_examples,
 )
+from shardtune.data.packing import check_packing, row_limit
 from shardtune.data.report import DataError, DataReport, RowFilter
 from shardtune.data.streaming import check_streaming
 from shardtune.data.tokenising import Preparation
@@ -42,6 +43,7 @@ def check_data_config(cfg: TrainConfig) -> None:
     """Checks that need no tokenizer: paths exist, formats are known, a custom file defines its function."""
     check_trl_config(cfg)
     check_streaming(cfg)
+    check_packing(cfg)
     _check_num_proc(cfg)
     if cfg.data.dataset == "synthetic_dialogues":
         _check_synthetic(cfg)
@@ -113,7 +115,7 @@ def prepare_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> Preparatio
         return trl_preparation(cfg, tokenizer, split)
     source, rows = _text_rows(cfg, split)
     to_pairs = {"alpaca_dataset": alpaca_pairs, "grammar_dataset": grammar_pairs}.get(cfg.data.dataset, samsum_pairs)
-    tokenise = partial(text_examples, to_pairs=to_pairs, tokenizer=tokenizer, context_length=cfg.data.context_length)
+    tokenise = partial(text_examples, to_pairs=to_pairs, tokenizer=tokenizer, context_length=row_limit(cfg))
     return Preparation(DataReport(source=source, num_rows=len(rows)), rows, tokenise, cfg.data.strict)
 
 
@@ -330,4 +332,4 @@ def _custom_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list
         ) from e
     report = DataReport(source=source, num_rows=len(rows))
     filt = RowFilter(report, cfg.data.strict)
-    return token_examples(rows, source, len(tokenizer), cfg.data.context_length, filt), report
+    return token_examples(rows, source, len(tokenizer), row_limit(cfg), filt), report

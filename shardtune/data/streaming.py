@@ -5,8 +5,9 @@ The rule that makes a run the same on any layout is the non-streaming one (shard
 stream's order in place of the epoch's permutation:
 
 1. The rows, in the stream's order, become examples (TRL's formats: shardtune.data.trl_formats), the examples
-   become units: one example each (padding), or blocks of whole examples filled greedily in stream order until
-   the next one does not fit (packing; TRL packs a streamed dataset too).
+   become units: one example each (padding), or blocks (packing; TRL packs a streamed dataset too): greedy fills
+   blocks of whole examples in stream order until the next one does not fit; TRL's strategies (bfd, bfd_split,
+   wrapped) pack each 1,000 examples of the stream as TRL's pack_dataset does (shardtune.data.packing).
 2. Optimizer step s trains on units [s x G, (s + 1) x G) of that sequence (G: the effective batch); with padding
    sorted by length, as rule 3; cut into micro-batches as rule 4. Units depend on the data, context_length and the
    packing choice only, so 1 x 4, 2 x 2 and 1 process with accumulation 4 train on the same global batches.
@@ -27,12 +28,13 @@ from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
 from shardtune.data.batching import RowTransform, collate, unit_length
 from shardtune.data.chat import check_chat_template
+from shardtune.data.packing import MAP_BATCH_ROWS, batch_blocks
 from shardtune.data.report import DataReport, RowFilter
 from shardtune.data.stream_rows import START, RowStream
 from shardtune.data.trl_formats import prepare_rows
 from shardtune.data.trl_loading import loss_options, recognise_rows
 
-FIRST_POSITION: dict = {"pass": 0, "rows": START, "examples": 0}
+FIRST_POSITION: dict = {"pass": 0, "rows": START, "examples": 0}  # + "units": the units of the rows' batch done
 
 
 def check_streaming(cfg: TrainConfig) -> None:
@@ -81,25 +83,46 @@ class StreamSource:
                 report.num_examples += 1
                 yield example, where
 
-    def units(self, position: dict, report: DataReport) -> Iterator[tuple[list[dict], dict]]:
-        """(unit, the stream position of its first row) from ``position``: one example each with padding, greedy
-        blocks of at most context_length tokens in stream order with packing."""
+    def units(self, position: dict, report: DataReport, done: int = 0) -> Iterator[tuple[list[dict], dict, int]]:
+        """(unit, the stream position it is made from, the units made from there before it) from ``position``, less
+        the first ``done`` units made there: one example each with padding, blocks of at most context_length tokens
+        with packing (greedy: from the position of its first row; TRL's strategies: of its batch's first row)."""
         if self.cfg.data.batching == "padding":
             for example, where in self.examples(position, report):
-                yield [example], where
+                yield [example], where, 0
+            return
+        if self.cfg.data.packing_strategy != "greedy":
+            yield from self._batch_units(position, report, done)
             return
         limit, block, used, start = self.cfg.data.context_length, [], 0, None
         for example, where in self.examples(position, report):
             length = len(example["input_ids"])
             if block and used + length > limit:
-                yield block, start
+                yield block, start, 0
                 block, used = [], 0
             if not block:
                 start = where
             block.append(example)
             used += length
         if block:
-            yield block, start
+            yield block, start, 0
+
+    def _batch_units(self, position: dict, report: DataReport, done: int) -> Iterator[tuple[list[dict], dict, int]]:
+        """TRL's strategies: the blocks of each MAP_BATCH_ROWS examples, the first ``done`` of the first batch left
+        out (a resumed run reads that batch's rows again and skips the blocks already trained on)."""
+        batch, start = [], position
+        strategy, limit = self.cfg.data.packing_strategy, self.cfg.data.context_length
+        for example, where in self.examples(position, report):
+            if not batch:
+                start = where
+            batch.append(example)
+            if len(batch) == MAP_BATCH_ROWS:
+                units = batch_blocks(batch, range(len(batch)), strategy, limit)
+                yield from ((unit, start, k) for k, unit in enumerate(units) if k >= done)
+                batch, done = [], 0
+        if batch:
+            units = batch_blocks(batch, range(len(batch)), strategy, limit)
+            yield from ((unit, start, k) for k, unit in enumerate(units) if k >= done)
 
 
 def streamed_examples(cfg: TrainConfig, tokenizer: Any) -> tuple[list[dict], DataReport]:
@@ -140,9 +163,9 @@ class StreamSteps:
             batch: list[list[dict]] = []
             first = examples = position["examples"]  # the global index of the batch's first example, of the next
             stepped = False
-            for unit, where in self.source.units(position["rows"], report):
+            for unit, where, done in self.source.units(position["rows"], report, position.get("units", 0)):
                 if len(batch) == size:  # ``unit`` starts the next step: its row is where that step's data begins
-                    position = {"pass": position["pass"], "rows": where, "examples": examples}
+                    position = {"pass": position["pass"], "rows": where, "examples": examples, "units": done}
                     yield self._micro_batches(batch, first), position
                     batch, first, stepped = [], examples, True
                 batch.append(unit)

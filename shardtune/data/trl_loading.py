@@ -18,6 +18,7 @@ from shardtune.config.schema import ConfigError, TrainConfig, TrlDatasetConfig
 from shardtune.data.chat import check_chat_template
 from shardtune.data.files import Row
 from shardtune.data.mixture import check_mixture, mixture_rows, without_evaluation
+from shardtune.data.packing import row_limit
 from shardtune.data.report import DataError, DataReport, RowFilter
 from shardtune.data.stream_rows import has_split
 from shardtune.data.tokenising import Preparation
@@ -70,7 +71,7 @@ def loss_options(cfg: TrainConfig) -> LossOptions:
         text_field=tc.dataset_text_field,
         completion_only_loss=tc.completion_only_loss,
         assistant_only_loss=tc.assistant_only_loss,
-        max_length=cfg.data.context_length,
+        max_length=row_limit(cfg),  # bfd_split / wrapped split long rows: none is cut
         truncation_mode=tc.truncation_mode,
     )
 

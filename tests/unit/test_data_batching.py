@@ -176,11 +176,14 @@ def test_steps_per_epoch_drops_the_partial_global_batch():
         steps_per_epoch(11, cfg, dp_size=2)
 
 
-def test_start_step_resumes_the_same_sequence():
-    cfg = make_cfg("packing", batch_size=2, accumulation=2)
+@pytest.mark.parametrize("packing_strategy", ["greedy", "bfd", "bfd_split", "wrapped"])
+def test_start_step_resumes_the_same_sequence(packing_strategy):
+    """A resumed run packs its examples again: the same blocks, so the same micro-batches from its step on."""
+    cfg = make_cfg("packing", batch_size=2, accumulation=2, packing_strategy=packing_strategy)
     units = build_units(make_examples(120), cfg)
     full = StepDataset(units, cfg, dp_rank=1, dp_size=2, epoch=2, pad_id=PAD_ID)
-    resumed = StepDataset(units, cfg, dp_rank=1, dp_size=2, epoch=2, pad_id=PAD_ID, start_step=3)
+    again = build_units(make_examples(120), cfg)
+    resumed = StepDataset(again, cfg, dp_rank=1, dp_size=2, epoch=2, pad_id=PAD_ID, start_step=3)
     assert len(resumed) == len(full) - 3
     for i in range(len(resumed)):
         for a, b in zip(resumed[i], full[i + 3]):

@@ -10,14 +10,25 @@ import torch
 from shardtune.config.schema import TrainConfig
 from shardtune.data.batching import build_units, collate, epoch_order, micro_batch_slice, steps_per_epoch
 from shardtune.data.cache import ExampleView, TokenStore, load_examples_cached
+from shardtune.data.packing import TokenSlice
 from shardtune.model.loading import train_tokenizer
 
 
-@pytest.mark.parametrize("batching,padding_free", [("padding", False), ("padding", True), ("packing", False)])
-def test_batches_from_the_memory_mapped_store_equal_those_from_lists(tmp_path, batching, padding_free):
+@pytest.mark.parametrize(
+    "batching,padding_free,packing_strategy",
+    [("padding", False, "greedy"), ("padding", True, "greedy")]
+    + [("packing", False, strategy) for strategy in ("greedy", "bfd", "bfd_split", "wrapped")],
+)
+def test_batches_from_the_memory_mapped_store_equal_those_from_lists(
+    tmp_path, batching, padding_free, packing_strategy
+):
+    """Every packing strategy too: wrapped blocks and split rows are slices of the maps (nothing copied)."""
     cfg = TrainConfig()
     cfg.data.synthetic_dialogues.num_train = 40
     cfg.data.batching, cfg.data.padding_free, cfg.data.context_length = batching, padding_free, 256
+    cfg.data.packing_strategy = packing_strategy
+    if packing_strategy in ("bfd_split", "wrapped"):
+        cfg.data.context_length = 96  # dialogues longer than a block: split (with greedy / bfd they would be skipped)
     cfg.train.batch_size, cfg.train.gradient_accumulation_steps = 2, 2
     tokenizer = train_tokenizer()
     written, _ = load_examples_cached(cfg, tokenizer, "train", tmp_path)  # the process that tokenised
@@ -31,7 +42,8 @@ def test_batches_from_the_memory_mapped_store_equal_those_from_lists(tmp_path, b
     with pytest.raises(IndexError):
         store[len(store)]
     units = {"store": build_units(store, cfg), "lists": build_units(lists, cfg)}
-    assert isinstance(units["store"][0][0], ExampleView)
+    assert isinstance(units["store"][0][0], ExampleView if packing_strategy != "wrapped" else TokenSlice)
+    assert packing_strategy != "bfd_split" or any(isinstance(e, TokenSlice) for u in units["store"] for e in u)
     dp = 2
     for epoch in range(2):
         orders = {name: epoch_order(u, cfg, dp, epoch) for name, u in units.items()}

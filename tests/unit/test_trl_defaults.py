@@ -158,6 +158,7 @@ def settings_of_trl(args, model, objective: str) -> dict:
         out["grpo.reward_funcs"] = list(args.reward_funcs or [])
     if objective == "sft":
         out["data.batching"] = "packing" if args.packing else "padding"
+        out["data.packing_strategy"] = args.packing_strategy
         out["data.context_length"] = args.max_length
     if model.use_peft:
         out |= {

@@ -332,7 +332,6 @@ def test_flags_that_cannot_be_honoured_are_refused_in_one_line():
         (["--num_train_epochs", "-1"], "must be positive"),
         (["--optim", "sgd"], "adamw_8bit"),
         (["--hub_strategy", "every_save", "--push_to_hub"], "use end"),
-        (["--packing_strategy", "wrapped"], "bfd"),
         (["--attn_implementation", "flash_attention_3"], "not built"),
         (["--defaults", "cookbook", "--save_strategy", "steps"], "--save_steps N"),
     ]:

@@ -143,12 +143,8 @@ def _packing(value: Any) -> Pairs:
 
 
 def _packing_strategy(value: Any) -> Pairs:
-    if text(value) == "bfd":
-        return []  # best-fit decreasing: shardtune's packing (blocks of whole examples, no cross-attention)
-    raise ConfigError(
-        f"--packing_strategy {value} is not built: use bfd (whole examples in blocks, without "
-        "attention across them: shardtune's packing)"
-    )
+    strategy = text(value)  # checked against data.packing_strategy's choices (bfd, bfd_split, wrapped; greedy: ours)
+    return [("data.packing_strategy", "bfd_split" if strategy == "bfd-requeue" else strategy)]  # TRL's old name
 
 
 def _load_in(bits: str) -> Callable[[Any], Pairs]:
@@ -397,7 +393,13 @@ SPELLINGS: dict[str, Spelling] = {
         lambda value: [("checkpoint.save_optimizer", not _bool("save_only_model", value))],
     ),
     "packing": T("data.batching", "true: packing; false: padding", _packing),
-    "packing_strategy": T("data.batching", "bfd only (shardtune's packing)", _packing_strategy),
+    "packing_strategy": T(
+        "data.packing_strategy",
+        "bfd (best-fit decreasing, rows cut), bfd_split (long rows split), wrapped (concatenated, cut every "
+        "max_length tokens, attention across examples), as TRL's, the same blocks; bfd-requeue: bfd_split; greedy: "
+        "llama-cookbook's",
+        _packing_strategy,
+    ),
     "padding_free": T("data.padding_free", "padded batches computed as one row without pad tokens"),
     "max_length": T("data.context_length", "tokens per packed block / longest row"),
     "max_seq_length": T("data.context_length", "as --max_length (its older name)"),
