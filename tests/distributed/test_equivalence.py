@@ -14,6 +14,8 @@ from tests.helpers import assert_same_training, max_relative_difference, step_ro
 PACKING_CONFIGS = [(1, 8, 1), (1, 2, 4), (2, 4, 1), (4, 2, 1)]
 # --padding_free computes padding's micro-batches as one row without pad tokens: it must train the same way
 PADDING_CONFIGS = [(1, 8, 1), (1, 2, 4, "padding_free"), (2, 2, 2), (2, 2, 2, "padding_free")]
+# TRL's packing strategies (shardtune.data.packing): their blocks depend on the data alone, so 1 x 4 = 2 x 2 = 1 x 2 x 2
+TRL_PACKING_CONFIGS = [(1, 4, 1), (2, 2, 1), (1, 2, 2)]
 
 
 def sft(run_cli, model, out, nproc, batch, accum, batching, *extra):
@@ -52,17 +54,26 @@ def sft(run_cli, model, out, nproc, batch, accum, batching, *extra):
     return out
 
 
-@pytest.mark.parametrize("batching,configs", [("packing", PACKING_CONFIGS), ("padding", PADDING_CONFIGS)])
-def test_same_effective_batch_gives_same_losses_and_weights(batching, configs, tiny_model, run_cli, tmp_path):
+@pytest.mark.parametrize(
+    "batching,strategy,configs",
+    [
+        ("packing", "greedy", PACKING_CONFIGS),
+        ("padding", "", PADDING_CONFIGS),
+        ("packing", "bfd", TRL_PACKING_CONFIGS),
+        ("packing", "wrapped", TRL_PACKING_CONFIGS),
+    ],
+)
+def test_same_effective_batch_gives_same_losses_and_weights(batching, strategy, configs, tiny_model, run_cli, tmp_path):
     outs = {}
     for cfg in configs:
         extra = ("--padding_free", "true") if "padding_free" in cfg else ()
+        extra += ("--packing_strategy", strategy) if strategy else ()
         outs[cfg] = sft(run_cli, tiny_model, tmp_path / "x".join(map(str, cfg)), *cfg[:3], batching, *extra)
     ref = outs[configs[0]]
     losses = [r["loss"] for r in step_rows(ref)]
     assert losses[-1] < losses[0], "the model did not learn: the comparison would be vacuous"
     for cfg, out in outs.items():
-        assert_same_training(ref, out, f"{batching} {cfg}")
+        assert_same_training(ref, out, f"{batching} {strategy} {cfg}")
 
 
 def test_a_different_effective_batch_trains_differently(tiny_model, run_cli, tmp_path):
