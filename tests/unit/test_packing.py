@@ -68,7 +68,7 @@ def test_pack_dataset_gives_trls_rows_and_columns(case, strategy):
     assert len(ours) != len(dataset)  # something was packed (or split): the comparison is not of the input
 
 
-def test_pack_dataset_keeps_the_format_packs_every_split_and_refuses_what_trl_refuses():
+def test_pack_dataset_keeps_the_format_packs_every_split_and_a_stream_and_refuses_what_trl_refuses():
     splits = DatasetDict(train=Dataset.from_list(token_rows(50, 4, 20)), test=Dataset.from_list(token_rows(9, 5, 20)))
     splits = splits.with_format("torch", columns=["input_ids", "labels"])
     for strategy in TRL_STRATEGIES:
@@ -81,6 +81,9 @@ def test_pack_dataset_keeps_the_format_packs_every_split_and_refuses_what_trl_re
                 len(a) == len(b) and all((x == y).all() for x, y in zip(a, b))
                 for a, b in ((mine[k], trls[k]) for k in mine)
             )
+    streamed = Dataset.from_list(token_rows(1100, 6, 30)).to_iterable_dataset()  # a stream: the same batches of 1,000
+    for strategy in TRL_STRATEGIES:
+        assert list(pack_dataset(streamed, 24, strategy)) == list(trl.pack_dataset(streamed, 24, strategy))
     with pytest.raises(ValueError, match="not one of bfd, bfd_split, wrapped"):
         pack_dataset(splits, 16, "greedy")
     with pytest.raises(TypeError, match="list columns"):
