@@ -1,6 +1,7 @@
-"""A local stand-in for the Hugging Face Hub: the three requests huggingface_hub's create_repo and upload_folder make
-(repo create, preupload, commit as ndjson), in a thread of the test process. Preupload answers every file "regular",
-so the commit carries each file inline (base64): ``files`` holds what arrived, byte for byte.
+"""A local stand-in for the Hugging Face Hub: the requests huggingface_hub's create_repo and upload_folder make (repo
+create, preupload, commit as ndjson; a model card's metadata validation), in a thread of the test process. Preupload
+answers every file "regular", so the commit carries each file inline (base64): ``files`` holds what arrived, byte for
+byte.
 
     with HubStandIn() as hub:                   # HF_ENDPOINT=hub.url for the process that uploads
         ...
@@ -22,6 +23,7 @@ class HubStandIn:
     def __init__(self, refuse_commits: bool = False) -> None:
         self.files: dict[str, bytes] = {}  # "repo_id/path" -> content
         self.created: list[dict] = []  # create_repo payloads
+        self.cards: list[str] = []  # model cards' texts whose metadata was validated
         self.unexpected: list[str] = []  # requests the stand-in does not implement
         self.tokens: set[str] = set()  # the bearer tokens the requests carried
         self.refuse_commits = refuse_commits  # answer commits 403, as the hub does without write access
@@ -66,6 +68,9 @@ class HubStandIn:
                     return self._reply(
                         200, {"url": f"{hub.url}/{payload.get('organization') or USER}/{payload['name']}"}
                     )
+                if path == "/api/validate-yaml":  # a README.md's metadata header, checked before its upload
+                    hub.cards.append(json.loads(body).get("content", ""))
+                    return self._reply(200, {"errors": [], "warnings": []})
                 if m := re.fullmatch(r"/api/models/(.+)/preupload/[^/]+", path):
                     return self._reply(
                         200,

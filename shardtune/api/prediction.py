@@ -88,11 +88,11 @@ class Predicting:
                 "predict(): test_dataset is None: pass the rows to predict (a Dataset or a list of dicts)"
             )
         if self.objective == "grpo":  # TRL's GRPOTrainer.prediction_step returns the loss alone
-            metrics = self.evaluate(test_dataset, ignore_keys, metric_key_prefix)
+            metrics, _ = self._evaluation(test_dataset, ignore_keys, metric_key_prefix)  # not logged, as Trainer's
             return PredictionOutput(None, None, {k: v for k, v in metrics.items() if k != "epoch"})
         self._prediction = PredictionRequest(self._compute_metrics, self._preprocess_logits_for_metrics, keep=True)
         try:
-            metrics = self.evaluate(test_dataset, ignore_keys, metric_key_prefix)
+            metrics, _ = self._evaluation(test_dataset, ignore_keys, metric_key_prefix)
             folder = self._prediction.written
         finally:
             self._prediction = None

@@ -122,6 +122,8 @@ class _Trainer(ScriptSurface, Predicting):
         self._tokenizer_source = model_source(processing_class if processing_class is not None else model, model)
         self._pairs = [
             ("defaults", "trl"),
+            # a script run again where it ran before runs, as with TRL: the ended run moves into output_dir/previous/
+            ("output.previous_run", "move_aside"),
             *environment_settings(
                 dict(os.environ)
             ),  # under accelerate launch: its file's strategy, as the CLI reads it
@@ -212,7 +214,16 @@ class _Trainer(ScriptSurface, Predicting):
         """TRL's ``evaluate()``: the model as it is now (the trained one after train(), else the starting one) on
         ``eval_dataset`` (default: the trainer's), by the run's own evaluation (every process, exact across
         layouts): the metrics under TRL's names with ``metric_key_prefix``. It writes only its metrics row, in
-        output_dir/evaluations/."""
+        output_dir/evaluations/; the row joins ``state.log_history`` and the callbacks see it, as Trainer's."""
+        metrics, cfg = self._evaluation(eval_dataset, ignore_keys, metric_key_prefix)
+        self._logged_evaluation(metrics, cfg)
+        return metrics
+
+    def _evaluation(
+        self, eval_dataset: Any, ignore_keys: Any, metric_key_prefix: str
+    ) -> tuple[dict[str, Any], TrainConfig]:
+        """An evaluation's metrics (and its config), not logged: evaluate()'s, and predict()'s (which Trainer does
+        not log)."""
         _refuse("ignore_keys", ignore_keys, "not taken: every metric the objective computes is returned; drop it")
         pairs = list(self._pairs)
         if eval_dataset is not None:
@@ -227,9 +238,7 @@ class _Trainer(ScriptSurface, Predicting):
         self._run(cfg, "evaluation")
         metrics = {k: v for k, v in _rows(folder)[-1].items() if k not in ("step", "epoch")}
         metrics = {metric_key_prefix + k.removeprefix("eval"): v for k, v in metrics.items()}
-        metrics = {**metrics, "epoch": self.state.epoch}
-        self._logged_evaluation(metrics, cfg)
-        return metrics
+        return {**metrics, "epoch": self.state.epoch}, cfg
 
     def _logged_evaluation(self, metrics: dict[str, Any], cfg: TrainConfig) -> None:
         """As Trainer's evaluate() logs its metrics: a log_history row, then the callbacks' on_log and on_evaluate."""

@@ -165,15 +165,23 @@ def test_in_memory_data_is_one_content_addressed_folder_whatever_its_container()
 
 
 def test_train_refuses_what_the_command_line_refuses_as_an_exception(tiny_model, tmp_path):
-    """A second run into an output_dir that holds one: the command line's one line, raised where the script calls
-    train() (nothing is launched)."""
+    """A run into an output_dir that a live run holds: the command line's one line, raised where the script calls
+    train() (nothing is launched, nothing of the live run moves; an ended run there would move into previous/)."""
+    from shardtune.runtime.run_lock import RunLock
+
     out = tmp_path / "out"
     out.mkdir()
     (out / "metrics.jsonl").write_text("{}\n")
-    trainer = SFTTrainer(model=str(tiny_model), args=SFTConfig(output_dir=str(out)), train_dataset=ROWS)
-    with pytest.raises(ConfigError, match="already holds a run .*overwrite_output_dir"):
-        trainer.train()
-    assert (out / "metrics.jsonl").read_text() == "{}\n"
+    live = RunLock(out)
+    live.acquire()
+    try:
+        trainer = SFTTrainer(model=str(tiny_model), args=SFTConfig(output_dir=str(out)), train_dataset=ROWS * 2)
+        with pytest.raises(ConfigError, match="another run") as error:
+            trainer.train()
+        assert "\n" not in str(error.value)
+    finally:
+        live.release()
+    assert (out / "metrics.jsonl").read_text() == "{}\n" and not (out / "previous").exists()
 
 
 def test_dpo_trainer_takes_preference_rows_with_dpos_defaults(tiny_model):

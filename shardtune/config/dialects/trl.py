@@ -15,7 +15,8 @@ from typing import Any, Callable
 from shardtune.config.dialects import Pairs, Spelling, refused, text, trl_grpo, trl_trainer
 from shardtune.config.dialects.cookbook import STATE as COOKBOOK
 from shardtune.config.dialects.cookbook import report_to
-from shardtune.config.dialects.trl_values import _bool, _mapping
+from shardtune.config.dialects.trl_model import _attn_implementation, _dtype, _model_init_kwargs, _model_revision
+from shardtune.config.dialects.trl_values import _bool
 from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.schema import ConfigError, DpoConfig, TrainConfig, TrlDatasetConfig
 
@@ -119,20 +120,6 @@ def _optim(value: Any) -> Pairs:
     raise ConfigError(f"--optim {name} is not built: use {', '.join(TRL_OPTIMS)}")
 
 
-def _dtype(name: str) -> Callable[[Any], Pairs]:
-    def to(value: Any) -> Pairs:
-        dtype = text(value)
-        if dtype in ("auto", "float32", "fp32"):
-            return []  # master weights are fp32 always; the compute dtype is --bf16 / --fp16
-        if dtype in ("bfloat16", "bf16"):
-            return [(COOKBOOK + "mixed_precision", True)]
-        if dtype in ("float16", "fp16"):
-            return [(COOKBOOK + "use_fp16", True)]
-        raise ConfigError(f"--{name} {dtype} is not valid: choose auto, bfloat16, float16 or float32")
-
-    return to
-
-
 def _switch(name: str, state: str) -> Callable[[Any], Pairs]:
     """A TRL switch that is one of the cookbook's two-flag knobs (settled by the cookbook dialect's finish)."""
     return lambda value: [(COOKBOOK + state, _bool(name, value))]
@@ -191,19 +178,6 @@ def _num_processes(value: Any) -> Pairs:
     )
 
 
-def _model_revision(value: Any) -> Pairs:
-    return [] if text(value) == "main" else [("model.revision", text(value))]  # main: the hub id as it is
-
-
-def _attn_implementation(value: Any) -> Pairs:
-    if text(value) in ("sdpa", "eager", "flash_attention_2"):
-        return [("model.attn_implementation", text(value))]
-    raise ConfigError(
-        f"--attn_implementation {value} is not built: use sdpa, eager or flash_attention_2 (CUDA, "
-        "flash-attn installed), or drop the flag (shardtune's choice: SDPA, varlen for packed rows)"
-    )
-
-
 def _gradient_checkpointing_kwargs(value: Any) -> Pairs:
     if isinstance(value, str):
         try:
@@ -251,27 +225,6 @@ def _completion_only_loss(value: Any) -> Pairs:
     if given not in ("auto", "none", "true", "false"):
         raise ConfigError(f"--completion_only_loss {value!r} is not valid: true, false or auto (unset)")
     return [("data.trl_dataset.completion_only_loss", "auto" if given == "none" else given)]
-
-
-def _model_init_kwargs(value: Any) -> Pairs:
-    """SFTConfig's / DPOConfig's model_init_kwargs: the keys shardtune has settings for."""
-    given = _mapping("model_init_kwargs", value, '{"dtype": "bfloat16"}')
-    pairs: Pairs = []
-    for key, v in given.items():
-        if key in ("dtype", "torch_dtype"):
-            pairs += _dtype(key)(v)
-        elif key == "attn_implementation":
-            pairs += _attn_implementation(v)
-        elif key == "trust_remote_code":
-            pairs.append(("model.trust_remote_code", _bool("model_init_kwargs trust_remote_code", v)))
-        elif key == "revision":
-            pairs += _model_revision(v)
-        else:
-            raise ConfigError(
-                f"--model_init_kwargs {key} is not built: the model is loaded by shardtune's flags (dtype, "
-                "attn_implementation, trust_remote_code, revision; placement by the strategy): drop the key"
-            )
-    return pairs
 
 
 def _loss_type(value: Any) -> Pairs:
@@ -535,7 +488,9 @@ SPELLINGS: dict[str, Spelling] = {
     ),
     "model_init_kwargs": T(
         "train.precision / model.attn_implementation / model.trust_remote_code",
-        "a mapping: dtype (or torch_dtype), attn_implementation, trust_remote_code, revision; other keys refused",
+        "a mapping: dtype (or torch_dtype), attn_implementation, trust_remote_code, revision (None: the default), "
+        "device_map and use_cache (no effect: placement is the strategy's, training reads no KV cache); other keys "
+        "refused",
         _model_init_kwargs,
     ),
     # Accelerate's, on the command line (launcher flags) or in a recipe
