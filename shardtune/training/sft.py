@@ -14,6 +14,7 @@ from shardtune import data
 from shardtune.accounting.flops import ModelShape, micro_batch_flops, num_input_tokens, palm_micro_batch_flops
 from shardtune.data.batching import eval_chunk_starts
 from shardtune.data.cache import load_examples_cached
+from shardtune.data.packing import eval_examples
 from shardtune.data.streaming import StreamSource, streamed_examples
 from shardtune.model.generation import ROUGE_TYPES, EvalSampler, mean_rouge
 from shardtune.model.loading import cache_dir
@@ -80,8 +81,10 @@ class SFT(Objective):
             if cfg.eval.enabled
             else []
         )
-        # the split index of each real eval batch's first row (the rest only join the collectives): predictions
-        self.eval_starts = eval_chunk_starts(len(eval_items), cfg, dp_rank, dims.dp_size) if row_slice is None else []
+        # the split index of each real eval batch's first row (the rest only join the collectives): predictions; the
+        # split as evaluation computes it (packing that splits rows: its sequences, as TRL's eval_packing)
+        evaluated = len(eval_examples(eval_items, cfg))
+        self.eval_starts = eval_chunk_starts(evaluated, cfg, dp_rank, dims.dp_size) if row_slice is None else []
         self.sampler = EvalSampler(eval_items[: cfg.eval.log_samples], self.tokenizer) if cfg.eval.log_samples else None
 
     def counts(self, micro_batches: list[dict], shape: ModelShape | None) -> list[float]:
