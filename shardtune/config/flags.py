@@ -19,7 +19,6 @@ from shardtune.config.argv import split_argv
 from shardtune.config.dialects import cookbook, placeholder, trl, trl_trainer
 from shardtune.config.dialects.accelerate import LAUNCH_KEYS, launch_flags
 from shardtune.config.fields import (
-    field_default,
     flat_fields,
     flatten_dict,
     get_value,
@@ -326,7 +325,3 @@ def spelling_of(cfg: TrainConfig, key: str) -> str:
     from shardtune.config.spellings import default_spelling
 
     return "--" + getattr(cfg, "spelled", {}).get(key, default_spelling(key))
-
-
-def default_of(key: str) -> Any:
-    return field_default(flat_fields()[key].field)

@@ -67,7 +67,6 @@ HUB_IDS = {
     "llama3-70b": "meta-llama/Llama-3.1-70B-Instruct",
     "llama3.1-405b": "meta-llama/Llama-3.1-405B-Instruct",
 }
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
