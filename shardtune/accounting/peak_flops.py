@@ -112,13 +112,13 @@ def is_remeasure_step(step: int) -> bool:
 class PeakMeter:
     """The peak (all ranks together) that a run's MFU divides by.
 
-    ``sum_over_ranks`` sums a float64 tensor over the ranks (``shardtune.distributed.all_reduce_sum``, bound to the
-    device); every method that calls it is entered by every rank at the same step.
+    ``sum_over_ranks`` sums a float64 tensor over the ranks (``shardtune.runtime.distributed.all_reduce_sum``, bound to
+    the device); every method that calls it is entered by every rank at the same step.
     """
 
     def __init__(self, device: torch.device, dtype: torch.dtype, sum_over_ranks, device_name: str | None = None):
-        # a CPU computes in fp32 (shardtune.precision); a low-precision CPU run is the tests' stand-in for a GPU,
-        # and CPU bf16 / fp16 matmuls take slow paths (0.2 GFLOP/s at 1024 x 1024 on the test machine)
+        # a CPU computes in fp32 (shardtune.runtime.precision); a low-precision CPU run is the tests' stand-in for a
+        # GPU, and CPU bf16 / fp16 matmuls take slow paths (0.2 GFLOP/s at 1024 x 1024 on the test machine)
         self.device, self.dtype = device, torch.float32 if device.type == "cpu" else dtype
         dtype = self.dtype
         self.sum_over_ranks = sum_over_ranks
