@@ -50,7 +50,18 @@ def _publish(write: Callable[[Path], None], kind: str) -> Path:
 
 
 def _as_dataset(data: Any, name: str) -> Any:
-    """A ``datasets.Dataset`` of ``data``: a Dataset, a list of dicts, or a one-split DatasetDict."""
+    """A ``datasets.Dataset`` of ``data``: a Dataset, a list of dicts, or a one-split DatasetDict; one without a row
+    is refused here, by its argument's name (written out, it would be a file of the cache the script never named)."""
+    data = _dataset(data, name)
+    import datasets
+
+    if isinstance(data, datasets.Dataset) and not len(data):
+        fix = "pass the rows to train on" if name == "train_dataset" else "pass rows to evaluate on, or leave it out"
+        raise ConfigError(f"{name} is empty (a dataset of 0 rows): {fix}")
+    return data
+
+
+def _dataset(data: Any, name: str) -> Any:
     import datasets
 
     if isinstance(data, datasets.IterableDatasetDict):
@@ -69,8 +80,8 @@ def _as_dataset(data: Any, name: str) -> Any:
             )
         data = next(iter(data.values()))
     if isinstance(data, list):
-        if not data or not all(isinstance(row, dict) for row in data):
-            raise ConfigError(f"{name}: a list must hold the rows as dicts (at least one)")
+        if not all(isinstance(row, dict) for row in data):
+            raise ConfigError(f"{name}: a list must hold the rows as dicts")
         return datasets.Dataset.from_list(data)
     if isinstance(data, datasets.Dataset):
         return data

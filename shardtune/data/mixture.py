@@ -29,6 +29,7 @@ import numpy as np
 
 from shardtune.config.mixture import MIXTURE_KEY, mixture_entries
 from shardtune.config.schema import ConfigError, TrainConfig, TrlDatasetConfig
+from shardtune.data.emptiness import EMPTY, holds_no_rows
 from shardtune.data.files import READERS, Row
 from shardtune.data.report import DataError
 
@@ -186,9 +187,12 @@ def _check_same_columns(label: str, names: list[str], columns: list[list[str]]) 
 
 
 def _records(label: str, i: int, entry: dict[str, Any]) -> tuple[list[dict], list[str]]:
+    path = Path(entry["path"]).expanduser()
+    if path.is_file() and holds_no_rows(path):  # said before datasets fails on it in its own words
+        raise DataError(f"{label} entry {i} ({_name(entry)}) {EMPTY}: add rows to it, or drop the entry")
     dataset = load_entry(entry)
     if not len(dataset):
-        raise DataError(f"{label} entry {i} ({_name(entry)}) has no rows: fix the data or drop the entry")
+        raise DataError(f"{label} entry {i} ({_name(entry)}) {EMPTY}: add rows to it, or drop the entry")
     return dataset.to_list(), list(dataset.column_names)
 
 

@@ -31,6 +31,7 @@ import torch
 
 from shardtune.config.schema import ConfigError
 from shardtune.data.batching import EXAMPLE_IDS, EXAMPLE_LENGTHS
+from shardtune.data.emptiness import empty_split, nothing_usable
 from shardtune.data.files import Row
 from shardtune.data.pair_store import PAIR_FIELDS
 from shardtune.data.report import DataReport, RowFilter
@@ -284,7 +285,7 @@ def load_pairs(cfg: Any, tokenizer: Any, split: str) -> tuple[list[dict], DataRe
 
 
 def no_usable_pair(report: DataReport, split: str) -> str:
-    return f"{report.summary()}: no usable {split} pair: fix the data (see the skip reasons) or raise --max_length"
+    return nothing_usable(report, f"{split} pair", "fix the data (see the skip reasons) or raise --max_length")
 
 
 def pair_preparation(cfg: Any, tokenizer: Any, split: str) -> Preparation:
@@ -293,7 +294,6 @@ def pair_preparation(cfg: Any, tokenizer: Any, split: str) -> Preparation:
     the split's form (implicit prompt, conversational) read from its first row, for every chunk."""
     from shardtune.data.chat import check_chat_template
     from shardtune.data.mixture import mixture_rows
-    from shardtune.data.report import DataError
     from shardtune.data.trl_loading import _dataset_rows
 
     if cfg.data.dataset == "trl_dataset":
@@ -306,7 +306,7 @@ def pair_preparation(cfg: Any, tokenizer: Any, split: str) -> Preparation:
             f"--dataset synthetic_dialogues, not --dataset {cfg.data.dataset}"
         )
     if not rows:
-        raise DataError(f"{source}: no rows: fix the data or pass another split")
+        raise empty_split(source, "--dataset_train_split" if split == "train" else "--dataset_test_split")
     kind, _ = recognise_preference(columns, rows[0][2])
     if kind.endswith(CHAT_PREFERENCE):
         check_chat_template(cfg, tokenizer, f"{source} ({kind} rows)")

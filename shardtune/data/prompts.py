@@ -9,6 +9,7 @@ from typing import Any
 
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.chat import check_chat_template
+from shardtune.data.emptiness import nothing_usable
 from shardtune.data.mixture import mixture_rows
 from shardtune.data.report import DataError, DataReport, RowFilter
 from shardtune.data.trl_loading import _dataset_rows
@@ -59,5 +60,5 @@ def prompt_rows(cfg: TrainConfig, tokenizer: Any, split: str = "train") -> tuple
         out.append({"prompt": prompt, "prompt_ids": ids, "extras": extras, "index": len(out)})
     report.num_examples = len(out)
     if not out:
-        raise DataError(f"{source}: no usable prompt: {report.summary()}")
+        raise DataError(nothing_usable(report, "prompt", "give each row a prompt (text, or a list of messages)"))
     return out, report

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.schema import ConfigError, TrainConfig
+from shardtune.data.emptiness import nothing_usable
 from shardtune.data.files import DataFiles, Row, hold_out, locate, read_rows
 from shardtune.data.formatting import (
     ALPACA_PROMPT_NO_INPUT,
@@ -126,11 +127,10 @@ def _known(split: str) -> str:
 
 
 def check_usable(report: DataReport, split: str) -> None:
-    """DataError when no row of the split gave an example."""
+    """DataError when no row of the split gave an example: it is empty, or every row was skipped (counted)."""
     if not report.num_examples:
         raise DataError(
-            f"{report.summary()}: no usable {split} example: fix the data (see the skip reasons) "
-            "or raise --context_length"
+            nothing_usable(report, f"{split} example", "fix the data (see the skip reasons) or raise --context_length")
         )
 
 

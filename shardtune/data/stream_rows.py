@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.config.schema import TrainConfig
+from shardtune.data.emptiness import EMPTY, empty_split, refuse_empty_files
 from shardtune.data.files import Row
 from shardtune.data.report import DataError
 
@@ -139,7 +140,13 @@ class RowStream:
         """The columns and the first row (what the format is recognised from)."""
         for row, _ in self.rows():
             return list(row[2]) if isinstance(row[2], dict) else [], [row]
-        raise DataError(f"{self.describe()}: no rows: fix the data or pass another split")
+        if self.name == IN_PROCESS_NAME:  # the script's dataset: named by the trainer's argument
+            argument = "train_dataset" if self.split == "train" else "eval_dataset"
+            raise DataError(f"{argument} (an IterableDataset) {EMPTY}: pass a dataset that yields rows")
+        if Path(self.name).expanduser().exists():  # a local file or split: said as when it is loaded whole
+            refuse_empty_files(self.name)
+        flag = "--dataset_train_split" if self.split == "train" else "--dataset_test_split"
+        raise empty_split(f"--dataset_name {self.name} split {self.split!r} (streamed)", flag)
 
 
 def _file_rows(path: Path, offset: int, row: int) -> Iterator[tuple[Any, int, int]]:

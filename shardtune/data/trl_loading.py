@@ -10,12 +10,14 @@ dialogues with ``--synthetic_dialogues.messages true`` go through the same forma
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from shardtune.config.schema import ConfigError, TrainConfig, TrlDatasetConfig
 from shardtune.data.chat import check_chat_template
+from shardtune.data.emptiness import empty_file, empty_split, refuse_empty_files
 from shardtune.data.files import Row
 from shardtune.data.mixture import check_mixture, mixture_rows, without_evaluation
 from shardtune.data.packing import row_limit
@@ -26,6 +28,7 @@ from shardtune.data.trl_formats import LossOptions, RowFormat, check_options, pr
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 SYNTHETIC_SYSTEM_PROMPT = "Summarize the dialog."
+NO_DATA = re.compile(r'Instruction "([^"]+)" corresponds to no data')  # datasets' words for a split without a row
 
 
 def uses_trl_formats(cfg: TrainConfig) -> bool:
@@ -63,6 +66,8 @@ def check_trl_config(cfg: TrainConfig) -> None:
             )
         if not path.exists() and (tc.dataset_name.startswith(("/", ".", "~")) or path.suffix.lower() in BUILDERS):
             raise DataError(f"--dataset_name {tc.dataset_name}: no such file or folder")
+        if path.exists():  # a file or split without a row: said now, before anything else is made of the data
+            refuse_empty_files(tc.dataset_name)
 
 
 def loss_options(cfg: TrainConfig) -> LossOptions:
@@ -82,6 +87,8 @@ def _load(name: str, config: str) -> Any:
     import datasets
 
     path = Path(name).expanduser()
+    if path.exists():  # an empty file or split said as such, before datasets fails on it in its own words
+        refuse_empty_files(name)
     try:
         if path.is_file():
             return datasets.load_dataset(BUILDERS[path.suffix.lower()], data_files={"train": str(path)})
@@ -89,6 +96,12 @@ def _load(name: str, config: str) -> Any:
     except Exception as e:  # network, authentication, missing dataset, unreadable files: one line with the fix
         where = "local data" if path.exists() else "the Hugging Face hub (offline? HF_DATASETS_OFFLINE set?)"
         reason = (str(e).strip().splitlines() or [""])[0]
+        empty = NO_DATA.search(reason)  # a split datasets read no row from (rows of {} too; a hub dataset's)
+        if empty and path.is_file():
+            raise empty_file(name) from e
+        if empty:
+            flags = "--dataset_train_split / --dataset_test_split"
+            raise empty_split(f"--dataset_name {name} split {empty[1]!r}", flags) from e
         raise DataError(
             f"--dataset_name {name}: could not be loaded from {where} ({type(e).__name__}: {reason}): "
             "pass a local JSON / JSONL / CSV / Parquet / Arrow file or folder, or a reachable hub id"
@@ -191,7 +204,7 @@ def trl_preparation(cfg: TrainConfig, tokenizer: Any, split: str) -> Preparation
     )
     source, rows, columns = loader(cfg, split)
     if not rows:
-        raise DataError(f"{source}: no rows: fix the data or pass another split")
+        raise empty_split(source, "--dataset_train_split" if split == "train" else "--dataset_test_split")
     fmt = recognise_rows(cfg, columns, rows)
     if fmt.conversational:
         check_chat_template(cfg, tokenizer, f"{source} ({fmt.describe()})")
