@@ -30,6 +30,7 @@ import torch
 from shardtune.config import defaults
 from shardtune.config.schema import TrainConfig
 from shardtune.launch.topology import Topology, resolve_topology
+from shardtune.runtime.precision import weights_dtype
 from shardtune.training.checks import check_before_launch
 
 
@@ -104,7 +105,7 @@ def shard_lines(cfg: TrainConfig, topology: Topology, arch_name: str, setup) -> 
             + (f", offloaded to the host {human_bytes(state.host_state)}" if state.host_state else "")
         )
         return lines
-    dtype = torch.bfloat16 if cfg.parallel.strategy == "fsdp" and cfg.train.precision == "pure_bf16" else torch.float32
+    dtype = weights_dtype(cfg.parallel.strategy, cfg.train.precision)
     model = build_model_on_meta(cfg.model.name, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
     freeze_first_layers(model, cfg)
     if bool(cfg.peft.method):

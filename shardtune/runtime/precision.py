@@ -36,3 +36,10 @@ def bf16_compute_available(device: torch.device) -> bool:
 def fp16_compute_available() -> bool:
     """Whether --use_fp16 can run on this machine's training devices: CUDA GPUs (and CPUs under the test switch)."""
     return torch.cuda.is_available() or low_precision_forced_on_cpu()
+
+
+def weights_dtype(strategy: str, precision: str) -> torch.dtype:
+    """The dtype a run holds its trained weights in: bf16 under FSDP's pure_bf16 (parameters, gradients and optimizer
+    state all bf16), else fp32 master weights, whatever the compute dtype. One rule, read by the model a run builds,
+    the dry run's meta model and DPO's reference cache key, so that they cannot disagree."""
+    return torch.bfloat16 if strategy == "fsdp" and precision == "pure_bf16" else torch.float32

@@ -9,12 +9,13 @@ from shardtune.model.loading import build_model_on_meta, load_model, training_mo
 from shardtune.model.peft import load_quantized_model
 from shardtune.model.quantized import load_quantized_on_rank0
 from shardtune.runtime.distributed import DistEnv
+from shardtune.runtime.precision import weights_dtype
 
 
 def build_model(cfg: TrainConfig, env: DistEnv) -> torch.nn.Module:
     """The model to train, before wrapping: fp32 master weights (bf16 with pure_bf16). With low_cpu_fsdp only
     global rank 0 reads the weights; the others build on the meta device and receive theirs after sharding."""
-    dtype = torch.bfloat16 if cfg.parallel.strategy == "fsdp" and cfg.train.precision == "pure_bf16" else torch.float32
+    dtype = weights_dtype(cfg.parallel.strategy, cfg.train.precision)
     if cfg.model.quantization and cfg.parallel.low_cpu_fsdp:
         return load_quantized_on_rank0(cfg, env)
     if cfg.model.quantization:

@@ -17,6 +17,7 @@ from shardtune.data.cache import read_reference_log_probs, write_reference_log_p
 from shardtune.data.preference import collate_pair_units
 from shardtune.model.loading import weights_identity
 from shardtune.runtime.distributed import all_reduce_sum
+from shardtune.runtime.precision import weights_dtype
 from shardtune.training.dpo_logps import SplitRows, reference_logps
 
 
@@ -86,7 +87,7 @@ def reference_key(cfg, compute_dtype: torch.dtype, device: torch.device) -> str 
                 ],
                 "rope": [cfg.model.rope_scaling, cfg.model.rope_factor],
                 "dtype": str(compute_dtype),
-                "pure_bf16": cfg.parallel.strategy == "fsdp" and cfg.train.precision == "pure_bf16",
+                "pure_bf16": weights_dtype(cfg.parallel.strategy, cfg.train.precision) == torch.bfloat16,
                 "attention": [cfg.model.attn_implementation, cfg.model.fast_kernels, cfg.data.padding_free],
                 "device": device.type,
                 "torch": torch.__version__,
