@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -25,6 +26,9 @@ from shardtune.config.schema import (
 )
 from shardtune.runtime.elastic import worker_group_attempt
 from shardtune.runtime.run_lock import RunLocked, check_not_locked
+
+# what 0 means for a setting, in its help's own words ("...; 0: none", "(0: train.batch_size)")
+ZERO_MEANS = re.compile(r"(?:^|[(;] ?)0: ([^);]+)")
 
 
 def check_fields(cfg: TrainConfig, world_size: int) -> None:
@@ -56,13 +60,10 @@ def check_fields(cfg: TrainConfig, world_size: int) -> None:
             continue
         if "at_least" in meta and value < meta["at_least"]:
             what = (
-                "must be positive: pass a value >= 1"
-                if meta["at_least"] == 1
-                else f"must be >= {meta['at_least']:g} (0 means none / no limit)"
-                if meta["at_least"] == 0
-                else f"must be >= {meta['at_least']:g}"
+                "must be positive: pass a value >= 1" if meta["at_least"] == 1 else f"must be >= {meta['at_least']:g}"
             )
-            raise ConfigError(f"{flag} {value:g} {what}")
+            zero = ZERO_MEANS.search(meta["help"]) if meta["at_least"] == 0 else None
+            raise ConfigError(f"{flag} {value:g} {what}" + (f" (0: {zero.group(1)})" if zero else ""))
         if "above" in meta and value <= meta["above"]:
             raise ConfigError(f"{flag} {value:g} must be positive" + (": pass e.g. 1e-4" if key == "optim.lr" else ""))
         if "below" in meta and value >= meta["below"]:

@@ -168,11 +168,6 @@ class DPO(Objective):
                 f"--precompute_ref_batch_size {cfg.dpo.precompute_ref_batch_size} has no effect "
                 "without --precompute_ref_log_probs: add it, or drop the flag"
             )
-        if cfg.dpo.precompute_ref_batch_size < 0:
-            raise ConfigError(
-                f"--precompute_ref_batch_size {cfg.dpo.precompute_ref_batch_size}: pass a positive "
-                "number (0: --batch_size_training)"
-            )
         # a micro-batch's pairs are collated chosen-then-rejected, never packed into blocks: padded rows, or one
         # padding-free row with --padding_free
         cfg.data.batching = "padding"

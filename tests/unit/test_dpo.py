@@ -808,3 +808,19 @@ def test_trl_loss_flags_parse_as_trl_writes_them(tmp_path):
     assert parse_args([*dpo, "--loss_type", "ipo"]).dpo.loss_type == ["ipo"]
     with pytest.raises(ConfigError, match="unexpected argument"):  # only list settings take several values
         parse_args(["--beta", "0.2", "0.3"])
+
+
+def test_a_range_is_checked_once_by_its_setting_with_what_zero_means():
+    """--precompute_ref_batch_size's range is its setting's (at_least 0): one check, whose message says what 0 means
+    for it (its help's own words), not "positive"; a setting whose help gives 0 no meaning gets none."""
+    from shardtune.config.flags import parse_args
+    from shardtune.training.checks import validate
+
+    dpo = ["--objective", "dpo", "--precompute_ref_log_probs"]
+    with pytest.raises(ConfigError) as refused:
+        validate(parse_args([*dpo, "--precompute_ref_batch_size", "-1"]), 1)
+    assert str(refused.value) == "--precompute_ref_batch_size -1 must be >= 0 (0: train.batch_size)"
+    with pytest.raises(ConfigError) as refused:
+        validate(parse_args([*dpo, "--weight_decay", "-0.1"]), 1)
+    assert str(refused.value) == "--weight_decay -0.1 must be >= 0"
+    validate(parse_args([*dpo, "--precompute_ref_batch_size", "0"]), 1)
