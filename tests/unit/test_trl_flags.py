@@ -682,3 +682,18 @@ def test_loss_type_is_sfts_nll_under_sft_and_dpos_losses_under_dpo():
         build_config([("loss_type", "sigmoid")], None, (), [], objective="sft")
     dpo = split_argv(["--loss_type", "sigmoid", "sft", "--loss_weights", "1.0", "0.5"])
     assert build_config(dpo.training, None, (), [], objective="dpo").dpo.loss_type == ["sigmoid", "sft"]
+
+
+@pytest.mark.parametrize(
+    "loss, owner", [("sigmoid", "dpo"), ("ipo", "dpo"), ("dapo", "grpo"), ("dr_grpo", "grpo"), ("no_such_loss", "")]
+)
+def test_a_loss_of_another_objective_under_sft_names_the_objective_that_trains_it(loss, owner):
+    """Under sft, a DPO loss names shardtune dpo and a GRPO loss shardtune grpo (GRPO's are not preference losses);
+    a name no objective trains names none."""
+    with pytest.raises(ConfigError) as refused:
+        build_config([("loss_type", loss)], None, (), [], objective="sft")
+    line = str(refused.value)
+    assert line.startswith(f"--loss_type {loss} is not a loss of shardtune sft (TRL's loss_type there: nll)"), line
+    others = {"dpo", "grpo"} - {owner}
+    assert (f"but of shardtune {owner}" in line) == bool(owner), line
+    assert not any(f"shardtune {other}" in line for other in others) and "preference" not in line, line

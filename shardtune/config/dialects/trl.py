@@ -17,6 +17,7 @@ from shardtune.config.dialects.cookbook import STATE as COOKBOOK
 from shardtune.config.dialects.cookbook import report_to
 from shardtune.config.dialects.trl_model import _attn_implementation, _dtype, _model_init_kwargs, _model_revision
 from shardtune.config.dialects.trl_values import _bool
+from shardtune.config.fields import flat_fields
 from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.schema import ConfigError, DpoConfig, TrainConfig, TrlDatasetConfig
 
@@ -249,12 +250,20 @@ def _settle_loss_type(cfg: TrainConfig, names: list[str]) -> None:
             f"flag to train TRL's default {registration.loss_types[0]} loss"
         )
     if len(names) != 1 or names[0] not in registration.loss_types:
-        others = " / ".join(name for name, r in OBJECTIVES.items() if r.settings and name != cfg.objective)
+        owners = [name for name in OBJECTIVES if name != cfg.objective and set(names) <= set(loss_types_of(name))]
+        trained_by = f" but of shardtune {' / '.join(owners)}: run shardtune {owners[0]} for it, or" if owners else ":"
         raise ConfigError(
             f"--loss_type {','.join(names)} is not a loss of shardtune {cfg.objective} (TRL's loss_type there: "
-            f"{', '.join(registration.loss_types)}): a preference loss needs shardtune {others}; for "
-            f"{cfg.objective} drop the flag or pass {registration.loss_types[0]}"
+            f"{', '.join(registration.loss_types)}){trained_by} for {cfg.objective} drop the flag or pass "
+            f"{registration.loss_types[0]}"
         )
+
+
+def loss_types_of(objective: str) -> tuple[str, ...]:
+    """The --loss_type names ``objective`` trains: its section's loss_type choices, else its registration's."""
+    registration = OBJECTIVES[objective]
+    field = flat_fields().get(f"{registration.settings}.loss_type") if registration.settings else None
+    return tuple(field.meta["choices"]) if field is not None else registration.loss_types
 
 
 T = Spelling
