@@ -684,6 +684,20 @@ def test_loss_type_is_sfts_nll_under_sft_and_dpos_losses_under_dpo():
     assert build_config(dpo.training, None, (), [], objective="dpo").dpo.loss_type == ["sigmoid", "sft"]
 
 
+@pytest.mark.parametrize("loss", ["cispo", "sapo", "luspo", "vespo"])
+def test_a_grpo_loss_trl_has_and_shardtune_does_not_is_refused_saying_what_it_is(loss):
+    """TRL 1.16's GRPO losses that are not built are refused at once, each with what it is (GRPO_LOSS_TYPES_NOT_BUILT)
+    and the losses that are."""
+    from shardtune.config.schema import GRPO_LOSS_TYPES, GRPO_LOSS_TYPES_NOT_BUILT
+
+    with pytest.raises(ConfigError) as refused:
+        build_config([("loss_type", loss)], None, (), [], objective="grpo")
+    assert str(refused.value).startswith(
+        f"--loss_type {loss} ({GRPO_LOSS_TYPES_NOT_BUILT[loss]}) is not built in shardtune grpo: "
+    )
+    assert all(name in str(refused.value) for name in GRPO_LOSS_TYPES)
+
+
 @pytest.mark.parametrize(
     "loss, owner", [("sigmoid", "dpo"), ("ipo", "dpo"), ("dapo", "grpo"), ("dr_grpo", "grpo"), ("no_such_loss", "")]
 )

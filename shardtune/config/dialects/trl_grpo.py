@@ -7,6 +7,7 @@ from dataclasses import fields
 from typing import Any
 
 from shardtune.config.dialects import Pairs, Spelling, refused, text
+from shardtune.config.grpo_settings import GRPO_LOSS_TYPES, GRPO_LOSS_TYPES_NOT_BUILT
 from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.schema import ConfigError, DpoConfig, GrpoConfig, TrainConfig
 
@@ -188,5 +189,10 @@ def settle_loss_type(section: Any, names: list[str], objective: str) -> bool:
         return False
     if len(names) != 1:
         raise ConfigError(f"--loss_type {','.join(names)}: shardtune {objective} trains one loss type")
+    if names[0] in GRPO_LOSS_TYPES_NOT_BUILT:
+        raise ConfigError(
+            f"--loss_type {names[0]} ({GRPO_LOSS_TYPES_NOT_BUILT[names[0]]}) is not built in shardtune {objective}: "
+            f"choose one of {', '.join(GRPO_LOSS_TYPES)}, or drop the flag (TRL's default: {GRPO_LOSS_TYPES[0]})"
+        )
     section.loss_type = names[0]
     return True
