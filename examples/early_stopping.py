@@ -28,7 +28,10 @@ class Recorder(TrainerCallback):
             control.should_save = True  # a checkpoint the cadence would not write
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        self.events.append(["log", sorted(k for k in ("loss", "learning_rate", "grad_norm") if k in logs)])
+        if "eval_loss" in logs:  # an evaluation's row is logged too, before on_evaluate (as Trainer's)
+            self.events.append(["log_eval", state.global_step])
+        else:
+            self.events.append(["log", sorted(k for k in ("loss", "learning_rate", "grad_norm") if k in logs)])
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         self.events.append(["evaluate", state.global_step, "eval_loss" in metrics])
@@ -65,4 +68,6 @@ trainer = SFTTrainer(
 trainer.train()
 
 if int(os.environ.get("RANK", "0")) == 0:
-    print("RESULT " + json.dumps({"events": recorder.events, "steps": trainer.state.global_step}))
+    state = trainer.state
+    best = {"metric": state.best_metric, "step": state.best_global_step, "checkpoint": state.best_model_checkpoint}
+    print("RESULT " + json.dumps({"events": recorder.events, "steps": state.global_step, "best": best}))

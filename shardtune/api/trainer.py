@@ -179,7 +179,7 @@ class _Trainer(ScriptSurface, Predicting):
         self._trained = True
         self._model = None
         history = self._log_history()
-        self.state = _state_after(history, cfg)
+        self.state = _state_after(history, cfg, {**fields_of(self.args), **self._for_callbacks})
         steps = [row for row in history if "loss" in row]
         mean = sum(r["loss"] for r in steps) / len(steps) if steps else float("nan")
         metrics = {"train_loss": mean, "epoch": self.state.epoch}
@@ -329,9 +329,10 @@ def _new_state(**fields: Any) -> Any:
     return TrainerState(**fields)
 
 
-def _state_after(history: list[dict[str, Any]], cfg: TrainConfig) -> Any:
+def _state_after(history: list[dict[str, Any]], cfg: TrainConfig, given: dict[str, Any]) -> Any:
     """transformers' TrainerState of a finished run: its log, steps and epoch, and the best evaluation (by
-    metric_for_best_model, when the run names one or loads the best model) with its checkpoint, as Trainer keeps it."""
+    metric_for_best_model, when the script names one or loads the best model) with its checkpoint, as Trainer keeps
+    it; ``given``: the script's fields (a callback's metric_for_best_model is not the run's setting)."""
     steps = [row for row in history if "loss" in row]
     last = steps[-1] if steps else {}
     state = _new_state(
@@ -343,10 +344,12 @@ def _state_after(history: list[dict[str, Any]], cfg: TrainConfig) -> Any:
         is_local_process_zero=int(os.environ.get("LOCAL_RANK", "0")) == 0,
         is_world_process_zero=int(os.environ.get("RANK", "0")) == 0,
     )
-    if cfg.eval.metric_for_best_model or cfg.eval.load_best_model_at_end:
-        metric = cfg.eval.metric_for_best_model or "eval_loss"
-        key = metric if metric.startswith("eval_") else f"eval_{metric}"
-        greater = (not key.endswith("loss")) if cfg.eval.greater_is_better is None else cfg.eval.greater_is_better
+    metric = given.get("metric_for_best_model") or cfg.eval.metric_for_best_model
+    if metric or cfg.eval.load_best_model_at_end:
+        name = metric or "loss"  # Trainer's default with load_best_model_at_end
+        key = name if name.startswith("eval_") else f"eval_{name}"
+        greater = given.get("greater_is_better", cfg.eval.greater_is_better)
+        greater = (not key.endswith("loss")) if greater is None else greater
         rows = [row for row in history if key in row]
         if rows:
             best = (max if greater else min)(rows, key=lambda row: row[key])

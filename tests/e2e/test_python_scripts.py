@@ -99,7 +99,8 @@ def test_a_trl_script_gives_the_same_steps_under_python_torchrun_and_two_nodes(t
     assert {"loss", "learning_rate", "epoch", "step"} <= set(first)  # TRL's names in log_history
     assert one["model"] == "PeftModelForCausalLM"  # the trained adapter on its base, usable in the script
     assert (tmp_path / "one-saved" / "adapter_config.json").is_file()
-    assert not (tmp_path / "two-saved" / "metrics.jsonl").exists()
+    saved = {p.name for p in (tmp_path / "two-saved").iterdir()}  # the model's files, not the run's nor its lock
+    assert "adapter_model.safetensors" in saved and not saved & {"metrics.jsonl", "config.yaml", ".shardtune.lock"}
 
 
 def test_a_script_streaming_an_iterable_dataset_gives_the_same_steps_on_any_layout(tiny_model, cache_dir, tmp_path):
@@ -134,6 +135,11 @@ def test_callbacks_see_the_run_and_early_stopping_stops_it(tiny_model, cache_dir
     assert [e[1] for e in events if e[0] == "step"] == [1, 2, 3]
     assert [e[1] for e in events if e[0] == "evaluate"] == [1, 2, 3] and all(e[2] for e in events if e[0] == "evaluate")
     assert ["log", ["grad_norm", "learning_rate", "loss"]] in events
+    for step in (1, 2, 3):  # each evaluation row is logged (on_log), then on_evaluate: as Trainer's evaluate()
+        assert events.index(["log_eval", step]) == events.index(["evaluate", step, True]) - 1
+    history = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    first_eval = next(row for row in history if "eval_loss" in row)  # greater_is_better: the highest, the first
+    assert result["best"] == {"metric": first_eval["eval_loss"], "step": 1, "checkpoint": None}
     assert [e for e in events if e[0] == "save"] == [["save", 2]]
     assert [p.name for p in (tmp_path / "out" / "checkpoints").iterdir() if p.name.startswith("step-")] == [
         "step-000002"

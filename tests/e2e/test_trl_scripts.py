@@ -65,6 +65,9 @@ def work(tmp_path_factory, tiny_model) -> Path:
     (work / "my_rewards.py").write_text(
         "def length_reward(completions, **kwargs):\n"
         "    return [len(c if isinstance(c, str) else c[-1]['content']) / 10 for c in completions]\n"
+        "\n"
+        "def broken_reward(completions, **kwargs):\n"
+        "    raise ValueError('my reward is broken')\n"
     )
     (work / "tiny").symlink_to(tiny_model)
     return work
@@ -83,8 +86,11 @@ def launcher(layout: str, port: int) -> list[list[str]]:
     return [[*torchrun, "--nnodes", "2", "--node_rank", str(rank), *rdzv] for rank in (0, 1)]
 
 
-def run(work: Path, cache_dir: Path, layout: str, script: str, flags: list[str], env: dict | None = None) -> str:
-    """Run ``script`` (a path) under ``layout``; its stdout (rank 0's node)."""
+def run(
+    work: Path, cache_dir: Path, layout: str, script: str, flags: list[str], env: dict | None = None, fails=False
+) -> str:
+    """Run ``script`` (a path) under ``layout``; its stdout (rank 0's node); with ``fails``, its stderr, the run having
+    failed."""
     extra = ["--num_processes", "2"] if layout == "accelerate" else []
     port = free_port()
     environment = {**cli_env(cache_dir), **(env or {})}
@@ -100,6 +106,9 @@ def run(work: Path, cache_dir: Path, layout: str, script: str, flags: list[str],
         for prefix in launcher(layout, port)
     ]
     outputs = [proc.communicate(timeout=600) for proc in procs]
+    if fails:
+        assert all(proc.returncode != 0 for proc in procs), outputs[0][0][-2000:]
+        return outputs[0][1]
     for proc, (out, err) in zip(procs, outputs):
         assert proc.returncode == 0, f"{layout} {script} exited {proc.returncode}\n{out[-3000:]}\n{err[-6000:]}"
     return outputs[0][0]
@@ -199,3 +208,9 @@ def test_trls_grpo_script_runs_on_every_launcher_with_the_same_completions(work,
     assert all(row["completions/mean_length"] == 6 for row in one if "loss" in row)
     assert close(column(one, "loss"), column(trl_rows, "loss"), 1e-3)
     assert os.path.isfile(work / "grpo-python" / "model.safetensors")
+    # the script's own reward raising: the script ends with its exception and traceback, as under trl
+    broken = [*flags[: flags.index("--reward_funcs")], "--reward_funcs", "my_rewards.broken_reward"]
+    shape = ["--per_device_train_batch_size", "8", "--output_dir", "grpo-broken"]
+    err = run(work, cache_dir, "python", "grpo.py", [*broken, *shape], fails=True)
+    assert "Traceback (most recent call last)" in err and 'my_rewards.py", line 5, in broken_reward' in err
+    assert "ValueError: my reward is broken\n" in err
