@@ -6,6 +6,7 @@ in this process (the one TRL-style launch is tests/e2e/test_trl_recipe.py).
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -502,6 +503,24 @@ def test_more_trl_training_names():
     assert cfg.model.fast_kernels and not cfg.checkpoint.save_optimizer
     with pytest.raises(ConfigError, match="use_reentrant"):
         parse_args(["--gradient_checkpointing_kwargs", '{"preserve_rng_state": true}'])
+
+
+@pytest.mark.parametrize("name", ["gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"])
+def test_checkpointing_kwargs_take_the_same_forms_with_one_meaning(name, tmp_path):
+    """TRL's --gradient_checkpointing_kwargs and transformers 5's --activation_checkpointing_kwargs are one setting:
+    JSON text, a JSON file or a recipe's mapping; use_reentrant false and every_n_layers 1 (what shardtune does:
+    every layer, non-reentrantly) are accepted, any other key or value is refused in the same line."""
+    plain = parse_args([])
+    kwargs = {"use_reentrant": False, "every_n_layers": 1}
+    json_file = tmp_path / "kwargs.json"
+    json_file.write_text(json.dumps(kwargs))
+    recipe = write(tmp_path, "recipe.yaml", {name: kwargs})
+    for argv in ([f"--{name}", json.dumps(kwargs)], [f"--{name}", str(json_file)], ["--config", recipe]):
+        assert parse_args(argv) == plain, argv
+    for bad, shown in (({"every_n_layers": 2}, "every_n_layers 2"), ({"use_reentrant": True}, "use_reentrant true")):
+        with pytest.raises(ConfigError) as refused:
+            parse_args([f"--{name}", json.dumps(bad)])
+        assert str(refused.value).startswith(f"--{name} {shown}: shardtune recomputes every decoder layer"), refused
 
 
 def test_model_revision_reads_that_snapshot_from_the_hugging_face_cache_offline(tiny_model, tmp_path, monkeypatch):

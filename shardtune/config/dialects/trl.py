@@ -179,29 +179,6 @@ def _num_processes(value: Any) -> Pairs:
     )
 
 
-def _gradient_checkpointing_kwargs(value: Any) -> Pairs:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value) if value.strip() else {}
-        except json.JSONDecodeError:
-            value = None
-    if not isinstance(value, dict) or set(value) - {"use_reentrant"} or value.get("use_reentrant"):
-        raise ConfigError(
-            f"--gradient_checkpointing_kwargs {value!r}: shardtune takes only "
-            "'{\"use_reentrant\": false}' (it recomputes non-reentrantly)"
-        )
-    return []
-
-
-def _use_reentrant(value: Any) -> Pairs:
-    if _bool("gradient_checkpointing_kwargs.use_reentrant", value):
-        raise ConfigError(
-            "--gradient_checkpointing_kwargs.use_reentrant true is not supported: shardtune recomputes "
-            "layers non-reentrantly (same result, works with FSDP2): drop it"
-        )
-    return []
-
-
 def _hub_strategy(value: Any) -> Pairs:
     strategy = text(value)
     if strategy not in ("end", "every_save", "checkpoint", "all_checkpoints"):
@@ -342,8 +319,7 @@ SPELLINGS: dict[str, Spelling] = {
     "gradient_checkpointing": T(
         "parallel.activation_checkpointing", "recompute each decoder layer in backward (DDP, FSDP and DeepSpeed)"
     ),
-    "gradient_checkpointing_kwargs": T("-", "use_reentrant false only", _gradient_checkpointing_kwargs),
-    "gradient_checkpointing_kwargs.use_reentrant": T("-", "false only (a YAML mapping's key)", _use_reentrant),
+    "gradient_checkpointing_kwargs": trl_trainer.checkpointing_kwargs("gradient_checkpointing_kwargs"),
     "activation_offloading": T("parallel.activation_offloading", "saved activations in CPU memory until backward"),
     "use_liger_kernel": T(
         "model.fast_kernels",

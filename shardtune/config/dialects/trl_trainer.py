@@ -31,15 +31,26 @@ def _activation_checkpointing(value: Any) -> Pairs:
     return [("parallel.activation_checkpointing", _bool("activation_checkpointing", value))]
 
 
-def _activation_checkpointing_kwargs(value: Any) -> Pairs:
-    given = _mapping("activation_checkpointing_kwargs", value, '{"use_reentrant": false}')
-    for key, v in given.items():
-        if (key, canonical(v)) not in (("use_reentrant", False), ("every_n_layers", 1.0)):
-            raise ConfigError(
-                f"--activation_checkpointing_kwargs {key} {_shown(v)}: shardtune recomputes every decoder layer, "
-                "non-reentrantly: pass '{\"use_reentrant\": false}' or drop the flag"
-            )
-    return []
+def checkpointing_kwargs(name: str) -> Spelling:
+    """TRL's --gradient_checkpointing_kwargs and transformers 5's --activation_checkpointing_kwargs, one setting: JSON
+    text, a JSON file or a mapping, accepted with the keys and values that are what shardtune does (every decoder
+    layer recomputed, non-reentrantly)."""
+
+    def to(value: Any) -> Pairs:
+        for key, v in _mapping(name, value, '{"use_reentrant": false}').items():
+            if (key, canonical(v)) not in (("use_reentrant", False), ("every_n_layers", 1.0)):
+                raise ConfigError(
+                    f"--{name} {key} {_shown(v)}: shardtune recomputes every decoder layer, non-reentrantly: pass "
+                    "'{\"use_reentrant\": false}' or drop the flag"
+                )
+        return []
+
+    return S(
+        "-",
+        "JSON text, a JSON file or a mapping: use_reentrant false and every_n_layers 1 only (every decoder layer, "
+        "recomputed non-reentrantly)",
+        to,
+    )
 
 
 def _torch_compile(name: str, accepted: str) -> Callable[[Any], Pairs]:
@@ -225,9 +236,7 @@ SPELLINGS: dict[str, Spelling] = {
         "as --gradient_checkpointing (transformers 5's name): recompute each decoder layer in backward",
         _activation_checkpointing,
     ),
-    "activation_checkpointing_kwargs": S(
-        "-", "use_reentrant false, every_n_layers 1 only (every layer, non-reentrant)", _activation_checkpointing_kwargs
-    ),
+    "activation_checkpointing_kwargs": checkpointing_kwargs("activation_checkpointing_kwargs"),
     "torch_compile_backend": S(
         "model.compile", "inductor only: turns --torch_compile on", _torch_compile("torch_compile_backend", "inductor")
     ),
