@@ -173,6 +173,24 @@ def test_values_that_ask_for_something_not_built_are_refused_naming_the_value():
         assert needle in error_of(argv), (argv, error_of(argv))
 
 
+def test_evaluation_prediction_names_mean_what_compute_metrics_gets():
+    """compute_metrics exists (the Python face): each name of how Trainer gathers its predictions is accepted with
+    the value that is what shardtune does and refused, with that meaning, otherwise; none says it is missing."""
+    plain = parse_args([])
+    assert parse_args(["--eval_do_concat_batches", "true", "--eval_accumulation_steps", "1"]) == plain
+    assert parse_args(["--batch_eval_metrics", "false"]) == plain
+    for argv, says in [
+        (["--eval_do_concat_batches", "false"], "--eval_do_concat_batches false: compute_metrics gets whole arrays"),
+        (["--eval_accumulation_steps", "4"], "--eval_accumulation_steps 4: each batch's predictions go to the host"),
+        (["--include_for_metrics", "inputs"], "--include_for_metrics: compute_metrics gets predictions and label_ids"),
+        (["--batch_eval_metrics", "true"], "--batch_eval_metrics: compute_metrics runs once on the whole split"),
+    ]:
+        assert error_of(argv).startswith(says), (argv, error_of(argv))
+    for name in ("eval_do_concat_batches", "eval_accumulation_steps", "include_for_metrics", "batch_eval_metrics"):
+        spelling = resolve(name)
+        assert "no compute_metrics" not in spelling.meaning + spelling.refuse, name
+
+
 def test_fsdp_and_deepspeed_together_are_refused(tmp_path):
     ds_file = tmp_path / "ds.json"
     ds_file.write_text("{}")

@@ -391,14 +391,25 @@ SPELLINGS: dict[str, Spelling] = {
     "prediction_loss_only": no_effect(
         "evaluation computes the loss and perplexity (generated answers only with --log_eval_samples)"
     ),
-    "eval_do_concat_batches": no_effect("evaluation keeps loss sums, no per-batch predictions to concatenate"),
-    "eval_use_gather_object": no_effect("evaluation all-reduces loss sums; no objects are gathered"),
-    "eval_accumulation_steps": refused("evaluation keeps no predictions on the device, only loss sums: " + DROP),
-    "include_for_metrics": refused(
-        "there is no compute_metrics: evaluation reports eval_loss, eval_ppl and, with --log_eval_samples, "
-        "ROUGE: " + DROP
+    "eval_do_concat_batches": only(
+        "eval_do_concat_batches",
+        (True,),
+        "true: compute_metrics and predict() get the split's predictions concatenated into whole arrays",
+        "compute_metrics gets whole arrays (the split's batches concatenated, one row per example): " + DROP,
     ),
-    "batch_eval_metrics": refused("there is no compute_metrics to batch: " + DROP, False),
+    "eval_use_gather_object": no_effect("evaluation all-reduces loss sums; no objects are gathered"),
+    "eval_accumulation_steps": only(
+        "eval_accumulation_steps",
+        (1,),
+        "1: each batch's predictions go to the host at once (none are accumulated on the device)",
+        "each batch's predictions go to the host at once (eval_accumulation_steps 1): " + DROP,
+    ),
+    "include_for_metrics": refused(
+        "compute_metrics gets predictions and label_ids only (no inputs, no losses): " + DROP
+    ),
+    "batch_eval_metrics": refused(
+        "compute_metrics runs once on the whole split's gathered predictions (not per batch): " + DROP, False
+    ),
     # checkpoints, resuming, the hub
     "save_on_each_node": refused(
         "checkpoints go once to output_dir, each rank its shard: put output_dir on storage every node sees, and "
