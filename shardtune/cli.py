@@ -9,37 +9,48 @@ import contextlib
 import importlib
 import os
 import sys
+from typing import NamedTuple
 
 from shardtune.config.objectives import OBJECTIVES
 
-# the training verbs, one per objective (shardtune.config.objectives), then the others
-SUBCOMMANDS = {
-    **{name: registration.help for name, registration in OBJECTIVES.items()},
-    "init-model": "write a small random-init Llama preset with its tokenizer as a Hugging Face directory",
-    "export": "turn a training checkpoint (any world size, any strategy) into a Hugging Face model directory",
-    "generate": "generate text with a model, a model + PEFT adapter, or a merged model (prompt, file or stdin)",
-    "plan": "per-GPU memory and speed of a configuration and its alternatives, from config.json alone (no GPU)",
-    "eval": "eval loss, perplexity and ROUGE of generated summaries on a samsum-format split; JSON report",
-    "plot": "PNG charts (loss, lr, tokens/s, MFU, memory) of one or more runs, overlaid; reads metrics.jsonl or "
-    "llama-cookbook's metrics_data_*.json",
-    "doctor": "check versions, devices, topology, bandwidth and the NCCL / gloo environment on every node",
-    "run": "run a Python training script (from shardtune import SFTTrainer, TRL's shape) on the processes torchrun's "
-    "flags or the cluster describe",
-}
+
+class Command(NamedTuple):
+    module: str  # the module of shardtune.commands that runs it (``main(argv) -> exit status``)
+    help: str  # its line in ``shardtune --help``
 
 
-# a verb -> the module of shardtune.commands that runs it (``main(argv) -> exit status``); every training verb is
-# the sft command with its objective
-MODULES = {
-    **dict.fromkeys(OBJECTIVES, "sft"),
-    "init-model": "init_model",
-    "export": "export",
-    "generate": "generate",
-    "plan": "plan",
-    "eval": "eval",
-    "plot": "plot",
-    "doctor": "doctor",
-    "run": "run",
+# The one registry of commands: the training verbs, one per objective (shardtune.config.objectives; each runs the sft
+# command with its objective), then the others. Help, the unknown-command error and dispatch all read it.
+COMMANDS = {
+    **{name: Command("sft", registration.help) for name, registration in OBJECTIVES.items()},
+    "init-model": Command(
+        "init_model", "write a small random-init Llama preset with its tokenizer as a Hugging Face directory"
+    ),
+    "export": Command(
+        "export", "turn a training checkpoint (any world size, any strategy) into a Hugging Face model directory"
+    ),
+    "generate": Command(
+        "generate", "generate text with a model, a model + PEFT adapter, or a merged model (prompt, file or stdin)"
+    ),
+    "plan": Command(
+        "plan", "per-GPU memory and speed of a configuration and its alternatives, from config.json alone (no GPU)"
+    ),
+    "eval": Command(
+        "eval", "eval loss, perplexity and ROUGE of generated summaries on a samsum-format split; JSON report"
+    ),
+    "plot": Command(
+        "plot",
+        "PNG charts (loss, lr, tokens/s, MFU, memory) of one or more runs, overlaid; reads metrics.jsonl or "
+        "llama-cookbook's metrics_data_*.json",
+    ),
+    "doctor": Command(
+        "doctor", "check versions, devices, topology, bandwidth and the NCCL / gloo environment on every node"
+    ),
+    "run": Command(
+        "run",
+        "run a Python training script (from shardtune import SFTTrainer, TRL's shape) on the processes torchrun's "
+        "flags or the cluster describe",
+    ),
 }
 
 
@@ -49,13 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     as_program = argv is None
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: shardtune {" + ",".join(SUBCOMMANDS) + "} ...\n")
-        for name, text in SUBCOMMANDS.items():
-            print(f"  {name:<12} {text}")
+        print("usage: shardtune {" + ",".join(COMMANDS) + "} ...\n")
+        for name, registered in COMMANDS.items():
+            print(f"  {name:<12} {registered.help}")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command not in MODULES:
-        print(f"shardtune: error: unknown command {command!r}: choose one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+    if command not in COMMANDS:
+        print(f"shardtune: error: unknown command {command!r}: choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     if command in OBJECTIVES and ("-h" in rest or "--help" in rest):  # at once: no torch, no transformers
         from shardtune.launch.torchrun import sft_help_text
@@ -63,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         print(sft_help_text(command))
         return 0
     try:
-        module = importlib.import_module(f"shardtune.commands.{MODULES[command]}")
+        module = importlib.import_module(f"shardtune.commands.{COMMANDS[command].module}")
         with frozen_imports(as_program):
             if command in OBJECTIVES:  # the training command with the verb's objective
                 status = module.main(rest, objective=command)

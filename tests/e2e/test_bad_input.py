@@ -128,9 +128,19 @@ def test_unwritable_output_dir_is_rejected(tiny_model, cli_in_process, tmp_path)
     assert_one_line_error(proc, "--output_dir", "not writable")
 
 
-def test_unknown_subcommand(run_cli):
-    proc = run_cli("sfft", check=False)
-    assert proc.returncode == 2 and "unknown command 'sfft'" in proc.stderr
+def test_an_unknown_command_lists_every_registered_command_and_help_too():
+    """One registry (shardtune.cli.COMMANDS) names the commands: the unknown-command line and --help list each of them,
+    and each is a module of shardtune.commands (every such module is one)."""
+    from shardtune.cli import COMMANDS
+    from tests.conftest import REPO, main_in_process
+
+    proc = main_in_process("sfft")
+    assert proc.returncode == 2 and "unknown command 'sfft': choose one of " in proc.stderr
+    assert proc.stderr.strip().split("choose one of ")[1].split(", ") == list(COMMANDS)
+    usage = main_in_process("--help").stdout
+    assert all(f"\n  {name} " in usage for name in COMMANDS), usage
+    modules = {path.stem for path in (REPO / "shardtune" / "commands").glob("*.py")} - {"__init__"}
+    assert {command.module for command in COMMANDS.values()} == modules
 
 
 def test_a_previous_run_is_never_overwritten_by_accident(tiny_model, run_cli, cli_in_process, tmp_path):
