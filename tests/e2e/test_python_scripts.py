@@ -153,6 +153,7 @@ def test_the_dpo_example_trains_and_reports_trls_reward_metrics(tiny_model, cach
     steps = [row for row in result["history"] if "loss" in row]
     assert len(steps) == 4 and abs(steps[0]["loss"] - 0.693147) < 1e-4  # the policy starts as its reference
     assert {"rewards/chosen", "rewards/margins", "learning_rate", "grad_norm"} <= set(steps[0])
+    assert {"logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy"} <= set(steps[0])  # TRL's keys
     assert result["model"] == "PeftModelForCausalLM"
 
 

@@ -46,6 +46,12 @@ def test_every_public_name_of_trl_is_here_or_refused_at_import_with_its_reason()
             exec(f"from shardtune import {name}")
     with pytest.raises(AttributeError):  # a name trl does not have either stays an AttributeError
         shardtune.NoSuchTrainer  # noqa: B018
+    import importlib
+
+    theirs_module = importlib.import_module("trl.data_utils")
+    ours_module = importlib.import_module("shardtune.data_utils")  # trl.data_utils's path, for scripts importing it
+    wanted = set(ours_module.__all__)
+    assert wanted <= set(dir(theirs_module)) and all(callable(getattr(ours_module, n)) for n in wanted)
 
 
 def _field_defaults(cls: type) -> dict[str, typing.Any]:
