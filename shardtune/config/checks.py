@@ -301,7 +301,7 @@ def check_observability(cfg: TrainConfig, world_size: int) -> None:
         if importlib.util.find_spec(module) is None:
             flag = (
                 "--use_wandb"
-                if getattr(cfg, "spelled", {}).get("logging.report_to") == "use_wandb"
+                if cfg.provenance.spelled.get("logging.report_to") == "use_wandb"
                 else f"--report_to {','.join(lg.report_to)}"
             )
             raise ConfigError(

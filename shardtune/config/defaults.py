@@ -84,7 +84,7 @@ def summary(cfg: Any) -> str:
     """The start log's line: whose defaults, and the settings they decide, as the run has them."""
     o, t, c = cfg.optim, cfg.train, cfg.checkpoint
     whose = {"trl": "TRL's", "cookbook": "llama-cookbook's"}[cfg.run.defaults]
-    how = getattr(cfg, "defaults_reason", "")
+    how = cfg.provenance.defaults_reason
     steps = f"{t.max_steps} steps" if t.max_steps else f"{t.num_epochs:g} epoch{'' if t.num_epochs == 1 else 's'}"
     if c.save_steps:
         saves = f"checkpoints every {c.save_steps:g}" + (" of the steps" if c.save_steps < 1 else " steps")

@@ -37,12 +37,19 @@ def flat_fields(cls: type = TrainConfig, prefix: str = "") -> dict[str, FieldInf
     out: dict[str, FieldInfo] = {}
     hints = get_type_hints(cls)
     for f in fields(cls):
+        if not is_setting(f):
+            continue
         typ = hints[f.name]
         if is_dataclass(typ):
             out.update(flat_fields(typ, prefix + f.name + "."))
         else:
             out[prefix + f.name] = FieldInfo(prefix + f.name, typ, f)
     return out
+
+
+def is_setting(f: dataclasses.Field) -> bool:
+    """Whether a config field is a setting (TrainConfig.provenance is not: how the settings were given)."""
+    return f.metadata.get("setting", True)
 
 
 def field_default(f: dataclasses.Field) -> Any:

@@ -23,6 +23,7 @@ from shardtune.config.fields import (
     flatten_dict,
     get_value,
     is_list,
+    is_setting,
     optional,
     set_value,
     typed,
@@ -117,7 +118,7 @@ class Builder:
         for key, value in defaults.profile_defaults(cfg.run.defaults, cfg.objective).items():
             if key not in self.spelled:
                 set_value(cfg, key, copy.deepcopy(value))
-        cfg.defaults_reason = reason
+        cfg.provenance.defaults_reason = reason
 
     def finish(self, infer: bool = False) -> TrainConfig:
         cfg = self.cfg
@@ -131,7 +132,7 @@ class Builder:
             cfg.data.dataset = "trl_dataset"  # TRL's --dataset_name (or datasets: mixture) alone names the data
         if cfg.checkpoint.dist_checkpoint_root_folder and "output.dir" not in self.spelled:
             cfg.output.dir = cookbook_run_dir(cfg)
-        cfg.spelled = dict(self.spelled)  # how the user named each setting: what messages repeat
+        cfg.provenance.spelled = dict(self.spelled)  # how the user named each setting: what messages repeat
         return cfg
 
 
@@ -158,9 +159,9 @@ def build_config(
         alone.apply_all(pairs, bare_is_true=False, typed_by_user=True)
         said = alone.finish(infer=True)
         for key, theirs in from_accelerate.items():
-            if key in said.spelled and get_value(said, key) != theirs and notes is not None:
+            if key in said.provenance.spelled and get_value(said, key) != theirs and notes is not None:
                 notes.append(
-                    f"{key}: the recipe {recipe} says {get_value(said, key)!r} ({said.spelled[key]}), the "
+                    f"{key}: the recipe {recipe} says {get_value(said, key)!r} ({said.provenance.spelled[key]}), the "
                     f"Accelerate file says {theirs!r}: using the recipe's (command line > recipe > Accelerate file)"
                 )
         builder.apply_all(pairs, bare_is_true=False, typed_by_user=True)
@@ -193,7 +194,7 @@ def with_settings(cfg: TrainConfig, settings: dict[str, Any] | None = None, **mo
     """A copy of ``cfg`` with more settings applied, named as in config_from; ``cfg`` is unchanged."""
     builder = Builder()
     builder.cfg = copy.deepcopy(cfg)
-    builder.spelled = dict(getattr(cfg, "spelled", {}))
+    builder.spelled = dict(cfg.provenance.spelled)
     builder.defaults_applied = True
     builder.apply_all({**(settings or {}), **more}.items())
     return builder.finish()
@@ -291,8 +292,13 @@ def recipe_launch_settings(recipe: str | None) -> tuple[dict[str, str], str | No
 # -- config.yaml ---------------------------------------------------------------------------------------------------
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+def to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """The settings of ``cfg``, grouped (its provenance is not a setting)."""
+    data = dataclasses.asdict(cfg)
+    for f in dataclasses.fields(cfg):
+        if not is_setting(f):
+            del data[f.name]
+    return data
 
 
 def to_yaml(cfg: TrainConfig) -> str:
@@ -324,4 +330,4 @@ def spelling_of(cfg: TrainConfig, key: str) -> str:
     """``--name`` of the canonical ``key`` in a message: as the user typed it, else the name users know it by."""
     from shardtune.config.spellings import default_spelling
 
-    return "--" + getattr(cfg, "spelled", {}).get(key, default_spelling(key))
+    return "--" + cfg.provenance.spelled.get(key, default_spelling(key))

@@ -20,7 +20,7 @@ fields at the edge (shardtune.config.dialects, shardtune.config.flags); nothing 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardtune.config.data_settings import *  # noqa: F403 (the data group: DataSettings, DATASETS ...)
 from shardtune.config.data_settings import DataSettings
@@ -535,6 +535,15 @@ class RunSettings:
 
 
 @dataclass
+class Provenance:
+    """How a config's settings were given, for messages and the start log: not settings (no flag sets them,
+    config.yaml does not hold them, two configs compare without them)."""
+
+    spelled: dict[str, str] = field(default_factory=dict)  # canonical key -> the flag name that set it, as given
+    defaults_reason: str = ""  # why the defaults are whose they are ("--learning_rate is TRL's"); "": not said
+
+
+@dataclass
 class TrainConfig:
     objective: str = setting(
         "sft",
@@ -556,6 +565,7 @@ class TrainConfig:
     run: RunSettings = setting(RunSettings(), "how the command runs")
     dpo: DpoConfig = setting(DpoConfig(), "TRL's DPO settings (--beta, --loss_type, ...): shardtune dpo")
     grpo: GrpoConfig = setting(GrpoConfig(), "TRL's GRPO settings (--reward_funcs, --num_generations ...)")
+    provenance: Provenance = field(default_factory=Provenance, compare=False, repr=False, metadata={"setting": False})
 
 
 def effective_batch_size(cfg: TrainConfig, dp_size: int) -> int:

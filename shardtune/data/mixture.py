@@ -38,7 +38,7 @@ NOT_FOR_A_MIXTURE = {"dataset_config": "name", "dataset_train_split": "split"}  
 
 def mixture_label(cfg: TrainConfig) -> str:
     """How the user named the mixture: ``datasets:`` (a TRL recipe) or ``--dataset_mixture``."""
-    name = getattr(cfg, "spelled", {}).get(MIXTURE_KEY, "dataset_mixture")
+    name = cfg.provenance.spelled.get(MIXTURE_KEY, "dataset_mixture")
     return "datasets:" if name == "datasets" else f"--{name}"
 
 

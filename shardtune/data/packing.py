@@ -253,7 +253,7 @@ def eval_examples(examples: Sequence[Example], cfg: TrainConfig) -> Sequence[Exa
 def check_packing(cfg: TrainConfig) -> None:
     """A packing strategy named where nothing is packed is refused (TRL's default, bfd, which a dumped TRL config
     holds, asks for nothing)."""
-    spelled = getattr(cfg, "spelled", {})
+    spelled = cfg.provenance.spelled
     if cfg.data.batching == "packing" or "data.packing_strategy" not in spelled or cfg.data.packing_strategy == "bfd":
         return
     raise ConfigError(

@@ -63,7 +63,7 @@ def _check_num_proc(cfg: TrainConfig) -> None:
     """data.num_proc is honoured where the tokenised-data cache of examples is built; elsewhere it is refused."""
     if cfg.data.num_proc is None:
         return
-    flag = "--" + getattr(cfg, "spelled", {}).get("data.num_proc", "dataset_num_proc")
+    flag = "--" + cfg.provenance.spelled.get("data.num_proc", "dataset_num_proc")
     why = (
         "--dataset_streaming tokenises the rows as the steps need them"
         if cfg.data.streaming

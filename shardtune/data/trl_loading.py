@@ -227,7 +227,7 @@ def drop_absent_validation(cfg: TrainConfig, say: bool) -> None:
     then that is refused, never dropped."""
     if cfg.eval.enabled and not validation_available(cfg):
         tc = cfg.data.trl_dataset
-        asked = [flag for key, flag in getattr(cfg, "spelled", {}).items() if key in ("eval.enabled", "eval.steps")]
+        asked = [flag for key, flag in cfg.provenance.spelled.items() if key in ("eval.enabled", "eval.steps")]
         if cfg.eval.only:
             asked = asked or ["eval_only"]
         if tc.dataset_mixture:

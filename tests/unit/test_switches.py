@@ -42,7 +42,7 @@ def outcome(argv: list[str], objective: str) -> tuple[str, object]:
     except ConfigError as e:
         assert "\n" not in str(e), e
         return "refused", str(e)
-    return "config", (to_dict(cfg), cfg.defaults_reason)
+    return "config", (to_dict(cfg), cfg.provenance.defaults_reason)
 
 
 @pytest.mark.parametrize("objective", list(OBJECTIVES))

@@ -402,7 +402,7 @@ def test_a_trl_recipes_mappings_and_peft_task_type(tmp_path):
     assert cfg.model.attn_implementation == "eager" and cfg.train.precision == "auto"
     for key, value, named in [
         ("lora_task_type", "SEQ_CLS", "lora_task_type SEQ_CLS .*CAUSAL_LM"),
-        ("model_init_kwargs", {"device_map": "auto"}, "model_init_kwargs device_map .*drop"),
+        ("model_init_kwargs", {"device_map": "cpu"}, "model_init_kwargs device_map .*drop"),
         ("model_init_kwargs", {"torch_dtype": "int8"}, "torch_dtype int8 is not valid"),
         ("datasets", [{"path": "a.jsonl", "sample": 2}], "datasets: entry 1: unknown key 'sample'"),
     ]:
@@ -593,6 +593,30 @@ def test_sft_and_dpo_config_names_are_honoured_or_refused_in_one_line():
         with pytest.raises(ConfigError, match=f"^--{name}: .*drop the") as error:
             parse_args([f"--{name}", "1"])
         assert "\n" not in str(error.value)
+
+
+def test_how_settings_were_given_is_a_declared_field_and_not_a_setting():
+    """The names a user typed and why the defaults are whose they are live in TrainConfig's declared provenance field:
+    kept by copies and dataclasses.replace, not a setting (no flag, not in config.yaml or to_dict, not compared), and
+    a written config.yaml reads back as before."""
+    import dataclasses
+
+    from shardtune.config.fields import flat_fields
+    from shardtune.config.flags import from_dict, to_dict, to_yaml, with_settings
+
+    cfg = parse_args(["--learning_rate", "3e-4", "--lora_r", "4"])
+    assert "provenance" in {f.name for f in dataclasses.fields(TrainConfig)}
+    assert not {"spelled", "defaults_reason"} & set(vars(cfg)), "undeclared attributes on the config"
+    assert cfg.provenance.spelled == {"optim.lr": "learning_rate", "peft.lora.r": "lora_r"}
+    assert cfg.provenance.defaults_reason == "--learning_rate is TRL's"
+    assert dataclasses.replace(cfg).provenance == cfg.provenance
+    assert with_settings(cfg, lr=1e-3).provenance.spelled == {"optim.lr": "lr", "peft.lora.r": "lora_r"}
+    assert not any(key.startswith("provenance") for key in flat_fields())
+    assert "provenance" not in to_dict(cfg) and "provenance" not in to_yaml(cfg)
+    with pytest.raises(ConfigError, match="unknown flag --provenance.spelled"):
+        parse_args(["--provenance.spelled", "x"])
+    again = from_dict(yaml.safe_load(to_yaml(cfg)))
+    assert again == cfg and again.provenance != cfg.provenance  # read back: every name is config.yaml's
 
 
 def test_config_yaml_reads_back_to_the_same_config_and_an_earlier_releases_flat_file_too():
