@@ -48,8 +48,7 @@ def main(argv: list[str] | None = None, objective: str | None = None) -> int:
         accelerate_path = args.accelerate or recipe_accelerate
         file_launch_args, file_settings = read_accelerate(accelerate_path)
         notes: list[str] = []  # command line > recipe > Accelerate file; a disagreement of the last two is said
-        cfg = build_config(args.training, args.recipe, file_settings, notes, objective)
-        settle_objective(cfg, objective)
+        cfg = build_config(args.training, args.recipe, file_settings, notes, objective)  # another objective: refused
         if not is_torchrun_worker():
             say_sources(args, accelerate_path, notes)
         check_placement(cfg, args)
@@ -85,18 +84,6 @@ def main(argv: list[str] | None = None, objective: str | None = None) -> int:
     if local_gpu_count():  # before torchrun's agent starts: it would set TORCH_NCCL_ASYNC_ERROR_HANDLING=1
         os.environ.update(nccl_watchdog_env(cfg.parallel.dist_timeout, os.environ))
     return launch(topology, "shardtune.sft", worker_argv(cfg, args, accelerate_path))
-
-
-def settle_objective(cfg: TrainConfig, objective: str | None) -> None:
-    """The verb's objective (shardtune dpo / grpo) over the default; another --objective is refused."""
-    if objective is None:
-        return
-    if cfg.objective not in ("sft", objective):
-        raise ConfigError(
-            f"--objective {cfg.objective}: this is shardtune {objective}; run shardtune {cfg.objective}, "
-            "or drop the flag"
-        )
-    cfg.objective = objective
 
 
 def worker_argv(cfg: TrainConfig, args: Arguments, accelerate_path: str | None) -> list[str]:

@@ -16,7 +16,7 @@ import yaml
 
 from shardtune.config import defaults
 from shardtune.config.argv import split_argv
-from shardtune.config.dialects import cookbook, placeholder, trl, trl_trainer
+from shardtune.config.dialects import cookbook, placeholder, text, trl, trl_trainer
 from shardtune.config.dialects.accelerate import LAUNCH_KEYS, launch_flags
 from shardtune.config.fields import (
     flat_fields,
@@ -145,15 +145,27 @@ def build_config(
 ) -> TrainConfig:
     """The config of: canonical settings from an Accelerate file, a recipe file, then the command line's flags (the
     defaults of what none of them gives: whose the names imply, shardtune.config.defaults); ``objective``: the
-    verb's."""
+    verb's, which an --objective or the recipe's objective must not contradict."""
     builder = Builder()
     training = list(training)
     given = [value for name, value in training if normalise(name) == "objective"]
+    for value in given if objective else ():
+        if value is not None and text(value) != objective:  # None: a bare --objective, which needs a value
+            raise ConfigError(
+                f"--objective {text(value)}: this is shardtune {objective}; run shardtune {text(value)}, or drop the "
+                "flag"
+            )
     if objective or given:  # first: what the recipe's names mean may depend on it (--loss_type)
         builder.apply("objective", objective or given[-1])
     from_accelerate = builder.apply_all(accelerate)
     if recipe:
         pairs = recipe_settings(recipe, builder.cfg.objective)
+        theirs = [text(value) for name, value in pairs if normalise(name) == "objective" and value is not None]
+        if objective and theirs and theirs[-1] != objective:
+            raise ConfigError(
+                f"--config {recipe} says objective: {theirs[-1]}, but this is shardtune {objective}: run shardtune "
+                f"{theirs[-1]} --config {recipe}, or change the recipe's objective"
+            )
         alone = Builder()  # the recipe's settings as it resolves them alone (its dialects' rules settled)
         alone.apply("objective", builder.cfg.objective)
         alone.apply_all(pairs, bare_is_true=False, typed_by_user=True)

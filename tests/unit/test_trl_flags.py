@@ -715,6 +715,28 @@ def test_space_separated_lists_as_peft_integration_md_writes_them():
     assert cfg.logging.report_to == ["tensorboard", "wandb"] and cfg.optim.lr == 1e-4
 
 
+def test_an_objective_that_disagrees_with_the_verb_is_refused_naming_both(tmp_path):
+    """shardtune dpo --objective sft trained DPO (an explicit sft looked like the default): the verb's objective and an
+    --objective or a recipe's objective that differ are refused in one line naming both; the same one is fine."""
+    assert build_config([("objective", "dpo")], None, (), [], objective="dpo").objective == "dpo"
+    for verb, flag in (("dpo", "sft"), ("sft", "dpo"), ("grpo", "sft")):
+        with pytest.raises(ConfigError) as refused:
+            build_config([("objective", flag)], None, (), [], objective=verb)
+        assert (
+            str(refused.value)
+            == f"--objective {flag}: this is shardtune {verb}; run shardtune {flag}, or drop the flag"
+        )
+    recipe = write(tmp_path, "sft.yaml", {"objective": "sft", "learning_rate": 1e-4})
+    assert build_config([], recipe, (), [], objective="sft").objective == "sft"
+    with pytest.raises(ConfigError) as refused:
+        build_config([], recipe, (), [], objective="dpo")
+    assert str(refused.value) == (
+        f"--config {recipe} says objective: sft, but this is shardtune dpo: run shardtune sft --config {recipe}, or "
+        "change the recipe's objective"
+    )
+    assert build_config([], recipe, (), []).objective == "sft"  # no verb (a worker, the Python face): the recipe's
+
+
 def test_loss_type_is_sfts_nll_under_sft_and_dpos_losses_under_dpo():
     """A dumped SFTConfig says loss_type: nll (TRL's SFT default); dft is refused with its own reason; a DPO loss
     given to sft names shardtune dpo."""
