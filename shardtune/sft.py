@@ -1,5 +1,6 @@
-"""``python -m shardtune.sft``: what torchrun runs (``torchrun ... -m shardtune.sft --flag value``); the command
-itself is shardtune.commands.sft."""
+"""``python -m shardtune.sft``: what torchrun runs for every objective (``torchrun ... -m shardtune.sft --flag value``,
+``--objective dpo`` / ``grpo`` for the others: what ``shardtune dpo`` launches); the command itself is
+shardtune.commands.sft."""
 
 import signal
 
