@@ -40,7 +40,7 @@ def check_fields(cfg: TrainConfig, world_size: int) -> None:
         flag = spelling_of(cfg, key)
         if isinstance(value, float) and not math.isfinite(value):  # inf / nan pass every comparison below
             raise ConfigError(f"{flag} {value} is not a finite number: pass a finite value")
-        choices = meta.get("choices")
+        choices = meta.get("choices") or ()
         for one in value if isinstance(value, list) and choices else [value] if choices else []:
             if one not in choices:
                 close = difflib.get_close_matches(str(one), [str(c) for c in choices], n=1)

@@ -40,7 +40,7 @@ def flat_fields(cls: type = TrainConfig, prefix: str = "") -> dict[str, FieldInf
         if not is_setting(f):
             continue
         typ = hints[f.name]
-        if is_dataclass(typ):
+        if isinstance(typ, type) and is_dataclass(typ):
             out.update(flat_fields(typ, prefix + f.name + "."))
         else:
             out[prefix + f.name] = FieldInfo(prefix + f.name, typ, f)
@@ -53,7 +53,11 @@ def is_setting(f: dataclasses.Field) -> bool:
 
 
 def field_default(f: dataclasses.Field) -> Any:
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is dataclasses.MISSING:
+        raise TypeError(f"the config field {f.name} has no default")
+    return f.default_factory()
 
 
 def get_value(cfg: Any, key: str) -> Any:

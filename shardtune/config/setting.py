@@ -5,6 +5,7 @@ peft_settings, dpo_settings)."""
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import field, is_dataclass
 from typing import Any
@@ -18,7 +19,7 @@ def setting(default: Any, help: str, **meta: Any) -> Any:
     """A field of the config: its default and its metadata (help, choices, at_least / above / below, interval,
     needs (a boolean setting that must be on when this one is set), affects, data_cache, reference, secret)."""
     if isinstance(default, (list, dict)) or is_dataclass(default):
-        return field(default_factory=lambda d=default: copy.deepcopy(d), metadata={"help": help, **meta})
+        return field(default_factory=functools.partial(copy.deepcopy, default), metadata={"help": help, **meta})
     return field(default=default, metadata={"help": help, **meta})
 
 

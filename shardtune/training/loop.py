@@ -190,7 +190,7 @@ class Run:
 
     def stop_agreed(self) -> bool:
         """Whether a callback on any rank asked to stop (collective: every rank asks the same step)."""
-        wants = torch.tensor([1.0 if self.hooks.wants_stop() else 0.0], device=self.env.device)
+        wants = torch.tensor([1.0 if self.hooks and self.hooks.wants_stop() else 0.0], device=self.env.device)
         return bool(all_reduce_sum(wants, self.env.device).item() > 0)
 
     def said_saved(self) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -29,6 +29,9 @@ from shardtune.accounting.flops import ModelShape
 from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.runtime.distributed import DistEnv
+
+if TYPE_CHECKING:
+    from shardtune.training.metrics import MetricsWriter
 
 # The counts every objective gives for a step (per rank, summed over ranks by the engine), in this order; an objective
 # may add its own after them (``Objective.count_names``). label_tokens: the tokens that carry a loss (the rows'
@@ -68,7 +71,8 @@ class Objective(ABC):
     def load_data(self) -> tuple[list, list]:
         """(training units, evaluation items), the same on every rank."""
 
-    writer = None  # the run's MetricsWriter (set by the loop): an objective's own samples (GRPO's completions)
+    # the run's MetricsWriter (set by the loop): an objective's own samples (GRPO's completions)
+    writer: MetricsWriter | None = None
 
     # (units, cfg, pad_id) -> a training micro-batch; None: the data floor's collate of examples
     collate_fn: ClassVar[Any] = None

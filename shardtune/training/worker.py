@@ -111,7 +111,8 @@ def save_outputs(
 def hold_output_dir(cfg: TrainConfig, env: DistEnv) -> RunLock | None:
     """Rank 0 takes output_dir's run lock (shardtune/runtime/run_lock.py) for the run's lifetime; every rank raises
     RunLocked when another run holds it."""
-    lock, refused = (RunLock(Path(cfg.output.dir)), None) if env.is_main else (None, None)
+    lock = RunLock(Path(cfg.output.dir)) if env.is_main else None
+    refused: str | None = None
     if lock is not None:
         try:
             note = lock.acquire()
