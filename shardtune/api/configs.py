@@ -28,7 +28,7 @@ import os
 import types
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar, Iterator, Sequence
 
 from transformers import TrainingArguments
 from transformers.training_args import ParallelMode
@@ -98,7 +98,10 @@ class _TrlArguments(TrainingArguments):
 
     logging_steps: float = field(default=10, metadata={"help": help_of("logging_steps")})
     gradient_checkpointing: bool = field(default=True, metadata={"help": help_of("gradient_checkpointing")})
-    bf16: bool | None = field(default=None, metadata={"help": help_of("bf16") + "; unset: true unless fp16"})
+    # TRL's override of TrainingArguments' bool: None (unset) reads as "not fp16"
+    bf16: bool | None = field(  # type: ignore[assignment]
+        default=None, metadata={"help": help_of("bf16") + "; unset: true unless fp16"}
+    )
     lr_scheduler_kwargs: dict | str | None = field(default=None, metadata={"help": help_of("lr_scheduler_kwargs")})
     use_liger_kernel: bool = field(default=False, metadata={"help": help_of("use_liger_kernel")})
     torch_empty_cache_steps: int | None = field(default=None, metadata={"help": help_of("torch_empty_cache_steps")})
@@ -118,13 +121,13 @@ class _TrlArguments(TrainingArguments):
 
     def _trl_post_init(self) -> None:
         """What TRL's own ``__post_init__`` fills in, so that an unset field reads what it reads in TRL."""
-        if getattr(self, "pad_to_multiple_of", None) is not None:
-            value = self.pad_to_multiple_of
+        value = getattr(self, "pad_to_multiple_of", None)  # the configs that have it declare it
+        if value is not None:
             if isinstance(value, str) and value != "auto":
                 value = None if value.lower() in ("none", "null") else int(value)
             self.pad_to_multiple_of = None if value == "auto" else value
 
-    def canonical(self, more: list[tuple[str, Any]] = ()) -> TrainConfig:
+    def canonical(self, more: Sequence[tuple[str, Any]] = ()) -> TrainConfig:
         """The canonical config of the fields this config sets and ``more``; TRL's defaults for the rest."""
         pairs = [("defaults", "trl"), *fields_of(self).items(), *more]
         return build_config(pairs, None, (), [], self.objective)
@@ -254,7 +257,10 @@ class GRPOConfig(_TrlModelArguments):
     objective: ClassVar[str] = "grpo"
 
     learning_rate: float = field(default=1e-6, metadata={"help": help_of("learning_rate")})
-    remove_unused_columns: bool | None = field(default=False, metadata={"help": help_of("remove_unused_columns")})
+    # TRL's override of TrainingArguments' bool
+    remove_unused_columns: bool | None = field(  # type: ignore[assignment]
+        default=False, metadata={"help": help_of("remove_unused_columns")}
+    )
     disable_dropout: bool = False
     cast_lm_head_to_fp32: bool = False
     # generation
@@ -336,15 +342,17 @@ class GRPOConfig(_TrlModelArguments):
 
     def _trl_post_init(self) -> None:
         super()._trl_post_init()
-        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        if isinstance(self.scale_rewards, bool):  # TRL's older True / False
+            self.scale_rewards = "group" if self.scale_rewards else "none"
         per_step = self.per_device_train_batch_size * self.world_size  # TRL's derived generation sizes
-        if self.generation_batch_size is None and self.steps_per_generation is None:
+        size, steps = self.generation_batch_size, self.steps_per_generation
+        if size is None and steps is None:
             self.steps_per_generation = self.gradient_accumulation_steps
             self.generation_batch_size = per_step * self.steps_per_generation
-        elif self.steps_per_generation is None and self.generation_batch_size % per_step == 0:
-            self.steps_per_generation = self.generation_batch_size // per_step
-        elif self.generation_batch_size is None and self.steps_per_generation is not None:
-            self.generation_batch_size = per_step * self.steps_per_generation
+        elif size is not None and steps is None and size % per_step == 0:
+            self.steps_per_generation = size // per_step
+        elif size is None and steps is not None:
+            self.generation_batch_size = per_step * steps
 
 
 CONFIGS: dict[str, type[_TrlArguments]] = {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig}

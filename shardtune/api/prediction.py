@@ -39,6 +39,7 @@ class Predicting:
     """The trainers' predict() and metric functions (shardtune.api.trainer._Trainer mixes it in)."""
 
     objective: str
+    _evaluation: Callable[[Any, Any, str], tuple[dict[str, Any], TrainConfig]]  # the trainer's
     _compute_metrics: Callable[[Any], dict] | None = None
     _preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None
     _prediction: PredictionRequest | None = None  # predict()'s, while it runs
@@ -89,7 +90,8 @@ class Predicting:
             )
         if self.objective == "grpo":  # TRL's GRPOTrainer.prediction_step returns the loss alone
             metrics, _ = self._evaluation(test_dataset, ignore_keys, metric_key_prefix)  # not logged, as Trainer's
-            return PredictionOutput(None, None, {k: v for k, v in metrics.items() if k != "epoch"})
+            # transformers types predictions as arrays, yet its Trainer.predict() returns None for a loss-only step
+            return PredictionOutput(None, None, {k: v for k, v in metrics.items() if k != "epoch"})  # type: ignore[arg-type]
         self._prediction = PredictionRequest(self._compute_metrics, self._preprocess_logits_for_metrics, keep=True)
         try:
             metrics, _ = self._evaluation(test_dataset, ignore_keys, metric_key_prefix)

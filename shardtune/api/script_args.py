@@ -62,8 +62,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.load_in_8bit and self.load_in_4bit:
             raise ConfigError("load_in_8bit and load_in_4bit are both set: choose one (4-bit is QLoRA)")
-        if hasattr(self.lora_target_modules, "__len__") and len(self.lora_target_modules) == 1:
-            self.lora_target_modules = self.lora_target_modules[0]  # TRL's: ["all-linear"] reads as "all-linear"
+        modules = self.lora_target_modules
+        if isinstance(modules, (list, tuple)) and len(modules) == 1:
+            # TRL's: ["all-linear"] reads as "all-linear" (the field stays typed as the list the parser fills)
+            self.lora_target_modules = modules[0]  # type: ignore[assignment]
 
 
 MIXTURE_SPLIT_SEED = 0  # TRL splits without a seed: each process would hold another split
@@ -161,7 +163,7 @@ def get_peft_config(model_args: ModelConfig) -> Any:
         return None
     from peft import LoraConfig
 
-    extra = (
+    extra: dict[str, Any] = (
         {} if model_args.lora_target_parameters is None else {"target_parameters": model_args.lora_target_parameters}
     )
     return LoraConfig(

@@ -25,6 +25,7 @@ class ScriptSurface:
     _trained: bool
     _tokenizer_source: str
     _dataset_name: str | None
+    _processing_class: Any  # the script's tokenizer, else the model's own once loaded
 
     @property
     def output_dir(self) -> Path:

@@ -14,7 +14,7 @@ import os
 import shutil
 import signal
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from shardtune.api.callbacks import ArgsView, CallbackHooks, checked_callbacks, trl_row
 from shardtune.api.configs import config_class, fields_of
@@ -45,6 +45,10 @@ from shardtune.training.worker import run_worker
 
 class TrainOutput(tuple):
     """TRL's ``train()`` result: (global_step, training_loss, metrics)."""
+
+    global_step: int
+    training_loss: float
+    metrics: dict[str, Any]
 
     def __new__(cls, global_step: int, training_loss: float, metrics: dict[str, Any]) -> "TrainOutput":
         out = super().__new__(cls, (global_step, training_loss, metrics))
@@ -113,7 +117,7 @@ class _Trainer(ScriptSurface, Predicting):
         self.args = args if args is not None else self._default_args(model)
         given = fields_of(self.args)  # validated as the command line's settings just below, with the rest
         if self.callbacks and not given.get("load_best_model_at_end"):  # what a callback compares (EarlyStopping)
-            self._for_callbacks = {
+            self._for_callbacks: dict[str, Any] = {
                 k: given.pop(k) for k in ("metric_for_best_model", "greater_is_better") if k in given
             }
         else:
@@ -156,10 +160,10 @@ class _Trainer(ScriptSurface, Predicting):
         """The objective's own constructor arguments, taken out of ``arguments``, as settings."""
         return []
 
-    def _config(self, more: list[tuple[str, Any]] = ()) -> TrainConfig:
+    def _config(self, more: Sequence[tuple[str, Any]] = ()) -> TrainConfig:
         return self._config_of(self._pairs, more)
 
-    def _config_of(self, pairs: list[tuple[str, Any]], more: list[tuple[str, Any]] = ()) -> TrainConfig:
+    def _config_of(self, pairs: list[tuple[str, Any]], more: Sequence[tuple[str, Any]] = ()) -> TrainConfig:
         from shardtune.config.flags import build_config
 
         return build_config([*pairs, *more], None, (), [], self.objective)
