@@ -28,6 +28,7 @@ from shardtune.config.fields import (
     set_value,
     typed,
 )
+from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.config.spellings import normalise, resolve, spellings
 
@@ -133,7 +134,20 @@ class Builder:
         if cfg.checkpoint.dist_checkpoint_root_folder and "output.dir" not in self.spelled:
             cfg.output.dir = cookbook_run_dir(cfg)
         cfg.provenance.spelled = dict(self.spelled)  # how the user named each setting: what messages repeat
+        if not OBJECTIVES[cfg.objective].packs:
+            settle_padding(cfg)
         return cfg
+
+
+def settle_padding(cfg: TrainConfig) -> None:
+    """An objective that never packs pads its rows per micro-batch: packing a user asked for (a flag or recipe key
+    that set it) is refused; the cookbook's default packing, which nobody asked for, becomes padding."""
+    if cfg.data.batching == "packing" and "data.batching" in cfg.provenance.spelled:
+        raise ConfigError(
+            f"{spelling_of(cfg, 'data.batching')} asks for packing, but shardtune {cfg.objective} never packs: its "
+            "rows are padded per micro-batch; drop the flag"
+        )
+    cfg.data.batching = "padding"
 
 
 def build_config(

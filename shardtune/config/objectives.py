@@ -53,6 +53,7 @@ class Registration:
     frozen_reference: Callable[[Any], bool] = no_reference  # planner: a frozen copy of the model beside it
     sampling_rows: Callable[[Any, int], int] = no_sampling  # planner: rows a process samples at once between steps
     streams: bool = False  # trains on --dataset_streaming data (rows read as the steps need them)
+    packs: bool = True  # packs rows into blocks when asked (--packing); False: rows padded per micro-batch, always
     pooled_tokenising: bool = True  # tokenises its data into the cache in --dataset_num_proc processes
     # TRL's --shuffle_dataset value it honours: SFT's / DPO's false (no shuffle before tokenising; the seeded sampler
     # shuffles every epoch), GRPO's true (its sampler's shuffle: the seeded prompt order of every epoch)
@@ -80,6 +81,7 @@ OBJECTIVES = {
         "shardtune.training.dpo:DPO",
         settings="dpo",
         rows_per_unit=2,
+        packs=False,  # a micro-batch's pairs are padded rows (or one padding-free row with --padding_free)
         frozen_reference=dpo_reference,
         reference_setting="dpo.ref_model",
     ),
@@ -87,6 +89,7 @@ OBJECTIVES = {
         "online RL (GRPO): sample completions, score them with reward functions, same launcher (docs/grpo.md)",
         "shardtune.training.grpo:GRPO",
         settings="grpo",
+        packs=False,  # prompts and their sampled completions are padded per micro-batch
         frozen_reference=grpo_reference,
         sampling_rows=grpo_sampling_rows,
         pooled_tokenising=False,  # its prompts are tokenised whole, in each process: they are small

@@ -168,9 +168,6 @@ class DPO(Objective):
                 f"--precompute_ref_batch_size {cfg.dpo.precompute_ref_batch_size} has no effect "
                 "without --precompute_ref_log_probs: add it, or drop the flag"
             )
-        # a micro-batch's pairs are collated chosen-then-rejected, never packed into blocks: padded rows, or one
-        # padding-free row with --padding_free
-        cfg.data.batching = "padding"
         if cfg.dpo.ref_model and cfg.peft.method:
             raise ConfigError(
                 f"--ref_model {cfg.dpo.ref_model} with --peft_method {cfg.peft.method}: an adapter's reference is "

@@ -96,7 +96,6 @@ class GRPO(Objective):
         for refused, line in refusals:
             if refused:
                 raise ConfigError(line)
-        cfg.data.batching = "padding"
 
     @classmethod
     def prepare_data(cls, cfg, tokenizer, dp_size: int) -> None:

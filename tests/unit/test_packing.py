@@ -254,6 +254,23 @@ def ours(argv: list[str], objective: str = "sft") -> TrainConfig:
     return build_config(args.training, args.recipe, (), None, objective)
 
 
+@pytest.mark.parametrize("objective", ["dpo", "grpo"])
+def test_an_objective_that_never_packs_refuses_packing_asked_for_and_pads_by_default(objective):
+    """DPO's pairs and GRPO's completions are padded per micro-batch, never packed: --packing / --batching_strategy
+    packing (on the command line or in a recipe) is refused in one line naming the flag; the cookbook's default
+    (packing, a setting nobody named) becomes padding, as does an explicit padding."""
+    from shardtune.training.checks import validate
+
+    for argv, flag in ((["--packing"], "--packing"), (["--batching_strategy", "packing"], "--batching_strategy")):
+        with pytest.raises(ConfigError) as refused:
+            validate(ours(argv, objective), 1)
+        assert str(refused.value).startswith(f"{flag} asks for packing, but shardtune {objective} never packs"), refused
+    for argv in ([], ["--lr", "1e-4"], ["--packing", "false"], ["--batching_strategy", "padding"]):
+        cfg = ours(argv, objective)
+        validate(cfg, 1)
+        assert cfg.data.batching == "padding", argv
+
+
 def test_trl_names_pack_with_bfd_the_cookbooks_with_greedy_and_bad_values_are_one_line(tmp_path):
     trl_packing = ours(["--model_name_or_path", "m", "--packing"])
     assert (trl_packing.data.batching, trl_packing.data.packing_strategy) == ("packing", "bfd")
