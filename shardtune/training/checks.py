@@ -35,8 +35,7 @@ from shardtune.training.best_model import check_intervals
 from shardtune.training.checkpoint import check_checkpointing, check_resume_fits
 from shardtune.training.objective import check_objective, objective_class
 
-# Settings alone, in order: the objective's (it may settle the batching), the config floor's own, then those owned by
-# the floors above.
+# Settings alone, in order: the objective's, the config floor's own, then those owned by the floors above.
 SETTING_CHECKS = (
     check_objective,
     *CONFIG_CHECKS,
