@@ -11,8 +11,9 @@ derived instead of kept by hand:
 - ``data_cache``: part of the tokenised-data cache's key (shardtune.data.cache);
 - ``reference``: part of the key of DPO's precomputed reference log-probabilities.
 
-Fields are declared with shardtune.config.setting; the data, adapter, output and DPO groups live in data_settings,
-peft_settings, output_settings and dpo_settings, gathered here (import every group's names from this module).
+Fields are declared with shardtune.config.setting; the data, adapter, output, DPO and GRPO groups live in
+data_settings, peft_settings, output_settings, dpo_settings and grpo_settings, gathered here: a group's class is
+imported from this module, its other names (choices, tables) from the group's own module.
 
 Other tools' spellings (llama-cookbook's, TRL's, Accelerate's, DeepSpeed's) are dialects, translated into these
 fields at the edge (shardtune.config.dialects, shardtune.config.flags); nothing here knows them.
@@ -22,16 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardtune.config.data_settings import *  # noqa: F403 (the data group: DataSettings, DATASETS ...)
-from shardtune.config.data_settings import DataSettings
-from shardtune.config.dpo_settings import *  # noqa: F403 (DPO's section: DpoConfig, DPO_LOSS_TYPES ...)
+# the groups declared in their own modules; the few other names re-exported are those other modules import from here
+from shardtune.config.data_settings import DataSettings, SamsumDatasetConfig, TrlDatasetConfig  # noqa: F401
 from shardtune.config.dpo_settings import DpoConfig
-from shardtune.config.grpo_settings import *  # noqa: F403 (GRPO's section: GrpoConfig, GRPO_LOSS_TYPES ...)
-from shardtune.config.grpo_settings import GrpoConfig
+from shardtune.config.grpo_settings import GRPO_LOSS_TYPES, GRPO_LOSS_TYPES_NOT_BUILT, GrpoConfig  # noqa: F401
 from shardtune.config.objectives import OBJECTIVES
-from shardtune.config.output_settings import *  # noqa: F403 (the output group: OutputSettings, PREVIOUS_RUN ...)
-from shardtune.config.output_settings import OutputSettings
-from shardtune.config.peft_settings import *  # noqa: F403 (the adapter group: PeftSettings, PEFT_METHODS ...)
+from shardtune.config.output_settings import PREVIOUS_FOLDER, OutputSettings  # noqa: F401
 from shardtune.config.peft_settings import PeftSettings
 from shardtune.config.setting import (  # noqa: F401 (re-exported: what every floor imports from here)
     CACHE,
