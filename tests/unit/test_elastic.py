@@ -80,7 +80,8 @@ def test_the_launcher_counts_with_dynamic_rendezvous_and_leaves_static_alone():
 
 def test_the_wrapped_c10d_handler_sets_the_attempt_after_each_rendezvous(monkeypatch):
     """torchrun's own c10d rendezvous, one node, in this process: each next_rendezvous is a new round."""
-    monkeypatch.delenv(ATTEMPT_ENV, raising=False)
+    monkeypatch.setenv(ATTEMPT_ENV, "")  # recorded, so that what the handler sets is undone after the test
+    monkeypatch.delenv(ATTEMPT_ENV)
     params = RendezvousParameters(
         counting_backend("c10d"),
         "localhost:0",
