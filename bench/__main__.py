@@ -40,7 +40,7 @@ def trl_available() -> bool:
 
 def shardtune_epoch(model: str, out: Path, tool: str, variant: dict, args) -> dict:
     """One epoch through the real CLI, one process; epoch time = the logged step times (data loading included)."""
-    from shardtune.training.metrics import read_metrics
+    from shardtune.training.engine.metrics import read_metrics
 
     shape = {
         "shardtune_packing": [

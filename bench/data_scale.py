@@ -340,7 +340,7 @@ STAGES = (
     ("shardtune.data.cache", "_write_examples"),  # since: chunks tokenised (in data.num_proc processes) and written
     ("shardtune.data.cache", "_read"),
     ("shardtune.data.cache", "load_examples_cached"),
-    ("shardtune.training.sft", "load_examples_cached"),
+    ("shardtune.training.objectives.sft.objective", "load_examples_cached"),
 )
 # where tracemalloc's snapshot is taken: when the examples are all held (before) / when the rows are (since)
 TRACE_AT = {("trl_examples", "<-"), ("_write_examples", "->")}
@@ -380,7 +380,8 @@ class _Peaks(threading.Thread):
 
 
 def stages_child(corpus: Path, model: Path, trace: bool, top: int) -> dict:
-    """In a fresh process: shardtune.training.checks.prepare (what the launcher runs before launch) on ``corpus``,
+    """In a fresh process: shardtune.training.engine.checks.prepare (what the launcher runs before launch) on
+    ``corpus``,
     not streamed; this process's RssAnon around each stage of it, and the peaks in between (its own, and with the
     tokenising processes it starts); then after gc, after dropping the loaded dataset (trl_loading._load's cache)
     and after glibc's malloc_trim(0) (what of the rest is free memory the heap kept). ``trace``: tracemalloc's
@@ -410,7 +411,7 @@ def stages_child(corpus: Path, model: Path, trace: bool, top: int) -> dict:
         )
 
     from shardtune.config.flags import config_from
-    from shardtune.training.checks import prepare
+    from shardtune.training.engine.checks import prepare
 
     record("imports")
     sites: dict = {}
@@ -596,7 +597,7 @@ def report(results: dict) -> list[str]:
         lines += [
             "",
             f"The launcher's preparation stage by stage ({stages['corpus']}, not streamed; `--stages`: "
-            "shardtune.training.checks.prepare in a fresh process, its RssAnon around each call):",
+            "shardtune.training.engine.checks.prepare in a fresh process, its RssAnon around each call):",
             "",
             "| s | RssAnon MiB | change MiB | peak since the line above: own / with its children (RssAnon) / "
             "with its children (Pss_Anon), MiB | stage |",

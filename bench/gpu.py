@@ -166,8 +166,8 @@ def run_config(name: str, args, env, plan: LongRowPlan | None = None) -> dict:
     from shardtune.model.speed import apply_speed_features
     from shardtune.parallel import make_strategy
     from shardtune.parallel.optim import build_optimizer
-    from shardtune.training.sft import SFT
-    from shardtune.training.step import train_step
+    from shardtune.training.engine.step import train_step
+    from shardtune.training.objectives.sft.objective import SFT
 
     spec = SHAPES[name]
     long = bool(spec.get("long"))
@@ -184,7 +184,7 @@ def run_config(name: str, args, env, plan: LongRowPlan | None = None) -> dict:
     model, seq_len, batch = build(name, args.cpu_smoke, env.device)
     planned = planned_peak_bytes(name, model.config.to_dict(), env, seq_len, batch, long)
     if long:
-        apply_memory_levers(model, cfg, env.device)  # before PEFT, as shardtune.training.worker does
+        apply_memory_levers(model, cfg, env.device)  # before PEFT, as shardtune.training.engine.worker does
     apply_speed_features(model, cfg, env.device)
     if spec["peft"]:
         import peft

@@ -77,8 +77,8 @@ def worker(
     from shardtune.parallel import make_strategy
     from shardtune.parallel.sequence import RowSlice, SequenceGroups, split_row, use_sequence_attention
     from shardtune.runtime.distributed import all_reduce_sum, init_distributed, shutdown
-    from shardtune.training.sft import SFT
-    from shardtune.training.step import train_step
+    from shardtune.training.engine.step import train_step
+    from shardtune.training.objectives.sft.objective import SFT
 
     env = init_distributed()
     cfg = config_from(
@@ -103,7 +103,7 @@ def worker(
         tie_word_embeddings=False,
     )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    apply_memory_levers(model, cfg, env.device)  # the order of shardtune.training.worker.fine_tune
+    apply_memory_levers(model, cfg, env.device)  # the order of shardtune.training.engine.worker.fine_tune
     apply_speed_features(model, cfg, env.device)
     if strategy.dims.sequence_split:
         use_sequence_attention(hf_model(model), SequenceGroups.from_mesh(strategy.mesh, strategy.dims))

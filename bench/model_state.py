@@ -34,8 +34,8 @@ def main() -> None:
     from shardtune.parallel import make_strategy
     from shardtune.parallel.optim import build_optimizer
     from shardtune.runtime.distributed import all_reduce_sum, init_distributed, shutdown
-    from shardtune.training.sft import SFT
-    from shardtune.training.step import train_step
+    from shardtune.training.engine.step import train_step
+    from shardtune.training.objectives.sft.objective import SFT
 
     env = init_distributed()
     cfg = config_from(model_name=args.model, enable_fsdp=args.fsdp)

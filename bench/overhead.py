@@ -50,8 +50,8 @@ def main() -> None:
     from shardtune.parallel import make_strategy
     from shardtune.parallel.optim import build_optimizer
     from shardtune.runtime.distributed import DistEnv
-    from shardtune.training.sft import SFT
-    from shardtune.training.step import train_step
+    from shardtune.training.engine.step import train_step
+    from shardtune.training.objectives.sft.objective import SFT
 
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
     cfg = config_from(model_name=args.model, context_length=512, batch_size_training=2, lr=1e-4)

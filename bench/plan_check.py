@@ -235,8 +235,8 @@ def measure_step(args: argparse.Namespace, strategy_name: str, env) -> dict:
     from shardtune.data.batching import collate_flat
     from shardtune.model.attention import use_varlen_attention
     from shardtune.parallel import make_strategy
-    from shardtune.training.sft import SFT
-    from shardtune.training.step import train_step
+    from shardtune.training.engine.step import train_step
+    from shardtune.training.objectives.sft.objective import SFT
 
     cfg = train_config(args, strategy_name)
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardtune.training.metrics import read_metrics
+from shardtune.training.engine.metrics import read_metrics
 
 
 def step_rows(out_dir: Path) -> list[dict]:

@@ -1,4 +1,4 @@
-"""transformers' ``TrainerCallback`` objects on shardtune's loop (shardtune.training.hooks): ``on_train_begin``,
+"""transformers' ``TrainerCallback`` objects on shardtune's loop (shardtune.training.engine.hooks): ``on_train_begin``,
 ``on_step_end``, ``on_log`` (step and evaluation rows), ``on_evaluate``, ``on_save``, ``on_train_end`` are called with
 a ``TrainerState`` and a ``TrainerControl`` as Trainer calls them, and the control's ``should_evaluate``,
 ``should_save`` and ``should_training_stop`` are honoured (``EarlyStoppingCallback`` stops a run). Callbacks run in
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardtune.config.schema import ConfigError, TrainConfig
-from shardtune.training.hooks import Hooks
+from shardtune.training.engine.hooks import Hooks
 
 # our metrics.jsonl names -> TRL's log_history names (the others are the same)
 TRL_KEYS = {"lr": "learning_rate"}

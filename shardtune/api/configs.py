@@ -355,11 +355,14 @@ class GRPOConfig(_TrlModelArguments):
             self.generation_batch_size = per_step * steps
 
 
-CONFIGS: dict[str, type[_TrlArguments]] = {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig}
-
-
 def config_class(objective: str) -> type[_TrlArguments]:
-    return CONFIGS[objective]
+    """The TRL-shaped config of ``objective`` in the Python face: its registration's ``api_config``, else SFT's."""
+    import importlib
+
+    from shardtune.config.objectives import registration
+
+    module, _, name = (registration(objective).api_config or "shardtune.api.configs:SFTConfig").partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 # -- what a config object sets ----------------------------------------------------------------------------------------

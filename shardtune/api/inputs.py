@@ -19,7 +19,7 @@ from typing import Any, Callable
 from shardtune.config.schema import ConfigError
 from shardtune.data.stream_rows import register_in_process
 from shardtune.model.loading import cache_dir
-from shardtune.training import rewards
+from shardtune.training.objectives.grpo import rewards
 
 Pairs = list[tuple[str, Any]]
 
@@ -273,7 +273,8 @@ def peft_settings(peft_config: Any) -> Pairs:
 def reward_functions(reward_funcs: Any) -> tuple[list[str], list[Callable[..., Any]]]:
     """GRPO's ``reward_funcs`` (one, or a list): a string is a --reward_funcs entry as the command line takes it
     (path.py:function, package.module.function, a reward model's directory or hub id); a callable is the script's
-    own, kept in this process (shardtune.training.rewards.register_in_process: every process of a run runs the
+    own, kept in this process (shardtune.training.objectives.grpo.rewards.register_in_process: every process of a run
+    runs the
     script, and ``python train.py`` runs the run in the script's process). Returns (the entries in order, the
     callables)."""
     if reward_funcs is None:

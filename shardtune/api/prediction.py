@@ -1,5 +1,6 @@
 """``trainer.predict()``, ``compute_metrics`` and ``preprocess_logits_for_metrics`` as transformers' Trainer means
-them, on the run's own evaluation (shardtune.training.predictions): ``EvalPrediction(predictions, label_ids)`` with
+them, on the run's own evaluation (shardtune.training.engine.predictions): ``EvalPrediction(predictions, label_ids)``
+with
 one row per evaluated example in the dataset's order, padded with -100, the same on any number of processes.
 
 Per objective, as TRL 1.16's trainers give them:
@@ -10,7 +11,7 @@ Per objective, as TRL 1.16's trainers give them:
   ``evaluate()`` and ``predict()``.
 - GRPO: TRL's ``prediction_step`` returns the loss only: ``predict()`` returns ``PredictionOutput(None, None,
   metrics)``, the metrics of ``evaluate()`` under the prefix; its constructor takes no ``compute_metrics``.
-- DPO: refused (:data:`REFUSALS`).
+- DPO: refused (its registration's ``prediction_refusal``).
 
 ``compute_metrics`` runs once per evaluation, in the process of rank 0, on the gathered arrays (memory-mapped), and its
 metrics reach every process; Trainer runs it in every process on the same arrays, which gives the same numbers.
@@ -22,17 +23,16 @@ import contextlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from shardtune.config.objectives import registration
 from shardtune.config.schema import ConfigError, TrainConfig
-from shardtune.training.predictions import LABELS_FILE, PREDICTIONS_FILE, PredictionRequest, request
+from shardtune.training.engine.predictions import LABELS_FILE, PREDICTIONS_FILE, PredictionRequest, request
 
 METRIC_FUNCTIONS = ("compute_metrics", "preprocess_logits_for_metrics")
 
-# objective -> why its predictions are not built
-REFUSALS = {
-    "dpo": "TRL 1.16's DPO predictions are each eval batch's chosen rows then its rejected rows (deprecated for TRL "
-    "2.0), an order set by the batch size and the number of processes, so metrics of them would differ by layout: "
-    "not built; use evaluate() (rewards/*, logps/*, the same on any layout)",
-}
+
+def _refusal(objective: str) -> str:
+    """Why ``objective``'s predictions are not built ("": they are): its registration says."""
+    return registration(objective).prediction_refusal
 
 
 class Predicting:
@@ -51,8 +51,8 @@ class Predicting:
             value = arguments.pop(name, None)
             if value is None:
                 continue
-            if self.objective in REFUSALS:
-                raise ConfigError(f"{name}: {REFUSALS[self.objective]}; drop it")
+            if _refusal(self.objective):
+                raise ConfigError(f"{name}: {_refusal(self.objective)}; drop it")
             if not callable(value):
                 raise ConfigError(f"{name}: a {type(value).__name__} is not callable: pass a function, as to Trainer")
             setattr(self, f"_{name}", value)
@@ -82,13 +82,13 @@ class Predicting:
         from output_dir/evaluations/NNN/predictions.npy and label_ids.npy, one copy on disk for every process."""
         from transformers.trainer_utils import PredictionOutput
 
-        if self.objective in REFUSALS:
-            raise ConfigError(f"predict(): {REFUSALS[self.objective]}")
+        if _refusal(self.objective):
+            raise ConfigError(f"predict(): {_refusal(self.objective)}")
         if test_dataset is None:
             raise ConfigError(
                 "predict(): test_dataset is None: pass the rows to predict (a Dataset or a list of dicts)"
             )
-        if self.objective == "grpo":  # TRL's GRPOTrainer.prediction_step returns the loss alone
+        if registration(self.objective).predictions == "loss":  # TRL's prediction_step returns the loss alone
             metrics, _ = self._evaluation(test_dataset, ignore_keys, metric_key_prefix)  # not logged, as Trainer's
             # transformers types predictions as arrays, yet its Trainer.predict() returns None for a loss-only step
             return PredictionOutput(None, None, {k: v for k, v in metrics.items() if k != "epoch"})  # type: ignore[arg-type]

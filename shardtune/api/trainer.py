@@ -31,16 +31,16 @@ from shardtune.api.prediction import Predicting
 from shardtune.api.surface import ScriptSurface, model_files
 from shardtune.config.dialects.accelerate import clear_accelerate_loading_variables, environment_settings
 from shardtune.config.fields import get_value
-from shardtune.config.objectives import OBJECTIVES
+from shardtune.config.objectives import registration
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.launch.torchrun import in_place_worker_env
 from shardtune.runtime.distributed import is_torchrun_worker
 from shardtune.runtime.preemption import STOP_SIGNALS
-from shardtune.training.checkpoint_layout import checkpoints_dir
-from shardtune.training.checks import prepare
-from shardtune.training.hooks import install
-from shardtune.training.rewards import register_in_process
-from shardtune.training.worker import run_worker
+from shardtune.training.engine.checkpoint.layout import checkpoints_dir
+from shardtune.training.engine.checks import prepare
+from shardtune.training.engine.hooks import install
+from shardtune.training.engine.worker import run_worker
+from shardtune.training.objectives.grpo.rewards import register_in_process
 
 
 class TrainOutput(tuple):
@@ -263,7 +263,7 @@ class _Trainer(ScriptSurface, Predicting):
         if (out / "adapter_config.json").is_file():
             return [("from_peft_checkpoint", str(out))]
         settings = [("model_name_or_path", str(out))]
-        reference = OBJECTIVES[self.objective].reference_setting
+        reference = registration(self.objective).reference_setting
         if reference and not get_value(self.config, reference):  # the reference stays the starting weights
             settings.append((reference, self._starting_model))
         return settings

@@ -39,7 +39,7 @@ from shardtune.model.generation import (
 from shardtune.model.loss import num_label_tokens, token_loss_sum
 from shardtune.model.peft import resolve_model_and_adapter
 from shardtune.runtime.files import write_text_atomic
-from shardtune.training.metrics import perplexity
+from shardtune.training.engine.metrics import perplexity
 
 DEFAULT_MAX_EXAMPLES = 50
 

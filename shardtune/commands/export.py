@@ -30,7 +30,7 @@ from shardtune.runtime.checkpoint_reader import (
     SafeFileSystemReader,
     UnsafeCheckpointError,
 )
-from shardtune.training.checkpoint_layout import read_trainer_state, resolve_checkpoint
+from shardtune.training.engine.checkpoint.layout import read_trainer_state, resolve_checkpoint
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -24,7 +24,7 @@ from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.planner.hardware import DEVICES, resolve_device
 from shardtune.planner.render import base_command, render
 from shardtune.planner.search import check_split, plan, setup_from_config
-from shardtune.training.objective import foreign_setting, objective_class
+from shardtune.training.engine.objective import foreign_setting, objective_class
 
 HARDWARE_DEFAULTS = {"gpu": "H100", "gpu_memory": "", "host_memory": "", "nnodes": "1", "gpus_per_node": "8"}
 

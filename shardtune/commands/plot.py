@@ -2,7 +2,7 @@
 
     shardtune plot runs/ddp runs/fsdp --out_dir plots/      # one line per run, labelled by its directory name
 
-The charts are drawn by shardtune.training.plots (every run also writes its own into output_dir/plots).
+The charts are drawn by shardtune.training.engine.plots (every run also writes its own into output_dir/plots).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from shardtune.training.plots import read_run, run_names, write_plots
+from shardtune.training.engine.plots import read_run, run_names, write_plots
 
 
 def parser() -> argparse.ArgumentParser:

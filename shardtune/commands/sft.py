@@ -26,8 +26,8 @@ from shardtune.runtime.distributed import (
 )
 from shardtune.runtime.errors import fail
 from shardtune.runtime.libraries import quiet_libraries
-from shardtune.training.checks import prepare
-from shardtune.training.worker import run_worker
+from shardtune.training.engine.checks import prepare
+from shardtune.training.engine.worker import run_worker
 
 
 def main(argv: list[str] | None = None, objective: str | None = None) -> int:

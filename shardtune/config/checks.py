@@ -1,7 +1,7 @@
 """Checks of the settings alone (no model, no data, no process group): each a function ``check(cfg, world_size)``
 raising one ConfigError line. Choices, ranges and finiteness come from each field's metadata
 (shardtune.config.schema); the rest are the combinations. The one list of every pre-launch check, including those
-owned by the model, parallel and training floors, is shardtune.training.checks.
+owned by the model, parallel and training floors, is shardtune.training.engine.checks.
 """
 
 from __future__ import annotations
@@ -94,8 +94,10 @@ def check_previous_run(cfg: TrainConfig, resuming: bool | None = None) -> None:
     """Never overwrite a previous run's outputs by accident (resuming it, or a torchrun restart, is fine), and never
     share output_dir with a run that is still going (not even with --resume auto, --overwrite_output_dir or
     --output.previous_run move_aside). ``resuming``: whether a checkpoint is resumed (default: any --resume; --resume
-    auto that finds no checkpoint is a new run, decided by shardtune.training.checkpoint.check_checkpointing). With
-    move_aside the worker's rank 0 moves the earlier run into output_dir/previous/ (shardtune.training.previous_run)."""
+    auto that finds no checkpoint is a new run, decided by
+    shardtune.training.engine.checkpoint.checkpointer.check_checkpointing). With
+    move_aside the worker's rank 0 moves the earlier run into output_dir/previous/
+    (shardtune.training.engine.previous_run)."""
     out = Path(cfg.output.dir)
     try:
         check_not_locked(out)
@@ -109,7 +111,7 @@ def check_previous_run(cfg: TrainConfig, resuming: bool | None = None) -> None:
     found = previous_run_files(out)
     if found:
         # --resume latest only where there is something to resume (output_dir/checkpoints/step-NNNNNN, the layout of
-        # shardtune.training.checkpoint_layout; whether one verifies is that floor's business)
+        # shardtune.training.engine.checkpoint.layout; whether one verifies is that floor's business)
         resumable = any((out / "checkpoints").glob("step-*"))
         continue_it = "--resume latest to continue it, " if resumable else ""
         raise ConfigError(
@@ -353,7 +355,7 @@ def check_combinations(cfg: TrainConfig, world_size: int) -> None:
         )
 
 
-# The checks of this floor, in the order they run (shardtune.training.checks runs them first).
+# The checks of this floor, in the order they run (shardtune.training.engine.checks runs them first).
 CONFIG_CHECKS = (
     check_fields,
     check_core,

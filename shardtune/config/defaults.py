@@ -9,7 +9,8 @@ The rule, applied once when a command line (and its recipe) is read:
    ``--model_name_or_path``, ``--per_device_train_batch_size``, ``--dataset_name`` ...) speaks TRL; the cookbook's
    counterparts (``--lr``, ``--model_name``, ``--batch_size_training`` ...) speak llama-cookbook; both at once is
    refused in one line (which defaults apply would be a guess);
-3. else (only names both use, or shardtune's own): the objective's home: llama-cookbook for sft, TRL for dpo.
+3. else (only names both use, or shardtune's own): the objective's home (its Registration.home): llama-cookbook for
+   sft, TRL for dpo and grpo.
 
 Code that builds a config (``config_from``) gets the cookbook's unless it says ``defaults``. The table of TRL's
 values is checked against trl's own dataclasses by tests/unit/test_trl_defaults.py.
@@ -19,11 +20,13 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from shardtune.config.objectives import OBJECTIVES, registration
 from shardtune.config.schema import ConfigError
 
 PROFILES = ("cookbook", "trl")
 
-# TRL 1.16's defaults where they differ from the canonical (the cookbook's), by objective: canonical key -> value
+# TRL 1.16's defaults where they differ from the canonical (the cookbook's), shared by its trainers (SFTConfig's, on
+# TrainingArguments): canonical key -> value; an objective's own differences are in its Registration.defaults
 TRL_SFT = {
     "optim.lr": 2e-5,
     "optim.lr_scheduler": "linear",
@@ -43,15 +46,6 @@ TRL_SFT = {
     "peft.lora.alpha": 32,
     "peft.lora.dropout": 0.05,
 }
-TRL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "sft": TRL_SFT,
-    "dpo": {**TRL_SFT, "optim.lr": 1e-6, "peft.lora.dropout": 0.0},  # disable_dropout true
-    "grpo": {**TRL_SFT, "optim.lr": 1e-6},  # per_device_train_batch_size 8 counts completions
-}
-HOME = {"sft": "cookbook", "dpo": "trl", "grpo": "trl"}  # whose defaults a command gets when its names do not say
-# the cookbook's defaults an objective does not take: GRPO evaluates when asked (--eval_strategy, as TRL's default),
-# also under the cookbook's names (whose run_validation is on): sampling the test split is not a cheap default
-COOKBOOK_DEFAULTS: dict[str, dict[str, Any]] = {"grpo": {"eval.enabled": False}}
 
 
 def implied(names: Iterable[str]) -> tuple[str, list[str]]:
@@ -76,8 +70,11 @@ def implied(names: Iterable[str]) -> tuple[str, list[str]]:
 
 
 def profile_defaults(profile: str, objective: str) -> dict[str, Any]:
-    """Canonical key -> value of ``profile``'s defaults for ``objective`` where they differ from the canonical."""
-    return TRL_DEFAULTS.get(objective, TRL_SFT) if profile == "trl" else COOKBOOK_DEFAULTS.get(objective, {})
+    """Canonical key -> value of ``profile``'s defaults for ``objective`` where they differ from the canonical: the
+    profile's shared ones (TRL's: TRL_SFT; the cookbook's: the canonical defaults themselves), then the objective's own
+    (its Registration.defaults)."""
+    shared = TRL_SFT if profile == "trl" else {}
+    return {**shared, **registration(objective).defaults.get(profile, {})}
 
 
 def summary(cfg: Any) -> str:
@@ -105,3 +102,8 @@ def summary(cfg: Any) -> str:
         lora = cfg.peft.lora
         parts.append(f"LoRA r {lora.r} / alpha {lora.alpha} / dropout {lora.dropout:g}")
     return f"defaults: {whose}{f' ({how})' if how else ''}: " + ", ".join(parts)
+
+
+# the built-in objectives' TRL defaults and homes (--help, docs/flags.md; checked against trl's dataclasses)
+TRL_DEFAULTS = {name: profile_defaults("trl", name) for name in OBJECTIVES}
+HOME = {name: entry.home for name, entry in OBJECTIVES.items()}

@@ -28,7 +28,7 @@ from shardtune.config.fields import (
     set_value,
     typed,
 )
-from shardtune.config.objectives import OBJECTIVES
+from shardtune.config.objectives import registration
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.config.spellings import normalise, resolve, spellings
 
@@ -83,6 +83,8 @@ class Builder:
                     self.spelled[spelling.target] = name  # a switch does not hide the flag that gave the value
                 continue
             value = typed(name, flat_fields()[key].type, value)
+            if key == "objective":
+                registration(value)  # known, or a plug-in's module:attribute, imported and registered now
             set_value(self.cfg, key, value)
             self.spelled[key] = name
             changed[key] = value
@@ -113,7 +115,7 @@ class Builder:
                 whose = {"trl": "TRL's", "cookbook": "llama-cookbook's"}[profile]
                 reason = ", ".join(f"--{n}" for n in names[:3]) + f" {'is' if len(names) == 1 else 'are'} {whose}"
             else:
-                profile = defaults.HOME.get(cfg.objective, "cookbook")
+                profile = registration(cfg.objective).home
                 reason = f"shardtune {cfg.objective}'s when the names do not say"
         cfg.run.defaults = profile or "cookbook"
         for key, value in defaults.profile_defaults(cfg.run.defaults, cfg.objective).items():
@@ -134,7 +136,7 @@ class Builder:
         if cfg.checkpoint.dist_checkpoint_root_folder and "output.dir" not in self.spelled:
             cfg.output.dir = cookbook_run_dir(cfg)
         cfg.provenance.spelled = dict(self.spelled)  # how the user named each setting: what messages repeat
-        if not OBJECTIVES[cfg.objective].packs:
+        if not registration(cfg.objective).packs:
             settle_padding(cfg)
         return cfg
 
@@ -164,11 +166,14 @@ def build_config(
     training = list(training)
     given = [value for name, value in training if normalise(name) == "objective"]
     for value in given if objective else ():
-        if value is not None and text(value) != objective:  # None: a bare --objective, which needs a value
-            raise ConfigError(
-                f"--objective {text(value)}: this is shardtune {objective}; run shardtune {text(value)}, or drop the "
-                "flag"
-            )
+        if value is None or text(value) == objective:  # None: a bare --objective, which needs a value
+            continue
+        if objective == "sft" and ":" in text(value):  # a plug-in (module:attribute), trained by the training verb
+            objective = text(value)
+            continue
+        raise ConfigError(
+            f"--objective {text(value)}: this is shardtune {objective}; run shardtune {text(value)}, or drop the flag"
+        )
     if objective or given:  # first: what the recipe's names mean may depend on it (--loss_type)
         builder.apply("objective", objective or given[-1])
     from_accelerate = builder.apply_all(accelerate)

@@ -1,15 +1,22 @@
-"""The registry of training objectives: each verb that trains (``shardtune sft``, ``shardtune dpo``) is one entry.
+"""The registry of training objectives: each objective the engine trains is one entry (a verb of its own for the
+built-ins: ``shardtune sft``, ``shardtune dpo``, ``shardtune grpo``).
 
-An objective is implemented by one module of the training floor (a subclass of
-shardtune.training.objective.Objective); here it is named, with what the command line and the planner need to know
-without importing torch or the model libraries: its one-line help, its flags' section, and its memory terms. A new
-objective is its module plus one entry here.
+An objective is a plug-in of the engine: an Objective subclass (shardtune.training.engine.objective) and its
+Registration here, which says -- without importing torch or the model libraries -- everything objective-specific the
+rest of the package needs: its one-line help, its settings section, whose defaults it takes and its own, its planner
+terms, its Python face's classes. Nothing else names an objective. A plug-in outside the package registers its own
+(:func:`register`), or is named where it lives, ``module:attribute`` (``--objective my_pkg.objectives:WEIGHTED``): a
+Registration importable in every process of the run, registered under that name on first use (:func:`registration`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from shardtune.config.setting import ConfigError
 
 
 def no_reference(cfg: Any) -> bool:
@@ -27,7 +34,8 @@ def no_sampling(cfg: Any, world_size: int) -> int:
 
 
 def grpo_sampling_rows(cfg: Any, world_size: int) -> int:
-    """The completions a GRPO process samples at once: one generation's share (shardtune.training.grpo_batches: k
+    """The completions a GRPO process samples at once: one generation's share
+    (shardtune.training.objectives.grpo.batches: k
     optimizer steps of its micro-batches)."""
     g, batch = cfg.grpo, cfg.train.batch_size
     if g.steps_per_generation:
@@ -42,6 +50,14 @@ def dpo_reference(cfg: Any) -> bool:
     """DPO's reference is a frozen copy of the model for full fine-tuning (with PEFT: the base, adapter off), unless
     its log-probabilities are precomputed."""
     return not cfg.peft.method and not cfg.dpo.precompute_ref_log_probs
+
+
+def no_whole_gather(cfg: Any) -> bool:
+    return False
+
+
+def grpo_gathers_whole(cfg: Any) -> bool:
+    return bool(cfg.grpo.ds3_gather_for_generation)
 
 
 @dataclass(frozen=True)
@@ -66,34 +82,100 @@ class Registration:
     # "module:function" (cfg, number of units, data-parallel size) -> optimizer steps per epoch, where an epoch is
     # not the units over the effective batch (GRPO: prompts, each sampled num_generations times); "": that
     epoch_steps: str = ""
+    # whose defaults the settings its command leaves out take when the names used do not say (cookbook or trl), and
+    # its own defaults per profile where they differ from that profile's shared ones (shardtune.config.defaults)
+    home: str = "cookbook"
+    defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # planner: ZeRO-3 gathers the whole model to sample (GRPO's ds3_gather_for_generation), else layer by layer
+    sampling_gathers_whole: Callable[[Any], bool] = no_whole_gather
+    # the Python face: "module:Class" of its TRL-shaped config (dataclass) and trainer; "": SFT's
+    api_config: str = ""
+    api_trainer: str = ""
+    # what predict() returns (shardtune.api.prediction): "arrays", Trainer's predictions and label_ids (its
+    # evaluation keeps them: Objective.predicts); "loss", the metrics alone (TRL's prediction_step returns the loss);
+    # with prediction_refusal, neither: why (predict() and compute_metrics refused in one line)
+    predictions: str = "arrays"
+    prediction_refusal: str = ""
 
 
 OBJECTIVES = {
     "sft": Registration(
         "fine-tune a model (launches torchrun; see shardtune sft --help)",
-        "shardtune.training.sft:SFT",
+        "shardtune.training.objectives.sft.objective:SFT",
         streams=True,
         loss_types=("nll",),
         loss_types_not_built=(("dft", "Dynamic Fine-Tuning: each token's loss weighted by its probability"),),
+        api_config="shardtune.api.configs:SFTConfig",
+        api_trainer="shardtune.api.trainer:SFTTrainer",
     ),
     "dpo": Registration(
         "preference training (DPO) on chosen / rejected pairs, same launcher and flags as sft (docs/dpo.md)",
-        "shardtune.training.dpo:DPO",
+        "shardtune.training.objectives.dpo.objective:DPO",
         settings="dpo",
         rows_per_unit=2,
         packs=False,  # a micro-batch's pairs are padded rows (or one padding-free row with --padding_free)
         frozen_reference=dpo_reference,
         reference_setting="dpo.ref_model",
+        prediction_refusal="TRL 1.16's DPO predictions are each eval batch's chosen rows then its rejected rows "
+        "(deprecated for TRL 2.0), an order set by the batch size and the number of processes, so metrics of them "
+        "would differ by layout: not built; use evaluate() (rewards/*, logps/*, the same on any layout)",
+        home="trl",
+        defaults={"trl": {"optim.lr": 1e-6, "peft.lora.dropout": 0.0}},  # TRL's DPOConfig: disable_dropout true
+        api_config="shardtune.api.configs:DPOConfig",
+        api_trainer="shardtune.api.trainer:DPOTrainer",
     ),
     "grpo": Registration(
         "online RL (GRPO): sample completions, score them with reward functions, same launcher (docs/grpo.md)",
-        "shardtune.training.grpo:GRPO",
+        "shardtune.training.objectives.grpo.objective:GRPO",
         settings="grpo",
         packs=False,  # prompts and their sampled completions are padded per micro-batch
         frozen_reference=grpo_reference,
         sampling_rows=grpo_sampling_rows,
         pooled_tokenising=False,  # its prompts are tokenised whole, in each process: they are small
         trl_shuffle_dataset=True,
-        epoch_steps="shardtune.training.grpo_batches:epoch_steps",
+        epoch_steps="shardtune.training.objectives.grpo.batches:epoch_steps",
+        sampling_gathers_whole=grpo_gathers_whole,
+        predictions="loss",
+        home="trl",
+        # TRL's GRPOConfig (per_device_train_batch_size counts completions); under the cookbook's names it evaluates
+        # only when asked (the cookbook's run_validation is on): sampling the test split is not a cheap default
+        defaults={"trl": {"optim.lr": 1e-6}, "cookbook": {"eval.enabled": False}},
+        api_config="shardtune.api.configs:GRPOConfig",
+        api_trainer="shardtune.api.trainer:GRPOTrainer",
     ),
 }
+
+
+class ObjectiveError(ConfigError):
+    """An objective name that is neither registered nor an importable ``module:attribute`` Registration."""
+
+
+def register(name: str, registration: Registration) -> None:
+    """Make ``registration`` the objective ``name`` in this process (a plug-in's own registry entry)."""
+    if not isinstance(registration, Registration):
+        raise ObjectiveError(f"objective {name}: a {type(registration).__name__} is not a Registration")
+    OBJECTIVES[name] = registration
+
+
+def registration(name: str) -> Registration:
+    """The objective ``name``: a built-in or registered one, or a plug-in named ``module:attribute`` (a Registration
+    importable in every process of the run: the launcher passes the name on to its workers), registered under that
+    name on first use."""
+    found = OBJECTIVES.get(name)
+    if found is not None:
+        return found
+    module, colon, attribute = name.partition(":")
+    if not colon or not module or not attribute:
+        raise ObjectiveError(
+            f"objective {name!r} is not known: choose one of {', '.join(OBJECTIVES)}, or name a plug-in's "
+            "Registration as module:attribute"
+        )
+    try:
+        found = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as e:
+        raise ObjectiveError(
+            f"objective {name}: {type(e).__name__}: {e}: make {module} importable (installed, or on PYTHONPATH in "
+            f"every process) with a Registration named {attribute}"
+        ) from None
+    register(name, found)
+    return found

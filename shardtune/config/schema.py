@@ -545,8 +545,8 @@ class TrainConfig:
     objective: str = setting(
         "sft",
         "what is trained: " + ", ".join(OBJECTIVES) + " (set by the command: shardtune "
-        "sft, shardtune dpo, shardtune grpo; shardtune.config.objectives)",
-        choices=tuple(OBJECTIVES),
+        "sft, shardtune dpo, shardtune grpo), or a plug-in's Registration as module:attribute "
+        "(shardtune.config.objectives)",
         **REFERENCE,
     )
     model: ModelSettings = setting(ModelSettings(), "the model and how it is loaded")

@@ -283,7 +283,8 @@ def eval_shares(items: list, cfg: TrainConfig, dp_rank: int, dp_size: int) -> tu
 
 def eval_chunk_starts(num_items: int, cfg: TrainConfig, dp_rank: int, dp_size: int) -> list[int]:
     """Where each of this rank's eval chunks (:func:`eval_shares`) starts in the split: the index of its first item, so
-    that what a rank computes for its chunks can be put back in the split's order (shardtune.training.predictions)."""
+    that what a rank computes for its chunks can be put back in the split's order
+    (shardtune.training.engine.predictions)."""
     size = cfg.eval.batch_size
     starts = list(range(dp_rank * size, num_items, dp_size * size))
     return starts[: cfg.eval.max_batches] if cfg.eval.max_batches > 0 else starts

@@ -12,7 +12,8 @@ offsets as .npy files (read without unpickling) and the data report as JSON, wri
 processes, which is why it is not in the key). shardtune dpo's preference pairs have entries of their own
 (``prompt_ids`` / ``chosen_ids`` / ``rejected_ids``, each with its offsets), and with --precompute_ref_log_probs the
 reference's log-probabilities of the pairs are kept beside them, one ``reference-<key>.npy`` per reference model (the
-key: its weights' files, dtype and kernels; see shardtune/training/dpo.py). Entries are written to a temporary
+key: its weights' files, dtype and kernels; see shardtune/training/objectives/dpo/objective.py). Entries are written to
+a temporary
 folder and renamed, under a file lock, so concurrent processes never see half an entry.
 """
 

@@ -12,7 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-from shardtune.config.objectives import OBJECTIVES
+from shardtune.config.objectives import registration
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.emptiness import nothing_usable
 from shardtune.data.files import DataFiles, Row, hold_out, locate, read_rows
@@ -70,7 +70,7 @@ def _check_num_proc(cfg: TrainConfig) -> None:
         else "custom_dataset's function returns tokenised rows"
         if cfg.data.dataset == "custom_dataset"
         else f"shardtune {cfg.objective} tokenises its data in one process"
-        if not OBJECTIVES[cfg.objective].pooled_tokenising
+        if not registration(cfg.objective).pooled_tokenising
         else ""
     )
     if why:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from shardtune.config.objectives import OBJECTIVES
+from shardtune.config.objectives import registration
 from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
 from shardtune.data.batching import RowTransform, collate, unit_length
 from shardtune.data.chat import check_chat_template
@@ -46,7 +46,7 @@ def check_streaming(cfg: TrainConfig) -> None:
             f"--dataset_streaming true streams --dataset_name data; --dataset {cfg.data.dataset} is generated or read "
             "whole: pass --dataset_name, or drop --dataset_streaming"
         )
-    if not OBJECTIVES[cfg.objective].streams:
+    if not registration(cfg.objective).streams:
         raise ConfigError(
             f"--dataset_streaming true: streamed data trains shardtune sft; shardtune {cfg.objective}'s data is "
             "prepared before launch: drop --dataset_streaming"

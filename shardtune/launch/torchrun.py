@@ -141,7 +141,7 @@ def run_torchrun(args, what: str) -> int:
         rank, failure = e.get_first_failure()
         if os.path.isfile(
             failure.error_file
-        ):  # one line recorded by the worker (shardtune.training.worker.record_worker_error)
+        ):  # one line recorded by the worker (shardtune.training.engine.worker.record_worker_error)
             print(f"shardtune: error: {failure.message}", file=sys.stderr)
         else:
             print(

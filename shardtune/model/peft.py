@@ -12,6 +12,7 @@ trainable parameters only (the strategy gathers just those), never from the whol
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
@@ -468,3 +469,9 @@ def resolve_model_and_adapter(model_name: str, adapter: str = "", trust_remote_c
     model_name = resolve_model_name(model_name)
     check_model_source(model_name, trust_remote_code=trust_remote_code)
     return model_name, adapter
+
+
+def adapter_disabled(model: nn.Module) -> contextlib.AbstractContextManager:
+    """The PEFT model's base (its adapter switched off) for the duration of the block: a reference model that costs
+    no copy (DPO's and GRPO's with an adapter)."""
+    return model.disable_adapter()

@@ -31,7 +31,7 @@ from shardtune.config import defaults
 from shardtune.config.schema import TrainConfig
 from shardtune.launch.topology import Topology, resolve_topology
 from shardtune.runtime.precision import weights_dtype
-from shardtune.training.checks import check_before_launch
+from shardtune.training.engine.checks import check_before_launch
 
 
 def dry_run_topology(launch_args: dict[str, str | None], hardware: dict[str, str]) -> Topology:

@@ -323,7 +323,8 @@ def add_reference(out: Breakdown, setup: Setup) -> None:
 
 
 def add_sampling(out: Breakdown, setup: Setup) -> None:
-    """GRPO's sampling (shardtune.training.grpo_generate), after a step's gradients are freed: the KV cache of the rows
+    """GRPO's sampling (shardtune.training.objectives.grpo.generate), after a step's gradients are freed: the KV cache
+    of the rows
     a rank samples at once (seq_len tokens each at most: prompt and completion; every layer's keys and values in the
     compute dtype), the last position's logits (fp32, their warped copy, the float64 Gumbel noise and its logarithm:
     the prompts' logits are never formed), and, under ZeRO-3 with ds3_gather_for_generation, the whole model

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardtune.accounting.memory import GIB
-from shardtune.config.objectives import OBJECTIVES
+from shardtune.config.objectives import registration
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.planner.estimate import (
     FSDP_STRATEGIES,
@@ -141,7 +141,7 @@ def setup_from_config(cfg: TrainConfig, values: dict[str, str], device: Device) 
             num_virtual_tokens=cfg.peft.prefix.num_virtual_tokens,
         )
     quantization = cfg.model.quantization
-    objective = OBJECTIVES[cfg.objective]
+    objective = registration(cfg.objective)
     return Setup(
         arch=read_arch(cfg.model.name or "preset:demo"),
         strategy=strategy,
@@ -162,7 +162,7 @@ def setup_from_config(cfg: TrainConfig, values: dict[str, str], device: Device) 
         rows_per_unit=objective.rows_per_unit,
         reference_model=objective.frozen_reference(cfg),
         sampling_rows=objective.sampling_rows(cfg, nnodes * per_node),
-        sampling_gathers_whole=cfg.grpo.ds3_gather_for_generation,
+        sampling_gathers_whole=objective.sampling_gathers_whole(cfg),
     )
 
 

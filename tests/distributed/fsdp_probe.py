@@ -19,7 +19,7 @@ from shardtune.model.loading import load_model
 from shardtune.model.structure import decoder_layers
 from shardtune.parallel.fsdp import FSDPStrategy
 from shardtune.runtime.distributed import init_distributed, shutdown
-from shardtune.training.building import build_model
+from shardtune.training.engine.building import build_model
 
 
 def local_numel(model: torch.nn.Module) -> int:

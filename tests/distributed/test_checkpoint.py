@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardtune.runtime.preemption import EXIT_PREEMPTED
-from shardtune.training.checkpoint_layout import (
+from shardtune.training.engine.checkpoint.layout import (
     checkpoint_step,
     complete_checkpoints,
     latest_checkpoint,

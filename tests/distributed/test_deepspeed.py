@@ -201,7 +201,7 @@ def test_a_resumed_deepspeed_run_equals_the_uninterrupted_one_and_exports(
     schedule and optimizer state; export consolidates the partitions into the same model (or adapter)."""
     from safetensors.torch import load_file
 
-    from shardtune.training.checkpoint_layout import latest_checkpoint, read_trainer_state
+    from shardtune.training.engine.checkpoint.layout import latest_checkpoint, read_trainer_state
 
     flags = (*TRAIN_ARGS, *VARIANTS[variant], *RESUME_ARGS)
     ref, out = tmp_path / "ref", tmp_path / "run"

@@ -84,7 +84,7 @@ def test_a_dead_rank_on_node_1_ends_node_0_within_seconds(tiny_model, cache_dir,
     # c10d assigns global ranks by arrival: node 1's worker may be rank 0 or 1
     assert re.search(r"shardtune: training failed: rank \d exited with code -9", outputs[1][1]), outputs[1][1][-2000:]
     # node 0's worker fails in a collective with its peer gone: one line, recorded by the worker
-    # (shardtune.training.worker)
+    # (shardtune.training.engine.worker)
     assert re.search(
         r"shardtune: error: rank \d: RuntimeError: .*(Connection reset|Connection closed|peer)", outputs[0][1]
     ), outputs[0][1][-2000:]

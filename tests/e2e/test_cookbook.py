@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from shardtune.config.flags import parse_args
 from shardtune.config.schema import ConfigError
-from shardtune.training.checks import validate
+from shardtune.training.engine.checks import validate
 from tests.conftest import cli_env, shardtune_argv
 from tests.helpers import step_rows
 

@@ -12,7 +12,7 @@ import yaml
 from safetensors.torch import load_file
 
 from shardtune.commands.export import export_checkpoint
-from shardtune.training.metrics import read_metrics
+from shardtune.training.engine.metrics import read_metrics
 from tests.hub_standin import HubStandIn
 
 WARMUP, STEPS, PEAK = 2, 6, 1e-3

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.training.metrics import read_metrics
-from shardtune.training.trackers import tracker_scalars
+from shardtune.training.engine.metrics import read_metrics
+from shardtune.training.engine.trackers import tracker_scalars
 
 RUN = (
     "--model_name",

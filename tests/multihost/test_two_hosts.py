@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from shardtune.runtime.preemption import EXIT_PREEMPTED
-from shardtune.training.checkpoint_layout import latest_checkpoint
+from shardtune.training.engine.checkpoint.layout import latest_checkpoint
 from tests.conftest import REPO, cli_env
 from tests.helpers import assert_same_training, step_rows
 from tests.multihost.conftest import RDZV_PORT, assert_succeeded, sft_argvs

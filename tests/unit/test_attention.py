@@ -181,7 +181,7 @@ def test_an_attention_kernel_this_machine_or_model_cannot_run_is_refused_before_
     from shardtune.config.flags import parse_args
     from shardtune.config.schema import ConfigError
     from shardtune.model.speed import check_attention_fits
-    from shardtune.training.checks import validate
+    from shardtune.training.engine.checks import validate
 
     with pytest.raises(ConfigError, match="flash_attention_2 needs") as error:  # no flash-attn, no CUDA here
         validate(parse_args(["--attn_implementation", "flash_attention_2", "--output_dir", str(tmp_path)]), 1)

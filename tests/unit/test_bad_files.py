@@ -12,7 +12,7 @@ from shardtune.config.flags import config_from
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.cache import load_examples_cached
 from shardtune.model.loading import check_model_source, train_tokenizer
-from shardtune.training.metrics import MetricsWriter, read_metrics
+from shardtune.training.engine.metrics import MetricsWriter, read_metrics
 
 
 def test_an_emptied_cache_file_is_removed_and_rebuilt_with_a_note(tmp_path, capsys):
@@ -65,7 +65,7 @@ def test_a_broken_config_json_is_one_line_naming_the_file(tmp_path, text, needle
 def test_checkpoint_hints_name_the_right_folder_and_flag(tmp_path):
     """--resume latest on a run without checkpoints names output_dir/checkpoints (not .../checkpoints/checkpoints);
     export's errors offer no --resume, which export does not take."""
-    from shardtune.training.checkpoint_layout import checkpoint_root, resolve_checkpoint
+    from shardtune.training.engine.checkpoint.layout import checkpoint_root, resolve_checkpoint
 
     root = checkpoint_root(config_from(output_dir=str(tmp_path / "run")))
     root.mkdir(parents=True)

@@ -12,9 +12,9 @@ import torch
 from shardtune.config.flags import parse_args
 from shardtune.config.schema import ConfigError
 from shardtune.parallel.optim import build_optimizer
-from shardtune.training.best_model import BestModel
-from shardtune.training.checks import validate
-from shardtune.training.intervals import every
+from shardtune.training.engine.checkpoint.best import BestModel
+from shardtune.training.engine.checks import validate
+from shardtune.training.engine.intervals import every
 
 
 def cfg_of(*argv, world_size: int = 1):

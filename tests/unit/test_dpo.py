@@ -3,7 +3,8 @@
 trl (the dev extra) is the oracle: the same JSONL file goes through ``shardtune.data.preference.load_pairs`` and
 through ``trl.DPOTrainer``'s dataset preparation and collator; every kept pair must give the same token ids,
 attention and completion masks. On the tiny preset model and one batch, the loss and the TRL-named metrics of
-``shardtune.training.dpo`` equal ``DPOTrainer.compute_loss``'s. No launch: the trainer is only constructed.
+``shardtune.training.objectives.dpo.objective`` equal ``DPOTrainer.compute_loss``'s. No launch: the trainer is only
+constructed.
 """
 
 from __future__ import annotations
@@ -22,10 +23,15 @@ from shardtune.config.schema import ConfigError, DpoConfig, TrainConfig
 from shardtune.data.preference import collate_pairs, load_pairs
 from shardtune.data.trl_utils import extract_prompt
 from shardtune.model.loading import init_model, load_model, load_tokenizer
-from shardtune.training.dpo import DPO, METRICS, TOKEN_METRICS, micro_batch_loss, step_means
-from shardtune.training.dpo_logps import chosen_completion_targets, num_completion_targets, num_pairs, pair_logps
-from shardtune.training.dpo_loss import check_loss_options, loss_types, sft_weight
-from shardtune.training.step import train_step
+from shardtune.training.engine.step import train_step
+from shardtune.training.objectives.dpo.logps import (
+    chosen_completion_targets,
+    num_completion_targets,
+    num_pairs,
+    pair_logps,
+)
+from shardtune.training.objectives.dpo.loss import check_loss_options, loss_types, sft_weight
+from shardtune.training.objectives.dpo.objective import DPO, METRICS, TOKEN_METRICS, micro_batch_loss, step_means
 
 
 def dpo_step(cfg: TrainConfig, env, strategy, model, optimizer, micro: list[dict], tokenizer) -> dict:
@@ -284,7 +290,7 @@ def test_token_metrics_equal_trl(arch, tiny, tokenizer, tmp_path):
     Controls: the policy predicts some chosen tokens and not all, chosen and rejected differ by more than both
     tolerances, and the wrong tokens (the entropy of the chosen only, the accuracy of all completions) miss TRL's."""
     from shardtune.model.loss import sequence_log_prob_and_prediction_sums
-    from shardtune.training.dpo_logps import completion_targets
+    from shardtune.training.objectives.dpo.logps import completion_targets
 
     model_dir = tiny if arch == "llama" else softcapped_gemma2(tokenizer, tmp_path / "gemma2")
     dpo = DpoConfig()
@@ -414,7 +420,7 @@ def test_a_step_is_the_mean_over_its_pairs_whatever_the_accumulation(losses, pro
     moved = load_model(str(fitted)).state_dict()
     assert any(not torch.equal(moved[k], v) for k, v in weights.items()), "the step changed no weight"
     # evaluation in chunks of --val_batch_size 3 (3 + 1 pairs) gives the means over all pairs at once, TRL's names
-    from shardtune.training.dpo import dpo_evaluate
+    from shardtune.training.objectives.dpo.objective import dpo_evaluate
 
     cfg.eval.batch_size = 3
     policy, reference = load_model(str(fitted)), load_model(str(fitted))
@@ -441,7 +447,7 @@ def test_precomputed_reference_log_probabilities_give_the_live_references_loss(
     needs no reference model and gives the loss and metrics of the live reference (batch composition aside)."""
     from shardtune.parallel import make_strategy
     from shardtune.runtime.distributed import DistEnv
-    from shardtune.training.dpo_reference import precompute_reference
+    from shardtune.training.objectives.dpo.reference import precompute_reference
 
     cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["chat"]))
     cfg.train.batch_size = 2  # chunks of 2 + 1 pairs
@@ -467,7 +473,7 @@ def test_precomputed_reference_log_probabilities_give_the_live_references_loss(
 def test_with_peft_the_reference_is_the_base_with_the_adapter_off(tiny, tokenizer, tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    from shardtune.training.dpo_logps import reference_logps
+    from shardtune.training.objectives.dpo.logps import reference_logps
 
     cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["text"]))
     pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
@@ -491,7 +497,7 @@ def test_padding_free_pairs_give_the_padded_losses_and_gradients(rows, tiny, tok
     from shardtune.accounting.flops import model_shape, preference_micro_batch_flops
     from shardtune.data.preference import collate_pairs_flat
     from shardtune.model.attention import use_varlen_attention
-    from shardtune.training.dpo_logps import predicted_completion
+    from shardtune.training.objectives.dpo.logps import predicted_completion
 
     cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS[rows]))
     pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
@@ -545,7 +551,7 @@ def test_pairs_and_their_reference_log_probabilities_are_cached_with_the_tokenis
         read_reference_log_probs,
         write_reference_log_probs,
     )
-    from shardtune.training.dpo_reference import reference_key
+    from shardtune.training.objectives.dpo.reference import reference_key
 
     cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["chat"]), max_length=64)
     cfg.model.name = str(tiny)
@@ -678,7 +684,7 @@ def test_the_slices_of_a_split_row_of_pairs_add_up_to_the_whole_rows_log_probabi
     from shardtune.model.loss import sequence_log_prob_and_prediction_sums
     from shardtune.parallel.dims import ParallelDims
     from shardtune.parallel.sequence import RowSlice
-    from shardtune.training.dpo_logps import completion_lengths, completion_targets
+    from shardtune.training.objectives.dpo.logps import completion_lengths, completion_targets
 
     cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS["chat"]))
     cfg.parallel.sequence_parallel_size, cfg.parallel.context_parallel_size = sp, cp
@@ -814,7 +820,7 @@ def test_a_range_is_checked_once_by_its_setting_with_what_zero_means():
     """--precompute_ref_batch_size's range is its setting's (at_least 0): one check, whose message says what 0 means
     for it (its help's own words), not "positive"; a setting whose help gives 0 no meaning gets none."""
     from shardtune.config.flags import parse_args
-    from shardtune.training.checks import validate
+    from shardtune.training.engine.checks import validate
 
     dpo = ["--objective", "dpo", "--precompute_ref_log_probs"]
     with pytest.raises(ConfigError) as refused:

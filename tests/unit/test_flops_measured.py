@@ -90,7 +90,7 @@ def test_dpo_flops_count_the_policy_step_and_the_reference_forward_on_the_lean_h
     checkpointing's recomputation, not model FLOPs)."""
     from shardtune.accounting.flops import preference_micro_batch_flops
     from shardtune.data.preference import collate_pairs
-    from shardtune.training.dpo_logps import num_completion_targets, pair_logps
+    from shardtune.training.objectives.dpo.logps import num_completion_targets, pair_logps
 
     policy, reference = load_model(str(tiny_model)), load_model(str(tiny_model))
     reference.requires_grad_(False)

@@ -29,9 +29,9 @@ import torch
 from shardtune.config.schema import GrpoConfig, TrainConfig
 from shardtune.model.loading import load_model, load_tokenizer
 from shardtune.runtime.distributed import DistEnv
-from shardtune.training.grpo import GRPO
-from shardtune.training.grpo_advantages import advantages_of, nanstd
-from shardtune.training.grpo_loss import loss_sum, token_logps, token_terms
+from shardtune.training.objectives.grpo.advantages import advantages_of, nanstd
+from shardtune.training.objectives.grpo.loss import loss_sum, token_logps, token_terms
+from shardtune.training.objectives.grpo.objective import GRPO
 
 PROMPTS = ["Summarize: Anna meets Tom at seven.", "Summarize: Kate brings cake for Ben."]
 G = 3  # generations per prompt: 6 completions

@@ -17,8 +17,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from shardtune.training.grpo_batches import sampling_seed
-from shardtune.training.grpo_generate import cut_at_eos, keyed_choice, penalise_repeats, sample, warp
+from shardtune.training.objectives.grpo.batches import sampling_seed
+from shardtune.training.objectives.grpo.generate import cut_at_eos, keyed_choice, penalise_repeats, sample, warp
 
 
 @pytest.mark.parametrize(

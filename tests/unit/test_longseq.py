@@ -14,7 +14,7 @@ from shardtune.model.loading import build_model_on_meta, load_model, training_mo
 from shardtune.model.longseq import apply_memory_levers, check_rope_scaling
 from shardtune.model.loss import hf_model, token_loss_sum
 from shardtune.model.peft import load_quantized_model
-from shardtune.training.checks import validate
+from shardtune.training.engine.checks import validate
 
 CPU = torch.device("cpu")
 ROW_TOKENS = 300  # the tiny preset's hidden size is 64: four whole tiles and a partial one

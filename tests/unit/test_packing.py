@@ -259,7 +259,7 @@ def test_an_objective_that_never_packs_refuses_packing_asked_for_and_pads_by_def
     """DPO's pairs and GRPO's completions are padded per micro-batch, never packed: --packing / --batching_strategy
     packing (on the command line or in a recipe) is refused in one line naming the flag; the cookbook's default
     (packing, a setting nobody named) becomes padding, as does an explicit padding."""
-    from shardtune.training.checks import validate
+    from shardtune.training.engine.checks import validate
 
     for argv, flag in ((["--packing"], "--packing"), (["--batching_strategy", "packing"], "--batching_strategy")):
         with pytest.raises(ConfigError) as refused:
@@ -281,7 +281,7 @@ def test_trl_names_pack_with_bfd_the_cookbooks_with_greedy_and_bad_values_are_on
     )
     assert ours(["--packing_strategy", "bfd-requeue"]).data.packing_strategy == "bfd_split"  # TRL's old name
     assert ours(["--data.packing_strategy", "bfd"]).data.packing_strategy == "bfd"
-    from shardtune.training.checks import validate
+    from shardtune.training.engine.checks import validate
 
     with pytest.raises(ConfigError, match=r"^--packing_strategy 'bfd-split' is not valid: did you mean bfd_split\?"):
         validate(ours(["--packing_strategy", "bfd-split", "--output_dir", str(tmp_path / "o")]), 1)

@@ -1,4 +1,5 @@
-"""An evaluation's predictions (shardtune.training.predictions, shardtune.api.prediction) in one process: the ranks'
+"""An evaluation's predictions (shardtune.training.engine.predictions, shardtune.api.prediction) in one process: the
+ranks'
 rows come back in the split's order, each padded with -100 after its own length, whatever the number of ranks and the
 batch size; predict() and compute_metrics equal transformers' Trainer on the same model and rows; what cannot be
 honoured is refused in one line. The launched check, python vs torchrun: tests/e2e/test_python_metrics.py."""
@@ -13,7 +14,7 @@ from shardtune import DPOTrainer, SFTConfig, SFTTrainer
 from shardtune.config.flags import config_from
 from shardtune.config.schema import ConfigError
 from shardtune.data.batching import collate_padding, eval_chunk_starts
-from shardtune.training.predictions import PredictionKeeper, PredictionRequest, assemble, eval_metrics
+from shardtune.training.engine.predictions import PredictionKeeper, PredictionRequest, assemble, eval_metrics
 
 VOCAB = 7
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardtune.training.preflight import PreflightError, check_fingerprints
+from shardtune.training.engine.preflight import PreflightError, check_fingerprints
 
 
 def fingerprints(**changes_on_rank_3: str) -> list[dict[str, str]]:

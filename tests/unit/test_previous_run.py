@@ -20,8 +20,8 @@ from shardtune.config.schema import ConfigError
 from shardtune.runtime.distributed import DistEnv
 from shardtune.runtime.errors import TrainingStopped
 from shardtune.runtime.run_lock import LOCK_FILE, RunLock
-from shardtune.training.checkpoint_files import write_manifest
-from shardtune.training.previous_run import move_previous_run, moves_aside, set_previous_run_aside
+from shardtune.training.engine.checkpoint.files import write_manifest
+from shardtune.training.engine.previous_run import move_previous_run, moves_aside, set_previous_run_aside
 
 NOW = calendar.timegm((2026, 12, 6, 3, 45, 12))  # 2026-12-06 03:45:12 UTC
 STAMP = "20261206-034512"

@@ -8,7 +8,7 @@ import torch
 
 from shardtune.config.flags import config_from
 from shardtune.runtime.distributed import DistEnv
-from shardtune.training.profiling import StepProbe
+from shardtune.training.engine.profiling import StepProbe
 
 CPU = torch.device("cpu")
 

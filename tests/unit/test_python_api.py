@@ -79,7 +79,7 @@ def test_a_config_refuses_at_once_in_one_line(tiny_model):
     assert args.output_dir == "trainer_output" and args.eval_strategy == "no"  # unset fields read TRL's defaults
     assert DPOConfig(beta=0.3).canonical().dpo.beta == 0.3
     with pytest.raises(ConfigError, match="--beta is a flag of shardtune dpo"):
-        from shardtune.training.objective import check_objective
+        from shardtune.training.engine.objective import check_objective
 
         check_objective(SFTConfig().canonical([("beta", 0.3)]), 1)
 
@@ -284,7 +284,7 @@ def test_grpo_trainer_takes_trls_grpo_fields_and_the_scripts_reward_functions(ti
     import trl
 
     from shardtune import GRPOConfig, GRPOTrainer
-    from shardtune.training.rewards import resolve
+    from shardtune.training.objectives.grpo.rewards import resolve
 
     fields = dict(
         output_dir=str(tmp_path / "out"),

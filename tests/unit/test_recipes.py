@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shardtune.config.flags import parse_args
-from shardtune.training.checks import validate
+from shardtune.training.engine.checks import validate
 
 CLUSTER_SPECS = ("skypilot.yaml",)  # a SkyPilot task, not a training recipe: checked below
 RECIPES = sorted(

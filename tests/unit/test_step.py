@@ -22,9 +22,9 @@ from shardtune.model.loading import init_model, load_model, load_tokenizer
 from shardtune.parallel import make_strategy
 from shardtune.runtime.distributed import DistEnv
 from shardtune.runtime.errors import TrainingStopped
-from shardtune.training.checks import validate
-from shardtune.training.objective import objective_class
-from shardtune.training.step import NonFiniteLossError, train_step
+from shardtune.training.engine.checks import validate
+from shardtune.training.engine.objective import objective_class
+from shardtune.training.engine.step import NonFiniteLossError, train_step
 
 CPU = torch.device("cpu")
 ENV = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU, backend="gloo")
@@ -300,9 +300,9 @@ def test_the_evaluator_writes_the_objectives_row_and_records_the_best_score(proc
     """The evaluator runs the objective's evaluation (SFT: token-weighted loss and perplexity over the rank's eval
     batches), writes one metrics row with the step and epoch, records the score --load_best_model_at_end compares
     and says one line."""
-    from shardtune.training.best_model import BestModel
-    from shardtune.training.evaluation import Evaluator
-    from shardtune.training.metrics import MetricsWriter, read_metrics
+    from shardtune.training.engine.checkpoint.best import BestModel
+    from shardtune.training.engine.evaluation import Evaluator
+    from shardtune.training.engine.metrics import MetricsWriter, read_metrics
 
     cfg = config("sft", "ddp", tiny, pairs_file, run_validation=True, val_batch_size=2)
     tokenizer = load_tokenizer(str(tiny))
@@ -336,7 +336,7 @@ def test_the_evaluator_writes_the_objectives_row_and_records_the_best_score(proc
 def test_the_checkpointer_resumes_in_process_to_the_uninterrupted_run_keeping_the_last_evaluation(
     process_group, tiny, tmp_path
 ):
-    """Whole runs in this process (shardtune.training.worker.fine_tune on one gloo rank, no torchrun), 4 steps an
+    """Whole runs in this process (shardtune.training.engine.worker.fine_tune on one gloo rank, no torchrun), 4 steps an
     epoch: 3 steps (the run ends inside the first epoch), checkpointed every 2, then resumed to 6 steps, equal the
     uninterrupted 6-step run, its losses, token counts, evaluations, learning rates (the per-epoch schedule) and
     weights. The run's last step is checkpointed after its evaluation, so the resume keeps that evaluation's row
@@ -350,7 +350,7 @@ def test_the_checkpointer_resumes_in_process_to_the_uninterrupted_run_keeping_th
     from shardtune.data.batching import epoch_order
     from shardtune.data.cache import load_examples_cached
     from shardtune.model.loading import cache_dir
-    from shardtune.training.worker import fine_tune
+    from shardtune.training.engine.worker import fine_tune
     from tests.helpers import eval_rows, step_rows
 
     base = {
@@ -404,7 +404,7 @@ def test_max_steps_overrides_the_epochs_as_in_trl(process_group, tiny, tmp_path)
     """TRL's --max_steps is the run's length whatever the epochs: 5 steps on data of 2 steps an epoch train over 2.5
     epochs (each epoch its own order), the linear schedule reaching 0 at step 5 (it stopped at the data's end, step
     2, its schedule squeezed into 2 steps)."""
-    from shardtune.training.worker import fine_tune
+    from shardtune.training.engine.worker import fine_tune
     from tests.helpers import eval_rows, step_rows
 
     cfg = config_from(

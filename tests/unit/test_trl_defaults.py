@@ -255,7 +255,7 @@ def test_clis_md_command_trains_the_steps_trl_trains(tiny_model, tmp_path):
     from trl import SFTTrainer
 
     from shardtune.runtime.distributed import DistEnv
-    from shardtune.training.worker import fine_tune
+    from shardtune.training.engine.worker import fine_tune
     from tests.helpers import step_rows
 
     data = tmp_path / "text.jsonl"

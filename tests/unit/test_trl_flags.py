@@ -24,7 +24,7 @@ from shardtune.config.flags import build_config, parse_args, recipe_launch_setti
 from shardtune.config.help import flag_table
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.parallel.optim import build_optimizer, build_scheduler
-from shardtune.training.checks import validate
+from shardtune.training.engine.checks import validate
 
 REPO = Path(__file__).resolve().parents[2]
 # TRL's accelerate keys (examples/accelerate_configs/*.yaml), written here for the tests
@@ -312,7 +312,7 @@ def test_trl_names_have_trls_meaning():
 
 def test_a_fractional_num_train_epochs_stops_where_trainer_stops_and_the_schedule_ends_there():
     """Trainer: max_steps = ceil(epochs x update steps per epoch), over ceil(epochs) epochs of data order."""
-    from shardtune.training.intervals import planned_steps
+    from shardtune.training.engine.intervals import planned_steps
 
     cfg = parse_args(
         ["--num_train_epochs", "2.5", "--lr_scheduler_type", "linear", "--per_device_train_batch_size", "2"]
@@ -529,7 +529,7 @@ def test_model_revision_reads_that_snapshot_from_the_hugging_face_cache_offline(
     local --model_name, a revision the cache lacks and --dry_run / plan are one line each."""
     import shutil
 
-    from shardtune.training.checks import prepare
+    from shardtune.training.engine.checks import prepare
     from tests.conftest import main_in_process
 
     commit = "0123456789abcdef0123456789abcdef01234567"
@@ -686,7 +686,7 @@ def test_config_yaml_reads_back_to_the_same_config_and_an_earlier_releases_flat_
 def test_save_strategy_decides_whatever_the_order_of_save_steps():
     """TRL's --save_strategy decides whether --save_steps counts, in either order (it wrote checkpoints with
     `--save_strategy no --save_steps 1`, none the other way round, and every 3 steps with `epoch --save_steps 3`)."""
-    from shardtune.training.checkpoint import checkpointing_enabled
+    from shardtune.training.engine.checkpoint.checkpointer import checkpointing_enabled
 
     for order in (["--save_strategy", "no", "--save_steps", "1"], ["--save_steps", "1", "--save_strategy", "no"]):
         cfg = parse_args(order)

@@ -16,7 +16,7 @@ from trl.trainer.utils import get_callable_name
 
 import shardtune.rewards as ours
 from shardtune.config.schema import ConfigError
-from shardtune.training.rewards import TRL_REWARDS, resolve
+from shardtune.training.objectives.grpo.rewards import TRL_REWARDS, resolve
 
 
 def completion(text: str) -> list[dict]:

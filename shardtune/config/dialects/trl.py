@@ -18,7 +18,7 @@ from shardtune.config.dialects.cookbook import report_to
 from shardtune.config.dialects.trl_model import _attn_implementation, _dtype, _model_init_kwargs, _model_revision
 from shardtune.config.dialects.trl_values import _bool
 from shardtune.config.fields import flat_fields
-from shardtune.config.objectives import OBJECTIVES
+from shardtune.config.objectives import OBJECTIVES, registration
 from shardtune.config.schema import ConfigError, DpoConfig, TrainConfig, TrlDatasetConfig
 
 STATE = "trl:"
@@ -213,34 +213,34 @@ def _loss_type(value: Any) -> Pairs:
 
 def _settle_loss_type(cfg: TrainConfig, names: list[str]) -> None:
     """The objective's: its section's loss_type setting (DPO's list), else the losses its registration names."""
-    registration = OBJECTIVES[cfg.objective]
-    section = getattr(cfg, registration.settings, None) if registration.settings else None
+    entry = registration(cfg.objective)
+    section = getattr(cfg, entry.settings, None) if entry.settings else None
     if trl_grpo.settle_loss_type(section, names, cfg.objective):  # GRPO's: one name
         return
     if section is not None and hasattr(section, "loss_type"):
         section.loss_type = names
         return
-    not_built = dict(registration.loss_types_not_built)
+    not_built = dict(entry.loss_types_not_built)
     if len(names) == 1 and names[0] in not_built:
         raise ConfigError(
             f"--loss_type {names[0]} ({not_built[names[0]]}) is not built in shardtune {cfg.objective}: drop the "
-            f"flag to train TRL's default {registration.loss_types[0]} loss"
+            f"flag to train TRL's default {entry.loss_types[0]} loss"
         )
-    if len(names) != 1 or names[0] not in registration.loss_types:
+    if len(names) != 1 or names[0] not in entry.loss_types:
         owners = [name for name in OBJECTIVES if name != cfg.objective and set(names) <= set(loss_types_of(name))]
         trained_by = f" but of shardtune {' / '.join(owners)}: run shardtune {owners[0]} for it, or" if owners else ":"
         raise ConfigError(
             f"--loss_type {','.join(names)} is not a loss of shardtune {cfg.objective} (TRL's loss_type there: "
-            f"{', '.join(registration.loss_types)}){trained_by} for {cfg.objective} drop the flag or pass "
-            f"{registration.loss_types[0]}"
+            f"{', '.join(entry.loss_types)}){trained_by} for {cfg.objective} drop the flag or pass "
+            f"{entry.loss_types[0]}"
         )
 
 
 def loss_types_of(objective: str) -> tuple[str, ...]:
     """The --loss_type names ``objective`` trains: its section's loss_type choices, else its registration's."""
-    registration = OBJECTIVES[objective]
-    field = flat_fields().get(f"{registration.settings}.loss_type") if registration.settings else None
-    return tuple(field.meta["choices"]) if field is not None else registration.loss_types
+    entry = registration(objective)
+    field = flat_fields().get(f"{entry.settings}.loss_type") if entry.settings else None
+    return tuple(field.meta["choices"]) if field is not None else entry.loss_types
 
 
 T = Spelling

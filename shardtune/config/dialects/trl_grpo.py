@@ -8,7 +8,7 @@ from typing import Any
 
 from shardtune.config.dialects import Pairs, Spelling, refused, text
 from shardtune.config.grpo_settings import GRPO_LOSS_TYPES, GRPO_LOSS_TYPES_NOT_BUILT
-from shardtune.config.objectives import OBJECTIVES
+from shardtune.config.objectives import OBJECTIVES, registration
 from shardtune.config.schema import ConfigError, DpoConfig, GrpoConfig, TrainConfig
 
 STATE = "trl:"
@@ -162,7 +162,7 @@ def settle(cfg: TrainConfig, given: dict[str, Any]) -> None:
     --shuffle_dataset: the value the objective honours (Registration.trl_shuffle_dataset) or refused."""
     if given.get("reward_model_name_or_path"):
         cfg.grpo.reward_funcs = [text(given["reward_model_name_or_path"]), *cfg.grpo.reward_funcs]
-    if "shuffle_dataset" in given and given["shuffle_dataset"] != OBJECTIVES[cfg.objective].trl_shuffle_dataset:
+    if "shuffle_dataset" in given and given["shuffle_dataset"] != registration(cfg.objective).trl_shuffle_dataset:
         raise ConfigError(
             f"--shuffle_dataset {str(given['shuffle_dataset']).lower()} is not built: the seeded sampler shuffles the "
             "rows every epoch (--seed); drop the flag"
@@ -170,8 +170,8 @@ def settle(cfg: TrainConfig, given: dict[str, Any]) -> None:
     for name in SHARED:
         if name not in given:
             continue
-        registration = OBJECTIVES[cfg.objective]
-        section = getattr(cfg, registration.settings, None) if registration.settings else None
+        entry = registration(cfg.objective)
+        section = getattr(cfg, entry.settings, None) if entry.settings else None
         if section is None or not hasattr(section, name):
             owners = " / ".join(
                 o for o, r in OBJECTIVES.items() if r.settings and hasattr(getattr(cfg, r.settings), name)

@@ -1,5 +1,6 @@
 """GRPO's completions, sampled with the model being trained (any strategy: FSDP gathers the parameters for the
-generation, KV cache on), each with its own random generator (shardtune.training.grpo_batches.sampling_seed) so that
+generation, KV cache on), each with its own random generator (shardtune.training.objectives.grpo.batches.sampling_seed)
+so that
 a completion does not depend on the rank that samples it or on the other rows of its batch.
 
 The decode loop is ours, not ``generate``'s: the sampling draws from one generator per row (``generate`` draws from

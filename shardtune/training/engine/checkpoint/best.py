@@ -14,9 +14,9 @@ from pathlib import Path
 
 from shardtune.config.flags import spelling_of
 from shardtune.config.schema import ConfigError, TrainConfig
-from shardtune.training.checkpoint_layout import checkpoint_step
-from shardtune.training.intervals import every
-from shardtune.training.objective import objective_class
+from shardtune.training.engine.checkpoint.layout import checkpoint_step
+from shardtune.training.engine.intervals import every
+from shardtune.training.engine.objective import objective_class
 
 
 def metric_key(cfg: TrainConfig) -> str:
@@ -124,7 +124,7 @@ def load_best(model, strategy, optimizer, checkpointer, best: BestModel, result)
     """Collective, after the last evaluation: put the best checkpoint's weights into ``model`` (to be published), and
     say which. Rank 0 chooses (it sees the files); every rank loads that one."""
     from shardtune.runtime.distributed import broadcast_from_main, print0
-    from shardtune.training.checkpoint_layout import complete_checkpoints, read_trainer_state
+    from shardtune.training.engine.checkpoint.layout import complete_checkpoints, read_trainer_state
 
     chosen = best.choose(complete_checkpoints(checkpointer.root)) if checkpointer.env.is_main else None
     chosen = broadcast_from_main(chosen)

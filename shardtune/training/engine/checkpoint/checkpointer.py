@@ -39,13 +39,13 @@ from shardtune.runtime.elastic import worker_group_attempt
 from shardtune.runtime.errors import CheckpointError
 from shardtune.runtime.files import fsync_dir, write_text_atomic
 from shardtune.runtime.preemption import Preempted, stop_signal_anywhere
-from shardtune.training.best_model import BestModel
-from shardtune.training.checkpoint_files import (
+from shardtune.training.engine.checkpoint.best import BestModel
+from shardtune.training.engine.checkpoint.files import (
     remove_checkpoint,
     verify_checkpoint,
     write_manifest,
 )
-from shardtune.training.checkpoint_layout import (
+from shardtune.training.engine.checkpoint.layout import (
     FORMAT_VERSION,
     LATEST_FILE,
     STATE_FILE,
@@ -59,7 +59,7 @@ from shardtune.training.checkpoint_layout import (
     resolve_checkpoint,
     unfinished_saves,
 )
-from shardtune.training.intervals import epochs_reached, every
+from shardtune.training.engine.intervals import epochs_reached, every
 
 # Settings that may change between a run and its resumption without changing what is trained (run control), and
 # the optimizer hyperparameters a resume applies to the restored optimizer (parallel/optim.apply_settings_on_resume):

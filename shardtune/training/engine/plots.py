@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardtune.training.metrics import read_metrics
+from shardtune.training.engine.metrics import read_metrics
 
 GIB = 1 << 30
 LINE_STYLES = ("-", "--", "-.", ":")  # run i's style: runs that coincide (equivalent layouts) stay visible

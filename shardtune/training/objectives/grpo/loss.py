@@ -1,5 +1,6 @@
 """GRPO's loss (TRL 1.16's GRPOTrainer._compute_loss, for the loss types dapo, grpo, dr_grpo, bnpo) as sums whose
-normaliser the engine divides by once per step (shardtune.training.objective), and the per-token log-probabilities
+normaliser the engine divides by once per step (shardtune.training.engine.objective), and the per-token
+log-probabilities
 and entropies it starts from.
 
 Per completion token t: r = exp(logp - old) (token level; sequence level: exp of the mean of the sequence's

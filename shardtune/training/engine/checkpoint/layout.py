@@ -1,5 +1,6 @@
 """Where training checkpoints live and which of them count: the on-disk layout of output_dir/checkpoints/, the
-newest one that verifies, what --resume names. The Checkpointer (shardtune.training.checkpoint) writes and reads
+newest one that verifies, what --resume names. The Checkpointer (shardtune.training.engine.checkpoint.checkpointer)
+writes and reads
 them."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import re
 from pathlib import Path
 
 from shardtune.config.schema import ConfigError, TrainConfig
-from shardtune.training.checkpoint_files import MANIFEST_FILE, verify_checkpoint
+from shardtune.training.engine.checkpoint.files import MANIFEST_FILE, verify_checkpoint
 
 # ---------------------------------------------------------------------------------------------------------------
 # Training checkpoints: output_dir/checkpoints/step-000123/ (torch.distributed.checkpoint + small files)
@@ -22,7 +23,8 @@ from shardtune.training.checkpoint_files import MANIFEST_FILE, verify_checkpoint
 #   config.yaml               the resolved training config
 #   trainer_state.json        step, epoch, position in the data, scheduler, counters; written last
 #
-#   manifest.json             every other file's size and SHA-256 (shardtune/training/checkpoint_files.py); written last
+#   manifest.json             every other file's size and SHA-256 (shardtune/training/engine/checkpoint/files.py);
+# written last
 #
 # All ranks write into step-000123.tmp-<attempt>/; when every rank has finished, each fsyncs and hashes a share of
 # the files, rank 0 writes the manifest, renames the folder and then rewrites checkpoints/latest (os.replace), each

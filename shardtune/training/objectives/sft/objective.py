@@ -21,16 +21,12 @@ from shardtune.model.loading import cache_dir
 from shardtune.model.loss import PREDICTION_SUMS, batch_label_tokens, token_loss_and_prediction_sums
 from shardtune.parallel.sequence import RowSlice
 from shardtune.runtime.distributed import all_reduce_sum, print0
-from shardtune.training.metrics import perplexity
-from shardtune.training.objective import Objective
-from shardtune.training.predictions import loss_and_logits
+from shardtune.training.engine.metrics import perplexity
+from shardtune.training.engine.objective import Objective, data_splits
+from shardtune.training.engine.predictions import loss_and_logits
 
 # TRL's SFTTrainer metrics, each the step's PREDICTION_SUMS (same order) over its label tokens
 PREDICTION_METRICS = ("mean_token_accuracy", "entropy")
-
-
-def data_splits(cfg) -> tuple[str, ...]:
-    return ("train", "validation") if cfg.eval.enabled else ("train",)
 
 
 class SFT(Objective):
@@ -147,3 +143,6 @@ class SFT(Objective):
 
     def describe_eval(self, row: dict[str, float]) -> str:
         return f"eval loss {row['eval_loss']:.4f}, perplexity {row['eval_ppl']:.2f}"
+
+    def report_eval(self, row: dict[str, float]) -> str:
+        return f", perplexity {row['eval_ppl']:.3f}"

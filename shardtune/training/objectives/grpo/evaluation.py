@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from shardtune.runtime.distributed import all_reduce_sum
-from shardtune.training.grpo_batches import sampling_seed
-from shardtune.training.grpo_loss import STATS, completion_targets, micro_batch_terms, token_logps
+from shardtune.training.objectives.grpo.batches import sampling_seed
+from shardtune.training.objectives.grpo.loss import STATS, completion_targets, micro_batch_terms, token_logps
 
 EVAL_KEY = -1  # the epoch of the sampling key: evaluations draw apart from every training generation
 
@@ -46,7 +46,7 @@ def eval_chunks(num_prompts: int, generations: int, cfg, dp_rank: int, dp_size: 
 
 @torch.no_grad()
 def grpo_evaluate(objective, model: nn.Module, eval_rows: list[dict], step: int) -> dict[str, float]:
-    """The evaluation row of :class:`shardtune.training.grpo.GRPO` (collective)."""
+    """The evaluation row of :class:`shardtune.training.objectives.grpo.objective.GRPO` (collective)."""
     cfg, env, strategy = objective.cfg, objective.env, objective.strategy
     g = dataclasses.replace(cfg.grpo, num_generations=cfg.grpo.num_generations_eval or cfg.grpo.num_generations)
     generations, device = g.num_generations, env.device

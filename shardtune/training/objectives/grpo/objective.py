@@ -26,23 +26,23 @@ from shardtune.accounting.flops import ModelShape, micro_batch_flops, num_input_
 from shardtune.config.schema import ConfigError
 from shardtune.data.batching import EXAMPLE_IDS, EXAMPLE_LENGTHS
 from shardtune.data.prompts import check_prompt_data, prompt_rows
+from shardtune.model.peft import adapter_disabled
 from shardtune.model.speed import apply_speed_features
 from shardtune.runtime.distributed import all_reduce_sum, print0, warn0
-from shardtune.training.building import build_model
-from shardtune.training.dpo_logps import adapter_disabled
-from shardtune.training.grpo_advantages import (
+from shardtune.training.engine.building import build_model
+from shardtune.training.engine.intervals import planned_steps
+from shardtune.training.engine.objective import COUNTS, Objective
+from shardtune.training.objectives.grpo.advantages import (
     COMPLETION_METRICS,
     METRICS,
     advantages_of,
     completion_metrics,
 )
-from shardtune.training.grpo_batches import epoch_steps, prompt_order, round_plan, sampling_seed
-from shardtune.training.grpo_eval import grpo_evaluate
-from shardtune.training.grpo_generate import sample
-from shardtune.training.grpo_loss import STATS, completion_targets, micro_batch_terms, token_logps
-from shardtune.training.intervals import planned_steps
-from shardtune.training.objective import COUNTS, Objective
-from shardtune.training.rewards import load_rewards, score
+from shardtune.training.objectives.grpo.batches import epoch_steps, prompt_order, round_plan, sampling_seed
+from shardtune.training.objectives.grpo.evaluation import grpo_evaluate
+from shardtune.training.objectives.grpo.generate import sample
+from shardtune.training.objectives.grpo.loss import STATS, completion_targets, micro_batch_terms, token_logps
+from shardtune.training.objectives.grpo.rewards import load_rewards, score
 
 LOSS_METRICS = (
     "kl",
@@ -308,7 +308,8 @@ class GRPO(Objective):
         }
 
     def normaliser(self, batch: dict, round_tokens: int) -> float:
-        """This micro-batch's share of the step's N (shardtune.training.grpo_loss): summed over the step's micro-
+        """This micro-batch's share of the step's N (shardtune.training.objectives.grpo.loss): summed over the step's
+        micro-
         batches of all ranks it is N."""
         g = self.cfg.grpo
         tokens = float(batch["completion_mask"].sum())
@@ -421,8 +422,11 @@ class GRPO(Objective):
         return out
 
     def evaluate(self, model: nn.Module) -> tuple[dict[str, float], list[dict]]:
-        """The test split's rewards and loss (shardtune.training.grpo_eval)."""
+        """The test split's rewards and loss (shardtune.training.objectives.grpo.evaluation)."""
         return grpo_evaluate(self, model, self.eval_rows, self.steps_done), []
 
     def describe_eval(self, row: dict[str, float]) -> str:
         return f"eval reward {row['eval_reward']:.4f}, eval loss {row['eval_loss']:.4f}"
+
+    def report_eval(self, row: dict[str, float]) -> str:
+        return f", reward {row['eval_reward']:.4f}"

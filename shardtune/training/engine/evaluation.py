@@ -1,6 +1,7 @@
 """The evaluator: runs the objective's evaluation at the times the loop asks, and records it (a metrics row, the
 score --load_best_model_at_end compares, generated samples) and says it on rank 0. When the script asked for its
-predictions (shardtune.training.predictions: compute_metrics, predict()), the evaluation keeps them and the metrics of
+predictions (shardtune.training.engine.predictions: compute_metrics, predict()), the evaluation keeps them and the
+metrics of
 compute_metrics join its row."""
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from typing import Callable
 from torch import nn
 
 from shardtune.config.schema import ConfigError
-from shardtune.training.best_model import BestModel
-from shardtune.training.metrics import MetricsWriter
-from shardtune.training.objective import Objective
-from shardtune.training.predictions import PredictionKeeper, requested
+from shardtune.training.engine.checkpoint.best import BestModel
+from shardtune.training.engine.metrics import MetricsWriter
+from shardtune.training.engine.objective import Objective
+from shardtune.training.engine.predictions import PredictionKeeper, requested
 
 
 class Evaluator:

@@ -23,7 +23,7 @@ from shardtune.runtime.elastic import worker_group_attempt
 from shardtune.runtime.errors import TrainingStopped
 from shardtune.runtime.files import LAST_FILES, fsync_dir
 from shardtune.runtime.run_lock import LOCK_FILE, RunLocked, check_not_locked
-from shardtune.training.checkpoint_layout import checkpoint_root, newest_verified_checkpoint
+from shardtune.training.engine.checkpoint.layout import checkpoint_root, newest_verified_checkpoint
 
 STAMP = "%Y%m%d-%H%M%S"  # the folder's name: the UTC time of the move (-2, -3 ... when taken)
 NAMES_SHOWN = 6  # entries named in the line; the rest are counted

@@ -2,7 +2,8 @@
 normaliser and statistics, its evaluation, its metric names, its checks before launch (its registration in
 shardtune.config.objectives has the planner's terms).
 
-The engine (shardtune.training.step, shardtune.training.loop) owns everything else, alike for every objective:
+The engine (shardtune.training.engine.step, shardtune.training.engine.loop) owns everything else, alike for every
+objective:
 accumulation, the gradient scale that undoes the strategies' averaging, clipping, the step / skip / stop decision
 (--nan_policy), checkpoints, metrics rows. The loss of an optimizer step is
 
@@ -26,17 +27,22 @@ from torch import nn
 
 from shardtune import data
 from shardtune.accounting.flops import ModelShape
-from shardtune.config.objectives import OBJECTIVES
+from shardtune.config.objectives import OBJECTIVES, registration
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.runtime.distributed import DistEnv
 
 if TYPE_CHECKING:
-    from shardtune.training.metrics import MetricsWriter
+    from shardtune.training.engine.metrics import MetricsWriter
 
 # The counts every objective gives for a step (per rank, summed over ranks by the engine), in this order; an objective
 # may add its own after them (``Objective.count_names``). label_tokens: the tokens that carry a loss (the rows'
 # ``label_tokens``); input_tokens: the real (non-pad) tokens of the inputs, whose running total is TRL's ``num_tokens``.
 COUNTS = ("normaliser", "label_tokens", "input_tokens", "flops", "palm_flops")
+
+
+def data_splits(cfg: TrainConfig) -> tuple[str, ...]:
+    """The splits an objective's data has: the training split, and the evaluation split when the run evaluates."""
+    return ("train", "validation") if cfg.eval.enabled else ("train",)
 
 
 class Objective(ABC):
@@ -47,7 +53,8 @@ class Objective(ABC):
     stat_names: ClassVar[tuple[str, ...]]  # what a micro-batch's loss returns beside its sum, summed
     step_metric_names: ClassVar[tuple[str, ...]] = ()  # keys its step rows carry beyond the engine's
     eval_metric_names: ClassVar[tuple[str, ...]]  # keys of its evaluation rows (--metric_for_best_model)
-    # whether its evaluation can keep each example's predictions (shardtune.training.predictions: compute_metrics,
+    # whether its evaluation can keep each example's predictions (shardtune.training.engine.predictions:
+    # compute_metrics,
     # predict()); while one does, ``predictions`` is the evaluation's PredictionKeeper
     predicts: ClassVar[bool] = False
     predictions: Any = None
@@ -118,20 +125,22 @@ class Objective(ABC):
     def describe_eval(self, row: dict[str, float]) -> str:
         return f"eval loss {row['eval_loss']:.4f}"
 
+    def report_eval(self, row: dict[str, float]) -> str:
+        """What the run's closing report adds after the last evaluation's loss (", perplexity 3.2")."""
+        return ""
+
 
 def objective_class(name: str) -> type[Objective]:
-    """The registered objective ``name`` (shardtune.config.objectives)."""
-    if name not in OBJECTIVES:
-        raise ConfigError(f"objective {name!r} is not known: choose one of {', '.join(OBJECTIVES)}")
-    module, _, cls = OBJECTIVES[name].implementation.partition(":")
+    """The objective ``name``'s class (its registration's ``implementation``: shardtune.config.objectives)."""
+    module, _, cls = registration(name).implementation.partition(":")
     return getattr(importlib.import_module(module), cls)
 
 
 def foreign_setting(cfg: TrainConfig) -> tuple[str, str] | None:
     """(another objective, one of its flags) when a flag of an objective the run does not train is given: it would
     be ignored; None when there is none."""
-    for name, registration in OBJECTIVES.items():
-        section = registration.settings
+    for name, entry in OBJECTIVES.items():
+        section = entry.settings
         if name == cfg.objective or not section:
             continue
         given, default = getattr(cfg, section), type(getattr(cfg, section))()

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from shardtune.training.trackers import Tracker, tracker_scalars
+from shardtune.training.engine.trackers import Tracker, tracker_scalars
 
 EVAL_SAMPLES_FILE = "eval_samples.jsonl"
 

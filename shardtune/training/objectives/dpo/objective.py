@@ -33,8 +33,9 @@ from shardtune.model.loading import cache_dir, check_model_source, check_tokeniz
 from shardtune.model.speed import apply_speed_features
 from shardtune.parallel.sequence import RowSlice, SequenceGroups, use_sequence_attention
 from shardtune.runtime.distributed import all_reduce_sum, print0
-from shardtune.training.building import build_model
-from shardtune.training.dpo_logps import (
+from shardtune.training.engine.building import build_model
+from shardtune.training.engine.objective import COUNTS, Objective, data_splits
+from shardtune.training.objectives.dpo.logps import (
     TOKEN_SUMS,
     SplitRows,
     chosen_completion_targets,
@@ -44,10 +45,12 @@ from shardtune.training.dpo_logps import (
     policy_logps,
     reference_logps,
 )
-from shardtune.training.dpo_loss import check_loss_options, preference_losses, sft_weight
-from shardtune.training.dpo_reference import compute_and_cache_reference, read_cached_reference, reference_key
-from shardtune.training.objective import COUNTS, Objective
-from shardtune.training.sft import data_splits
+from shardtune.training.objectives.dpo.loss import check_loss_options, preference_losses, sft_weight
+from shardtune.training.objectives.dpo.reference import (
+    compute_and_cache_reference,
+    read_cached_reference,
+    reference_key,
+)
 
 # The metrics of a step, TRL's names; each the mean over the step's global pairs.
 PAIR_METRICS = (

@@ -15,7 +15,6 @@ into its own slice (:class:`SummedOverSplit`: the sum's gradient is the same for
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ from torch import nn
 
 from shardtune.data.formatting import IGNORE_INDEX
 from shardtune.model.loss import SHIFT_LABELS, sequence_log_prob_and_prediction_sums, sequence_log_prob_sums
+from shardtune.model.peft import adapter_disabled
 from shardtune.parallel.sequence import SEQUENCE_INDEX
 
 
@@ -137,11 +137,6 @@ def completion_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     if "cu_seq_lens" not in batch:
         return mask.sum(dim=1)
     return torch.stack([part.sum() for part in mask[0].split(batch["cu_seq_lens"].diff().tolist())])
-
-
-def adapter_disabled(model: nn.Module) -> contextlib.AbstractContextManager:
-    """The PEFT model's base (its adapter switched off) for the duration of the block."""
-    return model.disable_adapter()
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from shardtune.data.preference import collate_pair_units
 from shardtune.model.loading import weights_identity
 from shardtune.runtime.distributed import all_reduce_sum
 from shardtune.runtime.precision import weights_dtype
-from shardtune.training.dpo_logps import SplitRows, reference_logps
+from shardtune.training.objectives.dpo.logps import SplitRows, reference_logps
 
 
 @torch.no_grad()

@@ -50,17 +50,17 @@ from shardtune.runtime.preemption import (
     report_stopped,
 )
 from shardtune.runtime.run_lock import RunLock, RunLocked
-from shardtune.training.building import build_model
-from shardtune.training.checkpoint import Checkpointer, failure_reason
-from shardtune.training.checks import prepare
-from shardtune.training.intervals import every, planned_steps
-from shardtune.training.loop import TrainResult, train
-from shardtune.training.metrics import MetricsWriter
-from shardtune.training.objective import objective_class
-from shardtune.training.plots import write_run_plots
-from shardtune.training.preflight import PreflightError, run_preflight
-from shardtune.training.previous_run import set_previous_run_aside
-from shardtune.training.trackers import open_trackers
+from shardtune.training.engine.building import build_model
+from shardtune.training.engine.checkpoint.checkpointer import Checkpointer, failure_reason
+from shardtune.training.engine.checks import prepare
+from shardtune.training.engine.intervals import every, planned_steps
+from shardtune.training.engine.loop import TrainResult, train
+from shardtune.training.engine.metrics import MetricsWriter
+from shardtune.training.engine.objective import objective_class
+from shardtune.training.engine.plots import write_run_plots
+from shardtune.training.engine.preflight import PreflightError, run_preflight
+from shardtune.training.engine.previous_run import set_previous_run_aside
+from shardtune.training.engine.trackers import open_trackers
 
 
 def check_finite_weights(
@@ -269,9 +269,7 @@ def report(result: TrainResult, cfg: TrainConfig) -> str:
     if result.losses:
         lines.append(f"  loss: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}")
     if result.eval_loss is not None:
-        ppl = f", perplexity {result.eval_ppl:.3f}" if result.eval_ppl is not None else ""
-        reward = f", reward {result.eval_reward:.4f}" if result.eval_reward is not None else ""
-        lines.append(f"  eval: loss {result.eval_loss:.4f}{ppl}{reward}")
+        lines.append(f"  eval: loss {result.eval_loss:.4f}{result.eval_summary}")
     if cfg.output.save_model:
         lines.append(f"  model written to {Path(cfg.output.dir).resolve()}")
     return "\n".join(lines)

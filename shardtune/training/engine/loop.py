@@ -1,5 +1,5 @@
-"""The training loop: epochs of optimizer steps (shardtune.training.step), with evaluations, checkpoints and the
-model published once trained, the same for every objective (shardtune.training.objective).
+"""The training loop: epochs of optimizer steps (shardtune.training.engine.step), with evaluations, checkpoints and the
+model published once trained, the same for every objective (shardtune.training.engine.objective).
 
 The loop itself is :func:`train`; what it is handed and builds at the start (optimizer, schedule, resume position,
 evaluator, step reporter) is :class:`Run`.
@@ -22,17 +22,17 @@ from shardtune.parallel.sequence import RowSlice
 from shardtune.runtime import startup
 from shardtune.runtime.distributed import all_reduce_sum, print0
 from shardtune.runtime.errors import TrainingStopped
-from shardtune.training.best_model import BestModel, load_best
-from shardtune.training.checkpoint import Checkpointer, Position
-from shardtune.training.checkpoint_layout import objective_file
-from shardtune.training.evaluation import Evaluator
-from shardtune.training.hooks import installed
-from shardtune.training.intervals import epoch_steps, epochs_reached, every, planned_steps
-from shardtune.training.metrics import MetricsWriter
-from shardtune.training.objective import Objective
-from shardtune.training.profiling import StepProbe
-from shardtune.training.reporting import StepReporter
-from shardtune.training.step import NonFiniteLossError, train_step
+from shardtune.training.engine.checkpoint.best import BestModel, load_best
+from shardtune.training.engine.checkpoint.checkpointer import Checkpointer, Position
+from shardtune.training.engine.checkpoint.layout import objective_file
+from shardtune.training.engine.evaluation import Evaluator
+from shardtune.training.engine.hooks import installed
+from shardtune.training.engine.intervals import epoch_steps, epochs_reached, every, planned_steps
+from shardtune.training.engine.metrics import MetricsWriter
+from shardtune.training.engine.objective import Objective
+from shardtune.training.engine.profiling import StepProbe
+from shardtune.training.engine.reporting import StepReporter
+from shardtune.training.engine.step import NonFiniteLossError, train_step
 
 
 @dataclass
@@ -46,8 +46,7 @@ class TrainResult:
     train_time_s: float = 0.0
     losses: list[float] = field(default_factory=list)
     eval_loss: float | None = None
-    eval_ppl: float | None = None
-    eval_reward: float | None = None  # GRPO's mean reward on the test split
+    eval_summary: str = ""  # what the objective adds to the closing report's eval line (Objective.report_eval)
 
     @property
     def tokens_per_s(self) -> float:
@@ -255,8 +254,7 @@ class Run:
 
     def evaluate(self, epoch: int, done_in_epoch: int, when: str) -> None:
         row = self.evaluator(self.result.steps, self.epoch_float(epoch, done_in_epoch), when)
-        self.result.eval_loss, self.result.eval_ppl = row["eval_loss"], row.get("eval_ppl")
-        self.result.eval_reward = row.get("eval_reward")
+        self.result.eval_loss, self.result.eval_summary = row["eval_loss"], self.objective.report_eval(row)
         if self.hooks:
             self.hooks.on_evaluate(row)
 

@@ -7,7 +7,7 @@ import importlib
 import math
 
 from shardtune import data
-from shardtune.config.objectives import OBJECTIVES
+from shardtune.config.objectives import registration
 from shardtune.config.schema import TrainConfig, interval_steps
 
 
@@ -23,7 +23,7 @@ def epoch_steps(cfg: TrainConfig, units, dp_size: int) -> int:
     over its stream are the data position's business)."""
     if cfg.data.streaming:
         return cfg.train.max_steps
-    own = OBJECTIVES[cfg.objective].epoch_steps  # an objective whose epoch is not units / effective batch (GRPO)
+    own = registration(cfg.objective).epoch_steps  # an objective whose epoch is not units / effective batch (GRPO)
     if own:
         module, _, function = own.partition(":")
         return getattr(importlib.import_module(module), function)(cfg, len(units), dp_size)

@@ -15,9 +15,9 @@ from tqdm import tqdm
 from shardtune.accounting.peak_flops import PeakMeter
 from shardtune.runtime import startup
 from shardtune.runtime.distributed import DistEnv, peak_memory_bytes
-from shardtune.training.metrics import MetricsWriter
-from shardtune.training.profiling import StepProbe
-from shardtune.training.step import StepResult
+from shardtune.training.engine.metrics import MetricsWriter
+from shardtune.training.engine.profiling import StepProbe
+from shardtune.training.engine.step import StepResult
 
 
 class StepReporter:

@@ -26,7 +26,7 @@ from shardtune.accounting.flops import ModelShape
 from shardtune.model.lora_dropout import keyed_masks
 from shardtune.parallel.base import Strategy
 from shardtune.runtime.distributed import all_reduce_sum
-from shardtune.training.objective import Objective
+from shardtune.training.engine.objective import Objective
 
 
 class NonFiniteLossError(RuntimeError):

@@ -31,9 +31,9 @@ from shardtune.parallel.optim import check_optim, check_schedule
 from shardtune.parallel.sequence import check_sequence_split
 from shardtune.publishing.hub import check_push_to_hub
 from shardtune.runtime.distributed import is_torchrun_worker
-from shardtune.training.best_model import check_intervals
-from shardtune.training.checkpoint import check_checkpointing, check_resume_fits
-from shardtune.training.objective import check_objective, objective_class
+from shardtune.training.engine.checkpoint.best import check_intervals
+from shardtune.training.engine.checkpoint.checkpointer import check_checkpointing, check_resume_fits
+from shardtune.training.engine.objective import check_objective, objective_class
 
 # Settings alone, in order: the objective's, the config floor's own, then those owned by the floors above.
 SETTING_CHECKS = (

@@ -1,0 +1,2 @@
+"""Checkpoints: the on-disk layout (layout.py), verified files and manifests (files.py), saving and resuming a run's
+full state (checkpointer.py)."""

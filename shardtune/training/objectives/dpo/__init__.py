@@ -1,0 +1,1 @@
+"""Preference training (DPO, TRL's DPOTrainer): the pairs' log-probabilities, the losses, the reference."""
