@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import os
 import subprocess
@@ -15,15 +16,30 @@ pytest.register_assert_rewrite("tests.helpers")
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHING_FOLDERS = ("e2e", "distributed", "multihost")
+# what a test's own code says when it starts torchrun or the shardtune CLI itself, without the run_cli fixture
+LAUNCHING_CODE = ('"torch.distributed.run"', '"torchrun"', '"-m", "shardtune"', "shardtune_argv(", "cli_env(")
+
+
+def launches(item) -> bool:
+    """Whether a test starts real processes (torchrun, the shardtune CLI): by its folder, its run_cli fixture, or
+    its own code (a test elsewhere that launches by hand: `-m "not launch"` must leave it out)."""
+    folder = Path(str(item.fspath)).relative_to(REPO / "tests").parts[0]
+    if folder in LAUNCHING_FOLDERS or "run_cli" in getattr(item, "fixturenames", ()):
+        return True
+    try:
+        code = inspect.getsource(item.function)
+    except (AttributeError, OSError, TypeError):
+        return False
+    return any(spelling in code for spelling in LAUNCHING_CODE)
 
 
 def pytest_collection_modifyitems(config, items):
-    """The markers (pyproject.toml): launch and multihost from a test's folder and fixtures; gpu tests skipped
+    """The markers (pyproject.toml): launch from :func:`launches`, multihost from the folder; gpu tests skipped
     where no CUDA device is."""
     cuda = None
     for item in items:
         folder = Path(str(item.fspath)).relative_to(REPO / "tests").parts[0]
-        if folder in LAUNCHING_FOLDERS or "run_cli" in getattr(item, "fixturenames", ()):
+        if launches(item):
             item.add_marker(pytest.mark.launch)
         if folder == "multihost":
             item.add_marker(pytest.mark.multihost)
