@@ -15,7 +15,6 @@ from torch import nn
 
 from shardtune.accounting.flops import model_shape
 from shardtune.accounting.peak_flops import PeakMeter
-from shardtune.data.streaming import stream_steps
 from shardtune.parallel.base import Strategy
 from shardtune.parallel.optim import build_scheduler
 from shardtune.parallel.sequence import RowSlice
@@ -178,9 +177,9 @@ class Run:
         self.last_row: dict = {}
         self.save_at_epoch_end = False  # a callback's should_save at an epoch's last step
         self.saved = checkpointer.last_saved if checkpointer else None
-        self.data_position = self.start.data  # a streamed run's: where the next step's rows start
+        objective.resume_data = objective.data_position = self.start.data  # a streamed run's position (None else)
         if checkpointer and cfg.data.streaming:
-            checkpointer.data_position = lambda: self.data_position
+            checkpointer.data_position = lambda: objective.data_position
         if checkpointer:
             checkpointer.objective_state = objective.state_to_save
             saved = checkpointer.resume_from and objective_file(checkpointer.resume_from, env.rank)
@@ -201,26 +200,9 @@ class Run:
 
     def batches(self, epoch: int, first: int):
         dims = self.strategy.dims
-        if self.cfg.data.streaming:
-            return self.streamed(dims)
         return self.objective.batches(
             self.units, epoch, first, dims.dp_rank(self.env.rank), dims.dp_size, self.row_slice
         )
-
-    def streamed(self, dims):
-        """A streamed run's steps (shardtune.data.streaming), from the checkpoint's data position; each step's
-        position is kept for the next checkpoint."""
-        steps = stream_steps(
-            self.units,
-            dims.dp_rank(self.env.rank),
-            dims.dp_size,
-            self.objective.pad_id,
-            self.start.data,
-            self.row_slice,
-        )
-        for micro_batches, position in steps:
-            self.data_position = position  # before the step: its checkpoint is written before the loop asks again
-            yield micro_batches
 
     def step(self, micro_batches: list[dict], epoch: int, done_in_epoch: int) -> None:
         step, lr = self.result.steps + 1, self.optimizer.param_groups[0]["lr"]

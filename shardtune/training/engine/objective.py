@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from shardtune import data
 from shardtune.accounting.flops import ModelShape
 from shardtune.config.objectives import OBJECTIVES, registration
 from shardtune.config.schema import ConfigError, TrainConfig
+from shardtune.data.streaming import stream_steps
 from shardtune.runtime.distributed import DistEnv
 
 if TYPE_CHECKING:
@@ -84,13 +85,28 @@ class Objective(ABC):
     # (units, cfg, pad_id) -> a training micro-batch; None: the data floor's collate of examples
     collate_fn: ClassVar[Any] = None
 
+    # a streamed run's data position (shardtune.data.streaming): where it resumed (set by the loop) and where the
+    # next step's rows start, saved with each checkpoint
+    resume_data: dict | None = None
+    data_position: dict | None = None
+
     def batches(self, units: list, epoch: int, first: int, dp_rank: int, dp_size: int, row_slice=None):
-        """This rank's micro-batches of each step of ``epoch`` from its step ``first`` on: the data floor's loader.
-        An objective that makes a step's batches as it trains (GRPO: completions sampled with the current weights,
-        scored) overrides it; the loop asks for a step's batches after the previous step is done."""
+        """This rank's micro-batches of each step of ``epoch`` from its step ``first`` on: the data floor's loader
+        (with --dataset_streaming, rows read as the steps need them, from the resumed position). An objective that
+        makes a step's batches as it trains (GRPO: completions sampled with the current weights, scored) overrides
+        it; the loop asks for a step's batches after the previous step is done."""
+        if self.cfg.data.streaming:
+            return self._streamed(units, dp_rank, dp_size, row_slice)
         return data.train_loader(
             units, self.cfg, dp_rank, dp_size, epoch, self.pad_id, first, row_slice, self.collate_fn
         )
+
+    def _streamed(self, units: list, dp_rank: int, dp_size: int, row_slice) -> Iterator[list[dict]]:
+        """A streamed run's steps from the resumed position; each step's position kept for the next checkpoint
+        (before the step: its checkpoint is written before the loop asks again)."""
+        for micro_batches, position in stream_steps(units, dp_rank, dp_size, self.pad_id, self.resume_data, row_slice):
+            self.data_position = position
+            yield micro_batches
 
     def state_to_save(self) -> dict | None:
         """This rank's state a checkpoint must keep beyond the weights, optimizer, RNG and data position (GRPO: the
