@@ -175,6 +175,14 @@ def all_reduce_sum(values: torch.Tensor, device: torch.device, to_host: bool = T
     return t.cpu() if to_host else t
 
 
+def all_reduce_max(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The element-wise maximum of a small tensor over all ranks (float64), left on ``device``."""
+    t = values.detach().to(device=device, dtype=torch.float64).clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
 def broadcast_from_main(value):
     """Rank 0's value (any picklable object) on every rank: one decision, where each rank deciding alone could
     differ."""

@@ -71,6 +71,8 @@ LAYOUTS = {
 }
 EVAL_METRICS = ("eval_loss", "eval_reward", "eval_reward_std", "eval_rewards/digits/mean", "eval_kl", "eval_entropy")
 METRICS = ("reward", "reward_std", "rewards/digits/mean", "rewards/low_ids/mean", "completions/mean_length", "kl")
+# the step's extremes over all micro-batches and ranks (min / max reductions of the step's one sync), and a sum
+METRICS += ("clip_ratio/low_min", "clip_ratio/high_max", "clip_ratio/region_mean", "entropy")
 
 
 @pytest.fixture

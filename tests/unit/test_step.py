@@ -430,3 +430,18 @@ def test_max_steps_overrides_the_epochs_as_in_trl(process_group, tiny, tmp_path)
     assert [r["epoch"] for r in rows] == [0.5, 1.0, 1.5, 2.0, 2.5]
     assert [r["lr"] for r in rows] == pytest.approx([1e-3 * (5 - i) / 5 for i in range(5)])
     assert [r["step"] for r in eval_rows(tmp_path / "run")] == [2, 4, 5]  # each epoch's end, the last in part
+
+
+def test_step_statistics_combine_by_their_reductions():
+    """Sum, min and max stats over micro-batches (one process: the ranks' reduction is the identity); a min stat
+    starts at +inf and a max at -inf, so a step whose micro-batches have none stays infinite (shown as NaN)."""
+    from shardtune.training.engine.step import StatReductions
+
+    reductions = StatReductions(("sum", "min", "max"), torch.device("cpu"))
+    stats = reductions.start()
+    assert stats.tolist() == [0.0, float("inf"), float("-inf")]
+    for values in ([1.0, 0.5, 0.2], [2.0, 0.25, 0.7], [0.5, 0.75, 0.1]):
+        stats = reductions.combine(stats, torch.tensor(values, dtype=torch.float64))
+    assert reductions.across_ranks(stats).tolist() == [3.5, 0.25, 0.7]
+    summed = StatReductions(("sum", "sum"), torch.device("cpu"))
+    assert summed.across_ranks(summed.combine(summed.start(), torch.tensor([1.0, 2.0]))).tolist() == [1.0, 2.0]

@@ -51,7 +51,10 @@ class Objective(ABC):
 
     name: ClassVar[str]
     count_names: ClassVar[tuple[str, ...]] = COUNTS
-    stat_names: ClassVar[tuple[str, ...]]  # what a micro-batch's loss returns beside its sum, summed
+    stat_names: ClassVar[tuple[str, ...]]  # what a micro-batch's loss returns beside its sum
+    # how each stat combines over the step's micro-batches and ranks: "sum" (the default for all), "min" or "max"
+    # (TRL's clip_ratio/low_min); reduced on the device by the step, read in its one host read
+    stat_reductions: ClassVar[tuple[str, ...]] = ()
     step_metric_names: ClassVar[tuple[str, ...]] = ()  # keys its step rows carry beyond the engine's
     eval_metric_names: ClassVar[tuple[str, ...]]  # keys of its evaluation rows (--metric_for_best_model)
     # whether its evaluation can keep each example's predictions (shardtune.training.engine.predictions:

@@ -25,7 +25,7 @@ from torch import nn
 from shardtune.accounting.flops import ModelShape
 from shardtune.model.lora_dropout import keyed_masks
 from shardtune.parallel.base import Strategy
-from shardtune.runtime.distributed import all_reduce_sum
+from shardtune.runtime.distributed import all_reduce_max, all_reduce_sum
 from shardtune.training.engine.objective import Objective
 
 
@@ -52,6 +52,38 @@ class StepResult:
         return self.metrics["loss"]
 
 
+class StatReductions:
+    """An objective's step statistics combined by their reductions (sum, min, max), over its micro-batches and then
+    its ranks: the sums in one all-reduce, the extremes in one more (a minimum as the maximum of its negation), both
+    on the device; the step's one host read reads them."""
+
+    def __init__(self, kinds: tuple[str, ...], device: torch.device) -> None:
+        unknown = set(kinds) - {"sum", "min", "max"}
+        assert not unknown, f"stat reductions are sum, min or max: {unknown}"
+        self.device = device
+        self.is_sum = torch.tensor([k == "sum" for k in kinds], device=device)
+        self.is_min = torch.tensor([k == "min" for k in kinds], device=device)
+        self.extremes = not bool(self.is_sum.all())
+
+    def start(self) -> torch.Tensor:
+        inf = torch.full(self.is_sum.shape, math.inf, dtype=torch.float64, device=self.device)
+        return torch.where(self.is_sum, 0.0, torch.where(self.is_min, inf, -inf))
+
+    def combine(self, stats: torch.Tensor, more: torch.Tensor) -> torch.Tensor:
+        more = more.to(self.device)
+        if not self.extremes:
+            return stats + more
+        extreme = torch.where(self.is_min, torch.minimum(stats, more), torch.maximum(stats, more))
+        return torch.where(self.is_sum, stats + more, extreme)
+
+    def across_ranks(self, stats: torch.Tensor) -> torch.Tensor:
+        sums = all_reduce_sum(torch.where(self.is_sum, stats, 0.0), self.device, to_host=False)
+        if not self.extremes:
+            return sums
+        largest = all_reduce_max(torch.where(self.is_min, -stats, stats), self.device)
+        return torch.where(self.is_sum, sums, torch.where(self.is_min, -largest, largest))
+
+
 def train_step(
     model: nn.Module,
     strategy: Strategy,
@@ -67,7 +99,8 @@ def train_step(
     local = torch.tensor(objective.counts(micro_batches, shape), dtype=torch.float64)
     totals = all_reduce_sum(local, device, to_host=False)
     scale = strategy.grad_average_size / totals[0].clamp(min=1)
-    stats = torch.zeros(len(objective.stat_names), dtype=torch.float64, device=device)
+    reductions = StatReductions(objective.stat_reductions or ("sum",) * len(objective.stat_names), device)
+    stats = reductions.start()
     last = len(micro_batches) - 1
     for i, batch in enumerate(micro_batches):
         sync = strategy.accumulating(model) if i < last else contextlib.nullcontext()
@@ -75,8 +108,8 @@ def train_step(
             with strategy.autocast():
                 loss_sum, batch_stats = objective.loss(model, batch, totals)
             strategy.backward(loss_sum * scale.to(loss_sum.dtype))
-        stats += batch_stats.detach().double()
-    stats = all_reduce_sum(stats, device, to_host=False)
+        stats = reductions.combine(stats, batch_stats.detach().double())
+    stats = reductions.across_ranks(stats)
     decided: dict = {}
 
     def allow_step(grad_norm: torch.Tensor | float | None) -> bool:

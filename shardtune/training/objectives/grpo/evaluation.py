@@ -21,7 +21,7 @@ from torch import nn
 
 from shardtune.runtime.distributed import all_reduce_sum
 from shardtune.training.objectives.grpo.batches import sampling_seed
-from shardtune.training.objectives.grpo.loss import STATS, completion_targets, micro_batch_terms, token_logps
+from shardtune.training.objectives.grpo.loss import REDUCTIONS, completion_targets, micro_batch_terms, token_logps
 
 EVAL_KEY = -1  # the epoch of the sampling key: evaluations draw apart from every training generation
 
@@ -69,7 +69,8 @@ def grpo_evaluate(objective, model: nn.Module, eval_rows: list[dict], step: int)
             shared[list(completions)] = objective.score_rows(rows, ids, state)[1]
     shared = all_reduce_sum(shared, device).cpu()
     advantages, row = objective.generation_metrics(shared, g)
-    sums = torch.zeros(len(STATS) + 2, dtype=torch.float64, device=device)
+    summed = REDUCTIONS.count("sum")  # the stats that add up (the rest are the step's min / max)
+    sums = torch.zeros(summed + 2, dtype=torch.float64, device=device)
     model.eval()
     try:
         for chunk in chunks:
@@ -81,11 +82,11 @@ def grpo_evaluate(objective, model: nn.Module, eval_rows: list[dict], step: int)
                 objective.add_reference(batch)
             with strategy.autocast():
                 logps, entropies = token_logps(model, batch, device, g.temperature, True)
-                _, stats, _ = micro_batch_terms(logps, entropies, batch, g, device)
+                _, stats = micro_batch_terms(logps, entropies, batch, g, device)
             if chunk.counted:
                 tokens = float((completion_targets(batch) != -100).sum())
                 extra = torch.tensor([objective.normaliser(batch, 0), tokens], dtype=torch.float64, device=device)
-                sums += torch.cat([stats.to(device, torch.float64), extra])
+                sums += torch.cat([stats[:summed].to(device, torch.float64), extra])
     finally:
         model.train()
     sums = all_reduce_sum(sums, device).tolist()

@@ -35,7 +35,8 @@ from shardtune.model.loss import (
 
 # Sums over a micro-batch: the loss; the KL, entropy and clip indicators summed over tokens (token level) or over
 # sequences (their value per sequence at the sequence level), TRL's global masked means once divided
-STATS = ("loss_sum", "kl_sum", "entropy_sum", "low_clip_sum", "high_clip_sum", "region_clip_sum")
+STATS = ("loss_sum", "kl_sum", "entropy_sum", "low_clip_sum", "high_clip_sum", "region_clip_sum", "low_min", "high_max")
+REDUCTIONS = ("sum",) * 6 + ("min", "max")  # how each stat combines over the step (Objective.stat_reductions)
 
 
 def completion_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -175,9 +176,8 @@ def micro_batch_terms(
         (entropies * mask).sum(),
         *(masked_total(x, mask) for x in (low, high, region)),
     )
-    stats = torch.stack([v.double() for v in values])
-    extremes = (
+    extremes = (  # TRL's clip_ratio/low_min and high_max of the micro-batch, before the step's min / max
         seq_means(low, mask).nan_to_num(float("inf")).min(),
         seq_means(high, mask).nan_to_num(-float("inf")).max(),
     )
-    return total, stats, extremes
+    return total, torch.stack([v.double() for v in (*values, *extremes)])

@@ -41,7 +41,13 @@ from shardtune.training.objectives.grpo.advantages import (
 from shardtune.training.objectives.grpo.batches import epoch_steps, prompt_order, round_plan, sampling_seed
 from shardtune.training.objectives.grpo.evaluation import grpo_evaluate
 from shardtune.training.objectives.grpo.generate import sample
-from shardtune.training.objectives.grpo.loss import STATS, completion_targets, micro_batch_terms, token_logps
+from shardtune.training.objectives.grpo.loss import (
+    REDUCTIONS,
+    STATS,
+    completion_targets,
+    micro_batch_terms,
+    token_logps,
+)
 from shardtune.training.objectives.grpo.rewards import load_rewards, score
 
 LOSS_METRICS = (
@@ -67,6 +73,7 @@ class GRPO(Objective):
     name = "grpo"
     count_names = (*COUNTS, "completions")  # normaliser: the loss type's N; label_tokens: scored completion tokens
     stat_names = STATS
+    stat_reductions = REDUCTIONS
     step_metric_names = (*METRICS, *COMPLETION_METRICS, *LOSS_METRICS)
     eval_metric_names = tuple(f"eval_{k}" for k in ("loss", *METRICS, *COMPLETION_METRICS, "kl", "entropy"))
     kept: tuple[dict, Round] | None = None  # the round a checkpoint after the current step keeps (state_to_save)
@@ -126,7 +133,6 @@ class GRPO(Objective):
         generation_eos = getattr(getattr(self.strategy.unwrap(model), "generation_config", None), "eos_token_id", None)
         self.eos_ids |= set(generation_eos if isinstance(generation_eos, list) else [generation_eos]) - {None}
         self.pending: dict[str, float] = {}
-        self.extremes: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.ref_model = self.peft_model = None
         if cfg.grpo.beta > 0:
             if bool(cfg.peft.method):
@@ -379,7 +385,6 @@ class GRPO(Objective):
     def counts(self, micro_batches: list[dict], shape: ModelShape | None) -> list[float]:
         """The loss type's N, scored tokens, input tokens, the training FLOPs (the sampling's forwards are not in
         mfu: it measures the training step's work), completions."""
-        self.extremes = []
         scored = [float((completion_targets(mb) != -100).sum()) for mb in micro_batches]
         flops = palm = 0
         if shape is not None:
@@ -397,27 +402,21 @@ class GRPO(Objective):
     def loss(self, model: nn.Module, batch: dict, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         g, device = self.cfg.grpo, self.env.device
         logps, entropies = token_logps(model, batch, device, g.temperature, True)
-        total, stats, extremes = micro_batch_terms(logps, entropies, batch, g, device)
-        self.extremes.append(extremes)
-        return total, stats
+        return micro_batch_terms(logps, entropies, batch, g, device)
 
     def step_metrics(self, totals: dict[str, float], stats: list[float]) -> dict[str, float]:
         g = self.cfg.grpo
         tokens, rows = max(totals["label_tokens"], 1.0), max(totals["completions"], 1.0)
         clip_over = rows if g.importance_sampling_level == "sequence" else tokens
-        low = torch.stack([e[0] for e in self.extremes]).min().reshape(1).double()
-        high = torch.stack([e[1] for e in self.extremes]).max().reshape(1).double()
-        if dist.is_initialized():
-            dist.all_reduce(low, op=dist.ReduceOp.MIN)
-            dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        low, high = stats[6], stats[7]  # the step's minimum / maximum over all micro-batches and ranks
         out = {"loss": stats[0] / max(totals["normaliser"], 1e-12), **self.pending}
         if g.beta != 0.0:
             out["kl"] = stats[1] / tokens
         out["entropy"] = stats[2] / tokens
         out["clip_ratio/low_mean"] = stats[3] / clip_over
-        out["clip_ratio/low_min"] = float(low) if math.isfinite(float(low)) else math.nan
+        out["clip_ratio/low_min"] = low if math.isfinite(low) else math.nan
         out["clip_ratio/high_mean"] = stats[4] / clip_over
-        out["clip_ratio/high_max"] = float(high) if math.isfinite(float(high)) else math.nan
+        out["clip_ratio/high_max"] = high if math.isfinite(high) else math.nan
         out["clip_ratio/region_mean"] = stats[5] / clip_over
         return out
 
