@@ -38,6 +38,15 @@ TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
 
 class Strategy(ABC):
     name = "base"
+    # the gradient norm is known only after the update (DeepSpeed's step() reduces, measures, clips and updates in one
+    # call): the step can stop after it, not before
+    measures_norm_after_update = False
+    title = "the strategy"  # its name in messages
+
+    @property
+    def skips_overflow_itself(self) -> bool:
+        """Whether a non-finite gradient norm is an overflow the strategy's loss scaler skips (fp16), not a fault."""
+        return self.scaler is not None
 
     def __init__(self, cfg: TrainConfig, env: DistEnv):
         self.cfg = cfg

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -28,7 +27,7 @@ from shardtune.parallel.base import Strategy, dtype_name
 from shardtune.parallel.fsdp import checkpoint_activations
 from shardtune.parallel.optim import build_optimizer
 from shardtune.runtime.distributed import DistEnv
-from shardtune.runtime.errors import CheckpointError, TrainingStopped
+from shardtune.runtime.errors import CheckpointError
 
 DEEPSPEED_TAG = "deepspeed"  # the sub-folder of a checkpoint that DeepSpeed's save_checkpoint writes
 
@@ -91,6 +90,12 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, compute_dtype: torch.dty
 
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
+    measures_norm_after_update = True
+    title = "DeepSpeed"
+
+    @property
+    def skips_overflow_itself(self) -> bool:
+        return self.compute_dtype == torch.float16  # DeepSpeed's loss scaler skips overflowing steps itself
 
     def __init__(self, cfg: TrainConfig, env: DistEnv):
         super().__init__(cfg, env)
@@ -160,21 +165,13 @@ class DeepSpeedStrategy(Strategy):
         allow_step: Callable[[float | None], bool],
     ) -> tuple[float | None, bool]:
         """DeepSpeed reduces, measures, clips and updates in one step(): the loss is checked before it, the grad norm
-        (the engine's, over all partitions, before clipping; ZeRO measures it with clipping off too) after it."""
+        (the engine's, over all partitions, before clipping; ZeRO measures it with clipping off too) after it, by
+        the step (measures_norm_after_update)."""
         if not allow_step(None):  # a non-finite loss: stop raised before the update (nan_policy skip is refused)
             raise AssertionError("DeepSpeed steps cannot be skipped (refused by the config check)")
         self.engine.step()
         norm = self.engine.get_global_grad_norm()  # None only with a config file's compute_grad_norm false
-        norm = float(norm) if norm is not None else None
-        # fp16: DeepSpeed's loss scaler skips overflowing steps itself (as the GradScaler does for DDP / FSDP)
-        if norm is not None and not math.isfinite(norm) and self.compute_dtype != torch.float16:
-            raise TrainingStopped(
-                f"non-finite gradient norm {norm} at optimizer step {self.engine.global_steps}, "
-                "found by DeepSpeed's step, which clips and updates in one call, so the weights "
-                "took that update: lower --lr, or use --enable_fsdp with --nan_policy stop to stop "
-                "before the update"
-            )
-        return norm, True
+        return (float(norm) if norm is not None else None), True
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.engine.step()

@@ -26,6 +26,7 @@ from shardtune.accounting.flops import ModelShape
 from shardtune.model.lora_dropout import keyed_masks
 from shardtune.parallel.base import Strategy
 from shardtune.runtime.distributed import all_reduce_max, all_reduce_sum
+from shardtune.runtime.errors import TrainingStopped
 from shardtune.training.engine.objective import Objective
 
 
@@ -131,4 +132,18 @@ def train_step(
 
     grad_norm, stepped = strategy.clip_and_step(model, optimizer, cfg.optim.max_grad_norm, allow_step)
     norm = decided["norm"] if grad_norm is None or decided["norm"] is not None else float(grad_norm)
+    if strategy.measures_norm_after_update and norm is not None and not math.isfinite(norm):
+        stop_after_update(strategy, norm, step)
     return StepResult(decided["metrics"], decided["counts"], norm, stepped)
+
+
+def stop_after_update(strategy: Strategy, norm: float, step: int) -> None:
+    """A non-finite gradient norm that a strategy measures only after its update (DeepSpeed): the run stops, saying
+    the weights took it, unless it is an overflow the strategy's loss scaler skipped (fp16)."""
+    if strategy.skips_overflow_itself:
+        return
+    raise TrainingStopped(
+        f"non-finite gradient norm {norm} at optimizer step {step}, found by {strategy.title}'s step, which clips and "
+        "updates in one call, so the weights took that update: lower --lr, or use --enable_fsdp with --nan_policy "
+        "stop to stop before the update"
+    )
