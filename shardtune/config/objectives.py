@@ -88,9 +88,8 @@ class Registration:
     defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # planner: ZeRO-3 gathers the whole model to sample (GRPO's ds3_gather_for_generation), else layer by layer
     sampling_gathers_whole: Callable[[Any], bool] = no_whole_gather
-    # the Python face: "module:Class" of its TRL-shaped config (dataclass) and trainer; "": SFT's
+    # the Python face: "module:Class" of its TRL-shaped config (the dataclass a trainer without args makes); "": SFT's
     api_config: str = ""
-    api_trainer: str = ""
     # what predict() returns (shardtune.api.prediction): "arrays", Trainer's predictions and label_ids (its
     # evaluation keeps them: Objective.predicts); "loss", the metrics alone (TRL's prediction_step returns the loss);
     # with prediction_refusal, neither: why (predict() and compute_metrics refused in one line)
@@ -106,7 +105,6 @@ OBJECTIVES = {
         loss_types=("nll",),
         loss_types_not_built=(("dft", "Dynamic Fine-Tuning: each token's loss weighted by its probability"),),
         api_config="shardtune.api.configs:SFTConfig",
-        api_trainer="shardtune.api.trainer:SFTTrainer",
     ),
     "dpo": Registration(
         "preference training (DPO) on chosen / rejected pairs, same launcher and flags as sft (docs/dpo.md)",
@@ -122,7 +120,6 @@ OBJECTIVES = {
         home="trl",
         defaults={"trl": {"optim.lr": 1e-6, "peft.lora.dropout": 0.0}},  # TRL's DPOConfig: disable_dropout true
         api_config="shardtune.api.configs:DPOConfig",
-        api_trainer="shardtune.api.trainer:DPOTrainer",
     ),
     "grpo": Registration(
         "online RL (GRPO): sample completions, score them with reward functions, same launcher (docs/grpo.md)",
@@ -141,7 +138,6 @@ OBJECTIVES = {
         # only when asked (the cookbook's run_validation is on): sampling the test split is not a cheap default
         defaults={"trl": {"optim.lr": 1e-6}, "cookbook": {"eval.enabled": False}},
         api_config="shardtune.api.configs:GRPOConfig",
-        api_trainer="shardtune.api.trainer:GRPOTrainer",
     ),
 }
 
