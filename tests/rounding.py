@@ -9,7 +9,7 @@ sign flip: no bound on single elements below Adam's own (~2 lr a step) holds on 
 A gradient element sums one term per token of the step (K tokens, terms of spread s): it spreads as sqrt(K) s around
 zero, while two orders of a sequential float32 sum differ by ~eps s K / 2 (a random walk of K roundings of partial
 sums of size ~sqrt(k) s; blocked sums, as the kernels compute, round sqrt(K) times less). So it lies within 100
-roundings of zero with probability 100 eps s K / (sqrt(2 pi K) s) = 40 eps sqrt(K) per step: 1.5e-4 for K = 1,236.
+roundings of zero with probability 100 eps s K / (sqrt(2 pi K) s) = 40 eps sqrt(K) per step: 1.7e-4 for K = 1,236.
 Allowed: that fraction of each tensor's elements per step, plus 2 (a flip or two in the small tensors), may differ
 by more than lr / 100. A run that trained differently moves most elements by ~lr.
 """
