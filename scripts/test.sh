@@ -29,7 +29,8 @@ if [ "${1:-}" = --quick ]; then
   # the tests that start no process (pyproject.toml's markers, set by tests/conftest.py); the import contracts
   # were checked just above
   part tests "see pytest's summary above" python -m pytest tests -q "${workers[@]}" -m "not launch and not multihost" \
-    --deselect tests/unit/test_layers.py::test_import_contracts_are_kept "$@"
+    --deselect tests/unit/test_layers.py::test_import_contracts_are_kept \
+    --deselect tests/unit/test_layers.py::test_the_type_checker_passes "$@"
   echo "quick: all $SECONDS s"
   exit $status
 fi

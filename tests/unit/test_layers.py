@@ -21,6 +21,12 @@ def test_import_contracts_are_kept():
     assert "0 broken" in proc.stdout
 
 
+def test_the_type_checker_passes():
+    """mypy over its scope ([tool.mypy] in pyproject.toml: config/, api/ and the engine), as the quick tier runs it."""
+    proc = subprocess.run([sys.executable, "-m", "mypy"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
 def test_few_modules_at_the_top_and_no_function_too_long():
     """A function reads at once (80 lines at most; how tangled one may be is ruff's C901, pyproject.toml); a module's
     length is not the measure (a table of settings is long and simple)."""

@@ -104,9 +104,10 @@ class Objective(ABC):
             units, self.cfg, dp_rank, dp_size, epoch, self.pad_id, first, row_slice, self.collate_fn
         )
 
-    def _streamed(self, units: list, dp_rank: int, dp_size: int, row_slice) -> Iterator[list[dict]]:
+    def _streamed(self, units: Any, dp_rank: int, dp_size: int, row_slice) -> Iterator[list[dict]]:
         """A streamed run's steps from the resumed position; each step's position kept for the next checkpoint
-        (before the step: its checkpoint is written before the loop asks again)."""
+        (before the step: its checkpoint is written before the loop asks again). ``units``: a streamed run's
+        StreamSource (shardtune.data.streaming), what its load_data gave for training."""
         for micro_batches, position in stream_steps(units, dp_rank, dp_size, self.pad_id, self.resume_data, row_slice):
             self.data_position = position
             yield micro_batches
@@ -123,8 +124,10 @@ class Objective(ABC):
         """After the model is wrapped, before the first step: build what the loss needs besides the model."""
 
     @abstractmethod
-    def counts(self, micro_batches: list[dict], shape: ModelShape | None) -> list[float]:
-        """This rank's counts of the step, in ``count_names`` order (flops 0 without a shape)."""
+    def counts(self, micro_batches: list[dict], shape: ModelShape | None) -> list[float] | torch.Tensor:
+        """This rank's counts of the step, in ``count_names`` order (flops 0 without a shape): numbers, or a float64
+        tensor on the device where a count is computed there (KTO's KL rows, scored before the first backward: no host
+        read)."""
 
     @abstractmethod
     def loss(
@@ -158,9 +161,10 @@ def objective_class(name: str) -> type[Objective]:
 def foreign_setting(cfg: TrainConfig) -> tuple[str, str] | None:
     """(another objective, one of its flags) when a flag of an objective the run does not train is given: it would
     be ignored; None when there is none."""
+    read = registration(cfg.objective).shares  # other objectives' sections this one reads (RLOO: GRPO's)
     for name, entry in OBJECTIVES.items():
         section = entry.settings
-        if name == cfg.objective or not section:
+        if name == cfg.objective or not section or section in read:
             continue
         given, default = getattr(cfg, section), type(getattr(cfg, section))()
         changed = [key for key, value in vars(given).items() if value != getattr(default, key)]
