@@ -16,6 +16,7 @@ _EXPORTS = {
         ("DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "SFTConfig", "SFTTrainer"), "shardtune.api"
     ),
     "TrlParser": "shardtune.api.parser",
+    **dict.fromkeys(("RewardConfig", "RewardTrainer"), "shardtune.api.reward"),
     **dict.fromkeys(
         (
             "DatasetConfig",
@@ -55,7 +56,7 @@ _TRAINERS = "shardtune trains with SFTTrainer, DPOTrainer and GRPOTrainer"
 REFUSED = {
     **{
         name: f"{name} is not built yet ({_TRAINERS}; reward models, KTO and RLOO are coming): use trl for it"
-        for name in ("KTOConfig", "KTOTrainer", "RewardConfig", "RewardTrainer", "RLOOConfig", "RLOOTrainer")
+        for name in ("KTOConfig", "KTOTrainer", "RLOOConfig", "RLOOTrainer")
     },
     **{
         name: f"{name}: distillation is not built ({_TRAINERS}): use trl for it"

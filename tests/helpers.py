@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardtune.training.engine.metrics import read_metrics
+from tests.rounding import assert_same_adam_training
 
 
 def step_rows(out_dir: Path) -> list[dict]:
@@ -57,8 +58,8 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
 
 def assert_same_training(ref: Path, other: Path, label: str, num_steps: int = 4) -> float:
     """Same token counts (TRL's running num_tokens of real input tokens, the step's label_tokens), losses, gradient
-    norms and, for SFT, TRL's token accuracy and entropy at every one of the steps, same weights: returns the weight
-    difference."""
+    norms and, for SFT, TRL's token accuracy and entropy at every one of the steps, same weights up to Adam's amplified
+    rounding (tests/rounding.py): returns the weights' max_relative_difference, for the log."""
     ref_rows, rows = step_rows(ref), step_rows(other)
     assert len(rows) == len(ref_rows) == num_steps, label
     for r, o in zip(ref_rows, rows):
@@ -69,9 +70,11 @@ def assert_same_training(ref: Path, other: Path, label: str, num_steps: int = 4)
             assert (key in o) == (key in r), (label, key)
             if key in r:
                 assert o[key] == pytest.approx(r[key], rel=1e-5, abs=0), (label, key, r["step"])
-    difference = max_relative_difference(weights(ref), weights(other))
-    assert difference <= 1e-5, label
-    return difference
+    # not a relative difference of 1e-5, fitted to one CPU's kernels (1.03e-5 on MKL's other code path): Adam turns
+    # the rounding of a nearly cancelling gradient element into up to 2 lr, so count elements beyond lr / 100
+    lr = max(r["lr"] for r in ref_rows)
+    assert_same_adam_training(weights(ref), weights(other), lr, ref_rows, label)
+    return max_relative_difference(weights(ref), weights(other))
 
 
 def assert_plain_hf_directory(out_dir: Path):

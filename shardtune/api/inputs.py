@@ -222,10 +222,12 @@ def peft_settings(peft_config: Any) -> Pairs:
             "AdaptionPromptConfig (llama-adapter)"
         )
     task = _value(getattr(peft_config, "task_type", None))
-    if task not in (None, "CAUSAL_LM"):
+    if task not in (None, "CAUSAL_LM", "SEQ_CLS"):
         raise ConfigError(
-            f"peft_config.task_type {task}: shardtune trains causal LMs: pass CAUSAL_LM or leave it unset"
+            f"peft_config.task_type {task}: shardtune trains CAUSAL_LM adapters, and SEQ_CLS ones for reward models "
+            "(RewardTrainer): pass one of those, or leave it unset"
         )
+    task_pairs: Pairs = [("lora_task_type", task)] if task == "SEQ_CLS" else []  # settled as --lora_task_type
     default = type(peft_config)()
     for f in dataclasses.fields(peft_config):
         if f.name in _BOOKKEEPING or f.name in _HONOURED[kind]:
@@ -247,7 +249,7 @@ def peft_settings(peft_config: Any) -> Pairs:
                     "module names, or all-linear"
                 )
             modules = [modules]
-        return [
+        return task_pairs + [
             ("peft.method", "lora"),
             ("peft.lora.r", c.r),
             ("peft.lora.alpha", c.lora_alpha),
@@ -259,10 +261,12 @@ def peft_settings(peft_config: Any) -> Pairs:
             ("peft.lora.bias", c.bias),
         ]
     if kind == "PrefixTuningConfig":
-        return [("peft.method", "prefix")] + (
-            [("peft.prefix.num_virtual_tokens", c.num_virtual_tokens)] if c.num_virtual_tokens else []
+        return (
+            task_pairs
+            + [("peft.method", "prefix")]
+            + ([("peft.prefix.num_virtual_tokens", c.num_virtual_tokens)] if c.num_virtual_tokens else [])
         )
-    pairs: Pairs = [("peft.method", "llama_adapter")]
+    pairs: Pairs = [*task_pairs, ("peft.method", "llama_adapter")]
     if c.adapter_len:
         pairs.append(("peft.llama_adapter.adapter_len", c.adapter_len))
     if c.adapter_layers:

@@ -12,7 +12,10 @@ from shardtune.config.schema import TrainConfig
 def model_card(
     cfg: TrainConfig, log_history: list[dict[str, Any]], model_name: str, dataset: str | None, tags: list[str]
 ) -> str:
+    from shardtune.model.loading import MODEL_HEADS, model_head
+
     adapter = bool(cfg.peft.method)
+    auto_class = MODEL_HEADS[model_head(cfg)].auto_class  # the objective's head: a reward model is a classifier
     all_tags = ["shardtune", cfg.objective, *([cfg.peft.method] if adapter else []), *tags]
     header = [
         "---",
@@ -44,7 +47,7 @@ def model_card(
         "## Use",
         "",
         "```python",
-        *(_use_adapter(model_name) if adapter else _use_model(model_name)),
+        *(_use_adapter(model_name, auto_class) if adapter else _use_model(model_name, auto_class)),
         "```",
         "",
         "## Training",
@@ -64,20 +67,23 @@ def _link(name: str, kind: str = "") -> str:
     return name
 
 
-def _use_model(name: str) -> list[str]:
+def _use_model(name: str, auto_class: str = "AutoModelForCausalLM") -> list[str]:
     return [
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f"from transformers import {auto_class}, AutoTokenizer",
         "",
-        f'model = AutoModelForCausalLM.from_pretrained("{name}")',
+        f'model = {auto_class}.from_pretrained("{name}")',
         f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
     ]
 
 
-def _use_adapter(name: str) -> list[str]:
+def _use_adapter(name: str, auto_class: str = "AutoModelForCausalLM") -> list[str]:
+    peft_class = "AutoPeft" + auto_class.removeprefix("Auto")
+    # a classifier's base is a causal LM, whose config does not say the head's one label
+    labels = ", num_labels=1" if auto_class == "AutoModelForSequenceClassification" else ""
     return [
-        "from peft import AutoPeftModelForCausalLM",
+        f"from peft import {peft_class}",
         "from transformers import AutoTokenizer",
         "",
-        f'model = AutoPeftModelForCausalLM.from_pretrained("{name}")',
+        f'model = {peft_class}.from_pretrained("{name}"{labels})',
         f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
     ]

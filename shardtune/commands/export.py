@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from shardtune.config.flags import from_dict
 from shardtune.config.schema import ConfigError
 from shardtune.model.attention import attention_implementation
-from shardtune.model.loading import load_model
+from shardtune.model.loading import auto_model_class, load_model, model_head
 from shardtune.publishing.hub import HubUploadError, check_can_upload, push_folder
 from shardtune.publishing.saving import save_hf_model
 from shardtune.runtime.checkpoint_reader import (
@@ -54,7 +54,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     trust = {"trust_remote_code": cfg.model.trust_remote_code}  # as the run did: recorded in its config.yaml
     config = AutoConfig.from_pretrained(path / "hf_config", **trust)
     target = DTYPES[dtype] or source_dtype(config)
-    model = AutoModelForCausalLM.from_config(
+    head = model_head(cfg)  # the objective's: a reward model's checkpoint is a sequence-classification model
+    model = auto_model_class(head).from_config(
         config, dtype=torch.float32, attn_implementation=attention_implementation(config), **trust
     )
     tokenizer = AutoTokenizer.from_pretrained(path / "hf_config", **trust)
@@ -84,7 +85,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
                 f"{path} does not hold {missing[0]} (and {len(missing) - 1} more frozen tensors), and "
                 f"the base model {cfg.model.name} is not here: export on a machine that has it"
             )
-        model.load_state_dict(load_model(cfg.model.name, **trust).state_dict())
+        model.load_state_dict(load_model(cfg.model.name, config=config, head=head, **trust).state_dict())
     read(wanted)
     model.config.dtype = target
     return path, save_hf_model(model, model.state_dict(), tokenizer, Path(out_dir))

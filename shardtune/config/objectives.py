@@ -95,6 +95,10 @@ class Registration:
     # with prediction_refusal, neither: why (predict() and compute_metrics refused in one line)
     predictions: str = "arrays"
     prediction_refusal: str = ""
+    # the head the model is trained with (shardtune.model.loading.MODEL_HEADS): "causal_lm", the output layer over the
+    # vocabulary; "score", a sequence-classification head of one label built on the causal LM's weights (one scalar per
+    # sequence, read at its last non-pad token: a reward model), written as AutoModelForSequenceClassification
+    model_head: str = "causal_lm"
 
 
 OBJECTIVES = {
@@ -138,6 +142,21 @@ OBJECTIVES = {
         # only when asked (the cookbook's run_validation is on): sampling the test split is not a cheap default
         defaults={"trl": {"optim.lr": 1e-6}, "cookbook": {"eval.enabled": False}},
         api_config="shardtune.api.configs:GRPOConfig",
+    ),
+    "reward": Registration(
+        "train a reward model (a one-label score head) on chosen / rejected pairs, same launcher (docs/reward.md)",
+        "shardtune.training.objectives.reward.objective:Reward",
+        settings="reward",
+        rows_per_unit=2,  # a pair's chosen and rejected sequences; no reference model
+        packs=False,  # a micro-batch's pairs are padded rows: the score is read at each row's last non-pad token
+        prediction_refusal="TRL 1.16's reward predictions are each eval batch's chosen scores then its rejected "
+        "scores, an order set by the batch size and the number of processes, so metrics of them would differ by "
+        "layout: not built; use evaluate() (eval_accuracy, eval_margin, eval_*_reward: the same on any layout)",
+        home="trl",
+        # TRL's RewardConfig: learning_rate 1e-4, disable_dropout true
+        defaults={"trl": {"optim.lr": 1e-4, "peft.lora.dropout": 0.0}},
+        api_config="shardtune.api.reward:RewardConfig",
+        model_head="score",
     ),
 }
 

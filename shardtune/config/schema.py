@@ -30,6 +30,7 @@ from shardtune.config.grpo_settings import GRPO_LOSS_TYPES, GRPO_LOSS_TYPES_NOT_
 from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.output_settings import PREVIOUS_FOLDER, OutputSettings  # noqa: F401
 from shardtune.config.peft_settings import PeftSettings
+from shardtune.config.reward_settings import RewardModelConfig
 from shardtune.config.setting import (  # noqa: F401 (re-exported: what every floor imports from here)
     CACHE,
     OPTIMIZER,
@@ -562,6 +563,9 @@ class TrainConfig:
     run: RunSettings = setting(RunSettings(), "how the command runs")
     dpo: DpoConfig = setting(DpoConfig(), "TRL's DPO settings (--beta, --loss_type, ...): shardtune dpo")
     grpo: GrpoConfig = setting(GrpoConfig(), "TRL's GRPO settings (--reward_funcs, --num_generations ...)")
+    reward: RewardModelConfig = setting(
+        RewardModelConfig(), "TRL's reward-model settings (--center_rewards_coefficient): shardtune reward"
+    )
     provenance: Provenance = field(default_factory=Provenance, compare=False, repr=False, metadata={"setting": False})
 
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from shardtune.config.schema import TrainConfig
 from shardtune.data.packing import whole_rows
-from shardtune.data.pair_store import PAIR_FIELDS, PairStore
+from shardtune.data.pair_store import MARGIN, PAIR_FIELDS, PairStore
 from shardtune.data.preference import no_usable_pair, pair_preparation
 from shardtune.data.report import DataError, DataReport
 from shardtune.data.sources import check_usable, load_examples, prepare_examples
@@ -77,8 +77,9 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256((text + json.dumps(specials) + template).encode()).hexdigest()
 
 
-def cache_key(cfg: TrainConfig, tokenizer: Any, split: str, pairs: bool = False) -> str:
-    """``pairs``: shardtune dpo's preference pairs (another layout; the truncation mode applies to every dataset)."""
+def cache_key(cfg: TrainConfig, tokenizer: Any, split: str, pairs: bool = False, whole: bool = False) -> str:
+    """``pairs``: shardtune dpo's preference pairs (another layout; the truncation mode applies to every dataset);
+    ``whole``: such pairs as a reward model reads them (none cut, their margins kept)."""
     dataset_config = dataclasses.asdict(cfg.data.selected)
     digest = hashlib.sha256(
         json.dumps(
@@ -93,6 +94,7 @@ def cache_key(cfg: TrainConfig, tokenizer: Any, split: str, pairs: bool = False)
                 "tokenizer": _tokenizer_fingerprint(tokenizer),
                 "trl_formats": dataclasses.asdict(cfg.data.trl_dataset) if pairs or uses_trl_formats(cfg) else None,
                 **({"pairs": 1} if pairs else {}),
+                **({"whole_pairs": 1} if whole else {}),
                 **({"whole_rows": 1} if whole_rows(cfg) and not pairs else {}),  # not cut to context_length
             },
             sort_keys=True,
@@ -274,6 +276,8 @@ def _add_pairs(arrays: dict, chunk) -> None:
     for name in PAIR_FIELDS:
         arrays[f"{name}_offsets"].append(arrays[name].length + np.cumsum(chunk.lengths[name]))
         arrays[name].append(chunk.tokens[name])
+    if MARGIN in arrays:  # whole pairs: one margin each (a chunk whose rows were all skipped has none)
+        arrays[MARGIN].append(chunk.margins if chunk.margins is not None else np.zeros(0))
 
 
 def _check_pairs(report: DataReport, split: str) -> None:
@@ -281,12 +285,11 @@ def _check_pairs(report: DataReport, split: str) -> None:
         raise DataError(no_usable_pair(report, split))
 
 
-def _write_pairs(entry: Path, preparation: Preparation, num_proc: int, split: str) -> None:
+def _write_pairs(entry: Path, preparation: Preparation, num_proc: int, split: str, whole: bool = False) -> None:
     """Tokenise ``preparation``'s pairs in ``num_proc`` processes, chunk by chunk into a PairStore's arrays (each
-    field's tokens and offsets: shardtune.data.pair_store)."""
-    _write_chunked(
-        entry, preparation, num_proc, split, PAIR_STORE_ARRAYS, _add_pairs, lambda report: _check_pairs(report, split)
-    )
+    field's tokens and offsets, and whole pairs' margins: shardtune.data.pair_store)."""
+    files = {**PAIR_STORE_ARRAYS, **({MARGIN: np.float64} if whole else {})}
+    _write_chunked(entry, preparation, num_proc, split, files, _add_pairs, lambda report: _check_pairs(report, split))
 
 
 def _read_pairs(entry: Path) -> tuple[PairStore, DataReport]:
@@ -344,17 +347,20 @@ def load_examples_cached(cfg: TrainConfig, tokenizer: Any, split: str, root: Pat
     )
 
 
-def pairs_entry(cfg: TrainConfig, tokenizer: Any, split: str, root: Path) -> Path:
+def pairs_entry(cfg: TrainConfig, tokenizer: Any, split: str, root: Path, whole: bool = False) -> Path:
     """The cache folder of ``split``'s tokenised preference pairs (their key: the data's, plus the pair options)."""
-    return root / "tokenized" / cache_key(cfg, tokenizer, split, pairs=True)
+    return root / "tokenized" / cache_key(cfg, tokenizer, split, pairs=True, whole=whole)
 
 
-def load_pairs_cached(cfg: TrainConfig, tokenizer: Any, split: str, root: Path) -> tuple[list[dict], DataReport]:
-    """``load_pairs`` (shardtune dpo's tokenised preference pairs) through the on-disk cache under ``root``."""
+def load_pairs_cached(
+    cfg: TrainConfig, tokenizer: Any, split: str, root: Path, whole: bool = False
+) -> tuple[list[dict], DataReport]:
+    """``load_pairs`` (shardtune dpo's tokenised preference pairs; ``whole``: as a reward model reads them) through the
+    on-disk cache under ``root``."""
     return _through_cache(
-        pairs_entry(cfg, tokenizer, split, root),
+        pairs_entry(cfg, tokenizer, split, root, whole),
         lambda entry: _write_pairs(
-            entry, pair_preparation(cfg, tokenizer, split), num_processes(cfg.data.num_proc), split
+            entry, pair_preparation(cfg, tokenizer, split, whole), num_processes(cfg.data.num_proc), split, whole
         ),
         _read_pairs,
     )

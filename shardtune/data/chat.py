@@ -101,6 +101,8 @@ def mirror_eos_token(cfg: TrainConfig, model: Any, tokenizer: Any) -> None:
     if not cfg.data.trl_dataset.eos_token:
         return
     model.config.get_text_config().eos_token_id = tokenizer.eos_token_id
+    if getattr(model, "generation_config", None) is None:  # a sequence-classification model generates nothing
+        return
     ids = model.generation_config.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     if tokenizer.eos_token_id not in ids:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 PAIR_FIELDS = ("prompt_ids", "chosen_ids", "rejected_ids")
+MARGIN = "margin"  # whole pairs' (a reward model's): TRL's margin column, one float64 per pair in margin.npy
 
 
 class PairStore(Sequence):
@@ -32,6 +33,10 @@ class PairStore(Sequence):
                     f"{entry}: {name} offsets end at {offsets[-1]}, its array holds {len(self.tokens[name])}"
                 )
         self.count = counts.pop()
+        margins = entry / f"{MARGIN}.npy"
+        self.margins = np.load(margins, allow_pickle=False) if margins.is_file() else None
+        if self.margins is not None and self.margins.shape != (self.count,):
+            raise ValueError(f"{entry}: {len(self.margins)} margins for {self.count} pairs")
         self.added: dict[str, list] = {}  # keys the run sets on pairs -> one value per pair (None: not set)
 
     def __len__(self) -> int:
@@ -74,19 +79,22 @@ class PairView(Mapping):
     def __getitem__(self, key: str) -> Any:
         if key in PAIR_FIELDS:
             return self._store.field(key, self._index)
+        if key == MARGIN and self._store.margins is not None:
+            return float(self._store.margins[self._index])
         value = self._store.added.get(key, ())
         if not value or value[self._index] is None:
             raise KeyError(key)
         return value[self._index]
 
     def __setitem__(self, key: str, value: Any) -> None:
-        if key in PAIR_FIELDS:
+        if key in PAIR_FIELDS or key == MARGIN:
             raise TypeError(f"a cached pair's {key} is read-only")
         self._store.added.setdefault(key, [None] * len(self._store))[self._index] = value
 
     def __iter__(self):
         added = [k for k, values in self._store.added.items() if values[self._index] is not None]
-        return iter((*PAIR_FIELDS, *added))
+        margin = (MARGIN,) if self._store.margins is not None else ()
+        return iter((*PAIR_FIELDS, *margin, *added))
 
     def __len__(self) -> int:
         return sum(1 for _ in self)

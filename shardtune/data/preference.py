@@ -21,6 +21,7 @@ bounds a sequence.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import chain
@@ -33,7 +34,7 @@ from shardtune.config.schema import ConfigError
 from shardtune.data.batching import EXAMPLE_IDS, EXAMPLE_LENGTHS
 from shardtune.data.emptiness import empty_split, nothing_usable
 from shardtune.data.files import Row
-from shardtune.data.pair_store import PAIR_FIELDS
+from shardtune.data.pair_store import MARGIN, PAIR_FIELDS
 from shardtune.data.report import DataReport, RowFilter
 from shardtune.data.tokenising import Preparation
 from shardtune.data.trl_formats import (
@@ -100,10 +101,12 @@ def prepare_pairs(
     filt: RowFilter,
     report: DataReport,
     form: tuple[bool, bool] | None = None,
+    whole: bool = False,
 ) -> list[dict]:
     """Tokenised pairs of ``rows`` (bad rows counted, or raised, through ``filt``); ``report.num_truncated``
     counts the pairs with a sequence longer than ``max_length`` (cut when collated). ``form``: (implicit prompt,
-    conversational), the split's (its first row's; default: these rows' first)."""
+    conversational), the split's (its first row's; default: these rows' first). ``whole``: the pairs a scoring
+    model reads (:func:`whole_pair`: no sequence is cut; a ``margin`` column is kept)."""
     implicit, conversational = form or split_form(columns, rows[0][2] if rows else {})
     pairs = []
     for origin, row_no, record in rows:
@@ -111,8 +114,14 @@ def prepare_pairs(
             if not isinstance(record, Mapping):
                 raise _BadRow("not_an_object", f"a {type(record).__name__}, not an object with fields")
             pair = _tokenize_pair(record, conversational, implicit, tokenizer)
+            if whole:  # TRL's margin column; without it the loss is the margin-0 one exactly
+                pair[MARGIN] = _margin(record) if MARGIN in columns else 0.0
         except _BadRow as bad:
             filt.skip(bad.reason, origin, row_no, str(bad))
+            continue
+        if whole:
+            if whole_pair(pair, max_length, filt, origin, row_no):
+                pairs.append(pair)
             continue
         prompt_len = len(pair["prompt_ids"])
         if truncation_mode == "keep_start" and prompt_len >= max_length:
@@ -133,6 +142,33 @@ def prepare_pairs(
     return pairs
 
 
+def _margin(record: Mapping) -> float:
+    value = record.get("margin")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _BadRow("margin_not_a_number", f"its margin is {value!r}, not a finite number")
+    return float(value)
+
+
+def whole_pair(pair: Mapping, max_length: int | None, filt: RowFilter, origin: str, row_no: int) -> bool:
+    """Whether a scoring model (a reward model) reads the pair, as TRL's RewardTrainer prepares it: prompt + chosen
+    and prompt + rejected are whole sequences, and a pair with one longer than ``max_length`` is dropped (counted
+    under ``longer_than_max_length``), not cut (a cut sequence would be scored at another token)."""
+    longest = len(pair["prompt_ids"]) + max(len(pair["chosen_ids"]), len(pair["rejected_ids"]))
+    if max_length is not None and longest > max_length:
+        filt.skip(
+            "longer_than_max_length",
+            origin,
+            row_no,
+            f"a sequence of the pair has {longest} tokens, --max_length is {max_length}",
+            "raise --max_length, or shorten the row",
+        )
+        return False
+    if not pair["chosen_ids"] or not pair["rejected_ids"]:
+        filt.skip("empty_completion", origin, row_no, "a completion has no token")
+        return False
+    return True
+
+
 def split_form(columns: list[str], first: Any) -> tuple[bool, bool]:
     """(implicit prompt, conversational) of a split, from its columns and first row."""
     _, implicit = recognise_preference(columns, first)
@@ -149,19 +185,23 @@ class PairChunk:
     lengths: dict[str, np.ndarray]
     skipped: dict[str, int] = field(default_factory=dict)
     num_truncated: int = 0
+    margins: np.ndarray | None = None  # whole pairs' margins (float64), one per pair; None: pairs without
 
     @property
     def num_examples(self) -> int:
         return len(self.lengths[PAIR_FIELDS[0]])
 
     def examples(self) -> list[dict]:
-        """The pairs as dicts of lists."""
+        """The pairs as dicts of lists (and their margins)."""
         split = {}
         for name in PAIR_FIELDS:
             ends = np.cumsum(self.lengths[name]).tolist()
             flat = self.tokens[name].tolist()
             split[name] = [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
-        return [dict(zip(PAIR_FIELDS, values)) for values in zip(*split.values())]
+        pairs = [dict(zip(PAIR_FIELDS, values)) for values in zip(*split.values())]
+        for pair, margin in zip(pairs, self.margins.tolist() if self.margins is not None else ()):
+            pair[MARGIN] = margin
+        return pairs
 
 
 def tokenise_pair_chunk(tokenise: Any, strict: bool, rows: list[Row]) -> PairChunk:
@@ -174,7 +214,8 @@ def tokenise_pair_chunk(tokenise: Any, strict: bool, rows: list[Row]) -> PairChu
         name: np.fromiter(chain.from_iterable(p[name] for p in pairs), dtype=np.int32, count=int(lengths[name].sum()))
         for name in PAIR_FIELDS
     }
-    return PairChunk(len(rows), tokens, lengths, report.skipped, report.num_truncated)
+    margins = np.array([p[MARGIN] for p in pairs], dtype=np.float64) if pairs and MARGIN in pairs[0] else None
+    return PairChunk(len(rows), tokens, lengths, report.skipped, report.num_truncated, margins)
 
 
 def _chunk_pairs(rows: list[Row], filt: RowFilter, **options: Any) -> list[dict]:
@@ -273,11 +314,12 @@ def synthetic_pair_rows(cfg: Any, split: str) -> tuple[str, list[Row], list[str]
     return source, [(source, i, r) for i, r in enumerate(rows, start=1)], ["prompt", "chosen", "rejected"]
 
 
-def load_pairs(cfg: Any, tokenizer: Any, split: str) -> tuple[list[dict], DataReport]:
-    """Tokenised pairs of ``split`` ("train" or "validation"), in this process (what the cache holds, as lists)."""
+def load_pairs(cfg: Any, tokenizer: Any, split: str, whole: bool = False) -> tuple[list[dict], DataReport]:
+    """Tokenised pairs of ``split`` ("train" or "validation"), in this process (what the cache holds, as lists);
+    ``whole``: as a scoring model reads them (:func:`whole_pair`)."""
     from shardtune.data.report import DataError
 
-    preparation = pair_preparation(cfg, tokenizer, split)
+    preparation = pair_preparation(cfg, tokenizer, split, whole)
     pairs = preparation.examples()
     if not pairs:
         raise DataError(no_usable_pair(preparation.report, split))
@@ -288,10 +330,11 @@ def no_usable_pair(report: DataReport, split: str) -> str:
     return nothing_usable(report, f"{split} pair", "fix the data (see the skip reasons) or raise --max_length")
 
 
-def pair_preparation(cfg: Any, tokenizer: Any, split: str) -> Preparation:
+def pair_preparation(cfg: Any, tokenizer: Any, split: str, whole: bool = False) -> Preparation:
     """What tokenising ``split``'s pairs takes, chunk by chunk (shardtune.data.tokenising, --dataset_num_proc):
     --dataset_name in TRL's preference formats, or the embedded dialogues as pairs (--dataset synthetic_dialogues);
-    the split's form (implicit prompt, conversational) read from its first row, for every chunk."""
+    the split's form (implicit prompt, conversational) read from its first row, for every chunk. ``whole``: the
+    pairs a scoring model reads (:func:`whole_pair`), with their margins."""
     from shardtune.data.chat import check_chat_template
     from shardtune.data.mixture import mixture_rows
     from shardtune.data.trl_loading import _dataset_rows
@@ -302,7 +345,7 @@ def pair_preparation(cfg: Any, tokenizer: Any, split: str) -> Preparation:
         source, rows, columns = synthetic_pair_rows(cfg, split)
     else:
         raise ConfigError(
-            f"shardtune dpo reads preference pairs: --dataset_name (TRL's preference formats) or "
+            f"shardtune {cfg.objective} reads preference pairs: --dataset_name (TRL's preference formats) or "
             f"--dataset synthetic_dialogues, not --dataset {cfg.data.dataset}"
         )
     if not rows:
@@ -318,6 +361,7 @@ def pair_preparation(cfg: Any, tokenizer: Any, split: str) -> Preparation:
         max_length=cfg.data.context_length,
         truncation_mode=cfg.data.trl_dataset.truncation_mode,
         form=split_form(columns, rows[0][2]),
+        whole=whole,
     )
     return Preparation(report, rows, tokenise, cfg.data.strict, pack=tokenise_pair_chunk)
 

@@ -6,13 +6,16 @@ are then ordinary Hugging Face directories, so every later code path treats them
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import math
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
@@ -431,16 +434,104 @@ def check_tokenizer_fits(
         )
 
 
+@dataclass(frozen=True)
+class ModelHead:
+    """A head a run's model is trained with (an objective's Registration.model_head): the transformers auto class,
+    what its config sets, and peft's task type for its adapters."""
+
+    auto_class: str
+    config: dict
+    task_type: str
+    # weights the causal LM's checkpoint holds that this head does not use, and the head's own new ones (drawn from
+    # the run's seed): expected when a causal LM is loaded with this head, so not reported as a mismatch
+    unused_keys: tuple[str, ...] = ()
+    new_keys: tuple[str, ...] = ()
+
+
+CAUSAL_LM = "causal_lm"
+MODEL_HEADS = {
+    CAUSAL_LM: ModelHead("AutoModelForCausalLM", {}, "CAUSAL_LM"),
+    # one scalar per sequence, read at its last non-pad token (transformers' sequence classification): reward models
+    "score": ModelHead(
+        "AutoModelForSequenceClassification", {"num_labels": 1}, "SEQ_CLS", (r"^lm_head\.",), (r"^score\.",)
+    ),
+}
+
+
+def model_head(cfg: TrainConfig) -> str:
+    """The head the run's objective trains (shardtune.config.objectives: Registration.model_head)."""
+    from shardtune.config.objectives import registration
+
+    return registration(cfg.objective).model_head
+
+
+def auto_model_class(head: str = CAUSAL_LM):
+    import transformers
+
+    return getattr(transformers, MODEL_HEADS[head].auto_class)
+
+
 def training_model_config(cfg: TrainConfig):
-    """The config the model is trained with: its config.json, plus --rope_scaling. The one place where training
-    flags change a model's config: every path that builds the model to train (full weights, 4-bit, the meta
-    device of rank-0 loading) builds from it, and checkpoints record it (export rebuilds the same model)."""
+    """The config the model is trained with: its config.json, plus --rope_scaling and what the objective's head sets
+    (one label for a score head). The one place where training flags change a model's config: every path that
+    builds the model to train (full weights, 4-bit, the meta device of rank-0 loading) builds from it, and
+    checkpoints record it (export rebuilds the same model)."""
     from shardtune.model.longseq import rope_config_overrides
 
     config = auto_config(cfg.model.name, cfg.model.trust_remote_code)
     for key, value in rope_config_overrides(cfg, config).items():
         setattr(config, key, value)
+    return with_head(config, model_head(cfg))
+
+
+def with_head(config, head: str):
+    """``config`` with what ``head`` sets in it (a score head: one label)."""
+    for key, value in MODEL_HEADS[head].config.items():
+        setattr(config, key, value)
     return config
+
+
+def name_pad_token(model_or_config, head: str, tokenizer) -> None:
+    """A score head reads each sequence at its last non-pad token (transformers' sequence classification finds it by
+    ``config.pad_token_id``): the config names the tokenizer's pad token, which pads the batches (as TRL's
+    RewardTrainer sets it); it is written with the model, so a reader finds the same token."""
+    if head == CAUSAL_LM:
+        return
+    config = getattr(model_or_config, "config", model_or_config)
+    config.get_text_config().pad_token_id = tokenizer.pad_token_id
+
+
+@contextlib.contextmanager
+def head_weights(head: str, seed: int | None) -> Iterator[None]:
+    """While a causal LM's checkpoint is loaded with ``head``: the head's new weights are drawn from ``seed`` (the
+    same on every rank and in every run of that seed, as TRL seeds before it loads a reward model), and the weights
+    one head has and the other not are expected, not reported on every rank as a mismatch."""
+    from transformers.modeling_layers import GenericForSequenceClassification
+
+    spec = MODEL_HEADS[head]
+    if not spec.new_keys and not spec.unused_keys:
+        yield
+        return
+    saved = {
+        name: getattr(GenericForSequenceClassification, name, None)
+        for name in ("_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_load_unexpected")
+    }
+    GenericForSequenceClassification._keys_to_ignore_on_load_missing = [
+        *(saved["_keys_to_ignore_on_load_missing"] or ()),
+        *spec.new_keys,
+    ]
+    GenericForSequenceClassification._keys_to_ignore_on_load_unexpected = [
+        *(saved["_keys_to_ignore_on_load_unexpected"] or ()),
+        *spec.unused_keys,
+    ]
+    try:
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            yield
+    finally:
+        for name, value in saved.items():
+            setattr(GenericForSequenceClassification, name, value)
 
 
 def load_model(
@@ -449,26 +540,34 @@ def load_model(
     device: str | torch.device = "cpu",
     config=None,
     trust_remote_code: bool = False,
+    head: str = CAUSAL_LM,
+    seed: int | None = None,
 ) -> torch.nn.Module:
-    """The model's weights from ``name_or_path``, built with ``config`` (default: its own config.json)."""
-    config = config or auto_config(name_or_path, trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
-        name_or_path,
-        config=config,
-        dtype=dtype,
-        attn_implementation=attention_implementation(config),
-        trust_remote_code=trust_remote_code,
-    )
+    """The model's weights from ``name_or_path``, built with ``config`` (default: its own config.json) and ``head``
+    (MODEL_HEADS; a new head's weights drawn from ``seed``)."""
+    config = with_head(config or auto_config(name_or_path, trust_remote_code), head)
+    with head_weights(head, seed):
+        model = auto_model_class(head).from_pretrained(
+            name_or_path,
+            config=config,
+            dtype=dtype,
+            attn_implementation=attention_implementation(config),
+            trust_remote_code=trust_remote_code,
+        )
     return model.to(device)
 
 
 def build_model_on_meta(
-    name_or_path: str, dtype: torch.dtype = torch.float32, config=None, trust_remote_code: bool = False
+    name_or_path: str,
+    dtype: torch.dtype = torch.float32,
+    config=None,
+    trust_remote_code: bool = False,
+    head: str = CAUSAL_LM,
 ) -> torch.nn.Module:
     """The model's structure without memory, for sharding first and loading weights (on rank 0) afterwards."""
-    config = config or auto_config(name_or_path, trust_remote_code)
+    config = with_head(config or auto_config(name_or_path, trust_remote_code), head)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(
+        return auto_model_class(head).from_config(
             config,
             dtype=dtype,
             attn_implementation=attention_implementation(config),

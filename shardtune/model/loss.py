@@ -266,6 +266,8 @@ def lean_head(model: nn.Module) -> nn.Linear | None:
     model_type = getattr(getattr(inner, "config", None), "model_type", None)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     reason = None
+    if head is None:  # no output layer over the vocabulary (a sequence-classification head): nothing to take over
+        return None
     if model_type not in LEAN_MODEL_TYPES:
         reason = f"model type {model_type!r} may transform its logits after the head"
     elif type(head) is not nn.Linear or head.bias is not None:

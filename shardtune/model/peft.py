@@ -59,9 +59,13 @@ SHAPE_FIELDS = (
 
 
 def peft_config(cfg: TrainConfig, num_layers: int):
-    """The peft config object for --peft_method, with llama-cookbook's field names and defaults."""
+    """The peft config object for --peft_method, with llama-cookbook's field names and defaults; its task type is the
+    objective's head's (SEQ_CLS for a score head: peft then trains it in full and saves it with the adapter)."""
     import peft
 
+    from shardtune.model.loading import MODEL_HEADS, model_head
+
+    task_type = MODEL_HEADS[model_head(cfg)].task_type
     if cfg.peft.method == "lora":
         lc = cfg.peft.lora
         # all-linear (TRL's spelling too): peft expands it to every linear layer but the output head
@@ -75,14 +79,14 @@ def peft_config(cfg: TrainConfig, num_layers: int):
             use_dora=lc.use_dora,
             use_rslora=lc.use_rslora,
             modules_to_save=list(lc.modules_to_save) or None,
-            task_type="CAUSAL_LM",
+            task_type=task_type,
         )
     if cfg.peft.method == "llama_adapter":
         ac = cfg.peft.llama_adapter
         return peft.AdaptionPromptConfig(
-            adapter_len=ac.adapter_len, adapter_layers=min(ac.adapter_layers, num_layers), task_type="CAUSAL_LM"
+            adapter_len=ac.adapter_len, adapter_layers=min(ac.adapter_layers, num_layers), task_type=task_type
         )
-    return peft.PrefixTuningConfig(num_virtual_tokens=cfg.peft.prefix.num_virtual_tokens, task_type="CAUSAL_LM")
+    return peft.PrefixTuningConfig(num_virtual_tokens=cfg.peft.prefix.num_virtual_tokens, task_type=task_type)
 
 
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
@@ -118,22 +122,23 @@ def quantization_config(cfg: TrainConfig, device: torch.device):
 
 
 def load_quantized_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
-    """The base model with bitsandbytes-quantised linear layers, on ``device``; other weights in the compute dtype."""
-    from transformers import AutoModelForCausalLM
-
+    """The base model with bitsandbytes-quantised linear layers, on ``device``; other weights in the compute dtype
+    (with the objective's head: a new head drawn from --seed)."""
     from shardtune.model.attention import attention_implementation
-    from shardtune.model.loading import training_model_config
+    from shardtune.model.loading import auto_model_class, head_weights, model_head, training_model_config
 
     config = training_model_config(cfg)
-    model = AutoModelForCausalLM.from_pretrained(
-        cfg.model.name,
-        config=config,
-        quantization_config=quantization_config(cfg, device),
-        dtype=compute_dtype(cfg, device),
-        device_map={"": device},
-        attn_implementation=attention_implementation(config),
-        trust_remote_code=cfg.model.trust_remote_code,
-    )
+    head = model_head(cfg)
+    with head_weights(head, cfg.train.seed):
+        model = auto_model_class(head).from_pretrained(
+            cfg.model.name,
+            config=config,
+            quantization_config=quantization_config(cfg, device),
+            dtype=compute_dtype(cfg, device),
+            device_map={"": device},
+            attn_implementation=attention_implementation(config),
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
     if device.type == "cpu":
         use_generic_cpu_kernels(model)
     return model
@@ -169,9 +174,14 @@ def check_peft(cfg: TrainConfig) -> None:
     if not bool(cfg.peft.method):
         return
     _check_method_settings(cfg)
-    from shardtune.model.loading import build_model_on_meta
+    from shardtune.model.loading import build_model_on_meta, model_head, training_model_config
 
-    model = build_model_on_meta(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
+    model = build_model_on_meta(
+        cfg.model.name,
+        config=training_model_config(cfg),
+        trust_remote_code=cfg.model.trust_remote_code,
+        head=model_head(cfg),
+    )
     if cfg.peft.method == "lora":
         if cfg.peft.lora.target_modules != ["all-linear"]:
             _check_target_modules(model, cfg.peft.lora.target_modules, "target_modules")

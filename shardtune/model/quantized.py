@@ -20,7 +20,7 @@ from shardtune.runtime.distributed import DistEnv
 
 def load_quantized_on_rank0(cfg: TrainConfig, env: DistEnv) -> nn.Module:
     """Rank 0: the loaded 4-bit model. Other ranks: its structure on the meta device, with rank 0's QuantStates."""
-    from shardtune.model.loading import build_model_on_meta, training_model_config
+    from shardtune.model.loading import build_model_on_meta, model_head, training_model_config
     from shardtune.model.peft import compute_dtype, load_quantized_model, use_generic_cpu_kernels
 
     model = load_quantized_model(cfg, env.device) if env.rank == 0 else None
@@ -33,6 +33,7 @@ def load_quantized_on_rank0(cfg: TrainConfig, env: DistEnv) -> nn.Module:
         dtype=compute_dtype(cfg, env.device),
         config=training_model_config(cfg),
         trust_remote_code=cfg.model.trust_remote_code,
+        head=model_head(cfg),
     )
     for name, (shape, storage, quant_state) in layout[0].items():
         _replace_with_meta_4bit(model, name, shape, storage, quant_state, env.device)

@@ -84,7 +84,7 @@ def shard_lines(cfg: TrainConfig, topology: Topology, arch_name: str, setup) -> 
 
     from shardtune.accounting.memory import human_bytes, local_state_bytes
     from shardtune.model.freezing import freeze_first_layers
-    from shardtune.model.loading import build_model_on_meta, count_parameters
+    from shardtune.model.loading import build_model_on_meta, count_parameters, model_head, training_model_config
     from shardtune.model.peft import apply_peft
     from shardtune.parallel import make_strategy
     from shardtune.parallel.dims import ParallelDims
@@ -106,7 +106,13 @@ def shard_lines(cfg: TrainConfig, topology: Topology, arch_name: str, setup) -> 
         )
         return lines
     dtype = weights_dtype(cfg.parallel.strategy, cfg.train.precision)
-    model = build_model_on_meta(cfg.model.name, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
+    model = build_model_on_meta(
+        cfg.model.name,
+        dtype=dtype,
+        config=training_model_config(cfg),
+        trust_remote_code=cfg.model.trust_remote_code,
+        head=model_head(cfg),
+    )
     freeze_first_layers(model, cfg)
     if bool(cfg.peft.method):
         model = apply_peft(model, cfg)

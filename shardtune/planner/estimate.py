@@ -213,7 +213,10 @@ def outside_layers_bytes(arch: Arch, compute_bytes: int) -> float:
 
 def loss_buffer_bytes(arch: Arch, num_labels: int) -> float:
     """The lean loss (shardtune.model.loss.ChunkedLinearCrossEntropy): the head's gradient in fp32 (4 V d), one
-    chunk of fp32 logits with its softmax (2 x 4 V per row), and the block of TRL's accuracy / entropy sums."""
+    chunk of fp32 logits with its softmax (2 x 4 V per row), and the block of TRL's accuracy / entropy sums. A score
+    head (a reward model's) has no output layer over the vocabulary: its few fp32 outputs at every position."""
+    if arch.score_outputs:
+        return 4 * arch.score_outputs * num_labels
     chunk_rows = min(num_labels, max(16, LOSS_CHUNK_ELEMENTS // arch.vocab_size))
     block_rows = min(chunk_rows, max(1, PREDICTION_BLOCK_ELEMENTS // arch.vocab_size))
     return (

@@ -141,9 +141,12 @@ def setup_from_config(cfg: TrainConfig, values: dict[str, str], device: Device) 
             num_virtual_tokens=cfg.peft.prefix.num_virtual_tokens,
         )
     quantization = cfg.model.quantization
+    from shardtune.model.loading import MODEL_HEADS
+
     objective = registration(cfg.objective)
+    head = MODEL_HEADS[objective.model_head].config.get("num_labels", 0)  # a score head's outputs (0: the LM head)
     return Setup(
-        arch=read_arch(cfg.model.name or "preset:demo"),
+        arch=replace(read_arch(cfg.model.name or "preset:demo"), score_outputs=head),
         strategy=strategy,
         num_nodes=nnodes,
         gpus_per_node=per_node,

@@ -85,6 +85,9 @@ class Arch:
     tie_word_embeddings: bool
     attention_bias: bool = False
     sliding_window: int | None = None
+    # outputs of a sequence-classification head in place of the output layer over the vocabulary (a reward model's
+    # score: 1); 0: the causal LM's output layer
+    score_outputs: int = 0
 
     @classmethod
     def from_config(cls, config: dict, name: str = "") -> Arch:
@@ -141,7 +144,16 @@ class Arch:
     def root_params(self) -> int:
         """Parameters outside the decoder layers: embedding, final norm, and the head when untied."""
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        if self.score_outputs:
+            head = self.score_outputs * self.hidden_size
         return self.embedding_params + self.hidden_size + head
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters a token is multiplied by: all but the input embedding (a lookup), unless the output layer is
+        the embedding itself (tied)."""
+        tied_output = self.tie_word_embeddings and not self.score_outputs
+        return self.num_params - (0 if tied_output else self.embedding_params)
 
     @property
     def num_params(self) -> int:
@@ -205,8 +217,14 @@ class Adapter:
         if self.method == "lora":
             shapes = arch.linear_shapes()
             per_layer = sum(self.lora_r * (shapes[t][0] + shapes[t][1]) for t in self.lora_targets if t in shapes)
-            return arch.num_layers * per_layer
+            return arch.num_layers * per_layer + self.score_head(arch)
         if self.method == "llama_adapter":
-            return min(self.adapter_layers, arch.num_layers) * (self.adapter_len * arch.hidden_size + 1)
+            layers = min(self.adapter_layers, arch.num_layers)
+            return layers * (self.adapter_len * arch.hidden_size + 1) + self.score_head(arch)
         # prefix: a key and a value per layer and virtual token, at the key-value width (GQA)
-        return self.num_virtual_tokens * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim
+        return self.num_virtual_tokens * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim + self.score_head(arch)
+
+    @staticmethod
+    def score_head(arch: Arch) -> int:
+        """A score head trains in full with any adapter (peft's SEQ_CLS modules_to_save: a trainable copy)."""
+        return arch.score_outputs * arch.hidden_size

@@ -96,7 +96,7 @@ def step_time_s(setup: Setup, device: Device, accumulation_steps: int = 1) -> tu
 
     arch = setup.arch
     trainable = setup.adapter.trainable_params(arch)
-    matmul = arch.num_params - (0 if arch.tie_word_embeddings else arch.embedding_params)
+    matmul = arch.matmul_params
     shape = ModelShape(arch.num_layers, arch.hidden_size, matmul, min(trainable, matmul))
     tokens = setup.batch_size * setup.seq_len * accumulation_steps * setup.data_parallel
     flops = training_flops_per_token(shape, setup.seq_len) * tokens

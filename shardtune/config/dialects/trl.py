@@ -12,7 +12,7 @@ import json
 from dataclasses import fields
 from typing import Any, Callable
 
-from shardtune.config.dialects import Pairs, Spelling, refused, text, trl_grpo, trl_trainer
+from shardtune.config.dialects import Pairs, Spelling, refused, text, trl_grpo, trl_reward, trl_trainer
 from shardtune.config.dialects.cookbook import STATE as COOKBOOK
 from shardtune.config.dialects.cookbook import report_to
 from shardtune.config.dialects.trl_model import _attn_implementation, _dtype, _model_init_kwargs, _model_revision
@@ -220,6 +220,11 @@ def _settle_loss_type(cfg: TrainConfig, names: list[str]) -> None:
     if section is not None and hasattr(section, "loss_type"):
         section.loss_type = names
         return
+    if not entry.loss_types:
+        raise ConfigError(
+            f"--loss_type: shardtune {cfg.objective} trains one loss (TRL's config for it has no loss_type): drop "
+            "the flag"
+        )
     not_built = dict(entry.loss_types_not_built)
     if len(names) == 1 and names[0] in not_built:
         raise ConfigError(
@@ -435,6 +440,7 @@ SPELLINGS: dict[str, Spelling] = {
     # DPO (DPOConfig): its loss and reference settings, the same names
     **{f.name: T(f"dpo.{f.name}", f.metadata["help"]) for f in fields(DpoConfig) if f.name not in trl_grpo.SHARED},
     **trl_grpo.SPELLINGS,  # GRPO (GRPOConfig); --beta sets the objective's
+    **trl_reward.SPELLINGS,  # reward models (RewardConfig)
     "loss_type": T(
         "dpo.loss_type",
         "shardtune dpo: " + DpoConfig.__dataclass_fields__["loss_type"].metadata["help"] + "; shardtune sft: nll "
@@ -503,6 +509,7 @@ def finish(cfg: TrainConfig, state: dict[str, Any], spelled: dict[str, str]) -> 
     if "loss_type" in given:
         _settle_loss_type(cfg, given["loss_type"])
     trl_grpo.settle(cfg, given)
+    trl_reward.settle(cfg, given)
     if given.get("hub_strategy", "end") != "end" and cfg.output.push_to_hub:
         raise ConfigError(
             f"--hub_strategy {given['hub_strategy']} is not built: use end (one upload of the final model after the "

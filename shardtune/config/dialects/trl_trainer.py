@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from shardtune.config.dialects import Pairs, Spelling, canonical, is_empty, refused, same, text
+from shardtune.config.dialects import Pairs, Spelling, canonical, is_empty, refused, same, text, trl_reward
 from shardtune.config.dialects.trl_sharding import COOKBOOK_FSDP_NAMES, FSDP_CONFIG, _deepspeed, _fsdp, _fsdp_config
 from shardtune.config.dialects.trl_values import STATE, _bool, _given, _mapping, _shown, gpus_visible, no_effect, only
 from shardtune.config.mixture import MIXTURE_KEY, mixture_entries
@@ -131,21 +131,14 @@ def _unset(value: Any) -> bool:
 DROP = "drop the flag"
 
 
-def _lora_task_type(value: Any) -> Pairs:
-    if text(value).upper() in ("CAUSAL_LM", "NONE"):
-        return []  # the one task shardtune trains (TRL's default)
-    raise ConfigError(
-        f"--lora_task_type {value} is not built: shardtune trains causal language models (CAUSAL_LM, TRL's "
-        "default): drop the flag"
-    )
-
-
 def _datasets(value: Any) -> Pairs:
     return [] if is_empty(value) else [(MIXTURE_KEY, mixture_entries("datasets:", value))]
 
 
 SPELLINGS: dict[str, Spelling] = {
-    "lora_task_type": Spelling("-", "CAUSAL_LM only (TRL's default: shardtune trains causal LMs)", _lora_task_type),
+    "lora_task_type": Spelling(
+        "-", "CAUSAL_LM (TRL's default), or SEQ_CLS for shardtune reward's score head", trl_reward.lora_task_type
+    ),
     "datasets": Spelling(
         MIXTURE_KEY,
         "TRL's mixture: a list of path, name, data_dir, data_files, split, columns, fraction (and shardtune's "

@@ -21,7 +21,7 @@ from shardtune.config.flags import to_yaml
 from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
 from shardtune.data.chat import mirror_eos_token
 from shardtune.model.freezing import freeze_first_layers
-from shardtune.model.loading import count_parameters, load_tokenizer
+from shardtune.model.loading import count_parameters, load_tokenizer, model_head, name_pad_token
 from shardtune.model.longseq import apply_memory_levers
 from shardtune.model.loss import hf_model
 from shardtune.model.peft import apply_peft, save_adapter
@@ -157,6 +157,7 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     startup.mark("tokenizer and data")
     model = build_model(cfg, env)
     startup.mark("model")
+    name_pad_token(model, model_head(cfg), tokenizer)  # a score head reads each row at its last non-pad token
     mirror_eos_token(cfg, model, tokenizer)
     freeze_first_layers(model, cfg)
     apply_memory_levers(model, cfg, env.device)

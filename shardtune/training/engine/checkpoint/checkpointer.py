@@ -23,7 +23,7 @@ from shardtune.config.checks import check_previous_run
 from shardtune.config.fields import settings_by
 from shardtune.config.flags import flat_settings, from_dict, spelling_of, to_yaml
 from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
-from shardtune.model.loading import training_model_config
+from shardtune.model.loading import model_head, name_pad_token, training_model_config
 from shardtune.parallel.deepspeed import deepspeed_resume_problem
 from shardtune.parallel.optim import apply_settings_on_resume
 from shardtune.publishing.saving import save_hf_model
@@ -467,7 +467,9 @@ class Checkpointer:
         if full_state is not None:
             save_hf_model(model, full_state, self.tokenizer, tmp / "hf_model")
         # the source's dtype (not the fp32 master's), with what training changes (--rope_scaling): export rebuilds it
-        training_model_config(self.cfg).save_pretrained(tmp / "hf_config")
+        hf_config = training_model_config(self.cfg)
+        name_pad_token(hf_config, model_head(self.cfg), self.tokenizer)
+        hf_config.save_pretrained(tmp / "hf_config")
         if (
             self.cfg.model.trust_remote_code
         ):  # the model's own modeling code (the config's is saved with it): export runs it

@@ -110,25 +110,17 @@ def resolve(spec: str, load_models: bool, device: torch.device | None = None) ->
     func = _importable(spec)
     if func is not None:
         return Reward(reward_name(func), func=func)
-    from shardtune.model.loading import check_model_source
+    from shardtune.model.scoring import check_scoring_model, is_adapter, load_scoring_model
 
-    if not (Path(spec).expanduser() / "config.json").is_file() and "/" not in spec:
+    if not (Path(spec).expanduser() / "config.json").is_file() and not is_adapter(spec) and "/" not in spec:
         raise ConfigError(
             f"--reward_funcs {spec}: not a path.py:function, an importable package.module.function or a reward "
-            "model (a local directory with config.json, or a hub id): pass one of those"
+            "model (a local directory with config.json or a SEQ_CLS adapter, or a hub id): pass one of those"
         )
-    check_model_source(spec, "reward_funcs", False)
+    check_scoring_model(spec, "reward_funcs")  # a model directory or hub id, or a reward model's adapter
     if not load_models:
         return Reward(spec.rstrip("/").split("/")[-1])
-    from transformers import AutoModelForSequenceClassification
-
-    from shardtune.model.loading import load_tokenizer
-
-    model = AutoModelForSequenceClassification.from_pretrained(spec, num_labels=1).to(device).eval()
-    tokenizer = load_tokenizer(spec, False)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model.config.pad_token_id = tokenizer.pad_token_id
+    model, tokenizer = load_scoring_model(spec, device)
     return Reward(spec.rstrip("/").split("/")[-1], model=model, tokenizer=tokenizer)
 
 
