@@ -23,8 +23,12 @@ from torch import nn
 
 from shardtune.data.formatting import IGNORE_INDEX
 from shardtune.model.loss import SHIFT_LABELS, sequence_log_prob_and_prediction_sums, sequence_log_prob_sums
-from shardtune.model.peft import adapter_disabled
 from shardtune.parallel.sequence import SEQUENCE_INDEX
+from shardtune.training.engine.completions import completion_lengths, num_completion_targets, predicted_completion
+from shardtune.training.engine.completions import completion_targets as shared_targets
+from shardtune.training.engine.reference import with_reference
+
+__all__ = ["completion_lengths", "num_completion_targets", "predicted_completion"]  # the engine's, DPO's too
 
 
 @dataclass(frozen=True)
@@ -56,15 +60,6 @@ class SummedOverSplit(torch.autograd.Function):
         return grad, None
 
 
-def predicted_completion(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Which targets (positions 1..T-1, the next token of each position) are completion tokens: (rows, T - 1). In a
-    padding-free row (``cu_seq_lens``) a sequence's first token is nobody's target, as a padded row's position 0."""
-    mask = batch["completion_mask"][:, 1:].clone()
-    if "cu_seq_lens" in batch:
-        mask[0, batch["cu_seq_lens"][1:-1].long() - 1] = 0
-    return mask
-
-
 def num_pairs(batch: dict[str, torch.Tensor]) -> int:
     if "completion_lengths" in batch:
         return batch["completion_lengths"].numel() // 2
@@ -73,22 +68,9 @@ def num_pairs(batch: dict[str, torch.Tensor]) -> int:
 
 
 def completion_targets(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(targets, segments, number of segments) of a micro-batch of pairs, each (rows, T): every position's next
-    token where that token is a completion token (IGNORE_INDEX elsewhere), and the sequence it belongs to (padded
-    rows: the row; a padding-free row: its sequence; a slice of a split row: the token's sequence, the split's
-    padding in one extra segment)."""
-    n = 2 * num_pairs(batch)
-    if SHIFT_LABELS in batch:  # a slice of a split row: targets shifted before the split
-        return batch[SHIFT_LABELS], batch[SEQUENCE_INDEX].clamp(max=n), n + 1
-    ids = batch["input_ids"]
-    targets = torch.full_like(ids, IGNORE_INDEX)
-    targets[:, :-1] = torch.where(predicted_completion(batch).bool(), ids[:, 1:], IGNORE_INDEX)
-    if "cu_seq_lens" in batch:
-        lengths = batch["cu_seq_lens"].diff().long()
-        segments = torch.repeat_interleave(torch.arange(n), lengths)[None]
-    else:
-        segments = torch.arange(ids.shape[0])[:, None].expand_as(ids)
-    return targets, segments, n
+    """(targets, segments, number of segments) of a micro-batch of pairs: its 2n sequences'
+    (shardtune.training.engine.completions.completion_targets)."""
+    return shared_targets(batch, 2 * num_pairs(batch))
 
 
 def pair_logps(
@@ -129,16 +111,6 @@ def policy_logps(
     return (*chosen_and_rejected(sums, batch, split), token_sums)
 
 
-def completion_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Completion tokens of each sequence (2n,), as TRL counts them for ipo (the unshifted completion mask)."""
-    if "completion_lengths" in batch:  # counted at collation (a split row's slices keep them)
-        return batch["completion_lengths"].float()
-    mask = batch["completion_mask"].float()
-    if "cu_seq_lens" not in batch:
-        return mask.sum(dim=1)
-    return torch.stack([part.sum() for part in mask[0].split(batch["cu_seq_lens"].diff().tolist())])
-
-
 @torch.no_grad()
 def reference_logps(
     policy: nn.Module,
@@ -154,12 +126,7 @@ def reference_logps(
     if "ref_logps" in batch:
         ref = batch["ref_logps"].to(device)
         return ref[:, 0], ref[:, 1]
-    if ref_model is not None:
-        return pair_logps(ref_model, batch, device, split)
-    if peft_model is None:
-        raise ValueError("a reference needs ref_model (full fine-tuning) or peft_model (the adapter switched off)")
-    with adapter_disabled(peft_model):
-        return pair_logps(policy, batch, device, split)
+    return with_reference(policy, ref_model, peft_model, lambda model: pair_logps(model, batch, device, split))
 
 
 def chosen_completion_targets(batch: dict[str, torch.Tensor]) -> int:
@@ -172,10 +139,3 @@ def chosen_completion_targets(batch: dict[str, torch.Tensor]) -> int:
     if "cu_seq_lens" not in batch:
         return int(mask[:n].sum())
     return int(mask[0, : int(batch["cu_seq_lens"][n]) - 1].sum())  # targets of the row's first n sequences
-
-
-def num_completion_targets(batch: dict[str, torch.Tensor]) -> int:
-    """Completion tokens predicted in this micro-batch (of this slice, for a split row)."""
-    if SHIFT_LABELS in batch:
-        return int((batch[SHIFT_LABELS] != IGNORE_INDEX).sum())
-    return int(predicted_completion(batch).sum())

@@ -18,8 +18,6 @@ pairs and metrics once (sums / group size); the gradient average over all W rank
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
@@ -29,12 +27,16 @@ from shardtune.config.schema import ConfigError, DpoConfig
 from shardtune.data.batching import eval_shares
 from shardtune.data.cache import load_pairs_cached, pairs_entry
 from shardtune.data.preference import collate_pair_units
-from shardtune.model.loading import cache_dir, check_model_source, check_tokenizer_fits, resolve_model_name
-from shardtune.model.speed import apply_speed_features
-from shardtune.parallel.sequence import RowSlice, SequenceGroups, use_sequence_attention
+from shardtune.model.loading import cache_dir
+from shardtune.parallel.sequence import RowSlice
 from shardtune.runtime.distributed import all_reduce_sum, print0
-from shardtune.training.engine.building import build_model
 from shardtune.training.engine.objective import COUNTS, Objective, data_splits
+from shardtune.training.engine.reference import (
+    build_reference,
+    check_reference_settings,
+    how_reference_was_had,
+    prepare_reference_model,
+)
 from shardtune.training.objectives.dpo.logps import (
     TOKEN_SUMS,
     SplitRows,
@@ -166,16 +168,7 @@ class DPO(Objective):
         micro-batch or padding-free (--padding_free; not packed into blocks; rows split over ranks with --sp_size /
         --cp_size are always padding-free), evaluation on the test split's pairs."""
         check_loss_options(cfg.dpo)
-        if cfg.dpo.precompute_ref_batch_size and not cfg.dpo.precompute_ref_log_probs:
-            raise ConfigError(
-                f"--precompute_ref_batch_size {cfg.dpo.precompute_ref_batch_size} has no effect "
-                "without --precompute_ref_log_probs: add it, or drop the flag"
-            )
-        if cfg.dpo.ref_model and cfg.peft.method:
-            raise ConfigError(
-                f"--ref_model {cfg.dpo.ref_model} with --peft_method {cfg.peft.method}: an adapter's reference is "
-                "its own base with the adapter off (as TRL refuses a ref_model with a peft_config): drop --ref_model"
-            )
+        check_reference_settings(cfg, cfg.dpo)
         if cfg.eval.log_samples:
             raise ConfigError(
                 "--log_eval_samples generates summaries, an SFT evaluation: shardtune dpo evaluates the "
@@ -184,10 +177,7 @@ class DPO(Objective):
 
     @classmethod
     def prepare_data(cls, cfg, tokenizer, dp_size: int) -> None:
-        if cfg.dpo.ref_model:  # a preset built, a local path or hub id checked, its embedding fits the tokenizer
-            cfg.dpo.ref_model = resolve_model_name(cfg.dpo.ref_model)
-            check_model_source(cfg.dpo.ref_model, "ref_model", cfg.model.trust_remote_code)
-            check_tokenizer_fits(cfg.dpo.ref_model, tokenizer, cfg.model.tokenizer, cfg.model.trust_remote_code)
+        prepare_reference_model(cfg, cfg.dpo, tokenizer)
         loaded = {split: load_pairs_cached(cfg, tokenizer, split, cache_dir())[0] for split in data_splits(cfg)}
         data.steps_per_epoch(len(loaded["train"]), cfg, dp_size)
 
@@ -228,34 +218,14 @@ class DPO(Objective):
                 compute_and_cache_reference(
                     pairs, file, model, self.strategy, cfg, env, self.pad_id, **reference, split=split
                 )
-        how = (
-            "read from the tokenised-data cache (an earlier run of this reference; no reference model is loaded)"
-            if not missing
-            else "computed before training"
-            + (
-                ", kept in the tokenised-data cache"
-                if key
-                else " (not cached: the hub id's snapshot is not in the local cache)"
-            )
-            + "; the reference model is freed"
-        )
+        how = how_reference_was_had(not missing, bool(key))
         print0(
             f"reference: log-probabilities of {len(train_pairs):,} train and {len(eval_items):,} test pairs "
             f"{how} (--precompute_ref_log_probs)"
         )
 
     def build_reference(self) -> dict:
-        if bool(self.cfg.peft.method):
-            return {"peft_model": self.strategy.unwrap(self.model)}
-        cfg = self.cfg
-        if cfg.dpo.ref_model:  # another model as the reference (its own weights, built as the policy is)
-            cfg = copy.deepcopy(cfg)
-            cfg.model.name = cfg.dpo.ref_model
-        frozen = build_model(cfg, self.env).eval().requires_grad_(False)
-        apply_speed_features(frozen, self.cfg, self.env.device, say=False)  # the policy's kernels
-        if self.split:  # the reference computes the slices of a split row as the policy does
-            use_sequence_attention(frozen, SequenceGroups.from_mesh(self.strategy.mesh, self.strategy.dims))
-        return {"ref_model": self.strategy.place_frozen(frozen)}
+        return build_reference(self.model, self.strategy, self.cfg, self.env, self.cfg.dpo.ref_model, bool(self.split))
 
     @property
     def copies(self) -> int:
