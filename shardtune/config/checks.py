@@ -16,6 +16,7 @@ from pathlib import Path
 from shardtune.config.dialects.deepspeed import DEEPSPEED_OWNED_KEYS, deepspeed_file_config
 from shardtune.config.fields import flat_fields, get_value, optional
 from shardtune.config.flags import spelling_of
+from shardtune.config.objectives import registration
 from shardtune.config.schema import (
     PREVIOUS_FOLDER,
     PROFILER_SCHEDULE,
@@ -347,6 +348,11 @@ def check_combinations(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(
             "--save_optimizer false is not supported with --enable_deepspeed (DeepSpeed writes its "
             "partitions with the optimizer state): drop the flag"
+        )
+    if cfg.data.sampling == "sequential" and registration(cfg.objective).sampling_rows(cfg, world_size):
+        raise ConfigError(
+            f"--train_sampling_strategy sequential: shardtune {cfg.objective} orders its prompts by its own seeded "
+            "sampler (the same on every layout): drop the flag"
         )
     if cfg.checkpoint.dist_checkpoint_root_folder and not cfg.checkpoint.dist_checkpoint_folder:
         raise ConfigError(

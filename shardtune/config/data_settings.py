@@ -21,6 +21,7 @@ BATCHING_STRATEGIES = ("packing", "padding")
 PACKING_STRATEGIES = ("greedy", "bfd", "bfd_split", "wrapped")  # shardtune.data.packing
 COMPLETION_ONLY_LOSS = ("auto", "true", "false")
 TRUNCATION_MODES = ("keep_start", "keep_end")
+SAMPLING = ("random", "sequential")  # TRL's train_sampling_strategy (group_by_length is not built)
 
 
 @dataclass
@@ -156,6 +157,13 @@ class DataSettings:
         "micro-batch)",
         choices=BATCHING_STRATEGIES,
         **REFERENCE,
+    )
+    sampling: str = setting(
+        "random",
+        "the order of the training units each epoch (TRL: train_sampling_strategy): random (a permutation seeded by "
+        "--seed and the epoch) or sequential (the data's order; TRL's KTO default); each step's units are the same "
+        "on any layout either way",
+        choices=SAMPLING,
     )
     packing_strategy: str = setting(
         "greedy",

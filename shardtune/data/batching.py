@@ -5,7 +5,8 @@ A *unit* is what batching never splits: one example (padding) or one packed bloc
 strategy only, never on world size, batch size or accumulation, which is why 1 x 8 x 1, 1 x 2 x 4, 2 x 4 x 1 and
 4 x 2 x 1 (processes x micro-batch x accumulation) train on exactly the same global batches:
 
-1. Each epoch permutes the units with ``torch.Generator().manual_seed(seed + epoch)``.
+1. Each epoch permutes the units with ``torch.Generator().manual_seed(seed + epoch)`` (--train_sampling_strategy
+   sequential: keeps their order).
 2. The permutation is cut into global batches of G = batch_size_training x dp_size x accumulation
    units, one per optimizer step; a last partial global batch is dropped (every step sees G units). dp_size is
    the number of data-parallel ranks (shardtune.parallel.dims): the world size, divided by the sequence /
@@ -99,8 +100,11 @@ def epoch_order(units: list[Unit], cfg: TrainConfig, dp_size: int, epoch: int) -
     """Unit indices of ``epoch``, global batch after global batch (rules 1-3 of the module docstring)."""
     size = effective_batch_size(cfg, dp_size)
     num_steps = steps_per_epoch(len(units), cfg, dp_size)
-    generator = torch.Generator().manual_seed(cfg.train.seed + epoch)
-    order = torch.randperm(len(units), generator=generator).tolist()[: num_steps * size]
+    if cfg.data.sampling == "sequential":
+        order = list(range(num_steps * size))
+    else:
+        generator = torch.Generator().manual_seed(cfg.train.seed + epoch)
+        order = torch.randperm(len(units), generator=generator).tolist()[: num_steps * size]
     if cfg.data.batching == "padding":
         for start in range(0, len(order), size):
             order[start : start + size] = sorted(order[start : start + size], key=lambda i: (unit_length(units[i]), i))

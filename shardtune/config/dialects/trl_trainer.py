@@ -131,6 +131,16 @@ def _unset(value: Any) -> bool:
 DROP = "drop the flag"
 
 
+def _train_sampling_strategy(value: Any) -> Pairs:
+    strategy = text(_given(value))
+    if strategy in ("random", "sequential"):
+        return [("data.sampling", strategy)]
+    raise ConfigError(
+        f"--train_sampling_strategy {_shown(_given(value))}: choose random (a seeded shuffle every epoch) or "
+        "sequential (the data's order); group_by_length is not built"
+    )
+
+
 def _datasets(value: Any) -> Pairs:
     return [] if is_empty(value) else [(MIXTURE_KEY, mixture_entries("datasets:", value))]
 
@@ -315,11 +325,11 @@ SPELLINGS: dict[str, Spelling] = {
     "label_names": only(
         "label_names", (["labels"], "labels"), "labels only", "the loss reads the labels column: " + DROP
     ),
-    "train_sampling_strategy": only(
-        "train_sampling_strategy",
-        ("random",),
-        "random: a seeded shuffle every epoch (with padding, each global batch sorted by length to pad less)",
-        "the rows are shuffled every epoch, seeded by --seed: " + DROP,
+    "train_sampling_strategy": Spelling(
+        "data.sampling",
+        "random: a seeded shuffle every epoch (with padding, each global batch sorted by length to pad less); "
+        "sequential: the data's order (TRL's KTO default); group_by_length is not built",
+        _train_sampling_strategy,
     ),
     "length_column_name": no_effect("read only by the length-grouped samplers, which are not built"),
     "dataset_streaming": S(
