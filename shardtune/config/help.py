@@ -56,7 +56,9 @@ def help_text(command: str = "sft") -> str:
     registration = OBJECTIVES.get(command)
     if registration is not None and registration.settings:
         own = [f"--{f.name}" for f in fields(type(getattr(TrainConfig(), registration.settings)))]
-        lines.append(f"{command}: {registration.help}; its own flags: {', '.join(own)}")
+        readers = " / ".join(registration.shares)
+        shared = f"; it reads shardtune {readers}'s flags too (its docs page: which)" if readers else ""
+        lines.append(f"{command}: {registration.help}; its own flags: {', '.join(own)}{shared}")
     return "\n".join(lines)
 
 

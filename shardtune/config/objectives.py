@@ -65,6 +65,9 @@ class Registration:
     help: str  # its line in `shardtune --help`
     implementation: str  # "module:Class" of its Objective
     settings: str = ""  # the config section of its own flags (given to another objective: refused)
+    # the sections of other objectives whose settings it reads too, under their names and meanings (RLOO: GRPO's
+    # sampling, rewards and clipping); theirs that it does not honour its check refuses
+    shares: tuple[str, ...] = ()
     rows_per_unit: int = 1  # planner: rows the model computes per unit of batch
     frozen_reference: Callable[[Any], bool] = no_reference  # planner: a frozen copy of the model beside it
     sampling_rows: Callable[[Any, int], int] = no_sampling  # planner: rows a process samples at once between steps

@@ -52,10 +52,11 @@ def resolve(name: str, objective: str | None = None) -> Spelling:
 def usable_names(objective: str | None = None) -> list[str]:
     """Names a suggestion may point at: not refused ones (a did-you-mean never points at a refusal), and with
     ``objective`` none that sets only another objective's settings (shardtune sft never suggests --beta)."""
+    shared = OBJECTIVES[objective].shares if objective in OBJECTIVES else ()
     foreign = tuple(
         f"{registration.settings}."
         for other, registration in OBJECTIVES.items()
-        if objective and other != objective and registration.settings
+        if objective and other != objective and registration.settings and registration.settings not in shared
     )
 
     def ours(targets: list[str]) -> bool:
