@@ -69,7 +69,8 @@ REFUSED = {
     "SyncRefModelCallback": "SyncRefModelCallback: the reference stays the starting weights (TR-DPO's syncing is not "
     "built): drop the callback",
     "WeaveCallback": "WeaveCallback: W&B Weave tracing is not built (report_to wandb logs the metrics): drop it",
-    "add_response_schema": "add_response_schema: tool-call parsing for agent rollouts is not built",
+    "add_response_schema": "add_response_schema: with tools, shardtune reads the tool-call format off the chat "
+    "template (or the tokenizer's own response_template): drop the call",
     "clone_chat_template": "clone_chat_template: give the tokenizer its template with --chat_template_path (a Jinja "
     "file or a tokenizer directory) instead",
     "get_training_chat_template": "get_training_chat_template: pass a template with {% generation %} markers as "

@@ -41,6 +41,7 @@ from shardtune.training.engine.checks import prepare
 from shardtune.training.engine.hooks import install
 from shardtune.training.engine.worker import run_worker
 from shardtune.training.objectives.grpo.rewards import register_in_process
+from shardtune.training.objectives.grpo.tools import register_in_process as register_tools
 
 
 class TrainOutput(tuple):
@@ -442,7 +443,6 @@ class DPOTrainer(_Trainer):
 GRPO_REFUSED = {
     **REFUSED,
     "reward_processing_classes": "not taken: a reward model's tokenizer is loaded from its directory: drop it",
-    "tools": "tool calls during generation are not built: drop it",
     "rollout_func": "not taken: completions are sampled by shardtune's decode loop with the trained model: drop it",
     "environment_factory": "environments (multi-turn rollouts) are not built: drop it",
 }
@@ -488,10 +488,12 @@ class GRPOTrainer(_Trainer):
 
     def _objective_settings(self, arguments: dict[str, Any]) -> list[tuple[str, Any]]:
         entries, self._reward_funcs = reward_functions(arguments.pop("reward_funcs"))  # kept in this process
-        return [("reward_funcs", entries)]
+        self._tools = list(arguments.pop("tools", None) or [])  # callables, kept in this process as well
+        return [("reward_funcs", entries), *([("tools", register_tools(self._tools))] if self._tools else [])]
 
     def _run(self, cfg: TrainConfig, what: str, callbacks: bool = False) -> None:
         register_in_process(self._reward_funcs)  # again: another GRPOTrainer of the script may have registered its own
+        register_tools(self._tools)
         super()._run(cfg, what, callbacks)
 
 

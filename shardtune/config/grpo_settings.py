@@ -52,7 +52,8 @@ class GrpoConfig:
     beta: float = setting(
         0.0,
         "the KL coefficient toward the reference (the starting weights; with PEFT the base, adapter off); "
-        "0: no reference model is loaded",
+        "0: no reference model is loaded. GRPO: beta x each token's k3 estimate in the loss; RLOO: beta x the "
+        "completion's summed log-ratio to the reference subtracted from its reward (TRL's RLOO default: 0.05)",
         at_least=0,
     )
     epsilon: float = setting(0.2, "the clipping range of the importance ratio (lower side)", above=0)
@@ -108,6 +109,16 @@ class GrpoConfig:
         True,
         "DeepSpeed ZeRO-3: gather the whole model on every process for sampling (fast; needs the whole model's "
         "memory), or false: layer by layer, as the training forward does (slower; for models one device cannot hold)",
+    )
+    tools: list[str] = setting(
+        [],
+        "Python functions the model may call while it generates: path.py:function or package.module.function (the "
+        "Python API takes callables: GRPOTrainer(tools=[...])); the chat template renders their signatures into the "
+        "prompts (conversational) and the calls, each result is appended as a tool message and the reply resumed; "
+        "the results' tokens carry no loss (docs/grpo.md)",
+    )
+    max_tool_calling_iterations: int = setting(
+        0, "tool-calling turns per completion at most (0: no limit, TRL's None)", at_least=0
     )
     log_completions: bool = setting(
         False, "each logging step's completions (prompt, completion, rewards) into completions.jsonl", **RUN

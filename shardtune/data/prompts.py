@@ -24,10 +24,13 @@ def check_prompt_data(cfg: TrainConfig) -> None:
         )
 
 
-def prompt_rows(cfg: TrainConfig, tokenizer: Any, split: str = "train") -> tuple[list[dict], DataReport]:
+def prompt_rows(
+    cfg: TrainConfig, tokenizer: Any, split: str = "train", tools: list | None = None
+) -> tuple[list[dict], DataReport]:
     """One dict per usable row of ``split`` ("train" or "validation": --dataset_test_split): ``prompt`` (as given),
     ``prompt_ids``, ``extras`` (the other columns), ``index`` (its place among the kept rows). A row without a usable
-    prompt is skipped (counted) or, with --strict, refused."""
+    prompt is skipped (counted) or, with --strict, refused. ``tools``: rendered into conversational prompts by the
+    chat template, as TRL does (text prompts cannot hold them: refused)."""
     loader = mixture_rows if cfg.data.trl_dataset.dataset_mixture else _dataset_rows
     source, rows, columns = loader(cfg, split)
     if "prompt" not in columns:
@@ -38,6 +41,11 @@ def prompt_rows(cfg: TrainConfig, tokenizer: Any, split: str = "train") -> tuple
     conversational = any(is_message_list(row.get("prompt")) for _, _, row in rows[:1])
     if conversational:
         check_chat_template(cfg, tokenizer, f"{source} (conversational prompts)")
+    elif tools:
+        raise DataError(
+            f"{source}: text prompts, but tools are given: the chat template renders the tools and the model's calls, "
+            "so give conversational prompts (lists of messages)"
+        )
     report = DataReport(
         source=f"{source}: {'conversational' if conversational else 'standard'} prompts", num_rows=len(rows)
     )
@@ -52,7 +60,9 @@ def prompt_rows(cfg: TrainConfig, tokenizer: Any, split: str = "train") -> tuple
             filt.skip("prompt is not text", origin, line, f"prompt {str(prompt)[:40]!r}")
             continue
         if conversational:
-            ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+            ids = tokenizer.apply_chat_template(
+                prompt, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=True
+            )
             ids = list(ids["input_ids"])
         else:
             ids = list(tokenizer(prompt)["input_ids"])

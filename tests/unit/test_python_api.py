@@ -255,7 +255,7 @@ def test_every_constructor_argument_of_trls_trainers_is_ours_too():
         names = list(inspect.signature(theirs.__init__).parameters)
         assert names == list(inspect.signature(ours.__init__).parameters)
         honoured = {"self", "model", "args", "train_dataset", "eval_dataset", "processing_class", "peft_config"}
-        honoured |= {"callbacks", "formatting_func", "ref_model", "reward_funcs", "quantization_config"}
+        honoured |= {"callbacks", "formatting_func", "ref_model", "reward_funcs", "quantization_config", "tools"}
         honoured |= {"compute_metrics", "preprocess_logits_for_metrics"}
         assert set(names) - honoured <= set(ours.refusals), set(names) - honoured - set(ours.refusals)
 
@@ -335,7 +335,7 @@ def test_grpo_trainer_refuses_what_it_cannot_honour_in_one_line(tiny_model):
         (dict(reward_funcs=[]), "reward_funcs is empty"),
         (dict(reward_funcs=[3]), "reward_funcs: a int is not a reward function"),
         (dict(reward_processing_classes=object()), "reward_processing_classes: not taken"),
-        (dict(tools=[len]), "tools: tool calls during generation are not built"),
+        (dict(tools=[3]), "tools: 3 is not callable: pass Python functions"),
         (dict(rollout_func=len), "rollout_func: not taken"),
         (dict(optimizers=(object(), None)), "optimizers: not taken"),
         (

@@ -95,6 +95,7 @@ SPELLINGS: dict[str, Spelling] = {
             "num_generations_eval",
             "min_p",
             "delta",
+            "max_tool_calling_iterations",
         )
     },
     "scale_rewards": Spelling(
@@ -140,7 +141,6 @@ SPELLINGS: dict[str, Spelling] = {
     ),
     "chat_template_kwargs": refused("the chat template is applied without extra arguments: drop the mapping", None),
     "cache_implementation": refused("the decode loop keeps transformers' dynamic KV cache: drop the flag", None),
-    "max_tool_calling_iterations": refused("tool calling is not built: drop the flag", None),
     "log_multimodal": refused("images are not built: drop the flag", True),
     "log_unique_prompts": refused("--log_completions logs every completion with its prompt: drop the flag", False),
     "log_completions_hub_repo": refused(
@@ -171,8 +171,9 @@ def settle(cfg: TrainConfig, given: dict[str, Any]) -> None:
         if name not in given:
             continue
         entry = registration(cfg.objective)
-        section = getattr(cfg, entry.settings, None) if entry.settings else None
-        if section is None or not hasattr(section, name):
+        read = [getattr(cfg, s) for s in (entry.settings, *entry.shares) if s and hasattr(getattr(cfg, s, None), name)]
+        section = read[0] if read else None
+        if section is None:
             owners = " / ".join(
                 o for o, r in OBJECTIVES.items() if r.settings and hasattr(getattr(cfg, r.settings), name)
             )

@@ -21,7 +21,7 @@ from torch import nn
 
 from shardtune.runtime.distributed import all_reduce_sum
 from shardtune.training.objectives.grpo.batches import sampling_seed
-from shardtune.training.objectives.grpo.loss import REDUCTIONS, completion_targets, micro_batch_terms, token_logps
+from shardtune.training.objectives.grpo.loss import REDUCTIONS, completion_targets, token_logps
 
 EVAL_KEY = -1  # the epoch of the sampling key: evaluations draw apart from every training generation
 
@@ -29,8 +29,7 @@ EVAL_KEY = -1  # the epoch of the sampling key: evaluations draw apart from ever
 @dataclasses.dataclass
 class EvalChunk:
     completions: range  # global completion indices (a rank's uncounted stand-in: counted False)
-    rows: list[dict]
-    ids: list[list[int]]
+    batch: dict
     counted: bool
 
 
@@ -52,47 +51,55 @@ def grpo_evaluate(objective, model: nn.Module, eval_rows: list[dict], step: int)
     generations, device = g.num_generations, env.device
     dims = strategy.dims
     mine, num_batches, total = eval_chunks(len(eval_rows), generations, cfg, dims.dp_rank(env.rank), dims.dp_size)
-    shared = torch.zeros(total, len(objective.rewards) + 2, dtype=torch.float64)
-    chunks: list[EvalChunk] = []
-    state = SimpleNamespace(global_step=step, epoch=0)
-    for i in range(num_batches):
-        counted = i < len(mine)
-        completions = mine[i] if counted else range(1)
-        rows = [eval_rows[c // generations] for c in completions]
-        seeds = [
-            sampling_seed(cfg.train.seed, EVAL_KEY, 0, row["index"], c % generations)
-            for row, c in zip(rows, completions)
-        ]
-        ids = objective.sample_rows(model, rows, seeds, g)
-        chunks.append(EvalChunk(completions, rows, ids, counted))
-        if counted:
-            shared[list(completions)] = objective.score_rows(rows, ids, state)[1]
+    chunks = [sampled_chunk(objective, model, eval_rows, mine, i, g, step) for i in range(num_batches)]
+    shared = torch.zeros(total, chunks[0][1].size(1), dtype=torch.float64)
+    for chunk, table in chunks:
+        if chunk.counted:
+            shared[list(chunk.completions)] = table
     shared = all_reduce_sum(shared, device).cpu()
     advantages, row = objective.generation_metrics(shared, g)
     summed = REDUCTIONS.count("sum")  # the stats that add up (the rest are the step's min / max)
     sums = torch.zeros(summed + 2, dtype=torch.float64, device=device)
     model.eval()
     try:
-        for chunk in chunks:
-            index = list(chunk.completions)
-            cut = shared[index, -1].tolist()  # a stand-in chunk reads another's: it is not counted
-            keep = [not (g.mask_truncated_completions and t) and len(x) > 0 for x, t in zip(chunk.ids, cut)]
-            batch = objective.collate([r["prompt_ids"] for r in chunk.rows], chunk.ids, keep, advantages[index], index)
-            if g.beta > 0:
-                objective.add_reference(batch)
+        for chunk, _ in chunks:
+            batch = chunk.batch
+            batch["advantages"] = advantages[list(chunk.completions)].float()
             with strategy.autocast():
                 logps, entropies = token_logps(model, batch, device, g.temperature, True)
-                _, stats = micro_batch_terms(logps, entropies, batch, g, device)
+                _, stats = objective.terms(logps, entropies, batch, g)
             if chunk.counted:
                 tokens = float((completion_targets(batch) != -100).sum())
-                extra = torch.tensor([objective.normaliser(batch, 0), tokens], dtype=torch.float64, device=device)
+                extra = torch.tensor([objective.normaliser(batch), tokens], dtype=torch.float64, device=device)
                 sums += torch.cat([stats[:summed].to(device, torch.float64), extra])
     finally:
         model.train()
     sums = all_reduce_sum(sums, device).tolist()
     tokens = max(sums[-1], 1.0)
     row["loss"] = sums[0] / max(sums[-2], 1e-12)
-    if g.beta != 0.0:
+    if g.beta != 0.0 and "kl" not in row:  # RLOO's kl is its generation's (a reward penalty): in the row already
         row["kl"] = sums[1] / tokens
     row["entropy"] = sums[2] / tokens
     return {f"eval_{key}": value for key, value in row.items()}
+
+
+def sampled_chunk(objective, model: nn.Module, eval_rows: list[dict], mine: list[range], i: int, g, step: int):
+    """(chunk i of this rank, sampled, scored and collated with its reference log-probabilities, its table)."""
+    counted = i < len(mine)
+    completions = mine[i] if counted else range(1)
+    rows = [eval_rows[c // g.num_generations] for c in completions]
+    seeds = [
+        sampling_seed(objective.cfg.train.seed, EVAL_KEY, 0, row["index"], c % g.num_generations)
+        for row, c in zip(rows, completions)
+    ]
+    sampled = objective.sample_rows(model, rows, seeds, g)
+    state = SimpleNamespace(global_step=step, epoch=0)
+    table = objective.score_rows(rows, sampled, state)[1]
+    cut = table[:, len(objective.rewards) + 1].tolist()
+    keep = [not (g.mask_truncated_completions and t) and len(x) > 0 for x, t in zip(sampled.ids, cut)]
+    prompts = [r["prompt_ids"] for r in rows]
+    index = list(completions)
+    batch = objective.collate(prompts, sampled.ids, keep, torch.zeros(len(index)), index, sampled.masks)
+    if g.beta > 0:
+        objective.add_reference(batch)
+    return EvalChunk(completions, batch, counted), torch.cat([table, objective.round_columns([[batch]])], dim=1)

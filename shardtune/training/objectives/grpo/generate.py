@@ -66,22 +66,22 @@ def sample(
     gather_whole: bool = False,
     min_p: float = 0.0,
     repetition_penalty: float = 1.0,
+    budgets: list[int] | None = None,
 ) -> list[list[int]]:
-    """One completion per prompt (with its eos when it ended), row i sampled from a generator seeded ``seeds[i]``.
-    Collective: every rank calls it with the same number of prompts. ``gather_whole``: Strategy.generating's
-    ``whole``."""
+    """One completion per prompt (with its eos when it ended), row i sampled from a generator seeded ``seeds[i]``,
+    at most ``budgets[i]`` tokens long (default: max_new_tokens each). Collective: every rank calls it alike (its
+    forwards may be collective), a rank without prompts too (it runs a stand-in row and returns [])."""
+    stand_in = not prompts  # a rank with nothing to sample still runs the forwards the others run
+    if stand_in:
+        prompts, seeds, budgets = [[pad_id]], [0], [0]
+    budgets = [max_new_tokens] * len(prompts) if budgets is None else [min(b, max_new_tokens) for b in budgets]
     generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
     rows = len(prompts)
-    longest = max(len(p) for p in prompts)
-    input_ids = torch.full((rows, longest), pad_id, dtype=torch.long)
-    attention = torch.zeros((rows, longest), dtype=torch.long)
-    for i, ids in enumerate(prompts):  # left-padded: every row's next token is at the same column
-        input_ids[i, longest - len(ids) :] = torch.tensor(ids)
-        attention[i, longest - len(ids) :] = 1
-    input_ids, attention = input_ids.to(device), attention.to(device)
+    input_ids, attention = left_padded(prompts, pad_id, device)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     eos = torch.tensor(sorted(eos_ids), device=device)
-    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    budget = torch.tensor(budgets, device=device)
+    done = budget <= 0
     seen = None  # the tokens of each row so far (with a repetition penalty)
     generated: list[torch.Tensor] = []
     inner = strategy.unwrap(model)
@@ -95,7 +95,7 @@ def sample(
         with strategy.generating(model, gather_whole), strategy.autocast():
             past = None
             step_ids, step_positions = input_ids, positions
-            for _ in range(max_new_tokens):
+            for step in range(max_new_tokens):
                 result = inner(
                     input_ids=step_ids,
                     attention_mask=attention,
@@ -116,7 +116,7 @@ def sample(
                 if seen is not None:
                     seen.scatter_(1, tokens[:, None], True)
                 generated.append(tokens)
-                done |= torch.isin(tokens, eos)
+                done |= torch.isin(tokens, eos) | (budget <= step + 1)
                 running = (~done).any().to(torch.float64).reshape(1)
                 if all_reduce_sum(running, device)[0] == 0:  # the one host read of a token: every rank stops alike
                     break
@@ -125,7 +125,21 @@ def sample(
                 step_positions = step_positions[:, -1:] + 1
     finally:
         inner.train(was_training)
-    return cut_at_eos(torch.stack(generated, 1).tolist() if generated else [[] for _ in range(rows)], eos_ids)
+    if stand_in:
+        return []
+    ended = cut_at_eos(torch.stack(generated, 1).tolist() if generated else [[] for _ in range(rows)], eos_ids)
+    return [row[:limit] for row, limit in zip(ended, budgets)]
+
+
+def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of the prompts left-padded: every row's next token is at the same column."""
+    longest = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for i, ids in enumerate(prompts):
+        input_ids[i, longest - len(ids) :] = torch.tensor(ids)
+        attention[i, longest - len(ids) :] = 1
+    return input_ids.to(device), attention.to(device)
 
 
 def keyed_choice(logits: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:

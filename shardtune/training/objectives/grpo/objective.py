@@ -49,6 +49,8 @@ from shardtune.training.objectives.grpo.loss import (
     token_logps,
 )
 from shardtune.training.objectives.grpo.rewards import load_rewards, score
+from shardtune.training.objectives.grpo.rollouts import Rollouts, roll_out
+from shardtune.training.objectives.grpo.tools import Toolbox, check_tokenizer, load_tools, toolbox
 
 LOSS_METRICS = (
     "kl",
@@ -59,6 +61,8 @@ LOSS_METRICS = (
     "clip_ratio/high_max",
     "clip_ratio/region_mean",
 )
+TOOL_METRICS = ("tools/call_frequency", "tools/failure_frequency")
+TAIL = 4  # score_rows' columns after the rewards: the model's tokens, truncated, tool calls, failed calls
 
 
 @dataclass
@@ -79,6 +83,8 @@ class GRPO(Objective):
     kept: tuple[dict, Round] | None = None  # the round a checkpoint after the current step keeps (state_to_save)
     saved_round: dict | None = None  # the round the checkpoint resumed from kept
     steps_done = 0  # optimizer steps done once the current one is (an evaluation's global_step for rewards)
+    toolbox: Toolbox | None = None  # with --tools: what sampling runs them with (attach)
+    tools: list = []  # the tools' callables (load_data)
 
     # -- before launch --------------------------------------------------------------------------------------------
     @classmethod
@@ -107,8 +113,11 @@ class GRPO(Objective):
     @classmethod
     def prepare_data(cls, cfg, tokenizer, dp_size: int) -> None:
         check_prompt_data(cfg)
+        tools = load_tools(cfg.grpo.tools)
+        if tools:
+            check_tokenizer(tokenizer)
         for split in ("train", "validation") if cfg.eval.enabled else ("train",):
-            rows, report = prompt_rows(cfg, tokenizer, split)
+            rows, report = prompt_rows(cfg, tokenizer, split, tools)
             print(f"shardtune: data ({split}): {report.summary()}", flush=True)
         load_rewards(cfg.grpo.reward_funcs, load_models=False)
         epoch_steps(cfg, len(rows), dp_size)
@@ -117,8 +126,9 @@ class GRPO(Objective):
     def load_data(self) -> tuple[list, list]:
         """The training split's prompts, and the test split's when evaluating."""
         loaded = {}
+        self.tools = load_tools(self.cfg.grpo.tools)
         for split in ("train", "validation") if self.cfg.eval.enabled else ("train",):
-            loaded[split], report = prompt_rows(self.cfg, self.tokenizer, split)
+            loaded[split], report = prompt_rows(self.cfg, self.tokenizer, split, self.tools)
             print0(f"data ({split}): {report.summary()}")
         return loaded["train"], loaded.get("validation", [])
 
@@ -133,6 +143,8 @@ class GRPO(Objective):
         generation_eos = getattr(getattr(self.strategy.unwrap(model), "generation_config", None), "eos_token_id", None)
         self.eos_ids |= set(generation_eos if isinstance(generation_eos, list) else [generation_eos]) - {None}
         self.pending: dict[str, float] = {}
+        context = getattr(self.strategy.unwrap(model).config, "max_position_embeddings", None) or 2**62
+        self.toolbox = toolbox(cfg, self.tokenizer, self.tools, context)
         self.ref_model = self.peft_model = None
         if cfg.grpo.beta > 0:
             if bool(cfg.peft.method):
@@ -145,6 +157,7 @@ class GRPO(Objective):
             *METRICS,
             *(f"rewards/{name}/{s}" for name in self.reward_names for s in ("mean", "std")),
             *COMPLETION_METRICS,
+            *(TOOL_METRICS if self.toolbox is not None else ()),
             *(m for m in LOSS_METRICS if m != "kl" or cfg.grpo.beta != 0.0),
         )
 
@@ -207,88 +220,129 @@ class GRPO(Objective):
         seeds = [
             sampling_seed(cfg.train.seed, epoch, r, row["index"], c % plan.generations) for row, c in zip(rows, flat)
         ]
-        completion_ids = self.sample_rows(self.model, rows, seeds, g)
+        sampled = self.sample_rows(self.model, rows, seeds, g)
         state = SimpleNamespace(global_step=step - 1, epoch=epoch)  # what TRL's trainer_state gives reward functions
-        texts, local = self.score_rows(rows, completion_ids, state)
+        texts, local = self.score_rows(rows, sampled, state)
         total = plan.steps_per_generation * plan.completions_per_step
-        index = torch.tensor(flat)
-        shared = torch.zeros(total, local.size(1), dtype=torch.float64)
-        shared[index] = local
-        shared = all_reduce_sum(shared, device).cpu()  # every rank: the whole round's rewards, lengths, truncations
-        advantages, metrics = self.generation_metrics(shared, g)
-        masked = g.mask_truncated_completions
-        counted = [0 if (masked and t) else len(ids) for ids, t in zip(completion_ids, local[:, -1].tolist())]
-        round_tokens = sum(counted)
+        truncated = local[:, len(self.rewards) + 1].tolist()
+        counted = [not (g.mask_truncated_completions and t) for t in truncated]
         slices: list[list[dict]] = []
         at = 0
         for j in range(plan.steps_per_generation):
             micro_batches = []
             for m in range(plan.accumulation):
-                n = len(mine[j * plan.accumulation + m])
-                part = range(at, at + n)
+                part = range(at, at + len(mine[j * plan.accumulation + m]))
                 batch = self.collate(
                     [rows[i]["prompt_ids"] for i in part],
-                    [completion_ids[i] for i in part],
-                    [counted[i] > 0 for i in part],
-                    advantages[index[at : at + n]],
-                    [r * total + int(c) for c in index[at : at + n]],
+                    [sampled.ids[i] for i in part],
+                    [counted[i] for i in part],
+                    torch.zeros(len(part)),  # the advantages, once the whole generation is scored (below)
+                    [r * total + flat[i] for i in part],
+                    None if sampled.masks is None else [sampled.masks[i] for i in part],
                 )
-                batch["normaliser"] = self.normaliser(batch, round_tokens)
+                batch["completion_index"] = torch.tensor([flat[i] for i in part])
+                batch["normaliser"] = self.normaliser(batch)
                 micro_batches.append(batch)
-                at += n
+                at += len(part)
             slices.append(micro_batches)
         self.add_policy_logps(slices)
+        local = torch.cat([local, self.round_columns(slices)], dim=1)
+        shared = torch.zeros(total, local.size(1), dtype=torch.float64)
+        shared[torch.tensor(flat)] = local
+        shared = all_reduce_sum(shared, device).cpu()  # every rank: the whole round's rewards, lengths, truncations
+        advantages, metrics = self.generation_metrics(shared, g)
+        for batch in (b for micro in slices for b in micro):
+            batch["advantages"] = advantages[batch.pop("completion_index")].float()
         if g.log_completions or g.num_completions_to_print:
-            self.log_completions(step, rows, texts, local[:, :-2])
+            self.log_completions(step, rows, texts, local[:, : len(self.rewards)])
         return Round(slices, metrics)
 
-    def sample_rows(self, model: nn.Module, rows: list[dict], seeds: list[int], g) -> list[list[int]]:
+    def sample_rows(self, model: nn.Module, rows: list[dict], seeds: list[int], g) -> Rollouts:
         """One completion of each row's prompt, row i's from a generator seeded ``seeds[i]``, with ``g``'s sampling
-        settings (collective: every rank calls it alike)."""
-        return sample(
-            model,
-            self.strategy,
-            [row["prompt_ids"] for row in rows],
-            seeds,
-            max_new_tokens=g.max_completion_length,
-            eos_ids=self.eos_ids,
-            pad_id=self.pad_id,
-            temperature=g.temperature,
-            top_k=g.top_k,
-            top_p=g.top_p,
-            min_p=g.min_p,
-            repetition_penalty=g.repetition_penalty,
-            device=self.env.device,
-            gather_whole=g.ds3_gather_for_generation,
-        )
+        settings; with tools, the model's calls run and their results appended, turn by turn (rollouts.roll_out).
+        Collective: every rank calls it alike."""
 
-    def score_rows(self, rows: list[dict], completion_ids: list[list[int]], state) -> tuple[list[str], torch.Tensor]:
-        """(the completions' texts, this rank's table: per completion its rewards (NaN: not scored), its length, and
-        1.0 where it was cut at max_completion_length (no eos)), the reward functions called as TRL calls them."""
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        def turn(prompts: list[list[int]], keys: list[int], budgets: list[int] | None = None) -> list[list[int]]:
+            return sample(
+                model,
+                self.strategy,
+                prompts,
+                keys,
+                max_new_tokens=g.max_completion_length,
+                eos_ids=self.eos_ids,
+                pad_id=self.pad_id,
+                temperature=g.temperature,
+                top_k=g.top_k,
+                top_p=g.top_p,
+                min_p=g.min_p,
+                repetition_penalty=g.repetition_penalty,
+                device=self.env.device,
+                gather_whole=g.ds3_gather_for_generation,
+                budgets=budgets,
+            )
+
+        first = turn([row["prompt_ids"] for row in rows], seeds)
+        if self.toolbox is None:
+            return Rollouts(first)
+        return roll_out(self.toolbox, rows, first, seeds, turn, self.env.device)
+
+    def score_rows(self, rows: list[dict], sampled: Rollouts, state) -> tuple[list[str], torch.Tensor]:
+        """(the completions' texts, this rank's table: per completion its rewards (NaN: not scored), then TAIL: the
+        model's tokens, 1.0 where it was cut at max_completion_length (no eos), its tool calls and failed calls),
+        the reward functions called as TRL calls them."""
+        ids = sampled.ids
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         conversational = isinstance(rows[0]["prompt"], list)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        completions: list = texts
+        if sampled.messages is not None:
+            completions = sampled.messages
+        elif conversational:
+            completions = [[{"role": "assistant", "content": t}] for t in texts]
         extras = {key: [row["extras"][key] for row in rows] for key in rows[0]["extras"]}
         device = self.env.device
-        rewards = score(
-            self.rewards, [row["prompt"] for row in rows], completions, completion_ids, extras, state, device
-        )
+        rewards = score(self.rewards, [row["prompt"] for row in rows], completions, ids, extras, state, device)
         ended = self.eos_ids | {self.pad_id}
-        tail = [[len(ids), float(not ids or ids[-1] not in ended)] for ids in completion_ids]
-        return texts, torch.cat([rewards, torch.tensor(tail, dtype=torch.float64)], dim=1)
+        tokens = [len(x) for x in ids] if sampled.masks is None else [sum(m) for m in sampled.masks]
+        tail = [
+            [n, float(not x or x[-1] not in ended), calls, failures]
+            for n, x, calls, failures in zip(tokens, ids, sampled.calls, sampled.failures)
+        ]
+        return texts, torch.cat([rewards, torch.tensor(tail, dtype=torch.float64).view(len(ids), TAIL)], dim=1)
 
     def generation_metrics(self, shared: torch.Tensor, g) -> tuple[torch.Tensor, dict[str, float]]:
-        """The advantages and TRL's reward and completion metrics of a whole generation's table (score_rows' tables
-        of all ranks), the rewards named by function."""
-        advantages, metrics = advantages_of(shared[:, :-2], self.weights, g)
+        """The advantages and TRL's reward, completion and tool metrics of a whole generation's table (score_rows'
+        tables of all ranks, with round_columns'), the rewards named by function."""
+        n = len(self.rewards)
+        advantages, metrics = advantages_of(shared[:, :n], self.weights, g)
+        self.name_rewards(metrics)
+        metrics.update(self.tail_metrics(shared[:, n : n + TAIL]))
+        return advantages, metrics
+
+    def name_rewards(self, metrics: dict[str, float]) -> None:
+        """rewards/<index>/mean|std as rewards/<function's name>/mean|std."""
         for i, name in enumerate(self.reward_names):
             metrics[f"rewards/{name}/mean"] = metrics.pop(f"rewards/{i}/mean")
             metrics[f"rewards/{name}/std"] = metrics.pop(f"rewards/{i}/std")
-        metrics.update(completion_metrics(shared[:, -2], shared[:, -1]))
-        return advantages, metrics
 
-    def collate(self, prompts, completions, counted, advantages, ids) -> dict:
-        """Right-padded rows [prompt | completion | pad]: positions from 0, each row independent of the others."""
+    def tail_metrics(self, tail: torch.Tensor) -> dict[str, float]:
+        """TRL's completions/* and, with tools, tools/call_frequency (calls per completion) and
+        tools/failure_frequency (failed calls per call) of a generation."""
+        metrics = completion_metrics(tail[:, 0], tail[:, 1])
+        if self.toolbox is not None:
+            calls = tail[:, 2].sum().item()
+            metrics["tools/call_frequency"] = calls / tail.size(0)
+            metrics["tools/failure_frequency"] = tail[:, 3].sum().item() / calls if calls else 0.0
+        return metrics
+
+    def round_columns(self, slices: list[list[dict]]) -> torch.Tensor:
+        """Per completion of this rank (slices' order), what the generation's advantages need beyond its rewards,
+        after the policy's and the reference's log-probabilities are in the batches (GRPO: nothing)."""
+        rows = sum(b["input_ids"].size(0) for micro in slices for b in micro)
+        return torch.zeros(rows, 0, dtype=torch.float64)
+
+    def collate(self, prompts, completions, counted, advantages, ids, masks=None) -> dict:
+        """Right-padded rows [prompt | completion | pad]: positions from 0, each row independent of the others;
+        ``masks`` (tools): 0 where a completion's token is a tool result's, which carries no loss."""
         width = max(len(p) + len(c) for p, c in zip(prompts, completions))
         rows = len(prompts)
         input_ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
@@ -301,7 +355,7 @@ class GRPO(Objective):
             input_ids[i, :n] = torch.tensor(p + c)
             attention[i, :n] = 1
             if counted[i]:
-                completion[i, len(p) : n] = 1
+                completion[i, len(p) : n] = 1 if masks is None else torch.tensor(masks[i], dtype=torch.long)
             example_ids[i, :n], lengths[i, :n] = ids[i], n
         return {
             "input_ids": input_ids,
@@ -313,20 +367,21 @@ class GRPO(Objective):
             EXAMPLE_LENGTHS: lengths,
         }
 
-    def normaliser(self, batch: dict, round_tokens: int) -> float:
+    def normaliser(self, batch: dict, round_tokens: int = 0) -> float:
         """This micro-batch's share of the step's N (shardtune.training.objectives.grpo.loss): summed over the step's
-        micro-
-        batches of all ranks it is N."""
+        micro-batches of all ranks it is N."""
         g = self.cfg.grpo
-        tokens = float(batch["completion_mask"].sum())
+        if g.loss_type in ("dapo", "bnpo"):  # its tokens (dapo: spread over the round by spread_normalisers)
+            return float(batch["completion_mask"].sum())
         rows = batch["input_ids"].size(0)
-        if g.loss_type == "dapo":  # this micro-batch's tokens; spread over the round by add_policy_logps
-            return tokens
-        if g.loss_type == "bnpo":
-            return tokens
-        if g.loss_type == "grpo":
-            return float(rows)
-        return float(rows * g.max_completion_length)
+        return float(rows) if g.loss_type == "grpo" else float(rows * g.max_completion_length)
+
+    def spread_normalisers(self, everything: list[dict]) -> None:
+        """dapo: each micro-batch's N is the round's tokens of this rank / (k x its micro-batches)."""
+        if self.cfg.grpo.loss_type == "dapo":
+            tokens = sum(b["normaliser"] for b in everything)
+            for b in everything:
+                b["normaliser"] = tokens / len(everything)
 
     @torch.no_grad()
     def add_policy_logps(self, slices: list[list[dict]]) -> None:
@@ -334,10 +389,7 @@ class GRPO(Objective):
         before its last step), and the reference's with beta > 0; the dapo normaliser spread over the round."""
         g, device = self.cfg.grpo, self.env.device
         everything = [b for micro in slices for b in micro]
-        if g.loss_type == "dapo":  # each micro-batch: the round's tokens of this rank / (k x its micro-batches)
-            tokens = sum(b["normaliser"] for b in everything)
-            for b in everything:
-                b["normaliser"] = tokens / len(everything)
+        self.spread_normalisers(everything)
         if self.plan.round_steps > 1:
             for b in everything:
                 with self.strategy.autocast():
@@ -402,7 +454,11 @@ class GRPO(Objective):
     def loss(self, model: nn.Module, batch: dict, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         g, device = self.cfg.grpo, self.env.device
         logps, entropies = token_logps(model, batch, device, g.temperature, True)
-        return micro_batch_terms(logps, entropies, batch, g, device)
+        return self.terms(logps, entropies, batch, g)
+
+    def terms(self, logps: torch.Tensor, entropies: torch.Tensor, batch: dict, g) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the micro-batch's loss sum, its STATS) from the policy's log-probabilities (training and evaluation)."""
+        return micro_batch_terms(logps, entropies, batch, g, self.env.device)
 
     def step_metrics(self, totals: dict[str, float], stats: list[float]) -> dict[str, float]:
         g = self.cfg.grpo

@@ -73,7 +73,7 @@ def _trl_reward(name: str) -> Callable[..., Any]:
     return func
 
 
-def _importable(spec: str) -> Callable[..., Any] | None:
+def importable(spec: str) -> Callable[..., Any] | None:
     module_name, _, name = spec.rpartition(".")
     if not module_name or not name.isidentifier():
         return None
@@ -107,7 +107,7 @@ def resolve(spec: str, load_models: bool, device: torch.device | None = None) ->
     if sep and path.endswith(".py"):
         func = _from_file(spec)
         return Reward(function, func=func)
-    func = _importable(spec)
+    func = importable(spec)
     if func is not None:
         return Reward(reward_name(func), func=func)
     from shardtune.model.scoring import check_scoring_model, is_adapter, load_scoring_model
@@ -127,8 +127,8 @@ def resolve(spec: str, load_models: bool, device: torch.device | None = None) ->
 def load_rewards(specs: list[str], load_models: bool = True, device: torch.device | None = None) -> list[Reward]:
     if not specs:
         raise ConfigError(
-            "shardtune grpo needs reward functions: pass --reward_funcs path.py:function (or an importable "
-            "package.module.function, or a reward model's directory)"
+            "the run needs reward functions (shardtune grpo / rloo): pass --reward_funcs path.py:function (or an "
+            "importable package.module.function, or a reward model's directory)"
         )
     return [resolve(spec, load_models, device) for spec in specs]
 
