@@ -17,6 +17,7 @@ _EXPORTS = {
     ),
     "TrlParser": "shardtune.api.parser",
     **dict.fromkeys(("RewardConfig", "RewardTrainer"), "shardtune.api.reward"),
+    **dict.fromkeys(("RLOOConfig", "RLOOTrainer"), "shardtune.api.rloo"),
     **dict.fromkeys(
         (
             "DatasetConfig",
@@ -56,7 +57,7 @@ _TRAINERS = "shardtune trains with SFTTrainer, DPOTrainer and GRPOTrainer"
 REFUSED = {
     **{
         name: f"{name} is not built yet ({_TRAINERS}; reward models, KTO and RLOO are coming): use trl for it"
-        for name in ("KTOConfig", "KTOTrainer", "RLOOConfig", "RLOOTrainer")
+        for name in ("KTOConfig", "KTOTrainer")
     },
     **{
         name: f"{name}: distillation is not built ({_TRAINERS}): use trl for it"

@@ -161,6 +161,27 @@ OBJECTIVES = {
         api_config="shardtune.api.reward:RewardConfig",
         model_head="score",
     ),
+    "rloo": Registration(
+        "online RL with the leave-one-out baseline (RLOO): GRPO's sampling and rewards, same launcher (docs/rloo.md)",
+        "shardtune.training.objectives.grpo.rloo:RLOO",
+        settings="rloo",
+        shares=("grpo",),
+        packs=False,
+        frozen_reference=grpo_reference,
+        sampling_rows=grpo_sampling_rows,
+        pooled_tokenising=False,
+        trl_shuffle_dataset=True,
+        epoch_steps="shardtune.training.objectives.grpo.batches:epoch_steps",
+        sampling_gathers_whole=grpo_gathers_whole,
+        predictions="loss",
+        home="trl",
+        # TRL's RLOOConfig: num_generations 2 and beta 0.05 (GRPOConfig's: 8 and 0), under either defaults' names
+        defaults={
+            "trl": {"optim.lr": 1e-6, "grpo.num_generations": 2, "grpo.beta": 0.05},
+            "cookbook": {"eval.enabled": False, "grpo.num_generations": 2, "grpo.beta": 0.05},
+        },
+        api_config="shardtune.api.rloo:RLOOConfig",
+    ),
 }
 
 

@@ -31,6 +31,7 @@ from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.output_settings import PREVIOUS_FOLDER, OutputSettings  # noqa: F401
 from shardtune.config.peft_settings import PeftSettings
 from shardtune.config.reward_settings import RewardModelConfig
+from shardtune.config.rloo_settings import RlooConfig
 from shardtune.config.setting import (  # noqa: F401 (re-exported: what every floor imports from here)
     CACHE,
     OPTIMIZER,
@@ -565,6 +566,9 @@ class TrainConfig:
     grpo: GrpoConfig = setting(GrpoConfig(), "TRL's GRPO settings (--reward_funcs, --num_generations ...)")
     reward: RewardModelConfig = setting(
         RewardModelConfig(), "TRL's reward-model settings (--center_rewards_coefficient): shardtune reward"
+    )
+    rloo: RlooConfig = setting(
+        RlooConfig(), "TRL's RLOO-only settings (--normalize_advantages, --reward_clip_range): shardtune rloo"
     )
     provenance: Provenance = field(default_factory=Provenance, compare=False, repr=False, metadata={"setting": False})
 

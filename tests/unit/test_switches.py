@@ -134,9 +134,10 @@ def test_help_and_the_flag_table_say_switches_take_no():
 
 def trl_classes():
     from transformers import TrainingArguments
-    from trl import DPOConfig, GRPOConfig, ModelConfig, ScriptArguments, SFTConfig
+    from trl import DPOConfig, GRPOConfig, ModelConfig, RLOOConfig, ScriptArguments, SFTConfig
 
-    return {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig}, (ModelConfig, ScriptArguments, TrainingArguments)
+    configs = {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig, "rloo": RLOOConfig}
+    return configs, (ModelConfig, ScriptArguments, TrainingArguments)
 
 
 def takes_a_boolean(annotation) -> bool:

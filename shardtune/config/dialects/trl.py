@@ -12,7 +12,7 @@ import json
 from dataclasses import fields
 from typing import Any, Callable
 
-from shardtune.config.dialects import Pairs, Spelling, refused, text, trl_grpo, trl_reward, trl_trainer
+from shardtune.config.dialects import Pairs, Spelling, refused, text, trl_grpo, trl_reward, trl_rloo, trl_trainer
 from shardtune.config.dialects.cookbook import STATE as COOKBOOK
 from shardtune.config.dialects.cookbook import report_to
 from shardtune.config.dialects.trl_model import _attn_implementation, _dtype, _model_init_kwargs, _model_revision
@@ -440,6 +440,7 @@ SPELLINGS: dict[str, Spelling] = {
     # DPO (DPOConfig): its loss and reference settings, the same names
     **{f.name: T(f"dpo.{f.name}", f.metadata["help"]) for f in fields(DpoConfig) if f.name not in trl_grpo.SHARED},
     **trl_grpo.SPELLINGS,  # GRPO (GRPOConfig); --beta sets the objective's
+    **trl_rloo.SPELLINGS,  # RLOO's own (RLOOConfig's names GRPOConfig lacks)
     **trl_reward.SPELLINGS,  # reward models (RewardConfig)
     "loss_type": T(
         "dpo.loss_type",
