@@ -18,6 +18,7 @@ _EXPORTS = {
     "TrlParser": "shardtune.api.parser",
     **dict.fromkeys(("RewardConfig", "RewardTrainer"), "shardtune.api.reward"),
     **dict.fromkeys(("RLOOConfig", "RLOOTrainer"), "shardtune.api.rloo"),
+    **dict.fromkeys(("KTOConfig", "KTOTrainer"), "shardtune.api.kto"),
     **dict.fromkeys(
         (
             "DatasetConfig",
@@ -55,10 +56,6 @@ __all__ = sorted(_EXPORTS)
 _TRAINERS = "shardtune trains with SFTTrainer, DPOTrainer and GRPOTrainer"
 # trl's other public names: importing one says why it is not here (an ImportError naming the reason and the way out)
 REFUSED = {
-    **{
-        name: f"{name} is not built yet ({_TRAINERS}; reward models, KTO and RLOO are coming): use trl for it"
-        for name in ("KTOConfig", "KTOTrainer")
-    },
     **{
         name: f"{name}: distillation is not built ({_TRAINERS}): use trl for it"
         for name in ("DistillationConfig", "DistillationTrainer")

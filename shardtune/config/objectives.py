@@ -52,6 +52,16 @@ def dpo_reference(cfg: Any) -> bool:
     return not cfg.peft.method and not cfg.dpo.precompute_ref_log_probs
 
 
+def no_scored_rows(cfg: Any) -> int:
+    return 0
+
+
+def kto_kl_rows(cfg: Any) -> int:
+    """KTO's KL rows (each prompt with another row's completion), scored by the policy and the reference without a
+    graph for the step's KL estimate: one per row with loss_type kto, none with apo_zero_unpaired."""
+    return 1 if cfg.kto.loss_type == "kto" else 0
+
+
 def no_whole_gather(cfg: Any) -> bool:
     return False
 
@@ -69,6 +79,8 @@ class Registration:
     # sampling, rewards and clipping); theirs that it does not honour its check refuses
     shares: tuple[str, ...] = ()
     rows_per_unit: int = 1  # planner: rows the model computes per unit of batch
+    # planner: rows per unit the model scores without a graph before the step's first backward (KTO's KL rows)
+    scored_rows_per_unit: Callable[[Any], int] = no_scored_rows
     frozen_reference: Callable[[Any], bool] = no_reference  # planner: a frozen copy of the model beside it
     sampling_rows: Callable[[Any, int], int] = no_sampling  # planner: rows a process samples at once between steps
     streams: bool = False  # trains on --dataset_streaming data (rows read as the steps need them)
@@ -181,6 +193,22 @@ OBJECTIVES = {
             "cookbook": {"eval.enabled": False, "grpo.num_generations": 2, "grpo.beta": 0.05},
         },
         api_config="shardtune.api.rloo:RLOOConfig",
+    ),
+    "kto": Registration(
+        "preference training on unpaired desirable / undesirable completions (KTO), same launcher (docs/kto.md)",
+        "shardtune.training.objectives.kto.objective:KTO",
+        settings="kto",
+        shares=("dpo",),  # beta and the reference settings: DPO's names and meanings
+        packs=False,  # a micro-batch's rows (and their KL rows) are padded rows
+        frozen_reference=dpo_reference,
+        scored_rows_per_unit=kto_kl_rows,
+        reference_setting="dpo.ref_model",
+        prediction_refusal="TRL 1.16's KTO predictions are logits recomputed by an extra forward (deprecated for "
+        "TRL 2.0): not built; use evaluate() (eval_rewards/*, eval_logps/*, eval_kl: the same on any layout)",
+        home="trl",
+        # TRL's KTOConfig: learning_rate 1e-6, disable_dropout true, train_sampling_strategy sequential
+        defaults={"trl": {"optim.lr": 1e-6, "peft.lora.dropout": 0.0, "data.sampling": "sequential"}},
+        api_config="shardtune.api.kto:KTOConfig",
     ),
 }
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from shardtune.config.data_settings import DataSettings, SamsumDatasetConfig, TrlDatasetConfig  # noqa: F401
 from shardtune.config.dpo_settings import DpoConfig
 from shardtune.config.grpo_settings import GRPO_LOSS_TYPES, GRPO_LOSS_TYPES_NOT_BUILT, GrpoConfig  # noqa: F401
+from shardtune.config.kto_settings import KtoConfig
 from shardtune.config.objectives import OBJECTIVES
 from shardtune.config.output_settings import PREVIOUS_FOLDER, OutputSettings  # noqa: F401
 from shardtune.config.peft_settings import PeftSettings
@@ -569,6 +570,9 @@ class TrainConfig:
     )
     rloo: RlooConfig = setting(
         RlooConfig(), "TRL's RLOO-only settings (--normalize_advantages, --reward_clip_range): shardtune rloo"
+    )
+    kto: KtoConfig = setting(
+        KtoConfig(), "TRL's KTO-only settings (--desirable_weight, --undesirable_weight): shardtune kto"
     )
     provenance: Provenance = field(default_factory=Provenance, compare=False, repr=False, metadata={"setting": False})
 

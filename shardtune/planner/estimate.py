@@ -46,6 +46,7 @@ class Setup:
     reference_model: bool = False  # a frozen copy beside the policy (DPO's full fine-tuning reference)
     sampling_rows: int = 0  # GRPO: completions a rank samples at once (0: no sampling), each of seq_len tokens at most
     sampling_gathers_whole: bool = False  # ZeRO-3 with ds3_gather_for_generation: every weight gathered to sample
+    scored_rows_per_unit: int = 0  # KTO: KL rows per unit, scored without a graph before the step's backward
 
     @property
     def world_size(self) -> int:
@@ -92,6 +93,7 @@ class Breakdown:
     host_state: float = 0.0  # per rank, CPU memory of offloaded state
     host_loading: float = 0.0  # per NODE, CPU memory to load the weights (all ranks of the node together)
     sampling: float = 0.0  # GRPO's sampling, between steps: KV cache, last logits, weights gathered beyond the step's
+    scoring: float = 0.0  # KTO's KL rows, scored without a graph before a step's first forward with one
 
     @property
     def state(self) -> float:
@@ -106,7 +108,8 @@ class Breakdown:
         resident = self.params + self.optimizer + self.buffers + self.gathered
         checkpointed = self.activations if self.backward else 0.0
         step = max(self.activations + self.loss_buffers, checkpointed + self.grads + self.backward)
-        return resident + max(step, self.sampling)  # sampling runs between steps (no gradients, no activations)
+        # sampling runs between steps, scoring before a step's first graph: no gradients, no saved activations
+        return resident + max(step, self.sampling, self.scoring)
 
     def rows(self) -> list[tuple[str, float]]:
         return [
@@ -119,6 +122,7 @@ class Breakdown:
             ("loss buffers", self.loss_buffers),
             ("backward working memory", self.backward),
             *([("sampling (KV cache)", self.sampling)] if self.sampling else []),
+            *([("KL rows (no graph)", self.scoring)] if self.scoring else []),
         ]
 
 
@@ -298,12 +302,20 @@ def estimate(setup: Setup) -> Breakdown:
     replicated_kv = replicated_kv_bytes(setup)
     out.activations += replicated_kv * (1 if s.activation_checkpointing else arch.num_layers)
     out.loss_buffers = loss_buffer_bytes(arch, tokens)
-    if s.reference_model:
-        add_reference(out, s)
-    if s.sampling_rows:
-        add_sampling(out, s)
+    add_objective_terms(out, s)
     out.host_loading = host_loading_bytes(setup)
     return out
+
+
+def add_objective_terms(out: Breakdown, setup: Setup) -> None:
+    """What an objective holds beside the step (its Registration's planner terms): a frozen reference, sampling
+    between steps, rows scored without a graph before the step."""
+    if setup.reference_model:
+        add_reference(out, setup)
+    if setup.sampling_rows:
+        add_sampling(out, setup)
+    if setup.scored_rows_per_unit:
+        add_scoring(out, setup)
 
 
 def add_reference(out: Breakdown, setup: Setup) -> None:
@@ -323,6 +335,18 @@ def add_reference(out: Breakdown, setup: Setup) -> None:
         out.host_state += reference
     else:
         out.params += reference
+
+
+def add_scoring(out: Breakdown, setup: Setup) -> None:
+    """KTO's KL rows (shardtune.training.objectives.kto), scored by the policy and then the reference without a graph
+    before the step's first backward, a micro-batch at a time: each layer's activations live only while it runs (one
+    layer's at a time, as the backward of a layer needs them), the rows' hidden states between layers, and the
+    head's chunk of fp32 logits (counted as the lean loss's buffers: an upper bound); nothing is kept but a
+    number per row."""
+    s, arch, c = setup, setup.arch, setup.compute_bytes
+    tokens = math.ceil(s.scored_rows_per_unit * s.batch_size * s.seq_len)
+    one_layer = layer_activation_bytes(arch, c, s.adapter, linear_inputs_always_saved=False) * tokens
+    out.scoring = one_layer + outside_layers_bytes(arch, c) * tokens + loss_buffer_bytes(arch, tokens)
 
 
 def add_sampling(out: Breakdown, setup: Setup) -> None:

@@ -166,6 +166,7 @@ def setup_from_config(cfg: TrainConfig, values: dict[str, str], device: Device) 
         reference_model=objective.frozen_reference(cfg),
         sampling_rows=objective.sampling_rows(cfg, nnodes * per_node),
         sampling_gathers_whole=objective.sampling_gathers_whole(cfg),
+        scored_rows_per_unit=objective.scored_rows_per_unit(cfg),
     )
 
 

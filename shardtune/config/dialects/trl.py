@@ -12,7 +12,17 @@ import json
 from dataclasses import fields
 from typing import Any, Callable
 
-from shardtune.config.dialects import Pairs, Spelling, refused, text, trl_grpo, trl_reward, trl_rloo, trl_trainer
+from shardtune.config.dialects import (
+    Pairs,
+    Spelling,
+    refused,
+    text,
+    trl_grpo,
+    trl_kto,
+    trl_reward,
+    trl_rloo,
+    trl_trainer,
+)
 from shardtune.config.dialects.cookbook import STATE as COOKBOOK
 from shardtune.config.dialects.cookbook import report_to
 from shardtune.config.dialects.trl_model import _attn_implementation, _dtype, _model_init_kwargs, _model_revision
@@ -442,10 +452,11 @@ SPELLINGS: dict[str, Spelling] = {
     **trl_grpo.SPELLINGS,  # GRPO (GRPOConfig); --beta sets the objective's
     **trl_rloo.SPELLINGS,  # RLOO's own (RLOOConfig's names GRPOConfig lacks)
     **trl_reward.SPELLINGS,  # reward models (RewardConfig)
+    **trl_kto.SPELLINGS,  # KTO's own (KTOConfig's names DPOConfig lacks)
     "loss_type": T(
         "dpo.loss_type",
         "shardtune dpo: " + DpoConfig.__dataclass_fields__["loss_type"].metadata["help"] + "; shardtune sft: nll "
-        "only (TRL's SFT default; dft is not built)",
+        "only (TRL's SFT default; dft is not built); shardtune kto: kto or apo_zero_unpaired",
         _loss_type,
     ),
     "disable_dropout": T(

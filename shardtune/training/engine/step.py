@@ -97,7 +97,8 @@ def train_step(
     """Optimizer step number ``step`` over this rank's micro-batches. LoRA dropout masks are keyed by the step and
     each example's global index (shardtune.model.lora_dropout), so they do not depend on which rank holds it."""
     cfg, device = objective.cfg, objective.env.device
-    local = torch.tensor(objective.counts(micro_batches, shape), dtype=torch.float64)
+    counts = objective.counts(micro_batches, shape)  # numbers, or a float64 tensor computed on the device
+    local = counts if isinstance(counts, torch.Tensor) else torch.tensor(counts, dtype=torch.float64)
     totals = all_reduce_sum(local, device, to_host=False)
     scale = strategy.grad_average_size / totals[0].clamp(min=1)
     reductions = StatReductions(objective.stat_reductions or ("sum",) * len(objective.stat_names), device)
