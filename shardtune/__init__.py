@@ -53,7 +53,7 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-_TRAINERS = "shardtune trains with SFTTrainer, DPOTrainer and GRPOTrainer"
+_TRAINERS = "shardtune trains with SFTTrainer, DPOTrainer, GRPOTrainer, RewardTrainer, KTOTrainer and RLOOTrainer"
 # trl's other public names: importing one says why it is not here (an ImportError naming the reason and the way out)
 REFUSED = {
     **{

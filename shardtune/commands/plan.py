@@ -48,7 +48,9 @@ def main(argv: list[str]) -> int:
             + "|".join(DEVICES)
             + "|cpu, --gpu_memory SIZE, --host_memory SIZE (per node; "
             "default: what a server of that GPU ships with, stated in the output), --nnodes M, "
-            "--gpus_per_node G, --objective sft|dpo|grpo (default sft; dpo, grpo: such a run, its flags), --json; "
+            "--gpus_per_node G, --objective "
+            + "|".join(OBJECTIVES)
+            + " (default sft; another: such a run, its flags), --json; "
             "every sft flag (shardtune sft --help)"
         )
         return 0

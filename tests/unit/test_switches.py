@@ -134,9 +134,19 @@ def test_help_and_the_flag_table_say_switches_take_no():
 
 def trl_classes():
     from transformers import TrainingArguments
-    from trl import DPOConfig, GRPOConfig, KTOConfig, ModelConfig, RLOOConfig, ScriptArguments, SFTConfig
+    from trl import (
+        DPOConfig,
+        GRPOConfig,
+        KTOConfig,
+        ModelConfig,
+        RewardConfig,
+        RLOOConfig,
+        ScriptArguments,
+        SFTConfig,
+    )
 
     configs = {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig, "kto": KTOConfig, "rloo": RLOOConfig}
+    configs["reward"] = RewardConfig
     return configs, (ModelConfig, ScriptArguments, TrainingArguments)
 
 
