@@ -33,6 +33,7 @@ from typing import Any, ClassVar, Iterator, Sequence
 from transformers import TrainingArguments
 from transformers.training_args import ParallelMode
 
+from shardtune.api.accelerator import ScriptAccelerator
 from shardtune.config.flags import build_config
 from shardtune.config.schema import ConfigError, TrainConfig
 
@@ -66,19 +67,6 @@ def _list(*items: Any) -> Any:
 
 
 # -- where the script runs: torchrun's environment, no process group -------------------------------------------------
-
-
-def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
-
-
-def script_device() -> Any:
-    """This process's device as the run will place it: torchrun's LOCAL_RANK GPU, else the CPU."""
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.device("cuda", _env_int("LOCAL_RANK", 0))
-    return torch.device("cpu")
 
 
 def _bf16_gpu() -> bool:
@@ -137,21 +125,21 @@ class _TrlArguments(TrainingArguments):
     @cached_property
     def _setup_devices(self) -> Any:
         self.distributed_state = None
-        device = script_device()
+        device = ScriptAccelerator().device  # torchrun's LOCAL_RANK GPU, else the CPU
         self._n_gpu = 1 if device.type == "cuda" else 0
         return device
 
     @property
     def world_size(self) -> int:
-        return _env_int("WORLD_SIZE", 1)
+        return ScriptAccelerator().num_processes
 
     @property
     def process_index(self) -> int:
-        return _env_int("RANK", 0)
+        return ScriptAccelerator().process_index
 
     @property
     def local_process_index(self) -> int:
-        return _env_int("LOCAL_RANK", 0)
+        return ScriptAccelerator().local_process_index
 
     @property
     def parallel_mode(self) -> ParallelMode:
@@ -160,10 +148,7 @@ class _TrlArguments(TrainingArguments):
     @contextlib.contextmanager
     def main_process_first(self, local: bool = True, desc: str = "work") -> Iterator[None]:
         """The main process (of the node with ``local``) runs the block first, the others after it (a barrier)."""
-        from shardtune.api.accelerator import ScriptAccelerator
-
-        accelerator = ScriptAccelerator()
-        with accelerator.main_process_first(local=local):
+        with ScriptAccelerator().main_process_first(local=local):
             yield
 
 

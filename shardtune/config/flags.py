@@ -168,7 +168,7 @@ def build_config(
     for value in given if objective else ():
         if value is None or text(value) == objective:  # None: a bare --objective, which needs a value
             continue
-        if objective == "sft" and ":" in text(value):  # a plug-in (module:attribute), trained by the training verb
+        if objective and registration(objective).hosts_plugins and ":" in text(value):  # a plug-in
             objective = text(value)
             continue
         raise ConfigError(

@@ -104,6 +104,8 @@ class Registration:
     # planner: ZeRO-3 gathers the whole model to sample (GRPO's ds3_gather_for_generation), else layer by layer
     sampling_gathers_whole: Callable[[Any], bool] = no_whole_gather
     # the Python face: "module:Class" of its TRL-shaped config (the dataclass a trainer without args makes); "": SFT's
+    # its verb also trains a plug-in named there (shardtune sft --objective module:attribute)
+    hosts_plugins: bool = False
     api_config: str = ""
     # what predict() returns (shardtune.api.prediction): "arrays", Trainer's predictions and label_ids (its
     # evaluation keeps them: Objective.predicts); "loss", the metrics alone (TRL's prediction_step returns the loss);
@@ -120,6 +122,7 @@ OBJECTIVES = {
     "sft": Registration(
         "fine-tune a model (launches torchrun; see shardtune sft --help)",
         "shardtune.training.objectives.sft.objective:SFT",
+        hosts_plugins=True,
         streams=True,
         loss_types=("nll",),
         loss_types_not_built=(("dft", "Dynamic Fine-Tuning: each token's loss weighted by its probability"),),
