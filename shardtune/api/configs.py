@@ -236,10 +236,9 @@ class DPOConfig(_TrlModelArguments):
 
 @with_help
 @dataclass
-class GRPOConfig(_TrlModelArguments):
-    """TRL 1.16's ``GRPOConfig`` for :class:`shardtune.GRPOTrainer`."""
-
-    objective: ClassVar[str] = "grpo"
+class _SamplingArguments(_TrlModelArguments):
+    """What TRL's GRPOConfig and RLOOConfig share (the same names, types and defaults): sampling, the clipped ratio,
+    vLLM, the logging of completions; and the generation sizes TRL derives from the batch."""
 
     learning_rate: float = field(default=1e-6, metadata={"help": help_of("learning_rate")})
     # TRL's override of TrainingArguments' bool
@@ -247,9 +246,6 @@ class GRPOConfig(_TrlModelArguments):
         default=False, metadata={"help": help_of("remove_unused_columns")}
     )
     disable_dropout: bool = False
-    cast_lm_head_to_fp32: bool = False
-    # generation
-    num_generations: int | None = 8
     num_generations_eval: int | None = None
     max_completion_length: int | None = 512
     ds3_gather_for_generation: bool = True
@@ -265,7 +261,6 @@ class GRPOConfig(_TrlModelArguments):
     chat_template_kwargs: dict | str | None = None
     repetition_penalty: float = 1.0
     cache_implementation: str | None = None
-    # vLLM
     use_vllm: bool = False
     vllm_mode: str = "colocate"
     vllm_model_impl: str = "vllm"
@@ -279,12 +274,46 @@ class GRPOConfig(_TrlModelArguments):
     vllm_gpu_memory_utilization: float = 0.3
     vllm_max_model_length: int | None = None
     vllm_tensor_parallel_size: int = 1
-    # the loss
-    beta: float = 0.0
     num_iterations: int = 1
     epsilon: float = 0.2
-    delta: float | None = None
     epsilon_high: float | None = None
+    reward_weights: list[float] | None = None
+    mask_truncated_completions: bool = False
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
+    log_completions: bool = False
+    log_multimodal: bool = True
+    num_completions_to_print: int | None = None
+    log_unique_prompts: bool = False
+    use_transformers_continuous_batching: bool = False
+    transformers_continuous_batching_config: dict | str | None = None
+    use_transformers_paged: bool = False
+
+    def _trl_post_init(self) -> None:
+        super()._trl_post_init()
+        per_step = self.per_device_train_batch_size * self.world_size  # TRL's derived generation sizes
+        size, steps = self.generation_batch_size, self.steps_per_generation
+        if size is None and steps is None:
+            self.steps_per_generation = self.gradient_accumulation_steps
+            self.generation_batch_size = per_step * self.steps_per_generation
+        elif size is not None and steps is None and size % per_step == 0:
+            self.steps_per_generation = size // per_step
+        elif size is None and steps is not None:
+            self.generation_batch_size = per_step * steps
+
+
+@with_help
+@dataclass
+class GRPOConfig(_SamplingArguments):
+    """TRL 1.16's ``GRPOConfig`` for :class:`shardtune.GRPOTrainer`."""
+
+    objective: ClassVar[str] = "grpo"
+
+    cast_lm_head_to_fp32: bool = False
+    num_generations: int | None = 8
+    beta: float = 0.0
+    delta: float | None = None
     sapo_temperature_neg: float = 1.05
     sapo_temperature_pos: float = 1.0
     vespo_k_pos: float = 2.0
@@ -292,14 +321,9 @@ class GRPOConfig(_TrlModelArguments):
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
     importance_sampling_level: str = "token"
-    reward_weights: list[float] | None = None
     multi_objective_aggregation: str = "sum_then_normalize"
     scale_rewards: str = "group"
     loss_type: str = "dapo"
-    mask_truncated_completions: bool = False
-    sync_ref_model: bool = False
-    ref_model_mixup_alpha: float = 0.6
-    ref_model_sync_steps: int = 512
     top_entropy_quantile: float = 1.0
     entropy_coef: float = 0.0
     use_adaptive_entropy: bool = False
@@ -314,30 +338,13 @@ class GRPOConfig(_TrlModelArguments):
     vllm_importance_sampling_clip_min: float | None = None
     off_policy_mask_threshold: float | None = None
     use_bias_correction_kl: bool = True
-    # logging
-    log_completions: bool = False
-    log_multimodal: bool = True
-    num_completions_to_print: int | None = None
-    log_unique_prompts: bool = False
     log_completions_hub_repo: str | None = None
-    use_transformers_continuous_batching: bool = False
-    transformers_continuous_batching_config: dict | str | None = None
-    use_transformers_paged: bool = False
     vllm_importance_sampling_cap: float | None = None
 
     def _trl_post_init(self) -> None:
         super()._trl_post_init()
         if isinstance(self.scale_rewards, bool):  # TRL's older True / False
             self.scale_rewards = "group" if self.scale_rewards else "none"
-        per_step = self.per_device_train_batch_size * self.world_size  # TRL's derived generation sizes
-        size, steps = self.generation_batch_size, self.steps_per_generation
-        if size is None and steps is None:
-            self.steps_per_generation = self.gradient_accumulation_steps
-            self.generation_batch_size = per_step * self.steps_per_generation
-        elif size is not None and steps is None and size % per_step == 0:
-            self.steps_per_generation = size // per_step
-        elif size is None and steps is not None:
-            self.generation_batch_size = per_step * steps
 
 
 def config_class(objective: str) -> type[_TrlArguments]:

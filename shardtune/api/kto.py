@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from shardtune.api.configs import _TrlModelArguments, help_of, with_help
-from shardtune.api.inputs import model_settings
-from shardtune.api.trainer import REFUSED, _Trainer, given
+from shardtune.api.trainer import REFUSED, _Trainer, given, ref_model_settings
 
 
 @with_help
@@ -66,5 +65,4 @@ class KTOTrainer(_Trainer):
         super().__init__(**given(locals()))
 
     def _objective_settings(self, arguments: dict[str, Any]) -> list[tuple[str, Any]]:
-        ref_model = arguments.pop("ref_model", None)
-        return model_settings(ref_model, "ref_model", "ref_model") if ref_model is not None else []
+        return ref_model_settings(arguments)

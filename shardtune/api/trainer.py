@@ -371,6 +371,13 @@ def _dataset_name(dataset: Any) -> str | None:
     return name if name and name not in ("json", "parquet", "csv", "generator", "text", "arrow") else None
 
 
+def ref_model_settings(arguments: dict[str, Any]) -> list[tuple[str, Any]]:
+    """DPO's and KTO's ``ref_model``, taken out of the constructor's ``arguments``, as settings (None: the starting
+    weights)."""
+    ref_model = arguments.pop("ref_model", None)
+    return model_settings(ref_model, "ref_model", "ref_model") if ref_model is not None else []
+
+
 def given(arguments: dict[str, Any]) -> dict[str, Any]:
     """A trainer's constructor arguments (its ``locals()``), as TRL's signature names them, for _Trainer."""
     return {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
@@ -436,8 +443,7 @@ class DPOTrainer(_Trainer):
         super().__init__(**given(locals()))
 
     def _objective_settings(self, arguments: dict[str, Any]) -> list[tuple[str, Any]]:
-        ref_model = arguments.pop("ref_model", None)
-        return model_settings(ref_model, "ref_model", "ref_model") if ref_model is not None else []
+        return ref_model_settings(arguments)
 
 
 GRPO_REFUSED = {
