@@ -46,7 +46,7 @@ def model_shape(model: nn.Module) -> ModelShape:
     from shardtune.model.loss import hf_model, lean_head
 
     inner = hf_model(model)
-    config = inner.config
+    config = inner.config.get_text_config()  # a vision-language model's: its language model's (tokens x weights)
     embedding = inner.get_input_embeddings().weight
     head = inner.get_output_embeddings()
     tied = head is not None and head.weight is embedding

@@ -116,12 +116,16 @@ class Registration:
     # vocabulary; "score", a sequence-classification head of one label built on the causal LM's weights (one scalar per
     # sequence, read at its last non-pad token: a reward model), written as AutoModelForSequenceClassification
     model_head: str = "causal_lm"
+    # "module:Class" of the objective that trains it on a vision-language model (rows with images); "": the objective
+    # trains text-only models, and a vision-language model is refused before launch
+    vision_implementation: str = ""
 
 
 OBJECTIVES = {
     "sft": Registration(
         "fine-tune a model (launches torchrun; see shardtune sft --help)",
         "shardtune.training.objectives.sft.objective:SFT",
+        vision_implementation="shardtune.training.objectives.sft.vision:VisionSFT",
         hosts_plugins=True,
         streams=True,
         loss_types=("nll",),

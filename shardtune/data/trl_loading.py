@@ -92,6 +92,9 @@ def _load(name: str, config: str) -> Any:
     try:
         if path.is_file():
             return datasets.load_dataset(BUILDERS[path.suffix.lower()], data_files={"train": str(path)})
+        beside_images = _data_files_beside_images(path) if path.is_dir() else None
+        if beside_images:
+            return datasets.load_dataset(beside_images[0], data_files=beside_images[1])
         return datasets.load_dataset(str(path) if path.is_dir() else name, name=config or None)
     except Exception as e:  # network, authentication, missing dataset, unreadable files: one line with the fix
         where = "local data" if path.exists() else "the Hugging Face hub (offline? HF_DATASETS_OFFLINE set?)"
@@ -106,6 +109,22 @@ def _load(name: str, config: str) -> Any:
             f"--dataset_name {name}: could not be loaded from {where} ({type(e).__name__}: {reason}): "
             "pass a local JSON / JSONL / CSV / Parquet / Arrow file or folder, or a reachable hub id"
         ) from e
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
+SPLIT_STEMS = {"train": "train", "test": "test", "validation": "validation", "valid": "validation", "dev": "validation"}
+
+
+def _data_files_beside_images(folder: Path) -> tuple[str, dict[str, str]] | None:
+    """(builder, {split: file}) for a folder whose data files (train.jsonl, test.jsonl ...) sit at its top beside
+    image files they name: ``datasets`` would read such a folder as an image folder (its rows the images alone).
+    None for any other folder (``datasets`` lays it out)."""
+    files = [f for f in sorted(folder.iterdir()) if f.is_file() and f.suffix.lower() in BUILDERS]
+    builders = {BUILDERS[f.suffix.lower()] for f in files}
+    if not files or len(builders) != 1 or not any(p.suffix.lower() in IMAGE_SUFFIXES for p in folder.rglob("*")):
+        return None
+    splits = {SPLIT_STEMS[f.stem.lower()]: str(f) for f in files if f.stem.lower() in SPLIT_STEMS}
+    return (builders.pop(), splits) if splits else None
 
 
 def _split_name(cfg: TrainConfig, split: str) -> str:
@@ -245,3 +264,24 @@ def drop_absent_validation(cfg: TrainConfig, say: bool) -> None:
                 "without evaluation (pass --dataset_test_split to evaluate on another split)",
                 flush=True,
             )
+
+
+def vision_rows(cfg: TrainConfig, split: str) -> tuple[str, Any]:
+    """(source, the split's rows as shardtune.data.vision.VisionRows) of --dataset_name, for a vision-language model:
+    rows read lazily from the loaded table, relative image paths from the data file's folder."""
+    from shardtune.data.vision import VisionRows
+
+    if cfg.data.dataset != "trl_dataset" or cfg.data.trl_dataset.dataset_mixture:
+        raise ConfigError(
+            "a vision-language model trains on --dataset_name rows (images + messages, prompt / completion or text: "
+            "docs/vision.md); --dataset "
+            + cfg.data.dataset
+            + (" with a mixture" if cfg.data.dataset == "trl_dataset" else "")
+            + " is not built for it: pass --dataset_name with one file or folder"
+        )
+    source, rows, columns = _dataset_rows(cfg, split)
+    if not len(rows):
+        raise empty_split(source, "--dataset_train_split" if split == "train" else "--dataset_test_split")
+    path = Path(cfg.data.trl_dataset.dataset_name).expanduser()
+    base = path.parent if path.is_file() else path if path.is_dir() else None
+    return source, VisionRows(rows, columns, base, cfg.data.trl_dataset.dataset_text_field)

@@ -451,6 +451,8 @@ class ModelHead:
 CAUSAL_LM = "causal_lm"
 MODEL_HEADS = {
     CAUSAL_LM: ModelHead("AutoModelForCausalLM", {}, "CAUSAL_LM"),
+    # a vision-language model (shardtune.model.vision): its own conditional-generation class, adapters on its text
+    "image_text": ModelHead("AutoModelForImageTextToText", {}, "CAUSAL_LM"),
     # one scalar per sequence, read at its last non-pad token (transformers' sequence classification): reward models
     "score": ModelHead(
         "AutoModelForSequenceClassification", {"num_labels": 1}, "SEQ_CLS", (r"^lm_head\.",), (r"^score\.",)
@@ -461,8 +463,10 @@ MODEL_HEADS = {
 def model_head(cfg: TrainConfig) -> str:
     """The head the run's objective trains (shardtune.config.objectives: Registration.model_head)."""
     from shardtune.config.objectives import registration
+    from shardtune.model.vision import IMAGE_TEXT, vision_run
 
-    return registration(cfg.objective).model_head
+    head = registration(cfg.objective).model_head
+    return IMAGE_TEXT if head == CAUSAL_LM and vision_run(cfg) else head
 
 
 def auto_model_class(head: str = CAUSAL_LM):
@@ -495,7 +499,7 @@ def name_pad_token(model_or_config, head: str, tokenizer) -> None:
     """A score head reads each sequence at its last non-pad token (transformers' sequence classification finds it by
     ``config.pad_token_id``): the config names the tokenizer's pad token, which pads the batches (as TRL's
     RewardTrainer sets it); it is written with the model, so a reader finds the same token."""
-    if head == CAUSAL_LM:
+    if head != "score":
         return
     config = getattr(model_or_config, "config", model_or_config)
     config.get_text_config().pad_token_id = tokenizer.pad_token_id

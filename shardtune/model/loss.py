@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardtune.data.formatting import IGNORE_INDEX
+from shardtune.data.vision import MODEL_INPUT_KEYS as VISION_INPUT_KEYS
 from shardtune.model.attention import varlen_kwargs
 from shardtune.runtime.distributed import warn0
 
@@ -69,7 +70,7 @@ def batch_label_tokens(batch: dict[str, torch.Tensor]) -> int:
 
 def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict:
     """The model's keywords: tensors on ``device``, plus a padding-free row's boundaries (shardtune.model.attention)."""
-    keys = ("input_ids", "attention_mask", "position_ids")
+    keys = ("input_ids", "attention_mask", "position_ids", *VISION_INPUT_KEYS)  # a vision model's: its pixels ...
     inputs: dict = {k: batch[k].to(device, non_blocking=True) for k in keys if k in batch}
     for key, value in varlen_kwargs(batch).items():
         inputs[key] = value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value

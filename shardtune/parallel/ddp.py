@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from shardtune.model.loss import hf_model
 from shardtune.parallel.base import Strategy
 from shardtune.parallel.fsdp import checkpoint_activations
 
@@ -26,7 +27,10 @@ class DDPStrategy(Strategy):
         # in forward would make eval passes collectives that every rank must join.
         params = inspect.signature(DistributedDataParallel).parameters
         no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
-        return DistributedDataParallel(model, device_ids=device_ids, **no_sync)
+        # A vision-language model has weights no loss reaches (the vision tower's layers after the one whose features
+        # it takes, its pooled output's norm): they get no gradient, which DDP must be told to expect (as TRL does)
+        unused = {"find_unused_parameters": True} if has_vision_tower(model) else {}
+        return DistributedDataParallel(model, device_ids=device_ids, **no_sync, **unused)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
@@ -38,3 +42,7 @@ class DDPStrategy(Strategy):
         if self.env.rank != 0:
             return None
         return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
+
+
+def has_vision_tower(model: nn.Module) -> bool:
+    return getattr(getattr(hf_model(model), "config", None), "vision_config", None) is not None

@@ -95,4 +95,4 @@ def prepare(cfg: TrainConfig, world_size: int) -> None:
     data.drop_absent_validation(cfg, say=not is_torchrun_worker())
     check_tokenizer_fits(cfg.model.name, tokenizer, cfg.model.tokenizer, cfg.model.trust_remote_code)
     data.check_context_length(cfg, tokenizer)
-    objective_class(cfg.objective).prepare_data(cfg, tokenizer, ParallelDims.from_config(cfg, world_size).dp_size)
+    objective_class(cfg.objective, cfg).prepare_data(cfg, tokenizer, ParallelDims.from_config(cfg, world_size).dp_size)

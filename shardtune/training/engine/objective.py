@@ -30,6 +30,7 @@ from shardtune.accounting.flops import ModelShape
 from shardtune.config.objectives import OBJECTIVES, registration
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.streaming import stream_steps
+from shardtune.model.vision import vision_run
 from shardtune.runtime.distributed import DistEnv
 
 if TYPE_CHECKING:
@@ -123,6 +124,11 @@ class Objective(ABC):
     def attach(self, model: nn.Module, units: list, eval_items: list) -> None:
         """After the model is wrapped, before the first step: build what the loss needs besides the model."""
 
+    def processing_class(self) -> Any:
+        """What is saved beside the model (checkpoints, the final model, adapters): the tokenizer; a vision-language
+        model's processor (tokenizer, image processor, chat template) for one. Asked after load_data."""
+        return self.tokenizer
+
     @abstractmethod
     def counts(self, micro_batches: list[dict], shape: ModelShape | None) -> list[float] | torch.Tensor:
         """This rank's counts of the step, in ``count_names`` order (flops 0 without a shape): numbers, or a float64
@@ -152,9 +158,14 @@ class Objective(ABC):
         return ""
 
 
-def objective_class(name: str) -> type[Objective]:
-    """The objective ``name``'s class (its registration's ``implementation``: shardtune.config.objectives)."""
-    module, _, cls = registration(name).implementation.partition(":")
+def objective_class(name: str, cfg: TrainConfig | None = None) -> type[Objective]:
+    """The objective ``name``'s class (its registration's ``implementation``: shardtune.config.objectives); with the
+    run's ``cfg``, the one that trains its model: a vision-language model's (``vision_implementation``) for one."""
+    entry = registration(name)
+    spec = entry.implementation
+    if cfg is not None and entry.vision_implementation and vision_run(cfg):
+        spec = entry.vision_implementation
+    module, _, cls = spec.partition(":")
     return getattr(importlib.import_module(module), cls)
 
 
@@ -178,4 +189,9 @@ def check_objective(cfg: TrainConfig, world_size: int) -> None:
     foreign = foreign_setting(cfg)
     if foreign:
         raise ConfigError(f"--{foreign[1]} is a flag of shardtune {foreign[0]}: run shardtune {foreign[0]}, or drop it")
-    objective_class(cfg.objective).check(cfg, world_size)
+    if vision_run(cfg) and not registration(cfg.objective).vision_implementation:
+        raise ConfigError(
+            f"{cfg.model.name} is a vision-language model, and shardtune {cfg.objective} trains text-only models "
+            "(images are built for shardtune sft: docs/vision.md): use a text model, or train with shardtune sft"
+        )
+    objective_class(cfg.objective, cfg).check(cfg, world_size)

@@ -152,7 +152,7 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         cfg, load_tokenizer(cfg.model.tokenizer or cfg.model.name, cfg.model.trust_remote_code)
     )
     strategy = make_strategy(cfg, env)
-    objective = objective_class(cfg.objective)(cfg, env, strategy, tokenizer)
+    objective = objective_class(cfg.objective, cfg)(cfg, env, strategy, tokenizer)
     units, eval_items = objective.load_data()
     startup.mark("tokenizer and data")
     model = build_model(cfg, env)
@@ -172,7 +172,8 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     startup.mark("levers, adapters, wrap")
     print0(describe_run(cfg, env, strategy, model, num_params, num_trainable))
     objective.attach(model, units, eval_items)  # DPO: its reference (placed, or its log-probabilities precomputed)
-    checkpointer = Checkpointer(cfg, env, strategy, tokenizer)
+    saved_beside = objective.processing_class()  # the tokenizer, or a vision-language model's processor
+    checkpointer = Checkpointer(cfg, env, strategy, saved_beside)
     metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.logging.save_metrics else None
     total_steps = planned_steps(cfg, units, strategy.dims.dp_size)
     append = metrics_path is not None and checkpointer.keep_metrics_rows(metrics_path, total_steps)
@@ -187,7 +188,7 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
 
     def publish(result: TrainResult) -> None:
         nonlocal published
-        model_files.extend(save_outputs(cfg, env, strategy, model, tokenizer, result))
+        model_files.extend(save_outputs(cfg, env, strategy, model, saved_beside, result))
         published = True
 
     try:
