@@ -82,6 +82,25 @@ def read_prompt(args: argparse.Namespace) -> str:
     return text.strip("\n")
 
 
+def answer_about_images(args: argparse.Namespace, model: nn.Module, prompt: str | list[dict]) -> str:
+    """--image: the prompt (a text is one user message) and the images through the model's processor."""
+    from shardtune.data.vision import open_image
+    from shardtune.model.vision import generate_from_images, load_processor_from, processor_source
+
+    if getattr(model.config, "vision_config", None) is None:
+        raise ConfigError(f"--image: {args.model_name} is a text model: drop --image, or use a vision-language model")
+    try:
+        images = [open_image(path, None) for path in args.image]
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"--image: {e}: name an image file") from None
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    processor = load_processor_from(processor_source(args.model_name, args.adapter), args.trust_remote_code)
+    sampling = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
+    if args.do_sample:
+        sampling.update(temperature=args.temperature, top_p=args.top_p)
+    return generate_from_images(model, processor, messages, images, **sampling)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardtune generate", description=__doc__.splitlines()[0])
     p.add_argument("prompt", nargs="?", help="the prompt (else --prompt_file, else stdin)")
@@ -93,6 +112,12 @@ def parser() -> argparse.ArgumentParser:
         "directory (its base model is read from its config)",
     )
     p.add_argument("--adapter", default="", help="PEFT adapter directory applied on --model_name")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        help="an image file the prompt asks about (repeat for several; a vision-language model: docs/vision.md)",
+    )
     p.add_argument(
         "--dialogue", action="store_true", help="the input is a dialogue: wrap it in the training summarisation prompt"
     )
@@ -142,6 +167,9 @@ def main(argv: list[str]) -> int:
         return 2
     torch.manual_seed(args.seed)
     try:
+        if args.image:
+            print(answer_about_images(args, model, prompt))
+            return 0
         text = generate_text(
             model,
             tokenizer,

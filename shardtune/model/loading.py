@@ -488,6 +488,12 @@ def training_model_config(cfg: TrainConfig):
     return with_head(config, model_head(cfg))
 
 
+def own_head(config, head: str) -> str:
+    """The head a model of ``config`` is built with when a causal LM is asked for: a vision-language model's own
+    class (it is a causal LM over its text, with a vision tower beside)."""
+    return "image_text" if head == CAUSAL_LM and getattr(config, "vision_config", None) is not None else head
+
+
 def with_head(config, head: str):
     """``config`` with what ``head`` sets in it (a score head: one label)."""
     for key, value in MODEL_HEADS[head].config.items():
@@ -550,6 +556,7 @@ def load_model(
     """The model's weights from ``name_or_path``, built with ``config`` (default: its own config.json) and ``head``
     (MODEL_HEADS; a new head's weights drawn from ``seed``)."""
     config = with_head(config or auto_config(name_or_path, trust_remote_code), head)
+    head = own_head(config, head)
     with head_weights(head, seed):
         model = auto_model_class(head).from_pretrained(
             name_or_path,
@@ -570,6 +577,7 @@ def build_model_on_meta(
 ) -> torch.nn.Module:
     """The model's structure without memory, for sharding first and loading weights (on rank 0) afterwards."""
     config = with_head(config or auto_config(name_or_path, trust_remote_code), head)
+    head = own_head(config, head)
     with torch.device("meta"):
         return auto_model_class(head).from_config(
             config,

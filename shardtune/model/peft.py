@@ -303,7 +303,7 @@ def _dry_run(model: nn.Module, cfg: TrainConfig) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _attach(model, cfg, num_layers=model.config.num_hidden_layers)
+            _attach(model, cfg, num_layers=model.config.get_text_config().num_hidden_layers)
     except (ValueError, RuntimeError, KeyError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         source = (
@@ -327,14 +327,19 @@ def _attach(model: nn.Module, cfg: TrainConfig, num_layers: int) -> nn.Module:
             is_trainable=True,
             low_cpu_mem_usage=any(p.is_meta for p in model.parameters()),
         )
-    return peft.get_peft_model(model, peft_config(cfg, num_layers))
+    config = peft_config(cfg, num_layers)
+    if cfg.peft.method == "lora":
+        from shardtune.model.vision import language_model_targets
+
+        config.target_modules = language_model_targets(model, config.target_modules)
+    return peft.get_peft_model(model, config)
 
 
 def apply_peft(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     """Freeze the base model and attach the adapter (new, or --from_peft_checkpoint); prints what trains."""
     from shardtune.runtime.distributed import print0, warn0
 
-    num_layers = model.config.num_hidden_layers
+    num_layers = model.config.get_text_config().num_hidden_layers
     ac = cfg.peft.llama_adapter
     if cfg.peft.method == "llama_adapter" and ac.adapter_layers > num_layers and not cfg.peft.from_checkpoint:
         warn0(
