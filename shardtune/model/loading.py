@@ -26,6 +26,7 @@ from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.chat import PRESET_CHAT_TEMPLATE
 from shardtune.data.synthetic import corpus_for_tokenizer
 from shardtune.model.attention import attention_implementation
+from shardtune.model.vision_presets import VISION_PRESETS, build_vision_preset
 from shardtune.publishing.saving import already_unwrapped
 
 PRESET_PREFIX = "preset:"
@@ -160,10 +161,13 @@ def init_model(preset: str, out_dir: str | Path, seed: int = 0, dtype: torch.dty
             f"init_model: cannot write {out_dir} ({e.strerror}): pick a directory you can write to"
         ) from None
     tokenizer = train_tokenizer()
-    model = _random_model(preset, tokenizer, seed, dtype)
-    with already_unwrapped():
-        model.save_pretrained(tmp)
-    _save_tokenizer(tokenizer, tmp)
+    if preset in VISION_PRESETS:  # model, processor and tokenizer with the family's image tokens
+        build_vision_preset(preset, tokenizer, tmp, seed, dtype)
+    else:
+        model = _random_model(preset, tokenizer, seed, dtype)
+        with already_unwrapped():
+            model.save_pretrained(tmp)
+        _save_tokenizer(tokenizer, tmp)
     os.replace(tmp, out_dir)
     return out_dir
 
@@ -217,7 +221,14 @@ def preset_fingerprint(name: str) -> str:
     import transformers
 
     from shardtune.data import synthetic
+    from shardtune.model import vision_presets
 
+    if name in VISION_PRESETS:  # built by vision_presets: its code is part of what the preset is
+        spec = {"vision_preset": name, "seed": 0, "torch": torch.__version__, "transformers": transformers.__version__}
+        digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode())
+        for source in (__file__, synthetic.__file__, vision_presets.__file__):
+            digest.update(Path(source).read_bytes())
+        return digest.hexdigest()[:12]
     digest = hashlib.sha256(
         json.dumps(
             {
@@ -236,10 +247,10 @@ def preset_fingerprint(name: str) -> str:
 
 
 def _check_preset(name: str, what: str) -> None:
-    if name not in PRESETS:
+    if name not in PRESETS and name not in VISION_PRESETS:
         raise ConfigError(
             f"--{what} {PRESET_PREFIX}{name}: unknown preset: choose one of "
-            + ", ".join(PRESET_PREFIX + p for p in PRESETS)
+            + ", ".join(PRESET_PREFIX + p for p in [*PRESETS, *VISION_PRESETS])
         )
 
 
