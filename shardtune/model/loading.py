@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import math
 import os
@@ -460,10 +461,11 @@ class ModelHead:
 
 
 CAUSAL_LM = "causal_lm"
+IMAGE_TEXT = "image_text"  # a vision-language model's own head (shardtune.model.vision: its processor and data)
 MODEL_HEADS = {
     CAUSAL_LM: ModelHead("AutoModelForCausalLM", {}, "CAUSAL_LM"),
     # a vision-language model (shardtune.model.vision): its own conditional-generation class, adapters on its text
-    "image_text": ModelHead("AutoModelForImageTextToText", {}, "CAUSAL_LM"),
+    IMAGE_TEXT: ModelHead("AutoModelForImageTextToText", {}, "CAUSAL_LM"),
     # one scalar per sequence, read at its last non-pad token (transformers' sequence classification): reward models
     "score": ModelHead(
         "AutoModelForSequenceClassification", {"num_labels": 1}, "SEQ_CLS", (r"^lm_head\.",), (r"^score\.",)
@@ -474,10 +476,24 @@ MODEL_HEADS = {
 def model_head(cfg: TrainConfig) -> str:
     """The head the run's objective trains (shardtune.config.objectives: Registration.model_head)."""
     from shardtune.config.objectives import registration
-    from shardtune.model.vision import IMAGE_TEXT, vision_run
 
     head = registration(cfg.objective).model_head
     return IMAGE_TEXT if head == CAUSAL_LM and vision_run(cfg) else head
+
+
+@functools.lru_cache(maxsize=16)
+def is_vision_model(name_or_path: str, trust_remote_code: bool = False) -> bool:
+    """Whether the model's config has a vision tower (``vision_config``): then it loads as AutoModelForImageTextToText.
+    An unreadable config is not one (the model checks say why elsewhere)."""
+    try:
+        config = auto_config(resolve_model_name(name_or_path), trust_remote_code)
+    except Exception:  # noqa: BLE001 - the model checks report a model that cannot be read, in their words
+        return False
+    return getattr(config, "vision_config", None) is not None
+
+
+def vision_run(cfg: TrainConfig) -> bool:
+    return bool(cfg.model.name) and is_vision_model(cfg.model.name, cfg.model.trust_remote_code)
 
 
 def auto_model_class(head: str = CAUSAL_LM):
@@ -502,7 +518,7 @@ def training_model_config(cfg: TrainConfig):
 def own_head(config, head: str) -> str:
     """The head a model of ``config`` is built with when a causal LM is asked for: a vision-language model's own
     class (it is a causal LM over its text, with a vision tower beside)."""
-    return "image_text" if head == CAUSAL_LM and getattr(config, "vision_config", None) is not None else head
+    return IMAGE_TEXT if head == CAUSAL_LM and getattr(config, "vision_config", None) is not None else head
 
 
 def with_head(config, head: str):

@@ -4,38 +4,19 @@ model so that its outputs load as they were given)."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from shardtune.config.schema import ConfigError, TrainConfig
+from shardtune.model.loading import IMAGE_TEXT, is_vision_model, resolve_model_name, vision_run
 
-IMAGE_TEXT = "image_text"  # shardtune.model.loading.MODEL_HEADS: a vision-language model's own head
-
-
-@functools.lru_cache(maxsize=16)
-def is_vision_model(name_or_path: str, trust_remote_code: bool = False) -> bool:
-    """Whether the model's config has a vision tower (``vision_config``): then it loads as AutoModelForImageTextToText.
-    An unreadable config is not one (the model checks say why elsewhere)."""
-    from shardtune.model.loading import auto_config, resolve_model_name
-
-    try:
-        config = auto_config(resolve_model_name(name_or_path), trust_remote_code)
-    except Exception:  # noqa: BLE001 - the model checks report a model that cannot be read, in their words
-        return False
-    return getattr(config, "vision_config", None) is not None
-
-
-def vision_run(cfg: TrainConfig) -> bool:
-    return bool(cfg.model.name) and is_vision_model(cfg.model.name, cfg.model.trust_remote_code)
+__all__ = ["IMAGE_TEXT", "is_vision_model", "vision_run"]  # homed in shardtune.model.loading (it builds the model)
 
 
 def load_processor(cfg: TrainConfig) -> Any:
     """The model's processor (--tokenizer_name names another folder holding one), with a pad token as the tokenizer
     gets one (shardtune.model.loading.load_tokenizer)."""
-    from shardtune.model.loading import resolve_model_name
-
     return load_processor_from(resolve_model_name(cfg.model.tokenizer or cfg.model.name), cfg.model.trust_remote_code)
 
 

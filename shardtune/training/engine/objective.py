@@ -30,7 +30,7 @@ from shardtune.accounting.flops import ModelShape
 from shardtune.config.objectives import OBJECTIVES, registration
 from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.data.streaming import stream_steps
-from shardtune.model.vision import vision_run
+from shardtune.model.loading import vision_run
 from shardtune.runtime.distributed import DistEnv
 
 if TYPE_CHECKING:
