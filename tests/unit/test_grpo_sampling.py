@@ -122,3 +122,88 @@ def test_a_padded_rows_pad_tokens_are_not_penalised_as_its_own(tiny_model):
     assert first not in short + [2]
     together = sample(model, _Whole(), [short, long], seeds, device=torch.device("cpu"), pad_id=first, **options)
     assert together[0][0] == first
+
+
+def sharpened(tiny_model):
+    """The tiny model with its queries and keys scaled 10x: at the preset's initialisation attention is near uniform,
+    so that a position off by one moves no draw; sharpened, it moves the logits by ~0.1 (their spread is ~0.16)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(10)
+            layer.self_attn.k_proj.weight.mul_(10)
+    return model
+
+
+def one_row_without_cache(model, prompt: list[int], seed: int, max_new_tokens: int, eos_ids: set[int], settings):
+    """The reference: one prompt alone, the whole sequence forwarded again for every token (no KV cache, no padding,
+    no batch), its logits processed and its token drawn from its own generator as ``sample`` documents."""
+    temperature, top_k, top_p, min_p, penalty = settings
+    generator = torch.Generator().manual_seed(seed)
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=torch.tensor([ids])).logits[:, -1].float()
+        if penalty != 1.0:
+            seen = torch.zeros(logits.shape, dtype=torch.bool)
+            seen[0, torch.tensor(ids)] = True
+            logits = penalise_repeats(logits, seen, penalty)
+        token = int(keyed_choice(warp(logits, temperature, top_k, top_p, min_p), [generator])[0])
+        ids.append(token)
+        if token in eos_ids:
+            break
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, min_p, penalty",
+    [(1.0, 0, 1.0, 0.0, 1.0), (0.7, 5, 1.0, 0.0, 1.0), (1.3, 0, 0.8, 0.0, 1.0), (0.9, 20, 0.9, 0.05, 1.3)],
+)
+@torch.no_grad()
+def test_the_batched_sampler_gives_each_rows_tokens_alone(tiny_model, temperature, top_k, top_p, min_p, penalty):
+    """All rows decode as one batch, a prompt's num_generations rows share its prefill (its KV cache expanded to
+    them), whether all ended is read every few tokens: each row's tokens are still those it samples alone, without a
+    cache. Rows repeat their prompt (grouped as GRPO's, and interleaved), end early at different steps (a tenth of
+    the vocabulary is eos) or at a smaller budget."""
+    model = sharpened(tiny_model)
+    eos_ids = set(range(2, model.config.vocab_size, 10))
+    a, b, c = [1, 5, 9, 13, 17], [1, 7], [1, 3, 3, 3, 3, 3, 3]
+    prompts = [a, a, a, b, b, b, c, c, c, b, a, c]  # three generations of each prompt, then one of each interleaved
+    seeds = [sampling_seed(5, 0, 0, i // 3, i % 3) for i in range(len(prompts))]
+    budgets = [12] * 9 + [3, 12, 6]
+    settings = (temperature, top_k, top_p, min_p, penalty)
+    got = sample(
+        model,
+        _Whole(),
+        prompts,
+        seeds,
+        max_new_tokens=12,
+        eos_ids=eos_ids,
+        pad_id=0,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=penalty,
+        device=torch.device("cpu"),
+        budgets=budgets,
+    )
+    expected = [one_row_without_cache(model, p, s, n, eos_ids, settings) for p, s, n in zip(prompts, seeds, budgets)]
+    assert got == expected
+    ended_early = [row[-1] in eos_ids for row in got]
+    assert any(ended_early) and not all(ended_early)  # rows end at eos and at their budget
+    assert len({len(row) for row in got}) > 2
+    assert len({tuple(row) for row in got[:3]}) > 1  # a prompt's generations differ: each has its own draws
+
+
+@torch.no_grad()
+def test_the_batched_sampler_stops_when_every_row_has_ended(tiny_model):
+    """Every row ends (eos) long before max_new_tokens: the rows are those sampled alone, and no row is padded."""
+    model = sharpened(tiny_model)
+    eos_ids = set(range(2, model.config.vocab_size, 2))  # half the vocabulary: every row ends within a few tokens
+    prompts = [[1, 5, 9], [1, 5, 9], [1, 4], [1, 4]]
+    seeds = [11, 12, 13, 14]
+    options = dict(eos_ids=eos_ids, pad_id=0, temperature=1.0, top_k=0, top_p=1.0, device=torch.device("cpu"))
+    got = sample(model, _Whole(), prompts, seeds, max_new_tokens=64, **options)
+    settings = (1.0, 0, 1.0, 0.0, 1.0)
+    assert got == [one_row_without_cache(model, p, s, 64, eos_ids, settings) for p, s in zip(prompts, seeds)]
+    assert all(row[-1] in eos_ids and len(row) < 16 for row in got)

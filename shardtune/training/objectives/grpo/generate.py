@@ -7,6 +7,12 @@ The decode loop is ours, not ``generate``'s: the sampling draws from one generat
 the global one), and every rank runs the same number of forwards (a sharded model's forwards are collective), all
 ranks stopping once every row of every rank has ended. Logits are processed as transformers' samplers do:
 temperature, then top-k, then top-p.
+
+Speed (bench/grpo.py --part profile shows where a step's time goes): all rows of a call decode as
+one batch; a prompt shared by several rows (GRPO's num_generations completions of it) is prefilled once and its KV
+cache expanded to those rows; the attention mask and positions are preallocated; whether every row has ended is read
+on the host every STOP_EVERY tokens, not every token. The KV cache is transformers' dynamic one (its rows expanded
+with batch_select_indices); a static cache and torch.compile of the decode step were not tried.
 """
 
 from __future__ import annotations
@@ -15,9 +21,12 @@ import inspect
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from shardtune.model.loss import hf_model
 from shardtune.runtime.distributed import all_reduce_sum
+
+STOP_EVERY = 4  # tokens between the host's reads of whether every row has ended
 
 
 def warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
@@ -75,60 +84,129 @@ def sample(
     if stand_in:
         prompts, seeds, budgets = [[pad_id]], [0], [0]
     budgets = [max_new_tokens] * len(prompts) if budgets is None else [min(b, max_new_tokens) for b in budgets]
-    generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
-    rows = len(prompts)
-    input_ids, attention = left_padded(prompts, pad_id, device)
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    eos = torch.tensor(sorted(eos_ids), device=device)
-    budget = torch.tensor(budgets, device=device)
-    done = budget <= 0
-    seen = None  # the tokens of each row so far (with a repetition penalty)
-    generated: list[torch.Tensor] = []
     inner = strategy.unwrap(model)
-    accepted = inspect.signature(hf_model(inner).forward).parameters
-    cache_name = "cache" if "cache" in accepted else "past_key_values"
-    # the last position's logits only: the prompts' (rows x prompt x vocabulary) would be the sampling's largest tensor
-    last_only = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
     was_training = inner.training
     inner.eval()
     try:
         with strategy.generating(model, gather_whole), strategy.autocast():
-            past = None
-            step_ids, step_positions = input_ids, positions
-            for step in range(max_new_tokens):
-                result = inner(
-                    input_ids=step_ids,
-                    attention_mask=attention,
-                    position_ids=step_positions,
-                    use_cache=True,
-                    **{cache_name: past},
-                    **last_only,
-                )
-                past = getattr(result, cache_name)
-                logits = result.logits[:, -1].float()
-                if repetition_penalty != 1.0:
-                    if seen is None:
-                        counts = torch.zeros(logits.shape, dtype=torch.long, device=device)
-                        seen = counts.scatter_add_(1, input_ids, attention) > 0  # the prompt's tokens, not its pads
-                    logits = penalise_repeats(logits, seen, repetition_penalty)
-                logits = warp(logits, temperature, top_k, top_p, min_p)
-                tokens = torch.where(done, pad_id, keyed_choice(logits, generators))
-                if seen is not None:
-                    seen.scatter_(1, tokens[:, None], True)
-                generated.append(tokens)
-                done |= torch.isin(tokens, eos) | (budget <= step + 1)
-                running = (~done).any().to(torch.float64).reshape(1)
-                if all_reduce_sum(running, device)[0] == 0:  # the one host read of a token: every rank stops alike
-                    break
-                step_ids = tokens[:, None]
-                attention = torch.cat([attention, torch.ones((rows, 1), dtype=attention.dtype, device=device)], 1)
-                step_positions = step_positions[:, -1:] + 1
+            decoder = Decoder(inner, prompts, max_new_tokens, pad_id, device)
+            draw = Draw(seeds, eos_ids, budgets, pad_id, device, (temperature, top_k, top_p, min_p))
+            if repetition_penalty != 1.0:
+                draw.penalise(decoder.prompt_ids, decoder.prompt_attention, repetition_penalty)
+            generated = decode(decoder, draw, max_new_tokens, device)
     finally:
         inner.train(was_training)
     if stand_in:
         return []
-    ended = cut_at_eos(torch.stack(generated, 1).tolist() if generated else [[] for _ in range(rows)], eos_ids)
+    ended = cut_at_eos(torch.stack(generated, 1).tolist(), eos_ids)
     return [row[:limit] for row, limit in zip(ended, budgets)]
+
+
+def decode(decoder: Decoder, draw: Draw, max_new_tokens: int, device: torch.device) -> list[torch.Tensor]:
+    """The tokens of every row, step by step (a row's pad after it ended). Whether every row of every rank has ended
+    is read on the host every STOP_EVERY tokens only: the forwards in between run on rows that may all have ended
+    (their tokens are pads, their draws unused), and every rank reads at the same steps, so all run as many forwards."""
+    with record_function("grpo.prefill"):
+        logits = decoder.prefill()
+    generated = []
+    with record_function("grpo.decode"):
+        for step in range(max_new_tokens):
+            tokens = draw.next(logits, step)
+            generated.append(tokens)
+            if step + 1 == max_new_tokens or ((step + 1) % STOP_EVERY == 0 and all_ended(draw.done, device)):
+                break
+            logits = decoder.step(tokens, step)
+    return generated
+
+
+def all_ended(done: torch.Tensor, device: torch.device) -> bool:
+    """Whether every row of every rank has ended (collective: the one host read of the sampling)."""
+    running = (~done).any().to(torch.float64).reshape(1)
+    return bool(all_reduce_sum(running, device)[0] == 0)
+
+
+class Decoder:
+    """The model's side of sampling: the distinct prompts prefilled once (left-padded, so that every row's next token
+    is at the same column), their KV cache expanded to the rows that share them (GRPO's num_generations completions
+    of a prompt), then one forward of one token per row and step, the attention mask and positions preallocated."""
+
+    def __init__(self, inner: nn.Module, prompts: list[list[int]], max_new_tokens: int, pad_id: int, device):
+        accepted = inspect.signature(hf_model(inner).forward).parameters
+        self.inner = inner
+        self.cache_name = "cache" if "cache" in accepted else "past_key_values"
+        # the last position's logits only: the prompts' (rows x prompt x vocabulary) would be the largest tensor
+        self.last_only = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
+        distinct: dict[tuple[int, ...], int] = {}
+        rows_of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        self.distinct_ids, self.distinct_attention = left_padded([list(p) for p in distinct], pad_id, device)
+        self.rows_of = torch.tensor(rows_of, device=device)
+        self.prompt_ids = self.distinct_ids[self.rows_of]
+        self.prompt_attention = self.distinct_attention[self.rows_of]
+        rows, width = self.prompt_ids.shape
+        self.attention = torch.zeros((rows, width + max_new_tokens), dtype=torch.long, device=device)
+        self.attention[:, :width] = self.prompt_attention
+        self.next_position = self.prompt_attention.sum(-1, keepdim=True)  # a row's first new token's position
+        self.width = width
+        self.past = None
+
+    def prefill(self) -> torch.Tensor:
+        """The distinct prompts' forward: the rows' next-token logits (rows, V), the cache expanded to the rows."""
+        positions = (self.distinct_attention.cumsum(-1) - 1).clamp(min=0)
+        logits = self.forward(self.distinct_ids, self.distinct_attention, positions)
+        if len(self.rows_of) != len(self.distinct_ids):  # else every row's prompt is its own, in order
+            self.past.batch_select_indices(self.rows_of)
+            logits = logits[self.rows_of]
+        return logits
+
+    def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
+        """The next-token logits after feeding the rows' tokens of ``step``."""
+        self.attention[:, self.width + step] = 1
+        attention = self.attention[:, : self.width + step + 1]
+        return self.forward(tokens[:, None], attention, self.next_position + step)
+
+    def forward(self, input_ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        result = self.inner(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            **{self.cache_name: self.past},
+            **self.last_only,
+        )
+        self.past = getattr(result, self.cache_name)
+        return result.logits[:, -1].float()
+
+
+class Draw:
+    """The sampler's side: each row's logits processed (repetition penalty, then warp) and its token drawn from its
+    own generator (keyed_choice); a row that ended (eos or its budget) draws pads."""
+
+    def __init__(self, seeds: list[int], eos_ids: set[int], budgets: list[int], pad_id: int, device, warping: tuple):
+        self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+        self.eos = torch.tensor(sorted(eos_ids), device=device)
+        self.budget = torch.tensor(budgets, device=device)
+        self.done = self.budget <= 0
+        self.pad_id, self.warping = pad_id, warping
+        self.seen: torch.Tensor | None = None  # each row's tokens so far (with a repetition penalty)
+        self.penalty, self.prompt = 1.0, None
+
+    def penalise(self, prompt_ids: torch.Tensor, prompt_attention: torch.Tensor, penalty: float) -> None:
+        """A repetition penalty on each row's own tokens: its prompt's (not its pads) and those it draws."""
+        self.penalty, self.prompt = penalty, (prompt_ids, prompt_attention)
+
+    def next(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        """Each row's token of ``step`` from its next-token logits (rows, V)."""
+        if self.prompt is not None:
+            if self.seen is None:  # the vocabulary's size comes with the first logits
+                counts = torch.zeros(logits.shape, dtype=torch.long, device=logits.device)
+                self.seen = counts.scatter_add_(1, *self.prompt) > 0
+            logits = penalise_repeats(logits, self.seen, self.penalty)
+        logits = warp(logits, *self.warping)
+        tokens = torch.where(self.done, self.pad_id, keyed_choice(logits, self.generators))
+        if self.seen is not None:
+            self.seen.scatter_(1, tokens[:, None], True)
+        self.done |= torch.isin(tokens, self.eos) | (self.budget <= step + 1)
+        return tokens
 
 
 def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,12 +222,13 @@ def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> 
 
 def keyed_choice(logits: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """One token per row drawn from softmax(logits) by the Gumbel-max trick, row i's noise from ``generators[i]``:
-    no draw depends on the other rows (nor on how many there are)."""
-    uniform = torch.stack(
-        [torch.rand(logits.size(-1), generator=g, device=logits.device, dtype=torch.float64) for g in generators]
-    )
-    gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-300)))
-    return (logits.double() + gumbel).argmax(-1)
+    no draw depends on the other rows (nor on how many there are). In place: at a 32k vocabulary the noise is most
+    of a decoding step's work besides the forward (argmax(l - log(-log u)) is argmax(l + Gumbel) to the bit)."""
+    noise = torch.empty((len(generators), logits.size(-1)), dtype=torch.float64, device=logits.device)
+    for row, generator in zip(noise, generators):
+        row.uniform_(generator=generator)
+    noise.clamp_(min=1e-300).log_().neg_().log_()
+    return (logits.double() - noise).argmax(-1)
 
 
 def cut_at_eos(rows: list[list[int]], eos_ids: set[int]) -> list[list[int]]:

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from shardtune.accounting.flops import ModelShape, micro_batch_flops, num_input_tokens, palm_micro_batch_flops
 from shardtune.config.schema import ConfigError
@@ -220,9 +221,11 @@ class GRPO(Objective):
         seeds = [
             sampling_seed(cfg.train.seed, epoch, r, row["index"], c % plan.generations) for row, c in zip(rows, flat)
         ]
-        sampled = self.sample_rows(self.model, rows, seeds, g)
+        with record_function("grpo.sample"):
+            sampled = self.sample_rows(self.model, rows, seeds, g)
         state = SimpleNamespace(global_step=step - 1, epoch=epoch)  # what TRL's trainer_state gives reward functions
-        texts, local = self.score_rows(rows, sampled, state)
+        with record_function("grpo.score"):
+            texts, local = self.score_rows(rows, sampled, state)
         total = plan.steps_per_generation * plan.completions_per_step
         truncated = local[:, len(self.rewards) + 1].tolist()
         counted = [not (g.mask_truncated_completions and t) for t in truncated]
@@ -245,8 +248,9 @@ class GRPO(Objective):
                 micro_batches.append(batch)
                 at += len(part)
             slices.append(micro_batches)
-        self.add_policy_logps(slices)
-        local = torch.cat([local, self.round_columns(slices)], dim=1)
+        with record_function("grpo.policy_logps"):
+            self.add_policy_logps(slices)
+            local = torch.cat([local, self.round_columns(slices)], dim=1)
         shared = torch.zeros(total, local.size(1), dtype=torch.float64)
         shared[torch.tensor(flat)] = local
         shared = all_reduce_sum(shared, device).cpu()  # every rank: the whole round's rewards, lengths, truncations
