@@ -1,7 +1,7 @@
 """GRPO: TRL's GRPOTrainer and ``shardtune grpo`` on the same prompts, model, reward function and batch, one process,
 in one run; and the demo's reward curve.
 
-    python -m bench.grpo [--part all|speed|learn] [--model DIR] [--prompts 64] [--batch 8] [--num_generations 4]
+    python -m bench.grpo [--part all|speed|profile|learn] [--model DIR] [--prompts 64] [--batch 8] [--num_generations 4]
                          [--max_completion_length 16] [--steps 10] [--warmup 2] [--repeats 4]
                          [--gradient_checkpointing true] [--learn_steps 40] [--learn_lr 3e-3] [--threads 1]
     python -m bench.grpo --write_prompts examples/data/grpo_prompts.jsonl   # the demo's prompts (these 64 rows)
@@ -17,6 +17,11 @@ default and ``--defaults trl``'s; both sample without it), reward ``examples/grp
 (TRL samples inside ``training_step``, shardtune when the loop asks for the step's batches), scoring them, the
 training step and logging; TRL's ``on_step_begin`` to ``on_step_end`` is reported too. The first ``warmup`` steps
 of each run are left out; the medians are over all repeats' remaining steps.
+
+profile: one ``shardtune grpo`` run of the speed part's settings under ``--use_profiler`` (torch.profiler, steps 4-6):
+where a step's time goes, from the trace's marks: sampling (the shared prefill, the decode loop), scoring, the
+policy's log-probabilities, and the rest (the training forward, backward and optimizer step). The profiler's own
+cost inflates every part somewhat; the shares are what it is for.
 
 learn: ``shardtune grpo`` for ``learn_steps`` steps at ``learn_lr`` on the same prompts and reward (what
 recipes/grpo-demo.yaml runs), then TRL's GRPOTrainer on the same (``--learn_trl false``: not): the mean reward per
@@ -263,6 +268,25 @@ def speed(args, model: str, prompts: Path, tmp: Path) -> dict:
     }
 
 
+PROFILE_MARKS = ("grpo.sample", "grpo.prefill", "grpo.decode", "grpo.score", "grpo.policy_logps")
+
+
+def profile(args, model: str, prompts: Path, tmp: Path) -> dict:
+    """Milliseconds per step of each mark of ``PROFILE_MARKS`` and of the whole step, from rank 0's trace of the
+    profiler's active steps (a step there spans step end to step end, so it holds the next step's sampling)."""
+    print("profile: shardtune grpo under --use_profiler", file=sys.stderr, flush=True)
+    traces = tmp / "profile-trace"
+    extra = ("--use_profiler", "true", "--profiler_dir", traces)
+    run_shardtune(args, model, prompts, tmp / "profile", 8, args.lr, extra)
+    events = json.loads(next(traces.glob("rank0*.json")).read_text())["traceEvents"]
+    spans = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
+    steps = [e["dur"] for e in spans if e["name"].startswith("ProfilerStep#")]
+    per_step = {name: sum(e["dur"] for e in spans if e["name"] == name) / len(steps) / 1e3 for name in PROFILE_MARKS}
+    per_step["step"] = sum(steps) / len(steps) / 1e3
+    per_step["rest"] = per_step["step"] - sum(per_step[m] for m in ("grpo.sample", "grpo.score", "grpo.policy_logps"))
+    return {"steps": len(steps), "ms_per_step": per_step}
+
+
 def curve(rewards: list[float], lengths: list[float]) -> dict:
     """A run's reward per step, and the first five steps' mean against the last five's."""
     first, last = statistics.mean(rewards[:5]), statistics.mean(rewards[-5:])
@@ -405,6 +429,18 @@ def markdown(result: dict) -> str:
             f"| shardtune faster by | **{sp['step_speedup']:.2f}x** | | | {sp['process_speedup']:.2f}x | |",
             "",
         ]
+    if "profile" in result:
+        ms = result["profile"]["ms_per_step"]
+        lines += [
+            f"**Where a step goes** (`shardtune grpo` under `--use_profiler`, the speed part's settings; ms per step, "
+            f"mean of the profiler's {result['profile']['steps']} active steps; the profiler's own cost included)",
+            "",
+            "| step | sampling (prefill + decode) | scoring | policy log-probabilities | training and the rest |",
+            "|---|---|---|---|---|",
+            f"| {ms['step']:.0f} | {ms['grpo.sample']:.0f} ({ms['grpo.prefill']:.0f} + {ms['grpo.decode']:.0f}) | "
+            f"{ms['grpo.score']:.0f} | {ms['grpo.policy_logps']:.0f} | {ms['rest']:.0f} |",
+            "",
+        ]
     if "learn" in result:
         le = result["learn"]
         tools = [("`shardtune grpo`", le["shardtune_grpo"])]
@@ -431,7 +467,10 @@ def markdown(result: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--part", default="all", choices=("all", "speed", "learn", "gpu"), help="gpu: bench/gpu.sh's GRPO row"
+        "--part",
+        default="all",
+        choices=("all", "speed", "profile", "learn", "gpu"),
+        help="all: speed, profile and learn; gpu: bench/gpu.sh's GRPO row",
     )
     ap.add_argument("--cpu_smoke", action="store_true", help="--part gpu on the CPU, tiny preset: a functional check")
     ap.add_argument("--model", default="", help="a model directory (default: the demo preset, built once)")
@@ -482,6 +521,8 @@ def main() -> None:
 
             result["trl_version"] = trl.__version__
             result["speed"] = speed(args, model, prompts, tmp)
+        if args.part in ("all", "profile"):
+            result["profile"] = profile(args, model, prompts, tmp)
         if args.part in ("all", "learn"):
             result["learn"] = learn(args, model, prompts, tmp)
     result["took_s"] = time.perf_counter() - started
