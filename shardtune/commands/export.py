@@ -24,6 +24,7 @@ from shardtune.config.flags import from_dict
 from shardtune.config.schema import ConfigError
 from shardtune.model.attention import attention_implementation
 from shardtune.model.loading import auto_model_class, load_model, model_head
+from shardtune.model.vision import saved_processor
 from shardtune.publishing.hub import HubUploadError, check_can_upload, push_folder
 from shardtune.publishing.saving import save_hf_model
 from shardtune.runtime.checkpoint_reader import (
@@ -58,7 +59,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     model = auto_model_class(head).from_config(
         config, dtype=torch.float32, attn_implementation=attention_implementation(config), **trust
     )
-    tokenizer = AutoTokenizer.from_pretrained(path / "hf_config", **trust)
+    # the run's processing class: a vision-language model's processor, else its tokenizer
+    tokenizer = saved_processor(path / "hf_config", cfg.model.trust_remote_code) or AutoTokenizer.from_pretrained(
+        path / "hf_config", **trust
+    )
     if state.get("strategy") == "deepspeed":
         read = _deepspeed_reader(path)
         stored = {f"model.{k}" for k in read()}

@@ -450,6 +450,7 @@ def merge_adapter(
     from transformers import AutoConfig
 
     from shardtune.model.loading import load_model, load_tokenizer
+    from shardtune.model.vision import saved_processor
     from shardtune.publishing.saving import save_hf_model
 
     peft_type = read_adapter_config(adapter_dir, "--merge").get("peft_type")
@@ -467,7 +468,9 @@ def merge_adapter(
     model = peft.PeftModel.from_pretrained(trained_base, adapter).merge_and_unload()
     model.config.dtype = dtype
     tokenizer_dir = adapter if (Path(adapter) / "tokenizer_config.json").is_file() else base
-    return base, save_hf_model(model, model.state_dict(), load_tokenizer(tokenizer_dir, **trust), Path(out_dir))
+    # a vision-language model's processor (tokenizer + image processor) where the run saved one
+    processing = saved_processor(tokenizer_dir, trust_remote_code) or load_tokenizer(tokenizer_dir, **trust)
+    return base, save_hf_model(model, model.state_dict(), processing, Path(out_dir))
 
 
 def resolve_model_and_adapter(model_name: str, adapter: str = "", trust_remote_code: bool = False) -> tuple[str, str]:

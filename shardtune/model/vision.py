@@ -4,6 +4,8 @@ model so that its outputs load as they were given)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +28,9 @@ def load_processor_from(source: str, trust_remote_code: bool = False) -> Any:
     try:
         processor = AutoProcessor.from_pretrained(source, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - any failure means the same fix
+        processor = _without_videos(source, trust_remote_code)
+        if processor is not None:
+            return _with_pad_token(processor)
         raise ConfigError(
             f"{source}: its processor could not be loaded ({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
             "a vision-language model's folder needs its processor files (preprocessor_config.json, the tokenizer): "
@@ -37,9 +42,66 @@ def load_processor_from(source: str, trust_remote_code: bool = False) -> Any:
             f"{source}: its AutoProcessor is a {type(processor).__name__}, not a processor with a tokenizer and an "
             "image processor: save the model's processor beside it"
         )
+    return _with_pad_token(processor)
+
+
+def _with_pad_token(processor: Any) -> Any:
+    tokenizer = processor.tokenizer
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
     return processor
+
+
+def _without_videos(source: str, trust_remote_code: bool) -> Any:
+    """A processor of images and videos (Qwen2-VL, Qwen2.5-VL ...) built without its video part, where torchvision is
+    not installed: transformers makes a video processor only with torchvision (its processors then fail to load, even
+    for images), and a CPU or ROCm machine often lacks a matching torchvision build. Images are processed as the
+    whole processor does (the same class, image processor and template); videos are refused by the processor itself.
+    None where torchvision is installed or the processor has no video part (the original error stands)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None:
+        return None
+    try:
+        from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+        from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES, processor_class_from_name
+
+        saved = Path(source) / "processor_config.json"
+        name = json.loads(saved.read_text()).get("processor_class") if saved.is_file() else None
+        if not name:
+            model_type = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code).model_type
+            name = PROCESSOR_MAPPING_NAMES.get(model_type) or ""
+        whole = processor_class_from_name(name)
+        if whole is None or "video_processor" not in whole.get_attributes():
+            return None
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):  # noqa: N807
+            whole.__init__(
+                self, image_processor, tokenizer, video_processor=None, chat_template=chat_template, **kwargs
+            )
+
+        # the whole processor's name, so that what it saves names a class transformers has
+        images_only = type(whole.__name__, (whole,), {"__init__": __init__, "__module__": whole.__module__})
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        return images_only(
+            image_processor=AutoImageProcessor.from_pretrained(source, trust_remote_code=trust_remote_code),
+            tokenizer=tokenizer,
+            chat_template=tokenizer.chat_template,
+        )
+    except Exception:  # noqa: BLE001 - the original error is the one to report
+        return None
+
+
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def saved_processor(folder: str | Path, trust_remote_code: bool = False) -> Any:
+    """The processor saved in ``folder`` (a vision-language model's output, checkpoint or adapter), or None where the
+    folder holds a tokenizer only: what an export or a merge writes beside the weights, so that its output loads
+    as the run's did."""
+    if not any((Path(folder) / name).is_file() for name in PROCESSOR_FILES):
+        return None
+    return load_processor_from(str(folder), trust_remote_code)
 
 
 def language_model_targets(model: Any, targets: Any) -> Any:

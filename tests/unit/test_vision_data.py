@@ -1,6 +1,6 @@
 """Rows with images, without launching: shardtune's vision batches are the tensors TRL's own vision collator makes
 from the same rows (TRL is the oracle: trl.trainer.sft_trainer.DataCollatorForVisionLanguageModeling), for each of
-TRL's vision formats and loss options, on tiny random models of two families with their processors; every way a
+TRL's vision formats and loss options, on tiny random models of four families with their processors; every way a
 row may hold an image gives the same pixels; bad rows are skipped and counted, or refused naming the row."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from shardtune.data.report import DataError, DataReport, RowFilter
 from shardtune.data.vision import VisionCollator, VisionExample, VisionOptions, VisionRows, check_rows
 from tests.vision_data import write_squares
 
-FAMILIES = ("vlm-llava-tiny", "vlm-mllama-tiny", "vlm-idefics3-tiny")
+FAMILIES = ("vlm-llava-tiny", "vlm-mllama-tiny", "vlm-idefics3-tiny", "vlm-qwen2vl-tiny")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -32,9 +32,9 @@ def vision_model(request, tmp_path_factory) -> Path:
 
 
 def processor_of(model_dir: Path):
-    from transformers import AutoProcessor
+    from shardtune.model.vision import load_processor_from  # AutoProcessor's (Qwen2-VL's without torchvision)
 
-    return AutoProcessor.from_pretrained(model_dir)
+    return load_processor_from(str(model_dir))
 
 
 def rows_of(folder: Path, split: str = "train") -> tuple[list, list[str]]:

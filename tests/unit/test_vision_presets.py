@@ -15,8 +15,6 @@ from shardtune.model.loading import init_model
 from shardtune.model.vision_presets import VISION_PRESETS
 
 QUESTION = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the square?"}]}
-# families whose processor transformers builds only with torchvision (a video processor): transformers#48558
-NEEDS_TORCHVISION = {"vlm-qwen2vl-tiny"}
 # weights a family legitimately leaves out of the loss: llava reads the tower's hidden states, not its pooled output
 UNUSED = {"vlm-llava-tiny": ("model.vision_tower.post_layernorm.",)}
 
@@ -45,15 +43,15 @@ def _render(processor, examples: list[dict], **kwargs) -> dict:
 
 @pytest.fixture(scope="module", params=sorted(VISION_PRESETS))
 def built(request, tmp_path_factory) -> tuple[str, Path]:
-    if request.param in NEEDS_TORCHVISION:
-        pytest.importorskip("torchvision")
     return request.param, init_model(request.param, tmp_path_factory.mktemp("vlm") / request.param, seed=0)
 
 
 def _load(path: Path):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText.from_pretrained(path), AutoProcessor.from_pretrained(path)
+    from shardtune.model.vision import load_processor_from  # AutoProcessor's (Qwen2-VL's without torchvision)
+
+    return AutoModelForImageTextToText.from_pretrained(path), load_processor_from(str(path))
 
 
 def test_preset_trains_on_trl_vision_format_and_generates(built):
@@ -106,22 +104,31 @@ def test_vision_build_is_byte_identical_per_seed(tmp_path):
     assert digests[0] == digests[1] != digests[2]
 
 
-def test_qwen2vl_model_trains_with_m_rope_without_the_processor(tmp_path):
-    """Without torchvision its processor cannot load; the model (M-RoPE positions from image_grid_thw) still trains
-    on inputs built as the processor builds them: <|image_pad|> repeated grid.prod() / merge_size**2 times."""
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+def test_qwen2vl_processor_without_torchvision_renders_images_as_the_model_expects(tmp_path):
+    """Where torchvision is absent transformers cannot build Qwen2-VL's processor (its video part needs it):
+    shardtune builds the same class without videos. Its image rows are what the model reads (<|image_pad|> repeated
+    grid.prod() / merge_size**2 times, the image processor's pixels, 1 on image tokens in mm_token_type_ids), and
+    what it saves loads again as a Qwen2VLProcessor."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from shardtune.model.vision import load_processor_from
 
     path = init_model("vlm-qwen2vl-tiny", tmp_path / "q", seed=0)
-    model = AutoModelForImageTextToText.from_pretrained(path)
+    processor = load_processor_from(str(path))
     images = AutoImageProcessor.from_pretrained(path)(_example("")["images"], return_tensors="pt")
     tokenizer = AutoTokenizer.from_pretrained(path)
     num_tokens = int(images["image_grid_thw"][0].prod()) // 4
     assert num_tokens == 4
-    text = tokenizer.apply_chat_template([QUESTION, {"role": "assistant", "content": "red"}], tokenize=False)
-    text = text.replace("<|image_pad|>", "<|image_pad|>" * num_tokens)
-    input_ids = tokenizer(text, return_tensors="pt")["input_ids"]
-    mm_token_type_ids = (input_ids == model.config.image_token_id).long()  # 1 on image tokens, as the processor's
-    loss = model(input_ids=input_ids, labels=input_ids, mm_token_type_ids=mm_token_type_ids, **images).loss
-    loss.backward()
-    assert torch.isfinite(loss)
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    messages = [QUESTION, {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    input_ids = tokenizer(text.replace("<|image_pad|>", "<|image_pad|>" * num_tokens), return_tensors="pt")["input_ids"]
+    batch = _render(processor, [_example("red")])
+    assert torch.equal(batch["input_ids"], input_ids)
+    assert torch.equal(batch["pixel_values"], images["pixel_values"])
+    assert torch.equal(batch["image_grid_thw"], images["image_grid_thw"])
+    assert torch.equal(
+        batch["mm_token_type_ids"], (input_ids == tokenizer.convert_tokens_to_ids("<|image_pad|>")).long()
+    )
+    processor.save_pretrained(tmp_path / "saved")
+    (tmp_path / "saved" / "config.json").write_bytes((path / "config.json").read_bytes())
+    assert type(load_processor_from(str(tmp_path / "saved"))).__name__ == "Qwen2VLProcessor"
