@@ -229,9 +229,12 @@ class Strategy(ABC):
 
         state = self.training_state_dict(model, optimizer)
         reader = SafeFileSystemReader(str(directory))  # its .metadata unpickles no code
-        reader.read_metadata()  # first alone: dcp.load would log a refusal as a warning and try other files
+        # first alone: dcp.load would log a refusal as a warning and try other files
+        stored = reader.read_metadata().state_dict_metadata.keys()
+        unsaved = _without_unsaved_optimizer_state(state, stored)
         dcp.load(state, storage_reader=reader)
         self.load_training_state_dict(model, optimizer, state)
+        _forget_optimizer_state(self.unwrap(model), optimizer, unsaved)
 
     def checkpoint_state(self) -> dict:
         """Extra facts a checkpoint's trainer_state records about how this strategy saved it."""
@@ -298,3 +301,33 @@ def resolve_compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype
     if cfg.train.precision == "auto" and bf16_compute_available(device):
         return torch.bfloat16
     return torch.float32
+
+
+# wrappers whose names torch's state-dict helpers leave out of a parameter's FQN
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+
+
+def _without_unsaved_optimizer_state(state: dict, stored) -> set[str]:
+    """Take out of a load template the optimizer state of parameters the checkpoint holds none of, and return their
+    names. A trainable parameter that never had a gradient (LLaVA's vision-tower post_layernorm: the model reads the
+    tower's hidden states, not its pooled output) has no optimizer state when the run saves; a fresh optimizer's
+    template has state for every parameter (torch's state-dict helpers initialise it), so dcp.load would refuse the
+    checkpoint."""
+    optimizer_state = state.get("optimizer", {}).get("state", {})
+    held = {key[len("optimizer.state.") :] for key in stored if key.startswith("optimizer.state.")}
+    unsaved = {fqn for fqn in optimizer_state if not any(key.startswith(f"{fqn}.") for key in held)}
+    for fqn in unsaved:
+        del optimizer_state[fqn]
+    return unsaved
+
+
+def _forget_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, names: set[str]) -> None:
+    """The parameters named had no optimizer state when the run saved: drop what the template initialised, so the
+    resumed optimizer is the saved one (Adam creates a parameter's state at its first gradient, step 0)."""
+    if not names:
+        return
+    for name, param in model.named_parameters():
+        for prefix in _WRAPPER_PREFIXES:
+            name = name.replace(prefix, "")
+        if name in names:
+            optimizer.state.pop(param, None)

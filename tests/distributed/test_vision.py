@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import assert_same_training, eval_rows, step_rows
+from tests.helpers import assert_same_training, eval_rows, step_rows, weights
+from tests.rounding import assert_same_adam_training
 from tests.vision_data import QUESTION, write_squares
 
 STEPS = 4  # 16 rows, an effective batch of 8, 2 epochs
@@ -148,14 +149,26 @@ def assert_trls_losses(out: Path, history: list[dict], label: str) -> None:
 
 
 def test_llava_trains_alike_on_every_layout_and_as_trl(run_cli, built, squares, tmp_path):
-    """1 x 4 == DDP 2 x 2 == FSDP 2 x 2 == ZeRO-3 2 x 2 (accumulation 2): token counts, losses, gradient norms,
-    evaluation losses and the final weights; and the same per-step and evaluation losses as TRL's SFTTrainer."""
+    """1 x 4 == DDP 2 x 2 == FSDP 2 x 2 == ZeRO-3 2 x 2 (accumulation 2) == FSDP resumed at step 3: token counts,
+    losses, gradient norms, evaluation losses and the final weights; and the same per-step and evaluation losses as
+    TRL's SFTTrainer."""
     model = built("vlm-llava-tiny")
-    runs = {name: sft(run_cli, model, squares, tmp_path / name, name) for name in LAYOUTS}
+    runs = {name: sft(run_cli, model, squares, tmp_path / name, name, "--save_steps", "3") for name in LAYOUTS}
     for name in ("ddp", "fsdp", "zero3"):
         assert_same_training(runs["single"], runs[name], name, num_steps=STEPS)
         ref, other = eval_rows(runs["single"]), eval_rows(runs[name])
         assert [r["eval_loss"] for r in other] == pytest.approx([r["eval_loss"] for r in ref], rel=1e-5), name
+    # resumed from FSDP's checkpoint inside the second epoch: step 4 and the final weights as the run's without a
+    # stop (LLaVA's tower has a weight without a gradient, hence without optimizer state: the checkpoint still loads)
+    resumed = sft(
+        run_cli, model, squares, tmp_path / "resumed", "fsdp", "--resume", runs["fsdp"] / "checkpoints" / "step-000003"
+    )
+    rows, ref_rows = step_rows(resumed), step_rows(runs["single"])
+    assert [r["step"] for r in rows] == [4]
+    assert rows[0]["loss"] == pytest.approx(ref_rows[3]["loss"], rel=1e-5, abs=0)
+    assert rows[0]["grad_norm"] == pytest.approx(ref_rows[3]["grad_norm"], rel=1e-4)
+    assert eval_rows(resumed)[-1]["eval_loss"] == pytest.approx(eval_rows(runs["single"])[-1]["eval_loss"], rel=1e-5)
+    assert_same_adam_training(weights(runs["single"]), weights(resumed), 1e-3, ref_rows, "resumed")
     assert_trls_losses(runs["single"], trl_history(model, squares, tmp_path / "trl"), "llava")
     for name in ("single", "zero3"):  # the processor beside the model, as it was given
         from transformers import AutoProcessor
