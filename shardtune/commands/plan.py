@@ -48,7 +48,8 @@ def main(argv: list[str]) -> int:
             + "|".join(DEVICES)
             + "|cpu, --gpu_memory SIZE, --host_memory SIZE (per node; "
             "default: what a server of that GPU ships with, stated in the output), --nnodes M, "
-            "--gpus_per_node G, --objective "
+            "--gpus_per_node G, --images_per_example N and --image_tokens N (a vision-language model: images per "
+            "row, default 1; tokens per image where the resolution sets them, Qwen2-VL), --objective "
             + "|".join(OBJECTIVES)
             + " (default sft; another: such a run, its flags), --json; "
             "every sft flag (shardtune sft --help)"

@@ -110,7 +110,7 @@ def check_placement(cfg: TrainConfig, args: Arguments) -> None:
     """Flags that belong to another place: hardware to a plan, launcher flags and --dry_run outside torchrun."""
     if args.hardware and not cfg.run.dry_run:
         raise ConfigError(
-            f"--{next(iter(args.hardware))} describes the hardware of a plan: add --dry_run (or use "
+            f"--{next(iter(args.hardware))} describes a plan's hardware or images: add --dry_run (or use "
             "shardtune plan), or drop the flag"
         )
     if not is_torchrun_worker():

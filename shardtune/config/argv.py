@@ -45,8 +45,8 @@ TORCHRUN_VALUE_FLAGS = (
 TORCHRUN_SWITCHES = ("standalone",)
 # Accelerate's name of a torchrun flag
 ACCELERATE_LAUNCHER_NAMES = {"num_processes": "nproc_per_node"}
-# the hardware a plan describes (shardtune plan, shardtune sft --dry_run)
-HARDWARE_FLAGS = ("gpu", "gpu_memory", "host_memory", "gpus_per_node")
+# the hardware a plan describes (shardtune plan, shardtune sft --dry_run), and the images it assumes per row
+HARDWARE_FLAGS = ("gpu", "gpu_memory", "host_memory", "gpus_per_node", "images_per_example", "image_tokens")
 FILE_FLAGS = {"config": "recipe", "accelerate_config": "accelerate"}
 
 

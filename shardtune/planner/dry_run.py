@@ -49,13 +49,18 @@ def model_directory(model_name: str, into: Path, trust_remote_code: bool = False
     """A model directory for ``model_name``: a built-in shape or a preset as a config.json in ``into``; a directory
     or hub id as it is (checked as a real run checks it)."""
     from shardtune.model.loading import PRESET_PREFIX, PRESETS, TOKENIZER_VOCAB_SIZE, check_model_source
+    from shardtune.model.vision_presets import VISION_PRESETS
     from shardtune.planner.shapes import BUILTIN_SHAPES
+    from shardtune.planner.vision import write_preset_config
 
     if model_name in BUILTIN_SHAPES:
         config = dict(BUILTIN_SHAPES[model_name], architectures=["LlamaForCausalLM"])
     elif not model_name or model_name.startswith(PRESET_PREFIX):
         check_model_source(model_name)
         name = model_name.removeprefix(PRESET_PREFIX) or "demo"
+        if name in VISION_PRESETS:  # its config and processor files (a vision run's checks read them)
+            write_preset_config(name, into)
+            return str(into)
         # the shared tokenizer's size unless the preset names its own vocabulary (as the built preset does)
         config = {
             "vocab_size": TOKENIZER_VOCAB_SIZE,
@@ -83,7 +88,7 @@ def shard_lines(cfg: TrainConfig, topology: Topology, arch_name: str, setup) -> 
     import torch.distributed as dist
 
     from shardtune.accounting.memory import human_bytes, local_state_bytes
-    from shardtune.model.freezing import freeze_first_layers
+    from shardtune.model.freezing import apply_freezing
     from shardtune.model.loading import build_model_on_meta, count_parameters, model_head, training_model_config
     from shardtune.model.peft import apply_peft
     from shardtune.parallel import make_strategy
@@ -113,7 +118,7 @@ def shard_lines(cfg: TrainConfig, topology: Topology, arch_name: str, setup) -> 
         trust_remote_code=cfg.model.trust_remote_code,
         head=model_head(cfg),
     )
-    freeze_first_layers(model, cfg)
+    apply_freezing(model, cfg)
     if bool(cfg.peft.method):
         model = apply_peft(model, cfg)
     num_params, num_trainable = count_parameters(model)
@@ -166,6 +171,7 @@ def dry_run(cfg: TrainConfig, topology: Topology, hardware: dict[str, str], flag
             "gpu_memory": hardware.get("gpu_memory", ""),
             "nnodes": str(topology.num_nodes),
             "gpus_per_node": str(topology.nproc_per_node),
+            **{k: hardware[k] for k in ("images_per_example", "image_tokens") if k in hardware},
         }
         device = resolve_device(values)
         setup = setup_from_config(cfg, values, device)

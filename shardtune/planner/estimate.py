@@ -47,6 +47,7 @@ class Setup:
     sampling_rows: int = 0  # GRPO: completions a rank samples at once (0: no sampling), each of seq_len tokens at most
     sampling_gathers_whole: bool = False  # ZeRO-3 with ds3_gather_for_generation: every weight gathered to sample
     scored_rows_per_unit: int = 0  # KTO: KL rows per unit, scored without a graph before the step's backward
+    images_per_example: int = 1  # a vision-language model: images per row (their tokens are within seq_len)
 
     @property
     def world_size(self) -> int:
@@ -290,8 +291,18 @@ def estimate(setup: Setup) -> Breakdown:
             # on the device in backward: a layer's unsharded gradient (and its fp32 copy for the reduction) until its
             # shard moves to the host
             out.grads = min(trainable, arch.layer_params) * (c + 4 if c < 4 else 4)
+    add_activations(out, s)
+    add_objective_terms(out, s)
+    out.host_loading = host_loading_bytes(setup)
+    return out
+
+
+def add_activations(out: Breakdown, setup: Setup) -> None:
+    """What a micro-batch saves for backward (the text layers, outside them, the images), the loss buffers and
+    backward's working memory."""
+    s, arch, c = setup, setup.arch, setup.compute_bytes
     tokens = s.tokens_per_rank
-    per_layer = layer_activation_bytes(arch, c, s.adapter, linear_inputs_always_saved=strategy == "ZERO3") * tokens
+    per_layer = layer_activation_bytes(arch, c, s.adapter, linear_inputs_always_saved=s.strategy == "ZERO3") * tokens
     if s.activation_checkpointing:
         out.activations = arch.num_layers * c * arch.hidden_size * tokens  # each layer's input
         out.backward = BACKWARD_LAYERS_CHECKPOINTED * per_layer  # the recomputed layer and its backward
@@ -302,9 +313,51 @@ def estimate(setup: Setup) -> Breakdown:
     replicated_kv = replicated_kv_bytes(setup)
     out.activations += replicated_kv * (1 if s.activation_checkpointing else arch.num_layers)
     out.loss_buffers = loss_buffer_bytes(arch, tokens)
-    add_objective_terms(out, s)
-    out.host_loading = host_loading_bytes(setup)
-    return out
+    if arch.vision:
+        images, backward = image_activation_bytes(setup)
+        out.activations += images
+        out.backward = max(out.backward, backward)
+
+
+def images_per_micro_batch(setup: Setup) -> int:
+    """Images one rank's micro-batch holds (rows with images are not split over sequence ranks)."""
+    return setup.rows_per_unit * setup.batch_size * setup.images_per_example
+
+
+def tower_trains(setup: Setup) -> bool:
+    """Whether anything in the vision tower takes a gradient: full fine-tuning trains it; an adapter on the language
+    model leaves it frozen, and with nothing trainable before it autograd saves none of its activations."""
+    return not setup.adapter.method
+
+
+def image_activation_bytes(setup: Setup) -> tuple[float, float]:
+    """(saved for backward, backward's working memory) of a micro-batch's images, counted as the text layers are:
+    each tower layer's tensors per position (shardtune.planner.vision.vit_layer_activation_bytes), or under
+    activation checkpointing its input alone (the tower's layers are checkpointed units too) and one layer recomputed
+    in backward; beside them each image's pixels and the projector's input and output per image token. The image
+    tokens' rows of the text sequence are in seq_len already (--context_length counts them). mllama's
+    cross-attention layers keep their keys and values over every tile's features (rotated to head-major copies,
+    the key norm's fp32 input), and the projected features once."""
+    s, arch, c = setup, setup.arch, setup.compute_bytes
+    v = arch.vision
+    images = images_per_micro_batch(s)
+    kv_width = arch.num_kv_heads * arch.head_dim
+    cross_tokens = images * v.cross_tokens_per_image
+    cross = cross_tokens * c * arch.hidden_size
+    if not s.activation_checkpointing:
+        cross += arch.cross_attention_layers * cross_tokens * (4 * c + 4) * kv_width
+    if not tower_trains(s):
+        return cross, 0.0
+    from shardtune.planner.vision import vit_layer_activation_bytes
+
+    positions = images * v.positions_per_image
+    per_layer = vit_layer_activation_bytes(v, c) * positions
+    pixels = positions * c * v.pixels_per_position  # the patch convolution's input
+    projector = images * v.image_tokens * c * (v.hidden_size * v.positions_per_token + 2 * arch.hidden_size)
+    outside = pixels + positions * 2 * (4 + c) * v.hidden_size + projector  # + the LayerNorms around the layers
+    if s.activation_checkpointing:
+        return cross + v.num_layers * c * v.hidden_size * positions + outside, BACKWARD_LAYERS_CHECKPOINTED * per_layer
+    return cross + v.num_layers * per_layer + outside, BACKWARD_LAYERS * per_layer
 
 
 def add_objective_terms(out: Breakdown, setup: Setup) -> None:

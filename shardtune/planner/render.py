@@ -61,6 +61,7 @@ def render(result: dict, base_argv: list[str]) -> str:
         f"model: {result['model']} ({result['parameters'] / 1e9:.2f} B parameters, "
         f"{result['trainable_parameters'] / 1e6:,.1f} M trainable); {result['world_size']} GPUs of "
         f"{result['device']}; usable per GPU: {g(result['usable_bytes'])}",
+        *([images_line(result["images"])] if result.get("images") else []),
         "",
         f"per GPU, {result['given']['setup']} (as given):",
     ]
@@ -89,6 +90,19 @@ def render(result: dict, base_argv: list[str]) -> str:
     best = result["recommended"]
     lines += _recommendation(result, best, base_argv) if best else _nothing_fits(result)
     return "\n".join(lines)
+
+
+def images_line(images: dict) -> str:
+    """The one line saying what the plan counted for a vision-language model's images."""
+    trains = "trained" if images["tower_trains"] else "frozen: no activations kept"
+    return (
+        f"images: {images['images_per_example']} per example (--images_per_example) x {images['image_tokens']:,} "
+        f"token{'' if images['image_tokens'] == 1 else 's'} of the row ({images['image_tokens_from']}); "
+        f"{images['family']} tower + projector "
+        f"{images['tower_parameters']:,} parameters ({trains}), {images['tower_positions_per_image']:,} "
+        f"positions x {images['tower_layers']} layers per image; image activations "
+        f"{_gib(images['activation_bytes'])} per micro-batch (in activations)"
+    )
 
 
 def _recommendation(result: dict, best: dict, base_argv: list[str]) -> list[str]:

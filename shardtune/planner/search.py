@@ -15,6 +15,8 @@ from shardtune.planner.estimate import (
     Setup,
     estimate,
     host_bytes_per_node,
+    image_activation_bytes,
+    tower_trains,
     usable_bytes,
     usable_host_bytes,
 )
@@ -145,8 +147,11 @@ def setup_from_config(cfg: TrainConfig, values: dict[str, str], device: Device) 
 
     objective = registration(cfg.objective)
     head = MODEL_HEADS[objective.model_head].config.get("num_labels", 0)  # a score head's outputs (0: the LM head)
+    arch = replace(read_arch(cfg.model.name or "preset:demo"), score_outputs=head)
+    arch, images_per_example = image_settings(arch, values, cfg.data.context_length)
     return Setup(
-        arch=replace(read_arch(cfg.model.name or "preset:demo"), score_outputs=head),
+        arch=arch,
+        images_per_example=images_per_example,
         strategy=strategy,
         num_nodes=nnodes,
         gpus_per_node=per_node,
@@ -168,6 +173,45 @@ def setup_from_config(cfg: TrainConfig, values: dict[str, str], device: Device) 
         sampling_gathers_whole=objective.sampling_gathers_whole(cfg),
         scored_rows_per_unit=objective.scored_rows_per_unit(cfg),
     )
+
+
+def _whole_number(values: dict[str, str], name: str) -> int | None:
+    if values.get(name) in (None, ""):
+        return None
+    try:
+        number = int(values[name])
+    except ValueError:
+        number = 0
+    if number <= 0:
+        raise ConfigError(f"--{name} {values[name]!r}: give a positive whole number")
+    return number
+
+
+def image_settings(arch: Arch, values: dict[str, str], context_length: int) -> tuple[Arch, int]:
+    """The model with --image_tokens applied, and --images_per_example (default 1), checked: a text model takes
+    neither; the images' tokens must fit the row (the processor counts them within --context_length, and a row cut
+    inside an image fails in the model)."""
+    per_example, tokens = _whole_number(values, "images_per_example"), _whole_number(values, "image_tokens")
+    v = arch.vision
+    if v is None:
+        if per_example or tokens:
+            flag = "images_per_example" if per_example else "image_tokens"
+            raise ConfigError(f"--{flag}: {arch.name} is a text model (no vision_config): drop it")
+        return arch, 1
+    if tokens:
+        if not v.dynamic:
+            raise ConfigError(
+                f"--image_tokens {tokens}: a {v.family} image is always {v.image_tokens} tokens ({v.source}): drop it"
+            )
+        v = v.with_image_tokens(tokens)
+    per_example = per_example or 1
+    if per_example * v.image_tokens > context_length:
+        hint = ", or --image_tokens N (your images' tokens: smaller images)" if v.dynamic else ""
+        raise ConfigError(
+            f"--context_length {context_length} is shorter than {per_example} image(s) of {v.image_tokens:,} tokens "
+            f"each ({v.family}: {v.source}): raise --context_length, lower --images_per_example{hint}"
+        )
+    return replace(arch, vision=v), per_example
 
 
 def check_split(cfg: TrainConfig, setup: Setup) -> None:
@@ -219,6 +263,7 @@ def plan(setup: Setup, device: Device, accumulation: int) -> dict:
     smallest = min(rows, key=lambda r: r["peak_bytes"])
     given = estimate(setup)
     return {
+        "images": images_summary(setup),
         "model": setup.arch.name,
         "parameters": setup.arch.num_params,
         "trainable_parameters": setup.adapter.trainable_params(setup.arch),
@@ -243,6 +288,25 @@ def plan(setup: Setup, device: Device, accumulation: int) -> dict:
         "would_fit": None if best else would_fit(setup, device),
         "largest_micro_batch": largest_batch(best["_setup"] if best else setup, device),
         "longest_sequence": longest_sequence(best["_setup"] if best else setup, device),
+    }
+
+
+def images_summary(setup: Setup) -> dict | None:
+    """What the plan counted for a vision-language model's images (None for a text model)."""
+    v = setup.arch.vision
+    if v is None:
+        return None
+    images, _ = image_activation_bytes(setup)
+    return {
+        "family": v.family,
+        "images_per_example": setup.images_per_example,
+        "image_tokens": v.image_tokens,
+        "image_tokens_from": v.source,
+        "tower_positions_per_image": v.positions_per_image,
+        "tower_layers": v.num_layers,
+        "tower_parameters": v.num_params,
+        "activation_bytes": images,
+        "tower_trains": tower_trains(setup),
     }
 
 

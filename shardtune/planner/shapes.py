@@ -5,10 +5,12 @@ shape) and what is trained (full, or an adapter).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shardtune.config.schema import ConfigError
+from shardtune.planner.vision import VisionShape, full_config, processor_settings, vision_shape, write_preset_config
 
 # -- architectures ---------------------------------------------------------------------------------------------------
 
@@ -88,15 +90,24 @@ class Arch:
     # outputs of a sequence-classification head in place of the output layer over the vocabulary (a reward model's
     # score: 1); 0: the causal LM's output layer
     score_outputs: int = 0
+    qk_norm: bool = False  # an RMSNorm on each query and key head (Gemma 3, Qwen3)
+    norms_per_layer: int = 2  # RMSNorms per decoder layer (Gemma 2 / 3: four, before and after each block)
+    extra_embedding_rows: int = 0  # input embedding rows beyond the vocabulary (mllama: 8)
+    # decoder layers (of num_layers) that cross-attend to the image (mllama): a query / key RMSNorm and two gates more
+    cross_attention_layers: int = 0
+    vision: VisionShape | None = None  # a vision-language model's tower, projector and image tokens
 
     @classmethod
     def from_config(cls, config: dict, name: str = "") -> Arch:
         text = config.get("text_config") or config
         heads = text["num_attention_heads"]
         hidden = text["hidden_size"]
+        model_type = text.get("model_type", "llama")
+        # a composite config's own flag decides the tying (transformers reads it there)
+        tied = config.get("tie_word_embeddings") if "text_config" in config else None
         return cls(
             name=name or text.get("_name_or_path", "") or text.get("model_type", "model"),
-            model_type=text.get("model_type", "llama"),
+            model_type=model_type,
             vocab_size=text["vocab_size"],
             hidden_size=hidden,
             num_layers=text["num_hidden_layers"],
@@ -104,9 +115,13 @@ class Arch:
             num_kv_heads=text.get("num_key_value_heads") or heads,
             head_dim=text.get("head_dim") or hidden // heads,
             intermediate_size=text["intermediate_size"],
-            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
-            attention_bias=bool(text.get("attention_bias", text.get("model_type") == "qwen2")),
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", False) if tied is None else tied),
+            attention_bias=bool(text.get("attention_bias", model_type.startswith("qwen2"))),
             sliding_window=text.get("sliding_window") if text.get("use_sliding_window", True) else None,
+            qk_norm=model_type.startswith(("gemma3", "qwen3")),
+            norms_per_layer=4 if model_type.startswith(("gemma2", "gemma3")) else 2,
+            extra_embedding_rows=8 if model_type.startswith("mllama") else 0,
+            cross_attention_layers=len(text.get("cross_attention_layers") or ()),
         )
 
     # shapes (in, out) of each linear layer of one decoder layer
@@ -134,30 +149,37 @@ class Arch:
     @property
     def layer_params(self) -> int:
         bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0
-        return self.layer_linear_params + bias + 2 * self.hidden_size  # + two RMSNorm weights
+        qk_norm = 2 * self.head_dim if self.qk_norm else 0
+        return self.layer_linear_params + bias + qk_norm + self.norms_per_layer * self.hidden_size  # + RMSNorm weights
 
     @property
     def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
+        return (self.vocab_size + self.extra_embedding_rows) * self.hidden_size
 
     @property
     def root_params(self) -> int:
         """Parameters outside the decoder layers: embedding, final norm, and the head when untied."""
-        head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size  # the vocabulary only (mllama)
         if self.score_outputs:
             head = self.score_outputs * self.hidden_size
         return self.embedding_params + self.hidden_size + head
 
     @property
     def matmul_params(self) -> int:
-        """Parameters a token is multiplied by: all but the input embedding (a lookup), unless the output layer is
-        the embedding itself (tied)."""
+        """Parameters a text token is multiplied by: all of the text model but the input embedding (a lookup), unless
+        the output layer is the embedding itself (tied). The vision tower computes per image, not per token."""
         tied_output = self.tie_word_embeddings and not self.score_outputs
-        return self.num_params - (0 if tied_output else self.embedding_params)
+        return self.text_params - (0 if tied_output else self.embedding_params)
+
+    @property
+    def text_params(self) -> int:
+        """The language model's parameters (mllama's cross-attention layers included) and its head."""
+        cross = self.cross_attention_layers * (2 * self.head_dim + 2)  # query / key norms and two tanh gates
+        return self.root_params + self.num_layers * self.layer_params + cross
 
     @property
     def num_params(self) -> int:
-        return self.root_params + self.num_layers * self.layer_params
+        return self.text_params + (self.vision.num_params if self.vision else 0)
 
 
 def read_arch(model: str) -> Arch:
@@ -167,18 +189,24 @@ def read_arch(model: str) -> Arch:
         return Arch.from_config(BUILTIN_SHAPES[model], model)
     if model.startswith("preset:") or not model:
         from shardtune.model.loading import PRESETS, TOKENIZER_VOCAB_SIZE
+        from shardtune.model.vision_presets import VISION_PRESETS
 
         name = model.removeprefix("preset:") or "demo"
+        if name in VISION_PRESETS:
+            with tempfile.TemporaryDirectory(prefix="shardtune-plan-") as folder:
+                write_preset_config(name, Path(folder))
+                return replace(read_arch(folder), name=model)
         if name not in PRESETS:
             raise ConfigError(
-                f"--model_name {model}: unknown preset: choose one of " + ", ".join(f"preset:{p}" for p in PRESETS)
+                f"--model_name {model}: unknown preset: choose one of "
+                + ", ".join(f"preset:{p}" for p in [*PRESETS, *VISION_PRESETS])
             )
         return Arch.from_config({"vocab_size": TOKENIZER_VOCAB_SIZE, "model_type": "llama", **PRESETS[name]}, model)
     path = Path(model).expanduser()
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        return Arch.from_config(json.loads(path.read_text()), str(model))
+        return arch_of(json.loads(path.read_text()), str(model), processor_settings(path.parent))
     if path.parent != Path(".") and not path.parent.exists() or model.startswith(("/", ".", "~")):
         raise ConfigError(
             f"--model_name {model}: no such directory or config.json: pass a model directory, a "
@@ -187,13 +215,23 @@ def read_arch(model: str) -> Arch:
     try:
         from transformers import AutoConfig
 
-        return Arch.from_config(AutoConfig.from_pretrained(model).to_dict(), model)
+        config = AutoConfig.from_pretrained(model).to_dict()
     except Exception as e:  # offline, unknown repo, gated: the same fix for the user
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(
             f"--model_name {model}: not a local directory and its config could not be read from the "
             f"hub ({reason}): pass a local directory with config.json or a built-in shape: " + ", ".join(BUILTIN_SHAPES)
         ) from None
+    return arch_of(config, model, {})  # a hub id's processor settings are not read: the family's defaults
+
+
+def arch_of(config: dict, name: str, processor: dict) -> Arch:
+    """The shapes of a config: a text model's as it is; a vision-language model's (a ``vision_config``, as
+    shardtune.model.loading.is_vision_model tells one) with its defaults filled in, its tower and image tokens."""
+    if "vision_config" not in config:
+        return Arch.from_config(config, name)
+    config = full_config(config)
+    return replace(Arch.from_config(config, name), vision=vision_shape(config, processor, name))
 
 
 # -- what is trained ---------------------------------------------------------------------------------------------------

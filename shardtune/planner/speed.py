@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardtune.planner.estimate import Setup, estimate, ulysses_kv_heads
+from shardtune.planner.estimate import Setup, estimate, images_per_micro_batch, tower_trains, ulysses_kv_heads
 from shardtune.planner.hardware import (
     ASSUMED_MFU,
     HOST_ADAM_BYTES_S,
@@ -89,6 +89,16 @@ def sequence_traffic_per_step(setup: Setup, accumulation_steps: int = 1) -> tupl
     )
 
 
+def image_flops(setup: Setup, accumulation_steps: int = 1) -> float:
+    """The vision tower's matmul FLOPs per optimizer step: its parameters times each image's positions, forward
+    (2) and, when it trains, backward (4)."""
+    v = setup.arch.vision
+    if v is None:
+        return 0.0
+    images = images_per_micro_batch(setup) * accumulation_steps * setup.data_parallel
+    return (6 if tower_trains(setup) else 2) * v.num_params * v.positions_per_image * images
+
+
 def step_time_s(setup: Setup, device: Device, accumulation_steps: int = 1) -> tuple[float, float, float]:
     """(step seconds, compute seconds, communication seconds): compute at ASSUMED_MFU of the peak; communication
     at the link rates, overlapped with compute (FSDP prefetch, DDP buckets), so the slower of the two bounds it."""
@@ -99,7 +109,7 @@ def step_time_s(setup: Setup, device: Device, accumulation_steps: int = 1) -> tu
     matmul = arch.matmul_params
     shape = ModelShape(arch.num_layers, arch.hidden_size, matmul, min(trainable, matmul))
     tokens = setup.batch_size * setup.seq_len * accumulation_steps * setup.data_parallel
-    flops = training_flops_per_token(shape, setup.seq_len) * tokens
+    flops = training_flops_per_token(shape, setup.seq_len) * tokens + image_flops(setup, accumulation_steps)
     if setup.activation_checkpointing:
         flops *= 4 / 3  # the forward runs twice
     compute = flops / (setup.world_size * device.matmul_flops * ASSUMED_MFU)

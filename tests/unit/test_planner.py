@@ -451,3 +451,190 @@ def test_dry_run_describes_a_preset_with_its_own_vocabulary(tmp_path, preset, vo
     written = model_directory(f"preset:{preset}", tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["vocab_size"] == vocab and written == str(tmp_path)
     assert read_arch(f"preset:{preset}").vocab_size == vocab
+
+
+# -- vision-language models ------------------------------------------------------------------------------------------
+
+VISION_PRESET_NAMES = ("vlm-llava-tiny", "vlm-qwen2vl-tiny", "vlm-mllama-tiny", "vlm-idefics3-tiny", "vlm-gemma3-tiny")
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize("preset", VISION_PRESET_NAMES)
+def test_vision_preset_counts_equal_the_model_built_on_meta_with_and_without_lora(preset, tmp_path):
+    """The planner's count of each vision preset (language model + tower + projector, mllama's cross-attention
+    layers) equals sum(numel) of the model transformers builds from the preset's config on the meta device (the run's
+    own build_model_on_meta), and LoRA's trainable count equals peft's on the language model only
+    (shardtune.model.vision.language_model_targets), for the default targets and every linear layer."""
+    from shardtune.config.flags import config_from
+    from shardtune.model.loading import build_model_on_meta, count_parameters
+    from shardtune.model.peft import apply_peft
+    from shardtune.planner.vision import write_preset_config
+
+    write_preset_config(preset, tmp_path)
+    arch = read_arch(f"preset:{preset}")
+    assert arch.vision is not None and arch.vision.num_params > 0
+    assert arch.num_params == count_parameters(build_model_on_meta(str(tmp_path)))[0]
+    assert read_arch(str(tmp_path)).num_params == arch.num_params  # the folder reads as the preset does
+    for targets in (("q_proj", "v_proj"), ALL_LINEAR):
+        cfg = config_from(model_name=str(tmp_path), use_peft=True, peft_method="lora", lora_target_modules=targets)
+        model = apply_peft(build_model_on_meta(str(tmp_path)), cfg)
+        trainable = count_parameters(model)[1]
+        assert Adapter(method="lora", lora_targets=targets).trainable_params(arch) == trainable, targets
+
+
+def llava_7b_config() -> dict:
+    """LLaVA-1.5-7B's shape: CLIP ViT-L/14 at 336 pixels (576 patch tokens), a two-layer projector, Vicuna-7B."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    text = LlamaConfig(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32)
+    text.num_attention_heads = text.num_key_value_heads = 32
+    vision = CLIPVisionConfig(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        image_size=336,
+        patch_size=14,
+        projection_dim=768,
+    )
+    return LlavaConfig(vision_config=vision, text_config=text, image_seq_length=576).to_dict()
+
+
+def mllama_11b_config() -> dict:
+    """Llama-3.2-11B-Vision's shape: a 32 + 8 layer tower over up to 4 tiles of 560 pixels, 8 cross-attention
+    layers among the text model's 40."""
+    from transformers import MllamaConfig
+
+    text = dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=40,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        cross_attention_layers=[3, 8, 13, 18, 23, 28, 33, 38],
+    )
+    vision = dict(
+        hidden_size=1280,
+        intermediate_size=5120,
+        num_hidden_layers=32,
+        num_global_layers=8,
+        attention_heads=16,
+        image_size=560,
+        patch_size=14,
+        max_num_tiles=4,
+        vision_output_dim=7680,
+        intermediate_layers_indices=[3, 7, 15, 23, 30],
+    )
+    return MllamaConfig(text_config=text, vision_config=vision).to_dict()
+
+
+def write_config(folder, config: dict) -> str:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.mark.parametrize("family", ["llava-1.5-7b", "llama-3.2-11b-vision"])
+def test_real_size_vision_plan_is_the_text_plan_plus_the_tower(family, tmp_path):
+    """A real-size config.json (no download): the count equals the meta-built model's (LLaVA-1.5-7B: 7.06 B;
+    Llama-3.2-11B-Vision: 10.67 B as published), and the peak against the plan of its text model alone:
+
+    - LoRA (DDP, one GPU): the tower is frozen and nothing before it trains, so autograd keeps none of its
+      activations: the peak is the text plan's plus exactly the tower's and projector's bf16 weights (and, for mllama,
+      the cross-attention layers' keys and values over the tiles, which train through LoRA on v_proj);
+    - full fine-tuning (FSDP on 8 GPUs): plus the tower's sharded training state (16 bytes a parameter over 8) and
+      its activations; a LLaVA image's 577 tower positions go through 24 layers of width 1024, narrower and fewer than
+      the text's 32 layers of width 4096, so they keep less than 577 text tokens' rows do; more than nothing."""
+    from shardtune.model.loading import build_model_on_meta, count_parameters
+
+    config = llava_7b_config() if family.startswith("llava") else mllama_11b_config()
+    folder = write_config(tmp_path / "vlm", config)
+    arch = read_arch(folder)
+    assert arch.num_params == count_parameters(build_model_on_meta(folder))[0]
+    published = {"llava-1.5-7b": 7.06e9, "llama-3.2-11b-vision": 10.67e9}[family]
+    assert arch.num_params == pytest.approx(published, rel=2e-3)
+    text = Arch.from_config(config["text_config"])
+    v = arch.vision
+    lora = Adapter(method="lora")
+    one = dict(strategy="DDP", gpus_per_node=1, seq_len=4096, adapter=lora)
+    with_images, text_only = estimate(Setup(arch=arch, **one)), estimate(Setup(arch=text, **one))
+    cross_kv = 0.0
+    if arch.cross_attention_layers:  # 8 layers x one image's 4 x 1601 features: k, v, head-major, fp32 key norm input
+        tokens = v.cross_tokens_per_image
+        cross_kv = tokens * 2 * arch.hidden_size + 8 * tokens * (4 * 2 + 4) * arch.num_kv_heads * arch.head_dim
+    assert arch.text_params == text.num_params  # the text model alone (mllama's: its cross-attention layers too)
+    assert with_images.peak - text_only.peak == pytest.approx(2 * v.num_params + cross_kv, rel=1e-9)
+    full = dict(strategy="FULL_SHARD", gpus_per_node=8, seq_len=4096)
+    with_images, text_only = estimate(Setup(arch=arch, **full)), estimate(Setup(arch=text, **full))
+    state = 16 * v.num_params / 8
+    images = with_images.activations - text_only.activations
+    assert with_images.state - text_only.state == pytest.approx(state)
+    assert with_images.peak > text_only.peak + state
+    assert 0 < images - cross_kv
+    if family.startswith("llava"):
+        assert images < text_only.activations * v.positions_per_image / 4096
+
+
+def test_image_activations_grow_linearly_with_images_and_shrink_with_checkpointing(tmp_path):
+    """Each image adds the same bytes (its tower positions through every layer); activation checkpointing keeps only
+    each tower layer's input (2 bytes x 1024 per position and layer instead of the layer's ~45 KB), LoRA none."""
+    arch = read_arch(write_config(tmp_path / "llava", llava_7b_config()))
+    base = Setup(arch=arch, strategy="FULL_SHARD", gpus_per_node=8, seq_len=4096)
+    acts = [estimate(replace(base, images_per_example=n)).activations for n in (1, 2, 3, 4)]
+    steps = [b - a for a, b in zip(acts, acts[1:])]
+    assert steps[0] > 0 and steps == pytest.approx([steps[0]] * 3, rel=1e-12)
+    assert estimate(replace(base, batch_size=2)).activations - 2 * acts[0] == pytest.approx(0, abs=1)
+    checkpointed = [
+        estimate(replace(base, images_per_example=n, activation_checkpointing=True)).activations for n in (1, 2)
+    ]
+    per_image_ac = checkpointed[1] - checkpointed[0]
+    positions = arch.vision.positions_per_image
+    assert 0 < per_image_ac < steps[0] / 5
+    assert per_image_ac > 24 * 2 * 1024 * positions  # each tower layer's input, at least
+    lora = [estimate(replace(base, images_per_example=n, adapter=Adapter(method="lora"))).activations for n in (1, 2)]
+    assert lora[1] == lora[0]  # a frozen tower with nothing trainable before it keeps nothing
+
+
+def test_plan_cli_counts_a_vision_preset_and_checks_the_image_flags():
+    """``shardtune plan`` on a vision preset: the parameter total includes the tower, one line says what was
+    counted for the images, --images_per_example grows the activations; the flags are refused where they mean
+    nothing (a text model; --image_tokens of a fixed-size family) or cannot fit (--context_length), one line each."""
+    args = ("plan", "--model_name", "preset:vlm-llava-tiny", "--gpus_per_node", 2, "--gpu", "cpu")
+    proc = main_in_process(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "images: 1 per example (--images_per_example) x 17 tokens of the row (image_seq_length); llava" in proc.stdout
+    )
+    one = json.loads(main_in_process(*args, "--json").stdout)
+    three = json.loads(main_in_process(*args, "--json", "--images_per_example", 3).stdout)
+    assert one["parameters"] == 253888 and one["images"]["tower_parameters"] == 23936 + 6272
+    grown = three["given"]["breakdown"]["activations"] - one["given"]["breakdown"]["activations"]
+    assert grown == pytest.approx(2 * one["images"]["activation_bytes"], rel=1e-9) and grown > 0
+    for flags, message in (
+        (("--model_name", "llama3-8b", "--images_per_example", 2), "--images_per_example: llama3-8b is a text model"),
+        ((*args[1:], "--image_tokens", 64), "--image_tokens 64: a llava image is always 17 tokens (image_seq_length)"),
+        ((*args[1:], "--images_per_example", "0"), "--images_per_example '0': give a positive whole number"),
+        ((*args[1:], "--context_length", 16), "--context_length 16 is shorter than 1 image(s) of 17 tokens each"),
+    ):
+        bad = main_in_process("plan", *flags)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and message in bad.stderr, bad.stderr
+    dry = main_in_process(
+        "sft",
+        "--dry_run",
+        "--model_name",
+        "preset:vlm-mllama-tiny",
+        "--gpus_per_node",
+        2,
+        "--enable_fsdp",
+        "--batching_strategy",
+        "padding",
+        "--images_per_example",
+        2,
+    )
+    assert dry.returncode == 0, dry.stderr
+    assert "meta model: preset:vlm-mllama-tiny (308,103 parameters" in dry.stdout  # the plan's total, built
+    assert "images: 2 per example (--images_per_example) x 1 token of the row (<|image|>; 2 tiles" in dry.stdout
+    qwen = ("plan", "--model_name", "preset:vlm-qwen2vl-tiny", "--gpu", "cpu", "--json")
+    sized = json.loads(main_in_process(*qwen, "--image_tokens", 64).stdout)["images"]
+    assert sized["image_tokens"] == 64 and sized["tower_positions_per_image"] == 64 * 4  # 2 x 2 patches merged
