@@ -237,14 +237,34 @@ def token_predictions(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Te
     return out
 
 
-def _expected_logits(logits: torch.Tensor, lse: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+def _expected_logits(
+    logits: torch.Tensor, lse: torch.Tensor, keep_softmax: bool = False
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """(first row, the rows' logsumexp, sum(softmax x logits) per row) of fp32 ``logits``, in row blocks of
-    PREDICTION_BLOCK_ELEMENTS: the block's softmax is the one temporary, small beside the logits."""
+    PREDICTION_BLOCK_ELEMENTS: the block's softmax is the one temporary, small beside the logits (and in cache when
+    ``keep_softmax`` copies it over the block's logits)."""
     block = max(1, PREDICTION_BLOCK_ELEMENTS // max(1, logits.size(-1)))
     for start in range(0, logits.size(0), block):
         z, z_lse = logits[start : start + block], lse[start : start + block]
         probs = (z - z_lse[:, None]).exp_()
         yield start, z_lse, torch.bmm(probs.unsqueeze(1), z.unsqueeze(2))  # without a second softmax-sized product
+        if keep_softmax:
+            z.copy_(probs)
+
+
+@torch.no_grad()
+def _prediction_sums_into_softmax(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """:func:`prediction_sums` of fp32 ``logits``, which it leaves holding their softmax (what the gradient needs):
+    each block's softmax is computed once, for the entropy and then copied over the block's logits, where the
+    gradient would exponentiate the chunk a second time. The same operations on the same values as
+    :func:`prediction_sums` and the in-place softmax: the same sums and the same softmax, bit for bit."""
+    correct = torch.zeros((), dtype=torch.int64, device=logits.device)
+    entropy = torch.zeros((), dtype=torch.float64, device=logits.device)
+    for start, z_lse, expected in _expected_logits(logits, lse, keep_softmax=True):
+        block = slice(start, start + z_lse.size(0))  # its logits still in cache, before the softmax replaces them
+        correct += (logits[block].argmax(dim=-1) == targets[block]).sum()
+        entropy += (z_lse.sum() - expected.sum()).double()
+    return torch.stack([correct.double(), entropy])
 
 
 def hf_model(model: nn.Module) -> nn.Module:
@@ -365,10 +385,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits = (chunk @ w.t()).float()
             lse = torch.logsumexp(logits, dim=-1)
             loss += (lse - logits.gather(1, target[:, None]).squeeze(1)).sum()
-            if with_predictions:
+            need_grad = need_rows_grad or need_weight_grad
+            if with_predictions and need_grad:  # the softmax the gradient needs, and the entropy from it: one exp
+                predictions += _prediction_sums_into_softmax(logits, target, lse)
+            elif with_predictions:
                 predictions += prediction_sums(logits, target, lse)
-            if need_rows_grad or need_weight_grad:
-                dlogits = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            if need_grad:
+                dlogits = logits if with_predictions else logits.sub_(lse[:, None]).exp_()  # softmax, in place
                 dlogits[torch.arange(chunk.size(0), device=chunk.device), target] -= 1.0
                 if need_rows_grad:
                     grad_rows[start : start + chunk_rows] = (dlogits.to(compute_dtype) @ w).to(rows.dtype)

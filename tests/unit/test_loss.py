@@ -21,6 +21,8 @@ from shardtune.model.loss import (
     full_logits_loss_sum,
     lean_head,
     linear_cross_entropy_sum,
+    linear_cross_entropy_sums,
+    prediction_sums,
     token_loss_sum,
 )
 
@@ -94,6 +96,38 @@ def test_chunked_cross_entropy_equals_plain_cross_entropy_across_many_chunks():
     assert lean.item() == pytest.approx(full.item(), rel=1e-6)
     torch.testing.assert_close(d_hidden, e_hidden, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(d_weight, e_weight, rtol=1e-5, atol=1e-6)
+
+
+def test_training_chunks_take_accuracy_and_entropy_from_the_gradients_softmax_bit_for_bit(monkeypatch):
+    """SFT's accuracy and entropy sums, taken in training from the softmax the gradient computes anyway (one exp per
+    logit, not two), are bit for bit the sums of the same rows' logits computed apart (evaluation's path), and the
+    loss and gradients bit for bit those of a step without them: over chunks of 7 rows and blocks of 3, with a
+    third of the targets the argmax (so a wrong count of hits, a block's softmax copied to the wrong rows, or a
+    logit read after its softmax replaced it, changes a figure)."""
+    from shardtune.model import loss as loss_module
+
+    monkeypatch.setattr(loss_module, "PREDICTION_BLOCK_ELEMENTS", 3 * 300)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 50, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(300, 16, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 300, (2, 50), generator=gen)
+    with torch.no_grad():
+        argmax = (hidden @ weight.t()).argmax(-1)
+    targets[:, ::3] = argmax[:, ::3]
+    targets[0, :20] = IGNORE_INDEX
+    keep = targets != IGNORE_INDEX
+    found = {}
+    for with_predictions in (False, True):
+        total, sums = linear_cross_entropy_sums(hidden, weight, targets, 7, with_predictions)
+        found[with_predictions] = (total, *torch.autograd.grad(total * 0.5, (hidden, weight)), sums)
+    with torch.no_grad():  # the same chunks' logits, summed apart
+        rows, row_targets = hidden[keep], targets[keep]
+        expected = sum(prediction_sums(rows[i : i + 7] @ weight.t(), row_targets[i : i + 7]) for i in range(0, 80, 7))
+    for plain, fused in zip(found[False][:3], found[True][:3]):
+        assert torch.equal(plain, fused)
+    assert found[False][3] is None
+    assert found[True][3][0] >= int(keep[:, ::3].sum())  # the argmax targets are all hits
+    assert torch.equal(found[True][3], expected)
 
 
 def test_lean_loss_under_ddp(tiny_model, process_group):
