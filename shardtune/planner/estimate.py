@@ -334,7 +334,8 @@ def image_activation_bytes(setup: Setup) -> tuple[float, float]:
     """(saved for backward, backward's working memory) of a micro-batch's images, counted as the text layers are:
     each tower layer's tensors per position (shardtune.planner.vision.vit_layer_activation_bytes), or under
     activation checkpointing its input alone (the tower's layers are checkpointed units too) and one layer recomputed
-    in backward; beside them each image's pixels and the projector's input and output per image token. The image
+    in backward; beside them each image's pixels, a LayerNorm's input, and the projector's input and hidden and
+    output per image token (measured against the tensors autograd saves in tests/unit/test_planner.py). The image
     tokens' rows of the text sequence are in seq_len already (--context_length counts them). mllama's
     cross-attention layers keep their keys and values over every tile's features (rotated to head-major copies,
     the key norm's fp32 input), and the projected features once."""
@@ -354,7 +355,9 @@ def image_activation_bytes(setup: Setup) -> tuple[float, float]:
     per_layer = vit_layer_activation_bytes(v, c) * positions
     pixels = positions * c * v.pixels_per_position  # the patch convolution's input
     projector = images * v.image_tokens * c * (v.hidden_size * v.positions_per_token + 2 * arch.hidden_size)
-    outside = pixels + positions * 2 * (4 + c) * v.hidden_size + projector  # + the LayerNorms around the layers
+    # the LayerNorm between the embeddings and the layers (or after them): its input, its fp32 copy under autocast
+    norm = positions * ((c + (4 if c < 4 else 0)) * v.hidden_size + 8)
+    outside = pixels + norm + projector
     if s.activation_checkpointing:
         return cross + v.num_layers * c * v.hidden_size * positions + outside, BACKWARD_LAYERS_CHECKPOINTED * per_layer
     return cross + v.num_layers * per_layer + outside, BACKWARD_LAYERS * per_layer

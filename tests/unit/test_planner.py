@@ -638,3 +638,69 @@ def test_plan_cli_counts_a_vision_preset_and_checks_the_image_flags():
     qwen = ("plan", "--model_name", "preset:vlm-qwen2vl-tiny", "--gpu", "cpu", "--json")
     sized = json.loads(main_in_process(*qwen, "--image_tokens", 64).stdout)["images"]
     assert sized["image_tokens"] == 64 and sized["tower_positions_per_image"] == 64 * 4  # 2 x 2 patches merged
+
+
+def saved_for_backward_bytes(model, run) -> int:
+    """Bytes of the tensors autograd saves while ``run()`` runs (each storage once), the model's parameters excluded:
+    what the planner calls activations, measured."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(storages.values())
+
+
+def test_tower_activations_equal_what_autograd_saves():
+    """The image term against measurement: a LLaVA tower (CLIP, 65 positions of width 128) and its projector run
+    forward with a graph, counting the bytes of every tensor autograd saves (fp32, this torch's CPU SDPA). A tower
+    layer's count is a count of tensors, not of rounded floats: equal to the byte. The whole image (pixels, the
+    LayerNorm before the layers, the projector too) within 1%: the pixels are counted per position where they are
+    per patch (64 of the 65: 768 bytes of ~1.5 MB), the LayerNorm's statistics as 8 bytes a position."""
+    from transformers import AutoModelForImageTextToText, CLIPVisionConfig, LlavaConfig
+
+    from shardtune.planner.estimate import image_activation_bytes
+    from shardtune.planner.shapes import arch_of
+    from shardtune.planner.vision import vit_layer_activation_bytes
+
+    def measured(num_layers: int, num_images: int) -> tuple[int, Arch]:
+        vision = CLIPVisionConfig(
+            hidden_size=128,
+            intermediate_size=512,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            image_size=64,
+            patch_size=8,
+        )
+        text = LlamaConfig(
+            vocab_size=300, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128
+        )
+        config = LlavaConfig(
+            vision_config=vision,
+            text_config=text,
+            image_seq_length=65,
+            vision_feature_select_strategy="full",
+            vision_feature_layer=-1,
+        )
+        torch.manual_seed(0)
+        model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa")
+        pixels = torch.randn(num_images, 3, 64, 64)
+        features = dict(vision_feature_layer=-1, vision_feature_select_strategy="full")
+        saved = saved_for_backward_bytes(model, lambda: model.model.get_image_features(pixels, **features))
+        return saved, arch_of(config.to_dict(), "llava", {})
+
+    one_layer, arch = measured(1, 1)
+    two_layers, _ = measured(2, 1)
+    v = arch.vision
+    assert two_layers - one_layer == vit_layer_activation_bytes(v, 4) * v.positions_per_image
+    two_images, arch = measured(2, 2)
+    setup = Setup(arch=arch, compute_bytes=4, batch_size=1)
+    predicted = image_activation_bytes(replace(setup, images_per_example=2))[0]
+    assert predicted - image_activation_bytes(setup)[0] == pytest.approx(two_images - two_layers, rel=0.01)
+    assert predicted == pytest.approx(two_images, rel=0.01)
