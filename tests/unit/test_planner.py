@@ -576,6 +576,72 @@ def test_real_size_vision_plan_is_the_text_plan_plus_the_tower(family, tmp_path)
         assert images < text_only.activations * v.positions_per_image / 4096
 
 
+QWEN2VL_7B = {  # as on the hub: the text model's settings at the top level, no text_config
+    "model_type": "qwen2_vl",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vision_config": {
+        "depth": 32,
+        "embed_dim": 1280,
+        "mlp_ratio": 4,
+        "num_heads": 16,
+        "in_chans": 3,
+        "hidden_size": 3584,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+}
+GEMMA3_4B = {
+    "model_type": "gemma3",
+    "mm_tokens_per_image": 256,
+    "text_config": {
+        "model_type": "gemma3_text",
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "vocab_size": 262208,
+        "sliding_window": 1024,
+    },
+    "vision_config": {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 16,
+        "image_size": 896,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "config,published,image_tokens",
+    [(QWEN2VL_7B, 8_291_375_616, 1280), (GEMMA3_4B, 4_300_079_472, 258)],
+    ids=["qwen2-vl-7b", "gemma-3-4b"],
+)
+def test_real_size_qwen2vl_and_gemma3_counts_are_the_published_ones(config, published, image_tokens, tmp_path):
+    """Qwen2-VL-7B's config as the hub has it (flat, defaults omitted) and Gemma-3-4B's (q / k norms, four norms a
+    layer, tied): the count is the meta-built model's and the published one; the image tokens are Qwen2-VL's grid at
+    transformers' default max_pixels (28 x 28 x 1280: 1,280 tokens) and Gemma 3's 256 soft tokens plus two markers."""
+    from shardtune.model.loading import build_model_on_meta, count_parameters
+
+    folder = write_config(tmp_path / "vlm", config)
+    arch = read_arch(folder)
+    assert arch.num_params == count_parameters(build_model_on_meta(folder))[0] == published
+    assert arch.vision.image_tokens == image_tokens
+
+
 def test_image_activations_grow_linearly_with_images_and_shrink_with_checkpointing(tmp_path):
     """Each image adds the same bytes (its tower positions through every layer); activation checkpointing keeps only
     each tower layer's input (2 bytes x 1024 per position and layer instead of the layer's ~45 KB), LoRA none."""
