@@ -114,6 +114,25 @@ class ModelSettings:
         "(llama-cookbook's freeze_transformer_layers); 0: none",
         at_least=0,
     )
+    freeze_vision_tower: bool = setting(
+        False,
+        "vision-language models, full fine-tuning: the vision tower keeps its weights (LLaMA-Factory's name)",
+    )
+    freeze_multi_modal_projector: bool = setting(
+        False,
+        "vision-language models, full fine-tuning: the projector from the tower into the language model keeps its "
+        "weights (LLaMA-Factory's name)",
+    )
+    freeze_language_model: bool = setting(
+        False,
+        "vision-language models, full fine-tuning: the language model (decoder and output head) keeps its weights "
+        "(LLaMA-Factory's name)",
+    )
+    freeze_llm_only: bool = setting(
+        False,
+        "vision-language models, full fine-tuning: the language model keeps its weights except mllama's "
+        "cross-attention layers; the tower and projector train (llama-cookbook's freeze_LLM_only)",
+    )
 
 
 # -- optimizer and schedule ----------------------------------------------------------------------------------------

@@ -200,12 +200,14 @@ def test_flags_that_cannot_apply_are_refused_in_one_line(flags, world_size, mess
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
-def test_freeze_llm_only_is_refused_and_freeze_layers_fit_the_model(tiny_model):
-    from shardtune.model.freezing import check_freeze_layers
+def test_freeze_llm_only_is_refused_on_a_text_model_and_freeze_layers_fit_the_model(tiny_model):
+    """--freeze_LLM_only is the cookbook's vision flag (tests/unit/test_vision_freezing.py): on a text model, refused
+    in one line before launch."""
+    from shardtune.model.freezing import check_freeze_layers, check_vision_freezing
 
-    with pytest.raises(ConfigError, match="--freeze_LLM_only applies to vision models"):
-        parse_args(["--freeze_LLM_only", "--model_name", str(tiny_model)])
-    assert parse_args(["--freeze_LLM_only", "false"]) == parse_args([])
+    with pytest.raises(ConfigError, match="--freeze_LLM_only applies to vision-language models"):
+        check_vision_freezing(parse_args(["--freeze_LLM_only", "--model_name", str(tiny_model)]))
+    check_vision_freezing(parse_args(["--freeze_LLM_only", "false", "--model_name", str(tiny_model)]))
     with pytest.raises(ConfigError, match="--num_freeze_layers 3 exceeds the 2 decoder layers"):
         check_freeze_layers(
             parse_args(["--freeze_layers", "--num_freeze_layers", "3", "--model_name", str(tiny_model)])

@@ -95,16 +95,6 @@ def _eval_only(value: Any) -> Pairs:
     return [("eval.only", only)] + ([("eval.enabled", True)] if only else [])
 
 
-def _freeze_llm_only(value: Any) -> Pairs:
-    if _bool("freeze_LLM_only", value):
-        raise ConfigError(
-            "--freeze_LLM_only applies to vision models (llama-cookbook's mllama recipe), and shardtune "
-            "trains causal language models only: drop the flag (or use --freeze_layers "
-            "--num_freeze_layers N), or use llama-cookbook for vision fine-tuning"
-        )
-    return []
-
-
 def _no_effect(meaning: str) -> Spelling:
     return Spelling("-", meaning=meaning, to=lambda value: [])
 
@@ -174,7 +164,7 @@ SPELLINGS: dict[str, Spelling] = {
     "from_peft_checkpoint": Spelling("peft.from_checkpoint"),
     "freeze_layers": rule("freeze_layers"),
     "num_freeze_layers": rule("num_freeze_layers", "int"),
-    "freeze_LLM_only": Spelling("-", to=_freeze_llm_only),
+    "freeze_LLM_only": Spelling("model.freeze_llm_only"),
     "quantization": Spelling("model.quantization", meaning="4bit / 8bit (int4 / int8: the same)", to=_quantization),
     "one_gpu": Spelling("parallel.one_gpu"),
     "save_model": Spelling("output.save_model"),
@@ -268,6 +258,10 @@ SPELLINGS: dict[str, Spelling] = {
     "defaults": Spelling("run.defaults"),
     "dry_run": Spelling("run.dry_run"),
     "compile": Spelling("model.compile"),
+    # LLaMA-Factory's names for a vision-language model's parts (TRL has none)
+    "freeze_vision_tower": Spelling("model.freeze_vision_tower"),
+    "freeze_multi_modal_projector": Spelling("model.freeze_multi_modal_projector"),
+    "freeze_language_model": Spelling("model.freeze_language_model"),
     "resume": Spelling("checkpoint.resume"),
     "nan_policy": Spelling("train.nan_policy"),
     "sequence_parallel_size": Spelling("parallel.sequence_parallel_size"),

@@ -13,7 +13,7 @@ from __future__ import annotations
 from shardtune import data
 from shardtune.config.checks import CONFIG_CHECKS
 from shardtune.config.schema import TrainConfig
-from shardtune.model.freezing import check_freeze_layers
+from shardtune.model.freezing import check_freeze_layers, check_freezing_settings, check_vision_freezing
 from shardtune.model.loading import (
     auto_config,
     check_model_source,
@@ -46,6 +46,7 @@ SETTING_CHECKS = (
     check_intervals,
     check_attn_implementation,
     check_push_to_hub,
+    check_freezing_settings,
 )
 
 
@@ -66,6 +67,7 @@ def check_with_model(cfg: TrainConfig, world_size: int) -> None:
     scaling, split rows."""
     check_model_structure(cfg)
     check_freeze_layers(cfg)
+    check_vision_freezing(cfg)
     check_peft(cfg)
     check_resume_fits(cfg)
     check_rope_scaling(cfg)

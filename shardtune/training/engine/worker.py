@@ -20,7 +20,7 @@ from shardtune.accounting.memory import cross_node_summary
 from shardtune.config.flags import to_yaml
 from shardtune.config.schema import ConfigError, TrainConfig, effective_batch_size
 from shardtune.data.chat import mirror_eos_token
-from shardtune.model.freezing import freeze_first_layers
+from shardtune.model.freezing import apply_freezing
 from shardtune.model.loading import count_parameters, load_tokenizer, model_head, name_pad_token
 from shardtune.model.longseq import apply_memory_levers
 from shardtune.model.loss import hf_model
@@ -159,7 +159,7 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     startup.mark("model")
     name_pad_token(model, model_head(cfg), tokenizer)  # a score head reads each row at its last non-pad token
     mirror_eos_token(cfg, model, tokenizer)
-    freeze_first_layers(model, cfg)
+    apply_freezing(model, cfg)
     apply_memory_levers(model, cfg, env.device)
     if bool(cfg.peft.method):
         model = apply_peft(model, cfg)
