@@ -7,22 +7,33 @@ figures live; :func:`data_sheet_peak` looks a GPU up by the name torch reports (
 An fp32 run is measured against the TF32 peak when torch lets fp32 matmuls use TF32, and the fp32 peak otherwise.
 
 A CPU (or a GPU missing from the table) has no data sheet: its peak is measured, a square matmul in the compute
-dtype, by :class:`PeakMeter`. A single burst at start-up is fragile: a machine busy at that moment measures low,
-and the MFU of every later step then reads high (a demo started beside another job printed ``mfu=160%`` for
-hundreds of steps). So the meter measures collectively (every rank at once, as they share the cores in training)
-after steps 1, 2, 4, 8, ... and again after any step that ran faster than the peak so far, keeps the best, and
-never reports a peak below what a step demonstrably achieved.
+dtype, by :class:`PeakMeter`, before the run and once per machine: every rank at once (as they share the cores in
+training), then kept in a cache file (``~/.cache/shardtune/peak_flops.json``) under a key naming the processor, the
+dtype, torch's version and the threads x processes, so later runs of that kind read it and never measure between
+steps. A busy machine measures low, and every later step's MFU would then read high (a demo started beside another
+job printed ``mfu=160%``), so the peak is never below what a step demonstrably achieved, and a run that beat the
+cached figure raises it in the file when it ends.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from shardtune.runtime.files import write_text_atomic
+
 TFLOPS = 1e12
+# the file under shardtune's cache folder that keeps this machine's measured peaks, one per key (machine_key)
+PEAK_CACHE_FILE = "peak_flops.json"
+# bursts of the one measurement a machine gets (before the run, all ranks at once; the best is kept)
+NUM_START_BURSTS = 3
 
 # Dense tensor-core (or vector, for fp32) peaks from the vendors' data sheets, in TFLOP/s, per GPU. Keys of each
 # row: "bf16", "fp16", "tf32", "fp32". Rows are tried in order and the first pattern found in the name wins, so a
@@ -104,35 +115,83 @@ def measure_matmul_flops(
     return best
 
 
-def is_remeasure_step(step: int) -> bool:
-    """Steps after which a measured peak is measured again: 1, 2, 4, 8, ... (the same on every rank)."""
-    return step > 0 and step & (step - 1) == 0
+def cpu_name() -> str:
+    """The processor's model as the system names it (``model name`` of /proc/cpuinfo), else platform's."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "this CPU"
+
+
+def machine_key(device_name: str, key: str, device_type: str) -> str:
+    """What a measured peak depends on: the processor, the dtype's column, torch (its matmul library), and on a CPU
+    the threads of each process and the processes sharing the machine (LOCAL_WORLD_SIZE)."""
+    parts = [device_name, key, f"torch {torch.__version__}"]
+    if device_type == "cpu":
+        parts.append(f"{torch.get_num_threads()} threads x {os.environ.get('LOCAL_WORLD_SIZE', '1')} processes")
+    return " | ".join(parts)
+
+
+def read_cached_peak(cache_file: Path, key: str) -> float | None:
+    """One rank's peak FLOP/s kept under ``key``, or None (no file, no such key, or an unreadable file)."""
+    try:
+        value = json.loads(cache_file.read_text())[key]["flops_per_s"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def write_cached_peak(cache_file: Path, key: str, flops_per_s: float) -> None:
+    """Keep ``flops_per_s`` (one rank's) under ``key``, the higher of it and what the file holds; other keys stay."""
+    try:
+        table = json.loads(cache_file.read_text())
+        table = table if isinstance(table, dict) else {}
+    except (OSError, ValueError):
+        table = {}
+    flops_per_s = max(flops_per_s, read_cached_peak(cache_file, key) or 0.0)
+    table[key] = {"flops_per_s": flops_per_s, "written": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(cache_file, json.dumps(table, indent=1, sort_keys=True) + "\n")
 
 
 class PeakMeter:
-    """The peak (all ranks together) that a run's MFU divides by.
+    """The peak (all ranks together) that a run's MFU divides by: a data sheet's, or measured before the run (or read
+    from the machine's cache file) and raised by any step that runs faster; nothing is measured between steps.
 
     ``sum_over_ranks`` sums a float64 tensor over the ranks (``shardtune.runtime.distributed.all_reduce_sum``, bound to
-    the device); every method that calls it is entered by every rank at the same step.
-    """
+    the device); the constructor calls it, so every rank builds its meter at the same point. ``cache_file``: where the
+    machine's measured peaks are kept (None: measured by every meter); ``writes_cache``: whether this rank writes it
+    (one per machine)."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, sum_over_ranks, device_name: str | None = None):
+    def __init__(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        sum_over_ranks,
+        device_name: str | None = None,
+        cache_file: Path | None = None,
+        writes_cache: bool = True,
+    ):
         # a CPU computes in fp32 (shardtune.runtime.precision); a low-precision CPU run is the tests' stand-in for a
         # GPU, and CPU bf16 / fp16 matmuls take slow paths (0.2 GFLOP/s at 1024 x 1024 on the test machine)
         self.device, self.dtype = device, torch.float32 if device.type == "cpu" else dtype
-        dtype = self.dtype
         self.sum_over_ranks = sum_over_ranks
-        self.key = matmul_key(dtype, device.type)
+        self.key = matmul_key(self.dtype, device.type)
         if device_name is None and device.type == "cuda":
             device_name = torch.cuda.get_device_name(device)
         self.device_name = device_name or "this CPU"
-        sheet = data_sheet_peak(device_name, self.key) if device_name else None
-        self.sheet = sheet
-        self.num_measurements = 0
-        if sheet is not None:
-            self.flops_per_s = float(self._sum(sheet.flops_per_s))
+        self.sheet = data_sheet_peak(device_name, self.key) if device_name else None
+        self.cache_file, self.writes_cache = cache_file, writes_cache
+        self.cache_key = machine_key(device_name or cpu_name(), self.key, device.type)
+        self.num_measurements, self.num_ranks, self.cached, self.flops_per_s = 0, 1, False, 0.0
+        if self.sheet is not None:
+            self.flops_per_s = self._sum(self.sheet.flops_per_s)
         else:
-            self.flops_per_s = 0.0  # measured after the first step (so that it does not delay it)
+            self.flops_per_s = self._start_peak()
+        self.start_flops_per_s = self.flops_per_s
 
     @property
     def measured(self) -> bool:
@@ -141,28 +200,42 @@ class PeakMeter:
     def _sum(self, value: float) -> float:
         return float(self.sum_over_ranks(torch.tensor(value, dtype=torch.float64)))
 
+    def _start_peak(self) -> float:
+        """The cached peak when every rank has it (one all-reduce decides), else every rank measures at once."""
+        cached = read_cached_peak(self.cache_file, self.cache_key) if self.cache_file is not None else None
+        found, self.num_ranks = (
+            int(v) for v in self.sum_over_ranks(torch.tensor([float(cached is not None), 1.0], dtype=torch.float64))
+        )
+        if cached is not None and found == self.num_ranks:
+            self.cached = True
+            return self._sum(cached)
+        return self.measure()
+
     def measure(self) -> float:
         """Measure every rank's matmul rate at once, and keep the best total so far."""
-        # one burst per measurement: the run measures again after steps 1, 2, 4, 8, ... and keeps the best, so the
-        # bursts of one measurement would only repeat that (a CPU burst costs the run ~0.1 s per process)
-        self.flops_per_s = max(self.flops_per_s, self._sum(measure_matmul_flops(self.device, self.dtype, num_bursts=1)))
+        rate = measure_matmul_flops(self.device, self.dtype, num_bursts=NUM_START_BURSTS)
+        self.flops_per_s = max(self.flops_per_s, self._sum(rate))
         self.num_measurements += 1
         return self.flops_per_s
 
     def after_step(self, step: int, model_flops_per_s: float) -> float:
         """The peak for step ``step``'s MFU, which achieved ``model_flops_per_s`` (the FLOPs of all ranks over this
-        rank's step time). A data-sheet peak is fixed. A measured one is measured again after steps 1, 2, 4, ... and
-        after any step that ran faster than it (one all-reduce decides, so every rank measures at once), and is
-        never below the rate a step achieved (the ranks' mean): the machine demonstrably reached that."""
-        if self.sheet is not None:
-            return self.flops_per_s
-        faster, rate_sum, num_ranks = self.sum_over_ranks(
-            torch.tensor([float(model_flops_per_s > self.flops_per_s), model_flops_per_s, 1.0], dtype=torch.float64)
-        ).tolist()
-        if faster > 0 or is_remeasure_step(step):
-            self.measure()
-        self.flops_per_s = max(self.flops_per_s, rate_sum / num_ranks)
+        rank's step time): never below that rate, which the machine demonstrably reached. No measurement and no
+        collective: the step path pays nothing (each rank keeps its own figure; rank 0's is the one written)."""
+        if self.sheet is None:
+            self.flops_per_s = max(self.flops_per_s, model_flops_per_s)
         return self.flops_per_s
+
+    def close(self) -> None:
+        """Keep a measured peak for the machine's later runs (the higher of the file's and this run's, per rank)."""
+        if self.sheet is not None or self.cache_file is None or not self.writes_cache:
+            return
+        if self.cached and self.flops_per_s <= self.start_flops_per_s:
+            return  # nothing new to keep
+        try:
+            write_cached_peak(self.cache_file, self.cache_key, self.flops_per_s / self.num_ranks)
+        except OSError:  # a read-only home: the next run measures again, as it would without a cache
+            pass
 
     def describe(self) -> str:
         """One line for the start log: which peak MFU is against."""
@@ -171,10 +244,16 @@ class PeakMeter:
                 f"mfu against the data-sheet dense {self.key} peak of the {self.sheet.gpu} "
                 f"({self.sheet.flops_per_s / TFLOPS:g} TFLOP/s per GPU; {self.device_name})"
             )
-        what = "GPU not in shardtune.accounting.peak_flops.DATA_SHEET_TFLOPS" if self.device.type == "cuda" else "CPU"
+        what = (
+            "GPU not in shardtune.accounting.peak_flops.DATA_SHEET_TFLOPS" if self.device.type == "cuda" else cpu_name()
+        )
+        where = f"{self.cache_file} (delete it to measure again)" if self.cache_file is not None else "no file"
+        when = (
+            "read from an earlier run's measurement" if self.cached else "measured before the run, every rank at once"
+        )
         return (
-            f"mfu against the measured {self.key} matmul peak of {self.device_name} ({what}): measured on "
-            "every rank at once after steps 1, 2, 4, 8, ... and after any faster step, best kept"
+            f"mfu against the measured {self.key} matmul peak of {self.device_name} ({what}; "
+            f"{self.flops_per_s / 1e9:,.1f} GFLOP/s): {when}; kept in {where}; raised by any faster step"
         )
 
 

@@ -1,8 +1,10 @@
 """The peak MFU divides by (shardtune/accounting/peak_flops.py): data-sheet peaks looked up by the names torch
-reports, in the compute dtype; on CPU a measured peak that a busy machine at measurement time does not leave too low."""
+reports, in the compute dtype; on CPU a peak measured before the run (or read from the machine's cache file), never
+between steps, that a busy machine at measurement time does not leave too low."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -14,9 +16,10 @@ from shardtune.accounting.peak_flops import (
     DATA_SHEET_TFLOPS,
     PeakMeter,
     data_sheet_peak,
-    is_remeasure_step,
+    machine_key,
     matmul_key,
     measure_matmul_flops,
+    write_cached_peak,
 )
 
 CPU = torch.device("cpu")
@@ -75,19 +78,21 @@ def test_fp32_runs_are_measured_against_the_tf32_peak_only_when_torch_uses_tf32(
         torch.backends.cuda.matmul.allow_tf32 = allowed
 
 
-def test_a_known_gpu_uses_its_data_sheet_peak_summed_over_ranks_and_says_so():
+def test_a_known_gpu_uses_its_data_sheet_peak_summed_over_ranks_and_says_so(tmp_path):
     # a meter is built with the device's name (torch.cuda.get_device_name on a GPU); two ranks sum their peaks
     meter = PeakMeter(torch.device("cuda"), torch.bfloat16, lambda t: t * 2, device_name="NVIDIA H100 80GB HBM3")
     assert not meter.measured and meter.flops_per_s == 2 * 989e12
     assert meter.after_step(1, 5e15) == 2 * 989e12 and meter.num_measurements == 0  # fixed: never measured
     assert "data-sheet dense bf16 peak of the NVIDIA H100 SXM (989 TFLOP/s per GPU" in meter.describe()
-    unknown = PeakMeter(torch.device("cuda"), torch.bfloat16, lambda t: t, device_name="NVIDIA GeForce GTX 1080")
+    # an unknown GPU is measured once per machine (here: read from its cache file, so no GPU is needed)
+    cache = tmp_path / "peak_flops.json"
+    write_cached_peak(cache, machine_key("NVIDIA GeForce GTX 1080", "bf16", "cuda"), 50e12)
+    unknown = PeakMeter(
+        torch.device("cuda"), torch.bfloat16, lambda t: t, device_name="NVIDIA GeForce GTX 1080", cache_file=cache
+    )
+    assert unknown.cached and unknown.flops_per_s == 50e12
     assert unknown.measured and "measured bf16 matmul peak" in unknown.describe()
     assert "not in shardtune.accounting.peak_flops.DATA_SHEET_TFLOPS" in unknown.describe()
-
-
-def test_the_measured_peak_is_remeasured_after_steps_1_2_4_8():
-    assert [s for s in range(1, 20) if is_remeasure_step(s)] == [1, 2, 4, 8, 16]
 
 
 def matmul_step(size: int = 1024, count: int = 4) -> tuple[int, float]:
@@ -99,27 +104,77 @@ def matmul_step(size: int = 1024, count: int = 4) -> tuple[int, float]:
     return 2 * count * size**3, time.perf_counter() - start
 
 
-def test_mfu_stays_at_most_100_percent_when_the_machine_is_busy_while_the_peak_is_measured():
-    """Processes burn every core while the CPU peak is first measured (it reads low), then stop; steps that run at
-    the machine's full matmul rate afterwards still report an MFU of at most 100%."""
-    meter = PeakMeter(CPU, torch.float32, lambda t: t)
-    assert meter.measured and "measured fp32 matmul peak of this CPU" in meter.describe()
+def burning_every_core():
+    """Processes that keep every core busy with matmuls until the block ends."""
     burn = "import torch\na, b = torch.randn(1024, 1024), torch.randn(1024, 1024)\nwhile True:\n    a @ b\n"
     burners = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(3 * torch.get_num_threads())]
-    try:
-        time.sleep(1.0)  # the burners are up (importing torch) before the measurement
-        busy_peak = meter.measure()
-    finally:
-        for p in burners:
-            p.kill()
-        for p in burners:
-            p.wait()
-    assert busy_peak > 0
-    for step in range(2, 8):
+    time.sleep(1.0)  # the burners are up (importing torch) before the measurement
+
+    class Burning:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            for p in burners:
+                p.kill()
+            for p in burners:
+                p.wait()
+
+    return Burning()
+
+
+def test_mfu_stays_at_most_100_percent_when_the_machine_is_busy_while_the_peak_is_measured(tmp_path):
+    """Processes burn every core while the CPU peak is measured before the run (it reads low), then stop; steps that
+    run at the machine's full matmul rate afterwards report an MFU of at most 100%, with nothing measured between
+    them, and the run leaves the raised peak in the machine's cache file, which the next run reads instead of
+    measuring."""
+    cache = tmp_path / "peak_flops.json"
+    with burning_every_core():
+        meter = PeakMeter(CPU, torch.float32, lambda t: t, cache_file=cache)
+    busy_peak = meter.flops_per_s
+    assert meter.measured and meter.num_measurements == 1 and busy_peak > 0 and not meter.cached
+    assert "measured fp32 matmul peak of this CPU" in meter.describe() and "before the run" in meter.describe()
+    for step in range(1, 7):
         flops, seconds = matmul_step()
         peak = meter.after_step(step, flops / seconds)
         assert flops / seconds / peak <= 1.0
-    assert meter.num_measurements >= 3  # after steps 2 and 4 at least
+    assert meter.num_measurements == 1  # never between steps
+    assert not cache.exists()  # written when the run ends, not on the step path
+    meter.close()
+    later = PeakMeter(CPU, torch.float32, lambda t: t, cache_file=cache)
+    assert later.cached and later.num_measurements == 0 and later.flops_per_s == meter.flops_per_s
+    assert "read from an earlier run's measurement" in later.describe() and str(cache) in later.describe()
+
+
+def test_the_cache_keeps_one_peak_per_kind_of_run_and_each_rank_reads_its_own_share(tmp_path, monkeypatch):
+    """The file holds one rank's peak under a key of processor, dtype, torch and threads x processes: a run with
+    another thread count measures its own (and both stay); two ranks sum the per-rank figure, and a run that only
+    matches the cache (no faster step) does not rewrite it."""
+    cache = tmp_path / "peak_flops.json"
+    first = PeakMeter(CPU, torch.float32, lambda t: t, cache_file=cache)
+    first.close()
+    per_rank = first.flops_per_s
+    two_ranks = PeakMeter(CPU, torch.float32, lambda t: t * 2, cache_file=cache)
+    assert two_ranks.cached and two_ranks.num_ranks == 2 and two_ranks.flops_per_s == 2 * per_rank
+    written = cache.stat().st_mtime_ns
+    two_ranks.close()
+    assert cache.stat().st_mtime_ns == written
+    threads = torch.get_num_threads()
+    key = machine_key("cpu model", "fp32", "cpu")
+    assert f"{threads} threads x 1 processes" in key and torch.__version__ in key
+    try:
+        torch.set_num_threads(threads + 1)
+        other = PeakMeter(CPU, torch.float32, lambda t: t, cache_file=cache)
+        assert not other.cached and other.num_measurements == 1
+        other.close()
+    finally:
+        torch.set_num_threads(threads)
+    assert len(json.loads(cache.read_text())) == 2
+    cache.write_text("not json")  # a damaged file: measured again, then rewritten
+    again = PeakMeter(CPU, torch.float32, lambda t: t, cache_file=cache)
+    assert not again.cached and again.num_measurements == 1
+    again.close()
+    assert len(json.loads(cache.read_text())) == 1
 
 
 def test_measure_matmul_flops_returns_a_rate():

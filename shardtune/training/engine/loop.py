@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from shardtune.accounting.flops import model_shape
-from shardtune.accounting.peak_flops import PeakMeter
+from shardtune.accounting.peak_flops import PEAK_CACHE_FILE, PeakMeter
+from shardtune.model.loading import cache_dir
 from shardtune.parallel.base import Strategy
 from shardtune.parallel.optim import build_scheduler
 from shardtune.parallel.sequence import RowSlice
@@ -151,7 +152,13 @@ class Run:
             self.optimizer, cfg, self.total_steps, self.steps_per_epoch
         )
         self.shape = model_shape(model)
-        peak = PeakMeter(env.device, strategy.compute_dtype, lambda t: all_reduce_sum(t, env.device))
+        peak = PeakMeter(  # before the first step: a CPU's peak is measured here, or read from the machine's cache
+            env.device,
+            strategy.compute_dtype,
+            lambda t: all_reduce_sum(t, env.device),
+            cache_file=cache_dir() / PEAK_CACHE_FILE,
+            writes_cache=env.local_rank == 0,
+        )
         print0(peak.describe())
         self.result = TrainResult()
         self.probe = StepProbe(cfg, env, self.total_steps)

@@ -44,13 +44,12 @@ class StepReporter:
         self.tick = time.perf_counter()
 
     def step(self, step: int, epoch: float, lr: float, stats: StepResult, num_tokens: int) -> dict:
-        """Rank 0 writes the row of optimizer step ``step`` (every rank builds it: the peak meter is collective);
+        """Rank 0 writes the row of optimizer step ``step`` (every rank builds it);
         ``num_tokens``: the run's real input tokens up to and with this step."""
         now = time.perf_counter()
         step_time_s, self.tick = now - self.tick, now
         flops, palm_flops = stats.counts["flops"], stats.counts["palm_flops"]
         peak_flops = self.peak.after_step(step, flops / step_time_s)
-        self.tick += time.perf_counter() - now  # a peak measurement is not part of the next step
         row = {
             "step": step,
             "epoch": epoch,
@@ -86,3 +85,4 @@ class StepReporter:
 
     def close(self) -> None:
         self.bar.close()
+        self.peak.close()
