@@ -24,6 +24,7 @@ from shardtune.config.schema import ConfigError, TrainConfig
 from shardtune.planner.hardware import DEVICES, resolve_device
 from shardtune.planner.render import base_command, render
 from shardtune.planner.search import check_split, plan, setup_from_config
+from shardtune.training.engine.objective import check_objective as check_run_objective
 from shardtune.training.engine.objective import foreign_setting, objective_class
 
 HARDWARE_DEFAULTS = {"gpu": "H100", "gpu_memory": "", "host_memory": "", "nnodes": "1", "gpus_per_node": "8"}
@@ -69,7 +70,10 @@ def main(argv: list[str]) -> int:
         objective = check_objective(cfg.objective, cfg)
         device = resolve_device(values)
         setup = setup_from_config(cfg, values, device)
-        objective_class(objective).check(cfg, setup.world_size)
+        if setup.arch.vision:  # a vision-language model: the objective that trains one checks (or refuses) it
+            check_run_objective(cfg, setup.world_size)
+        else:
+            objective_class(objective).check(cfg, setup.world_size)
         check_split(cfg, setup)
         result = plan(setup, device, cfg.train.gradient_accumulation_steps)
         result["command"] = f"shardtune {objective}"

@@ -663,10 +663,14 @@ def test_image_activations_grow_linearly_with_images_and_shrink_with_checkpointi
 
 
 def test_plan_cli_counts_a_vision_preset_and_checks_the_image_flags():
-    """``shardtune plan`` on a vision preset: the parameter total includes the tower, one line says what was
-    counted for the images, --images_per_example grows the activations; the flags are refused where they mean
-    nothing (a text model; --image_tokens of a fixed-size family) or cannot fit (--context_length), one line each."""
-    args = ("plan", "--model_name", "preset:vlm-llava-tiny", "--gpus_per_node", 2, "--gpu", "cpu")
+    """``shardtune plan`` on a vision preset: checked as sft checks a vision run (packing refused), the parameter
+    total includes the tower, one line says what was counted for the images, --images_per_example grows the
+    activations; the flags are refused where they mean nothing (a text model; --image_tokens of a fixed-size family)
+    or cannot fit (--context_length), one line each; sft --dry_run builds the same total on the meta device."""
+    model = ("--model_name", "preset:vlm-llava-tiny")
+    packed = main_in_process("plan", *model, "--gpu", "cpu")  # llama-cookbook's default batching packs rows
+    assert packed.returncode == 2 and "is a vision-language model; --packing: rows with images" in packed.stderr
+    args = ("plan", *model, "--batching_strategy", "padding", "--gpus_per_node", 2, "--gpu", "cpu")
     proc = main_in_process(*args)
     assert proc.returncode == 0, proc.stderr
     assert (
@@ -701,7 +705,16 @@ def test_plan_cli_counts_a_vision_preset_and_checks_the_image_flags():
     assert dry.returncode == 0, dry.stderr
     assert "meta model: preset:vlm-mllama-tiny (308,103 parameters" in dry.stdout  # the plan's total, built
     assert "images: 2 per example (--images_per_example) x 1 token of the row (<|image|>; 2 tiles" in dry.stdout
-    qwen = ("plan", "--model_name", "preset:vlm-qwen2vl-tiny", "--gpu", "cpu", "--json")
+    qwen = (
+        "plan",
+        "--model_name",
+        "preset:vlm-qwen2vl-tiny",
+        "--batching_strategy",
+        "padding",
+        "--gpu",
+        "cpu",
+        "--json",
+    )
     sized = json.loads(main_in_process(*qwen, "--image_tokens", 64).stdout)["images"]
     assert sized["image_tokens"] == 64 and sized["tower_positions_per_image"] == 64 * 4  # 2 x 2 patches merged
 
