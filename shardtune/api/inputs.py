@@ -144,13 +144,82 @@ def dataset_settings(train: Any, evaluation: Any, formatting_func: Callable[[dic
         datasets_logging.disable_progress_bar()  # a bar per split for a file written in an instant
         try:
             for split, data in splits.items():
-                data.to_parquet(str(folder / f"{split}.parquet"))
+                name = "train_dataset" if split == "train" else "eval_dataset"
+                _with_image_bytes(data, name).to_parquet(str(folder / f"{split}.parquet"))
         finally:
             if shown:
                 datasets_logging.enable_progress_bar()
 
     folder = _publish(write, "dataset")
     return [("dataset_name", str(folder)), ("dataset_train_split", "train"), ("dataset_test_split", "test")]
+
+
+def _with_image_bytes(data: Any, name: str) -> Any:
+    """``data`` with its image columns (shardtune.data.vision.IMAGE_COLUMNS) holding each image's bytes: PIL images and
+    ``datasets`` Image features are written as bytes by ``to_parquet`` already, but an image named by its path (a
+    string, or an Image feature read from files) would be written as the path, which the run would read from the
+    cache folder; read here instead, relative to the script's working directory, as TRL's processor opens them."""
+    import datasets
+    from datasets.table import embed_table_storage
+
+    from shardtune.data.vision import IMAGE_COLUMNS
+
+    for column in (c for c in IMAGE_COLUMNS if c in data.column_names):
+        feature = data.features[column]
+        inner = feature.feature if isinstance(feature, (datasets.List, datasets.Sequence)) else feature
+        if not isinstance(inner, datasets.Value) or inner.dtype not in ("string", "large_string"):
+            continue
+        values = data[column] if inner is feature else [v for row in data[column] for v in row or []]
+        url = next((v for v in values if isinstance(v, str) and "://" in v), None)
+        if url is not None:
+            raise ConfigError(f"{name}: image {url} is a URL: download the images and name local files")
+        image = datasets.Image()
+        data = data.cast_column(column, image if inner is feature else datasets.List(image))
+    if not any(c in data.column_names for c in IMAGE_COLUMNS):
+        return data
+    try:
+        return data.with_format("arrow").map(embed_table_storage, batched=True).with_format(None)
+    except FileNotFoundError as e:
+        raise ConfigError(
+            f"{name}: image file {e.filename} does not exist (relative paths are read from the working directory "
+            f"{Path.cwd()}): fix the path, or pass the image itself (a PIL image or its bytes)"
+        ) from None
+
+
+def refuse_image_rows(objective: str, model_name: str, **splits: Any) -> None:
+    """A script's datasets with an image column, refused in the script's own words where the run could not train
+    them (the run itself refuses them too, naming its data folder in the cache): images train with SFTTrainer on a
+    vision-language model; TRL's vision DPO (and the other trainers' image rows) are not built."""
+    from shardtune.config.objectives import registration
+    from shardtune.data.vision import IMAGE_COLUMNS
+    from shardtune.model.loading import is_vision_model, resolve_model_name
+
+    for name, data in splits.items():
+        column = next((c for c in IMAGE_COLUMNS if c in _column_names(data)), None)
+        if column is None:
+            continue
+        if not registration(objective).vision_implementation:
+            raise ConfigError(
+                f"{name} has an {column!r} column: {objective.upper()} with images (TRL's vision {objective.upper()} "
+                "rows) is not built, images train with SFTTrainer on a vision-language model (docs/vision.md): "
+                "drop the column, or train with SFTTrainer"
+            )
+        if not is_vision_model(resolve_model_name(model_name)):
+            raise ConfigError(
+                f"{name} has an {column!r} column, but the model {model_name} is a text-only model (its config has "
+                "no vision_config): pass a vision-language model (docs/vision.md), or drop the column"
+            )
+
+
+def _column_names(data: Any) -> list[str]:
+    if isinstance(data, list):
+        return list(data[0]) if data and isinstance(data[0], dict) else []
+    if isinstance(data, dict) and not hasattr(data, "column_names"):
+        return [c for split in data.values() for c in _column_names(split)]
+    names = getattr(data, "column_names", None)
+    if isinstance(names, dict):  # a DatasetDict: its splits' columns
+        return [c for columns in names.values() for c in columns]
+    return list(names or [])
 
 
 def tokenizer_settings(tokenizer: Any) -> Pairs:

@@ -24,6 +24,7 @@ from shardtune.api.inputs import (
     model_source,
     peft_settings,
     quantization_settings,
+    refuse_image_rows,
     reward_functions,
     tokenizer_settings,
 )
@@ -142,6 +143,9 @@ class _Trainer(ScriptSurface, Predicting):
         ]
         clear_accelerate_loading_variables()  # read above; shardtune loads the weights itself
         self.config = self._config()  # every refusal here, when the trainer is made
+        refuse_image_rows(
+            self.objective, self.config.model.name, train_dataset=train_dataset, eval_dataset=eval_dataset
+        )
         self._datasets = (train_dataset, eval_dataset, formatting_func)
         self._dataset_name = _dataset_name(train_dataset)
         self._starting_model = dict(model_pairs)["model_name_or_path"]
@@ -303,24 +307,36 @@ PUBLISHED = ("adapter_config.json", "config.json")  # what a run's published mod
 
 
 def load_published(folder: Path) -> Any:
-    """The model a run published: a full model directory, or an adapter on its base."""
+    """The model a run published: a full model directory, or an adapter on its base (a vision-language model as
+    its own class, AutoModelForImageTextToText)."""
     if (folder / "adapter_config.json").is_file():
+        base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+        if base and _auto_model_class(base).__name__ != "AutoModelForCausalLM":
+            from peft import PeftModel
+
+            return PeftModel.from_pretrained(_auto_model_class(base).from_pretrained(base), str(folder))
         from peft import AutoPeftModelForCausalLM
 
         return AutoPeftModelForCausalLM.from_pretrained(str(folder))
-    from transformers import AutoModelForCausalLM
+    return _auto_model_class(str(folder)).from_pretrained(str(folder))
 
-    return AutoModelForCausalLM.from_pretrained(str(folder))
+
+def _auto_model_class(name_or_path: str, trust_remote_code: bool = False) -> Any:
+    """AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language model (as the run built it)."""
+    import transformers
+
+    from shardtune.model.loading import is_vision_model
+
+    vision = is_vision_model(name_or_path, trust_remote_code)
+    return transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
 
 
 def _load_starting(cfg: TrainConfig) -> Any:
-    from transformers import AutoModelForCausalLM
-
     from shardtune.model.loading import resolve_model_name
 
-    return AutoModelForCausalLM.from_pretrained(
-        resolve_model_name(cfg.model.name), trust_remote_code=cfg.model.trust_remote_code
-    )
+    name = resolve_model_name(cfg.model.name)
+    auto = _auto_model_class(name, cfg.model.trust_remote_code)
+    return auto.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
 
 
 def _object_source(model: Any, trainer: "_Trainer") -> str | None:

@@ -145,7 +145,9 @@ def validation_available(cfg: TrainConfig) -> bool:
     )
 
 
-def _dataset_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row], list[str]]:
+def _dataset_rows(cfg: TrainConfig, split: str, images: bool = False) -> tuple[str, list[Row], list[str]]:
+    """(source, rows, columns) of a split; a split with an image column is refused unless ``images`` (the rows a
+    vision-language model reads: :func:`vision_rows`), rather than trained on with its images left out."""
     tc = cfg.data.trl_dataset
     loaded = _load(tc.dataset_name, tc.dataset_config)
     name = _split_name(cfg, split)
@@ -156,7 +158,31 @@ def _dataset_rows(cfg: TrainConfig, split: str) -> tuple[str, list[Row], list[st
         )
     path = Path(tc.dataset_name).expanduser()
     origin = str(path) if path.is_file() else f"{tc.dataset_name} split {name}"
-    return f"{tc.dataset_name} split {name}", ArrowRows(loaded[name], origin), list(loaded[name].column_names)
+    columns = list(loaded[name].column_names)
+    if not images:
+        refuse_images(cfg, f"{tc.dataset_name} split {name}", columns)
+    return f"{tc.dataset_name} split {name}", ArrowRows(loaded[name], origin), columns
+
+
+def refuse_images(cfg: TrainConfig, source: str, columns: Sequence[str]) -> None:
+    """Rows with images for a text-only run: what they need instead, in one line (TRL's vision SFT needs a
+    vision-language model; its vision DPO and the other objectives with images are not built here)."""
+    from shardtune.config.objectives import registration
+    from shardtune.data.vision import IMAGE_COLUMNS
+
+    column = next((c for c in IMAGE_COLUMNS if c in columns), None)
+    if column is None:
+        return
+    if registration(cfg.objective).vision_implementation:
+        raise DataError(
+            f"{source} has an {column!r} column, but {cfg.model.name or 'the model'} is a text-only model (its config "
+            "has no vision_config): pass a vision-language model (docs/vision.md), or drop the column"
+        )
+    raise DataError(
+        f"{source} has an {column!r} column: shardtune {cfg.objective} with images (TRL's vision "
+        f"{cfg.objective.upper()} rows) is not built, images train with shardtune sft on a vision-language model "
+        "(docs/vision.md): drop the column, or train with shardtune sft"
+    )
 
 
 class ArrowRows(Sequence):
@@ -279,7 +305,7 @@ def vision_rows(cfg: TrainConfig, split: str) -> tuple[str, Any]:
             + (" with a mixture" if cfg.data.dataset == "trl_dataset" else "")
             + " is not built for it: pass --dataset_name with one file or folder"
         )
-    source, rows, columns = _dataset_rows(cfg, split)
+    source, rows, columns = _dataset_rows(cfg, split, images=True)
     if not len(rows):
         raise empty_split(source, "--dataset_train_split" if split == "train" else "--dataset_test_split")
     path = Path(cfg.data.trl_dataset.dataset_name).expanduser()
