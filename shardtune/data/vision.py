@@ -331,3 +331,35 @@ def _flush_left(columns: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for key, value in columns.items():
             shifted[key][row, :n] = value[row, first : first + n]
     return shifted
+
+
+def text_of(content: Any) -> str:
+    """A message content's text (its text blocks joined)."""
+    return content if isinstance(content, str) else "".join(b.get("text", "") for b in _blocks(content))
+
+
+def image_names(row: Mapping) -> list[str]:
+    """How a row names its images, for a log: the path where the row gives one, else "image N"."""
+    images = row.get("images", [row.get("image")] if row.get("image") is not None else [])
+    images = images if isinstance(images, (list, tuple)) else [images]
+    names = []
+    for i, image in enumerate(images):
+        path = image if isinstance(image, str) else image.get("path") if isinstance(image, Mapping) else None
+        names.append(str(path) if path else f"image {i}")
+    return names
+
+
+def sample_prompt(rows: VisionRows, index: int) -> tuple[list[dict], str, list]:
+    """(the prompt's messages, the reference answer, the images) of row ``index``: a messages row up to its last
+    assistant turn, a conversational prompt / completion row's prompt; what an evaluation sample asks the model."""
+    _, _, row = rows.row(index)
+    images = row_images(row, rows.base)
+    if rows.kind == MESSAGES:
+        messages = list(row["messages"])
+        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+        if last is None:
+            raise ValueError("a messages row without an assistant turn")
+        return messages[:last], text_of(messages[last].get("content")), images
+    if rows.kind == PROMPT_COMPLETION and isinstance(row["prompt"], list):
+        return list(row["prompt"]), "".join(text_of(m.get("content")) for m in row["completion"]), images
+    raise ValueError("evaluation samples need messages or conversational prompt / completion rows")

@@ -139,9 +139,13 @@ def processor_source(model_name: str, adapter: str) -> str:
     return adapter if adapter and (Path(adapter) / "processor_config.json").is_file() else model_name
 
 
-def generate_from_images(model: Any, processor: Any, messages: list[dict], images: list, **sampling: Any) -> str:
+def generate_from_images(
+    model: Any, processor: Any, messages: list[dict], images: list, stop_at_eos: bool = True, **sampling: Any
+) -> str:
     """The model's answer to ``messages`` about ``images`` (PIL images; placed as training places them:
-    shardtune.data.vision.structured_messages), greedy unless ``do_sample``; the continuation only."""
+    shardtune.data.vision.structured_messages), greedy unless ``do_sample``; the continuation only.
+    ``stop_at_eos=False`` runs all max_new_tokens steps and cuts the text at the first eos: a sharded model (FSDP2,
+    ZeRO-3) needs every rank to run the same forwards."""
     from shardtune.data.vision import structured_messages
 
     if not getattr(processor, "chat_template", None):
@@ -154,6 +158,11 @@ def generate_from_images(model: Any, processor: Any, messages: list[dict], image
         return_tensors="pt",
     ).to(next(model.parameters()).device)
     tokenizer = processor.tokenizer
+    if not stop_at_eos:
+        sampling = {**sampling, "eos_token_id": None}
     with torch.no_grad():
         out = model.generate(**inputs, pad_token_id=tokenizer.pad_token_id, **sampling)
-    return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+    new = out[0, inputs["input_ids"].shape[1] :].tolist()
+    if tokenizer.eos_token_id in new:
+        new = new[: new.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(new, skip_special_tokens=True).strip()

@@ -35,6 +35,9 @@ from shardtune.parallel.dims import fsdp_mesh
 from shardtune.runtime.distributed import DistEnv, peak_memory_bytes, print0
 from shardtune.runtime.precision import bf16_compute_available
 
+# sharding strategies whose units give their gathered parameters back after each forward
+RESHARDING = ("FULL_SHARD", "HYBRID_SHARD")
+
 PURE_BF16_COST = (
     "pure bf16: weights, gradients and AdamW state in bf16 (8 significant bits): updates smaller "
     "than ~1/256 of a weight are rounded away, so small learning rates train less well than with "
@@ -177,7 +180,7 @@ class FSDPStrategy(Strategy):
         layers = decoder_layers(model)
         if fc.activation_checkpointing:
             layers = apply_activation_checkpointing(model, layers)
-        reshard = fc.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+        reshard = fc.sharding_strategy in RESHARDING
         kwargs = dict(
             mesh=self.fsdp_mesh,
             mp_policy=self.precision.policy,
@@ -230,7 +233,8 @@ class FSDPStrategy(Strategy):
         return _no_gradient_sync(model)
 
     def generating(self, model: nn.Module, whole: bool = False) -> ContextManager:
-        return _root_unsharded(model)  # each layer gathers its own in its forward, whole or not
+        # each layer gathers its own in its forward, whole or not
+        return _root_unsharded(model, reshard=self.cfg.parallel.sharding_strategy in RESHARDING)
 
     def autocast(self) -> ContextManager:
         return contextlib.nullcontext()  # MixedPrecisionPolicy casts parameters and inputs itself
@@ -276,15 +280,19 @@ def per_rank_state_line(model: nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def _root_unsharded(model: nn.Module):
-    """The root's own parameters (embeddings, final norm, output layer) gathered for the duration: ``generate``
-    (a PeftModel's too) calls the inner model's forward, never the root's, whose hook would gather them; each
-    decoder layer still gathers its own in its forward."""
+def _root_unsharded(model: nn.Module, reshard: bool):
+    """The root's own parameters (embeddings, final norm, output layer, a vision tower's norms) gathered for the
+    duration: ``generate`` (a PeftModel's too) calls the inner model's forward, never the root's, whose hook would
+    gather them, and a vision-language model's generate runs its image encoder outside any forward; each decoder
+    layer still gathers its own in its forward. The root keeps them after its own forwards meanwhile (a second
+    generate's image encoder would meet them sharded); ``reshard``: what the root does after a forward otherwise."""
     assert isinstance(model, FSDPModule), "generating() needs the wrapped root"
+    model.set_reshard_after_forward(False, recurse=False)
     model.unshard()
     try:
         yield
     finally:
+        model.set_reshard_after_forward(reshard, recurse=False)
         model.reshard()
 
 

@@ -93,6 +93,16 @@ def sft(run_cli, model: Path, data: Path, out: Path, layout: str, *extra) -> Pat
     return out
 
 
+def eval_samples(out: Path) -> list[dict]:
+    """--log_eval_samples' rows, predictions compared as text (greedy decoding of equal logits)."""
+    rows = [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith("rouge")} for row in rows]
+
+
+def answers_of(data: Path) -> list[str]:
+    return [json.loads(line)["messages"][-1]["content"] for line in (data / "test.jsonl").read_text().splitlines()]
+
+
 def trl_history(model: Path, data: Path, out: Path) -> list[dict]:
     """TRL's SFTTrainer in this process on the same model and rows (images opened as a `datasets` Image column
     gives them), one process with the single layout's batch: its log_history."""
@@ -153,11 +163,21 @@ def test_llava_trains_alike_on_every_layout_and_as_trl(run_cli, built, squares, 
     losses, gradient norms, evaluation losses and the final weights; and the same per-step and evaluation losses as
     TRL's SFTTrainer."""
     model = built("vlm-llava-tiny")
-    runs = {name: sft(run_cli, model, squares, tmp_path / name, name, "--save_steps", "3") for name in LAYOUTS}
+    flags = ("--save_steps", "3", "--log_eval_samples", "2")
+    runs = {name: sft(run_cli, model, squares, tmp_path / name, name, *flags) for name in LAYOUTS}
     for name in ("ddp", "fsdp", "zero3"):
         assert_same_training(runs["single"], runs[name], name, num_steps=STEPS)
         ref, other = eval_rows(runs["single"]), eval_rows(runs[name])
         assert [r["eval_loss"] for r in other] == pytest.approx([r["eval_loss"] for r in ref], rel=1e-5), name
+    # evaluation samples: the first two test rows answered at each evaluation, their images named, alike on every
+    # layout (greedy; FSDP and ZeRO-3 generate on every rank alike)
+    samples = {name: eval_samples(out) for name, out in runs.items()}
+    assert [(s["step"], s["images"], s["reference"]) for s in samples["single"]] == [
+        (step, f"img/test-{i}.png", reference)
+        for step in (2, 4)
+        for i, reference in enumerate(answers_of(squares)[:2])
+    ]
+    assert all(samples[name] == samples["single"] for name in LAYOUTS), samples
     # resumed from FSDP's checkpoint inside the second epoch: step 4 and the final weights as the run's without a
     # stop (LLaVA's tower has a weight without a gradient, hence without optimizer state: the checkpoint still loads)
     resumed = sft(

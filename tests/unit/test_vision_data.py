@@ -159,3 +159,26 @@ def test_lora_targets_the_language_model_only(vision_model):
     layers = model.config.get_text_config().num_hidden_layers
     assert sum(name.endswith(".q_proj") for name in language_model_targets(model, ["q_proj"])) == layers
     assert {n.rsplit(".", 1)[-1] for n in language_model_targets(model, ["q_proj", "v_proj"])} == {"q_proj", "v_proj"}
+
+
+@pytest.mark.parametrize("kind", ["messages", "blocks", "prompt_completion"])
+def test_an_evaluation_sample_asks_the_prompt_and_names_its_images(kind, tmp_path):
+    """--log_eval_samples on image rows: the prompt is the row without its answer, the reference the answer's text,
+    the images opened and named as the row names them."""
+    from shardtune.data.vision import image_names, sample_prompt
+
+    folder = write_squares(tmp_path / "data", {"train": 2}, seed=4, kind=kind)
+    raw, columns = rows_of(folder)
+    rows = VisionRows(raw, columns, folder, "text")
+    messages, reference, images = sample_prompt(rows, 1)
+    row = raw[1][2]
+    answer = row["messages"][-1]["content"] if "messages" in row else row["completion"][0]["content"]
+    assert reference == answer and reference in ("red", "green", "blue")
+    assert [m["role"] for m in messages] == ["user"] and len(images) == 1 and images[0].size == (40, 40)
+    assert image_names(row) == ["img/train-1.png"]
+    assert image_names({"images": [{"bytes": b"..", "path": None}, "a.png"]}) == ["image 0", "a.png"]
+    text_rows = VisionRows(
+        [("x", 1, {"images": ["img/train-0.png"], "text": "<image> red"})], ["images", "text"], folder, "text"
+    )
+    with pytest.raises(ValueError, match="evaluation samples need messages"):
+        sample_prompt(text_rows, 0)

@@ -16,8 +16,17 @@ from shardtune.data.formatting import IGNORE_INDEX
 from shardtune.data.report import DataReport, RowFilter
 from shardtune.data.trl_formats import LossOptions, RowFormat, completion_only
 from shardtune.data.trl_loading import drop_absent_validation, vision_rows
-from shardtune.data.vision import VisionCollator, VisionOptions, VisionRows, check_rows
-from shardtune.model.vision import load_processor
+from shardtune.data.vision import (
+    VisionCollator,
+    VisionOptions,
+    VisionRows,
+    check_rows,
+    image_names,
+    sample_prompt,
+    text_of,
+)
+from shardtune.model.generation import SUMMARY_MAX_NEW_TOKENS, rouge_scores
+from shardtune.model.vision import generate_from_images, load_processor
 from shardtune.runtime.distributed import print0
 from shardtune.training.engine.objective import data_splits
 from shardtune.training.objectives.sft.objective import SFT
@@ -33,8 +42,6 @@ def _refusal(cfg: TrainConfig, world_size: int) -> str:
         return "--dataset_streaming: rows with images are read from the loaded table, not streamed: drop the flag"
     if cfg.parallel.sequence_parallel_size * cfg.parallel.context_parallel_size > 1:
         return "sequence / context parallelism splits rows, which is not built for images: drop it"
-    if cfg.eval.log_samples:
-        return "--log_eval_samples: generation samples from images are not built: drop it (shardtune generate --image)"
     if cfg.data.trl_dataset.truncation_mode == "keep_end":
         return "--truncation_mode keep_end would cut the image tokens at the start of rows (TRL refuses it): drop it"
     return ""
@@ -101,6 +108,14 @@ class VisionSFT(SFT):
             return [[example] for example in kept], []
         eval_rows, eval_kept, _ = loaded["validation"]
         self.eval_collate = VisionCollator(eval_rows, self.processor, self.options(cfg, eval_rows))
+        if cfg.eval.log_samples:
+            if eval_rows.kind == "text" or (eval_rows.kind == "prompt_completion" and not _conversational(eval_rows)):
+                raise ConfigError(
+                    f"--log_eval_samples: the evaluation rows are {eval_rows.kind} rows; samples with images need "
+                    "messages or conversational prompt / completion rows: drop the flag"
+                )
+            picked = [example.index for example in eval_kept[: cfg.eval.log_samples]]
+            self.vision_sampler = VisionEvalSampler(eval_rows, picked, self.processor)
         return [[example] for example in kept], eval_kept
 
     def processing_class(self) -> Any:
@@ -111,7 +126,7 @@ class VisionSFT(SFT):
         fewer chunks runs its first chunk again with no label counted (a sharded model's forward is collective, and
         an image row runs the vision tower's too)."""
         cfg, dims = self.cfg, self.strategy.dims
-        self.sampler, self.eval_starts, self.eval_batches = None, [], []
+        self.sampler, self.eval_starts, self.eval_batches = getattr(self, "vision_sampler", None), [], []
         if not cfg.eval.enabled or not eval_items:
             return
         mine, num_batches = eval_shares(eval_items, cfg, dims.dp_rank(self.env.rank), dims.dp_size)
@@ -121,3 +136,45 @@ class VisionSFT(SFT):
             filler["labels"] = torch.full_like(filler["labels"], IGNORE_INDEX)
             batches.append(filler)
         self.eval_batches = batches[:num_batches]
+
+
+def _conversational(rows: VisionRows) -> bool:
+    return len(rows) > 0 and isinstance(rows.row(0)[2].get("prompt"), list)
+
+
+class VisionEvalSampler:
+    """--log_eval_samples N on image rows: greedy answers to the first N evaluation rows' prompts with their images,
+    the images named as the rows name them, the reference answers and ROUGE. Every rank generates the same rows for
+    the same number of tokens (a sharded model's forwards are collective); rank 0 writes them."""
+
+    def __init__(
+        self, rows: VisionRows, indices: list[int], processor: Any, max_new_tokens: int = SUMMARY_MAX_NEW_TOKENS
+    ):
+        self.rows, self.indices, self.processor, self.max_new_tokens = rows, indices, processor, max_new_tokens
+
+    def __call__(self, model: torch.nn.Module) -> list[dict]:
+        samples = []
+        for index in self.indices:
+            messages, reference, images = sample_prompt(self.rows, index)
+            prediction = generate_from_images(
+                model,
+                self.processor,
+                messages,
+                images,
+                stop_at_eos=False,
+                max_new_tokens=self.max_new_tokens,
+                do_sample=False,
+            )
+            prompt = " ".join(text for text in (text_of(m.get("content")) for m in messages) if text)
+            samples.append(
+                {
+                    "images": ", ".join(image_names(self.rows.row(index)[2])),
+                    "prompt": prompt,
+                    "reference": reference.strip(),
+                    "prediction": prediction,
+                }
+            )
+        scores = rouge_scores([s["reference"] for s in samples], [s["prediction"] for s in samples])
+        for sample, score in zip(samples, scores):
+            sample.update(score)
+        return samples
