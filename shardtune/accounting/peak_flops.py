@@ -7,12 +7,12 @@ figures live; :func:`data_sheet_peak` looks a GPU up by the name torch reports (
 An fp32 run is measured against the TF32 peak when torch lets fp32 matmuls use TF32, and the fp32 peak otherwise.
 
 A CPU (or a GPU missing from the table) has no data sheet: its peak is measured, a square matmul in the compute
-dtype, by :class:`PeakMeter`, before the run and once per machine: every rank at once (as they share the cores in
-training), then kept in a cache file (``~/.cache/shardtune/peak_flops.json``) under a key naming the processor, the
-dtype, torch's version and the threads x processes, so later runs of that kind read it and never measure between
-steps. A busy machine measures low, and every later step's MFU would then read high (a demo started beside another
-job printed ``mfu=160%``), so the peak is never below what a step demonstrably achieved, and a run that beat the
-cached figure raises it in the file when it ends.
+dtype, by :class:`PeakMeter`, before the run, every rank at once (as they share the cores in training), and kept in
+a cache file (``~/.cache/shardtune/peak_flops.json``) under a key naming the processor, the dtype, torch's version
+and the threads x processes: the first NUM_CACHED_MEASUREMENTS runs of a kind measure (each keeping the best), later
+ones read the file, and none measures between steps. A busy machine measures low, and every later step's MFU would
+then read high (a demo started beside another job printed ``mfu=160%``), so the peak is never below what a step
+demonstrably achieved, and a run that beat the cached figure raises it in the file when it ends.
 """
 
 from __future__ import annotations
@@ -32,8 +32,11 @@ from shardtune.runtime.files import write_text_atomic
 TFLOPS = 1e12
 # the file under shardtune's cache folder that keeps this machine's measured peaks, one per key (machine_key)
 PEAK_CACHE_FILE = "peak_flops.json"
-# bursts of the one measurement a machine gets (before the run, all ranks at once; the best is kept)
+# bursts of a measurement (before the run, all ranks at once; the best is kept)
 NUM_START_BURSTS = 3
+# runs of a kind that measure before their first step (each keeping the best): one busy moment is not the machine's
+# figure for good; later runs read the cache
+NUM_CACHED_MEASUREMENTS = 3
 
 # Dense tensor-core (or vector, for fp32) peaks from the vendors' data sheets, in TFLOP/s, per GPU. Keys of each
 # row: "bf16", "fp16", "tf32", "fp32". Rows are tried in order and the first pattern found in the name wins, so a
@@ -135,24 +138,36 @@ def machine_key(device_name: str, key: str, device_type: str) -> str:
     return " | ".join(parts)
 
 
-def read_cached_peak(cache_file: Path, key: str) -> float | None:
-    """One rank's peak FLOP/s kept under ``key``, or None (no file, no such key, or an unreadable file)."""
+@dataclass(frozen=True)
+class CachedPeak:
+    flops_per_s: float  # one rank's, the best of the runs that measured it or beat it
+    num_measurements: int  # runs that measured it (before their first step)
+
+
+def read_cached_peak(cache_file: Path, key: str) -> CachedPeak | None:
+    """The peak kept under ``key``, or None (no file, no such key, or an unreadable file)."""
     try:
-        value = json.loads(cache_file.read_text())[key]["flops_per_s"]
+        entry = json.loads(cache_file.read_text())[key]
+        peak = CachedPeak(float(entry["flops_per_s"]), int(entry["num_measurements"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+    return peak if peak.flops_per_s > 0 else None
 
 
-def write_cached_peak(cache_file: Path, key: str, flops_per_s: float) -> None:
-    """Keep ``flops_per_s`` (one rank's) under ``key``, the higher of it and what the file holds; other keys stay."""
+def write_cached_peak(cache_file: Path, key: str, flops_per_s: float, measured: bool) -> None:
+    """Keep ``flops_per_s`` (one rank's) under ``key``, the higher of it and what the file holds, counting this run's
+    measurement when ``measured``; other keys stay."""
     try:
         table = json.loads(cache_file.read_text())
         table = table if isinstance(table, dict) else {}
     except (OSError, ValueError):
         table = {}
-    flops_per_s = max(flops_per_s, read_cached_peak(cache_file, key) or 0.0)
-    table[key] = {"flops_per_s": flops_per_s, "written": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    kept = read_cached_peak(cache_file, key) or CachedPeak(0.0, 0)
+    table[key] = {
+        "flops_per_s": max(flops_per_s, kept.flops_per_s),
+        "num_measurements": kept.num_measurements + int(measured),
+        "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(cache_file, json.dumps(table, indent=1, sort_keys=True) + "\n")
 
@@ -201,14 +216,17 @@ class PeakMeter:
         return float(self.sum_over_ranks(torch.tensor(value, dtype=torch.float64)))
 
     def _start_peak(self) -> float:
-        """The cached peak when every rank has it (one all-reduce decides), else every rank measures at once."""
+        """The cached peak when every rank has one measured by NUM_CACHED_MEASUREMENTS runs (one all-reduce decides),
+        else every rank measures at once, and keeps the better of that and its cached figure."""
         cached = read_cached_peak(self.cache_file, self.cache_key) if self.cache_file is not None else None
+        settled = cached is not None and cached.num_measurements >= NUM_CACHED_MEASUREMENTS
         found, self.num_ranks = (
-            int(v) for v in self.sum_over_ranks(torch.tensor([float(cached is not None), 1.0], dtype=torch.float64))
+            int(v) for v in self.sum_over_ranks(torch.tensor([float(settled), 1.0], dtype=torch.float64))
         )
         if cached is not None and found == self.num_ranks:
             self.cached = True
-            return self._sum(cached)
+            return self._sum(cached.flops_per_s)
+        self.flops_per_s = self._sum(cached.flops_per_s if cached is not None else 0.0)
         return self.measure()
 
     def measure(self) -> float:
@@ -233,7 +251,7 @@ class PeakMeter:
         if self.cached and self.flops_per_s <= self.start_flops_per_s:
             return  # nothing new to keep
         try:
-            write_cached_peak(self.cache_file, self.cache_key, self.flops_per_s / self.num_ranks)
+            write_cached_peak(self.cache_file, self.cache_key, self.flops_per_s / self.num_ranks, not self.cached)
         except OSError:  # a read-only home: the next run measures again, as it would without a cache
             pass
 
@@ -248,9 +266,7 @@ class PeakMeter:
             "GPU not in shardtune.accounting.peak_flops.DATA_SHEET_TFLOPS" if self.device.type == "cuda" else cpu_name()
         )
         where = f"{self.cache_file} (delete it to measure again)" if self.cache_file is not None else "no file"
-        when = (
-            "read from an earlier run's measurement" if self.cached else "measured before the run, every rank at once"
-        )
+        when = "read from earlier runs' measurements" if self.cached else "measured before the run, every rank at once"
         return (
             f"mfu against the measured {self.key} matmul peak of {self.device_name} ({what}; "
             f"{self.flops_per_s / 1e9:,.1f} GFLOP/s): {when}; kept in {where}; raised by any faster step"

@@ -14,11 +14,13 @@ import torch
 
 from shardtune.accounting.peak_flops import (
     DATA_SHEET_TFLOPS,
+    CachedPeak,
     PeakMeter,
     data_sheet_peak,
     machine_key,
     matmul_key,
     measure_matmul_flops,
+    read_cached_peak,
     write_cached_peak,
 )
 
@@ -86,7 +88,8 @@ def test_a_known_gpu_uses_its_data_sheet_peak_summed_over_ranks_and_says_so(tmp_
     assert "data-sheet dense bf16 peak of the NVIDIA H100 SXM (989 TFLOP/s per GPU" in meter.describe()
     # an unknown GPU is measured once per machine (here: read from its cache file, so no GPU is needed)
     cache = tmp_path / "peak_flops.json"
-    write_cached_peak(cache, machine_key("NVIDIA GeForce GTX 1080", "bf16", "cuda"), 50e12)
+    for _ in range(3):  # three runs measured it
+        write_cached_peak(cache, machine_key("NVIDIA GeForce GTX 1080", "bf16", "cuda"), 50e12, measured=True)
     unknown = PeakMeter(
         torch.device("cuda"), torch.bfloat16, lambda t: t, device_name="NVIDIA GeForce GTX 1080", cache_file=cache
     )
@@ -126,13 +129,12 @@ def burning_every_core():
 def test_mfu_stays_at_most_100_percent_when_the_machine_is_busy_while_the_peak_is_measured(tmp_path):
     """Processes burn every core while the CPU peak is measured before the run (it reads low), then stop; steps that
     run at the machine's full matmul rate afterwards report an MFU of at most 100%, with nothing measured between
-    them, and the run leaves the raised peak in the machine's cache file, which the next run reads instead of
-    measuring."""
+    them; the run leaves the raised peak in the machine's cache file; the next two runs measure again (one busy
+    moment is not the machine's figure), keeping the best, and the fourth reads the file instead of measuring."""
     cache = tmp_path / "peak_flops.json"
     with burning_every_core():
         meter = PeakMeter(CPU, torch.float32, lambda t: t, cache_file=cache)
-    busy_peak = meter.flops_per_s
-    assert meter.measured and meter.num_measurements == 1 and busy_peak > 0 and not meter.cached
+    assert meter.measured and meter.num_measurements == 1 and meter.flops_per_s > 0 and not meter.cached
     assert "measured fp32 matmul peak of this CPU" in meter.describe() and "before the run" in meter.describe()
     for step in range(1, 7):
         flops, seconds = matmul_step()
@@ -141,15 +143,25 @@ def test_mfu_stays_at_most_100_percent_when_the_machine_is_busy_while_the_peak_i
     assert meter.num_measurements == 1  # never between steps
     assert not cache.exists()  # written when the run ends, not on the step path
     meter.close()
+    best = meter.flops_per_s
+    for run in (2, 3):
+        again = PeakMeter(CPU, torch.float32, lambda t: t, cache_file=cache)
+        assert not again.cached and again.num_measurements == 1 and again.flops_per_s >= best
+        best = again.flops_per_s
+        again.close()
+        assert read_cached_peak(cache, again.cache_key) == CachedPeak(best, run)
     later = PeakMeter(CPU, torch.float32, lambda t: t, cache_file=cache)
-    assert later.cached and later.num_measurements == 0 and later.flops_per_s == meter.flops_per_s
-    assert "read from an earlier run's measurement" in later.describe() and str(cache) in later.describe()
+    assert later.cached and later.num_measurements == 0 and later.flops_per_s == best
+    assert "read from earlier runs' measurements" in later.describe() and str(cache) in later.describe()
 
 
 def test_the_cache_keeps_one_peak_per_kind_of_run_and_each_rank_reads_its_own_share(tmp_path, monkeypatch):
     """The file holds one rank's peak under a key of processor, dtype, torch and threads x processes: a run with
     another thread count measures its own (and both stay); two ranks sum the per-rank figure, and a run that only
-    matches the cache (no faster step) does not rewrite it."""
+    matches the cache (no faster step) does not rewrite it; a damaged file is measured again."""
+    from shardtune.accounting import peak_flops
+
+    monkeypatch.setattr(peak_flops, "NUM_CACHED_MEASUREMENTS", 1)
     cache = tmp_path / "peak_flops.json"
     first = PeakMeter(CPU, torch.float32, lambda t: t, cache_file=cache)
     first.close()
