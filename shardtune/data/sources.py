@@ -35,6 +35,7 @@ from shardtune.data.trl_loading import check_trl_config, trl_preparation, uses_t
 
 SPLITS = ("train", "validation")
 DEFAULT_CUSTOM_FUNCTION = "get_custom_dataset"
+DATA_COLLATOR_FUNCTION = "get_data_collator"
 SAMSUM_COLUMNS = ("dialogue", "summary")
 ALPACA_COLUMNS = ("instruction", "output")
 GRAMMAR_COLUMNS = ("input", "target")
@@ -295,6 +296,12 @@ def parse_custom_file(spec: str) -> tuple[Path, str]:
 
 def load_custom_function(spec: str) -> Callable[..., Any]:
     """Import ``path.py`` from its path (no sys.path lookup) and return its dataset function."""
+    return load_custom_file(spec)[0]
+
+
+def load_custom_file(spec: str) -> tuple[Callable[..., Any], Callable[..., Any] | None]:
+    """Import ``path.py`` from its path (no sys.path lookup): its dataset function, and its
+    ``get_data_collator(processor)`` where it defines one (llama-cookbook's vision recipes batch through it)."""
     if not spec:
         raise ConfigError("--custom_dataset.file is empty: pass path.py or path.py:function")
     path, function = parse_custom_file(spec)
@@ -315,7 +322,8 @@ def load_custom_function(spec: str) -> Callable[..., Any]:
             f"--custom_dataset.file {spec}: {path} defines no function {function!r}: define it "
             "or name yours with path.py:function"
         )
-    return fn
+    collator = getattr(module, DATA_COLLATOR_FUNCTION, None)
+    return fn, collator if callable(collator) else None
 
 
 def _custom_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[dict], DataReport]:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from shardtune.config.schema import ConfigError, TrainConfig
-from shardtune.model.loading import IMAGE_TEXT, is_vision_model, resolve_model_name, vision_run
+from shardtune.model.loading import IMAGE_TEXT, auto_config, is_vision_model, resolve_model_name, vision_run
 
 __all__ = ["IMAGE_TEXT", "is_vision_model", "vision_run"]  # homed in shardtune.model.loading (it builds the model)
 
@@ -102,6 +102,21 @@ def saved_processor(folder: str | Path, trust_remote_code: bool = False) -> Any:
     if not any((Path(folder) / name).is_file() for name in PROCESSOR_FILES):
         return None
     return load_processor_from(str(folder), trust_remote_code)
+
+
+def forward_keywords(cfg: TrainConfig) -> frozenset[str] | None:
+    """The keywords the vision-language model's forward names (what a batch may carry to it), read from its class
+    before it is built; None where the class is not transformers' own (remote code: not checked)."""
+    import inspect
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    config = auto_config(resolve_model_name(cfg.model.name), cfg.model.trust_remote_code)
+    try:
+        model_class = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
+    except KeyError:
+        return None
+    return frozenset(inspect.signature(model_class.forward).parameters) - {"self", "kwargs"}
 
 
 def language_model_targets(model: Any, targets: Any) -> Any:

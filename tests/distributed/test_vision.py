@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from tests.helpers import assert_same_training, eval_rows, step_rows, weights
 from tests.rounding import assert_same_adam_training
 from tests.vision_data import QUESTION, write_squares
 
+OCRVQA = Path(__file__).parent.parent / "ocrvqa_squares.py"  # a llama-cookbook style custom dataset file
 STEPS = 4  # 16 rows, an effective batch of 8, 2 epochs
 # (processes, per-device batch) x accumulation 2 = 8 rows a step, and the flags of the layout
 LAYOUTS = {
@@ -173,9 +175,7 @@ def test_llava_trains_alike_on_every_layout_and_as_trl(run_cli, built, squares, 
     # layout (greedy; FSDP and ZeRO-3 generate on every rank alike)
     samples = {name: eval_samples(out) for name, out in runs.items()}
     assert [(s["step"], s["images"], s["reference"]) for s in samples["single"]] == [
-        (step, f"img/test-{i}.png", reference)
-        for step in (2, 4)
-        for i, reference in enumerate(answers_of(squares)[:2])
+        (step, f"img/test-{i}.png", reference) for step in (2, 4) for i, reference in enumerate(answers_of(squares)[:2])
     ]
     assert all(samples[name] == samples["single"] for name in LAYOUTS), samples
     # resumed from FSDP's checkpoint inside the second epoch: step 4 and the final weights as the run's without a
@@ -214,6 +214,68 @@ def test_other_families_train_as_trl(run_cli, built, squares, tmp_path, preset, 
         out = sft(run_cli, model, squares, tmp_path / layout, layout)
         assert len(step_rows(out)) == STEPS
         assert_trls_losses(out, history, f"{preset} {layout}")
+
+
+def ocrvqa_file():
+    """tests/ocrvqa_squares.py imported by its path, as shardtune imports it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ocrvqa_squares", OCRVQA)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def collator_loss(model: Path, rows: list[dict]) -> tuple[float, int]:
+    """(mean next-token loss, labelled tokens) of ``model`` on the batch tests/ocrvqa_squares.py's collator makes of
+    ``rows``, in this process: the loss the model itself computes from the collator's labels."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    batch = ocrvqa_file().get_data_collator(AutoProcessor.from_pretrained(model))(rows)
+    with torch.no_grad():
+        loss = AutoModelForImageTextToText.from_pretrained(model).eval()(**batch).loss
+    return float(loss), int((batch["labels"][:, 1:] != -100).sum())
+
+
+def test_cookbooks_vision_recipe_with_its_custom_dataset_file(run_cli, built, tmp_path):
+    """llama-cookbook's multi-modal command (FSDP, padding, validation, its checkpoint folders) on Llama 3.2 Vision
+    with a custom dataset file in the shape of its ocrvqa recipe (tests/ocrvqa_squares.py: the function given the
+    processor, its own collator): 4 rows, one step an epoch. Step 1's loss is the base model's loss on the
+    collator's batch of the 4 rows (over both ranks' rows: one normalisation for the step), the last evaluation the
+    saved model's on the 2 test rows, and a run resumed from the epoch-2 checkpoint gives step 3 and the last
+    evaluation alike (float32 sums of ~20 tokens in another order: ~1e-7 relative; normalising each rank's loss by
+    its own tokens moves step 1 by 1.4e-4 on these rows, a row lost or a mask changed by more)."""
+    model = built("vlm-mllama-tiny")
+    data = write_squares(tmp_path / "squares", {"train": 4, "test": 2}, seed=4)
+    cookbook = (
+        *("--nproc_per_node", "2", "--enable_fsdp", "--lr", "1e-3", "--num_epochs", "3", "--batch_size_training", "2"),
+        *("--model_name", model, "--dist_checkpoint_root_folder", "./finetuned_model"),
+        *("--dist_checkpoint_folder", "fine-tuned", "--use_fast_kernels", "--dataset", "custom_dataset"),
+        *("--custom_dataset.test_split", "test", "--custom_dataset.file", OCRVQA, "--custom_dataset.data_path", data),
+        *("--run_validation", "True", "--batching_strategy", "padding"),
+    )
+    run_cli("sft", *cookbook, "--output_dir", tmp_path / "out", cwd=tmp_path)
+    train, test = (
+        ocrvqa_file().get_custom_dataset(SimpleNamespace(data_path=data), None, name) for name in ("train", "test")
+    )
+    rows, evals = step_rows(tmp_path / "out"), eval_rows(tmp_path / "out")
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r["step"] for r in evals] == [1, 2, 3]
+    loss, num_labels = collator_loss(model, [train[i] for i in range(4)])
+    assert (rows[0]["loss"], rows[0]["label_tokens"]) == (pytest.approx(loss, rel=1e-5, abs=0), num_labels)
+    assert rows[2]["loss"] != pytest.approx(loss, rel=1e-3)  # it trained
+    eval_loss, num_eval_labels = collator_loss(tmp_path / "out", [test[i] for i in range(2)])
+    assert (evals[-1]["eval_loss"], evals[-1]["eval_label_tokens"]) == (
+        pytest.approx(eval_loss, rel=1e-5, abs=0),
+        num_eval_labels,
+    )
+    checkpoints = sorted(p.name for p in (tmp_path / "finetuned_model").rglob("step-*"))
+    assert checkpoints == ["step-000001", "step-000002", "step-000003"]
+    resume = next((tmp_path / "finetuned_model").rglob("step-000002"))
+    run_cli("sft", *cookbook, "--output_dir", tmp_path / "resumed", "--resume", resume, cwd=tmp_path)
+    resumed, resumed_evals = step_rows(tmp_path / "resumed"), eval_rows(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [3]
+    assert resumed[0]["loss"] == pytest.approx(rows[2]["loss"], rel=1e-5, abs=0)
+    assert resumed_evals[-1]["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], rel=1e-5, abs=0)
 
 
 def test_lora_adapter_loads_with_peft_merges_and_answers_about_an_image(run_cli, built, squares, tmp_path):

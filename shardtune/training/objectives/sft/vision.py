@@ -25,8 +25,9 @@ from shardtune.data.vision import (
     sample_prompt,
     text_of,
 )
+from shardtune.data.vision_custom import CollatedBatches, CollatedRows, check_collated_rows, custom_vision_rows
 from shardtune.model.generation import SUMMARY_MAX_NEW_TOKENS, rouge_scores
-from shardtune.model.vision import generate_from_images, load_processor
+from shardtune.model.vision import forward_keywords, generate_from_images, load_processor
 from shardtune.runtime.distributed import print0
 from shardtune.training.engine.objective import data_splits
 from shardtune.training.objectives.sft.objective import SFT
@@ -74,13 +75,29 @@ class VisionSFT(SFT):
         )
 
     @classmethod
-    def split(cls, cfg: TrainConfig, processor: Any, split: str) -> tuple[VisionRows, list, DataReport]:
-        source, rows = vision_rows(cfg, split)
+    def split(cls, cfg: TrainConfig, processor: Any, split: str) -> tuple[VisionRows | CollatedRows, list, DataReport]:
+        """The split's rows: --dataset_name's, or a custom dataset file's (llama-cookbook's vision recipe: its
+        function given the processor, its rows batched by its own collator where it defines one), checked."""
+        if cfg.data.dataset == "custom_dataset":
+            source, rows = custom_vision_rows(cfg, processor, split)
+        else:
+            source, rows = vision_rows(cfg, split)
         if cfg.data.trl_dataset.assistant_only_loss and rows.kind != "messages":
             raise ConfigError(f"--assistant_only_loss true needs messages rows, but {source} has {rows.kind} rows")
+        if isinstance(rows, CollatedRows):
+            report = DataReport(source=f"{source}: rows batched by its data collator", num_rows=len(rows))
+            filt = RowFilter(report, cfg.data.strict)
+            return rows, check_collated_rows(rows, forward_keywords(cfg), cfg.data.context_length, filt), report
         report = DataReport(source=f"{source}: {rows.kind} rows with images", num_rows=len(rows))
         kept = check_rows(rows, processor, RowFilter(report, cfg.data.strict))
         return rows, kept, report
+
+    @classmethod
+    def collator(cls, cfg: TrainConfig, rows: VisionRows | CollatedRows, processor: Any) -> Any:
+        """What batches the rows: the custom dataset file's collator where it has one, else shardtune's."""
+        if isinstance(rows, CollatedRows):
+            return CollatedBatches(rows, forward_keywords(cfg))
+        return VisionCollator(rows, processor, cls.options(cfg, rows))
 
     @classmethod
     def prepare_data(cls, cfg: TrainConfig, tokenizer, dp_size: int) -> None:
@@ -102,14 +119,14 @@ class VisionSFT(SFT):
         for split, (_, _, report) in loaded.items():
             print0(f"data ({split}): {report.summary()}")
         rows, kept, _ = loaded["train"]
-        self.collate_fn = VisionCollator(rows, self.processor, self.options(cfg, rows))
+        self.collate_fn = self.collator(cfg, rows, self.processor)
         steps_per_epoch(len(kept), cfg, self.strategy.dims.dp_size)
         if not cfg.eval.enabled:
             return [[example] for example in kept], []
         eval_rows, eval_kept, _ = loaded["validation"]
-        self.eval_collate = VisionCollator(eval_rows, self.processor, self.options(cfg, eval_rows))
+        self.eval_collate = self.collator(cfg, eval_rows, self.processor)
         if cfg.eval.log_samples:
-            if eval_rows.kind == "text" or (eval_rows.kind == "prompt_completion" and not _conversational(eval_rows)):
+            if isinstance(eval_rows, CollatedRows) or eval_rows.kind == "text" or not _conversational(eval_rows):
                 raise ConfigError(
                     f"--log_eval_samples: the evaluation rows are {eval_rows.kind} rows; samples with images need "
                     "messages or conversational prompt / completion rows: drop the flag"
@@ -139,7 +156,8 @@ class VisionSFT(SFT):
 
 
 def _conversational(rows: VisionRows) -> bool:
-    return len(rows) > 0 and isinstance(rows.row(0)[2].get("prompt"), list)
+    """Messages rows, or prompt / completion rows whose prompt is a message list (what a sample's prompt is)."""
+    return rows.kind == "messages" or (len(rows) > 0 and isinstance(rows.row(0)[2].get("prompt"), list))
 
 
 class VisionEvalSampler:
