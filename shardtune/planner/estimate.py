@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from shardtune.accounting.memory import ADAM_STATES_PER_PARAM, GIB
 from shardtune.planner.hardware import Device
-from shardtune.planner.shapes import Adapter, Arch
+from shardtune.planner.shapes import Adapter, Arch, frozen_params
 
 # -- the configuration ---------------------------------------------------------------------------------------------
 
@@ -48,6 +48,15 @@ class Setup:
     sampling_gathers_whole: bool = False  # ZeRO-3 with ds3_gather_for_generation: every weight gathered to sample
     scored_rows_per_unit: int = 0  # KTO: KL rows per unit, scored without a graph before the step's backward
     images_per_example: int = 1  # a vision-language model: images per row (their tokens are within seq_len)
+    # full fine-tuning of a vision-language model: the parts kept frozen (shardtune.planner.shapes.FREEZABLE_PARTS)
+    frozen_parts: frozenset[str] = frozenset()
+
+    @property
+    def trainable_params(self) -> int:
+        """An adapter's parameters, or the whole model's less the parts the freezing flags keep."""
+        if self.adapter.method:
+            return self.adapter.trainable_params(self.arch)
+        return self.arch.num_params - frozen_params(self.arch, self.frozen_parts)
 
     @property
     def world_size(self) -> int:
@@ -232,15 +241,17 @@ def loss_buffer_bytes(arch: Arch, num_labels: int) -> float:
 def estimate(setup: Setup) -> Breakdown:
     arch, s = setup.arch, setup
     c, m = s.compute_bytes, s.master_bytes
-    total, trainable = arch.num_params, s.adapter.trainable_params(arch)
-    frozen = total - trainable if s.adapter.method else 0
+    total, trainable = arch.num_params, s.trainable_params
+    frozen = total - trainable  # weights without a gradient or optimizer state (an adapter's base, frozen parts)
     quantized_linear = arch.num_layers * arch.layer_linear_params if s.quantization else 0
-    # frozen base weights: quantised linears, the rest in the compute dtype (PEFT keeps a frozen base in bf16 on GPU)
+    # frozen base weights: quantised linears, the rest in the compute dtype (PEFT keeps a frozen base in bf16 on GPU,
+    # DeepSpeed casts the whole module to it); parts frozen in full fine-tuning under FSDP / DDP at the weights' dtype
     quant_key = "4bit-double" if s.quantization == "4bit" else s.quantization
+    low_precision_frozen = (s.adapter.method or s.strategy.startswith("ZERO")) and c < 4
     frozen_bytes = (
         quantized_linear * QUANT_BYTES_PER_PARAM[quant_key] + (frozen - quantized_linear) * c
         if s.quantization
-        else frozen * (c if s.adapter.method and c < 4 else m)
+        else frozen * (c if low_precision_frozen else m)
     )
     out = Breakdown()
     group = s.shard_group
@@ -325,9 +336,16 @@ def images_per_micro_batch(setup: Setup) -> int:
 
 
 def tower_trains(setup: Setup) -> bool:
-    """Whether anything in the vision tower takes a gradient: full fine-tuning trains it; an adapter on the language
-    model leaves it frozen, and with nothing trainable before it autograd saves none of its activations."""
-    return not setup.adapter.method
+    """Whether anything in the vision tower takes a gradient: full fine-tuning trains it unless --freeze_vision_tower;
+    an adapter on the language model leaves it frozen; with nothing trainable before it (the tower comes first)
+    autograd saves none of its activations."""
+    return not setup.adapter.method and "vision_tower" not in setup.frozen_parts
+
+
+def projector_trains(setup: Setup) -> bool:
+    """Whether the projector takes a gradient (then it saves its input, the tower's features, even from a frozen
+    tower)."""
+    return not setup.adapter.method and "multi_modal_projector" not in setup.frozen_parts
 
 
 def image_activation_bytes(setup: Setup) -> tuple[float, float]:
@@ -347,14 +365,14 @@ def image_activation_bytes(setup: Setup) -> tuple[float, float]:
     cross = cross_tokens * c * arch.hidden_size
     if not s.activation_checkpointing:
         cross += arch.cross_attention_layers * cross_tokens * (4 * c + 4) * kv_width
+    projector = images * v.image_tokens * c * (v.hidden_size * v.positions_per_token + 2 * arch.hidden_size)
     if not tower_trains(s):
-        return cross, 0.0
+        return cross + (projector if projector_trains(s) else 0.0), 0.0
     from shardtune.planner.vision import vit_layer_activation_bytes
 
     positions = images * v.positions_per_image
     per_layer = vit_layer_activation_bytes(v, c) * positions
     pixels = positions * c * v.pixels_per_position  # the patch convolution's input
-    projector = images * v.image_tokens * c * (v.hidden_size * v.positions_per_token + 2 * arch.hidden_size)
     # the LayerNorm between the embeddings and the layers (or after them): its input, its fp32 copy under autocast
     norm = positions * ((c + (4 if c < 4 else 0)) * v.hidden_size + 8)
     outside = pixels + norm + projector

@@ -94,7 +94,13 @@ def render(result: dict, base_argv: list[str]) -> str:
 
 def images_line(images: dict) -> str:
     """The one line saying what the plan counted for a vision-language model's images."""
-    trains = "trained" if images["tower_trains"] else "frozen: no activations kept"
+    trains = (
+        "trained"
+        if images["tower_trains"]
+        else "tower frozen: no activations kept but the projector's input"
+        if images["projector_trains"]
+        else "frozen: no activations kept"
+    )
     return (
         f"images: {images['images_per_example']} per example (--images_per_example) x {images['image_tokens']:,} "
         f"token{'' if images['image_tokens'] == 1 else 's'} of the row ({images['image_tokens_from']}); "

@@ -16,6 +16,7 @@ from shardtune.planner.estimate import (
     estimate,
     host_bytes_per_node,
     image_activation_bytes,
+    projector_trains,
     tower_trains,
     usable_bytes,
     usable_host_bytes,
@@ -172,7 +173,16 @@ def setup_from_config(cfg: TrainConfig, values: dict[str, str], device: Device) 
         sampling_rows=objective.sampling_rows(cfg, nnodes * per_node),
         sampling_gathers_whole=objective.sampling_gathers_whole(cfg),
         scored_rows_per_unit=objective.scored_rows_per_unit(cfg),
+        frozen_parts=frozen_parts(cfg),
     )
+
+
+def frozen_parts(cfg: TrainConfig) -> frozenset[str]:
+    """The vision-language parts the run's freezing flags keep (shardtune.model.freezing.VISION_FREEZING)."""
+    from shardtune.model.freezing import VISION_FREEZING
+
+    keys = (key.split(".", 1)[1] for key in VISION_FREEZING)
+    return frozenset(key.removeprefix("freeze_") for key in keys if getattr(cfg.model, key))
 
 
 def _whole_number(values: dict[str, str], name: str) -> int | None:
@@ -266,7 +276,7 @@ def plan(setup: Setup, device: Device, accumulation: int) -> dict:
         "images": images_summary(setup),
         "model": setup.arch.name,
         "parameters": setup.arch.num_params,
-        "trainable_parameters": setup.adapter.trainable_params(setup.arch),
+        "trainable_parameters": setup.trainable_params,
         "device": device.describe(),
         "usable_bytes": usable_bytes(device),
         "usable_host_bytes": usable_host_bytes(device),
@@ -307,6 +317,7 @@ def images_summary(setup: Setup) -> dict | None:
         "tower_parameters": v.num_params,
         "activation_bytes": images,
         "tower_trains": tower_trains(setup),
+        "projector_trains": projector_trains(setup),
     }
 
 

@@ -181,6 +181,33 @@ class Arch:
     def num_params(self) -> int:
         return self.text_params + (self.vision.num_params if self.vision else 0)
 
+    @property
+    def cross_attention_params(self) -> int:
+        """mllama's cross-attention decoder layers: a decoder layer's shapes, query / key norms and two gates."""
+        return self.cross_attention_layers * (self.layer_params + 2 * self.head_dim + 2)
+
+
+# the parts full fine-tuning may keep frozen (shardtune.model.freezing.VISION_FREEZING, without "model.freeze_")
+FREEZABLE_PARTS = ("vision_tower", "multi_modal_projector", "language_model", "llm_only")
+
+
+def frozen_params(arch: Arch, parts: frozenset[str]) -> int:
+    """Parameters the freezing flags keep as they are (shardtune.model.freezing.frozen_parameters counts the same on
+    the built model): the tower, the projector, the language model (its decoder and head), or llm_only: the language
+    model less mllama's cross-attention layers."""
+    if not parts:
+        return 0
+    v = arch.vision
+    if v is None:
+        raise ConfigError(f"freezing {', '.join(sorted(parts))}: {arch.name} is a text model (no vision tower)")
+    frozen = v.tower_params if "vision_tower" in parts else 0
+    frozen += v.projector_params if "multi_modal_projector" in parts else 0
+    if "language_model" in parts:
+        frozen += arch.text_params
+    elif "llm_only" in parts:
+        frozen += arch.text_params - arch.cross_attention_params
+    return frozen
+
 
 def read_arch(model: str) -> Arch:
     """A built-in shape name, a preset (preset:tiny), a local directory or config.json, or a hub id (its config

@@ -34,8 +34,8 @@ def traffic_per_step(setup: Setup, accumulation_steps: int = 1) -> Traffic:
     """Parameter all-gathers and gradient reductions of one optimizer step (accumulated micro-batches skip the
     reduction). A group spanning nodes is charged to the inter-node link, which it is bound by."""
     s, arch = setup, setup.arch
-    trainable = s.adapter.trainable_params(arch)
-    frozen_sharded = arch.num_params - trainable if s.adapter.method else 0
+    trainable = s.trainable_params
+    frozen_sharded = arch.num_params - trainable  # gathered like the rest, never reduced
     c, grad_bytes = s.compute_bytes, 4  # gradients reduced in fp32
     spans_nodes = s.num_nodes > 1
     intra = inter = 0.0
@@ -105,7 +105,7 @@ def step_time_s(setup: Setup, device: Device, accumulation_steps: int = 1) -> tu
     from shardtune.accounting.flops import ModelShape, training_flops_per_token
 
     arch = setup.arch
-    trainable = setup.adapter.trainable_params(arch)
+    trainable = setup.trainable_params
     matmul = arch.matmul_params
     shape = ModelShape(arch.num_layers, arch.hidden_size, matmul, min(trainable, matmul))
     tokens = setup.batch_size * setup.seq_len * accumulation_steps * setup.data_parallel

@@ -748,7 +748,7 @@ def test_tower_activations_equal_what_autograd_saves():
     from shardtune.planner.shapes import arch_of
     from shardtune.planner.vision import vit_layer_activation_bytes
 
-    def measured(num_layers: int, num_images: int) -> tuple[int, Arch]:
+    def measured(num_layers: int, num_images: int, frozen_tower: bool = False) -> tuple[int, Arch]:
         vision = CLIPVisionConfig(
             hidden_size=128,
             intermediate_size=512,
@@ -769,6 +769,8 @@ def test_tower_activations_equal_what_autograd_saves():
         )
         torch.manual_seed(0)
         model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa")
+        if frozen_tower:  # --freeze_vision_tower
+            model.model.vision_tower.requires_grad_(False)
         pixels = torch.randn(num_images, 3, 64, 64)
         features = dict(vision_feature_layer=-1, vision_feature_select_strategy="full")
         saved = saved_for_backward_bytes(model, lambda: model.model.get_image_features(pixels, **features))
@@ -783,3 +785,100 @@ def test_tower_activations_equal_what_autograd_saves():
     predicted = image_activation_bytes(replace(setup, images_per_example=2))[0]
     assert predicted - image_activation_bytes(setup)[0] == pytest.approx(two_images - two_layers, rel=0.01)
     assert predicted == pytest.approx(two_images, rel=0.01)
+    # a frozen tower (nothing trainable before it) keeps nothing; the trained projector keeps its input and hidden
+    frozen, _ = measured(2, 2, frozen_tower=True)
+    tower_frozen = replace(setup, images_per_example=2, frozen_parts=frozenset({"vision_tower"}))
+    assert 0 < frozen < two_images / 10
+    assert image_activation_bytes(tower_frozen)[0] == pytest.approx(frozen, rel=0.01)
+
+
+FREEZING_FLAGS = {
+    "vision_tower": "--freeze_vision_tower",
+    "multi_modal_projector": "--freeze_multi_modal_projector",
+    "language_model": "--freeze_language_model",
+    "llm_only": "--freeze_LLM_only",
+}
+
+
+@pytest.mark.parametrize("preset", VISION_PRESET_NAMES)
+def test_frozen_parts_count_what_the_freezing_flags_freeze(preset, tmp_path):
+    """Each freezing flag (and two together) on the preset built on the meta device (the run's apply_freezing): the
+    plan's trainable count is the model's, and the frozen count each part's (mllama's --freeze_LLM_only leaves its
+    cross-attention layers trainable, other families' freeze the whole language model)."""
+    from shardtune.config.flags import parse_args
+    from shardtune.model.freezing import apply_freezing
+    from shardtune.model.loading import build_model_on_meta, count_parameters
+    from shardtune.planner.shapes import frozen_params
+    from shardtune.planner.vision import write_preset_config
+
+    write_preset_config(preset, tmp_path)
+    arch = read_arch(f"preset:{preset}")
+    for parts in (
+        *([p] for p in FREEZING_FLAGS),
+        ["vision_tower", "multi_modal_projector"],
+        ["vision_tower", "llm_only"],
+    ):
+        model = build_model_on_meta(str(tmp_path))
+        apply_freezing(model, parse_args(["--model_name", str(tmp_path), *(FREEZING_FLAGS[p] for p in parts)]))
+        total, trainable = count_parameters(model)
+        setup = Setup(arch=arch, frozen_parts=frozenset(parts))
+        assert (arch.num_params, setup.trainable_params) == (total, trainable), parts
+    v = arch.vision
+    assert frozen_params(arch, frozenset({"vision_tower", "multi_modal_projector"})) == v.num_params
+    llm_only = frozen_params(arch, frozenset({"llm_only"}))
+    if preset == "vlm-mllama-tiny":
+        assert 0 < llm_only < arch.text_params
+    else:
+        assert llm_only == arch.text_params
+
+
+def test_a_frozen_part_has_weights_but_no_gradient_optimizer_state_or_tower_activations(tmp_path):
+    """LLaVA-1.5-7B, FSDP on 8 GPUs: a frozen tower keeps its fp32 weight shards but drops its gradients (4 bytes a
+    parameter over 8) and AdamW state (8), and its activations (nothing trainable before it; the projector still
+    keeps its input); tower and projector frozen keep no image activation, as LoRA's; the language model frozen
+    keeps the tower's (it trains). Under ZeRO-3 in bf16 a frozen weight is bf16 with no fp32 master (12 bytes)."""
+    from shardtune.planner.estimate import image_activation_bytes
+
+    arch = read_arch(write_config(tmp_path / "llava", llava_7b_config()))
+    v, base = arch.vision, Setup(arch=arch, strategy="FULL_SHARD", gpus_per_node=8, seq_len=4096)
+
+    def frozen(*parts: str, setup: Setup = base) -> Setup:
+        return replace(setup, frozen_parts=frozenset(parts))
+
+    full, tower = estimate(base), estimate(frozen("vision_tower"))
+    assert tower.params == full.params
+    assert full.grads - tower.grads == pytest.approx(4 * v.tower_params / 8)
+    assert full.optimizer - tower.optimizer == pytest.approx(8 * v.tower_params / 8)
+    images = image_activation_bytes(base)[0]
+    tower_images = image_activation_bytes(frozen("vision_tower"))[0]
+    assert 0 < tower_images < images / 10
+    assert full.activations - tower.activations == pytest.approx(images - tower_images)
+    lora = image_activation_bytes(replace(base, adapter=Adapter(method="lora")))[0]
+    assert image_activation_bytes(frozen("vision_tower", "multi_modal_projector"))[0] == lora == 0
+    language = estimate(frozen("language_model"))
+    assert image_activation_bytes(frozen("language_model"))[0] == images
+    assert full.optimizer - language.optimizer == pytest.approx(8 * arch.text_params / 8)
+    zero3 = replace(base, strategy="ZERO3")
+    full3, tower3 = estimate(zero3), estimate(frozen("vision_tower", setup=zero3))
+    assert tower3.params == full3.params == pytest.approx(2 * arch.num_params / 8)
+    assert full3.optimizer - tower3.optimizer == pytest.approx(12 * v.tower_params / 8)
+
+
+def test_plan_and_dry_run_count_the_freezing_flags():
+    """``shardtune plan`` on the mllama preset: --freeze_LLM_only trains the tower, projector and cross-attention
+    layers (83,911 of 308,103, what sft --dry_run builds on the meta device); --freeze_vision_tower keeps no tower
+    activation (one line says so); sft --dry_run under ZeRO-2 computes the state from the same count."""
+    args = ("plan", "--model_name", "preset:vlm-mllama-tiny", "--batching_strategy", "padding", "--gpu", "cpu")
+    plain = json.loads(main_in_process(*args, "--json").stdout)
+    llm_only = json.loads(main_in_process(*args, "--json", "--freeze_LLM_only").stdout)
+    assert (plain["trainable_parameters"], llm_only["trainable_parameters"]) == (308103, 83911)
+    assert llm_only["given"]["breakdown"]["gradients"] < plain["given"]["breakdown"]["gradients"] / 3
+    tower = main_in_process(*args, "--freeze_vision_tower")
+    assert tower.returncode == 0, tower.stderr
+    assert "(tower frozen: no activations kept but the projector's input)" in tower.stdout
+    dry = ["sft", "--dry_run", "--model_name", "preset:vlm-mllama-tiny", "--gpus_per_node", 2]
+    dry += ["--batching_strategy", "padding", "--freeze_LLM_only"]
+    meta = main_in_process(*dry, "--enable_fsdp")
+    assert "meta model: preset:vlm-mllama-tiny (308,103 parameters, 83,911 trainable)" in meta.stdout, meta.stderr
+    zero2 = main_in_process(*dry, "--enable_deepspeed", "--deepspeed_config.zero_stage", 2)
+    assert "grads 81.9 KiB" in zero2.stdout, zero2.stdout  # 83,911 bf16 gradients over 2 ranks
