@@ -329,7 +329,13 @@ def load_custom_file(spec: str) -> tuple[Callable[..., Any], Callable[..., Any] 
 def _custom_examples(cfg: TrainConfig, tokenizer: Any, split: str) -> tuple[list[dict], DataReport]:
     cc = cfg.data.custom_dataset
     custom_split = cc.train_split if split == "train" else cc.test_split
-    fn = load_custom_function(cc.file)
+    fn, collator = load_custom_file(cc.file)
+    if collator is not None:  # not silently left unused
+        raise ConfigError(
+            f"--custom_dataset.file {cc.file} defines {DATA_COLLATOR_FUNCTION}, which batches the rows of a "
+            "vision-language model (llama-cookbook's vision recipes); this is a text model, whose rows (input_ids, "
+            f"labels) shardtune batches itself (--batching_strategy): remove {DATA_COLLATOR_FUNCTION} from the file"
+        )
     source = f"custom_dataset: {cc.file} split {custom_split}"
     try:
         rows = list(fn(cc, tokenizer, custom_split))

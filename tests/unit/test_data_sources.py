@@ -387,6 +387,10 @@ def test_custom_dataset_errors_name_the_file(tmp_path):
     (tmp_path / "fails.py").write_text("def get_custom_dataset(c, t, s):\n    raise KeyError('text')\n")
     with pytest.raises(DataError, match="fails.py split train: the dataset function failed \\(KeyError"):
         load_examples(custom_cfg(str(tmp_path / "fails.py")), None, "train")
+    # a vision recipe's collator is not silently left unused on a text model
+    (tmp_path / "vision.py").write_text(CUSTOM_DATASET + "\ndef get_data_collator(processor):\n    return None\n")
+    with pytest.raises(ConfigError, match="defines get_data_collator, which batches the rows of a vision-language"):
+        load_examples(custom_cfg(str(tmp_path / "vision.py")), None, "train")
 
 
 def test_tensor_rows_from_custom_function_become_lists(tmp_path, tokenizer):
