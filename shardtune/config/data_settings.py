@@ -77,7 +77,8 @@ class CustomDatasetConfig:
         "",
         "path.py[:function]; the function takes (dataset_config, tokenizer, split) and returns "
         "rows of input_ids / labels (and optionally attention_mask); default function: "
-        "get_custom_dataset",
+        "get_custom_dataset. A vision-language model's gets its processor instead of the tokenizer, and the "
+        "file's get_data_collator(processor), if any, makes its batches (llama-cookbook's vision recipes)",
         **CACHE,
     )
     train_split: str = setting("train", "split name passed for training", **CACHE)
