@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from bench.common import RESULTS, free_port, machine_info, median, python, run, run_json, spread
-from bench.data import dataset_flags
+from bench.data import OPTIMIZERS, dataset_flags
 from bench.report import markdown
 
 SECTIONS = ("trainer", "overhead", "loss_memory", "model_state")
@@ -92,6 +92,8 @@ def shardtune_epoch(model: str, out: Path, tool: str, variant: dict, args) -> di
             1,
             "--save_model",
             "false",
+            "--optim.optimizer",
+            args.optim,
             *dataset_flags(args.num_train, args.num_validation, args.samsum, variant["chatter"]),
         ]
     )
@@ -138,6 +140,8 @@ def trainer_epoch(model: str, out: Path, variant: dict, args) -> dict:
         out,
         "--device",
         peer_device(args),
+        "--optim",
+        args.optim,
     ]
     if args.samsum:
         argv += ["--samsum", args.samsum]
@@ -171,6 +175,8 @@ def trl_epoch(model: str, out: Path, variant: dict, args) -> dict:
         out,
         "--device",
         peer_device(args),
+        "--optim",
+        args.optim,
     ]
     if args.samsum:
         argv += ["--samsum", args.samsum]
@@ -237,6 +243,7 @@ def bench_trainer(model: str, variant: dict, args) -> dict:
         "num_train": args.num_train,
         "num_validation": args.num_validation,
         "lr": args.lr,
+        "optim": args.optim,
         "optimizer": "AdamW (torch), betas 0.9/0.999, eps 1e-8, weight decay 0",
         "schedule": "constant lr (shardtune StepLR steps after the epoch; Trainer 'constant')",
         "clipping": "global grad norm 1.0",
@@ -343,6 +350,13 @@ def main() -> None:
     ap.add_argument("--pack_length", type=int, default=0, help="tokens per packed block (0: 4 x mean example)")
     ap.add_argument("--pack_batch", type=int, default=2, help="packed blocks per step (2 x 512 ~ 8 examples)")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument(
+        "--optim",
+        default="adamw_torch_fused",
+        choices=OPTIMIZERS,
+        help="every tool's AdamW: torch's fused kernel (Trainer's and TRL's default, the fastest on CPU too), or "
+        "torch's per-tensor loop (shardtune's llama-cookbook default)",
+    )
     ap.add_argument("--repeats", type=int, default=2, help="epochs per tool (medians reported)")
     ap.add_argument(
         "--tools",
