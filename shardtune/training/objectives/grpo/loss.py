@@ -26,16 +26,19 @@ from torch import nn
 from shardtune.config.schema import GrpoConfig
 from shardtune.model.loss import (
     IGNORE_INDEX,
+    TOKEN_PREDICTIONS,
     RowwiseLinearCrossEntropy,
     default_chunk_rows,
     head_computes,
     lean_head,
     model_inputs,
 )
+from shardtune.training.objectives.grpo.shared import shared_inputs
 
 # Sums over a micro-batch: the loss; the KL, entropy and clip indicators summed over tokens (token level) or over
 # sequences (their value per sequence at the sequence level), TRL's global masked means once divided
 STATS = ("loss_sum", "kl_sum", "entropy_sum", "low_clip_sum", "high_clip_sum", "region_clip_sum", "low_min", "high_max")
+ENTROPY = TOKEN_PREDICTIONS.index("entropy")  # token_predictions' column of the entropy
 REDUCTIONS = ("sum",) * 6 + ("min", "max")  # how each stat combines over the step (Objective.stat_reductions)
 
 
@@ -50,39 +53,51 @@ def token_logps(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(token) of every scored position of the batch's completions, under logits / temperature, as TRL's:
     (rows, T) fp32 with its graph, 0 where not scored; the entropies there, without a graph, or None). The lean head
-    computes them from the hidden states of the scored positions only (no rows x T x vocabulary logits)."""
+    computes them from the hidden states of the scored positions only (no rows x T x vocabulary logits), the entropy
+    from the logits its cross-entropy already holds; completions that share a prompt are computed over one copy of
+    it where the model can (shardtune.training.objectives.grpo.shared)."""
     targets = completion_targets(batch).to(device)
     keep = targets != IGNORE_INDEX
+    shared = shared_inputs(model, batch, device)
+    if shared is None:
+        inputs = model_inputs(batch, device)
+
+        def pick(states: torch.Tensor) -> torch.Tensor:
+            return states[keep]
+    else:
+        inputs, index = shared
+
+        def pick(states: torch.Tensor) -> torch.Tensor:
+            return states.reshape(-1, states.size(-1)).index_select(0, index)
+
     head = lean_head(model)
     found: dict[str, torch.Tensor] = {}
 
     def scored(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        rows = hidden[keep] / temperature  # logits / T = (hidden / T) @ W^T
+        rows = pick(hidden) / temperature  # logits / T = (hidden / T) @ W^T
         chunk = default_chunk_rows(rows.device.type, weight.size(0))
+        predictions: list | None = [] if entropies else None
+        per_token = -RowwiseLinearCrossEntropy.apply(rows, weight, targets[keep], chunk, predictions)
         if entropies:
-            with torch.no_grad():
-                parts = []
-                for start in range(0, rows.size(0), chunk):
-                    logits = rows[start : start + chunk].detach().float() @ weight.detach().float().t()
-                    parts.append(logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1))
-                found["entropy"] = torch.cat(parts) if parts else rows.new_zeros(0, dtype=torch.float32)
-        return -RowwiseLinearCrossEntropy.apply(rows, weight, targets[keep], chunk)  # recomputed in backward
+            found["entropy"] = torch.cat([p[:, ENTROPY] for p in predictions]) if predictions else rows.new_zeros(0)
+        return per_token  # its logits recomputed in backward
 
     if head is None:  # the model's own head: its logits
-        logits = model(**model_inputs(batch, device), use_cache=False).logits.float() / temperature
-        flat = logits[keep]
+        flat = pick(model(**inputs, use_cache=False).logits).float() / temperature
         per_token = flat.gather(-1, targets[keep][:, None]).squeeze(-1) - flat.logsumexp(-1)
         if entropies:
             detached = flat.detach()
             found["entropy"] = detached.logsumexp(-1) - (detached.softmax(-1) * detached).sum(-1)
     else:
         with head_computes(head, lambda hidden: scored(hidden, head.weight)) as result:
-            model(**model_inputs(batch, device), use_cache=False)
+            model(**inputs, use_cache=False)
         per_token = result["output"]
     full = torch.zeros(keep.shape, dtype=torch.float32, device=device).masked_scatter(keep, per_token.float())
     entropy = None
     if entropies:
-        entropy = torch.zeros(keep.shape, dtype=torch.float32, device=device).masked_scatter(keep, found["entropy"])
+        entropy = torch.zeros(keep.shape, dtype=torch.float32, device=device).masked_scatter(
+            keep, found["entropy"].float()
+        )
     return full, entropy
 
 

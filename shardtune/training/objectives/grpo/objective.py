@@ -51,6 +51,7 @@ from shardtune.training.objectives.grpo.loss import (
 )
 from shardtune.training.objectives.grpo.rewards import load_rewards, score
 from shardtune.training.objectives.grpo.rollouts import Rollouts, roll_out
+from shardtune.training.objectives.grpo.shared import computed_rows, shared_layout
 from shardtune.training.objectives.grpo.tools import Toolbox, check_tokenizer, load_tools, toolbox
 
 LOSS_METRICS = (
@@ -86,6 +87,7 @@ class GRPO(Objective):
     steps_done = 0  # optimizer steps done once the current one is (an evaluation's global_step for rewards)
     toolbox: Toolbox | None = None  # with --tools: what sampling runs them with (attach)
     tools: list = []  # the tools' callables (load_data)
+    model: nn.Module | None = None  # the trained model (attach)
 
     # -- before launch --------------------------------------------------------------------------------------------
     @classmethod
@@ -346,7 +348,8 @@ class GRPO(Objective):
 
     def collate(self, prompts, completions, counted, advantages, ids, masks=None) -> dict:
         """Right-padded rows [prompt | completion | pad]: positions from 0, each row independent of the others;
-        ``masks`` (tools): 0 where a completion's token is a tool result's, which carries no loss."""
+        ``masks`` (tools): 0 where a completion's token is a tool result's, which carries no loss. Rows that share a
+        prompt also come as one row per prompt (grpo.shared), which the model computes on where it can."""
         width = max(len(p) + len(c) for p, c in zip(prompts, completions))
         rows = len(prompts)
         input_ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
@@ -369,6 +372,7 @@ class GRPO(Objective):
             "advantages": advantages.float(),
             EXAMPLE_IDS: example_ids,
             EXAMPLE_LENGTHS: lengths,
+            **shared_layout(prompts, completions, completion, self.pad_id),  # one copy of each shared prompt
         }
 
     def normaliser(self, batch: dict, round_tokens: int = 0) -> float:
@@ -444,7 +448,9 @@ class GRPO(Objective):
         scored = [float((completion_targets(mb) != -100).sum()) for mb in micro_batches]
         flops = palm = 0
         if shape is not None:
-            flops = sum(micro_batch_flops(shape, mb, int(n)) for mb, n in zip(micro_batches, scored))
+            flops = sum(  # as computed: on the shared layout where the model takes it
+                micro_batch_flops(shape, computed_rows(self.model, mb), int(n)) for mb, n in zip(micro_batches, scored)
+            )
             palm = sum(palm_micro_batch_flops(shape, mb) for mb in micro_batches)
         return [
             sum(mb["normaliser"] for mb in micro_batches),
