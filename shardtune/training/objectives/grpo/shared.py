@@ -6,8 +6,9 @@ GRPO's micro-batches hold num_generations completions of each prompt, and a caus
 depend on what follows them, so the padded layout [prompt | completion | pad] computes every prompt num_generations
 times, forward and backward (with gradient checkpointing, twice forward). Here it is computed once; each token's
 log-probability is read from the hidden state that predicts it (a completion's first token from the prompt's last
-position, shared). The same values up to float rounding: masked keys weigh exactly 0 in the softmax, and the
-gradient of a shared prompt position is the sum of what its completions send it.
+position, shared), and a completion's last token, which predicts nothing scored, is left out. The same values up
+to float rounding: masked keys weigh exactly 0 in the softmax, and the gradient of a shared prompt position is the
+sum of what its completions send it.
 
 The layout is built with the batch (:func:`shared_layout`, on the host, once per round); the model computes on it
 when it can (:func:`shared_inputs`: SDPA or eager attention, which take a 4-D mask as it is, a model type whose
@@ -39,7 +40,8 @@ def shared_layout(prompts: list[list[int]], completions: list[list[int]], comple
         groups.setdefault(tuple(p), []).append(i)
     if len(groups) == len(prompts):
         return {}
-    width = max(len(p) + sum(len(completions[i]) for i in rows) for p, rows in groups.items())
+    inputs = [c[:-1] for c in completions]  # a completion's last token predicts nothing scored: not an input
+    width = max(len(p) + sum(len(inputs[i]) for i in rows) for p, rows in groups.items())
     ids = torch.full((len(groups), width), pad_id, dtype=torch.long)
     segments = torch.full((len(groups), width), -1, dtype=torch.long)
     positions = torch.zeros((len(groups), width), dtype=torch.long)
@@ -49,7 +51,7 @@ def shared_layout(prompts: list[list[int]], completions: list[list[int]], comple
         ids[g, :n], segments[g, :n], positions[g, :n] = torch.tensor(prompt, dtype=torch.long), 0, torch.arange(n)
         at = n
         for k, i in enumerate(rows, start=1):
-            c = completions[i]
+            c = inputs[i]
             ids[g, at : at + len(c)] = torch.tensor(c, dtype=torch.long)
             segments[g, at : at + len(c)] = k
             positions[g, at : at + len(c)] = torch.arange(n, n + len(c))
