@@ -1,13 +1,15 @@
 """GRPO: TRL's GRPOTrainer and ``shardtune grpo`` on the same prompts, model, reward function and batch, one process,
 in one run; and the demo's reward curve.
 
-    python -m bench.grpo [--part all|speed|profile|learn] [--model DIR] [--prompts 64] [--batch 8] [--num_generations 4]
+    python -m bench.grpo [--part all|speed|profile|learn] [--model DIR | --preset demo] [--prompts 64] [--batch 8]
+                         [--num_generations 4]
                          [--max_completion_length 16] [--steps 10] [--warmup 2] [--repeats 4]
                          [--gradient_checkpointing true] [--learn_steps 40] [--learn_lr 3e-3] [--threads 1]
     python -m bench.grpo --write_prompts examples/data/grpo_prompts.jsonl   # the demo's prompts (these 64 rows)
 
 speed: both tools train ``warmup + steps`` steps of ``batch`` completions (``num_generations`` per prompt, at most
-``max_completion_length`` new tokens, temperature 1) on the demo preset (built once), fp32 on the CPU, beta 0 (no
+``max_completion_length`` new tokens, temperature 1) on ``--preset`` (built once; demo-32k: the demo with a 32k
+vocabulary, where the output layer weighs), fp32 on the CPU, beta 0 (no
 reference), TRL's dapo loss, lr 1e-3 linear, gradient checkpointing as ``--gradient_checkpointing`` says (on: TRL's
 default and ``--defaults trl``'s; both sample without it), reward ``examples/grpo_rewards.py:single_characters``
 (the same file: TRL imports the function, shardtune takes it by path). The two run one after the other
@@ -20,8 +22,10 @@ of each run are left out; the medians are over all repeats' remaining steps.
 
 profile: one ``shardtune grpo`` run of the speed part's settings under ``--use_profiler`` (torch.profiler, steps 4-6):
 where a step's time goes, from the trace's marks: sampling (the shared prefill, the decode loop), scoring, the
-policy's log-probabilities, and the rest (the training forward, backward and optimizer step). The profiler's own
-cost inflates every part somewhat; the shares are what it is for.
+policy's log-probabilities, and the rest, split by the trace's outermost events into the training forward, its
+backward (with checkpointing's recomputation), the optimizer step (with the gradient norm) and what is left (metrics,
+all-reduces, logging, checkpoint checks). The profiler's own cost inflates every part somewhat (most where the ops
+are many and small: the decode loop); the shares are what it is for.
 
 learn: ``shardtune grpo`` for ``learn_steps`` steps at ``learn_lr`` on the same prompts and reward (what
 recipes/grpo-demo.yaml runs), then TRL's GRPOTrainer on the same (``--learn_trl false``: not): the mean reward per
@@ -269,21 +273,63 @@ def speed(args, model: str, prompts: Path, tmp: Path) -> dict:
 
 
 PROFILE_MARKS = ("grpo.sample", "grpo.prefill", "grpo.decode", "grpo.score", "grpo.policy_logps")
+TRAINING_PARTS = ("forward", "backward", "optimizer")  # the rest's outermost events, by what they are (part_of)
+
+
+def part_of(name: str) -> str:
+    """Which part of the training step an outermost event of the trace is: the model's forward (its wrapper's),
+    autograd's backward, the optimizer step with clipping's gradient norm, or other."""
+    if name.endswith(".forward") or name.endswith("_forward"):
+        return "forward"
+    if name.startswith("autograd::engine::evaluate_function"):
+        return "backward"
+    if name.startswith("Optimizer.") or name.startswith("aten::_foreach_") or "clip_grad" in name:
+        return "optimizer"
+    return "other"
+
+
+def outermost(spans: list[dict], step: dict) -> list[dict]:
+    """The events of ``step``'s thread inside it that no other event of that thread holds."""
+    inside = [
+        e
+        for e in spans
+        if e is not step
+        and e["tid"] == step["tid"]
+        and step["ts"] <= e["ts"]
+        and e["ts"] + e["dur"] <= step["ts"] + step["dur"]
+    ]
+    inside.sort(key=lambda e: (e["ts"], -e["dur"]))
+    top, end = [], -1.0
+    for e in inside:
+        if e["ts"] >= end:
+            top.append(e)
+            end = e["ts"] + e["dur"]
+    return top
 
 
 def profile(args, model: str, prompts: Path, tmp: Path) -> dict:
     """Milliseconds per step of each mark of ``PROFILE_MARKS`` and of the whole step, from rank 0's trace of the
-    profiler's active steps (a step there spans step end to step end, so it holds the next step's sampling)."""
+    profiler's active steps (a step there spans step end to step end, so it holds the next step's sampling); the
+    rest split into TRAINING_PARTS and other by its outermost events."""
     print("profile: shardtune grpo under --use_profiler", file=sys.stderr, flush=True)
     traces = tmp / "profile-trace"
     extra = ("--use_profiler", "true", "--profiler_dir", traces)
     run_shardtune(args, model, prompts, tmp / "profile", 8, args.lr, extra)
     events = json.loads(next(traces.glob("rank0*.json")).read_text())["traceEvents"]
-    spans = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
-    steps = [e["dur"] for e in spans if e["name"].startswith("ProfilerStep#")]
-    per_step = {name: sum(e["dur"] for e in spans if e["name"] == name) / len(steps) / 1e3 for name in PROFILE_MARKS}
-    per_step["step"] = sum(steps) / len(steps) / 1e3
+    spans = [e for e in events if e.get("ph") == "X"]
+    steps = [e for e in spans if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
+    marks = [e for e in spans if e.get("cat") == "user_annotation"]
+    per_step = {name: sum(e["dur"] for e in marks if e["name"] == name) / len(steps) / 1e3 for name in PROFILE_MARKS}
+    per_step["step"] = sum(e["dur"] for e in steps) / len(steps) / 1e3
     per_step["rest"] = per_step["step"] - sum(per_step[m] for m in ("grpo.sample", "grpo.score", "grpo.policy_logps"))
+    parts = dict.fromkeys(TRAINING_PARTS, 0.0)
+    for step in steps:
+        for e in outermost(spans, step):
+            part = part_of(e["name"])
+            if part in parts and not e["name"].startswith("grpo."):
+                parts[part] += e["dur"] / len(steps) / 1e3
+    per_step.update(parts)
+    per_step["other"] = per_step["rest"] - sum(parts.values())
     return {"steps": len(steps), "ms_per_step": per_step}
 
 
@@ -410,8 +456,9 @@ def markdown(result: dict) -> str:
     if "speed" in result:
         sp = result["speed"]
         t, o = sp["trl_grpo"], sp["shardtune_grpo"]
+        model = s["model"] or f"{s.get('preset', 'demo')} preset"
         lines += [
-            f"**Step time** (demo preset, {s['prompts']} prompts, {s['batch']} completions per step = "
+            f"**Step time** ({model}, {s['prompts']} prompts, {s['batch']} completions per step = "
             f"{s['batch'] // s['num_generations']} prompts x {s['num_generations']} generations, at most "
             f"{s['max_completion_length']} new tokens, fp32, gradient checkpointing {s['gradient_checkpointing']}, "
             f"reward {REWARD}, lr {s['lr']:g}; {s['repeats']} runs each of {s['warmup']} + {s['steps']} steps, "
@@ -435,10 +482,13 @@ def markdown(result: dict) -> str:
             f"**Where a step goes** (`shardtune grpo` under `--use_profiler`, the speed part's settings; ms per step, "
             f"mean of the profiler's {result['profile']['steps']} active steps; the profiler's own cost included)",
             "",
-            "| step | sampling (prefill + decode) | scoring | policy log-probabilities | training and the rest |",
+            "| step | sampling (prefill + decode) | scoring | policy log-probabilities | training and the rest: "
+            "forward, backward, optimizer, other |",
             "|---|---|---|---|---|",
             f"| {ms['step']:.0f} | {ms['grpo.sample']:.0f} ({ms['grpo.prefill']:.0f} + {ms['grpo.decode']:.0f}) | "
-            f"{ms['grpo.score']:.0f} | {ms['grpo.policy_logps']:.0f} | {ms['rest']:.0f} |",
+            f"{ms['grpo.score']:.0f} | {ms['grpo.policy_logps']:.0f} | {ms['rest']:.0f}: "
+            + ", ".join(f"{ms.get(k, float('nan')):.0f}" for k in (*TRAINING_PARTS, "other"))
+            + " |",
             "",
         ]
     if "learn" in result:
@@ -473,7 +523,8 @@ def main() -> None:
         help="all: speed, profile and learn; gpu: bench/gpu.sh's GRPO row",
     )
     ap.add_argument("--cpu_smoke", action="store_true", help="--part gpu on the CPU, tiny preset: a functional check")
-    ap.add_argument("--model", default="", help="a model directory (default: the demo preset, built once)")
+    ap.add_argument("--model", default="", help="a model directory (default: --preset's, built once)")
+    ap.add_argument("--preset", default="demo", help="the preset built when --model is not given (demo, demo-32k)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8, help="completions per step")
     ap.add_argument("--num_generations", type=int, default=4)
@@ -514,7 +565,7 @@ def main() -> None:
         if not model:
             from shardtune.model.loading import init_model
 
-            model = str(init_model("demo", tmp / "demo", seed=0))
+            model = str(init_model(args.preset, tmp / args.preset, seed=0))
         prompts = write_prompts(tmp / "prompts.jsonl", args.prompts)
         if args.part in ("all", "speed"):
             import trl
