@@ -1,10 +1,10 @@
 """GRPO: TRL's GRPOTrainer and ``shardtune grpo`` on the same prompts, model, reward function and batch, one process,
 in one run; and the demo's reward curve.
 
-    python -m bench.grpo [--part all|speed|profile|learn] [--model DIR | --preset demo] [--prompts 64] [--batch 8]
-                         [--num_generations 4]
-                         [--max_completion_length 16] [--steps 10] [--warmup 2] [--repeats 4]
-                         [--gradient_checkpointing true] [--learn_steps 40] [--learn_lr 3e-3] [--threads 1]
+    python -m bench.grpo [--part all|speed|profile|speed,profile|learn] [--model DIR | --preset demo] [--prompts 64]
+                         [--batch 8] [--num_generations 4] [--max_completion_length 16] [--steps 10] [--warmup 2]
+                         [--repeats 4] [--gradient_checkpointing true] [--learn_steps 40] [--learn_lr 3e-3]
+                         [--threads 1]
     python -m bench.grpo --write_prompts examples/data/grpo_prompts.jsonl   # the demo's prompts (these 64 rows)
 
 speed: both tools train ``warmup + steps`` steps of ``batch`` completions (``num_generations`` per prompt, at most
@@ -519,7 +519,7 @@ def main() -> None:
     ap.add_argument(
         "--part",
         default="all",
-        choices=("all", "speed", "profile", "learn", "gpu"),
+        choices=("all", "speed", "profile", "learn", "gpu", "speed,profile"),
         help="all: speed, profile and learn; gpu: bench/gpu.sh's GRPO row",
     )
     ap.add_argument("--cpu_smoke", action="store_true", help="--part gpu on the CPU, tiny preset: a functional check")
@@ -567,12 +567,12 @@ def main() -> None:
 
             model = str(init_model(args.preset, tmp / args.preset, seed=0))
         prompts = write_prompts(tmp / "prompts.jsonl", args.prompts)
-        if args.part in ("all", "speed"):
+        if args.part in ("all", "speed", "speed,profile"):
             import trl
 
             result["trl_version"] = trl.__version__
             result["speed"] = speed(args, model, prompts, tmp)
-        if args.part in ("all", "profile"):
+        if args.part in ("all", "profile", "speed,profile"):
             result["profile"] = profile(args, model, prompts, tmp)
         if args.part in ("all", "learn"):
             result["learn"] = learn(args, model, prompts, tmp)
