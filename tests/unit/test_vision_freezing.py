@@ -1,7 +1,8 @@
 """Freezing parts of a vision-language model (shardtune.model.freezing), without launching: on every tiny vision
 preset, which parameters --freeze_vision_tower, --freeze_multi_modal_projector, --freeze_language_model (LLaMA-Factory's
 names) and --freeze_LLM_only (llama-cookbook's) keep as they are, --freeze_layers counting the language model's
-layers, and the one-line refusals. tests/distributed/test_launched_vision_freezing.py trains with one of them under FSDP."""
+layers, and the one-line refusals. tests/distributed/test_launched_vision_freezing.py trains with one of them
+under FSDP."""
 
 from __future__ import annotations
 
