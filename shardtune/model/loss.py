@@ -42,6 +42,8 @@ PREDICTION_SUMS = ("num_correct", "entropy_sum")
 # Rows x vocabulary of the one fp32 temporary :func:`prediction_sums` works in (4 MiB; shardtune.planner.estimate
 # counts it).
 PREDICTION_BLOCK_ELEMENTS = 1 << 20
+# Whether RowwiseLinearCrossEntropy keeps a one-chunk softmax from forward for backward (off: always recomputed)
+KEEP_ONE_CHUNK_SOFTMAX = True
 # What :func:`token_predictions` gives for each scored position, in this order (TRL's DPO metrics are sums of them over
 # completion tokens): whether the argmax of the logits is the target, the entropy of the predicted distribution, the
 # mean of the logits over the vocabulary.
@@ -222,17 +224,20 @@ def prediction_sums(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tens
 
 
 @torch.no_grad()
-def token_predictions(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
+def token_predictions(
+    logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor | None = None, into_softmax: bool = False
+) -> torch.Tensor:
     """:data:`TOKEN_PREDICTIONS` of each row of logits (n, V) with its target (n,): (n, 3) fp64, worked in fp32 as
     :func:`prediction_sums` (the first of equal maxima is the argmax; entropy = logsumexp - sum(softmax x logits)),
-    for callers that sum them per sequence (DPO's chosen and rejected completions)."""
+    for callers that sum them per sequence (DPO's chosen and rejected completions). ``into_softmax`` (fp32 logits
+    and their ``lse``): the logits are left holding their softmax, each block's computed once for the entropy."""
     logits = logits.float()
     if lse is None:
         lse = torch.logsumexp(logits, dim=-1)
     out = torch.empty(logits.size(0), len(TOKEN_PREDICTIONS), dtype=torch.float64, device=logits.device)
     out[:, 0] = logits.argmax(dim=-1) == targets
     out[:, 2] = logits.mean(dim=-1)
-    for start, z_lse, expected in _expected_logits(logits, lse):
+    for start, z_lse, expected in _expected_logits(logits, lse, keep_softmax=into_softmax):
         out[start : start + z_lse.size(0), 1] = z_lse - expected.reshape(-1)
     return out
 
@@ -417,10 +422,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 class RowwiseLinearCrossEntropy(torch.autograd.Function):
     """Each row's cross-entropy of a linear layer's output, chunk by chunk: an (n,) result whose gradient differs per
     row (DPO's per-sequence log-probabilities go through a non-linear loss), so the gradients cannot be taken in
-    forward as :class:`ChunkedLinearCrossEntropy` does. Forward keeps no logits; backward recomputes each chunk's
-    logits and scales its softmax - onehot by its rows' gradients. Peak memory O(chunk x vocabulary), one matmul more
-    than the full-logits path. ``predictions``: a list that each chunk's :func:`token_predictions` is appended to
-    (or None)."""
+    forward as :class:`ChunkedLinearCrossEntropy` does. When all the rows fit one chunk (GRPO's and DPO's usual
+    micro-batches on a CPU: n x vocabulary <= CHUNK_ELEMENTS) and a gradient is needed, forward keeps that chunk's
+    softmax for backward (the memory the chunk's logits take in forward anyway, freed by the first step of
+    backward); otherwise it keeps no logits and backward recomputes each chunk's. The gradient is the same bit for
+    bit either way (the same operations on the same values), the kept softmax spares backward a matmul over the
+    vocabulary and its exponentials. ``predictions``: a list that each chunk's :func:`token_predictions` is appended
+    to (or None), from the chunk's logits at hand (and its one softmax when kept)."""
 
     @staticmethod
     def forward(
@@ -433,13 +441,20 @@ class RowwiseLinearCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         w = weight.to(rows.dtype)
         losses = torch.empty(rows.size(0), dtype=torch.float32, device=rows.device)
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        keep = KEEP_ONE_CHUNK_SOFTMAX and needs_grad and rows.size(0) <= chunk_rows
+        ctx.softmax = None
         for start in range(0, rows.size(0), chunk_rows):
             logits = (rows[start : start + chunk_rows] @ w.t()).float()
             target = targets[start : start + chunk_rows]
             lse = torch.logsumexp(logits, dim=-1)
             losses[start : start + chunk_rows] = lse - logits.gather(1, target[:, None]).squeeze(1)
             if predictions is not None:  # from the chunk's logits at hand: no second pass over the vocabulary
-                predictions.append(token_predictions(logits, target, lse))
+                predictions.append(token_predictions(logits, target, lse, into_softmax=keep))
+            elif keep:
+                logits.sub_(lse[:, None]).exp_()
+            if keep:  # logits now hold their softmax
+                ctx.softmax = logits
             del logits
         ctx.save_for_backward(rows, targets)
         ctx.weight, ctx.chunk_rows = weight, chunk_rows  # the parameter itself: re-gathered by its wrapper's hooks
@@ -448,7 +463,8 @@ class RowwiseLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses: torch.Tensor):
         rows, targets = ctx.saved_tensors
-        weight, chunk_rows = ctx.weight, ctx.chunk_rows
+        weight, chunk_rows, kept = ctx.weight, ctx.chunk_rows, ctx.softmax
+        ctx.softmax = None
         need_rows_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         compute_dtype = rows.dtype
         w = weight.to(compute_dtype)
@@ -456,8 +472,11 @@ class RowwiseLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
         for start in range(0, rows.size(0), chunk_rows):
             chunk = rows[start : start + chunk_rows]
-            logits = (chunk @ w.t()).float()
-            dlogits = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True)).exp_()
+            if kept is not None:  # forward's softmax (one chunk)
+                dlogits = kept
+            else:
+                logits = (chunk @ w.t()).float()
+                dlogits = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True)).exp_()
             dlogits[torch.arange(chunk.size(0), device=chunk.device), targets[start : start + chunk_rows]] -= 1.0
             dlogits.mul_(grad_losses[start : start + chunk_rows, None].float())
             if need_rows_grad:
@@ -466,7 +485,7 @@ class RowwiseLinearCrossEntropy(torch.autograd.Function):
                 grad_weight.addmm_(dlogits.t(), chunk)
             elif need_weight_grad:
                 grad_weight += dlogits.t().to(compute_dtype) @ chunk
-            del logits, dlogits
-        ctx.weight = None
+            del dlogits
+        ctx.weight = kept = None
         d_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         return grad_rows, d_weight, None, None, None

@@ -22,6 +22,7 @@ from shardtune.model.loss import (
     lean_head,
     linear_cross_entropy_sum,
     linear_cross_entropy_sums,
+    RowwiseLinearCrossEntropy,
     prediction_sums,
     token_loss_sum,
 )
@@ -128,6 +129,42 @@ def test_training_chunks_take_accuracy_and_entropy_from_the_gradients_softmax_bi
     assert found[False][3] is None
     assert found[True][3][0] >= int(keep[:, ::3].sum())  # the argmax targets are all hits
     assert torch.equal(found[True][3], expected)
+
+
+@pytest.mark.parametrize("with_predictions", [False, True])
+def test_rowwise_cross_entropy_keeps_one_chunks_softmax_for_backward_bit_for_bit(with_predictions, monkeypatch):
+    """GRPO's and DPO's per-token log-probabilities (RowwiseLinearCrossEntropy): when the rows fit one chunk, the
+    softmax forward computes (with the entropies: the same one) is kept for backward instead of recomputing the
+    logits; the gradients are bit for bit those of the recomputing path, and equal the full logits' autograd (a
+    kept softmax without its one-hot subtracted, or not scaled per row, moves them by O(1)); per-token losses and
+    predictions are unchanged; rows over one chunk recompute, equal too."""
+    from shardtune.model import loss as loss_module
+
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(40, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(300, 16, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 300, (40,), generator=gen)
+    scale = torch.randn(40, generator=gen)  # a different gradient per row, as through DPO's and GRPO's losses
+
+    def run(keep: bool, chunk_rows: int):
+        monkeypatch.setattr(loss_module, "KEEP_ONE_CHUNK_SOFTMAX", keep)
+        found = [] if with_predictions else None
+        losses = RowwiseLinearCrossEntropy.apply(rows, weight, targets, chunk_rows, found)
+        grads = torch.autograd.grad((losses * scale).sum(), (rows, weight))
+        return losses, grads, torch.cat(found) if found else None
+
+    kept, recomputed = run(True, 40), run(False, 40)
+    assert torch.equal(kept[0], recomputed[0])
+    for a, b in zip(kept[1], recomputed[1]):
+        assert torch.equal(a, b)
+    if with_predictions:
+        assert torch.equal(kept[2], recomputed[2])
+    full = F.cross_entropy(rows @ weight.t(), targets, reduction="none")
+    expected = torch.autograd.grad((full * scale).sum(), (rows, weight))
+    for lean_losses, grads, _ in (kept, run(True, 7)):  # one chunk kept; six chunks recomputed
+        torch.testing.assert_close(lean_losses, full, rtol=1e-5, atol=1e-6)
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_lean_loss_under_ddp(tiny_model, process_group):
