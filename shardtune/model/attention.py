@@ -300,14 +300,14 @@ def _per_example(
     softcap: float | None,
     eager: bool = False,
 ) -> torch.Tensor:
-    """Causal attention within each example of the rows (boundaries ``cu``), on views: (B, T, H, D)."""
+    """Causal attention within each example of the rows (boundaries ``cu``), on views: (B, T, H, D). The views come
+    from one split per tensor, whose backward concatenates the examples' gradients once (a slice's backward would
+    write each into a zero tensor of the whole row's size, and the row's gradient would add them up)."""
     bounds = cu.tolist()
-    outputs = [
-        _attend(
-            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, dropout, scaling, sliding_window, softcap, eager
-        )
-        for s, e in zip(bounds[:-1], bounds[1:])
-    ]
+    edges = [0, *bounds, query.shape[2]]  # the row's positions outside [cu[0], cu[-1]) (none in shardtune's rows)
+    sizes = [e - s for s, e in zip(edges[:-1], edges[1:])]
+    pieces = [t.split(sizes, dim=2)[1:-1] for t in (query, key, value)]  # the examples' views
+    outputs = [_attend(q, k, v, None, dropout, scaling, sliding_window, softcap, eager) for q, k, v in zip(*pieces)]
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
 
 
