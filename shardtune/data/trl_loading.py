@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.config.schema import ConfigError, TrainConfig, TrlDatasetConfig
+from shardtune.data.aside import build_aside
 from shardtune.data.chat import check_chat_template
 from shardtune.data.emptiness import empty_file, empty_split, refuse_empty_files
 from shardtune.data.files import Row
@@ -89,13 +90,15 @@ def _load(name: str, config: str) -> Any:
     path = Path(name).expanduser()
     if path.exists():  # an empty file or split said as such, before datasets fails on it in its own words
         refuse_empty_files(name)
+    if path.is_file():
+        load = functools.partial(datasets.load_dataset, BUILDERS[path.suffix.lower()], data_files={"train": str(path)})
+    elif (beside_images := _data_files_beside_images(path) if path.is_dir() else None) is not None:
+        load = functools.partial(datasets.load_dataset, beside_images[0], data_files=beside_images[1])
+    else:
+        load = functools.partial(datasets.load_dataset, str(path) if path.is_dir() else name, name=config or None)
+    build_aside(load)  # the Arrow cache built in a child: this process (the launcher) keeps none of the parsing
     try:
-        if path.is_file():
-            return datasets.load_dataset(BUILDERS[path.suffix.lower()], data_files={"train": str(path)})
-        beside_images = _data_files_beside_images(path) if path.is_dir() else None
-        if beside_images:
-            return datasets.load_dataset(beside_images[0], data_files=beside_images[1])
-        return datasets.load_dataset(str(path) if path.is_dir() else name, name=config or None)
+        return load()
     except Exception as e:  # network, authentication, missing dataset, unreadable files: one line with the fix
         where = "local data" if path.exists() else "the Hugging Face hub (offline? HF_DATASETS_OFFLINE set?)"
         reason = (str(e).strip().splitlines() or [""])[0]

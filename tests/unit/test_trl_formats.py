@@ -435,3 +435,46 @@ def test_chat_template_path_may_name_a_tokenizer_directory(tokenizer, tmp_path):
         )
     with pytest.raises(ConfigError, match="--eos_token '<eot>' is not a token"):
         apply_tokenizer_options(trl_cfg(tmp_path / "unused.jsonl", eos_token="<eot>"), copy.deepcopy(tokenizer))
+
+
+def test_a_data_file_is_parsed_in_a_child_and_this_process_maps_its_cache(tmp_path, monkeypatch):
+    """The launcher lives for the whole run, so datasets' parsing of a fresh file (heap its allocators keep, growing
+    with the corpus) is done in a forked child: the Arrow cache exists before this process loads, and its load maps
+    those very files (not written again) with the file's rows. A failing child is silent (the load here says why);
+    a rank forks nothing."""
+    import functools
+
+    import datasets
+
+    from shardtune.data.aside import build_aside
+    from shardtune.data.trl_loading import _load
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")
+    rows = ROWS["text"] * 40
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    assert build_aside(functools.partial(datasets.load_dataset, "json", data_files={"train": str(path)}))
+    built = {p: p.stat().st_mtime_ns for p in (tmp_path / "hf").rglob("*.arrow")}
+    assert built, "the child wrote the Arrow cache"
+    loaded = _load.__wrapped__(str(path), "")
+    assert loaded["train"]["text"] == [r["text"] for r in rows]
+    assert {Path(f["filename"]) for f in loaded["train"].cache_files} <= set(built)
+    assert {p: p.stat().st_mtime_ns for p in built} == built  # mapped, not parsed and written again here
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a row"}\n{"text": \n')
+    assert not build_aside(functools.partial(datasets.load_dataset, "json", data_files={"train": str(bad)}))
+    with pytest.raises(DataError, match="bad.jsonl: could not be loaded from local data"):
+        _load.__wrapped__(str(bad), "")
+
+    other = write_jsonl(tmp_path / "other.jsonl", rows[:3])
+    for name, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "x",
+        "MASTER_PORT": "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    before = set((tmp_path / "hf").rglob("*.arrow"))
+    assert not build_aside(functools.partial(datasets.load_dataset, "json", data_files={"train": str(other)}))
+    assert set((tmp_path / "hf").rglob("*.arrow")) == before
