@@ -1,8 +1,10 @@
 """Corpora of any size (issue 34): how a run's host memory and its time to the first step grow with the corpus.
 
     python -m bench.data_scale [--streaming both|on|off] [--base_rows 1000] [--scales 1,10,100] [--stages 100]
+    python -m bench.data_scale --rows text --base_rows 2500 --scales 1,10 --repeats 3 --batching padding
 
-Writes JSONL corpora in TRL's conversational format (``{"messages": [user, assistant, ...]}``), synthetic dialogues
+Writes JSONL corpora in TRL's conversational format (``{"messages": [user, assistant, ...]}``; ``--rows text``: its
+language-modelling format, ``{"text": ...}`` documents of 1-4 paragraphs), synthetic dialogues or documents
 of random words from a fixed vocabulary (seeded, lengths varied; each corpus a prefix of the next larger one), and
 trains each for --max_steps 3 on 2 processes (``shardtune sft --dataset_name FILE --nproc_per_node 2``, the demo
 model, packing, no evaluation: a single file has no test split) with streaming off (tokenised before launch into
@@ -18,7 +20,9 @@ with torchrun's agent) and of all its descendants (the ranks, their data loader 
 run's processes used until then; rank 0's phase line (``--debug``) says where it went. The corpus tokens are those
 of the examples the run trains on (the cache entry's offsets; for a streamed-only run, tokenised here with
 shardtune's own code). The slope, (peak at the largest scale - peak at the smallest) / (their difference in
-tokens), in MiB per million tokens, is compared with the issue's target of 16.
+tokens), in MiB per million tokens, is compared with the issue's target of 16; with ``--repeats N`` each corpus is
+run N times, the slope is that of the mean peaks, and its range (the largest corpus's lowest peak against the
+smallest's highest, and the reverse) is the run-to-run spread.
 
 ``--stages SCALE`` also runs the launcher's preparation of that corpus (not streamed) in a fresh process and
 records its RssAnon around each stage (loading, rows, tokenising, cache write and read), then after gc, after
@@ -94,27 +98,36 @@ def dialogue(rng: random.Random) -> dict:
     return {"messages": messages}
 
 
-def write_corpora(folder: Path, base_rows: int, scales: list[int], seed: int = 0) -> dict[int, Path]:
-    """corpus-<scale>x.jsonl for each scale: the first base_rows x scale rows of one seeded sequence (each corpus a
-    prefix of the next), written in one pass."""
+def document(rng: random.Random) -> dict:
+    """A language-modelling row: 1-4 paragraphs of 20-400 words (about as many tokens as a dialogue row)."""
+    paragraphs = [_turn(rng, 20, 400) for _ in range(rng.choice((1, 1, 2, 2, 3, 4)))]
+    return {"text": "\n\n".join(paragraphs)}
+
+
+ROWS = {"messages": dialogue, "text": document}
+
+
+def write_corpora(folder: Path, base_rows: int, scales: list[int], seed: int = 0, rows: str = "messages") -> dict:
+    """corpus-<scale>x.jsonl for each scale: the first base_rows x scale rows (``rows``: their format) of one seeded
+    sequence (each corpus a prefix of the next), written in one pass."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = {s: folder / f"corpus-{s}x.jsonl" for s in scales}
+    wanted = {"base_rows": base_rows, "scales": scales, "seed": seed, **({"rows": rows} if rows != "messages" else {})}
     if all(p.is_file() for p in paths.values()) and (folder / "done.json").is_file():
-        done = json.loads((folder / "done.json").read_text())
-        if done == {"base_rows": base_rows, "scales": scales, "seed": seed}:
+        if json.loads((folder / "done.json").read_text()) == wanted:
             return paths
-    rng = random.Random(seed)
+    rng, make = random.Random(seed), ROWS[rows]
     handles = {s: open(p, "w") for s, p in paths.items()}
     try:
         for i in range(base_rows * max(scales)):
-            line = json.dumps(dialogue(rng)) + "\n"
+            line = json.dumps(make(rng)) + "\n"
             for s, fh in handles.items():
                 if i < base_rows * s:
                     fh.write(line)
     finally:
         for fh in handles.values():
             fh.close()
-    (folder / "done.json").write_text(json.dumps({"base_rows": base_rows, "scales": scales, "seed": seed}))
+    (folder / "done.json").write_text(json.dumps(wanted))
     return paths
 
 
@@ -264,6 +277,7 @@ def run_once(model: Path, corpus: Path, streaming: bool, work: Path, args) -> di
         "--run.debug",
         "true",
         *(["--dataset_streaming", "true"] if streaming else []),
+        *(["--data.sampling", args.sampling] if args.sampling else []),
     ]
     env = child_env(SHARDTUNE_CACHE=str(cache), HF_DATASETS_CACHE=str(hf_cache))
     log = open(folder / "log.txt", "w")
@@ -294,6 +308,12 @@ def run_once(model: Path, corpus: Path, streaming: bool, work: Path, args) -> di
         "time_to_first_step_s": first.get("startup_s"),
         "phases": next((line.strip() for line in text.splitlines() if "start-up: first step at" in line), ""),
         "data_line": next((line.strip() for line in text.splitlines() if line.startswith("data (train)")), ""),
+        # what each step trained on and rank 0's peak (its batches' padded lengths drive the ranks' activations)
+        "steps": [
+            {k: r.get(k) for k in ("step", "num_tokens", "label_tokens", "peak_memory_bytes")}
+            for r in rows
+            if "loss" in r
+        ],
         **sampler.summary(),
     }
     entries = list((cache / "tokenized").glob("*/offsets.npy")) if (cache / "tokenized").is_dir() else []
@@ -407,6 +427,7 @@ def stages_child(corpus: Path, model: Path, trace: bool, top: int) -> dict:
                 "peak_with_children_mib": max(total, now) / 1024,
                 "peak_pss_with_children_mib": pss / 1024 if pss else None,  # None: not sampled in between
                 "what": what,
+                **_arrow_pool(),
             }
         )
 
@@ -457,6 +478,20 @@ def stages_child(corpus: Path, model: Path, trace: bool, top: int) -> dict:
         record("malloc_trim(0): free heap pages returned to the system")
     peaks.stop.set()
     return {"corpus": corpus.name, "events": events, "allocation_sites": sites}
+
+
+def _arrow_pool() -> dict:
+    """What pyarrow's memory pool holds (allocated, and the most it ever did; the pool's backend keeps freed pages
+    for reuse, outside glibc's heap and tracemalloc's view), once pyarrow is loaded."""
+    pa = sys.modules.get("pyarrow")
+    if pa is None:
+        return {}
+    pool = pa.default_memory_pool()
+    return {
+        "arrow_pool": pool.backend_name,
+        "arrow_mib": pool.bytes_allocated() / MIB,
+        "arrow_max_mib": pool.max_memory() / MIB,
+    }
 
 
 def allocation_sites(snap, top: int) -> dict:
@@ -511,12 +546,32 @@ def measure_stages(corpus: Path, model: Path, work: Path, trace: bool, top: int)
 
 
 # -- report ------------------------------------------------------------------------------------------------------------
-def slope(runs: list[dict], key: str) -> float | None:
-    """(``key`` at the most tokens - at the fewest) / their difference in millions of tokens: MiB per M tokens."""
-    if len(runs) < 2:
+def _ends(runs: list[dict], key: str) -> tuple[list[float], list[float], float] | None:
+    """``key`` of the runs at the fewest and at the most tokens, and that difference in millions of tokens."""
+    lo, hi = min(r["tokens"] for r in runs), max(r["tokens"] for r in runs)
+    if lo == hi:
         return None
-    lo, hi = min(runs, key=lambda r: r["tokens"]), max(runs, key=lambda r: r["tokens"])
-    return (hi[key] - lo[key]) / ((hi["tokens"] - lo["tokens"]) / 1e6)
+    return [r[key] for r in runs if r["tokens"] == lo], [r[key] for r in runs if r["tokens"] == hi], (hi - lo) / 1e6
+
+
+def slope(runs: list[dict], key: str) -> float | None:
+    """(``key`` at the most tokens - at the fewest) / their difference in millions of tokens: MiB per M tokens (the
+    mean of the repeated runs at each end)."""
+    ends = _ends(runs, key)
+    if ends is None:
+        return None
+    lo, hi, millions = ends
+    return (sum(hi) / len(hi) - sum(lo) / len(lo)) / millions
+
+
+def slope_range(runs: list[dict], key: str) -> tuple[float, float] | None:
+    """The slope's range over the repeated runs: the largest corpus's lowest peak against the smallest's highest,
+    and its highest against their lowest (what the run-to-run spread alone allows)."""
+    ends = _ends(runs, key)
+    if ends is None:
+        return None
+    lo, hi, millions = ends
+    return (min(hi) - max(lo)) / millions, (max(hi) - min(lo)) / millions
 
 
 SLOPES = {
@@ -534,6 +589,23 @@ def _verdict(value: float) -> str:
     return f"{value / TARGET_MIB_PER_M_TOKENS:.1f}x the target"
 
 
+ROWS_DESCRIBED = {
+    "messages": "synthetic conversational rows (`messages`: 1-3 user / assistant exchanges of random words from a "
+    "fixed vocabulary, seeded)",
+    "text": "synthetic language-modelling rows (`text`: documents of 1-4 paragraphs of random words from a fixed "
+    "vocabulary, seeded)",
+}
+
+
+def _repeats_described(repeats: int) -> str:
+    if repeats < 2:
+        return ""
+    return (
+        f"; each run {repeats} times (a slope is that of the mean peaks; in brackets its range over the runs: the "
+        "largest corpus's lowest peak against the smallest's highest, and the reverse)"
+    )
+
+
 def report(results: dict) -> list[str]:
     runs, st = results["runs"], results["settings"]
     load = results["machine"]["load_average_at_start"]
@@ -545,10 +617,12 @@ def report(results: dict) -> list[str]:
         f"{results['total_s'] / 60:.1f} min)",
         "",
         f"`shardtune sft --dataset_name corpus-Nx.jsonl --max_steps {st['max_steps']} --nproc_per_node {st['nproc']} "
-        f"--data.batching {st['batching']}` (+ `--dataset_streaming true`), the demo model (its tokenizer), fresh "
+        f"--data.batching {st['batching']}{' --data.sampling ' + st['sampling'] if st.get('sampling') else ''}` "
+        "(+ `--dataset_streaming true`), the demo model (its tokenizer), fresh "
         f"`SHARDTUNE_CACHE` and `HF_DATASETS_CACHE` per run, no evaluation; corpora of {st['base_rows']:,} x N "
-        "synthetic conversational rows (`messages`: 1-3 user / assistant exchanges of random words from a fixed "
-        "vocabulary, seeded). Peak RssAnon: the peak over the run of the sum of RssAnon (/proc/PID/status) of the "
+        f"{ROWS_DESCRIBED[st.get('rows', 'messages')]}"
+        f"{_repeats_described(st.get('repeats', 1))}. "
+        "Peak RssAnon: the peak over the run of the sum of RssAnon (/proc/PID/status) of the "
         "command's process (the launcher, with torchrun's agent) and all its descendants (the ranks and, streaming "
         "off, their data loader workers), sampled every "
         f"{st['interval']} s; Pss_Anon (/proc/PID/smaps_rollup) counts the pages a forked loader worker shares with "
@@ -577,9 +651,12 @@ def report(results: dict) -> list[str]:
         "| streaming | " + " | ".join(SLOPES.values()) + " |",
         "|---|" + "---|" * len(SLOPES),
     ]
+    ranges = results.get("slope_ranges_mib_per_m_tokens", {})
     for mode, values in results["slopes_mib_per_m_tokens"].items():
+        spread = ranges.get(mode, {})
         cells = [
             f"{values[k]:.2f}"
+            + (f" [{spread[k][0]:.1f} to {spread[k][1]:.1f}]" if spread.get(k) and spread[k][0] != spread[k][1] else "")
             + (f" ({_verdict(values[k])})" if k in ("peak_rss_anon_mib", "peak_pss_anon_mib") else "")
             for k in SLOPES
         ]
@@ -592,7 +669,14 @@ def report(results: dict) -> list[str]:
     ]
     for r in runs:
         lines.append(f"- {'on' if r['streaming'] else 'off'}, {r['scale']}x: `{r['phases']}`")
-    stages = results.get("stages")
+    lines += _stages_report(results.get("stages"))
+    if results.get("notes"):
+        lines += ["", *results["notes"]]
+    return lines
+
+
+def _stages_report(stages: dict | None) -> list[str]:
+    lines: list[str] = []
     if stages:
         lines += [
             "",
@@ -623,8 +707,6 @@ def report(results: dict) -> list[str]:
             lines += [
                 f"- {x['mib']:.1f} MiB, {x['blocks']:,} blocks: `{x['where']}`" for x in sites["by_shardtune_frame"]
             ]
-    if results.get("notes"):
-        lines += ["", *results["notes"]]
     return lines
 
 
@@ -633,9 +715,18 @@ def main() -> None:
     parser.add_argument("--streaming", choices=("both", "on", "off"), default="both")
     parser.add_argument("--base_rows", type=int, default=1000, help="rows of the 1x corpus (~320 tokens a row)")
     parser.add_argument("--scales", default="1,10,100")
+    parser.add_argument("--rows", choices=tuple(ROWS), default="messages", help="the corpora's format")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each corpus (the spread of the peaks)")
     parser.add_argument("--max_steps", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--batching", choices=("packing", "padding"), default="packing")
+    parser.add_argument(
+        "--sampling",
+        choices=("random", "sequential"),
+        default="",
+        help="--data.sampling (default: the run's own, random); sequential: every corpus trains its first rows, the "
+        "same batches at every scale (its prefix)",
+    )
     parser.add_argument("--interval", type=float, default=0.1, help="seconds between RssAnon samples")
     parser.add_argument("--pss_interval", type=float, default=1.0, help="seconds between Pss_Anon samples")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a run may take")
@@ -668,15 +759,15 @@ def main() -> None:
     if not (model / "config.json").is_file():
         init_model("demo", model, seed=0)
     t0 = time.monotonic()
-    corpora = write_corpora(work / "corpora", args.base_rows, scales)
+    corpora = write_corpora(work / f"corpora-{args.rows}", args.base_rows, scales, rows=args.rows)
     print(f"corpora written in {time.monotonic() - t0:.0f} s under {work}", flush=True)
     machine = machine_info()
     modes = {"both": (False, True), "off": (False,), "on": (True,)}[args.streaming]
     runs = []
     for scale in scales:
-        for streaming in modes:
+        for streaming, repeat in [(s, i) for s in modes for i in range(args.repeats)]:
             result = run_once(model, corpora[scale], streaming, work, args)
-            result.update(scale=scale, rows=args.base_rows * scale)
+            result.update(scale=scale, rows=args.base_rows * scale, repeat=repeat)
             runs.append(result)
             print(
                 f"{scale}x streaming {'on' if streaming else 'off'}: peak RssAnon {result['peak_rss_anon_mib']:.0f} "
@@ -693,11 +784,14 @@ def main() -> None:
         for r in same:
             r.setdefault("tokens", tokens)
             r.setdefault("examples", examples)
-    slopes = {
-        mode: {key: slope([r for r in runs if r["streaming"] == flag], key) for key in SLOPES}
-        for mode, flag in (("off", False), ("on", True))
-        if sum(r["streaming"] == flag for r in runs) > 1
-    }
+    slopes, ranges = (
+        {
+            mode: {key: fit([r for r in runs if r["streaming"] == flag], key) for key in SLOPES}
+            for mode, flag in (("off", False), ("on", True))
+            if len({r["tokens"] for r in runs if r["streaming"] == flag}) > 1
+        }
+        for fit in (slope, slope_range)
+    )
     stages = measure_stages(corpora[args.stages], model, work, args.tracemalloc, args.top) if args.stages else None
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     results = {
@@ -711,6 +805,7 @@ def main() -> None:
         "target_mib_per_m_tokens": TARGET_MIB_PER_M_TOKENS,
         "runs": runs,
         "slopes_mib_per_m_tokens": slopes,
+        "slope_ranges_mib_per_m_tokens": ranges,
         "stages": stages,
         "total_s": time.monotonic() - began,
     }
