@@ -217,7 +217,7 @@ def markdown(result: dict) -> str:
             "**Where a step goes** (shardtune under `--use_profiler`, ms per step, the profiler's own cost "
             "included; GRPO / RLOO: sampling, scoring and log-probabilities before the training parts)",
             "",
-            "| objective | step | " + " | ".join(PROFILE_PARTS) + " |",
+            "| objective | step | " + " | ".join(PROFILE_LABELS) + " |",
             "|---|---|" + "---|" * len(PROFILE_PARTS),
         ]
         for r in profiled:
@@ -227,7 +227,10 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-PROFILE_PARTS = ("grpo.sample", "grpo.score", "grpo.policy_logps", "forward", "backward", "optimizer", "other")
+# bench/side_by_side.py's profile_summary (ops: operators outside the policy's forward, backward and optimizer, mostly
+# the reference's forward; other: time no event covers) and bench/grpo.py's profile (other: all that is left)
+PROFILE_PARTS = ("grpo.sample", "grpo.score", "grpo.policy_logps", "forward", "backward", "optimizer", "ops", "other")
+PROFILE_LABELS = ("sampling", "scoring", "log-probabilities", "forward", "backward", "optimizer", "ops", "other")
 
 
 def main() -> None:

@@ -201,7 +201,9 @@ PROFILE_STEPS = 8  # the profiler's schedule (PROFILER_SCHEDULE: wait 1, warm-up
 def profile_summary(trace: Path) -> dict:
     """Milliseconds per step from rank 0's trace of the profiler's active steps: the whole step, GRPO's marks where
     the objective samples (bench/grpo.py's PROFILE_MARKS), and the rest split by its outermost events into the
-    forward, backward, optimizer step and other (bench/grpo.py's part_of)."""
+    policy's forward (its wrapper's), backward, optimizer step (bench/grpo.py's part_of), ops (operators outside
+    those: mostly the frozen reference's forward, which has no wrapper, and the loss) and other (the time no event
+    covers: Python, the data loader, logging)."""
     from bench.grpo import PROFILE_MARKS, TRAINING_PARTS, outermost, part_of
 
     events = json.loads(next(trace.glob("rank0*.json")).read_text())["traceEvents"]
@@ -212,12 +214,12 @@ def profile_summary(trace: Path) -> dict:
     ms = {name: value for name, value in ms.items() if value}
     ms["step"] = sum(e["dur"] for e in steps) / len(steps) / 1e3
     rest = ms["step"] - sum(ms.get(m, 0.0) for m in ("grpo.sample", "grpo.score", "grpo.policy_logps"))
-    parts = dict.fromkeys(TRAINING_PARTS, 0.0)
+    parts = dict.fromkeys((*TRAINING_PARTS, "ops"), 0.0)
     for step in steps:
         for e in outermost(spans, step):
-            part = part_of(e["name"])
-            if part in parts and not e["name"].startswith("grpo."):
-                parts[part] += e["dur"] / len(steps) / 1e3
+            if not e["name"].startswith("grpo."):
+                part = part_of(e["name"])
+                parts[part if part in parts else "ops"] += e["dur"] / len(steps) / 1e3
     return {"steps": len(steps), "ms_per_step": {**ms, **parts, "other": rest - sum(parts.values())}}
 
 
