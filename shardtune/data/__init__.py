@@ -18,6 +18,7 @@ from shardtune.data.batching import (
     collate_padding,
     eval_batches,
     flattened,
+    grouped_eval_batches,
     steps_per_epoch,
     train_loader,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "collate_padding",
     "drop_absent_validation",
     "eval_batches",
+    "grouped_eval_batches",
     "load_examples",
     "steps_per_epoch",
     "train_loader",

@@ -294,6 +294,40 @@ def eval_chunk_starts(num_items: int, cfg: TrainConfig, dp_rank: int, dp_size: i
     return starts[: cfg.eval.max_batches] if cfg.eval.max_batches > 0 else starts
 
 
+def grouped_eval_batches(examples: list[Example], cfg: TrainConfig, dp_rank: int, dp_size: int, pad_id: int) -> list:
+    """This rank's eval chunks (:func:`eval_shares`: the same examples on the same rank as :func:`eval_batches`),
+    with consecutive chunks run as one micro-batch while it holds at most a training micro-batch's tokens
+    (context_length x batch_size_training; an example longer than that alone): one forward for many examples when
+    --val_batch_size is small (the cookbook's default is 1), the loss and metrics the same sums over the same tokens
+    (up to the float rounding of summing them in another grouping). A padding-free row where training's rows are
+    (:func:`flattened`: the model attends within examples), else padded batches (the budget counts their padding).
+    Every rank runs as many batches (the most any rank needs; dummies for the rest), FSDP's forward being a
+    collective: each rank groups every rank's chunks alike to know that number without communicating. Not for split
+    rows (sequence / context parallelism), nor where predictions are kept per chunk (compute_metrics)."""
+    budget = cfg.data.context_length * cfg.train.batch_size
+    flat = flattened(cfg)
+    evaluated = eval_examples(examples, cfg)
+    groups_of = [_eval_groups(eval_shares(evaluated, cfg, rank, dp_size)[0], budget, flat) for rank in range(dp_size)]
+    mine = groups_of[dp_rank]
+    dummy: Example = {"input_ids": [pad_id], "labels": [IGNORE_INDEX]}
+    mine += [[dummy]] * (max(len(groups) for groups in groups_of) - len(mine))
+    return [collate_flat(group) if flat else collate_padding(group, pad_id) for group in mine]
+
+
+def _eval_groups(chunks: list[list[Example]], budget: int, flat: bool) -> list[list[Example]]:
+    """Consecutive chunks joined while a group's tokens (padded: rows x its longest) stay within ``budget``."""
+    groups: list[list[Example]] = []
+    for chunk in chunks:
+        joined = (groups[-1] if groups else []) + list(chunk)
+        lengths = [len(example["input_ids"]) for example in joined]
+        tokens = sum(lengths) if flat else len(lengths) * max(lengths)
+        if groups and tokens <= budget:
+            groups[-1] = joined
+        else:
+            groups.append(list(chunk))
+    return groups
+
+
 def eval_batches(
     examples: list[Example],
     cfg: TrainConfig,

@@ -17,6 +17,7 @@ from shardtune.data import (
     collate_flat,
     collate_padding,
     eval_batches,
+    grouped_eval_batches,
     steps_per_epoch,
     train_loader,
 )
@@ -238,6 +239,36 @@ def test_eval_batches_cover_each_example_once_with_equal_counts(world, val_batch
             assert mb["input_ids"].shape[0] <= val_batch_size and mb["attention_mask"].dim() == 2
             if not example_ids(mb):  # a dummy batch: joins the collectives, contributes no loss
                 assert (mb["labels"] == IGNORE_INDEX).all() and mb["attention_mask"].all()
+
+
+@pytest.mark.parametrize(
+    "strategy, world, val_batch_size, max_eval_step",
+    [("packing", 1, 1, 0), ("padding", 2, 1, 0), ("padding", 3, 2, 0), ("packing", 4, 3, 0), ("padding", 3, 1, 2)],
+)
+def test_grouped_eval_batches_run_each_ranks_examples_in_fewer_forwards(strategy, world, val_batch_size, max_eval_step):
+    """Evaluation's grouped micro-batches hold exactly the examples eval_batches gives the rank, in its order, with
+    the same labelled tokens; at most a training micro-batch's tokens each (context_length x batch_size; padded: rows
+    x their longest) unless one chunk alone is more; padding-free rows where training's are, padded batches
+    otherwise; as many batches on every rank; fewer than the chunks when --val_batch_size is 1."""
+    from shardtune.model.loss import batch_label_tokens
+
+    examples = make_examples(23)
+    cfg = make_cfg(strategy, batch_size=2, val_batch_size=val_batch_size, max_eval_step=max_eval_step)
+    budget = cfg.data.context_length * cfg.train.batch_size
+    counts = set()
+    for rank in range(world):
+        chunks = eval_batches(examples, cfg, rank, world, PAD_ID)
+        grouped = grouped_eval_batches(examples, cfg, rank, world, PAD_ID)
+        counts.add(len(grouped))
+        assert [i for mb in grouped for i in example_ids(mb)] == [i for mb in chunks for i in example_ids(mb)]
+        assert sum(map(batch_label_tokens, grouped)) == sum(map(batch_label_tokens, chunks))
+        for mb in grouped:
+            assert ("cu_seq_lens" in mb) == (strategy == "packing")
+            if len(example_ids(mb)) > val_batch_size:  # joined chunks stay within the budget
+                assert mb["input_ids"].numel() <= budget
+        if val_batch_size == 1 and max_eval_step == 0:
+            assert len(grouped) < len(chunks)
+    assert len(counts) == 1
 
 
 def test_max_eval_step_caps_batches_per_rank():

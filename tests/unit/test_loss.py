@@ -17,12 +17,12 @@ from shardtune.model.attention import use_varlen_attention
 from shardtune.model.loading import load_model
 from shardtune.model.loss import (
     IGNORE_INDEX,
+    RowwiseLinearCrossEntropy,
     default_chunk_rows,
     full_logits_loss_sum,
     lean_head,
     linear_cross_entropy_sum,
     linear_cross_entropy_sums,
-    RowwiseLinearCrossEntropy,
     prediction_sums,
     token_loss_sum,
 )
@@ -82,6 +82,34 @@ def test_lean_loss_equals_full_logits_loss_and_gradients(batching, tiny_model):
     use_varlen_attention(model)  # what training sets up; padded batches still take SDPA
     assert lean_head(model) is not None
     assert_same(model, model, BATCHES[batching]())
+
+
+@pytest.mark.parametrize("strategy", ["packing", "padding"])
+def test_grouped_evaluation_gives_the_loss_of_the_examples_one_by_one(strategy, tiny_model):
+    """Evaluation runs several --val_batch_size chunks in one forward (shardtune.data.batching.grouped_eval_batches):
+    the summed loss and prediction sums over the same tokens equal those of one example per forward up to float
+    rounding (fp32 matmuls over other shapes, ~1e-7 relative per token; summed in fp64)."""
+    from shardtune.config.flags import config_from
+    from shardtune.data.batching import eval_batches, grouped_eval_batches
+    from shardtune.model.loss import token_loss_and_prediction_sums
+
+    model = load_model(str(tiny_model)).eval()
+    use_varlen_attention(model)
+    cfg = config_from(batching_strategy=strategy, batch_size_training=4, context_length=64, val_batch_size=1)
+    rows = examples(13, 5)
+
+    def total(batches):
+        with torch.no_grad():
+            sums = [
+                torch.cat([s.double().reshape(-1) for s in token_loss_and_prediction_sums(model, b, CPU)])
+                for b in batches
+            ]
+        return torch.stack(sums).sum(0)
+
+    chunks, grouped = eval_batches(rows, cfg, 0, 1, 3), grouped_eval_batches(rows, cfg, 0, 1, 3)
+    assert len(grouped) < len(chunks) == 13
+    one_by_one, together = total(chunks), total(grouped)
+    torch.testing.assert_close(together, one_by_one, rtol=1e-5, atol=0)  # loss, hits, entropy
 
 
 def test_chunked_cross_entropy_equals_plain_cross_entropy_across_many_chunks():

@@ -12,7 +12,7 @@ from torch import nn
 
 from shardtune import data
 from shardtune.accounting.flops import ModelShape, micro_batch_flops, num_input_tokens, palm_micro_batch_flops
-from shardtune.data.batching import eval_chunk_starts
+from shardtune.data.batching import eval_chunk_starts, grouped_eval_batches
 from shardtune.data.cache import load_examples_cached
 from shardtune.data.packing import eval_examples
 from shardtune.data.streaming import StreamSource, streamed_examples
@@ -34,6 +34,9 @@ class SFT(Objective):
     stat_names = ("loss_sum", *PREDICTION_SUMS)
     step_metric_names = PREDICTION_METRICS
     predicts = True
+    # this rank's eval chunks grouped into fewer micro-batches (shardtune.data.batching.grouped_eval_batches): what
+    # evaluation runs unless it keeps predictions per chunk; None: the chunks as they are (split rows, vision)
+    grouped_eval_batches: list | None = None
     eval_metric_names = (
         "eval_loss",
         "eval_ppl",
@@ -77,6 +80,8 @@ class SFT(Objective):
             if cfg.eval.enabled
             else []
         )
+        if cfg.eval.enabled and row_slice is None:  # the same examples in fewer forwards, unless kept per chunk
+            self.grouped_eval_batches = grouped_eval_batches(eval_items, cfg, dp_rank, dims.dp_size, self.pad_id)
         # the split index of each real eval batch's first row (the rest only join the collectives): predictions; the
         # split as evaluation computes it (packing that splits rows: its sequences, as TRL's eval_packing)
         evaluated = len(eval_examples(eval_items, cfg))
@@ -108,7 +113,8 @@ class SFT(Objective):
         strategy, device = self.strategy, self.env.device
         model.eval()
         sums = torch.zeros(2 + len(PREDICTION_SUMS), dtype=torch.float64, device=device)
-        for j, batch in enumerate(self.eval_batches):
+        grouped = self.predictions is None and self.grouped_eval_batches is not None
+        for j, batch in enumerate(self.grouped_eval_batches if grouped else self.eval_batches):
             loss_sum, predictions = self._eval_batch(model, batch, j)
             sums[0] += loss_sum.double()
             sums[1] += batch_label_tokens(batch)
