@@ -18,7 +18,17 @@ from transformers.generation.logits_process import (
 )
 
 from shardtune.training.objectives.grpo.batches import sampling_seed
-from shardtune.training.objectives.grpo.generate import cut_at_eos, keyed_choice, penalise_repeats, sample, warp
+from shardtune.training.objectives.grpo.generate import (
+    Decoder,
+    PreallocatedLayer,
+    cut_at_eos,
+    decoding_head,
+    head_logits,
+    keyed_choice,
+    penalise_repeats,
+    sample,
+    warp,
+)
 
 
 @pytest.mark.parametrize(
@@ -207,3 +217,60 @@ def test_the_batched_sampler_stops_when_every_row_has_ended(tiny_model):
     settings = (1.0, 0, 1.0, 0.0, 1.0)
     assert got == [one_row_without_cache(model, p, s, 64, eos_ids, settings) for p, s in zip(prompts, seeds)]
     assert all(row[-1] in eos_ids and len(row) < 16 for row in got)
+
+
+def _rounding_bound(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """|a - b| for two fp32 orders of the same dot products: each within n x 2^-24 x sum|x_i w_i| of the exact one."""
+    return 2 * hidden.size(-1) * 2.0**-24 * (hidden.abs() @ weight.abs().T)
+
+
+@torch.no_grad()
+def test_the_decoding_head_computes_the_models_logits_in_its_own_layout(tiny_model):
+    """While decoding, a plain bias-free head computes W @ h.T (transposed back as a view: the layout is the proof
+    that it ran) and gives F.linear's logits within the rounding of another order of the same sums."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    hidden = torch.randn(8, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    expected = model.lm_head(hidden)
+    with decoding_head(model):
+        got = model.lm_head(hidden)
+    assert not got.is_contiguous() and got.shape == expected.shape
+    assert (got - expected).abs().le(_rounding_bound(hidden, model.lm_head.weight)).all()
+    assert model.lm_head(hidden).is_contiguous()  # the head's own forward is back
+    assert head_logits(hidden.bfloat16(), model.lm_head.weight.bfloat16()).is_contiguous()  # bf16: F.linear's
+
+
+@torch.no_grad()
+def test_a_lora_head_keeps_its_own_forward_while_decoding(tiny_model):
+    """A head with its own forward (LoRA's, a quantized one's) is not replaced: its adapter stays in the logits."""
+    peft = pytest.importorskip("peft")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    config = peft.LoraConfig(r=4, target_modules=["lm_head"], init_lora_weights=False)
+    lora = peft.get_peft_model(model, config)
+    hidden = torch.randn(3, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    head = lora.get_base_model().lm_head
+    expected = head(hidden)
+    with decoding_head(lora):
+        assert torch.equal(head(hidden), expected)
+    assert not torch.allclose(expected, head.base_layer(hidden))  # the adapter moves the logits
+
+
+@torch.no_grad()
+def test_the_decode_writes_its_kv_cache_in_place_and_gives_the_uncached_logits(tiny_model):
+    """After the shared prefill every layer's cache is one preallocated buffer per keys / values, which the steps
+    fill in place (no new storage per token); each row's logits are those of its whole sequence forwarded without a
+    cache, within fp32 rounding of the two paths' other orders of sums of 64 terms: 64 x 2^-24 x logits of ~0.5."""
+    model = sharpened(tiny_model)
+    prompts = [[1, 5, 9, 13, 17], [1, 5, 9, 13, 17], [1, 7], [1, 7]]
+    fed = torch.tensor([[4, 8, 12, 16, 20]] * 4) + torch.arange(4)[:, None]
+    decoder = Decoder(model, prompts, max_new_tokens=6, pad_id=0, device=torch.device("cpu"))
+    decoder.prefill()
+    layers = decoder.past.layers
+    assert all(isinstance(layer, PreallocatedLayer) for layer in layers)
+    storage = [layer.key_buffer.data_ptr() for layer in layers]
+    for step in range(fed.size(1)):
+        logits = decoder.step(fed[:, step], step)
+    assert [layer.keys.data_ptr() for layer in layers] == storage
+    assert layers[0].keys.size(-2) == decoder.width + fed.size(1)
+    for row, prompt in enumerate(prompts):
+        alone = model(input_ids=torch.tensor([prompt + fed[row].tolist()])).logits[0, -1]
+        torch.testing.assert_close(logits[row], alone, rtol=0, atol=64 * 2.0**-24 * 0.5)

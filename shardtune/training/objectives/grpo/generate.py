@@ -8,25 +8,35 @@ the global one), and every rank runs the same number of forwards (a sharded mode
 ranks stopping once every row of every rank has ended. Logits are processed as transformers' samplers do:
 temperature, then top-k, then top-p.
 
-Speed (bench/grpo.py --part profile shows where a step's time goes): all rows of a call decode as
-one batch; a prompt shared by several rows (GRPO's num_generations completions of it) is prefilled once and its KV
-cache expanded to those rows; the attention mask and positions are preallocated; whether every row has ended is read
-on the host every STOP_EVERY tokens, not every token. The KV cache is transformers' dynamic one (its rows expanded
-with batch_select_indices); a static cache and torch.compile of the decode step were not tried.
+Speed (bench/grpo.py --part profile shows where a step's time goes; bench/grpo_decode.py times one sampling call):
+all rows of a call decode as one batch; a prompt shared by several rows (GRPO's num_generations completions of it) is
+prefilled once and its KV cache copied to those rows into buffers preallocated for the whole decode, which each step
+fills in place (PreallocatedLayer; transformers' DynamicLayer concatenates the whole cache every token); the attention
+mask and positions are preallocated; whether every row has ended is read on the host every STOP_EVERY tokens, not
+every token; on CPU the head's logits take MKL's faster layout (head_logits) and the steps run on one thread
+(DECODE_THREADS: a few rows by the hidden size are too small to split, and a second thread that waits on a busy core
+stalls every product). torch.compile of the decode step: see bench/grpo_decode.py --compile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
+from transformers.cache_utils import DynamicLayer
 
-from shardtune.model.loss import hf_model
+from shardtune.model.loss import head_computes, hf_model
 from shardtune.runtime.distributed import all_reduce_sum
 
 STOP_EVERY = 4  # tokens between the host's reads of whether every row has ended
+# intra-op threads for the decode steps on CPU: their products (a few rows by the hidden size) are too small to split
+DECODE_THREADS = 1
 
 
 def warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
@@ -88,7 +98,7 @@ def sample(
     was_training = inner.training
     inner.eval()
     try:
-        with strategy.generating(model, gather_whole), strategy.autocast():
+        with strategy.generating(model, gather_whole), strategy.autocast(), decoding_head(inner):
             decoder = Decoder(inner, prompts, max_new_tokens, pad_id, device)
             draw = Draw(seeds, eos_ids, budgets, pad_id, device, (temperature, top_k, top_p, min_p))
             if repetition_penalty != 1.0:
@@ -109,7 +119,7 @@ def decode(decoder: Decoder, draw: Draw, max_new_tokens: int, device: torch.devi
     with record_function("grpo.prefill"):
         logits = decoder.prefill()
     generated = []
-    with record_function("grpo.decode"):
+    with record_function("grpo.decode"), decode_threads(device):
         for step in range(max_new_tokens):
             tokens = draw.next(logits, step)
             generated.append(tokens)
@@ -117,6 +127,20 @@ def decode(decoder: Decoder, draw: Draw, max_new_tokens: int, device: torch.devi
                 break
             logits = decoder.step(tokens, step)
     return generated
+
+
+@contextlib.contextmanager
+def decode_threads(device: torch.device) -> Iterator[None]:
+    """At most DECODE_THREADS intra-op threads while active on CPU (the setting restored after)."""
+    before = torch.get_num_threads()
+    fewer = device.type == "cpu" and before > DECODE_THREADS
+    if fewer:
+        torch.set_num_threads(DECODE_THREADS)
+    try:
+        yield
+    finally:
+        if fewer:
+            torch.set_num_threads(before)
 
 
 def all_ended(done: torch.Tensor, device: torch.device) -> bool:
@@ -150,13 +174,18 @@ class Decoder:
         self.past = None
 
     def prefill(self) -> torch.Tensor:
-        """The distinct prompts' forward: the rows' next-token logits (rows, V), the cache expanded to the rows."""
+        """The distinct prompts' forward: the rows' next-token logits (rows, V), the cache expanded to the rows (into
+        buffers preallocated for the whole decode, where its layers are transformers' plain dynamic ones)."""
         positions = (self.distinct_attention.cumsum(-1) - 1).clamp(min=0)
         logits = self.forward(self.distinct_ids, self.distinct_attention, positions)
-        if len(self.rows_of) != len(self.distinct_ids):  # else every row's prompt is its own, in order
-            self.past.batch_select_indices(self.rows_of)
-            logits = logits[self.rows_of]
-        return logits
+        shared = len(self.rows_of) != len(self.distinct_ids)  # else every row's prompt is its own, in order
+        capacity = self.attention.size(1)
+        for index, layer in enumerate(self.past.layers):
+            if type(layer) is DynamicLayer and layer.is_initialized:
+                self.past.layers[index] = PreallocatedLayer(layer, self.rows_of if shared else None, capacity)
+            elif shared:
+                layer.batch_select_indices(self.rows_of)
+        return logits[self.rows_of] if shared else logits
 
     def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
         """The next-token logits after feeding the rows' tokens of ``step``."""
@@ -175,6 +204,60 @@ class Decoder:
         )
         self.past = getattr(result, self.cache_name)
         return result.logits[:, -1].float()
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A layer of the KV cache held in buffers sized for the whole decode (prompt and max_new_tokens): a step writes
+    its token's keys and values in place, where transformers' DynamicLayer concatenates the whole cache again every
+    token. ``keys`` / ``values`` are views of the filled part, so that the rest of DynamicLayer (the mask's sizes,
+    the sequence length) reads them as its own."""
+
+    def __init__(self, prefilled: DynamicLayer, rows: torch.Tensor | None, capacity: int):
+        super().__init__()
+        self.lazy_initialization(prefilled.keys, prefilled.values)
+        self.key_buffer, self.keys = _buffer(prefilled.keys, rows, capacity)
+        self.value_buffer, self.values = _buffer(prefilled.values, rows, capacity)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        start = self.keys.size(-2)
+        end = start + key_states.size(-2)
+        self.key_buffer[:, :, start:end] = key_states
+        self.value_buffer[:, :, start:end] = value_states
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+
+def _buffer(states: torch.Tensor, rows: torch.Tensor | None, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a buffer of ``capacity`` positions, its view holding ``states`` expanded to the rows): one copy of them."""
+    selected = states if rows is None else states.index_select(0, rows)
+    buffer = states.new_empty((*selected.shape[:-2], capacity, selected.size(-1)))
+    buffer[:, :, : selected.size(-2)] = selected
+    return buffer, buffer[:, :, : selected.size(-2)]
+
+
+@contextlib.contextmanager
+def decoding_head(inner: nn.Module) -> Iterator[None]:
+    """While active, the model's output head computes its logits with :func:`head_logits` (the model's own forward
+    still calls it, its wrappers' hooks run). Only a head whose forward is nn.Linear's, without a bias: a LoRA or
+    quantized head (its own forward) keeps it."""
+    base = hf_model(inner)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    plain = isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward and head.bias is None
+    if not plain:
+        yield
+        return
+    with head_computes(head, lambda hidden: head_logits(hidden, head.weight)):
+        yield
+
+
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(hidden, weight), in the layout fastest for decoding: on CPU in fp32, W @ hidden.T (transposed back as
+    a view) runs MKL's product over a few rows and a large vocabulary 1.7-2x faster than F.linear's hidden @ W.T (the
+    same sums, another order of them). Elsewhere (GPU, bf16 / fp16, a sharded weight) F.linear as the model does."""
+    if hidden.device.type != "cpu" or isinstance(weight, DTensor) or not hidden.dtype == weight.dtype == torch.float32:
+        return F.linear(hidden, weight)
+    rows = hidden.reshape(-1, hidden.size(-1))
+    return (weight @ rows.T).T.reshape(*hidden.shape[:-1], weight.size(0))
 
 
 class Draw:
