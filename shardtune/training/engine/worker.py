@@ -57,7 +57,7 @@ from shardtune.training.engine.intervals import every, planned_steps
 from shardtune.training.engine.loop import TrainResult, train
 from shardtune.training.engine.metrics import MetricsWriter
 from shardtune.training.engine.objective import objective_class
-from shardtune.training.engine.plots import write_run_plots
+from shardtune.training.engine.plots import import_in_background, write_run_plots
 from shardtune.training.engine.preflight import PreflightError, run_preflight
 from shardtune.training.engine.previous_run import set_previous_run_aside
 from shardtune.training.engine.trackers import open_trackers
@@ -176,6 +176,8 @@ def _fine_tune(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     checkpointer = Checkpointer(cfg, env, strategy, saved_beside)
     metrics_path = out_dir / "metrics.jsonl" if env.is_main and cfg.logging.save_metrics else None
     total_steps = planned_steps(cfg, units, strategy.dims.dp_size)
+    if metrics_path is not None and cfg.logging.save_plots and not cfg.eval.only:
+        import_in_background()  # the charts written at the end
     append = metrics_path is not None and checkpointer.keep_metrics_rows(metrics_path, total_steps)
     writer = MetricsWriter(
         metrics_path,
