@@ -81,6 +81,23 @@ def test_a_keyed_draw_follows_the_softmax_and_depends_on_its_key_alone():
     assert keyed_choice(logits.expand(3, 4), three)[1] == alone[0]
 
 
+def test_a_keyed_draw_is_the_argmax_of_the_logits_plus_its_rows_gumbel_noise():
+    """The documented draw, to the bit: argmax(l - log(-log u)) in float64, u the row's generator's uniform draws
+    (what keeps the completions of a seed the same however the noise is computed; a reused buffer too)."""
+    generator = torch.Generator().manual_seed(3)
+    buffer = torch.empty(16, 50, dtype=torch.float64)
+    for trial in range(50):
+        logits = torch.randn(16, 50, generator=generator) * 3
+        logits[:, :5] = float("-inf")
+        seeds = [trial * 16 + row for row in range(16)]
+        expected = []
+        for row, seed in enumerate(seeds):
+            u = torch.empty(50, dtype=torch.float64).uniform_(generator=torch.Generator().manual_seed(seed))
+            expected.append(int((logits[row].double() - u.clamp(min=1e-300).log().neg().log()).argmax()))
+        keys = [torch.Generator().manual_seed(seed) for seed in seeds]
+        assert keyed_choice(logits, keys, buffer if trial % 2 else None).tolist() == expected
+
+
 def test_cut_at_eos_keeps_the_eos_and_drops_what_follows():
     assert cut_at_eos([[5, 2, 0, 0], [5, 6, 7], [2]], {2}) == [[5, 2], [5, 6, 7], [2]]
 

@@ -272,6 +272,7 @@ class Draw:
         self.pad_id, self.warping = pad_id, warping
         self.seen: torch.Tensor | None = None  # each row's tokens so far (with a repetition penalty)
         self.penalty, self.prompt = 1.0, None
+        self.noise: torch.Tensor | None = None  # the draws' Gumbel noise, one buffer for every step
 
     def penalise(self, prompt_ids: torch.Tensor, prompt_attention: torch.Tensor, penalty: float) -> None:
         """A repetition penalty on each row's own tokens: its prompt's (not its pads) and those it draws."""
@@ -285,7 +286,9 @@ class Draw:
                 self.seen = counts.scatter_add_(1, *self.prompt) > 0
             logits = penalise_repeats(logits, self.seen, self.penalty)
         logits = warp(logits, *self.warping)
-        tokens = torch.where(self.done, self.pad_id, keyed_choice(logits, self.generators))
+        if self.noise is None:
+            self.noise = logits.new_empty(logits.shape, dtype=torch.float64)
+        tokens = torch.where(self.done, self.pad_id, keyed_choice(logits, self.generators, self.noise))
         if self.seen is not None:
             self.seen.scatter_(1, tokens[:, None], True)
         self.done |= torch.isin(tokens, self.eos) | (self.budget <= step + 1)
@@ -303,15 +306,20 @@ def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> 
     return input_ids.to(device), attention.to(device)
 
 
-def keyed_choice(logits: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+def keyed_choice(
+    logits: torch.Tensor, generators: list[torch.Generator], noise: torch.Tensor | None = None
+) -> torch.Tensor:
     """One token per row drawn from softmax(logits) by the Gumbel-max trick, row i's noise from ``generators[i]``:
-    no draw depends on the other rows (nor on how many there are). In place: at a 32k vocabulary the noise is most
-    of a decoding step's work besides the forward (argmax(l - log(-log u)) is argmax(l + Gumbel) to the bit)."""
-    noise = torch.empty((len(generators), logits.size(-1)), dtype=torch.float64, device=logits.device)
+    no draw depends on the other rows (nor on how many there are). In place, in ``noise`` (rows x V float64, reused
+    across steps when given): at a 32k vocabulary the noise is most of a decoding step's work besides the forward, and
+    a fresh 2 MB tensor per step costs as much again in page faults. argmin(-log(-log u) - l) is argmax(l + Gumbel)
+    to the bit (a - b is -(b - a) exactly; both take the first of ties)."""
+    if noise is None:
+        noise = torch.empty((len(generators), logits.size(-1)), dtype=torch.float64, device=logits.device)
     for row, generator in zip(noise, generators):
         row.uniform_(generator=generator)
     noise.clamp_(min=1e-300).log_().neg_().log_()
-    return (logits.double() - noise).argmax(-1)
+    return noise.sub_(logits).argmin(-1)
 
 
 def cut_at_eos(rows: list[list[int]], eos_ids: set[int]) -> list[list[int]]:
