@@ -5,7 +5,8 @@
 # 8B-shaped LoRA, then the long-sequence rows (8B-shaped LoRA on one sequence of 128k, 512k, 1M tokens with the
 # memory levers; a row that cannot fit the memory or the time left is skipped, one that fails is reported, and the
 # next row runs), last a GRPO row (shardtune grpo, demo preset, bf16: step time with sampling, reward and kl
-# finite); prints tokens/s/GPU, MFU against the GPU's data-sheet peak, peak memory and records each row in
+# finite), then (GPU_SH_OBJECTIVES_S, 150 s) GRPO, DPO, KTO, RLOO and reward beside TRL's trainers
+# (bench/objectives.py --device cuda); prints tokens/s/GPU, MFU against the GPU's data-sheet peak, peak memory and records each row in
 # bench/results/gpu.md as it ends.
 #   bash bench/gpu.sh                            # on a GPU machine
 #   bash bench/gpu.sh --cpu-smoke                # tiny shapes on CPU, without the peers: what the tests run
@@ -41,10 +42,13 @@ if [[ $peers != no ]]; then
         || { status=$?; echo "peers comparison failed (exit $status)"; [[ $peers == only ]] && exit "$status"; }
 fi
 [[ $peers == only ]] && exit 0
-# the rows get what is left but the GRPO row's share; their long rows plan against a deadline 30 s before it
+# the rows get what is left but the GRPO row's and the objectives' shares; their long rows plan against a deadline
+# 30 s before it
 left=$((total - (SECONDS - started)))
 grpo=${GPU_SH_GRPO_S:-$((left < 300 ? 60 : 90))}  # 0: no GRPO row
-left=$((left - grpo))
+objectives=${GPU_SH_OBJECTIVES_S:-$((left < 400 ? 0 : 150))}  # 0: no side-by-side rows
+((smoke)) && objectives=0  # tiny shapes beside TRL take minutes on a CPU: bench/objectives.py's own smoke is that
+left=$((left - grpo - objectives))
 ((left > 570)) && left=570
 deadline=(--deadline_s $((left - 30)))
 status=0
@@ -57,5 +61,12 @@ grpo_args=()
 if ((grpo > 0)); then
     timeout "$grpo" python -m bench.grpo --part gpu "${grpo_args[@]}" \
         || { grpo_status=$?; echo "GRPO row failed (exit $grpo_status)"; ((status)) || status=$grpo_status; }
+fi
+# the issue-48 table's rows on the GPU (bf16 on both sides): GRPO, DPO, KTO, RLOO and reward beside TRL's trainers at
+# demo-32k, one run each of 4 timed steps (bench/results/gpu_objectives.md); SFT beside its peers ran first
+if ((objectives > 0)); then
+    timeout "$objectives" python -m bench.objectives --device cuda --only grpo,dpo,kto,rloo,reward --grpo_presets \
+        demo-32k --steps 4 --warmup 1 --repeats 1 --name gpu_objectives \
+        || { obj_status=$?; echo "objectives rows failed (exit $obj_status)"; ((status)) || status=$obj_status; }
 fi
 exit "$status"

@@ -61,7 +61,7 @@ def run_row(argv: list, log: Path) -> str:
 def common_flags(args: argparse.Namespace, preset: str) -> list:
     threads = args.threads or os.cpu_count() or 1  # bench/grpo.py takes the number itself
     flags = ["--preset", preset, "--repeats", args.repeats, "--threads", threads, "--steps", args.steps]
-    return flags + ["--gradient_checkpointing", "false"]
+    return flags + ["--gradient_checkpointing", "false", "--device", args.device]
 
 
 def sft_rows(args: argparse.Namespace, logs: Path) -> list[dict]:
@@ -69,7 +69,7 @@ def sft_rows(args: argparse.Namespace, logs: Path) -> list[dict]:
     name = f"{args.name}_sft"
     argv = [python(), "-m", "bench", "--only", "trainer", "--preset", args.preset, "--datasets", args.sft_datasets]
     argv += ["--num_train", args.sft_num_train, "--num_validation", args.sft_num_validation, "--repeats", args.repeats]
-    argv += ["--tools", SFT_TOOLS, "--device", "cpu", "--name", name]
+    argv += ["--tools", SFT_TOOLS, "--device", args.device, "--name", name]
     error = run_row(argv, logs / "sft.log")
     rows = []
     for tool in ("packing", "padding"):
@@ -246,11 +246,12 @@ def main() -> None:
     ap.add_argument("--sft_num_train", type=int, default=200)
     ap.add_argument("--sft_num_validation", type=int, default=50)
     ap.add_argument("--profile", action="store_true", help="one more shardtune run per row under the profiler")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: bf16 on both sides (bench/gpu.sh)")
     ap.add_argument("--name", default="objectives", help="bench/results/NAME.md, NAME.json, NAME_ROW.json")
     args = ap.parse_args()
     only = [r for r in args.only.split(",") if r]
     unknown = sorted(set(only) - set(ROWS))
-    if unknown:
+    if unknown or not only:
         ap.error(f"--only {','.join(unknown)}: not a row; the rows are {', '.join(ROWS)}")
     import trl
 
@@ -261,24 +262,25 @@ def main() -> None:
     for objective in only:
         print(f"objectives: {objective}", file=sys.stderr, flush=True)
         if objective == "sft":
-            rows += sft_rows(args, logs)
+            found = sft_rows(args, logs)
         elif objective == "grpo":
-            rows += [grpo_row(args, preset, logs) for preset in grpo_presets(args)]
+            found = [grpo_row(args, preset, logs) for preset in grpo_presets(args)]
         else:
-            rows.append(pair_row(args, objective, logs))
-    for row in rows:
-        judge(row)
-    result = {
-        "machine": machine,
-        "date": time.strftime("%Y-%m-%d"),
-        "trl_version": trl.__version__,
-        "settings": vars(args),
-        "rows": rows,
-        "load_average_at_end": list(os.getloadavg()),
-        "took_s": time.perf_counter() - started,
-    }
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / f"{args.name}.md").write_text(markdown(result))
+            found = [pair_row(args, objective, logs)]
+        for row in found:
+            judge(row)
+        rows += found
+        result = {  # written after each objective: a run stopped by a time limit keeps the rows it finished
+            "machine": machine,
+            "date": time.strftime("%Y-%m-%d"),
+            "trl_version": trl.__version__,
+            "settings": vars(args),
+            "rows": rows,
+            "load_average_at_end": list(os.getloadavg()),
+            "took_s": time.perf_counter() - started,
+        }
+        (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (RESULTS / f"{args.name}.md").write_text(markdown(result))
     print(markdown(result))
     return 1 if any(r.get("error") for r in rows) else 0
 
