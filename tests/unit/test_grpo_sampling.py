@@ -243,13 +243,19 @@ def _rounding_bound(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def test_the_decoding_head_computes_the_models_logits_in_its_own_layout(tiny_model):
-    """While decoding, a plain bias-free head computes W @ h.T (transposed back as a view: the layout is the proof
-    that it ran) and gives F.linear's logits within the rounding of another order of the same sums."""
+    """While decoding, a plain bias-free head over a large vocabulary computes W @ h.T (transposed back as a view:
+    the layout is the proof that it ran) and gives F.linear's logits within the rounding of another order of the same
+    sums; over the tiny vocabulary, or at a row count where it is slower, or in bf16, F.linear's own."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
-    hidden = torch.randn(8, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(8, 1, model.config.hidden_size, generator=generator)
+    with decoding_head(model):
+        assert model.lm_head(hidden).is_contiguous()  # 1024 tokens: F.linear is the faster
+    model.lm_head = torch.nn.Linear(model.config.hidden_size, 32000, bias=False)
     expected = model.lm_head(hidden)
     with decoding_head(model):
         got = model.lm_head(hidden)
+        assert model.lm_head(hidden[:6].repeat(2, 1, 1)).is_contiguous()  # 12 rows: F.linear is the faster
     assert not got.is_contiguous() and got.shape == expected.shape
     assert (got - expected).abs().le(_rounding_bound(hidden, model.lm_head.weight)).all()
     assert model.lm_head(hidden).is_contiguous()  # the head's own forward is back

@@ -13,7 +13,7 @@ all rows of a call decode as one batch; a prompt shared by several rows (GRPO's 
 prefilled once and its KV cache copied to those rows into buffers preallocated for the whole decode, which each step
 fills in place (PreallocatedLayer; transformers' DynamicLayer concatenates the whole cache every token); the attention
 mask and positions are preallocated; whether every row has ended is read on the host every STOP_EVERY tokens, not
-every token; on CPU the head's logits take MKL's faster layout (head_logits) and the steps run on one thread
+every token; on CPU the head's logits take MKL's faster layout where it is (head_logits) and the steps run on one thread
 (DECODE_THREADS: a few rows by the hidden size are too small to split, and a second thread that waits on a busy core
 stalls every product). torch.compile of the decode step: see bench/grpo_decode.py --compile.
 """
@@ -251,13 +251,27 @@ def decoding_head(inner: nn.Module) -> Iterator[None]:
 
 
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(hidden, weight), in the layout fastest for decoding: on CPU in fp32, W @ hidden.T (transposed back as
-    a view) runs MKL's product over a few rows and a large vocabulary 1.7-2x faster than F.linear's hidden @ W.T (the
-    same sums, another order of them). Elsewhere (GPU, bf16 / fp16, a sharded weight) F.linear as the model does."""
-    if hidden.device.type != "cpu" or isinstance(weight, DTensor) or not hidden.dtype == weight.dtype == torch.float32:
-        return F.linear(hidden, weight)
+    """F.linear(hidden, weight), in the layout fastest for decoding: where :func:`transposed_head_wins`, W @ hidden.T
+    transposed back as a view (the same sums, another order of them). Elsewhere (GPU, bf16 / fp16, a sharded weight,
+    a small vocabulary) F.linear as the model does."""
     rows = hidden.reshape(-1, hidden.size(-1))
+    if isinstance(weight, DTensor) or not transposed_head_wins(rows, weight):
+        return F.linear(hidden, weight)
     return (weight @ rows.T).T.reshape(*hidden.shape[:-1], weight.size(0))
+
+
+# where W @ h.T beat F.linear's h @ W.T on CPU in fp32 (MKL, AMD EPYC, 1 thread; bench/grpo_decode.py --head, two
+# runs): 1.1-5x at 2-8 rows and 1.1-1.3x at 32 from an 8k vocabulary on (8k to 128k); 0.8x at 12 rows, ~1x at 16;
+# 0.5-0.95x at 4-12 rows below 8k. bf16: 0.35-1x at 2-8 rows (F.linear kept)
+TRANSPOSED_HEAD_MIN_VOCAB = 8192
+TRANSPOSED_HEAD_ROWS = (range(2, 9), range(32, 1 << 30))
+
+
+def transposed_head_wins(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the head's product over ``rows`` runs faster as W @ rows.T (as measured, see the constants above)."""
+    if rows.device.type != "cpu" or not rows.dtype == weight.dtype == torch.float32:
+        return False
+    return weight.size(0) >= TRANSPOSED_HEAD_MIN_VOCAB and any(rows.size(0) in r for r in TRANSPOSED_HEAD_ROWS)
 
 
 class Draw:
