@@ -13,10 +13,12 @@ all rows of a call decode as one batch; a prompt shared by several rows (GRPO's 
 prefilled once and its KV cache copied to those rows into buffers preallocated for the whole decode, which each step
 fills in place (PreallocatedLayer; transformers' DynamicLayer concatenates the whole cache every token); the attention
 mask and positions are preallocated; whether every row has ended is read on the host every STOP_EVERY tokens, not
-every token; on CPU the head's logits take MKL's faster layout where it is (head_logits) and the steps run on one thread
-(DECODE_THREADS: a few rows by the hidden size are too small to split, and a second thread that waits on a busy core
-stalls every product). torch.compile of the model's forward does not pay on CPU: bench/grpo_decode.py --compile took
-143 s to compile at the demo preset (load 5) for a sampling call ~20% shorter after (CPU 113 vs ~140 ms).
+every token; on CPU the head's logits take MKL's faster layout where it is (head_logits). The decode keeps the
+process's threads: one thread for the steps (2 available, 8 rows) was 7% faster at the demo preset but 8% slower at
+demo-32k on a quiet machine (many times faster behind other jobs' threads: run such machines with OMP_NUM_THREADS=1,
+as bench/grpo.py's --threads does). torch.compile of the model's forward does not pay on CPU: bench/grpo_decode.py
+--compile took 143 s to compile at the demo preset (load 5) for a sampling call ~20% shorter after (CPU 113 vs ~140
+ms).
 """
 
 from __future__ import annotations
@@ -36,8 +38,6 @@ from shardtune.model.loss import head_computes, hf_model
 from shardtune.runtime.distributed import all_reduce_sum
 
 STOP_EVERY = 4  # tokens between the host's reads of whether every row has ended
-# intra-op threads for the decode steps on CPU: their products (a few rows by the hidden size) are too small to split
-DECODE_THREADS = 1
 
 
 def warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
@@ -120,7 +120,7 @@ def decode(decoder: Decoder, draw: Draw, max_new_tokens: int, device: torch.devi
     with record_function("grpo.prefill"):
         logits = decoder.prefill()
     generated = []
-    with record_function("grpo.decode"), decode_threads(device):
+    with record_function("grpo.decode"):
         for step in range(max_new_tokens):
             tokens = draw.next(logits, step)
             generated.append(tokens)
@@ -128,20 +128,6 @@ def decode(decoder: Decoder, draw: Draw, max_new_tokens: int, device: torch.devi
                 break
             logits = decoder.step(tokens, step)
     return generated
-
-
-@contextlib.contextmanager
-def decode_threads(device: torch.device) -> Iterator[None]:
-    """At most DECODE_THREADS intra-op threads while active on CPU (the setting restored after)."""
-    before = torch.get_num_threads()
-    fewer = device.type == "cpu" and before > DECODE_THREADS
-    if fewer:
-        torch.set_num_threads(DECODE_THREADS)
-    try:
-        yield
-    finally:
-        if fewer:
-            torch.set_num_threads(before)
 
 
 def all_ended(done: torch.Tensor, device: torch.device) -> bool:
