@@ -156,10 +156,12 @@ MARGINS = dict(left=0.14, right=0.97, top=0.91, bottom=0.12)  # room for tick la
 
 
 def import_in_background() -> None:
-    """Import matplotlib's pyplot (Agg) on a daemon thread while the run trains, so that the charts a run writes at
-    its end do not wait for the import (~0.3-0.7 s of a 2-core CPU). The import runs Python mostly while the training
-    step runs torch's kernels (which release the GIL); a later import in the main thread waits for this one (the
-    import lock) and then finds it done. A failing import here is left for write_plots to raise."""
+    """Import matplotlib's pyplot (Agg) on a thread while the run trains, so that the charts a run writes at its end
+    do not wait for the import (~0.3-0.7 s of a 2-core CPU). The import runs Python mostly while the training step
+    runs torch's kernels (which release the GIL); a later import in the main thread waits for this one (the import
+    lock) and then finds it done. Not a daemon: a run that fails at once exits after the import ends (a daemon thread
+    frozen at the interpreter's exit while it holds an import lock deadlocks the exit). A failing import here is
+    left for write_plots to raise."""
 
     def load() -> None:
         try:
@@ -170,7 +172,7 @@ def import_in_background() -> None:
         except Exception:  # noqa: BLE001 (write_plots imports it again and raises there)
             pass
 
-    threading.Thread(target=load, name="shardtune-plots-import", daemon=True).start()
+    threading.Thread(target=load, name="shardtune-plots-import").start()
 
 
 def write_plots(runs: list[Run], out_dir: Path, smoothing: float = 0.6) -> list[Path]:
