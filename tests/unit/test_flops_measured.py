@@ -86,10 +86,11 @@ def test_dpo_flops_count_the_policy_step_and_the_reference_forward_on_the_lean_h
     """A DPO micro-batch (padded rows, chosen and rejected alike) through the objective's own log-probabilities: the
     policy trains with the lean head (the output layer on the completion targets only), the reference runs forward
     only; the analytic count equals torch's to rounding, less the pad tokens, the attention squares the kernels
-    compute beyond the causal triangle, and the lean head's recomputation of its logits in backward (as activation
-    checkpointing's recomputation, not model FLOPs)."""
+    compute beyond the causal triangle, and the lean head's recomputation of its logits in backward where it
+    recomputes them (as activation checkpointing's recomputation, not model FLOPs; one chunk's softmax is kept)."""
     from shardtune.accounting.flops import preference_micro_batch_flops
     from shardtune.data.preference import collate_pairs
+    from shardtune.model.loss import default_chunk_rows
     from shardtune.training.objectives.dpo.logps import num_completion_targets, pair_logps
 
     policy, reference = load_model(str(tiny_model)), load_model(str(tiny_model))
@@ -120,7 +121,10 @@ def test_dpo_flops_count_the_policy_step_and_the_reference_forward_on_the_lean_h
     wasted = pad * (
         matmul_flops_per_token(shape.num_body_params, shape.num_trainable_body_params) + 2 * shape.num_body_params
     )
-    recomputed = 2 * shape.num_head_params * scored  # the lean head's logits, recomputed in backward
+    # the lean head's logits, recomputed in backward (as activation checkpointing's) unless they fit one chunk, whose
+    # softmax forward keeps (shardtune.model.loss.RowwiseLinearCrossEntropy): these rows do
+    kept = scored <= default_chunk_rows(CPU.type, policy.config.vocab_size)
+    recomputed = 0 if kept else 2 * shape.num_head_params * scored
     assert (
         pad > 0 and abs((flops - causal - causal // 3 + wasted + recomputed) - (total - attention)) <= TOLERANCE * total
     )
