@@ -317,14 +317,16 @@ def grouped_eval_batches(examples: list[Example], cfg: TrainConfig, dp_rank: int
 def _eval_groups(chunks: list[list[Example]], budget: int, flat: bool) -> list[list[Example]]:
     """Consecutive chunks joined while a group's tokens (padded: rows x its longest) stay within ``budget``."""
     groups: list[list[Example]] = []
+    rows = tokens = longest = 0  # the last group's
     for chunk in chunks:
-        joined = (groups[-1] if groups else []) + list(chunk)
-        lengths = [len(example["input_ids"]) for example in joined]
-        tokens = sum(lengths) if flat else len(lengths) * max(lengths)
-        if groups and tokens <= budget:
-            groups[-1] = joined
+        lengths = [len(example["input_ids"]) for example in chunk]
+        joined = (rows + len(lengths), tokens + sum(lengths), max(longest, *lengths))
+        if groups and (joined[1] if flat else joined[0] * joined[2]) <= budget:
+            groups[-1] += chunk
+            rows, tokens, longest = joined
         else:
             groups.append(list(chunk))
+            rows, tokens, longest = len(lengths), sum(lengths), max(lengths)
     return groups
 
 
