@@ -103,3 +103,29 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# The TRL side's step clock, pasted into a TRL script (``LOGGED`` replaced by the key whose log rows it keeps): the
+# time of every step end (``ends``, the first at train begin), of every step from on_step_begin (``inside``), and the
+# logged rows with that key (``LOGS``).
+TRL_STEP_TIMES = r"""
+begin, ends, inside, LOGS = [0.0], [], [], []
+
+class StepTimes(TrainerCallback):
+    def on_train_begin(self, args, state, control, **kw):
+        ends.append(time.perf_counter())
+    def on_step_begin(self, args, state, control, **kw):
+        begin[0] = time.perf_counter()
+    def on_step_end(self, args, state, control, **kw):
+        now = time.perf_counter()
+        inside.append(now - begin[0])
+        ends.append(now)
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "LOGGED" in logs:
+            LOGS.append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
+"""
+
+
+def trl_step_times(logged: str) -> str:
+    """:data:`TRL_STEP_TIMES` keeping the log rows that carry ``logged``."""
+    return TRL_STEP_TIMES.replace("LOGGED", logged)

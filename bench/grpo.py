@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import REPO, RESULTS, machine_info, python, run, run_json, spread
+from bench.common import REPO, RESULTS, machine_info, python, run, run_json, spread, trl_step_times
 
 REWARD_FILE = REPO / "examples" / "grpo_rewards.py"
 REWARD = "single_characters"
@@ -87,7 +87,8 @@ def write_prompts(path: Path, num: int) -> Path:
     return path
 
 
-TRL_SCRIPT = r"""
+TRL_SCRIPT = (
+    r"""
 import importlib.util, json, sys, time
 start = time.perf_counter()
 import torch
@@ -100,21 +101,9 @@ from trl import GRPOConfig, GRPOTrainer
 spec = importlib.util.spec_from_file_location("grpo_rewards", reward_file)
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
-begin, ends, inside, rows = [0.0], [], [], []
-
-class StepTimes(TrainerCallback):
-    def on_train_begin(self, args, state, control, **kw):
-        ends.append(time.perf_counter())
-    def on_step_begin(self, args, state, control, **kw):
-        begin[0] = time.perf_counter()
-    def on_step_end(self, args, state, control, **kw):
-        now = time.perf_counter()
-        inside.append(now - begin[0])
-        ends.append(now)
-    def on_log(self, args, state, control, logs=None, **kw):
-        if logs and "reward" in logs:
-            rows.append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
-
+"""
+    + trl_step_times("reward")
+    + r"""
 config = GRPOConfig(output_dir=out, per_device_train_batch_size=int(batch), gradient_accumulation_steps=1,
                     num_generations=int(generations), max_completion_length=int(length), max_steps=int(steps),
                     learning_rate=float(lr), logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[],
@@ -126,9 +115,10 @@ trainer = GRPOTrainer(model=model_dir, reward_funcs=getattr(module, reward), arg
 train_start = time.perf_counter()
 output = trainer.train()
 print(json.dumps({"train_s": time.perf_counter() - train_start, "steps": output.global_step,
-                  "step_s": [b - a for a, b in zip(ends, ends[1:])], "inside_step_s": inside, "logs": rows,
+                  "step_s": [b - a for a, b in zip(ends, ends[1:])], "inside_step_s": inside, "logs": LOGS,
                   "process_s": time.perf_counter() - start}))
 """
+)
 
 
 def run_trl(args, model: str, prompts: Path, tmp: Path, tag: str, steps: int, lr: float) -> dict:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import RESULTS, machine_info, python, run, run_json, spread
+from bench.common import RESULTS, machine_info, python, run, run_json, spread, trl_step_times
 
 # TRL's side: PROLOGUE + the objective's body (which builds ``trainer`` from ``job``) + EPILOGUE, one script; its
 # one argument is the job as JSON: model, data, config (the TRL config's keyword arguments) and the body's own keys
@@ -35,21 +35,7 @@ import torch
 from transformers import TrainerCallback
 
 job = json.loads(sys.argv[1])
-begin, ends, inside, LOGS = [0.0], [], [], []
-
-class StepTimes(TrainerCallback):
-    def on_train_begin(self, args, state, control, **kw):
-        ends.append(time.perf_counter())
-    def on_step_begin(self, args, state, control, **kw):
-        begin[0] = time.perf_counter()
-    def on_step_end(self, args, state, control, **kw):
-        now = time.perf_counter()
-        inside.append(now - begin[0])
-        ends.append(now)
-    def on_log(self, args, state, control, logs=None, **kw):
-        if logs and "loss" in logs:
-            LOGS.append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
-"""
+""" + trl_step_times("loss")
 
 TRL_EPILOGUE = r"""
 train_start = time.perf_counter()
