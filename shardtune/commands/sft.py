@@ -88,11 +88,13 @@ def main(argv: list[str] | None = None, objective: str | None = None) -> int:
 
 def worker_argv(cfg: TrainConfig, args: Arguments, accelerate_path: str | None) -> list[str]:
     """What every worker parses: the same files and flags, and what the launcher resolved -- the model path (a
-    preset is built once, here), the revision resolved into it (emptied), the run's directory, the objective."""
+    preset is built once, here), the revision resolved into it (emptied), the run's directory, the objective,
+    --padding_free's value when it was not given (the objective's choice)."""
     files = (["--accelerate_config", accelerate_path] if accelerate_path else []) + (
         ["--config", args.recipe] if args.recipe else []
     )
     resolved = ["--objective", cfg.objective, "--model.name", cfg.model.name, "--model.revision", cfg.model.revision]
+    resolved += ["--data.padding_free", str(cfg.data.padding_free).lower()]  # None: resolved in prepare()
     return [*files, *args.training_argv(), *resolved, "--output.dir", cfg.output.dir]
 
 

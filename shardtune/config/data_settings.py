@@ -177,10 +177,12 @@ class DataSettings:
         choices=PACKING_STRATEGIES,
         **CACHE,
     )
-    padding_free: bool = setting(
-        False,
+    padding_free: bool | None = setting(
+        None,
         "with padding: compute each micro-batch as one row of its examples without "
-        "pad tokens (same examples and loss, no wasted compute); packing always is",
+        "pad tokens (same examples and loss, no wasted compute); packing always is. None (not given): "
+        "padding-free where the objective computes the same numbers faster so (text SFT on CPU), padded rows "
+        "elsewhere; false: padded rows",
         **REFERENCE,
     )
     strict: bool = setting(

@@ -69,8 +69,9 @@ RUN = (
 
 def test_gemma2_trains_the_same_on_padded_and_padding_free_batches(tiny_gemma2, run_cli, tmp_path):
     padded, flat = tmp_path / "padded", tmp_path / "flat"
-    run_cli("sft", "--model_name", tiny_gemma2, "--output_dir", padded, *RUN)
-    proc = run_cli("sft", "--model_name", tiny_gemma2, "--output_dir", flat, *RUN, "--padding_free", "true")
+    proc = run_cli("sft", "--model_name", tiny_gemma2, "--output_dir", padded, *RUN, "--padding_free", "false")
+    assert "padding-free batches" not in proc.stdout
+    proc = run_cli("sft", "--model_name", tiny_gemma2, "--output_dir", flat, *RUN)  # padding: padding-free on CPU
     assert "padding-free batches" in proc.stdout
     assert_same_training(padded, flat, "gemma2: padding vs padding-free")
     assert step_rows(flat)[-1]["loss"] < step_rows(flat)[0]["loss"]

@@ -21,6 +21,7 @@ from shardtune.data import (
     steps_per_epoch,
     train_loader,
 )
+from shardtune.data.batching import flattened
 from shardtune.data.formatting import IGNORE_INDEX
 
 PAD_ID = 0
@@ -277,3 +278,24 @@ def test_max_eval_step_caps_batches_per_rank():
     assert [len(b) for b in per_rank] == [2, 2, 2]
     seen = [i for batches in per_rank for mb in batches for i in example_ids(mb)]
     assert len(seen) == len(set(seen)) == 12
+
+
+def test_padding_free_not_given_is_the_objectives_choice():
+    """--padding_free not given: text SFT computes padded micro-batches as padding-free rows on CPU (the same numbers:
+    tests/distributed/test_equivalence.py), padded rows on CUDA; given, it is kept; DPO's rows stay padded."""
+    from shardtune.runtime.distributed import local_gpu_count
+    from shardtune.training.engine.checks import resolve_padding_free
+
+    on_cpu = local_gpu_count() == 0
+    for settings, resolved in (
+        ({"batching_strategy": "padding"}, on_cpu),
+        ({"batching_strategy": "padding", "padding_free": False}, False),
+        ({"batching_strategy": "padding", "padding_free": True}, True),
+        ({"batching_strategy": "packing"}, False),  # packed blocks are flat rows whatever the flag
+        ({"objective": "dpo"}, False),
+    ):
+        cfg = config_from(settings)
+        assert cfg.data.padding_free is settings.get("padding_free")
+        resolve_padding_free(cfg)
+        assert cfg.data.padding_free is resolved, settings
+        assert flattened(cfg) == (resolved or cfg.data.batching == "packing")

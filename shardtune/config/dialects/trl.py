@@ -353,7 +353,9 @@ SPELLINGS: dict[str, Spelling] = {
         "llama-cookbook's",
         _packing_strategy,
     ),
-    "padding_free": T("data.padding_free", "padded batches computed as one row without pad tokens"),
+    "padding_free": T(
+        "data.padding_free", "padded batches computed as one row without pad tokens (not given: SFT does so on CPU)"
+    ),
     "max_length": T("data.context_length", "tokens per packed block / longest row"),
     "max_seq_length": T("data.context_length", "as --max_length (its older name)"),
     "dataloader_num_workers": T("data.num_workers", "data loader processes per rank"),

@@ -84,6 +84,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> None:
     worker.
     """
     validate(cfg, world_size)
+    resolve_padding_free(cfg)
     cfg.model.name = resolve_revision(resolve_model_name(cfg.model.name), cfg.model.revision)
     cfg.model.revision = ""  # resolved: model_name is the revision's snapshot (the workers and config.yaml read it)
     check_model_source(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
@@ -98,3 +99,10 @@ def prepare(cfg: TrainConfig, world_size: int) -> None:
     check_tokenizer_fits(cfg.model.name, tokenizer, cfg.model.tokenizer, cfg.model.trust_remote_code)
     data.check_context_length(cfg, tokenizer)
     objective_class(cfg.objective, cfg).prepare_data(cfg, tokenizer, ParallelDims.from_config(cfg, world_size).dp_size)
+
+
+def resolve_padding_free(cfg: TrainConfig) -> None:
+    """--padding_free not given (None): the objective's choice (:meth:`Objective.padding_free_by_default`), made
+    once before launch; the workers get it as a flag (shardtune.commands.sft.worker_argv)."""
+    if cfg.data.padding_free is None:
+        cfg.data.padding_free = objective_class(cfg.objective, cfg).padding_free_by_default(cfg)

@@ -70,6 +70,12 @@ class Objective(ABC):
         """Its settings, alone (one ConfigError line)."""
 
     @classmethod
+    def padding_free_by_default(cls, cfg: TrainConfig) -> bool:
+        """What --padding_free is when not given (shardtune.training.engine.checks.resolve_padding_free): padded
+        rows unless the objective computes padding-free rows to the same numbers, faster."""
+        return False
+
+    @classmethod
     @abstractmethod
     def prepare_data(cls, cfg: TrainConfig, tokenizer, dp_size: int) -> None:
         """Tokenise its data into the cache (a bad row found here, before any worker) and check there is a step."""

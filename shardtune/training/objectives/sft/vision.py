@@ -54,6 +54,10 @@ class VisionSFT(SFT):
     predicts = False  # compute_metrics / predict() keep text rows' logits; not built for image rows
 
     @classmethod
+    def padding_free_by_default(cls, cfg: TrainConfig) -> bool:
+        return False  # rows with images are padded per micro-batch
+
+    @classmethod
     def check(cls, cfg: TrainConfig, world_size: int) -> None:
         super().check(cfg, world_size)
         refusal = _refusal(cfg, world_size)
