@@ -36,6 +36,7 @@ from shardtune.data.emptiness import empty_split, nothing_usable
 from shardtune.data.files import Row
 from shardtune.data.pair_store import MARGIN, PAIR_FIELDS
 from shardtune.data.report import DataReport, RowFilter
+from shardtune.data.shared_prompt import rows_layout
 from shardtune.data.tokenising import Preparation
 from shardtune.data.trl_formats import (
     _BadRow,
@@ -368,15 +369,17 @@ def pair_preparation(cfg: Any, tokenizer: Any, split: str, whole: bool = False) 
 
 def collate_pair_units(units: list[list[Mapping]], cfg: Any, pad_id: int) -> dict[str, torch.Tensor]:
     """The training loader's collate for pairs (one pair per unit): :func:`collate_pairs` with the run's
-    --max_length and truncation mode, or :func:`collate_pairs_flat` with --padding_free. Pairs that carry their
+    --max_length and truncation mode (with the shared-prompt layout of its rows, which the model computes on where it
+    can: shardtune.model.shared_prompt), or :func:`collate_pairs_flat` with --padding_free. Pairs that carry their
     place in the training data (``index``) get LoRA dropout's per-token keys too (:func:`pair_example_ids`)."""
     pairs = [pair for unit in units for pair in unit]
     if (
         cfg.data.padding_free or cfg.parallel.sequence_parallel_size * cfg.parallel.context_parallel_size > 1
     ):  # split rows are flat
         batch = collate_pairs_flat(pairs, cfg.data.context_length, cfg.data.trl_dataset.truncation_mode)
-    else:
+    else:  # and the chosen and rejected rows of a prompt as one row (shardtune.model.shared_prompt)
         batch = collate_pairs(pairs, pad_id, cfg.data.context_length, cfg.data.trl_dataset.truncation_mode)
+        batch.update(rows_layout(batch, pad_id))
     if pairs and all("index" in pair for pair in pairs):
         batch.update(pair_example_ids(batch, [pair["index"] for pair in pairs]))
     return batch

@@ -122,14 +122,17 @@ def sequence_log_prob_sums(
     segments: torch.Tensor,
     num_segments: int,
     device: torch.device,
+    shared: tuple[dict, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Per segment (a sequence of the micro-batch), the sum of log p(target) over its positions that have a target:
     (num_segments,) in fp32, with its graph. ``targets`` (rows, T) holds each position's next token (IGNORE_INDEX
     where none is scored), ``segments`` (rows, T) the segment of each position (padded rows: the row). The lean path
     as :func:`token_loss_sum`'s (no sequence x vocabulary logits: :class:`RowwiseLinearCrossEntropy`), the full
     logits where the model needs them. Padded rows are summed along the row, as a (rows, T) tensor of
-    log-probabilities is (TRL's order of summation), in fp64."""
-    return _sequence_sums(model, batch, targets, segments, num_segments, device, with_predictions=False)[0]
+    log-probabilities is (TRL's order of summation), in fp64. ``shared``: (the model's keywords, the index of each
+    target's predicting state in its flattened output), where the model computes another layout of the same rows
+    (shardtune.model.shared_prompt.shared_inputs: rows that share a prompt over one copy of it)."""
+    return _sequence_sums(model, batch, targets, segments, num_segments, device, False, shared)[0]
 
 
 def sequence_log_prob_and_prediction_sums(
@@ -139,11 +142,12 @@ def sequence_log_prob_and_prediction_sums(
     segments: torch.Tensor,
     num_segments: int,
     device: torch.device,
+    shared: tuple[dict, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(:func:`sequence_log_prob_sums`, per segment the sums of :data:`TOKEN_PREDICTIONS` over its scored positions:
     (num_segments, 3) fp64 without a graph), from the logits the log-probabilities are taken from: one forward, no
     second pass over the vocabulary."""
-    return _sequence_sums(model, batch, targets, segments, num_segments, device, with_predictions=True)
+    return _sequence_sums(model, batch, targets, segments, num_segments, device, True, shared)
 
 
 def _sequence_sums(
@@ -154,26 +158,32 @@ def _sequence_sums(
     num_segments: int,
     device: torch.device,
     with_predictions: bool,
+    shared: tuple[dict, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     targets = targets.to(device, non_blocking=True)
     segments = segments.to(device, non_blocking=True)
     keep = targets != IGNORE_INDEX
+    inputs = model_inputs(batch, device) if shared is None else shared[0]
+
+    def scored(states: torch.Tensor) -> torch.Tensor:  # the states (or logits) that predict the targets, in order
+        return states[keep] if shared is None else states.reshape(-1, states.size(-1)).index_select(0, shared[1])
+
     head = lean_head(model)
     found: list[torch.Tensor] = []
     if head is None:
-        logits = model(**model_inputs(batch, device), use_cache=False).logits.float()
-        per_token = torch.gather(logits.log_softmax(-1), 2, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)[keep]
+        logits = scored(model(**inputs, use_cache=False).logits).float()
+        per_token = logits.log_softmax(-1).gather(-1, targets[keep][:, None]).squeeze(-1)
         if with_predictions:
-            found.append(token_predictions(logits[keep], targets[keep]))
+            found.append(token_predictions(logits, targets[keep]))
     else:
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
             chunk_rows = default_chunk_rows(hidden.device.type, head.weight.size(0))
             sink = found if with_predictions else None
-            return RowwiseLinearCrossEntropy.apply(hidden[keep], head.weight, targets[keep], chunk_rows, sink)
+            return RowwiseLinearCrossEntropy.apply(scored(hidden), head.weight, targets[keep], chunk_rows, sink)
 
         with head_computes(head, forward) as result:
-            model(**model_inputs(batch, device), use_cache=False)
+            model(**inputs, use_cache=False)
         per_token = -result["output"]
     predictions = None
     if with_predictions:  # the chunks' rows, summed per segment (in fp64: the same whatever the micro-batch's shape)

@@ -537,6 +537,49 @@ def test_padding_free_pairs_give_the_padded_losses_and_gradients(rows, tiny, tok
     assert abs(means[0]["rewards/margins"]) > 0.01, "the policy must differ from the reference"
 
 
+@pytest.mark.parametrize("rows", ["chat", "implicit_text"])
+def test_pairs_sharing_their_prompt_give_the_padded_losses_and_gradients(rows, tiny, tokenizer, tmp_path):
+    """The training loader's padded pairs carry the shared-prompt layout (shardtune.data.shared_prompt.rows_layout:
+    one row [prompt | chosen | rejected] per pair), which the policy and the reference compute on: fewer tokens, the
+    same log-probabilities, losses (every loss type), metrics and policy gradients as the padded rows. The control:
+    the states read in another order give other log-probabilities, so the comparison can fail."""
+    from shardtune.data.preference import collate_pair_units
+    from shardtune.data.shared_prompt import SHARED_IDS, SHARED_INDEX
+    from shardtune.model.shared_prompt import shared_inputs
+
+    cfg = dpo_cfg(write_jsonl(tmp_path / "pairs.jsonl", ROWS[rows]))
+    pairs, _ = load_pairs(cfg, copy.deepcopy(tokenizer), "train")
+    shared = collate_pair_units([[pair] for pair in pairs], cfg, tokenizer.pad_token_id)
+    padded = {k: v for k, v in shared.items() if not k.startswith("shared_")}
+    assert torch.equal(padded["input_ids"], collate_pairs(pairs, tokenizer.pad_token_id, 1024)["input_ids"])
+    assert shared[SHARED_IDS].size(0) == len(pairs) and shared[SHARED_IDS].numel() < 0.75 * padded["input_ids"].numel()
+    policy, reference = load_model(str(tiny)), load_model(str(tiny))
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    cpu = torch.device("cpu")
+    assert shared_inputs(policy, shared, cpu) is not None and shared_inputs(reference, shared, cpu) is not None
+    for a, b in zip(pair_logps(policy, padded, cpu), pair_logps(policy, shared, cpu)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    shuffled = {**shared, SHARED_INDEX: shared[SHARED_INDEX].flip(0)}
+    assert not torch.allclose(torch.cat(pair_logps(policy, shuffled, cpu)), torch.cat(pair_logps(policy, padded, cpu)))
+    for dpo in LOSSES:
+        grads, means = [], []
+        for batch in (padded, shared):
+            policy.zero_grad()
+            loss_sum, sums = micro_batch_loss(policy, reference, None, batch, dpo, cpu)
+            loss_sum.backward()
+            grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
+            means.append(batch_means(sums, batch))
+        for name, value in means[0].items():
+            assert means[1][name] == pytest.approx(value, rel=1e-5, abs=logp_resolution(means[0])), (
+                dpo.loss_type,
+                name,
+            )
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5 * float(grads[0].abs().max()))
+    assert abs(means[0]["rewards/margins"]) > 0.01, "the policy must differ from the reference"
+
+
 def test_pairs_and_their_reference_log_probabilities_are_cached_with_the_tokenised_data(tiny, tokenizer, tmp_path):
     """The pairs come back from the tokenised-data cache as load_pairs makes them; the reference's log-probabilities
     are kept beside them under a key that names the weights and how they are computed (not the batch layout); a cut

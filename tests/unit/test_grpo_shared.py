@@ -1,4 +1,4 @@
-"""GRPO's completions that share a prompt, computed over one copy of it (shardtune.training.objectives.grpo.shared),
+"""GRPO's completions that share a prompt, computed over one copy of it (shardtune.model.shared_prompt),
 give the log-probabilities, entropies and gradients of the padded rows [prompt | completion | pad].
 
 On the tiny preset model (fp32, SDPA and eager attention): a micro-batch of 7 completions of 3 prompts of different
@@ -14,11 +14,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from shardtune.config.schema import GrpoConfig, TrainConfig
+from shardtune.data.shared_prompt import SHARED_IDS, SHARED_SEGMENTS
 from shardtune.model.loading import load_tokenizer
+from shardtune.model.shared_prompt import shared_inputs
 from shardtune.runtime.distributed import DistEnv
 from shardtune.training.objectives.grpo.loss import token_logps
 from shardtune.training.objectives.grpo.objective import GRPO
-from shardtune.training.objectives.grpo.shared import SHARED_IDS, SHARED_SEGMENTS, shared_inputs
 
 PROMPTS = ["Summarize: Anna meets Tom at seven.", "Hi", "Summarize: Kate brings a cake for Ben and his sister."]
 ROWS = [0, 1, 0, 2, 1, 0, 1]  # which prompt each completion answers

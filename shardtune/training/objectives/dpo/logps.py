@@ -23,6 +23,7 @@ from torch import nn
 
 from shardtune.data.formatting import IGNORE_INDEX
 from shardtune.model.loss import SHIFT_LABELS, sequence_log_prob_and_prediction_sums, sequence_log_prob_sums
+from shardtune.model.shared_prompt import shared_inputs
 from shardtune.parallel.sequence import SEQUENCE_INDEX
 from shardtune.training.engine.completions import completion_lengths, num_completion_targets, predicted_completion
 from shardtune.training.engine.completions import completion_targets as shared_targets
@@ -77,8 +78,9 @@ def pair_logps(
     model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, split: SplitRows | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) log-probabilities of the micro-batch's pairs, each (n,) in fp32, from one forward (of
-    2n padded rows, or of one padding-free row, or of this rank's slice of it: ``split``)."""
-    sums = sequence_log_prob_sums(model, batch, *completion_targets(batch), device)
+    2n padded rows, or of one padding-free row, or of this rank's slice of it: ``split``; padded rows of a prompt
+    over one copy of it where the model can: shardtune.model.shared_prompt)."""
+    sums = sequence_log_prob_sums(model, batch, *completion_targets(batch), device, shared_inputs(model, batch, device))
     return chosen_and_rejected(sums, batch, split)
 
 
@@ -104,7 +106,8 @@ def policy_logps(
     """:func:`pair_logps` and the micro-batch's :data:`TOKEN_SUMS` (fp64, no graph) from the same forward. A slice of a
     split row sums its own tokens only (no collective: the slices' tokens are disjoint, so the step's all-reduce
     over all ranks adds them up)."""
-    sums, predictions = sequence_log_prob_and_prediction_sums(model, batch, *completion_targets(batch), device)
+    shared = shared_inputs(model, batch, device)
+    sums, predictions = sequence_log_prob_and_prediction_sums(model, batch, *completion_targets(batch), device, shared)
     n = num_pairs(batch)
     chosen, rejected = predictions[:n].sum(0), predictions[n : 2 * n].sum(0)  # TOKEN_PREDICTIONS' sums
     token_sums = torch.stack([chosen[0], chosen[1] + rejected[1], chosen[2], rejected[2]])

@@ -28,6 +28,7 @@ from shardtune.data.batching import eval_shares
 from shardtune.data.cache import load_pairs_cached, pairs_entry
 from shardtune.data.preference import collate_pair_units
 from shardtune.model.loading import cache_dir
+from shardtune.model.shared_prompt import computed_rows
 from shardtune.parallel.sequence import RowSlice
 from shardtune.runtime.distributed import all_reduce_sum, print0
 from shardtune.training.engine.objective import COUNTS, Objective, data_splits
@@ -233,8 +234,14 @@ class DPO(Objective):
         return self.split.size if self.split else 1
 
     def counts(self, micro_batches: list[dict], shape: ModelShape | None) -> list[float]:
-        flops = (
-            [preference_micro_batch_flops(shape, mb, num_completion_targets(mb)) for mb in micro_batches]
+        flops = (  # as computed (mfu): on the shared-prompt layout where the model takes it; PaLM's on the rows
+            [
+                (
+                    preference_micro_batch_flops(shape, computed_rows(self.model, mb), num_completion_targets(mb))[0],
+                    preference_micro_batch_flops(shape, mb, num_completion_targets(mb))[1],
+                )
+                for mb in micro_batches
+            ]
             if shape is not None
             else [(0, 0)]
         )

@@ -33,7 +33,7 @@ from shardtune.model.loss import (
     lean_head,
     model_inputs,
 )
-from shardtune.training.objectives.grpo.shared import shared_inputs
+from shardtune.model.shared_prompt import shared_inputs
 
 # Sums over a micro-batch: the loss; the KL, entropy and clip indicators summed over tokens (token level) or over
 # sequences (their value per sequence at the sequence level), TRL's global masked means once divided
@@ -55,7 +55,7 @@ def token_logps(
     (rows, T) fp32 with its graph, 0 where not scored; the entropies there, without a graph, or None). The lean head
     computes them from the hidden states of the scored positions only (no rows x T x vocabulary logits), the entropy
     from the logits its cross-entropy already holds; completions that share a prompt are computed over one copy of
-    it where the model can (shardtune.training.objectives.grpo.shared)."""
+    it where the model can (shardtune.model.shared_prompt)."""
     targets = completion_targets(batch).to(device)
     keep = targets != IGNORE_INDEX
     shared = shared_inputs(model, batch, device)

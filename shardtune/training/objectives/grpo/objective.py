@@ -27,7 +27,9 @@ from shardtune.accounting.flops import ModelShape, micro_batch_flops, num_input_
 from shardtune.config.schema import ConfigError
 from shardtune.data.batching import EXAMPLE_IDS, EXAMPLE_LENGTHS
 from shardtune.data.prompts import check_prompt_data, prompt_rows
+from shardtune.data.shared_prompt import shared_layout
 from shardtune.model.peft import adapter_disabled
+from shardtune.model.shared_prompt import computed_rows
 from shardtune.model.speed import apply_speed_features
 from shardtune.runtime.distributed import all_reduce_sum, print0, warn0
 from shardtune.training.engine.building import build_model
@@ -51,7 +53,6 @@ from shardtune.training.objectives.grpo.loss import (
 )
 from shardtune.training.objectives.grpo.rewards import load_rewards, score
 from shardtune.training.objectives.grpo.rollouts import Rollouts, roll_out
-from shardtune.training.objectives.grpo.shared import computed_rows, shared_layout
 from shardtune.training.objectives.grpo.tools import Toolbox, check_tokenizer, load_tools, toolbox
 
 LOSS_METRICS = (
@@ -349,7 +350,8 @@ class GRPO(Objective):
     def collate(self, prompts, completions, counted, advantages, ids, masks=None) -> dict:
         """Right-padded rows [prompt | completion | pad]: positions from 0, each row independent of the others;
         ``masks`` (tools): 0 where a completion's token is a tool result's, which carries no loss. Rows that share a
-        prompt also come as one row per prompt (grpo.shared), which the model computes on where it can."""
+        prompt also come as one row per prompt (shardtune.model.shared_prompt: the model computes on it where it
+        can)."""
         width = max(len(p) + len(c) for p, c in zip(prompts, completions))
         rows = len(prompts)
         input_ids = torch.full((rows, width), self.pad_id, dtype=torch.long)

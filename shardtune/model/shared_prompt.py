@@ -2,15 +2,16 @@
 [prompt | completion 1 | completion 2 | ...] in which each completion attends to the prompt and to itself only, at
 the positions it has in its own row.
 
-GRPO's micro-batches hold num_generations completions of each prompt, and a causal model's prompt positions do not
-depend on what follows them, so the padded layout [prompt | completion | pad] computes every prompt num_generations
-times, forward and backward (with gradient checkpointing, twice forward). Here it is computed once; each token's
+GRPO's micro-batches hold num_generations completions of each prompt, DPO's the chosen and the rejected completion
+of each pair's prompt, and a causal model's prompt positions do not depend on what follows them, so the padded
+layout [prompt | completion | pad] computes every prompt once per completion, forward and backward (with gradient
+checkpointing, twice forward). Here it is computed once; each token's
 log-probability is read from the hidden state that predicts it (a completion's first token from the prompt's last
 position, shared), and a completion's last token, which predicts nothing scored, is left out. The same values up
 to float rounding: masked keys weigh exactly 0 in the softmax, and the gradient of a shared prompt position is the
 sum of what its completions send it.
 
-The layout is built with the batch (:func:`shared_layout`, on the host, once per round); the model computes on it
+The layout is built with the batch (shardtune.data.shared_prompt, on the host); the model computes on it
 when it can (:func:`shared_inputs`: SDPA or eager attention, which take a 4-D mask as it is, a model type whose
 positions are its ``position_ids``, no sliding window that would bite, no dropout, no PEFT prompt learning, which
 prepends its own keys); otherwise the padded rows are used, as before.
@@ -21,53 +22,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardtune.data.shared_prompt import SHARED_IDS, SHARED_INDEX, SHARED_POSITIONS, SHARED_SEGMENTS
 from shardtune.model.lora_dropout import ExampleKeyedDropout
 from shardtune.model.loss import LEAN_MODEL_TYPES, hf_model
 
-SHARED_IDS = "shared_input_ids"  # (groups, width): one row per prompt, its completions after it
-SHARED_SEGMENTS = "shared_segments"  # (groups, width): 0 the prompt, k the k-th completion, -1 padding
-SHARED_POSITIONS = "shared_position_ids"  # (groups, width): each token's position in its own padded row
-SHARED_INDEX = "shared_index"  # (scored tokens,): where each scored token's predicting state sits, flattened
 ATTENTIONS = ("sdpa", "eager")  # transformers passes a 4-D mask to these as it is
-
-
-def shared_layout(prompts: list[list[int]], completions: list[list[int]], completion_mask: torch.Tensor, pad_id: int):
-    """The shared-prompt keys of a micro-batch collated as ``completion_mask`` (rows, width) says (1 where a
-    completion token carries a loss), or {} when no two rows share a prompt. The index lists the scored tokens in
-    the padded layout's order (row by row), so the results scatter back to (rows, width) with its mask."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(tuple(p), []).append(i)
-    if len(groups) == len(prompts):
-        return {}
-    inputs = [c[:-1] for c in completions]  # a completion's last token predicts nothing scored: not an input
-    width = max(len(p) + sum(len(inputs[i]) for i in rows) for p, rows in groups.items())
-    ids = torch.full((len(groups), width), pad_id, dtype=torch.long)
-    segments = torch.full((len(groups), width), -1, dtype=torch.long)
-    positions = torch.zeros((len(groups), width), dtype=torch.long)
-    where: dict[int, tuple[int, int, int]] = {}  # row -> (group, the prompt's length, its completion's start)
-    for g, (prompt, rows) in enumerate(groups.items()):
-        n = len(prompt)
-        ids[g, :n], segments[g, :n], positions[g, :n] = torch.tensor(prompt, dtype=torch.long), 0, torch.arange(n)
-        at = n
-        for k, i in enumerate(rows, start=1):
-            c = inputs[i]
-            ids[g, at : at + len(c)] = torch.tensor(c, dtype=torch.long)
-            segments[g, at : at + len(c)] = k
-            positions[g, at : at + len(c)] = torch.arange(n, n + len(c))
-            where[i] = (g, n, at)
-            at += len(c)
-    index = []
-    for i in range(len(prompts)):
-        g, n, start = where[i]
-        for j in (completion_mask[i, 1:].nonzero().flatten() + 1 - n).tolist():  # completion token j is scored
-            index.append(g * width + (n - 1 if j == 0 else start + j - 1))
-    return {
-        SHARED_IDS: ids,
-        SHARED_SEGMENTS: segments,
-        SHARED_POSITIONS: positions,
-        SHARED_INDEX: torch.tensor(index, dtype=torch.long),
-    }
 
 
 def shared_mask(segments: torch.Tensor, eager: bool) -> torch.Tensor:
