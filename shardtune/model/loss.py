@@ -19,6 +19,7 @@ from torch import nn
 from shardtune.data.formatting import IGNORE_INDEX
 from shardtune.data.vision import MODEL_INPUT_KEYS as VISION_INPUT_KEYS
 from shardtune.model.attention import varlen_kwargs
+from shardtune.model.lean_layer import computes_at, lean_last_layer
 from shardtune.runtime.distributed import warn0
 
 # HF causal LMs whose forward is `logits = lm_head(hidden); return logits` (nothing applied to the logits after).
@@ -110,8 +111,10 @@ def _token_loss(
         loss, sums["predictions"] = linear_cross_entropy_sums(hidden, head.weight, targets, None, with_predictions)
         return loss
 
-    with head_computes(head, compute) as result:
-        model(**model_inputs(batch, device), use_cache=False)
+    inputs = model_inputs(batch, device)
+    read = (targets != IGNORE_INDEX).flatten().nonzero().squeeze(1)
+    with head_computes(head, compute) as result, computes_at(lean_last_layer(hf_model(model), inputs), read):
+        model(**inputs, use_cache=False)
     return result["output"], sums["predictions"]
 
 
@@ -182,7 +185,8 @@ def _sequence_sums(
             sink = found if with_predictions else None
             return RowwiseLinearCrossEntropy.apply(scored(hidden), head.weight, targets[keep], chunk_rows, sink)
 
-        with head_computes(head, forward) as result:
+        read = keep.flatten().nonzero().squeeze(1) if shared is None else shared[1].unique()
+        with head_computes(head, forward) as result, computes_at(lean_last_layer(hf_model(model), inputs), read):
             model(**inputs, use_cache=False)
         per_token = -result["output"]
     predictions = None

@@ -84,6 +84,22 @@ def test_lean_loss_equals_full_logits_loss_and_gradients(batching, tiny_model):
     assert_same(model, model, BATCHES[batching]())
 
 
+@pytest.mark.parametrize("batching", list(BATCHES))
+def test_the_last_layer_computes_the_labelled_positions_only(batching, tiny_model):
+    """shardtune.model.lean_layer: in the last decoder layer, the MLP runs on the positions whose next token is
+    labelled, the first layer's on every token (the loss and gradients: the test above, against full logits)."""
+    model = load_model(str(tiny_model))
+    use_varlen_attention(model)
+    batch = BATCHES[batching]()
+    rows: list[int] = []
+    layers = model.model.layers
+    for layer in (layers[0], layers[-1]):
+        layer.mlp.register_forward_hook(lambda module, args, output: rows.append(args[0].shape[:-1].numel()))
+    token_loss_sum(model, batch, CPU).backward()
+    read = int((F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX) != IGNORE_INDEX).sum())
+    assert rows == [batch["input_ids"].numel(), read] and 0 < read < batch["input_ids"].numel()
+
+
 @pytest.mark.parametrize("strategy", ["packing", "padding"])
 def test_grouped_evaluation_gives_the_loss_of_the_examples_one_by_one(strategy, tiny_model):
     """Evaluation runs several --val_batch_size chunks in one forward (shardtune.data.batching.grouped_eval_batches):

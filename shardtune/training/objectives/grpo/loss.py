@@ -24,12 +24,14 @@ import torch
 from torch import nn
 
 from shardtune.config.schema import GrpoConfig
+from shardtune.model.lean_layer import computes_at, lean_last_layer
 from shardtune.model.loss import (
     IGNORE_INDEX,
     TOKEN_PREDICTIONS,
     RowwiseLinearCrossEntropy,
     default_chunk_rows,
     head_computes,
+    hf_model,
     lean_head,
     model_inputs,
 )
@@ -61,11 +63,13 @@ def token_logps(
     shared = shared_inputs(model, batch, device)
     if shared is None:
         inputs = model_inputs(batch, device)
+        read = keep.flatten().nonzero().squeeze(1)
 
         def pick(states: torch.Tensor) -> torch.Tensor:
             return states[keep]
     else:
         inputs, index = shared
+        read = index.unique()
 
         def pick(states: torch.Tensor) -> torch.Tensor:
             return states.reshape(-1, states.size(-1)).index_select(0, index)
@@ -89,7 +93,8 @@ def token_logps(
             detached = flat.detach()
             found["entropy"] = detached.logsumexp(-1) - (detached.softmax(-1) * detached).sum(-1)
     else:
-        with head_computes(head, lambda hidden: scored(hidden, head.weight)) as result:
+        lean_layer = lean_last_layer(hf_model(model), inputs)  # the last layer at the read positions only
+        with head_computes(head, lambda hidden: scored(hidden, head.weight)) as result, computes_at(lean_layer, read):
             model(**inputs, use_cache=False)
         per_token = result["output"]
     full = torch.zeros(keep.shape, dtype=torch.float32, device=device).masked_scatter(keep, per_token.float())
