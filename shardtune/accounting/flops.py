@@ -31,6 +31,10 @@ class ModelShape:
     num_head_params: int = 0  # the output layer's weight (vocabulary x hidden), part of num_matmul_params
     head_trainable: bool = False
     lean_loss: bool = False  # the output layer runs only on labelled positions (shardtune.model.loss lean path)
+    # the last layer's weights that run only on the positions a loss reads (its query and output projections and its
+    # MLP, adapters included: shardtune.model.lean_layer), and the trainable ones among them; 0 without the lean layer
+    lean_layer_params: int = 0
+    lean_layer_trainable: int = 0
 
     @property
     def num_body_params(self) -> int:
@@ -43,9 +47,17 @@ class ModelShape:
 
 def model_shape(model: nn.Module) -> ModelShape:
     """Read the shape from the Hugging Face model inside any DDP / FSDP2 / PEFT wrapping."""
+    from shardtune.model.lean_layer import lean_last_layer
     from shardtune.model.loss import hf_model, lean_head
 
     inner = hf_model(model)
+    lean_loss = lean_head(model) is not None
+    layer = lean_last_layer(inner, {}) if lean_loss else None
+    lean = (
+        [p for m in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp) for p in m.parameters() if is_matrix(p)]
+        if layer is not None
+        else []
+    )
     config = inner.config.get_text_config()  # a vision-language model's: its language model's (tokens x weights)
     embedding = inner.get_input_embeddings().weight
     head = inner.get_output_embeddings()
@@ -61,7 +73,9 @@ def model_shape(model: nn.Module) -> ModelShape:
         attention_size=config.num_attention_heads * head_dim,
         num_head_params=numel(head.weight) if head is not None else 0,
         head_trainable=head is not None and head.weight.requires_grad,
-        lean_loss=lean_head(model) is not None,
+        lean_loss=lean_loss,
+        lean_layer_params=sum(numel(p) for p in lean),
+        lean_layer_trainable=sum(numel(p) for p in lean if p.requires_grad),
     )
 
 
@@ -141,9 +155,11 @@ def output_layer_tokens(shape: ModelShape, batch: dict[str, torch.Tensor]) -> in
 def micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor], head_tokens: int | None = None) -> int:
     """Model FLOPs of training on one micro-batch as computed (the ``mfu`` convention).
 
-    Body matmuls on every input token, the output layer on :func:`output_layer_tokens` (or ``head_tokens``: the
-    positions an objective scores, under the lean loss), causal attention within each sequence
-    (:func:`causal_attention_flops`). Pad tokens are not counted: it is the work the model needs.
+    Body matmuls on every input token (the lean last layer's query, output projection and MLP on the positions the
+    output layer reads only: :func:`lean_layer_saving`), the output layer on :func:`output_layer_tokens` (or
+    ``head_tokens``: the positions an objective scores, under the lean loss), causal attention within each sequence
+    (:func:`causal_attention_flops`; the last layer's counted whole). Pad tokens are not counted: it is the work the
+    model needs.
     """
     body = matmul_flops_per_token(shape.num_body_params, shape.num_trainable_body_params) * num_input_tokens(batch)
     head = matmul_flops_per_token(shape.num_head_params, shape.num_head_params if shape.head_trainable else 0)
@@ -155,7 +171,20 @@ def micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor], head_to
         attention = causal_attention_flops(shape, sequence_lengths(batch))
     if head_tokens is None or not shape.lean_loss:
         head_tokens = output_layer_tokens(shape, batch)
-    return body + head * head_tokens + attention
+    saved = lean_layer_saving(shape, batch, head_tokens)
+    return (
+        body
+        - matmul_flops_per_token(shape.lean_layer_params, shape.lean_layer_trainable) * saved
+        + (head * head_tokens + attention)
+    )
+
+
+def lean_layer_saving(shape: ModelShape, batch: dict[str, torch.Tensor], read: int) -> int:
+    """Input tokens whose last-layer query, output projection and MLP the lean layer skips: those the output layer
+    does not read (none without the lean layer, or for a split row's slice, which computes its layer whole)."""
+    if not shape.lean_layer_params or SEQUENCE_LAYOUT in batch:
+        return 0
+    return max(num_input_tokens(batch) - read, 0)
 
 
 def palm_micro_batch_flops(shape: ModelShape, batch: dict[str, torch.Tensor]) -> int:
@@ -185,6 +214,7 @@ def preference_micro_batch_flops(
     tokens = num_input_tokens(batch)
     head_tokens = scored_tokens if shape.lean_loss else tokens
     forward = 2 * shape.num_body_params * tokens + 2 * shape.num_head_params * head_tokens
+    forward -= 2 * shape.lean_layer_params * lean_layer_saving(shape, batch, head_tokens)
     if SEQUENCE_LAYOUT in batch:  # a slice of a row split over ranks: its share of the whole row's attention
         boundaries = batch[SEQUENCE_LAYOUT].cu_seq_lens
         lengths = boundaries.diff().tolist()

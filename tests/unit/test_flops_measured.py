@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from shardtune.accounting.flops import (
     causal_attention_flops,
@@ -55,6 +56,24 @@ def attention_squares(batch) -> int:
     return rows * length * length
 
 
+def last_layer_rectangles(batch, read: torch.Tensor) -> int:
+    """Query-key pairs the lean last layer hands the kernel (shardtune.model.lean_layer): each example's (padded
+    row's) read positions (``read``: rows x T) against all its n (T) keys."""
+    if "cu_seq_lens" in batch:
+        cu = batch["cu_seq_lens"].tolist()
+        return sum(int(read[0, start:end].sum()) * (end - start) for start, end in zip(cu[:-1], cu[1:]))
+    return int(read.sum()) * batch["input_ids"].size(1)
+
+
+def pad_waste(shape, pad_tokens: int) -> int:
+    """The training FLOPs the kernels spend on pad tokens: every layer's matmuls but the lean last layer's query,
+    output projection and MLP, which run on read positions only."""
+    return pad_tokens * matmul_flops_per_token(
+        shape.num_body_params - shape.lean_layer_params,
+        shape.num_trainable_body_params - shape.lean_layer_trainable,
+    )
+
+
 @pytest.mark.parametrize("layout", ["padding", "packing"])
 def test_analytic_flops_equal_torch_flop_counter_on_a_lean_loss_step(tiny_model, layout):
     model = load_model(str(tiny_model))
@@ -64,7 +83,7 @@ def test_analytic_flops_equal_torch_flop_counter_on_a_lean_loss_step(tiny_model,
     else:
         batch = collate_padding(examples(3, 0), pad_id=3)
     shape = model_shape(model)
-    assert shape.lean_loss
+    assert shape.lean_loss and shape.lean_layer_params > 0
     total, attention = measured_step(model, batch)
     analytic = micro_batch_flops(shape, batch)
     analytic_attention = causal_attention_flops(shape, sequence_lengths(batch))
@@ -72,12 +91,16 @@ def test_analytic_flops_equal_torch_flop_counter_on_a_lean_loss_step(tiny_model,
     # except the pad tokens of a padded batch, which the kernels compute and the count leaves out (wasted work)
     pad_tokens = batch["input_ids"].numel() - num_input_tokens(batch)
     assert (layout == "padding") == (pad_tokens > 0)
-    wasted = pad_tokens * matmul_flops_per_token(shape.num_body_params, shape.num_trainable_body_params)
-    assert abs((analytic - analytic_attention + wasted) - (total - attention)) <= TOLERANCE * total
+    assert (
+        abs((analytic - analytic_attention + pad_waste(shape, pad_tokens)) - (total - attention)) <= TOLERANCE * total
+    )
     # attention: torch counts the full square it hands the kernel, 4 FLOPs per pair and feature forward and 10
-    # backward (5 matmuls: the scores are recomputed); the model needs 4 + 8 on the causal triangle, n (n + 1) / 2
-    # pairs of each sequence (what causal kernels compute, without the recomputation): strictly less
-    assert attention == 14 * shape.num_layers * shape.attention_size * attention_squares(batch)
+    # backward (5 matmuls: the scores are recomputed), the last layer's read queries against their keys; the model
+    # needs 4 + 8 on the causal triangle, n (n + 1) / 2 pairs of each sequence (what causal kernels compute, without
+    # the recomputation): less
+    read = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX) != IGNORE_INDEX
+    handed = (shape.num_layers - 1) * attention_squares(batch) + last_layer_rectangles(batch, read)
+    assert attention == 14 * shape.attention_size * handed
     assert 0 < analytic_attention < attention
     assert analytic < total < palm_micro_batch_flops(shape, batch)  # PaLM: the output layer on every token too
 
@@ -91,7 +114,7 @@ def test_dpo_flops_count_the_policy_step_and_the_reference_forward_on_the_lean_h
     from shardtune.accounting.flops import preference_micro_batch_flops
     from shardtune.data.preference import collate_pairs
     from shardtune.model.loss import default_chunk_rows
-    from shardtune.training.objectives.dpo.logps import num_completion_targets, pair_logps
+    from shardtune.training.objectives.dpo.logps import completion_targets, num_completion_targets, pair_logps
 
     policy, reference = load_model(str(tiny_model)), load_model(str(tiny_model))
     reference.requires_grad_(False)
@@ -118,9 +141,7 @@ def test_dpo_flops_count_the_policy_step_and_the_reference_forward_on_the_lean_h
     flops, palm = preference_micro_batch_flops(shape, batch, scored)
     causal = causal_attention_flops(shape, sequence_lengths(batch))
     pad = batch["input_ids"].numel() - num_input_tokens(batch)
-    wasted = pad * (
-        matmul_flops_per_token(shape.num_body_params, shape.num_trainable_body_params) + 2 * shape.num_body_params
-    )
+    wasted = pad_waste(shape, pad) + pad * 2 * (shape.num_body_params - shape.lean_layer_params)  # + the reference's
     # the lean head's logits, recomputed in backward (as activation checkpointing's) unless they fit one chunk, whose
     # softmax forward keeps (shardtune.model.loss.RowwiseLinearCrossEntropy): these rows do
     kept = scored <= default_chunk_rows(CPU.type, policy.config.vocab_size)
@@ -128,6 +149,9 @@ def test_dpo_flops_count_the_policy_step_and_the_reference_forward_on_the_lean_h
     assert (
         pad > 0 and abs((flops - causal - causal // 3 + wasted + recomputed) - (total - attention)) <= TOLERANCE * total
     )
-    # torch: 14 per pair and feature for the policy (forward, recomputed scores, backward), 4 for the reference
-    assert attention == 18 * shape.num_layers * shape.attention_size * attention_squares(batch)
+    # torch: 14 per pair and feature for the policy (forward, recomputed scores, backward), 4 for the reference; the
+    # last layer's read queries against their row
+    read = completion_targets(batch)[0] != IGNORE_INDEX
+    handed = (shape.num_layers - 1) * attention_squares(batch) + last_layer_rectangles(batch, read)
+    assert attention == 18 * shape.attention_size * handed
     assert 0 < flops < total and flops < palm
