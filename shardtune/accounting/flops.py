@@ -52,7 +52,9 @@ def model_shape(model: nn.Module) -> ModelShape:
 
     inner = hf_model(model)
     lean_loss = lean_head(model) is not None
-    layer = lean_last_layer(inner, {}) if lean_loss else None
+    head = inner.get_output_embeddings()
+    # the lean last layer: under the lean loss, or in a score model (read at one position a row: the reward objective)
+    layer = lean_last_layer(inner, {}) if lean_loss or head is None else None
     lean = (
         [p for m in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp) for p in m.parameters() if is_matrix(p)]
         if layer is not None
@@ -60,7 +62,6 @@ def model_shape(model: nn.Module) -> ModelShape:
     )
     config = inner.config.get_text_config()  # a vision-language model's: its language model's (tokens x weights)
     embedding = inner.get_input_embeddings().weight
-    head = inner.get_output_embeddings()
     tied = head is not None and head.weight is embedding
     matmul = [p for p in model.parameters() if (tied or p is not embedding) and is_matrix(p)]
 

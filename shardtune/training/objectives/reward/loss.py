@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardtune.model.loss import model_inputs
+from shardtune.model.lean_layer import computes_at, lean_last_layer
+from shardtune.model.loss import hf_model, model_inputs
 
 # Sums over a micro-batch's pairs (and its 2n scores), then the extremes of its scores: the loss, the pairs whose
 # chosen score is the higher (TRL's accuracy), r_chosen - r_rejected (TRL's margin, without the margin column), the
@@ -32,10 +33,28 @@ def num_pairs(batch: dict[str, torch.Tensor]) -> int:
     return batch["input_ids"].shape[0] // 2
 
 
-def scores(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Each row's score (2n,), in fp32 with its graph: the chosen rows' then the rejected rows'."""
-    output = model(**model_inputs(batch, device), use_cache=False)
+def scores(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, lean: bool = True) -> torch.Tensor:
+    """Each row's score (2n,), in fp32 with its graph: the chosen rows' then the rejected rows'. ``lean``: the last
+    decoder layer computes only the position each row's score is read at (shardtune.model.lean_layer; the same
+    scores up to float rounding), else the model's own forward whole (TRL's computation, op for op)."""
+    inputs = model_inputs(batch, device)
+    inner = hf_model(model)
+    layer = lean_last_layer(inner, inputs) if lean else None
+    with computes_at(layer, read_positions(inner, inputs["input_ids"])):
+        output = model(**inputs, use_cache=False)
     return output.logits.squeeze(-1).float()
+
+
+def read_positions(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Where a sequence-classification model reads each row's score, as indices into the flattened rows x tokens:
+    transformers' rule (the last token that is not the config's pad token; the row's last position without one)."""
+    rows, width = input_ids.shape
+    pad_id = model.config.get_text_config().pad_token_id
+    if pad_id is None:
+        last = torch.full((rows,), width - 1, device=input_ids.device)
+    else:
+        last = (torch.arange(width, device=input_ids.device) * (input_ids != pad_id)).argmax(-1)
+    return torch.arange(rows, device=input_ids.device) * width + last
 
 
 def pair_losses(
@@ -69,11 +88,15 @@ def score_stats(losses: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tens
 
 
 def micro_batch_loss(
-    model: nn.Module, batch: dict[str, torch.Tensor], center_coefficient: float, device: torch.device
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    center_coefficient: float,
+    device: torch.device,
+    lean: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the SUM of the micro-batch's pair losses, with its graph; its :data:`STATS`), from one forward of its 2n
-    rows."""
-    chosen, rejected = scores(model, batch, device).chunk(2)
+    rows (``lean``: :func:`scores`')."""
+    chosen, rejected = scores(model, batch, device, lean).chunk(2)
     losses = pair_losses(chosen, rejected, batch.get("margin"), center_coefficient)
     return losses.sum(), score_stats(losses, chosen, rejected)
 

@@ -22,7 +22,14 @@ import torch
 from torch import nn
 
 from shardtune import data
-from shardtune.accounting.flops import ModelShape, micro_batch_flops, num_input_tokens, palm_micro_batch_flops
+from shardtune.accounting.flops import (
+    ModelShape,
+    lean_layer_saving,
+    matmul_flops_per_token,
+    micro_batch_flops,
+    num_input_tokens,
+    palm_micro_batch_flops,
+)
 from shardtune.config.schema import ConfigError
 from shardtune.data.batching import eval_shares
 from shardtune.data.cache import load_pairs_cached
@@ -116,9 +123,19 @@ class Reward(Objective):
 
     def counts(self, micro_batches: list[dict], shape: ModelShape | None) -> list[float]:
         """Pairs (the normaliser); every real token feeds its row's score (label and input tokens alike); FLOPs (the
-        score head is one row: its matmul on every token is counted with the body's)."""
+        score head is one row: its matmul on every token is counted with the body's; the lean last layer's on the
+        rows' read positions only)."""
         tokens = sum(num_input_tokens(mb) for mb in micro_batches)
-        flops = sum(micro_batch_flops(shape, mb) for mb in micro_batches) if shape is not None else 0
+        flops = (
+            sum(
+                micro_batch_flops(shape, mb)
+                - matmul_flops_per_token(shape.lean_layer_params, shape.lean_layer_trainable)
+                * lean_layer_saving(shape, mb, mb["input_ids"].shape[0])
+                for mb in micro_batches
+            )
+            if shape is not None
+            else 0
+        )
         palm = sum(palm_micro_batch_flops(shape, mb) for mb in micro_batches) if shape is not None else 0
         return [sum(num_pairs(mb) for mb in micro_batches), tokens, tokens, flops, palm]
 
