@@ -9,16 +9,18 @@ new state at the read positions and the layer's input elsewhere (never read: the
 only, shardtune.model.loss.head_computes).
 
 The same numbers up to float rounding (the attention of the read queries runs as masked SDPA instead of the causal
-kernel). Taken where the computation is known: Llama's decoder layer (its class, not a subclass), SDPA or
-shardtune's padding-free attention (padded rows, padding-free rows, the shared-prompt layout's 4-D boolean mask), no
-dropout while training, no cache, no --compile of the layers, no split rows (sequence / context parallelism); the
-whole layer otherwise, as before.
+kernel). Taken where the computation is known: Llama's decoder layer (its forward, under FSDP2's subclass too), SDPA
+or shardtune's padding-free attention (padded rows, padding-free rows, the shared-prompt layout's 4-D boolean mask),
+no dropout while training, no cache, no --compile of the layers, no split rows (sequence / context parallelism); the
+whole layer otherwise, as before. The read positions travel as a model keyword (:data:`POSITIONS`) down to the
+layer, whose forward is replaced once by a dispatcher that takes the lean path only when the keyword is there: an
+activation-checkpointed layer (torch's wrapper, transformers' gradient checkpointing) recomputes in backward with
+the same keywords, so its recomputation matches its forward.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +33,28 @@ from shardtune.model.lora_dropout import ExampleKeyedDropout
 LAYER_CLASSES = ("LlamaDecoderLayer",)
 ATTENTION_CLASSES = ("LlamaAttention",)
 ATTENTIONS = ("sdpa", VARLEN)
+# the model keyword that carries the read positions down to the last layer (transformers passes a model's extra
+# keywords to every decoder layer and attention function, which ignore it): a checkpointed layer's recomputation
+# in backward gets the same keywords, so it computes the same positions
+POSITIONS = "shardtune_lean_positions"
+
+
+def lean_keywords(inner: nn.Module, inputs: dict, positions: torch.Tensor) -> dict:
+    """The model keywords that make the last decoder layer of ``inner`` (the Hugging Face model inside the wrappers:
+    shardtune.model.loss.hf_model) compute its output at ``positions`` only (sorted, unique indices into the
+    flattened rows x tokens of the model's input), when it computes that exactly with the keywords ``inputs``
+    (module doc); {} otherwise, and when no position is read."""
+    layer = lean_last_layer(inner, inputs)
+    if layer is None or positions.numel() == 0:
+        return {}
+    if not getattr(layer.forward, "_shardtune_lean", False):
+        layer.forward = _dispatcher(layer)
+    return {POSITIONS: positions}
 
 
 def lean_last_layer(inner: nn.Module, inputs: dict) -> nn.Module | None:
-    """The last decoder layer of ``inner`` (the Hugging Face model inside the wrappers: shardtune.model.loss.hf_model)
-    when the lean path computes it exactly with the model keywords ``inputs`` (module doc), else None."""
+    """The last decoder layer of ``inner`` when the lean path computes it exactly with the model keywords
+    ``inputs`` (module doc), else None."""
     config = getattr(inner, "config", None)
     layers = getattr(getattr(inner, "model", None), "layers", None)
     if config is None or not isinstance(layers, nn.ModuleList) or len(layers) == 0:
@@ -44,11 +63,12 @@ def lean_last_layer(inner: nn.Module, inputs: dict) -> nn.Module | None:
         return None
     layer = layers[-1]
     layer = getattr(layer, "_checkpoint_wrapped_module", layer)  # torch's activation-checkpointing wrapper
-    if type(layer).__name__ not in LAYER_CLASSES or type(getattr(layer, "self_attn", None)).__name__ not in (
-        ATTENTION_CLASSES
-    ):
+    base = next((c for c in type(layer).__mro__ if c.__name__ in LAYER_CLASSES), None)  # FSDP2 subclasses it
+    if base is None or _code(type(layer).forward) is not _code(base.forward):  # (and copies its forward)
         return None
-    if "forward" in vars(layer):  # --compile (or another patch) replaced its forward
+    if not any(c.__name__ in ATTENTION_CLASSES for c in type(getattr(layer, "self_attn", None)).__mro__):
+        return None
+    if "forward" in vars(layer) and not getattr(layer.forward, "_shardtune_lean", False):  # --compile's, another's
         return None
     if layer.self_attn.training and getattr(config, "attention_dropout", 0.0):
         return None
@@ -57,22 +77,22 @@ def lean_last_layer(inner: nn.Module, inputs: dict) -> nn.Module | None:
     return layer
 
 
-@contextlib.contextmanager
-def computes_at(layer: nn.Module | None, positions: torch.Tensor) -> Iterator[None]:
-    """While active, ``layer`` computes its output at ``positions`` only (sorted, unique indices into its input's
-    flattened (rows x tokens) positions; module doc). ``layer`` None: nothing changes."""
-    if layer is None or positions.numel() == 0:  # nothing read: the whole layer, as usual
-        yield
-        return
+def _code(function) -> object:
+    """The code of the function inside its decorators' wrappers."""
+    return getattr(inspect.unwrap(function), "__code__", None)
+
+
+def _dispatcher(layer: nn.Module):
+    """The layer's forward: its own, or :func:`_forward_at` where the keywords carry read positions."""
 
     def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        positions = kwargs.pop(POSITIONS, None)
+        if positions is None:
+            return type(layer).forward(layer, hidden_states, *args, **kwargs)
         return _forward_at(layer, positions, hidden_states, *args, **kwargs)
 
-    layer.forward = forward
-    try:
-        yield
-    finally:
-        del layer.forward
+    forward._shardtune_lean = True  # type: ignore[attr-defined]
+    return forward
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

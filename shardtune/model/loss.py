@@ -19,7 +19,7 @@ from torch import nn
 from shardtune.data.formatting import IGNORE_INDEX
 from shardtune.data.vision import MODEL_INPUT_KEYS as VISION_INPUT_KEYS
 from shardtune.model.attention import varlen_kwargs
-from shardtune.model.lean_layer import computes_at, lean_last_layer
+from shardtune.model.lean_layer import lean_keywords
 from shardtune.runtime.distributed import warn0
 
 # HF causal LMs whose forward is `logits = lm_head(hidden); return logits` (nothing applied to the logits after).
@@ -113,8 +113,8 @@ def _token_loss(
 
     inputs = model_inputs(batch, device)
     read = (targets != IGNORE_INDEX).flatten().nonzero().squeeze(1)
-    with head_computes(head, compute) as result, computes_at(lean_last_layer(hf_model(model), inputs), read):
-        model(**inputs, use_cache=False)
+    with head_computes(head, compute) as result:  # the last layer at the read positions only
+        model(**inputs, **lean_keywords(hf_model(model), inputs, read), use_cache=False)
     return result["output"], sums["predictions"]
 
 
@@ -186,8 +186,8 @@ def _sequence_sums(
             return RowwiseLinearCrossEntropy.apply(scored(hidden), head.weight, targets[keep], chunk_rows, sink)
 
         read = keep.flatten().nonzero().squeeze(1) if shared is None else shared[1].unique()
-        with head_computes(head, forward) as result, computes_at(lean_last_layer(hf_model(model), inputs), read):
-            model(**inputs, use_cache=False)
+        with head_computes(head, forward) as result:  # the last layer at the read positions only
+            model(**inputs, **lean_keywords(hf_model(model), inputs, read), use_cache=False)
         per_token = -result["output"]
     predictions = None
     if with_predictions:  # the chunks' rows, summed per segment (in fp64: the same whatever the micro-batch's shape)

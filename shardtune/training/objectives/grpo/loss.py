@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from shardtune.config.schema import GrpoConfig
-from shardtune.model.lean_layer import computes_at, lean_last_layer
+from shardtune.model.lean_layer import lean_keywords
 from shardtune.model.loss import (
     IGNORE_INDEX,
     TOKEN_PREDICTIONS,
@@ -93,9 +93,9 @@ def token_logps(
             detached = flat.detach()
             found["entropy"] = detached.logsumexp(-1) - (detached.softmax(-1) * detached).sum(-1)
     else:
-        lean_layer = lean_last_layer(hf_model(model), inputs)  # the last layer at the read positions only
-        with head_computes(head, lambda hidden: scored(hidden, head.weight)) as result, computes_at(lean_layer, read):
-            model(**inputs, use_cache=False)
+        lean = lean_keywords(hf_model(model), inputs, read)  # the last layer at the read positions only
+        with head_computes(head, lambda hidden: scored(hidden, head.weight)) as result:
+            model(**inputs, **lean, use_cache=False)
         per_token = result["output"]
     full = torch.zeros(keep.shape, dtype=torch.float32, device=device).masked_scatter(keep, per_token.float())
     entropy = None

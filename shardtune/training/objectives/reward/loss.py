@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardtune.model.lean_layer import computes_at, lean_last_layer
+from shardtune.model.lean_layer import lean_keywords
 from shardtune.model.loss import hf_model, model_inputs
 
 # Sums over a micro-batch's pairs (and its 2n scores), then the extremes of its scores: the loss, the pairs whose
@@ -39,9 +39,8 @@ def scores(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.devic
     scores up to float rounding), else the model's own forward whole (TRL's computation, op for op)."""
     inputs = model_inputs(batch, device)
     inner = hf_model(model)
-    layer = lean_last_layer(inner, inputs) if lean else None
-    with computes_at(layer, read_positions(inner, inputs["input_ids"])):
-        output = model(**inputs, use_cache=False)
+    lean_inputs = lean_keywords(inner, inputs, read_positions(inner, inputs["input_ids"])) if lean else {}
+    output = model(**inputs, **lean_inputs, use_cache=False)
     return output.logits.squeeze(-1).float()
 
 
