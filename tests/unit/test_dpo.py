@@ -489,6 +489,27 @@ def test_with_peft_the_reference_is_the_base_with_the_adapter_off(tiny, tokenize
     assert not torch.allclose(torch.cat(pair_logps(policy, batch, cpu)), base, atol=1e-2), "the adapter is on again"
 
 
+def assert_same_losses_and_gradients(policy, reference, padded: dict, other: dict) -> None:
+    """Every loss type's metrics and policy gradients on ``other`` (another layout of ``padded``'s pairs) are the
+    padded rows' to float rounding."""
+    cpu = torch.device("cpu")
+    for dpo in LOSSES:
+        grads, means = [], []
+        for batch in (padded, other):
+            policy.zero_grad()
+            loss_sum, sums = micro_batch_loss(policy, reference, None, batch, dpo, cpu)
+            loss_sum.backward()
+            grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
+            means.append(batch_means(sums, batch))
+        for name, value in means[0].items():
+            assert means[1][name] == pytest.approx(value, rel=1e-5, abs=logp_resolution(means[0])), (
+                dpo.loss_type,
+                name,
+            )
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5 * float(grads[0].abs().max()))
+    assert abs(means[0]["rewards/margins"]) > 0.01, "the policy must differ from the reference"
+
+
 @pytest.mark.parametrize("rows", ["chat", "implicit_text"])
 def test_padding_free_pairs_give_the_padded_losses_and_gradients(rows, tiny, tokenizer, tmp_path):
     """--padding_free: the micro-batch's chosen then rejected sequences in ONE row, no pad token, attention kept in
@@ -520,21 +541,7 @@ def test_padding_free_pairs_give_the_padded_losses_and_gradients(rows, tiny, tok
     cpu = torch.device("cpu")
     for a, b in zip(pair_logps(policy, padded, cpu), pair_logps(policy, flat, cpu)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    for dpo in LOSSES:
-        grads, means = [], []
-        for batch in (padded, flat):
-            policy.zero_grad()
-            loss_sum, sums = micro_batch_loss(policy, reference, None, batch, dpo, cpu)
-            loss_sum.backward()
-            grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
-            means.append(batch_means(sums, batch))
-        for name, value in means[0].items():
-            assert means[1][name] == pytest.approx(value, rel=1e-5, abs=logp_resolution(means[0])), (
-                dpo.loss_type,
-                name,
-            )
-        torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5 * float(grads[0].abs().max()))
-    assert abs(means[0]["rewards/margins"]) > 0.01, "the policy must differ from the reference"
+    assert_same_losses_and_gradients(policy, reference, padded, flat)
 
 
 @pytest.mark.parametrize("rows", ["chat", "implicit_text"])
@@ -563,21 +570,7 @@ def test_pairs_sharing_their_prompt_give_the_padded_losses_and_gradients(rows, t
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     shuffled = {**shared, SHARED_INDEX: shared[SHARED_INDEX].flip(0)}
     assert not torch.allclose(torch.cat(pair_logps(policy, shuffled, cpu)), torch.cat(pair_logps(policy, padded, cpu)))
-    for dpo in LOSSES:
-        grads, means = [], []
-        for batch in (padded, shared):
-            policy.zero_grad()
-            loss_sum, sums = micro_batch_loss(policy, reference, None, batch, dpo, cpu)
-            loss_sum.backward()
-            grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
-            means.append(batch_means(sums, batch))
-        for name, value in means[0].items():
-            assert means[1][name] == pytest.approx(value, rel=1e-5, abs=logp_resolution(means[0])), (
-                dpo.loss_type,
-                name,
-            )
-        torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5 * float(grads[0].abs().max()))
-    assert abs(means[0]["rewards/margins"]) > 0.01, "the policy must differ from the reference"
+    assert_same_losses_and_gradients(policy, reference, padded, shared)
 
 
 def test_pairs_and_their_reference_log_probabilities_are_cached_with_the_tokenised_data(tiny, tokenizer, tmp_path):
