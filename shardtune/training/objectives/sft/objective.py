@@ -47,9 +47,9 @@ class SFT(Objective):
     @classmethod
     def padding_free_by_default(cls, cfg) -> bool:
         """Padded micro-batches computed as one row without their pad tokens on CPU: the same examples, loss and
-        metrics (to float rounding: tests/distributed/test_equivalence.py), none of the padding's compute (1.6x
-        the steps' speed on bench/'s dialogues). On CUDA, padded rows unless asked (--padding_free true): the
-        varlen kernel's speed there is not measured yet."""
+        metrics (to float rounding: tests/distributed/test_equivalence.py), none of the padding's compute (bench/'s
+        padded epoch 2.20x Trainer's before, 3.81x after: bench/results/objectives_sft.md, objectives_s4.md). On
+        CUDA, padded rows unless asked (--padding_free true): the varlen kernel's speed there is not measured yet."""
         return cfg.data.batching == "padding" and local_gpu_count() == 0
 
     @classmethod
